@@ -1,0 +1,35 @@
+"""eqx_bsattn: block-sparse attention for JAX, as an Equinox module built from strategies.
+
+```python
+import eqx_bsattn as bsa
+attn = bsa.BlockSparseAttention(mask=bsa.masks.Causal() & bsa.masks.SlidingWindow(1024))
+out = attn(q, k, v)
+```
+"""
+
+from ._api import blocksparse_attention as blocksparse_attention
+from ._inputs import AttentionInputs as AttentionInputs, MaskInfo as MaskInfo
+from ._kernel import (
+    AbstractKernel as AbstractKernel,
+    Features as Features,
+    registered_kernels as registered_kernels,
+)
+from ._layout import BlockLayout as BlockLayout, build_layout as build_layout
+from ._mask import AbstractMask as AbstractMask
+from ._module import BlockSparseAttention as BlockSparseAttention, CallPlan as CallPlan
+from ._selector import (
+    KernelChoice as KernelChoice,
+    NoKernelError as NoKernelError,
+    default_platform as default_platform,
+    select_kernel as select_kernel,
+)
+from ._sharding import AbstractSharding as AbstractSharding, Unsharded as Unsharded
+from ._tiling import Tiling as Tiling
+from ._typing import TYPECHECK_ENABLED as TYPECHECK_ENABLED
+
+# Importing the strategies registers the built-in kernels with the selector.
+from . import strategies as strategies  # noqa: E402  isort: skip
+from .strategies import kernels as kernels, masks as masks  # noqa: E402  isort: skip
+from .strategies import sharding as sharding, tiling as tiling  # noqa: E402  isort: skip
+
+__version__ = "0.1.0"

@@ -1,0 +1,98 @@
+"""The kernel strategy: how attention runs on a device; and the registry the selector reads."""
+
+import abc
+import dataclasses
+import inspect
+from typing import ClassVar
+
+import equinox as eqx
+from jaxtyping import Array, Float
+
+from ._inputs import AttentionInputs
+from ._mask import AbstractMask
+from ._tiling import Tiling
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What a call asks of a kernel; the selector's input besides the mask and the platform.
+
+    Built by `BlockSparseAttention` from the arguments of a call; build one yourself to ask
+    `select_kernel` about a call you have not made.
+    """
+
+    platform: str = "cpu"
+    dtype: str = "float32"
+    batch: int = 1
+    num_heads: int = 1
+    num_kv_heads: int = 1
+    q_len: int = 1
+    kv_len: int = 1
+    head_dim: int = 64
+    value_dim: int = 64
+    bias: bool = False
+    sinks: bool = False
+    soft_cap: bool = False
+    segment_ids: bool = False
+    positions: bool = False
+    fused_backward: bool = False
+
+
+_REGISTRY: list[type["AbstractKernel"]] = []
+
+
+def registered_kernels() -> tuple[type["AbstractKernel"], ...]:
+    """Every concrete kernel class defined so far, built-in or user's, in definition order."""
+    return tuple(_REGISTRY)
+
+
+class AbstractKernel(eqx.Module):
+    """How attention is computed: a reference, an XLA loop, a Triton or cuDNN launch.
+
+    A concrete subclass registers itself with the selector when it is defined. It implements:
+
+    - `priority(platform)` (classmethod): higher is tried first by the selector on that
+      platform; ``None`` means "not a candidate there" (it can still be chosen explicitly).
+    - `decline_reason(mask, features)`: ``None`` if it can run this call, else one sentence
+      saying why not (the selector shows it to the user).
+    - `default_tiling(features)`: the heuristic `Tiling` when the module has none.
+    - `__call__(query, key, value, *, mask, inputs, tiling, softmax_scale, logits_soft_cap)`:
+      batched ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, Dv]`` in,
+      ``[B, H, Lq, Dv]`` out, differentiable in query, key, value, bias and sinks.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not inspect.isabstract(cls) and not cls.__name__.startswith("Abstract"):
+            _REGISTRY.append(cls)
+
+    #: Short name shown by the selector and the benchmark.
+    name: ClassVar[str] = "kernel"
+
+    @classmethod
+    def priority(cls, platform: str) -> int | None:
+        """Selector order on `platform`: higher first; ``None`` = not an automatic candidate."""
+        return None
+
+    def decline_reason(self, mask: AbstractMask, features: Features) -> str | None:
+        """``None`` if this kernel runs the call, else why it does not."""
+        return None
+
+    def default_tiling(self, features: Features) -> Tiling:
+        """Heuristic block sizes and launch parameters for `features`."""
+        return Tiling(block_q=128, block_kv=128)
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        query: Float[Array, "batch heads q_len dim"],
+        key: Float[Array, "batch kv_heads kv_len dim"],
+        value: Float[Array, "batch kv_heads kv_len value_dim"],
+        *,
+        mask: AbstractMask,
+        inputs: AttentionInputs,
+        tiling: Tiling,
+        softmax_scale: float,
+        logits_soft_cap: float | None,
+    ) -> Float[Array, "batch heads q_len value_dim"]:
+        """Attention output ``[B, H, Lq, Dv]`` (rows that see no key are zeros)."""

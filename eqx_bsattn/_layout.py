@@ -1,0 +1,382 @@
+"""`BlockLayout`: the sparse block metadata every kernel reads, built once per call (or trace)."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Int
+
+from ._mask import EMPTY, FULL, PARTIAL, AbstractMask, BlockCoords, TokenCoords
+
+_BIG = np.iinfo(np.int32).max // 2
+
+
+class BlockLayout(eqx.Module):
+    """Which kv-blocks each q-block visits, and how: the contract between masks and kernels.
+
+    Leading axes ``[mb, mh]`` are ``[1 or batch, 1 or heads]``: a mask that depends on neither
+    data nor head has one layout for all. For q-block ``i`` of batch ``b`` and head ``h``,
+    ``full_index[b, h, i, :full_count[b, h, i]]`` are the kv-blocks every pair of which attends
+    (no masking needed) and ``partial_index[..., :partial_count]`` those where the kernel must
+    evaluate the mask. Both lists are sorted; entries past the count are 0. The ``t_*`` arrays
+    are the same lists transposed (per kv-block, its q-blocks), for the dk/dv backward pass.
+
+    ``bitmaps`` (``[n, block_q, block_kv]`` bool, deduplicated, out-of-bounds pairs False) with
+    ``bitmap_index`` / ``t_bitmap_index`` (aligned with the partial lists) are present only when
+    asked for with ``with_bitmaps=True``, for kernels that cannot evaluate the mask themselves.
+
+    ``classes`` keeps the whole ``[mb, mh, nq, nk]`` int8 block matrix (EMPTY 0, PARTIAL 1,
+    FULL 2): ``O(blocks)`` memory, used for statistics and plots.
+    """
+
+    classes: Int[Array, "mb mh nq nk"]
+    full_count: Int[Array, "mb mh nq"]
+    full_index: Int[Array, "mb mh nq cf"]
+    partial_count: Int[Array, "mb mh nq"]
+    partial_index: Int[Array, "mb mh nq cp"]
+    t_full_count: Int[Array, "mb mh nk"]
+    t_full_index: Int[Array, "mb mh nk tf"]
+    t_partial_count: Int[Array, "mb mh nk"]
+    t_partial_index: Int[Array, "mb mh nk tp"]
+    bitmaps: Bool[Array, "n bq bk"] | None
+    bitmap_index: Int[Array, "mb mh nq cp"] | None
+    t_bitmap_index: Int[Array, "mb mh nk tp"] | None
+    q_len: int = eqx.field(static=True)
+    kv_len: int = eqx.field(static=True)
+    block_q: int = eqx.field(static=True)
+    block_kv: int = eqx.field(static=True)
+    #: True when built at trace time from the mask alone (no per-call data): the counts are
+    #: exact and the capacities are the true maxima.
+    is_static: bool = eqx.field(static=True)
+
+    @property
+    def num_q_blocks(self) -> int:
+        return self.classes.shape[-2]
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.classes.shape[-1]
+
+    def density(self) -> Array:
+        """Fraction of blocks that are not EMPTY, over all of ``[mb, mh, nq, nk]``."""
+        return jnp.mean(self.classes != EMPTY)
+
+    def visited_pairs(self) -> Array:
+        """Number of (query, key) pairs inside visited blocks, summed over ``[mb, mh]``."""
+        bq = jnp.asarray(_block_lengths(self.q_len, self.block_q))
+        bk = jnp.asarray(_block_lengths(self.kv_len, self.block_kv))
+        sizes = bq[:, None] * bk[None, :]
+        return jnp.sum(jnp.where(self.classes != EMPTY, sizes, 0))
+
+
+def _block_lengths(length: int, block: int) -> np.ndarray:
+    n = math.ceil(length / block)
+    starts = np.arange(n) * block
+    return (np.minimum(starts + block, length) - starts).astype(np.int32)
+
+
+def _pad_to_blocks(x: Array, block: int, fill: int) -> Array:
+    """[B, L] -> [B, n, block], padding the tail with `fill`."""
+    b, length = x.shape
+    n = math.ceil(length / block)
+    x = jnp.pad(x, ((0, 0), (0, n * block - length)), constant_values=fill)
+    return x.reshape(b, n, block)
+
+
+def _range_per_block(x: Array | None, block: int) -> tuple[Array, Array] | tuple[None, None]:
+    if x is None:
+        return None, None
+    lo = _pad_to_blocks(x, block, _BIG).min(-1)
+    hi = _pad_to_blocks(x, block, -_BIG).max(-1)
+    return lo, hi
+
+
+def block_coords(
+    length: int,
+    block: int,
+    positions: Int[Array, "b l"] | None,
+    segments: Int[Array, "b l"] | None,
+    axis: int,
+) -> BlockCoords:
+    """Per-block coordinate ranges of one side; `axis` -2 for queries, -1 for keys.
+
+    Returned arrays have shape ``[mb, n, 1]`` (queries) or ``[mb, 1, n]`` (keys).
+    """
+    n = math.ceil(length / block)
+    index_lo = np.arange(n, dtype=np.int32) * block
+    index_hi = (np.minimum(index_lo + block, length) - 1).astype(np.int32)
+    pos_lo, pos_hi = _range_per_block(positions, block)
+    seg_lo, seg_hi = _range_per_block(segments, block)
+
+    def place(x):
+        if x is None:
+            return None
+        x = jnp.asarray(x)
+        if x.ndim == 1:
+            x = x[None]
+        return jnp.expand_dims(x, -1 if axis == -2 else -2)
+
+    return BlockCoords(
+        index_lo=place(index_lo),
+        index_hi=place(index_hi),
+        pos_lo=place(index_lo if pos_lo is None else pos_lo),
+        pos_hi=place(index_hi if pos_hi is None else pos_hi),
+        seg_lo=place(seg_lo),
+        seg_hi=place(seg_hi),
+        length=length,
+        block_size=block,
+        positions_are_indices=positions is None,
+    )
+
+
+def token_coords(
+    index: Array, positions: Array | None, segments: Array | None, length: int
+) -> TokenCoords:
+    """Element coordinates for token indices `index` (any shape; out-of-range indices clip).
+
+    `positions`/`segments` are one batch element's ``[L]`` arrays or ``None``.
+    """
+    safe = jnp.clip(index, 0, length - 1)
+    return TokenCoords(
+        index=index,
+        position=index if positions is None else positions[safe],
+        segment=None if segments is None else segments[safe],
+        length=length,
+    )
+
+
+def element_mask(
+    mask: AbstractMask,
+    head,
+    q_index: Array,
+    k_index: Array,
+    *,
+    q_len: int,
+    kv_len: int,
+    q_positions: Array | None = None,
+    kv_positions: Array | None = None,
+    q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
+) -> Bool[Array, "..."]:
+    """Evaluate `mask` on broadcastable token indices, with out-of-bounds keys hidden.
+
+    Per-call arrays are one batch element's (``[L]``). Every kernel uses this for partial blocks.
+    """
+    qc = token_coords(q_index, q_positions, q_segment_ids, q_len)
+    kc = token_coords(k_index, kv_positions, kv_segment_ids, kv_len)
+    in_bounds = (k_index < kv_len) & (k_index >= 0) & (q_index < q_len)
+    return mask.elements(qc, kc, head) & in_bounds
+
+
+def _classes_by_elements(mask, head, *, q_len, kv_len, block_q, block_kv, data, mb):
+    """Classify blocks by evaluating the element predicate one q-block at a time."""
+    nq = math.ceil(q_len / block_q)
+    nk = math.ceil(kv_len / block_kv)
+    k_index = jnp.arange(nk * block_kv, dtype=jnp.int32)
+    k_valid = (k_index < kv_len).reshape(nk, block_kv)
+
+    def one_batch(qp, kp, qs, ks):
+        def one_q_block(i):
+            q_index = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
+            vis = element_mask(
+                mask, head, q_index[:, None], k_index[None, :],
+                q_len=q_len, kv_len=kv_len, q_positions=qp, kv_positions=kp,
+                q_segment_ids=qs, kv_segment_ids=ks,
+            ).reshape(block_q, nk, block_kv)
+            valid = (q_index < q_len)[:, None, None] & k_valid[None]
+            any_vis = jnp.any(vis & valid, axis=(0, 2))
+            all_vis = jnp.all(vis | ~valid, axis=(0, 2))
+            return jnp.where(all_vis, FULL, jnp.where(any_vis, PARTIAL, EMPTY)).astype(jnp.int8)
+
+        return jax.lax.map(one_q_block, jnp.arange(nq, dtype=jnp.int32))
+
+    arrays = [data[name] for name in ("qp", "kp", "qs", "ks")]
+    batched = [a is not None for a in arrays]
+    if not any(batched):
+        return one_batch(None, None, None, None)[None]
+    in_axes = tuple(0 if b else None for b in batched)
+    return jax.vmap(one_batch, in_axes=in_axes)(*arrays)
+
+
+def _compact(flags: np.ndarray | Array, capacity: int | None, xp):
+    """Sorted indices of True entries along the last axis, padded with 0 to `capacity`."""
+    count = flags.sum(-1).astype(xp.int32)
+    n = flags.shape[-1]
+    if capacity is None:
+        capacity = max(int(count.max()) if count.size else 0, 1)
+    # A stable sort of "not flag" puts the True entries first, in ascending index order.
+    if xp is np:
+        order = np.argsort(~flags, axis=-1, kind="stable")
+    else:
+        order = jnp.argsort(~flags, axis=-1, stable=True)
+    order = order[..., :capacity].astype(xp.int32)
+    if order.shape[-1] < capacity:
+        pad = [(0, 0)] * (order.ndim - 1) + [(0, capacity - order.shape[-1])]
+        order = xp.pad(order, pad)
+    live = xp.arange(capacity)[None] < count[..., None] if n else False
+    return count, xp.where(live, order, 0).astype(xp.int32)
+
+
+def _bitmaps(mask, classes, partial_index, partial_count, t_partial_index, t_partial_count,
+             *, q_len, kv_len, block_q, block_kv):
+    """Element bitmaps of every partial block (static layouts only), deduplicated."""
+    mb, mh, nq, cp = partial_index.shape
+    blocks = []  # (b, h, i, j)
+    for b in range(mb):
+        for h in range(mh):
+            for i in range(nq):
+                for s in range(int(partial_count[b, h, i])):
+                    blocks.append((b, h, i, int(partial_index[b, h, i, s])))
+    table = {}
+    maps = []
+    ids = np.zeros((len(blocks),), np.int32)
+    qi = np.arange(block_q, dtype=np.int32)
+    kj = np.arange(block_kv, dtype=np.int32)
+    chunk = max(1, (1 << 22) // (block_q * block_kv))
+    for start in range(0, len(blocks), chunk):
+        part = blocks[start:start + chunk]
+        by_head = {}
+        for n, (_, h, i, j) in enumerate(part):
+            by_head.setdefault(h, []).append((n, i, j))
+        out = np.zeros((len(part), block_q, block_kv), bool)
+        for h, items in by_head.items():
+            rows = np.array([i for _, i, _ in items], np.int32)
+            cols = np.array([j for _, _, j in items], np.int32)
+            qidx = rows[:, None, None] * block_q + qi[None, :, None]
+            kidx = cols[:, None, None] * block_kv + kj[None, None, :]
+            with jax.ensure_compile_time_eval():
+                vis = np.asarray(element_mask(mask, h, jnp.asarray(qidx), jnp.asarray(kidx),
+                                              q_len=q_len, kv_len=kv_len))
+            vis = np.broadcast_to(vis, (len(items), block_q, block_kv))
+            out[[n for n, _, _ in items]] = vis
+        for n in range(len(part)):
+            key = np.packbits(out[n]).tobytes()
+            if key not in table:
+                table[key] = len(maps)
+                maps.append(out[n])
+            ids[start + n] = table[key]
+    bitmaps = np.stack(maps) if maps else np.zeros((1, block_q, block_kv), bool)
+    lookup = {blk: int(ids[n]) for n, blk in enumerate(blocks)}
+    bitmap_index = np.zeros(partial_index.shape, np.int32)
+    for b in range(mb):
+        for h in range(mh):
+            for i in range(nq):
+                for s in range(int(partial_count[b, h, i])):
+                    bitmap_index[b, h, i, s] = lookup[(b, h, i, int(partial_index[b, h, i, s]))]
+    t_bitmap_index = np.zeros(t_partial_index.shape, np.int32)
+    for b in range(mb):
+        for h in range(mh):
+            for j in range(t_partial_index.shape[2]):
+                for s in range(int(t_partial_count[b, h, j])):
+                    i = int(t_partial_index[b, h, j, s])
+                    t_bitmap_index[b, h, j, s] = lookup[(b, h, i, j)]
+    return bitmaps, bitmap_index, t_bitmap_index
+
+
+def build_layout(
+    mask: AbstractMask,
+    *,
+    q_len: int,
+    kv_len: int,
+    num_heads: int,
+    block_q: int,
+    block_kv: int,
+    q_positions: Int[Array, "b lq"] | None = None,
+    kv_positions: Int[Array, "b lk"] | None = None,
+    q_segment_ids: Int[Array, "b lq"] | None = None,
+    kv_segment_ids: Int[Array, "b lk"] | None = None,
+    with_bitmaps: bool = False,
+) -> BlockLayout:
+    """Classify every (q-block, kv-block) pair of `mask` and list the visited ones.
+
+    Without per-call data the layout is computed at trace time (NumPy constants, exact
+    capacities). With positions or segment ids it is computed on the device inside `jit` with a
+    fixed capacity (every block), so new data never recompiles.
+
+    ```python
+    layout = build_layout(masks.Causal(), q_len=4096, kv_len=4096, num_heads=8,
+                          block_q=128, block_kv=128)
+    layout.density()   # ~0.5
+    ```
+    """
+    if block_q <= 0 or block_kv <= 0:
+        raise ValueError(f"block sizes must be positive; got block_q={block_q}, block_kv={block_kv}.")
+    uses_segments = mask.uses_segment_ids
+    if not uses_segments:
+        q_segment_ids = kv_segment_ids = None
+    dynamic = any(x is not None for x in (q_positions, kv_positions, q_segment_ids, kv_segment_ids))
+    if with_bitmaps and dynamic:
+        raise ValueError(
+            "element bitmaps need a static mask; this call passes positions or segment ids."
+        )
+    mh = num_heads if mask.head_dependent else 1
+    nq = math.ceil(q_len / block_q)
+    nk = math.ceil(kv_len / block_kv)
+    data = {"qp": q_positions, "kp": kv_positions, "qs": q_segment_ids, "ks": kv_segment_ids}
+
+    def classes_for_head(h):
+        if mask.evaluate_elements_for_blocks:
+            return _classes_by_elements(mask, h, q_len=q_len, kv_len=kv_len, block_q=block_q,
+                                        block_kv=block_kv, data=data, mb=None)
+        qc = block_coords(q_len, block_q, q_positions, q_segment_ids, axis=-2)
+        kc = block_coords(kv_len, block_kv, kv_positions, kv_segment_ids, axis=-1)
+        return mask.blocks(qc, kc, h)
+
+    def all_classes():
+        per_head = [classes_for_head(h) for h in range(mh)]
+        mb = max(c.shape[0] if c.ndim == 3 else 1 for c in per_head)
+        per_head = [jnp.broadcast_to(c, (mb, nq, nk)) for c in per_head]
+        classes = jnp.stack(per_head, axis=1).astype(jnp.int8)
+        if kv_len % block_kv:
+            # The ragged last kv-block must bound-check its keys, so it is never FULL.
+            classes = classes.at[..., -1].set(jnp.minimum(classes[..., -1], PARTIAL))
+        return classes
+
+    if not dynamic:
+        with jax.ensure_compile_time_eval():
+            classes = np.asarray(all_classes())
+        xp, cap_q, cap_k = np, None, None
+    else:
+        classes = all_classes()
+        xp, cap_q, cap_k = jnp, nk, nq
+
+    full = classes == FULL
+    partial = classes == PARTIAL
+    full_t = xp.swapaxes(full, -1, -2)
+    partial_t = xp.swapaxes(partial, -1, -2)
+    full_count, full_index = _compact(full, cap_q, xp)
+    partial_count, partial_index = _compact(partial, cap_q, xp)
+    t_full_count, t_full_index = _compact(full_t, cap_k, xp)
+    t_partial_count, t_partial_index = _compact(partial_t, cap_k, xp)
+
+    bitmaps = bitmap_index = t_bitmap_index = None
+    if with_bitmaps:
+        bitmaps, bitmap_index, t_bitmap_index = _bitmaps(
+            mask, classes, partial_index, partial_count, t_partial_index, t_partial_count,
+            q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
+        )
+        bitmaps, bitmap_index, t_bitmap_index = map(
+            jnp.asarray, (bitmaps, bitmap_index, t_bitmap_index)
+        )
+
+    return BlockLayout(
+        classes=jnp.asarray(classes),
+        full_count=jnp.asarray(full_count),
+        full_index=jnp.asarray(full_index),
+        partial_count=jnp.asarray(partial_count),
+        partial_index=jnp.asarray(partial_index),
+        t_full_count=jnp.asarray(t_full_count),
+        t_full_index=jnp.asarray(t_full_index),
+        t_partial_count=jnp.asarray(t_partial_count),
+        t_partial_index=jnp.asarray(t_partial_index),
+        bitmaps=bitmaps,
+        bitmap_index=bitmap_index,
+        t_bitmap_index=t_bitmap_index,
+        q_len=q_len,
+        kv_len=kv_len,
+        block_q=block_q,
+        block_kv=block_kv,
+        is_static=not dynamic,
+    )

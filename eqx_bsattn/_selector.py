@@ -1,0 +1,101 @@
+"""`select_kernel`: which kernel runs a call, and why."""
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+
+from ._kernel import AbstractKernel, Features, registered_kernels
+from ._mask import AbstractMask
+
+
+class NoKernelError(ValueError):
+    """No candidate kernel can run the call; the message lists each one and why it declined."""
+
+
+class KernelChoice(NamedTuple):
+    """The selector's answer: the kernel, why it was picked, and who declined before it."""
+
+    kernel: AbstractKernel
+    reason: str
+    declined: tuple[tuple[str, str], ...]
+
+    def explain(self) -> str:
+        lines = [f"{self.kernel.name}: {self.reason}"]
+        lines += [f"  declined {name}: {why}" for name, why in self.declined]
+        return "\n".join(lines)
+
+
+def default_platform() -> str:
+    """The platform of JAX's default backend: ``"cpu"``, ``"gpu"`` or ``"tpu"``."""
+    backend = jax.default_backend()
+    return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
+
+
+def _candidates(platform: str) -> list[AbstractKernel]:
+    ranked = []
+    for order, cls in enumerate(registered_kernels()):
+        priority = cls.priority(platform)
+        if priority is None:
+            continue
+        try:
+            kernel = cls()
+        except TypeError:  # a kernel that needs arguments is only used when passed explicitly
+            continue
+        ranked.append((-priority, order, kernel))
+    return [kernel for _, _, kernel in sorted(ranked, key=lambda t: t[:2])]
+
+
+def select_kernel(
+    mask: AbstractMask,
+    platform: str | None = None,
+    features: Features | None = None,
+    candidates: Sequence[AbstractKernel] | None = None,
+) -> KernelChoice:
+    """Pick the kernel that runs `mask` with `features` on `platform`, and say why.
+
+    Candidates are tried in order (by default: every registered kernel that is an automatic
+    candidate on the platform, highest priority first); the first that does not decline wins.
+
+    **Arguments:**
+
+    - `mask`: the attention mask.
+    - `platform`: ``"cpu"``, ``"gpu"`` or ``"tpu"``; defaults to JAX's default backend.
+    - `features`: what the call asks for (`Features`); defaults to a plain call.
+    - `candidates`: kernels to choose among, in order; defaults to the registry's.
+
+    **Returns:** a `KernelChoice` ``(kernel, reason, declined)``.
+
+    **Raises:** `NoKernelError` (a `ValueError`) naming every candidate and why it declined.
+
+    ```python
+    choice = select_kernel(masks.Causal(), platform="cpu")
+    print(choice.explain())
+    ```
+    """
+    if not isinstance(mask, AbstractMask):
+        raise TypeError(f"`mask` must be an AbstractMask; got {type(mask).__name__}.")
+    platform = platform or default_platform()
+    if features is None:
+        features = Features(platform=platform)
+    elif features.platform != platform:
+        features = Features(**{**features.__dict__, "platform": platform})
+    pool = list(candidates) if candidates is not None else _candidates(platform)
+    declined: list[tuple[str, str]] = []
+    for kernel in pool:
+        why = kernel.decline_reason(mask, features)
+        if why is None:
+            if declined:
+                reason = f"first candidate on {platform} that runs this call"
+            else:
+                reason = f"preferred kernel on {platform} for this mask and these features"
+            return KernelChoice(kernel, reason, tuple(declined))
+        declined.append((kernel.name, why))
+    if not pool:
+        raise NoKernelError(f"no kernel is registered as a candidate on platform {platform!r}.")
+    listing = "\n".join(f"  - {name}: {why}" for name, why in declined)
+    raise NoKernelError(
+        f"no kernel can run this call on {platform!r}. Each candidate declined:\n{listing}\n"
+        "Pass a kernel explicitly (e.g. `kernel=kernels.DenseReference()`), or drop the "
+        "feature a candidate names."
+    )

@@ -1,0 +1,50 @@
+"""`Tiling`: block sizes and launch parameters, forward and backward apart."""
+
+import equinox as eqx
+
+
+def _check_positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"Tiling.{name} must be a positive int or None; got {value!r}.")
+
+
+class Tiling(eqx.Module):
+    """Block sizes and launch parameters of a kernel, forward and backward apart.
+
+    Backward fields left at ``None`` take the forward value. ``num_warps``/``num_stages`` are
+    launch parameters that only the GPU kernels read. A kernel may refuse a tiling it cannot run
+    (for example, Triton needs powers of two of at least 16) with a `ValueError`.
+
+    **Arguments:**
+
+    - `block_q`, `block_kv`: forward block sizes (query rows, key columns of one tile).
+    - `block_q_bwd`, `block_kv_bwd`: backward block sizes; default to the forward ones.
+    - `num_warps`, `num_stages`: forward launch parameters (GPU).
+    - `num_warps_bwd`, `num_stages_bwd`: backward launch parameters (GPU).
+
+    ```python
+    tiling = Tiling(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=128, num_warps=8)
+    attn = BlockSparseAttention(mask=masks.Causal(), tiling=tiling)
+    ```
+    """
+
+    block_q: int = eqx.field(static=True)
+    block_kv: int = eqx.field(static=True)
+    block_q_bwd: int | None = eqx.field(default=None, static=True)
+    block_kv_bwd: int | None = eqx.field(default=None, static=True)
+    num_warps: int | None = eqx.field(default=None, static=True)
+    num_stages: int | None = eqx.field(default=None, static=True)
+    num_warps_bwd: int | None = eqx.field(default=None, static=True)
+    num_stages_bwd: int | None = eqx.field(default=None, static=True)
+
+    def __check_init__(self):
+        for name in (
+            "block_q", "block_kv", "block_q_bwd", "block_kv_bwd",
+            "num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd",
+        ):
+            _check_positive(name, getattr(self, name))
+
+    @property
+    def backward_blocks(self) -> tuple[int, int]:
+        """``(block_q, block_kv)`` of the backward pass."""
+        return (self.block_q_bwd or self.block_q, self.block_kv_bwd or self.block_kv)

@@ -1,0 +1,30 @@
+"""Masks: which (query, key) pairs attend. Compose with ``&``, ``|`` and ``~``."""
+
+from eqx_bsattn._mask import (
+    EMPTY as EMPTY,
+    FULL as FULL,
+    PARTIAL as PARTIAL,
+    AbstractMask as AbstractMask,
+    And as And,
+    BlockCoords as BlockCoords,
+    Full as Full,
+    Not as Not,
+    Or as Or,
+    TokenCoords as TokenCoords,
+    classify as classify,
+)
+
+from .custom import PerHead as PerHead, Predicate as Predicate
+from .document import Document as Document
+from .positional import (
+    Causal as Causal,
+    ChunkedCausal as ChunkedCausal,
+    PrefixLM as PrefixLM,
+    SlidingWindow as SlidingWindow,
+)
+from .sparse import (
+    BigBirdRandom as BigBirdRandom,
+    BlockLayoutMask as BlockLayoutMask,
+    Dilated as Dilated,
+    GlobalTokens as GlobalTokens,
+)

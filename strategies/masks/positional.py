@@ -1,0 +1,154 @@
+"""Masks defined by query and key positions: causal, sliding window, chunked causal, prefix-LM."""
+
+import equinox as eqx
+import jax.numpy as jnp
+
+from eqx_bsattn._mask import AbstractMask, classify
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}; got {value!r}.")
+
+
+class Causal(AbstractMask):
+    """Key ``j`` is visible to query ``i`` when ``pos_k[j] <= pos_q[i] + offset``.
+
+    **Arguments:**
+
+    - `offset`: shifts the diagonal right (positive) or left (negative); default 0.
+    - `bottom_right`: align the diagonal to the bottom-right corner when ``Lq != Lk``
+      (adds ``Lk - Lq`` to `offset`), as for decoding the last queries against a longer cache.
+
+    ```python
+    masks.Causal()                       # top-left aligned
+    masks.Causal(bottom_right=True)      # the last query sees every key
+    ```
+    """
+
+    offset: int = eqx.field(default=0, static=True)
+    bottom_right: bool = eqx.field(default=False, static=True)
+
+    def __check_init__(self):
+        if not isinstance(self.offset, int) or isinstance(self.offset, bool):
+            raise ValueError(f"`offset` must be an int; got {self.offset!r}.")
+
+    def resolve(self, q_len, kv_len):
+        if self.bottom_right:
+            return Causal(offset=self.offset + kv_len - q_len)
+        return self
+
+    def elements(self, q, k, head):
+        return k.position <= q.position + self.offset
+
+    def blocks(self, q, k, head):
+        return classify(
+            k.pos_hi <= q.pos_lo + self.offset, k.pos_lo > q.pos_hi + self.offset
+        )
+
+
+class SlidingWindow(AbstractMask):
+    """Key visible when ``pos_q - left <= pos_k <= pos_q + right``.
+
+    The convention of `jax.nn.dot_product_attention`'s ``local_window_size``. ``None`` leaves a
+    side unbounded. Combine with `Causal` for a causal window: ``Causal() & SlidingWindow(1024)``.
+
+    **Arguments:**
+
+    - `left`: keys at most this far before the query; an int >= 0 or ``None``.
+    - `right`: keys at most this far after; defaults to `left` (a symmetric window).
+
+    ```python
+    masks.SlidingWindow(256)          # 256 each side
+    masks.SlidingWindow(256, 0)       # only the past 256 and the query itself
+    ```
+    """
+
+    left: int | None = eqx.field(static=True)
+    right: int | None = eqx.field(static=True)
+
+    def __init__(self, left: int | None, right: int | None = ..., /):  # type: ignore[assignment]
+        self.left = left
+        self.right = left if right is ... else right
+
+    def __check_init__(self):
+        for name in ("left", "right"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(f"SlidingWindow.{name}", value, minimum=0)
+        if self.left is None and self.right is None:
+            raise ValueError("SlidingWindow needs `left` or `right`; both are None (use Full()).")
+
+    def elements(self, q, k, head):
+        ok = jnp.ones(jnp.broadcast_shapes(q.position.shape, k.position.shape), bool)
+        if self.left is not None:
+            ok = ok & (k.position >= q.position - self.left)
+        if self.right is not None:
+            ok = ok & (k.position <= q.position + self.right)
+        return ok
+
+    def blocks(self, q, k, head):
+        shape = jnp.broadcast_shapes(q.pos_lo.shape, k.pos_lo.shape)
+        full = jnp.ones(shape, bool)
+        empty = jnp.zeros(shape, bool)
+        if self.left is not None:
+            full = full & (k.pos_lo >= q.pos_hi - self.left)
+            empty = empty | (k.pos_hi < q.pos_lo - self.left)
+        if self.right is not None:
+            full = full & (k.pos_hi <= q.pos_lo + self.right)
+            empty = empty | (k.pos_lo > q.pos_hi + self.right)
+        return classify(full, empty)
+
+
+class ChunkedCausal(AbstractMask):
+    """Causal attention inside fixed chunks: ``pos_k <= pos_q`` and ``pos_q // C == pos_k // C``.
+
+    ```python
+    masks.ChunkedCausal(1024)
+    ```
+    """
+
+    chunk_size: int = eqx.field(static=True)
+
+    def __check_init__(self):
+        _check_int("chunk_size", self.chunk_size, minimum=1)
+
+    def elements(self, q, k, head):
+        c = self.chunk_size
+        return (k.position <= q.position) & (k.position // c == q.position // c)
+
+    def blocks(self, q, k, head):
+        c = self.chunk_size
+        same_chunk = (q.pos_lo // c == q.pos_hi // c) & (k.pos_lo // c == k.pos_hi // c) & (
+            q.pos_lo // c == k.pos_lo // c
+        )
+        full = (k.pos_hi <= q.pos_lo) & same_chunk
+        empty = (k.pos_lo > q.pos_hi) | (k.pos_hi // c < q.pos_lo // c) | (
+            k.pos_lo // c > q.pos_hi // c
+        )
+        return classify(full, empty)
+
+
+class PrefixLM(AbstractMask):
+    """Prefix-LM: every query sees the first `prefix_length` keys, and is causal after them.
+
+    Key visible when ``pos_k < prefix_length`` or ``pos_k <= pos_q``.
+
+    ```python
+    masks.PrefixLM(512)
+    ```
+    """
+
+    prefix_length: int = eqx.field(static=True)
+
+    def __check_init__(self):
+        _check_int("prefix_length", self.prefix_length, minimum=0)
+
+    def elements(self, q, k, head):
+        return (k.position < self.prefix_length) | (k.position <= q.position)
+
+    def blocks(self, q, k, head):
+        p = self.prefix_length
+        full = (k.pos_hi < p) | (k.pos_hi <= q.pos_lo)
+        empty = (k.pos_lo >= p) & (k.pos_lo > q.pos_hi)
+        return classify(full, empty)
