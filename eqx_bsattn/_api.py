@@ -11,7 +11,7 @@ from ._kernel import AbstractKernel, registered_kernels
 from ._mask import AbstractMask, Full
 from ._module import BlockSparseAttention, run_plan
 from ._tiling import Tiling
-from ._typing import typechecked
+from ._typing import ArrayOrNumpy, typechecked
 
 _DEVICE_PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -102,14 +102,14 @@ def blocksparse_attention(
     query: Float[Array, "*batch heads q_len dim"],
     key: Float[Array, "*batch kv_heads kv_len dim"],
     value: Float[Array, "*batch kv_heads kv_len value_dim"],
-    softmax_aux: Float[Array, "..."] | None = None,
-    bias: Float[Array, "..."] | None = None,
+    softmax_aux: Float[ArrayOrNumpy, "..."] | None = None,
+    bias: Float[ArrayOrNumpy, "..."] | None = None,
     /,
     *,
-    q_segment_ids: Int[Array, "*batch q_len"] | None = None,
-    kv_segment_ids: Int[Array, "*batch kv_len"] | None = None,
-    q_positions: Int[Array, "*batch q_len"] | None = None,
-    kv_positions: Int[Array, "*batch kv_len"] | None = None,
+    q_segment_ids: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
+    kv_segment_ids: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
+    q_positions: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
+    kv_positions: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
     mask_info: MaskInfo | None = None,
     logits_soft_cap: float | None = None,
     softmax_scale: float | None = None,

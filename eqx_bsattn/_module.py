@@ -13,7 +13,7 @@ from ._mask import AbstractMask, Full
 from ._selector import KernelChoice, default_platform, select_kernel
 from ._sharding import AbstractSharding, Unsharded
 from ._tiling import Tiling
-from ._typing import typechecked
+from ._typing import ArrayOrNumpy, typechecked
 
 
 class CallPlan(NamedTuple):
@@ -205,12 +205,12 @@ class BlockSparseAttention(eqx.Module):
         key: Float[Array, "*batch kv_heads kv_len dim"],
         value: Float[Array, "*batch kv_heads kv_len value_dim"],
         *,
-        bias: Float[Array, "..."] | None = None,
-        sinks: Float[Array, "..."] | None = None,
-        q_segment_ids: Int[Array, "*batch q_len"] | None = None,
-        kv_segment_ids: Int[Array, "*batch kv_len"] | None = None,
-        q_positions: Int[Array, "*batch q_len"] | None = None,
-        kv_positions: Int[Array, "*batch kv_len"] | None = None,
+        bias: Float[ArrayOrNumpy, "..."] | None = None,
+        sinks: Float[ArrayOrNumpy, "..."] | None = None,
+        q_segment_ids: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
+        kv_segment_ids: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
+        q_positions: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
+        kv_positions: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
         purify: bool = False,
     ) -> Float[Array, "*batch heads q_len value_dim"]:
         """Attend.

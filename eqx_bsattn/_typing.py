@@ -9,10 +9,14 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
+import numpy as np
 from beartype import beartype
-from jaxtyping import jaxtyped
+from jaxtyping import Array, jaxtyped
 
 _F = TypeVar("_F", bound=Callable)
+
+#: Per-call data may be a JAX or a NumPy array.
+ArrayOrNumpy = Array | np.ndarray
 
 TYPECHECK_ENABLED: bool = os.environ.get("EQX_BSATTN_TYPECHECK", "1").lower() not in (
     "0",

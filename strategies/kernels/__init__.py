@@ -3,3 +3,4 @@
 from eqx_bsattn._kernel import AbstractKernel as AbstractKernel, Features as Features
 
 from .reference import DenseReference as DenseReference, reference_attention as reference_attention
+from .cudnn import CudnnDense as CudnnDense

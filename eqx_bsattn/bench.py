@@ -1,0 +1,284 @@
+"""Benchmark: ``python -m eqx_bsattn.bench``.
+
+For each pattern (causal, causal sliding window, document, BigBird) and length, times our
+block-sparse kernel against the peers that can express the same mask, in one process:
+`jax.nn.dot_product_attention` with cuDNN and with XLA, and Pallas' GPU flash attention.
+Forward and forward+backward; effective TFLOP/s count only visible (query, key) pairs:
+``4 * B * H * D * pairs`` forward, 3.5 times that forward+backward. Prints a table and writes
+JSON (``--out``). Speed is measured here, never asserted in tests.
+
+```
+python -m eqx_bsattn.bench                                   # defaults for the platform
+python -m eqx_bsattn.bench --lengths 16384 --batch 2 --heads 16 --dim 128 --dtype bfloat16
+```
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import BlockSparseAttention, kernels
+from ._layout import element_mask
+from ._patterns import PATTERNS, pattern
+from ._selector import default_platform
+from .strategies.kernels.cudnn import cudnn_mask_options
+
+
+def visible_pairs(mask, q_len: int, kv_len: int, segment_ids=None, rows_per_step: int = 512) -> int:
+    """Exact number of visible (query, key) pairs of one (batch, head), evaluated in row chunks."""
+    seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    use_seg = seg is not None and mask.uses_segment_ids
+
+    @jax.jit
+    def count_rows(start):
+        qi = start + jnp.arange(rows_per_step, dtype=jnp.int32)[:, None]
+        kj = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
+        vis = element_mask(
+            mask, 0, qi, kj, q_len=q_len, kv_len=kv_len,
+            q_segment_ids=seg if use_seg else None, kv_segment_ids=seg if use_seg else None,
+        )
+        return jnp.sum(vis & (qi < q_len), dtype=jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+
+    total = 0
+    for start in range(0, q_len, rows_per_step):
+        total += int(count_rows(jnp.int32(start)))
+    return total
+
+
+def _time(fn: Callable, args, reps: int, warmup: int = 2) -> float:
+    """Median wall time in milliseconds of ``fn(*args)``, synchronised."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _with_backward(f: Callable) -> Callable:
+    def fwd_bwd(q, k, v, do):
+        out, pullback = jax.vjp(f, q, k, v)
+        return pullback(do)
+
+    return jax.jit(fwd_bwd)
+
+
+def _peers(name, mask, data, args, platform, layout_bhld) -> dict[str, Callable]:
+    """Callables ``f(q, k, v) -> out`` in [B, H, L, D] of every peer that expresses the pattern."""
+    peers = {}
+    q_len = args_len = layout_bhld[2]
+    del args_len
+    to_blhd = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    options = None if data else cudnn_mask_options(mask.resolve(q_len, q_len), q_len)
+    if platform == "gpu" and options is not None and args.dtype in ("bfloat16", "float16"):
+        def cudnn(q, k, v):
+            return jnp.swapaxes(jax.nn.dot_product_attention(
+                to_blhd(q), to_blhd(k), to_blhd(v), implementation="cudnn", **options), 1, 2)
+        peers["cudnn"] = cudnn
+    if q_len <= args.xla_max_len:
+        if options is not None:
+            def xla(q, k, v):
+                return jnp.swapaxes(jax.nn.dot_product_attention(
+                    to_blhd(q), to_blhd(k), to_blhd(v), implementation="xla", **options), 1, 2)
+        else:
+            seg = data.get("q_segment_ids")
+            qi = jnp.arange(q_len)[:, None]
+            kj = jnp.arange(q_len)[None, :]
+            dense = element_mask(mask, 0, qi, kj, q_len=q_len, kv_len=q_len,
+                                 q_segment_ids=None if seg is None else jnp.asarray(seg),
+                                 kv_segment_ids=None if seg is None else jnp.asarray(seg))
+
+            def xla(q, k, v):
+                return jnp.swapaxes(jax.nn.dot_product_attention(
+                    to_blhd(q), to_blhd(k), to_blhd(v), implementation="xla",
+                    mask=dense[None, None]), 1, 2)
+        peers["xla"] = xla
+    if platform == "gpu" and name in ("causal", "document"):
+        try:
+            from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+        except Exception:  # noqa: BLE001 - the peer is optional
+            pallas_attention = None
+        if pallas_attention is not None and layout_bhld[3] in (64, 128):
+            seg = data.get("q_segment_ids")
+
+            def pallas(q, k, v):
+                segment_ids = None if seg is None else jnp.broadcast_to(
+                    jnp.asarray(seg), (q.shape[0], q_len))
+                out = pallas_attention.mha(
+                    to_blhd(q), to_blhd(k), to_blhd(v), segment_ids,
+                    sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=True)
+                return jnp.swapaxes(out, 1, 2)
+
+            peers["pallas_mha"] = pallas
+    return peers
+
+
+def _ours(args, platform):
+    names = {"cpu": "XlaBlockSparse", "tpu": "XlaBlockSparse", "gpu": "TritonBlockSparse"}
+    wanted = args.kernel or names.get(platform, "XlaBlockSparse")
+    cls = getattr(kernels, wanted, None)
+    if cls is None:
+        fallback = "XlaBlockSparse" if hasattr(kernels, "XlaBlockSparse") else "DenseReference"
+        print(f"note: kernel {wanted} is not available; measuring {fallback}", file=sys.stderr)
+        cls = getattr(kernels, fallback)
+    return cls()
+
+
+def run(args) -> list[dict]:
+    platform = args.platform or default_platform()
+    dtype = jnp.dtype(args.dtype)
+    kernel = _ours(args, platform)
+    records = []
+    key = jax.random.key(args.seed)
+    for length in args.lengths:
+        for name in args.patterns:
+            mask, data = pattern(name, length, window=args.window, seed=args.seed)
+            head_options = [args.heads]
+            if name == "causal" and args.gqa_kv_heads:
+                head_options.append(args.gqa_kv_heads)
+            pairs = visible_pairs(mask, length, length, data.get("q_segment_ids"))
+            for kv_heads in head_options:
+                keys = jax.random.split(jax.random.fold_in(key, length * 31 + kv_heads), 4)
+                b, h, d = args.batch, args.heads, args.dim
+                q = jax.random.normal(keys[0], (b, h, length, d), dtype)
+                k = jax.random.normal(keys[1], (b, kv_heads, length, d), dtype)
+                v = jax.random.normal(keys[2], (b, kv_heads, length, d), dtype)
+                do = jax.random.normal(keys[3], (b, h, length, d), dtype)
+                attn = BlockSparseAttention(mask=mask, kernel=kernel)
+                call_data = {n: jnp.asarray(x) for n, x in data.items()}
+
+                def ours(q, k, v, attn=attn, call_data=call_data):
+                    return attn(q, k, v, **call_data)
+
+                impls = {f"ours:{kernel.name}": ours}
+                if kv_heads == args.heads:
+                    impls.update(_peers(name, mask, data, args, platform, q.shape))
+                flops_fwd = 4.0 * b * h * d * pairs
+                reference_out = None
+                for impl, f in impls.items():
+                    record = {
+                        "pattern": name, "length": length, "batch": b, "heads": h,
+                        "kv_heads": kv_heads, "dim": d, "dtype": args.dtype, "impl": impl,
+                        "platform": platform, "density": pairs / float(length * length),
+                    }
+                    try:
+                        fwd = jax.jit(f)
+                        out = fwd(q, k, v)
+                        if reference_out is None:
+                            reference_out = out.astype(jnp.float32)
+                        else:
+                            diff = jnp.linalg.norm(out.astype(jnp.float32) - reference_out)
+                            record["rel_diff_vs_ours"] = float(diff / jnp.linalg.norm(reference_out))
+                        record["fwd_ms"] = _time(fwd, (q, k, v), args.reps)
+                        record["fwd_tflops"] = flops_fwd / record["fwd_ms"] / 1e9
+                        if not args.forward_only:
+                            record["fwdbwd_ms"] = _time(_with_backward(f), (q, k, v, do), args.reps)
+                            record["fwdbwd_tflops"] = 3.5 * flops_fwd / record["fwdbwd_ms"] / 1e9
+                    except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal
+                        record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    records.append(record)
+                    print(_row(record), flush=True)
+    _add_ratios(records)
+    return records
+
+
+def _add_ratios(records: list[dict]) -> None:
+    by_case = {}
+    for r in records:
+        by_case.setdefault((r["pattern"], r["length"], r["kv_heads"]), {})[r["impl"]] = r
+    for (pat, length, kv_heads), impls in by_case.items():
+        cudnn = impls.get("cudnn")
+        own_causal = next(
+            (r for (p, l_, kvh), i in by_case.items() if p == "causal" and l_ == length
+             and kvh == kv_heads for n, r in i.items() if n.startswith("ours")), None)
+        for r in impls.values():
+            for metric in ("fwd_tflops", "fwdbwd_tflops"):
+                if cudnn and metric in r and metric in cudnn:
+                    r[f"{metric}_vs_cudnn"] = r[metric] / cudnn[metric]
+                if own_causal and metric in r and metric in own_causal and r["impl"].startswith("ours"):
+                    r[f"{metric}_vs_own_causal"] = r[metric] / own_causal[metric]
+
+
+def _row(r: dict) -> str:
+    def fmt(key, spec="7.1f"):
+        return format(r[key], spec) if key in r else "      -"
+
+    return (
+        f"{r['pattern']:>9} L={r['length']:<6} kvh={r['kv_heads']:<3} {r['impl']:<18} "
+        f"dens={r['density']:.3f} fwd {fmt('fwd_ms', '8.2f')} ms {fmt('fwd_tflops')} TF/s | "
+        f"fwd+bwd {fmt('fwdbwd_ms', '8.2f')} ms {fmt('fwdbwd_tflops')} TF/s"
+        + (f"  ERROR {r['error']}" if "error" in r else "")
+    )
+
+
+def _table(records: list[dict]) -> str:
+    lines = [
+        "| pattern | L | kv heads | impl | density | fwd TF/s | fwd+bwd TF/s | fwd / cuDNN | "
+        "fwd+bwd / cuDNN | fwd / own causal | fwd+bwd / own causal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def f(r, key, spec=".1f"):
+        return format(r[key], spec) if key in r else "-"
+
+    for r in records:
+        lines.append(
+            f"| {r['pattern']} | {r['length']} | {r['kv_heads']} | {r['impl']} | "
+            f"{r['density']:.3f} | {f(r, 'fwd_tflops')} | {f(r, 'fwdbwd_tflops')} | "
+            f"{f(r, 'fwd_tflops_vs_cudnn', '.2f')} | {f(r, 'fwdbwd_tflops_vs_cudnn', '.2f')} | "
+            f"{f(r, 'fwd_tflops_vs_own_causal', '.2f')} | {f(r, 'fwdbwd_tflops_vs_own_causal', '.2f')} |"
+            + (f" error: {r['error']}" if "error" in r else "")
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    platform = default_platform()
+    gpu = platform == "gpu"
+    p = argparse.ArgumentParser(prog="python -m eqx_bsattn.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[16384] if gpu else [2048])
+    p.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=PATTERNS)
+    p.add_argument("--batch", type=int, default=2 if gpu else 1)
+    p.add_argument("--heads", type=int, default=16 if gpu else 4)
+    p.add_argument("--gqa-kv-heads", type=int, default=4 if gpu else 0,
+                   help="also time causal with this many kv heads (0: skip)")
+    p.add_argument("--dim", type=int, default=128 if gpu else 64)
+    p.add_argument("--dtype", default="bfloat16" if gpu else "float32")
+    p.add_argument("--window", type=int, default=1024 if gpu else 256)
+    p.add_argument("--reps", type=int, default=10 if gpu else 3)
+    p.add_argument("--xla-max-len", type=int, default=4096,
+                   help="time the dense XLA peer only up to this length (it materialises L x L)")
+    p.add_argument("--kernel", default=None, help="our kernel class name (default per platform)")
+    p.add_argument("--platform", default=None)
+    p.add_argument("--forward-only", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the records as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}")
+    records = run(args)
+    print()
+    print(_table(records))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"device": device.device_kind, "jax": jax.__version__,
+                       "records": records}, fh, indent=1)
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""`CudnnDense`: cuDNN's fused attention through `jax.nn.dot_product_attention`, for the masks
+it can express (full, causal, sliding window) on a GPU."""
+
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from eqx_bsattn._kernel import AbstractKernel
+from eqx_bsattn._mask import And, Full
+from eqx_bsattn._tiling import Tiling
+
+from ..masks import Causal, SlidingWindow
+
+
+def _and_terms(mask):
+    if isinstance(mask, And):
+        return _and_terms(mask.left) + _and_terms(mask.right)
+    return [mask]
+
+
+def cudnn_mask_options(mask, length: int) -> dict | None:
+    """``is_causal`` / ``local_window_size`` equivalent to `mask` at sequence `length`, or
+    ``None`` if cuDNN cannot express it."""
+    causal = False
+    window = None
+    for term in _and_terms(mask):
+        if isinstance(term, Full):
+            continue
+        if isinstance(term, Causal) and term.offset == 0 and not term.bottom_right:
+            causal = True
+        elif isinstance(term, SlidingWindow) and window is None:
+            window = term
+        else:
+            return None
+    options = {"is_causal": causal}
+    if window is not None:
+        # An unbounded side is a window as long as the sequence.
+        left = length if window.left is None else window.left
+        right = length if window.right is None else window.right
+        options["local_window_size"] = (left, 0 if causal else right)
+    return options
+
+
+class CudnnDense(AbstractKernel):
+    """cuDNN flash attention via ``jax.nn.dot_product_attention(implementation="cudnn")``.
+
+    On the H200 this is the fastest kernel for the masks cuDNN expresses: full, causal, a
+    sliding window, and causal with a window. The selector prefers it there and sends every
+    other mask or feature (bias, sinks, soft cap, segment ids, positions, ``Dv != D``,
+    ``Lq != Lk``, float32, head dims over 128) to the block-sparse kernels.
+
+    ```python
+    attn = BlockSparseAttention(mask=masks.Causal(), kernel=kernels.CudnnDense())
+    ```
+    """
+
+    name: ClassVar[str] = "cudnn"
+
+    @classmethod
+    def priority(cls, platform):
+        return 40 if platform == "gpu" else None
+
+    def decline_reason(self, mask, features):
+        if features.platform != "gpu":
+            return f"cuDNN runs on a GPU only (platform is {features.platform!r})."
+        if cudnn_mask_options(mask, features.kv_len) is None:
+            return "cuDNN expresses only full, causal and sliding-window masks."
+        asked = [name for name in ("bias", "sinks", "soft_cap", "segment_ids", "positions")
+                 if getattr(features, name)]
+        if asked:
+            return f"cuDNN attention here has no {', '.join(asked)}."
+        if features.dtype not in ("bfloat16", "float16"):
+            return f"cuDNN attention needs bfloat16 or float16 inputs; got {features.dtype}."
+        if features.head_dim != features.value_dim:
+            return "cuDNN attention needs Dv == D."
+        if features.head_dim > 128 or features.head_dim % 8:
+            return f"cuDNN attention needs a head dim that is a multiple of 8, at most 128; got {features.head_dim}."
+        if features.q_len != features.kv_len:
+            return "cuDNN's causal and window masks align top-left; this call has Lq != Lk."
+        return None
+
+    def default_tiling(self, features):
+        return Tiling(block_q=128, block_kv=128)  # cuDNN tiles itself; unused
+
+    def __call__(self, query, key, value, *, mask, inputs, tiling, softmax_scale, logits_soft_cap):
+        options = cudnn_mask_options(mask, key.shape[2])
+        if options is None:
+            raise ValueError("CudnnDense cannot express this mask; see decline_reason.")
+        to_blhd = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+        out = jax.nn.dot_product_attention(
+            to_blhd(query), to_blhd(key), to_blhd(value), scale=softmax_scale,
+            implementation="cudnn", **options,
+        )
+        return jnp.swapaxes(out, 1, 2)
