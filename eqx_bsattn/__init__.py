@@ -16,6 +16,7 @@ from ._kernel import (
 )
 from ._layout import BlockLayout as BlockLayout, build_layout as build_layout
 from ._mask import AbstractMask as AbstractMask
+from ._plot import plot_layout as plot_layout
 from ._module import BlockSparseAttention as BlockSparseAttention, CallPlan as CallPlan
 from ._selector import (
     KernelChoice as KernelChoice,
