@@ -1,0 +1,95 @@
+"""`autotune`: time candidate tilings on the caller's own inputs and keep the fastest."""
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from eqx_bsattn._tiling import Tiling
+
+DEFAULT_BLOCKS = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 256), (256, 128))
+
+
+def _median_seconds(fn, args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def autotune(
+    attn,
+    query,
+    key,
+    value,
+    *,
+    candidates: Sequence[Tiling] | None = None,
+    backward: bool = True,
+    reps: int = 5,
+    verbose: bool = False,
+    **call_kwargs,
+):
+    """Return `attn` with the fastest of `candidates` as its tiling, timed on these inputs.
+
+    Each candidate runs the forward pass (and, with ``backward=True``, a backward pass on a
+    random cotangent) under `jax.jit`; the median of `reps` timed runs decides. Candidates the
+    kernel rejects (for example, block sizes it cannot launch) are skipped. Inputs should be
+    real data or random numbers, never zeros.
+
+    **Arguments:**
+
+    - `attn`: a `BlockSparseAttention`.
+    - `query`, `key`, `value`, `**call_kwargs`: one call's arguments.
+    - `candidates`: `Tiling`s to try; default: block pairs in `DEFAULT_BLOCKS` with the
+      kernel's heuristic launch parameters, forward and backward alike.
+
+    **Returns:** ``(tuned_attn, timings)``: the module with the best tiling, and
+    ``[(tiling, seconds or None if rejected), ...]``.
+
+    ```python
+    tuned, timings = autotune(attn, q, k, v)
+    ```
+    """
+    plan = attn.plan(query, key, value, **{n: x for n, x in call_kwargs.items() if n != "purify"})
+    if candidates is None:
+        base = plan.kernel.default_tiling(plan.features)
+        candidates = [
+            Tiling(block_q=bq, block_kv=bk, num_warps=base.num_warps, num_stages=base.num_stages,
+                   num_warps_bwd=base.num_warps_bwd, num_stages_bwd=base.num_stages_bwd)
+            for bq, bk in DEFAULT_BLOCKS
+        ]
+    cotangent = jax.random.normal(
+        jax.random.key(0), query.shape[:-1] + (value.shape[-1],), jnp.float32
+    ).astype(query.dtype)
+    timings = []
+    for tiling in candidates:
+        module = eqx.tree_at(lambda m: m.tiling, attn, tiling, is_leaf=lambda x: x is None)
+        module = eqx.tree_at(lambda m: m.kernel, module, plan.kernel, is_leaf=lambda x: x is None)
+
+        def run(q, k, v, module=module):
+            if not backward:
+                return module(q, k, v, **call_kwargs)
+            out, pullback = jax.vjp(lambda q, k, v: module(q, k, v, **call_kwargs), q, k, v)
+            return pullback(cotangent)
+
+        try:
+            seconds = _median_seconds(jax.jit(run), (query, key, value), reps)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            seconds = None
+            if verbose:
+                print(f"{tiling}: rejected ({e})")
+        timings.append((tiling, seconds))
+        if verbose and seconds is not None:
+            print(f"{tiling}: {seconds * 1e3:.2f} ms")
+    timed = [(s, i) for i, (_, s) in enumerate(timings) if s is not None]
+    if not timed:
+        raise ValueError("autotune: the kernel rejected every candidate tiling.")
+    best = candidates[min(timed)[1]]
+    tuned = eqx.tree_at(lambda m: m.tiling, attn, best, is_leaf=lambda x: x is None)
+    return tuned, timings

@@ -1,0 +1,55 @@
+"""Tiling validation and autotune."""
+
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqx_bsattn as bsa
+from eqx_bsattn.strategies.kernels.reference import reference_attention
+
+
+class _OnlyBlock32(bsa.AbstractKernel):
+    """A test kernel: exact, but launches only 32-query tiles."""
+
+    name: ClassVar[str] = "only32"
+
+    def __call__(self, query, key, value, *, mask, inputs, tiling, softmax_scale, logits_soft_cap):
+        if tiling.block_q != 32:
+            raise ValueError(f"only32 needs block_q=32; got {tiling.block_q}")
+        return reference_attention(query, key, value, mask=mask, inputs=inputs,
+                                   softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap)
+
+
+def test_tiling_backward_defaults_and_validation():
+    t = bsa.Tiling(block_q=64, block_kv=32)
+    assert t.backward_blocks == (64, 32)
+    assert bsa.Tiling(block_q=64, block_kv=32, block_q_bwd=16).backward_blocks == (16, 32)
+    for bad in (0, -4, 1.5, True):
+        with pytest.raises(ValueError, match="block_q"):
+            bsa.Tiling(block_q=bad, block_kv=32)
+    with pytest.raises(ValueError, match="num_warps"):
+        bsa.Tiling(block_q=64, block_kv=64, num_warps=0)
+
+
+def test_autotune_keeps_a_runnable_candidate_and_reports_rejections():
+    keys = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(kk, (1, 2, 96, 16)) for kk in keys)
+    attn = bsa.BlockSparseAttention(mask=bsa.masks.Causal(), kernel=_OnlyBlock32())
+    candidates = [bsa.Tiling(block_q=64, block_kv=64), bsa.Tiling(block_q=32, block_kv=64),
+                  bsa.Tiling(block_q=32, block_kv=16)]
+    tuned, timings = bsa.tiling.autotune(attn, q, k, v, candidates=candidates, reps=1)
+    assert [t for t, _ in timings] == candidates
+    assert timings[0][1] is None
+    assert timings[1][1] is not None and timings[2][1] is not None
+    assert tuned.tiling in candidates[1:]
+    assert tuned.mask == attn.mask and attn.tiling is None  # the original is untouched
+    assert jnp.allclose(tuned(q, k, v), attn.__class__(mask=attn.mask, kernel=bsa.kernels.DenseReference())(q, k, v), atol=1e-5)
+
+
+def test_autotune_raises_when_every_candidate_is_rejected():
+    q = jax.random.normal(jax.random.key(4), (1, 2, 40, 8))
+    attn = bsa.BlockSparseAttention(kernel=_OnlyBlock32())
+    with pytest.raises(ValueError, match="rejected every candidate"):
+        bsa.tiling.autotune(attn, q, q, q, candidates=[bsa.Tiling(block_q=16, block_kv=16)], reps=1)
