@@ -1,0 +1,439 @@
+"""Raw Triton kernels of `TritonBlockSparse` (imported lazily: Triton may be absent).
+
+Every array is contiguous and batched: q ``[B, H, LQ, D]``, k ``[B, HKV, LK, D]``,
+v ``[B, HKV, LK, DV]``, o ``[B, H, LQ, DV]``, lse ``[B, H, LQ]`` (base 2: ``log2 sum exp2``),
+bias ``[BB, HB, LQ, LK]``, sinks ``[H, S]`` (float32), positions / segment ids ``[B, L]``.
+Layout lists are ``[MB, MH, n, capacity]`` int32 as in `eqx_bsattn.BlockLayout`.
+
+Every shape, flag and scalar is a `tl.constexpr`: jax-triton passes Python floats as fp64,
+and the shapes are static under `jit` anyway, so specialising on them costs no recompiles.
+
+The mask of a partial block is the AND of the canonical terms switched on by constexprs
+(``CAUSAL``, ``WIN_L``/``WIN_R``, ``CHUNK``, ``PREFIX``, ``HAS_SEG``), evaluated on positions;
+or, with ``USE_BITMAP``, a lookup in the layout's deduplicated element bitmaps.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+
+
+@triton.jit
+def _floordiv(a, c: tl.constexpr):
+    # Integer division rounding toward -inf whatever the hardware's rounding (positions may be
+    # negative).
+    t = a // c
+    return t - ((a - t * c) < 0).to(t.dtype)
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (exp(2x) + 1): exp overflowing to inf gives 1, underflowing to 0 gives -1; never NaN.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def _load2d(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    if CHECK_ROWS and CHECK_COLS:
+        x = tl.load(ptrs, mask=row_ok & col_ok, other=0.0)
+    elif CHECK_ROWS:
+        x = tl.load(ptrs, mask=row_ok, other=0.0)
+    elif CHECK_COLS:
+        x = tl.load(ptrs, mask=col_ok, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _visible(qp, kp, qs, ks, k_in,
+             CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr,
+             WIN_R: tl.constexpr, CHUNK: tl.constexpr, PREFIX: tl.constexpr,
+             HAS_SEG: tl.constexpr):
+    """Canonical mask on broadcastable query / key positions (and segment ids)."""
+    vis = k_in
+    if CAUSAL:
+        vis = vis & (kp <= qp + CAUSAL_OFF)
+    if WIN_L >= 0:
+        vis = vis & (kp >= qp - WIN_L)
+    if WIN_R >= 0:
+        vis = vis & (kp <= qp + WIN_R)
+    if CHUNK > 0:
+        vis = vis & (_floordiv(qp, CHUNK) == _floordiv(kp, CHUNK))
+    if PREFIX >= 0:
+        vis = vis & ((kp < PREFIX) | (kp <= qp))
+    if HAS_SEG:
+        vis = vis & (qs == ks) & (qs >= 0)
+    return vis
+
+
+@triton.jit
+def _logits(s, bias, SCALE: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Raw ``q.k`` to base-2 logits; also the tanh of the soft cap (for its gradient)."""
+    if HAS_BIAS or SOFTCAP > 0:
+        s = s * SCALE
+        if HAS_BIAS:
+            s = s + bias
+        if SOFTCAP > 0:
+            t = _tanh(s * (1.0 / SOFTCAP))
+            s = t * (SOFTCAP * LOG2E)
+        else:
+            t = s
+            s = s * LOG2E
+    else:
+        t = s
+        s = s * (SCALE * LOG2E)
+    return s, t
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, BIAS, SINKS, QPOS, KPOS, QSEG, KSEG,
+    FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
+    O, LSE,
+    H: tl.constexpr, HKV: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
+    NQB: tl.constexpr, CF: tl.constexpr, CP: tl.constexpr, MB: tl.constexpr, MH: tl.constexpr,
+    BB: tl.constexpr, HB: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+    SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_QPOS: tl.constexpr,
+    HAS_KPOS: tl.constexpr, HAS_SEG: tl.constexpr,
+    CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
+    CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = h // (H // HKV)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_bn = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, DP)
+    offs_dv = tl.arange(0, DVP)
+    row_ok = (offs_m < LQ)[:, None]
+    d_ok = (offs_d < D)[None, :]
+    dv_ok = (offs_dv < DV)[None, :]
+
+    q_base = Q + (b * H + h).to(tl.int64) * (LQ * D)
+    k_base = K + (b * HKV + hk).to(tl.int64) * (LK * D)
+    v_base = V + (b * HKV + hk).to(tl.int64) * (LK * DV)
+    q = _load2d(q_base + offs_m[:, None] * D + offs_d[None, :], row_ok, d_ok,
+                LQ % BLOCK_M != 0, D != DP)
+    if HAS_BIAS:
+        bias_base = BIAS + ((b if BB > 1 else 0) * HB + (h if HB > 1 else 0)).to(tl.int64) * (LQ * LK)
+    if HAS_QPOS:
+        qp = tl.load(QPOS + b * LQ + offs_m, mask=offs_m < LQ, other=0)
+    else:
+        qp = offs_m
+    if HAS_SEG:
+        qs = tl.load(QSEG + b * LQ + offs_m, mask=offs_m < LQ, other=-1)
+    else:
+        qs = offs_m
+
+    lrow = ((b if MB > 1 else 0) * MH + (h if MH > 1 else 0)) * NQB + pid_m
+    if HAS_SINKS:
+        offs_s = tl.arange(0, SP)
+        sk = tl.load(SINKS + h * S + offs_s, mask=offs_s < S, other=float("-inf")) * LOG2E
+        ms = tl.max(sk, 0)
+        m_i = tl.zeros([BLOCK_M], tl.float32) + ms
+        l_i = tl.zeros([BLOCK_M], tl.float32) + tl.sum(tl.exp2(sk - ms), 0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DVP], tl.float32)
+
+    for phase in tl.static_range(2):
+        if phase == 0:
+            count = tl.load(FCNT + lrow)
+            idx_ptr = FIDX + lrow * CF
+        else:
+            count = tl.load(PCNT + lrow)
+            idx_ptr = PIDX + lrow * CP
+            bm_ptr = BMIDX + lrow * CP
+        for it in range(count):
+            j = tl.load(idx_ptr + it)
+            offs_n = j * BLOCK_N + offs_bn
+            col_ok = (offs_n < LK)[:, None]
+            # Full blocks never hold the ragged last kv-block: no row check there.
+            k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
+                        phase == 1 and LK % BLOCK_N != 0, D != DP)
+            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
+            if HAS_BIAS:
+                bias = tl.load(bias_base + offs_m[:, None] * LK + offs_n[None, :],
+                               mask=row_ok & (offs_n < LK)[None, :], other=0.0).to(tl.float32)
+            else:
+                bias = 0.0
+            s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS)
+            if phase == 1:
+                if USE_BITMAP:
+                    bid = tl.load(bm_ptr + it).to(tl.int64)
+                    bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
+                                   + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + offs_bn[None, :])
+                    vis = bits != 0
+                else:
+                    if HAS_KPOS:
+                        kp = tl.load(KPOS + b * LK + offs_n, mask=offs_n < LK, other=0)
+                    else:
+                        kp = offs_n
+                    if HAS_SEG:
+                        ks = tl.load(KSEG + b * LK + offs_n, mask=offs_n < LK, other=-2)
+                    else:
+                        ks = offs_n
+                    vis = _visible(qp[:, None], kp[None, :], qs[:, None], ks[None, :],
+                                   (offs_n < LK)[None, :], CAUSAL, CAUSAL_OFF, WIN_L, WIN_R,
+                                   CHUNK, PREFIX, HAS_SEG)
+                s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen nothing yet keeps m = -inf: shift by 0 so exp2 gives 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
+                        phase == 1 and LK % BLOCK_N != 0, DV != DVP)
+            acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+            m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    # An empty row stores lse = +inf, so the backward's exp2(s - lse) is 0 there.
+    lse = tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    o_base = O + (b * H + h).to(tl.int64) * (LQ * DV)
+    tl.store(o_base + offs_m[:, None] * DV + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok & dv_ok)
+    tl.store(LSE + (b * H + h).to(tl.int64) * LQ + offs_m, lse, mask=offs_m < LQ)
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, BIAS, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
+    FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
+    DQ, DBIAS,
+    H: tl.constexpr, HKV: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
+    NQB: tl.constexpr, CF: tl.constexpr, CP: tl.constexpr, MB: tl.constexpr, MH: tl.constexpr,
+    BB: tl.constexpr, HB: tl.constexpr,
+    SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
+    CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = h // (H // HKV)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_bn = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, DP)
+    offs_dv = tl.arange(0, DVP)
+    row_ok = (offs_m < LQ)[:, None]
+    d_ok = (offs_d < D)[None, :]
+    dv_ok = (offs_dv < DV)[None, :]
+    CHECK_Q: tl.constexpr = LQ % BLOCK_M != 0
+
+    bh = (b * H + h).to(tl.int64)
+    q = _load2d(Q + bh * (LQ * D) + offs_m[:, None] * D + offs_d[None, :], row_ok, d_ok,
+                CHECK_Q, D != DP)
+    do = _load2d(DO + bh * (LQ * DV) + offs_m[:, None] * DV + offs_dv[None, :], row_ok, dv_ok,
+                 CHECK_Q, DV != DVP)
+    lse = tl.load(LSE + bh * LQ + offs_m, mask=offs_m < LQ, other=float("inf"))
+    delta = tl.load(DELTA + bh * LQ + offs_m, mask=offs_m < LQ, other=0.0)
+    k_base = K + (b * HKV + hk).to(tl.int64) * (LK * D)
+    v_base = V + (b * HKV + hk).to(tl.int64) * (LK * DV)
+    if HAS_BIAS:
+        bias_base = BIAS + ((b if BB > 1 else 0) * HB + (h if HB > 1 else 0)).to(tl.int64) * (LQ * LK)
+        dbias_base = DBIAS + bh * (LQ * LK)
+    if HAS_QPOS:
+        qp = tl.load(QPOS + b * LQ + offs_m, mask=offs_m < LQ, other=0)
+    else:
+        qp = offs_m
+    if HAS_SEG:
+        qs = tl.load(QSEG + b * LQ + offs_m, mask=offs_m < LQ, other=-1)
+    else:
+        qs = offs_m
+
+    lrow = ((b if MB > 1 else 0) * MH + (h if MH > 1 else 0)) * NQB + pid_m
+    dq = tl.zeros([BLOCK_M, DP], tl.float32)
+    for phase in tl.static_range(2):
+        if phase == 0:
+            count = tl.load(FCNT + lrow)
+            idx_ptr = FIDX + lrow * CF
+        else:
+            count = tl.load(PCNT + lrow)
+            idx_ptr = PIDX + lrow * CP
+            bm_ptr = BMIDX + lrow * CP
+        for it in range(count):
+            j = tl.load(idx_ptr + it)
+            offs_n = j * BLOCK_N + offs_bn
+            col_ok = (offs_n < LK)[:, None]
+            CHECK_K: tl.constexpr = phase == 1 and LK % BLOCK_N != 0
+            k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
+                        CHECK_K, D != DP)
+            v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
+                        CHECK_K, DV != DVP)
+            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
+            if HAS_BIAS:
+                bias = tl.load(bias_base + offs_m[:, None] * LK + offs_n[None, :],
+                               mask=row_ok & (offs_n < LK)[None, :], other=0.0).to(tl.float32)
+            else:
+                bias = 0.0
+            s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS)
+            if phase == 1:
+                if USE_BITMAP:
+                    bid = tl.load(bm_ptr + it).to(tl.int64)
+                    bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
+                                   + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + offs_bn[None, :])
+                    vis = bits != 0
+                else:
+                    if HAS_KPOS:
+                        kp = tl.load(KPOS + b * LK + offs_n, mask=offs_n < LK, other=0)
+                    else:
+                        kp = offs_n
+                    if HAS_SEG:
+                        ks = tl.load(KSEG + b * LK + offs_n, mask=offs_n < LK, other=-2)
+                    else:
+                        ks = offs_n
+                    vis = _visible(qp[:, None], kp[None, :], qs[:, None], ks[None, :],
+                                   (offs_n < LK)[None, :], CAUSAL, CAUSAL_OFF, WIN_L, WIN_R,
+                                   CHUNK, PREFIX, HAS_SEG)
+                s = tl.where(vis, s, float("-inf"))
+            p = tl.exp2(s - lse[:, None])
+            dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
+            ds = p * (dp - delta[:, None])
+            if SOFTCAP > 0:
+                ds = ds * (1.0 - t * t)
+            if HAS_BIAS:
+                tl.store(dbias_base + offs_m[:, None] * LK + offs_n[None, :], ds,
+                         mask=row_ok & (offs_n < LK)[None, :])
+            dq = _dot(ds.to(k.dtype), k, dq, IEEE)
+    dq = dq * SCALE
+    tl.store(DQ + bh * (LQ * D) + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=row_ok & d_ok)
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, BIAS, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
+    FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
+    DK, DV_OUT,
+    H: tl.constexpr, HKV: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
+    NKB: tl.constexpr, CF: tl.constexpr, CP: tl.constexpr, MB: tl.constexpr, MH: tl.constexpr,
+    BB: tl.constexpr, HB: tl.constexpr,
+    SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
+    CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One program per (kv-block, kv head, batch); it loops over the q heads of its group, so
+    grouped-query gradients are summed in registers, deterministically, without atomics.
+    Tiles are computed transposed (``[BLOCK_N, BLOCK_M]``: keys by queries)."""
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    GROUP: tl.constexpr = H // HKV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_bm = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, DP)
+    offs_dv = tl.arange(0, DVP)
+    n_ok = (offs_n < LK)[:, None]
+    d_ok = (offs_d < D)[None, :]
+    dv_ok = (offs_dv < DV)[None, :]
+    CHECK_K: tl.constexpr = LK % BLOCK_N != 0
+    CHECK_Q: tl.constexpr = LQ % BLOCK_M != 0
+
+    bhk = (b * HKV + hk).to(tl.int64)
+    k = _load2d(K + bhk * (LK * D) + offs_n[:, None] * D + offs_d[None, :], n_ok, d_ok,
+                CHECK_K, D != DP)
+    v = _load2d(V + bhk * (LK * DV) + offs_n[:, None] * DV + offs_dv[None, :], n_ok, dv_ok,
+                CHECK_K, DV != DVP)
+    if HAS_KPOS:
+        kp = tl.load(KPOS + b * LK + offs_n, mask=offs_n < LK, other=0)
+    else:
+        kp = offs_n
+    if HAS_SEG:
+        ks = tl.load(KSEG + b * LK + offs_n, mask=offs_n < LK, other=-2)
+    else:
+        ks = offs_n
+    k_in = (offs_n < LK)[:, None]
+
+    dk = tl.zeros([BLOCK_N, DP], tl.float32)
+    dv = tl.zeros([BLOCK_N, DVP], tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh = (b * H + h).to(tl.int64)
+        q_base = Q + bh * (LQ * D)
+        do_base = DO + bh * (LQ * DV)
+        if HAS_BIAS:
+            bias_base = BIAS + ((b if BB > 1 else 0) * HB + (h if HB > 1 else 0)).to(tl.int64) * (LQ * LK)
+        lrow = ((b if MB > 1 else 0) * MH + (h if MH > 1 else 0)) * NKB + pid_n
+        for phase in tl.static_range(2):
+            if phase == 0:
+                count = tl.load(FCNT + lrow)
+                idx_ptr = FIDX + lrow * CF
+            else:
+                count = tl.load(PCNT + lrow)
+                idx_ptr = PIDX + lrow * CP
+                bm_ptr = BMIDX + lrow * CP
+            for it in range(count):
+                i = tl.load(idx_ptr + it)
+                offs_m = i * BLOCK_M + offs_bm
+                m_ok = (offs_m < LQ)[:, None]
+                q = _load2d(q_base + offs_m[:, None] * D + offs_d[None, :], m_ok, d_ok,
+                            CHECK_Q, D != DP)
+                do = _load2d(do_base + offs_m[:, None] * DV + offs_dv[None, :], m_ok, dv_ok,
+                             CHECK_Q, DV != DVP)
+                lse = tl.load(LSE + bh * LQ + offs_m, mask=offs_m < LQ, other=float("inf"))
+                delta = tl.load(DELTA + bh * LQ + offs_m, mask=offs_m < LQ, other=0.0)
+                s = _dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
+                if HAS_BIAS:
+                    bias = tl.load(bias_base + offs_m[None, :] * LK + offs_n[:, None],
+                                   mask=(offs_m < LQ)[None, :] & n_ok, other=0.0).to(tl.float32)
+                else:
+                    bias = 0.0
+                s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS)
+                if phase == 1:
+                    if USE_BITMAP:
+                        bid = tl.load(bm_ptr + it).to(tl.int64)
+                        bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
+                                       + offs_bm[None, :] * BLOCK_N
+                                       + tl.arange(0, BLOCK_N)[:, None])
+                        vis = bits != 0
+                    else:
+                        if HAS_QPOS:
+                            qp = tl.load(QPOS + b * LQ + offs_m, mask=offs_m < LQ, other=0)
+                        else:
+                            qp = offs_m
+                        if HAS_SEG:
+                            qs = tl.load(QSEG + b * LQ + offs_m, mask=offs_m < LQ, other=-1)
+                        else:
+                            qs = offs_m
+                        vis = _visible(qp[None, :], kp[:, None], qs[None, :], ks[:, None], k_in,
+                                       CAUSAL, CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX, HAS_SEG)
+                    s = tl.where(vis, s, float("-inf"))
+                p = tl.exp2(s - lse[None, :])
+                dv = _dot(p.to(do.dtype), do, dv, IEEE)
+                dp = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
+                ds = p * (dp - delta[None, :])
+                if SOFTCAP > 0:
+                    ds = ds * (1.0 - t * t)
+                dk = _dot(ds.to(q.dtype), q, dk, IEEE)
+    dk = dk * SCALE
+    tl.store(DK + bhk * (LK * D) + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=n_ok & d_ok)
+    tl.store(DV_OUT + bhk * (LK * DV) + offs_n[:, None] * DV + offs_dv[None, :],
+             dv.to(DV_OUT.dtype.element_ty), mask=n_ok & dv_ok)

@@ -1,0 +1,511 @@
+"""`TritonBlockSparse`: block-sparse flash attention in Triton, launched through jax-triton.
+
+Triton and jax-triton are imported lazily (inside functions), so this module imports on machines
+that have neither; the kernel then declines with a reason the selector shows.
+"""
+
+import dataclasses
+import functools
+import math
+import warnings
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqx_bsattn._kernel import AbstractKernel, Features
+from eqx_bsattn._layout import build_layout
+from eqx_bsattn._mask import AbstractMask, And, Full
+from eqx_bsattn._tiling import Tiling
+
+_LN2 = math.log(2.0)
+_SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+_MAX_HEAD_DIM = 256
+
+#: Tests replace this with a launcher of their own (e.g. Triton's interpreter on the CPU);
+#: ``None`` means `jax_triton.triton_call`.
+_LAUNCH = None
+
+
+def _launcher():
+    if _LAUNCH is not None:
+        return _LAUNCH
+    import jax_triton
+
+    return jax_triton.triton_call
+
+
+def _kernels():
+    from . import _triton_kernels
+
+    return _triton_kernels
+
+
+@functools.cache
+def _jax_triton_missing() -> str | None:
+    try:
+        import jax_triton  # noqa: F401
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install that fails at import
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The mask compiler: mask tree -> the canonical form the kernel evaluates with constexprs.
+
+
+@dataclasses.dataclass(frozen=True)
+class CanonicalMask:
+    """An AND of position predicates, each switched on by a kernel constexpr.
+
+    ``causal_offset``: ``k <= q + offset``; ``window_left``/``window_right``:
+    ``q - left <= k <= q + right``; ``chunk``: same ``pos // chunk``; ``prefix``:
+    ``k < prefix or k <= q``; ``document``: equal, non-negative segment ids. ``None`` / False
+    switch a term off.
+    """
+
+    causal_offset: int | None = None
+    window_left: int | None = None
+    window_right: int | None = None
+    chunk: int | None = None
+    prefix: int | None = None
+    document: bool = False
+
+    @property
+    def uses_positions(self) -> bool:
+        return any(x is not None for x in (self.causal_offset, self.window_left,
+                                           self.window_right, self.chunk, self.prefix))
+
+    def constexprs(self) -> dict:
+        return dict(
+            CAUSAL=self.causal_offset is not None,
+            CAUSAL_OFF=self.causal_offset or 0,
+            WIN_L=-1 if self.window_left is None else self.window_left,
+            WIN_R=-1 if self.window_right is None else self.window_right,
+            CHUNK=self.chunk or 0,
+            PREFIX=-1 if self.prefix is None else self.prefix,
+        )
+
+
+def _min(a, b):
+    return b if a is None else a if b is None else min(a, b)
+
+
+def canonical_mask(mask: AbstractMask) -> CanonicalMask | None:
+    """Compile `mask` into a `CanonicalMask`, or ``None`` if it is not an AND of built-ins.
+
+    Walks the ``&`` tree; each leaf must be `Full`, `Causal`, `SlidingWindow`, `ChunkedCausal`,
+    `PrefixLM` or `Document` (with their options). Repeated terms merge (the tighter wins);
+    two different chunk sizes do not. ``|``, ``~`` and every other mask give ``None``.
+
+    ```python
+    canonical_mask(masks.Causal() & masks.SlidingWindow(1024, 0))
+    # CanonicalMask(causal_offset=0, window_left=1024, window_right=0, ...)
+    ```
+    """
+    from eqx_bsattn.strategies.masks import (
+        Causal, ChunkedCausal, Document, PrefixLM, SlidingWindow,
+    )
+
+    leaves = []
+
+    def walk(m):
+        if type(m) is And:
+            walk(m.left)
+            walk(m.right)
+        else:
+            leaves.append(m)
+
+    walk(mask)
+    out = {"causal_offset": None, "window_left": None, "window_right": None, "chunk": None,
+           "prefix": None, "document": False}
+    for leaf in leaves:
+        kind = type(leaf)
+        if kind is Full:
+            continue
+        if kind is Causal:
+            if leaf.bottom_right:  # not resolved against the lengths yet
+                return None
+            out["causal_offset"] = _min(out["causal_offset"], leaf.offset)
+        elif kind is SlidingWindow:
+            out["window_left"] = _min(out["window_left"], leaf.left)
+            out["window_right"] = _min(out["window_right"], leaf.right)
+        elif kind is ChunkedCausal:
+            if out["chunk"] is not None and out["chunk"] != leaf.chunk_size:
+                return None
+            out["chunk"] = leaf.chunk_size
+            out["causal_offset"] = _min(out["causal_offset"], 0)
+        elif kind is PrefixLM:
+            # (causal | k < p1) & (causal | k < p2) == causal | k < min(p1, p2)
+            out["prefix"] = _min(out["prefix"], leaf.prefix_length)
+        elif kind is Document:
+            out["document"] = True
+        else:
+            return None
+    return CanonicalMask(**out)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration and the launches.
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def _check_tiling(tiling: Tiling) -> None:
+    bq, bk = tiling.backward_blocks
+    for name, value in (("block_q", tiling.block_q), ("block_kv", tiling.block_kv),
+                        ("block_q_bwd", bq), ("block_kv_bwd", bk)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(
+                f"TritonBlockSparse needs Tiling.{name} to be a power of two >= 16; got {value}."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything static about one call: shapes, flags and launch parameters (hashable)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    value_dim: int
+    dtype: str
+    bias_shape: tuple[int, int] | None
+    num_sinks: int
+    softmax_scale: float
+    soft_cap: float
+    canonical: CanonicalMask | None
+    has_q_positions: bool
+    has_kv_positions: bool
+    fwd_blocks: tuple[int, int]
+    bwd_blocks: tuple[int, int]
+    fwd_launch: tuple[int, int]
+    bwd_launch: tuple[int, int]
+
+    def common(self) -> dict:
+        c = self.canonical
+        flags = dict(CAUSAL=False, CAUSAL_OFF=0, WIN_L=-1, WIN_R=-1, CHUNK=0, PREFIX=-1)
+        if c is not None:
+            flags = c.constexprs()
+        bb, hb = self.bias_shape or (1, 1)
+        return dict(
+            H=self.heads, HKV=self.kv_heads, LQ=self.q_len, LK=self.kv_len,
+            D=self.head_dim, DV=self.value_dim, DP=_pow2(self.head_dim),
+            DVP=_pow2(self.value_dim), BB=bb, HB=hb,
+            SCALE=float(self.softmax_scale), SOFTCAP=float(self.soft_cap),
+            HAS_BIAS=self.bias_shape is not None,
+            HAS_QPOS=self.has_q_positions and c is not None and c.uses_positions,
+            HAS_KPOS=self.has_kv_positions and c is not None and c.uses_positions,
+            HAS_SEG=c is not None and c.document,
+            USE_BITMAP=c is None,
+            IEEE=self.dtype == "float32",
+            **flags,
+        )
+
+
+def _sequential_vmap(fn):
+    """Give a launch (arrays in, tuple of arrays out) a vmap rule: one launch per element.
+
+    jax-triton has no batching rule; the module always passes batched ``[B, H, L, D]``, so
+    this only serves a user's `jax.vmap` over the whole attention call.
+    """
+    wrapped = jax.custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = tuple(
+            a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            for a, batched in zip(args, in_batched)
+        )
+        out = jax.lax.map(lambda xs: wrapped(*xs), args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return wrapped
+
+
+def _layout_arrays(layout, transposed: bool):
+    bitmaps = layout.bitmaps
+    if bitmaps is None:
+        bitmaps = jnp.zeros((1,), jnp.int8)
+        idx = layout.t_partial_count if transposed else layout.partial_count
+    else:
+        bitmaps = bitmaps.astype(jnp.int8)
+        idx = layout.t_bitmap_index if transposed else layout.bitmap_index
+    if transposed:
+        arrays = (layout.t_full_count, layout.t_full_index, layout.t_partial_count,
+                  layout.t_partial_index, idx, bitmaps)
+    else:
+        arrays = (layout.full_count, layout.full_index, layout.partial_count,
+                  layout.partial_index, idx, bitmaps)
+    return tuple(jnp.asarray(a).astype(jnp.int32) if a.dtype != jnp.int8 else a for a in arrays)
+
+
+def _list_params(arrays) -> dict:
+    fcnt, fidx, _, pidx, _, _ = arrays
+    return dict(CF=fidx.shape[-1], CP=pidx.shape[-1], MB=fcnt.shape[0], MH=fcnt.shape[1])
+
+
+def _forward_launch(cfg: _Config, q, k, v, bias, sinks, data, lists):
+    launch = _launcher()
+    kern = _kernels()
+    bq, bk = cfg.fwd_blocks
+    nq = math.ceil(cfg.q_len / bq)
+    warps, stages = cfg.fwd_launch
+    params = cfg.common()
+    params.update(_list_params(lists), NQB=nq, S=max(cfg.num_sinks, 1),
+                  SP=max(2, 1 << max(cfg.num_sinks - 1, 0).bit_length()),
+                  HAS_SINKS=cfg.num_sinks > 0, BLOCK_M=bq, BLOCK_N=bk)
+
+    def run(q, k, v, bias, sinks, *rest):
+        return tuple(launch(
+            q, k, v, bias, sinks, *rest,
+            kernel=kern._fwd_kernel,
+            out_shape=(
+                jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.q_len, cfg.value_dim), q.dtype),
+                jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.q_len), jnp.float32),
+            ),
+            grid=(nq, cfg.heads, cfg.batch), num_warps=warps, num_stages=stages, **params,
+        ))
+
+    return _sequential_vmap(run)(q, k, v, bias, sinks, *data, *lists)
+
+
+def _backward_launch(cfg: _Config, q, k, v, bias, data, lists, t_lists, do, lse, delta):
+    launch = _launcher()
+    kern = _kernels()
+    bq, bk = cfg.bwd_blocks
+    nq = math.ceil(cfg.q_len / bq)
+    nk = math.ceil(cfg.kv_len / bk)
+    warps, stages = cfg.bwd_launch
+    params = cfg.common()
+    params.update(BLOCK_M=bq, BLOCK_N=bk)
+    has_bias = cfg.bias_shape is not None
+    dbias_shape = (cfg.batch, cfg.heads, cfg.q_len, cfg.kv_len) if has_bias else (1,)
+
+    def run_dq(q, k, v, bias, *rest):
+        return tuple(launch(
+            q, k, v, bias, *rest,
+            kernel=kern._dq_kernel,
+            out_shape=(
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+            ),
+            # Blocks no program visits keep the zero gradient they have.
+            zeroed_outputs=(1,) if has_bias else (),
+            grid=(nq, cfg.heads, cfg.batch), num_warps=warps, num_stages=stages,
+            NQB=nq, **_list_params(lists), **params,
+        ))
+
+    def run_dkdv(q, k, v, bias, *rest):
+        return tuple(launch(
+            q, k, v, bias, *rest,
+            kernel=kern._dkdv_kernel,
+            out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
+                       jax.ShapeDtypeStruct(v.shape, v.dtype)),
+            grid=(nk, cfg.kv_heads, cfg.batch), num_warps=warps, num_stages=stages,
+            NKB=nk, **_list_params(t_lists), **params,
+        ))
+
+    dq, dbias = _sequential_vmap(run_dq)(q, k, v, bias, *data, do, lse, delta, *lists)
+    dk, dv = _sequential_vmap(run_dkdv)(q, k, v, bias, *data, do, lse, delta, *t_lists)
+    return dq, dk, dv, dbias
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(cfg, q, k, v, bias, sinks, data, lists, bwd_lists):
+    out, _ = _forward_launch(cfg, q, k, v, bias, sinks, data, lists)
+    return out
+
+
+def _attend_fwd(cfg, q, k, v, bias, sinks, data, lists, bwd_lists):
+    out, lse = _forward_launch(cfg, q, k, v, bias, sinks, data, lists)
+    return out, (q, k, v, bias, sinks, data, lists, bwd_lists, out, lse)
+
+
+def _attend_bwd(cfg, res, do):
+    q, k, v, bias, sinks, data, lists, bwd_lists, out, lse = res
+    do = do.astype(q.dtype)
+    # delta = rowsum(dO * O): one fused elementwise pass in XLA, memory-bound and cheap.
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    fwd_lists, t_lists = bwd_lists
+    dq, dk, dv, dbias_full = _backward_launch(cfg, q, k, v, bias, data, fwd_lists, t_lists,
+                                              do, lse, delta)
+    if cfg.bias_shape is not None:
+        bb, hb = cfg.bias_shape
+        axes = tuple(a for a, n in ((0, bb), (1, hb)) if n == 1)
+        dbias = jnp.sum(dbias_full, axis=axes, keepdims=True).astype(bias.dtype)
+    else:
+        dbias = jnp.zeros_like(bias)
+    if cfg.num_sinks > 0:
+        # d sink[h, s] = -sum over rows of exp(sink - lse) * delta (lse stored in base 2).
+        lse_nat = lse * _LN2
+        weight = jnp.exp(sinks[None, :, None, :] - lse_nat[..., None])  # [B, H, LQ, S]
+        dsinks = -jnp.sum(weight * delta[..., None], axis=(0, 2)).astype(sinks.dtype)
+    else:
+        dsinks = jnp.zeros_like(sinks)
+    zeros = jax.tree.map(_zero_cotangent, (data, lists, bwd_lists))
+    return (dq, dk, dv, dbias, dsinks) + zeros
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel strategy.
+
+
+class TritonBlockSparse(AbstractKernel):
+    """Block-sparse flash attention written in Triton, launched from JAX with jax-triton.
+
+    The forward pass runs one program per (q-block, head, batch) over that q-block's visited
+    kv-blocks: full blocks without masking, partial blocks with the mask evaluated in the
+    kernel; online softmax in base 2 with float32 accumulation; it keeps the log-sum-exp for
+    the backward pass. The backward pass is split: a dq kernel over q-blocks and a dk/dv
+    kernel over kv-blocks (the layout's transposed lists) that loops over the q heads of its
+    group, so grouped-query gradients are reduced deterministically, without atomics. Forward
+    and backward have their own block sizes (`Tiling.backward_blocks`) and layouts.
+
+    Masks that are an AND of `Causal`, `SlidingWindow`, `ChunkedCausal`, `PrefixLM`,
+    `Document` and `Full` are evaluated in the kernel from positions (and segment ids); any
+    other mask without per-call data uses the layout's deduplicated element bitmaps.
+
+    Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, Dv]`` in bfloat16, float16
+    or float32 (float32 products in full precision), head dims up to 256 (padded to a power of
+    two inside the kernel); bias, sinks, soft cap, segment ids and positions, all
+    differentiable where they are floating. GPU only; needs ``jax-triton`` (the ``gpu``
+    extra).
+
+    **Arguments:**
+
+    - `fused_backward`: accepted for symmetry with other kernels, but no fused backward is
+      built: when True, a warning says the split backward runs instead.
+
+    ```python
+    attn = BlockSparseAttention(mask=masks.Causal(), kernel=kernels.TritonBlockSparse())
+    out = attn(q, k, v)          # q [B, H, L, D] bfloat16 on a GPU
+    ```
+    """
+
+    fused_backward: bool = eqx.field(default=False, static=True)
+
+    name: ClassVar[str] = "triton"
+
+    @classmethod
+    def priority(cls, platform):
+        return 30 if platform == "gpu" else None
+
+    def decline_reason(self, mask: AbstractMask, features: Features) -> str | None:
+        if features.platform != "gpu":
+            return f"Triton kernels run only on GPUs; this call runs on {features.platform!r}."
+        missing = _jax_triton_missing()
+        if missing is not None:
+            return f"jax_triton / triton cannot be imported ({missing}); install the `gpu` extra."
+        if features.dtype not in _SUPPORTED_DTYPES:
+            return f"dtype {features.dtype} is not supported (bfloat16, float16, float32 are)."
+        if max(features.head_dim, features.value_dim) > _MAX_HEAD_DIM:
+            return (f"head dims above {_MAX_HEAD_DIM} are not supported; got "
+                    f"{features.head_dim} / {features.value_dim}.")
+        if canonical_mask(mask) is None and (features.positions or features.segment_ids):
+            return ("the mask is not an AND of causal/window/chunk/prefix/document masks, so it "
+                    "needs element bitmaps, which cannot be built with per-call positions or "
+                    "segment ids.")
+        return None
+
+    def default_tiling(self, features: Features) -> Tiling:
+        width = max(_pow2(features.head_dim), _pow2(features.value_dim))
+        width *= 2 if features.dtype == "float32" else 1
+        if width <= 128:
+            fwd, bwd, fl, bl = (128, 128), (64, 128), (4, 3), (4, 2)
+        elif width <= 256:
+            fwd, bwd, fl, bl = (128, 128), (64, 128), (8, 3), (8, 2)
+        elif width <= 512:
+            fwd, bwd, fl, bl = (64, 64), (64, 32), (8, 2), (8, 2)
+        else:
+            fwd, bwd, fl, bl = (32, 32), (32, 32), (4, 1), (4, 1)
+        # Short sequences (decoding) waste less with smaller tiles.
+        cap_q, cap_k = _pow2(features.q_len), _pow2(features.kv_len)
+        return Tiling(
+            block_q=min(fwd[0], cap_q), block_kv=min(fwd[1], cap_k),
+            block_q_bwd=min(bwd[0], cap_q), block_kv_bwd=min(bwd[1], cap_k),
+            num_warps=fl[0], num_stages=fl[1], num_warps_bwd=bl[0], num_stages_bwd=bl[1],
+        )
+
+    def __call__(self, query, key, value, *, mask, inputs, tiling, softmax_scale,
+                 logits_soft_cap):
+        if self.fused_backward:
+            warnings.warn(
+                "TritonBlockSparse(fused_backward=True): no fused backward is built; the split "
+                "backward (dq kernel + dk/dv kernel) runs instead.",
+                stacklevel=2,
+            )
+        _check_tiling(tiling)
+        batch, heads, q_len, dim = query.shape
+        kv_heads, kv_len, value_dim = value.shape[1:]
+        canonical = canonical_mask(mask)
+        bitmaps = canonical is None
+        if bitmaps and (inputs.q_positions is not None or inputs.kv_positions is not None
+                        or inputs.q_segment_ids is not None):
+            raise ValueError(
+                "TritonBlockSparse cannot run this mask with per-call positions or segment ids "
+                "(it needs element bitmaps, which need a static layout)."
+            )
+        positional = dict(q_positions=inputs.q_positions, kv_positions=inputs.kv_positions,
+                          q_segment_ids=inputs.q_segment_ids,
+                          kv_segment_ids=inputs.kv_segment_ids)
+
+        def layout_for(bq, bk):
+            return build_layout(mask, q_len=q_len, kv_len=kv_len, num_heads=heads, block_q=bq,
+                                block_kv=bk, with_bitmaps=bitmaps, **positional)
+
+        fwd_blocks = (tiling.block_q, tiling.block_kv)
+        bwd_blocks = tiling.backward_blocks
+        fwd_layout = layout_for(*fwd_blocks)
+        bwd_layout = fwd_layout if bwd_blocks == fwd_blocks else layout_for(*bwd_blocks)
+        lists = _layout_arrays(fwd_layout, transposed=False)
+        bwd_lists = (_layout_arrays(bwd_layout, transposed=False),
+                     _layout_arrays(bwd_layout, transposed=True))
+
+        dummy_int = jnp.zeros((1,), jnp.int32)
+
+        def int_or_dummy(x):
+            return dummy_int if x is None else x.astype(jnp.int32)
+
+        data = tuple(int_or_dummy(positional[n]) for n in
+                     ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids"))
+        bias = inputs.bias
+        bias_arg = jnp.zeros((1,), jnp.float32) if bias is None else bias
+        sinks = inputs.sinks
+        sinks_arg = (jnp.zeros((1, 1), jnp.float32) if sinks is None
+                     else sinks.astype(jnp.float32))
+        fwd_warps = tiling.num_warps or 4
+        fwd_stages = tiling.num_stages or 2
+        cfg = _Config(
+            batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+            head_dim=dim, value_dim=value_dim, dtype=jnp.dtype(query.dtype).name,
+            bias_shape=None if bias is None else tuple(bias.shape[:2]),
+            num_sinks=0 if sinks is None else sinks.shape[-1],
+            softmax_scale=float(softmax_scale),
+            soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
+            canonical=canonical,
+            has_q_positions=inputs.q_positions is not None,
+            has_kv_positions=inputs.kv_positions is not None,
+            fwd_blocks=fwd_blocks, bwd_blocks=bwd_blocks,
+            fwd_launch=(fwd_warps, fwd_stages),
+            bwd_launch=(tiling.num_warps_bwd or fwd_warps, tiling.num_stages_bwd or fwd_stages),
+        )
+        out = _attend(cfg, query, key, value, bias_arg, sinks_arg, data, lists, bwd_lists)
+        return out.astype(query.dtype)
