@@ -4,4 +4,5 @@ from eqx_bsattn._kernel import AbstractKernel as AbstractKernel, Features as Fea
 
 from .reference import DenseReference as DenseReference, reference_attention as reference_attention
 from .cudnn import CudnnDense as CudnnDense
+from .xla import XlaBlockSparse as XlaBlockSparse
 from .triton import TritonBlockSparse as TritonBlockSparse

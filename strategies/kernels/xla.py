@@ -1,0 +1,601 @@
+"""`XlaBlockSparse`: block-sparse flash attention in plain JAX (`lax` loops), for every platform.
+
+Work is organised in four mapped levels ``(batch, kv_head, unit, block)``. A *unit* is the set of
+query heads that share one list of kv-blocks: when the mask is the same for every head, the
+``group = H // Hkv`` query heads of a kv head form one unit (``G = group`` heads inside a unit,
+so each gathered K/V block serves the whole group); with per-head masks each query head is its
+own unit (``G = 1``). One `lax.fori_loop` walks the slots of the `BlockLayout` lists, first the
+FULL blocks (no masking), then the PARTIAL ones (mask evaluated on the block's token indices);
+at each slot every (batch, kv_head, unit, block) advances at once, mapped with `vmap`. The work
+scales with the number of visited blocks; no ``Lq x Lk`` array is built (a user-given bias
+already is that size: its blocks are sliced out of it)."""
+
+import functools
+import math
+from typing import Any, ClassVar, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqx_bsattn._kernel import AbstractKernel, Features
+from eqx_bsattn._layout import BlockLayout, build_layout, element_mask
+from eqx_bsattn._mask import AbstractMask
+from eqx_bsattn._tiling import Tiling
+
+_F32 = jnp.float32
+_FWD_LISTS = ("full_count", "full_index", "partial_count", "partial_index")
+_T_LISTS = ("t_full_count", "t_full_index", "t_partial_count", "t_partial_index")
+
+
+class _Trips(NamedTuple):
+    """How many slots a loop over one block list runs, known at trace time for static layouts.
+
+    ``n`` is the largest count (``None``: read it on the device); ``uniform`` is True when every
+    list has exactly ``n`` entries, so no slot needs to be switched off.
+    """
+
+    n: int | None
+    uniform: bool
+
+
+class _Config(NamedTuple):
+    """Everything static about one call; hashable, so compiled functions are reused."""
+
+    mask: AbstractMask  # the static part (arrays partitioned out)
+    scale: float
+    soft_cap: float | None
+    block_q: int
+    block_kv: int
+    block_q_bwd: int
+    block_kv_bwd: int
+    fwd_trips: tuple[_Trips, _Trips]  # full, partial lists of the forward layout
+    dq_trips: tuple[_Trips, _Trips]  # the same lists of the backward layout
+    dkv_trips: tuple[_Trips, _Trips]  # its transposed lists
+
+
+# ------------------------------------------------------------------------------------------------
+# Arranging arrays into the mapped levels.
+
+
+def _map_levels(fn, sizes: tuple[int, ...], *args):
+    """`vmap` `fn` over the leading axes `sizes` of every array in `args`.
+
+    Each array has ``len(sizes)`` leading axes, each either the level's size (mapped) or 1
+    (shared by the whole level: squeezed and broadcast by `vmap`, never copied).
+    """
+    if not sizes:
+        return fn(*args)
+    n = sizes[0]
+    axes = jax.tree.map(lambda x: 0 if x.shape[0] == n else None, args)
+    args = jax.tree.map(lambda x: x if x.shape[0] == n else x[0], args)
+    inner = functools.partial(_map_levels, fn, sizes[1:])
+    return jax.vmap(inner, in_axes=axes)(*args)
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, extra)
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _rows_to_units(x, block: int, group: int, per_head: bool, value=0):
+    """``[B, H, L, *e]`` -> ``[B, Hkv, U, n, G, block, *e]`` (q-side arrays: q, dO, lse, delta)."""
+    b, h, length = x.shape[:3]
+    n = math.ceil(length / block)
+    x = _pad_axis(x, 2, n * block, value)
+    x = x.reshape(b, h // group, group, n, block, *x.shape[3:])
+    if per_head:
+        return x[:, :, :, :, None]
+    return jnp.moveaxis(x, 2, 3)[:, :, None]
+
+
+def _units_to_rows(x, length: int, per_head: bool):
+    """Inverse of `_rows_to_units`: ``[B, Hkv, U, n, G, block, *e]`` -> ``[B, H, L, *e]``."""
+    x = x[:, :, :, :, 0] if per_head else jnp.moveaxis(x[:, :, 0], 3, 2)
+    b, hkv, group, n, block = x.shape[:5]
+    return x.reshape(b, hkv * group, n * block, *x.shape[5:])[:, :, :length]
+
+
+def _kv_blocks(x, block: int):
+    """``[B, Hkv, L, e]`` -> ``[B, Hkv, nk, block, e]``, zero-padded."""
+    b, hkv, length, e = x.shape
+    n = math.ceil(length / block)
+    return _pad_axis(x, 2, n * block).reshape(b, hkv, n, block, e)
+
+
+def _lists_to_units(x, group: int, per_head: bool):
+    """Layout arrays ``[mb, mh, n, *c]`` -> ``[mb, Hkv or 1, U, n, *c]``."""
+    if per_head:
+        return x.reshape(x.shape[0], x.shape[1] // group, group, *x.shape[2:])
+    return x[:, :, None]
+
+
+def _per_head_to_units(x, heads: int, group: int, per_head: bool):
+    """Arrays with a leading axis of 1 or ``H`` -> ``[Hkv or 1, U or 1, G or 1, ...]``."""
+    if x.shape[0] == 1 or heads == 1:
+        return x[:, None, None]
+    x = x.reshape(heads // group, group, *x.shape[1:])
+    return x[:, :, None] if per_head else x[:, None]
+
+
+def _bias_to_units(bias, heads: int, group: int, per_head: bool, bq: int, bk: int):
+    """``[bb, hb, Lq, Lk]`` -> ``[bb, Hkv|1, U|1, Gb, Lq', Lk']`` padded to whole blocks."""
+    lq, lk = bias.shape[2:]
+    bias = _pad_axis(bias, 2, math.ceil(lq / bq) * bq)
+    bias = _pad_axis(bias, 3, math.ceil(lk / bk) * bk)
+    return jax.vmap(lambda b: _per_head_to_units(b, heads, group, per_head))(bias)
+
+
+# ------------------------------------------------------------------------------------------------
+# The pieces every pass shares.
+
+
+def _slot_loop(trips: _Trips, count, index, body, carry):
+    """Walk block lists slot by slot: at slot ``t`` every unit advances by its ``t``-th block.
+
+    `count` ``[..., n]`` and `index` ``[..., n, c]`` are a layout's lists arranged in levels.
+    ``body(t, j, live, carry)`` gets each unit's block ``j`` at that slot and whether the slot
+    is inside the unit's list (``None`` when every list is full, so nothing is switched off).
+    The loop is the outermost construct and the work inside it is mapped: one loop for all
+    units keeps tracing and compiling cheap.
+    """
+    if trips.n == 0:
+        return carry
+    # A layout built on the device: loop to the largest count there.
+    stop = jnp.max(count) if trips.n is None else trips.n
+
+    def step(t, carry):
+        j = jax.lax.dynamic_index_in_dim(index, t, axis=-1, keepdims=False)
+        live = None if trips.uniform else t < count
+        return body(t, j, live, carry)
+
+    return jax.lax.fori_loop(0, stop, step, carry)
+
+
+def _scores(cfg: _Config, q_blk, k_blk, bias_blk):
+    """Logits of one block, float32: ``[G, bq, D] x [bk, D] -> [G, bq, bk]``.
+
+    Also returns ``tanh(s / c)`` under a soft cap (the backward pass needs its derivative).
+    """
+    s = jnp.einsum("gqd,kd->gqk", q_blk, k_blk, preferred_element_type=_F32) * cfg.scale
+    if bias_blk is not None:
+        s = s + bias_blk.astype(_F32)
+    if cfg.soft_cap is None:
+        return s, None
+    t = jnp.tanh(s / cfg.soft_cap)
+    return cfg.soft_cap * t, t
+
+
+def _masked_scores(mask, s, head, i, j, masked: bool, live, data, shape_info):
+    """`s` with invisible pairs at ``-inf``; also says whether any pair could be hidden.
+
+    PARTIAL blocks evaluate the mask on their token indices (bounds included); FULL blocks
+    skip it. `live` (a scalar) switches off a slot past the end of its list.
+    """
+    bq, bk, q_len, kv_len = shape_info
+    vis = None
+    if masked:
+        qp, kp, qs, ks = data
+        q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
+        k_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
+        vis = element_mask(
+            mask, head, q_idx[:, None], k_idx[None, :], q_len=q_len, kv_len=kv_len,
+            q_positions=qp, kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks,
+        )
+    if live is not None:
+        vis = live if vis is None else vis & live
+    if vis is None:
+        return s, False
+    return jnp.where(vis, s, -jnp.inf), True
+
+
+def _bias_block(bias_u, i, j, bq: int, bk: int):
+    if bias_u is None:
+        return None
+    return jax.lax.dynamic_slice(bias_u, (0, i * bq, j * bk), (bias_u.shape[0], bq, bk))
+
+
+class _Arranged(NamedTuple):
+    """One pass's arrays arranged in mapped levels (see `_map_levels`)."""
+
+    sizes: tuple[int, ...]
+    per_head: bool
+    heads: Any  # [1, Hkv, U, 1] query-head ids (per-head masks) or None
+    blocks: Any  # [1, 1, 1, n] block ids of the last level
+    data: list  # positions / segment ids, [B, 1, 1, 1, L] or None
+    bias: Any  # [bb, Hkv|1, U|1, 1, Gb, Lq', Lk'] or None
+
+
+def _per_head_layout(lists: dict) -> bool:
+    """Whether the layout has one list per query head (a per-head mask) or one for all."""
+    return lists["full_count"].shape[1] > 1
+
+
+def _arrange(aux, per_head: bool, bias, q, k, bq: int, bk: int, last: int) -> _Arranged:
+    batch, heads = q.shape[:2]
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    units = group if per_head else 1
+    head_ids = None
+    if per_head:
+        head_ids = jnp.asarray(np.arange(heads, dtype=np.int32).reshape(1, kv_heads, group, 1))
+    block_ids = jnp.asarray(np.arange(last, dtype=np.int32).reshape(1, 1, 1, last))
+    data = [None if x is None else x[:, None, None, None] for x in aux["data"]]
+    if bias is not None:
+        bias = _bias_to_units(bias, heads, group, per_head, bq, bk)[:, :, :, None]
+    return _Arranged((batch, kv_heads, units, last), per_head, head_ids, block_ids, data, bias)
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward.
+
+
+def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
+    """Returns the output ``[B, H, Lq, Dv]`` (query dtype) and the float32 log-sum-exp
+    ``[B, H, Lq]`` (``+inf`` on rows that see no key)."""
+    mask = eqx.combine(aux["mask"], cfg.mask)
+    batch, heads, q_len, _ = q.shape
+    kv_heads, kv_len, value_dim = v.shape[1:]
+    group = heads // kv_heads
+    bq, bk = cfg.block_q, cfg.block_kv
+    per_head = _per_head_layout(aux["fwd"])
+    fc, fi, pc, pi = (_lists_to_units(aux["fwd"][name], group, per_head) for name in _FWD_LISTS)
+    nq = fc.shape[3]
+    arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq)
+    q_u = _rows_to_units(q, bq, group, arr.per_head)
+    k_b = _kv_blocks(k, bk)[:, :, None, None]
+    v_b = _kv_blocks(v, bk)[:, :, None, None]
+    shape_info = (bq, bk, q_len, kv_len)
+
+    def run_list(trips, count, index, masked, carry):
+        def body(t, j, live, carry):
+            def unit(carry, j, live, q_blk, k_blocks, v_blocks, bias_u, head, i, qp, kp, qs, ks):
+                m, l, acc = carry
+                s, _ = _scores(cfg, q_blk, k_blocks[j], _bias_block(bias_u, i, j, bq, bk))
+                s, hidden = _masked_scores(mask, s, head, i, j, masked, live,
+                                           (qp, kp, qs, ks), shape_info)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                # A row that has seen nothing yet keeps m = -inf; shift it by 0 so that
+                # exp(-inf - (-inf)) never happens.
+                shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0) if hidden else m_new
+                alpha = jnp.exp(m - shift)
+                p = jnp.exp(s - shift[..., None])
+                pv = jnp.einsum("gqk,kd->gqd", p.astype(v_blocks.dtype), v_blocks[j],
+                                preferred_element_type=_F32)
+                return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+
+            return _map_levels(
+                unit, arr.sizes, carry, j, live, q_u, k_b, v_b, arr.bias,
+                _head_arg(arr), arr.blocks, *arr.data,
+            )
+
+        return _slot_loop(trips, count, index, body, carry)
+
+    g = q_u.shape[4]
+    lead = (batch, kv_heads, arr.sizes[2], nq, g, bq)
+    carry = (jnp.full(lead, -jnp.inf, _F32), jnp.zeros(lead, _F32),
+             jnp.zeros(lead + (value_dim,), _F32))
+    carry = run_list(cfg.fwd_trips[0], fc, fi, False, carry)
+    carry = run_list(cfg.fwd_trips[1], pc, pi, True, carry)
+    m, l, acc = carry
+    seen = l > 0
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    if sinks is not None:
+        sinks_u = _per_head_to_units(sinks.astype(_F32), heads, group, arr.per_head)[None, :, :, None]
+        lse = jnp.logaddexp(lse, jax.nn.logsumexp(sinks_u, axis=-1)[..., None])
+    out = acc * jnp.where(seen, jnp.exp(m - lse), 0.0)[..., None]
+    lse = jnp.where(seen, lse, jnp.inf)
+    out = _units_to_rows(out, q_len, arr.per_head).astype(q.dtype)
+    return out, _units_to_rows(lse, q_len, arr.per_head)
+
+
+def _head_arg(arr: _Arranged):
+    return arr.heads if arr.per_head else jnp.zeros((1, 1, 1, 1), jnp.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward: dq (and the bias gradient) over q-blocks, dk/dv over kv-blocks.
+
+
+def _ds(p, dp, delta, t):
+    """Gradient of the loss at the logits before the soft cap: ``p * (dp - delta) * cap'``."""
+    ds = p * (dp - delta[..., None])
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    return ds
+
+
+def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
+    """``dq [B, H, Lq, D]`` float32 and, with a bias, ``dbias`` in the bias's shape."""
+    mask = eqx.combine(aux["mask"], cfg.mask)
+    batch, heads, q_len, _ = q.shape
+    kv_heads, kv_len = k.shape[1:3]
+    group = heads // kv_heads
+    bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
+    per_head = _per_head_layout(aux["bwd"])
+    fc, fi, pc, pi = (_lists_to_units(aux["bwd"][name], group, per_head) for name in _FWD_LISTS)
+    nq = fc.shape[3]
+    nk = aux["bwd"]["t_full_count"].shape[2]
+    cf, cp = fi.shape[-1], pi.shape[-1]
+    arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq)
+    q_u = _rows_to_units(q, bq, group, per_head)
+    do_u = _rows_to_units(d_out, bq, group, per_head)
+    lse_u = _rows_to_units(lse, bq, group, per_head, value=jnp.inf)
+    delta_u = _rows_to_units(delta, bq, group, per_head)
+    k_b = _kv_blocks(k, bk)[:, :, None, None]
+    v_b = _kv_blocks(v, bk)[:, :, None, None]
+    shape_info = (bq, bk, q_len, kv_len)
+
+    def run_list(trips, count, index, masked, offset, carry):
+        def body(t, j, live, carry):
+            dq, ds_buf = carry
+
+            def unit(dq, j, live, q_blk, do_blk, lse_blk, delta_blk, k_blocks, v_blocks, bias_u,
+                     head, i, qp, kp, qs, ks):
+                k_blk, v_blk = k_blocks[j], v_blocks[j]
+                s, tc = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk))
+                s, _ = _masked_scores(mask, s, head, i, j, masked, live, (qp, kp, qs, ks),
+                                      shape_info)
+                p = jnp.exp(s - lse_blk[..., None])
+                dp = jnp.einsum("gqe,ke->gqk", do_blk, v_blk, preferred_element_type=_F32)
+                ds = _ds(p, dp, delta_blk, tc)
+                dq = dq + jnp.einsum("gqk,kd->gqd", ds.astype(k_blk.dtype), k_blk,
+                                     preferred_element_type=_F32)
+                return dq, (ds if ds_buf is not None else None)
+
+            dq, ds = _map_levels(
+                unit, arr.sizes, dq, j, live, q_u, do_u, lse_u, delta_u, k_b, v_b, arr.bias,
+                _head_arg(arr), arr.blocks, *arr.data,
+            )
+            if ds_buf is not None:
+                ds_buf = jax.lax.dynamic_update_index_in_dim(ds_buf, ds, offset + t, 0)
+            return dq, ds_buf
+
+        return _slot_loop(trips, count, index, body, carry)
+
+    g = q_u.shape[4]
+    lead = (batch, kv_heads, arr.sizes[2], nq, g, bq)
+    ds_buf = None
+    if bias is not None:
+        ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32)
+    carry = (jnp.zeros(lead + (q.shape[-1],), _F32), ds_buf)
+    carry = run_list(cfg.dq_trips[0], fc, fi, False, 0, carry)
+    carry = run_list(cfg.dq_trips[1], pc, pi, True, cf, carry)
+    dq, ds_buf = carry
+    dq = _units_to_rows(dq * cfg.scale, q_len, per_head)
+    if bias is None:
+        return dq, None
+
+    # Scatter-add each visited block's ds into [bb, hb, nq, nk, bq, bk]: summing over the batch
+    # and head axes the bias was broadcast along comes for free from repeated indices.
+    bb, hb = bias.shape[:2]
+    units = arr.sizes[2]
+    shape = (cf + cp, batch, kv_heads, units, nq, g)
+    b_idx = np.arange(batch).reshape(1, -1, 1, 1, 1, 1) if bb == batch else np.zeros((1,) * 6, int)
+    if hb == heads and heads > 1:
+        head = (np.arange(kv_heads).reshape(1, 1, -1, 1, 1, 1) * group
+                + np.arange(units).reshape(1, 1, 1, -1, 1, 1)
+                + np.arange(g).reshape(1, 1, 1, 1, 1, -1))
+    else:
+        head = np.zeros((1,) * 6, int)
+    i_idx = np.arange(nq).reshape(1, 1, 1, 1, -1, 1)
+    j_idx = jnp.moveaxis(jnp.concatenate([fi, pi], axis=-1), -1, 0)[..., None]
+    idx = tuple(jnp.broadcast_to(jnp.asarray(x), shape) for x in (b_idx, head, i_idx, j_idx))
+    blocks = jnp.zeros((bb, hb, nq, nk, bq, bk), _F32).at[idx].add(ds_buf)
+    dbias = jnp.swapaxes(blocks, 3, 4).reshape(bb, hb, nq * bq, nk * bk)
+    return dq, dbias[:, :, :q_len, :kv_len]
+
+
+def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
+    """``dk [B, Hkv, Lk, D]``, ``dv [B, Hkv, Lk, Dv]`` float32, summed over each kv head's group."""
+    mask = eqx.combine(aux["mask"], cfg.mask)
+    batch, heads, q_len, _ = q.shape
+    kv_heads, kv_len = k.shape[1:3]
+    group = heads // kv_heads
+    bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
+    per_head = _per_head_layout(aux["bwd"])
+    fc, fi, pc, pi = (_lists_to_units(aux["bwd"][name], group, per_head) for name in _T_LISTS)
+    nk = fc.shape[3]
+    arr = _arrange(aux, per_head, bias, q, k, bq, bk, nk)
+    # Every q-side array is shared by all kv-blocks of a unit: a size-1 level, never copied.
+    q_u = _rows_to_units(q, bq, group, per_head)[:, :, :, None]
+    do_u = _rows_to_units(d_out, bq, group, per_head)[:, :, :, None]
+    lse_u = _rows_to_units(lse, bq, group, per_head, value=jnp.inf)[:, :, :, None]
+    delta_u = _rows_to_units(delta, bq, group, per_head)[:, :, :, None]
+    k_b = _kv_blocks(k, bk)[:, :, None]
+    v_b = _kv_blocks(v, bk)[:, :, None]
+    shape_info = (bq, bk, q_len, kv_len)
+
+    def run_list(trips, count, index, masked, carry):
+        def body(t, i, live, carry):
+            def unit(carry, i, live, k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_u,
+                     head, j, qp, kp, qs, ks):
+                dk, dv = carry
+                q_blk, do_blk = q_all[i], do_all[i]
+                s, tc = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk))
+                s, _ = _masked_scores(mask, s, head, i, j, masked, live, (qp, kp, qs, ks),
+                                      shape_info)
+                p = jnp.exp(s - lse_all[i][..., None])
+                dv = dv + jnp.einsum("gqk,gqe->ke", p.astype(do_blk.dtype), do_blk,
+                                     preferred_element_type=_F32)
+                dp = jnp.einsum("gqe,ke->gqk", do_blk, v_blk, preferred_element_type=_F32)
+                ds = _ds(p, dp, delta_all[i], tc)
+                dk = dk + jnp.einsum("gqk,gqd->kd", ds.astype(q_blk.dtype), q_blk,
+                                     preferred_element_type=_F32)
+                return dk, dv
+
+            return _map_levels(
+                unit, arr.sizes, carry, i, live, k_b, v_b, q_u, do_u, lse_u, delta_u, arr.bias,
+                _head_arg(arr), arr.blocks, *arr.data,
+            )
+
+        return _slot_loop(trips, count, index, body, carry)
+
+    lead = (batch, kv_heads, arr.sizes[2], nk, bk)
+    carry = (jnp.zeros(lead + (k.shape[-1],), _F32), jnp.zeros(lead + (v.shape[-1],), _F32))
+    carry = run_list(cfg.dkv_trips[0], fc, fi, False, carry)
+    carry = run_list(cfg.dkv_trips[1], pc, pi, True, carry)
+    dk, dv = carry
+    # Sum the units (query heads with their own masks) of each kv head.
+    dk = (dk.sum(axis=2) * cfg.scale).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
+    dv = dv.sum(axis=2).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
+    return dk, dv
+
+
+# ------------------------------------------------------------------------------------------------
+# The differentiable function, one per static configuration.
+
+
+@functools.lru_cache(maxsize=128)
+def _attention_fn(cfg: _Config):
+    """A jitted `custom_vjp` function ``(q, k, v, bias, sinks, aux) -> out`` for `cfg`.
+
+    `aux` carries the integer inputs (layouts, positions, segment ids) and the array leaves of
+    the mask: never differentiated. Cached so that eager calls reuse one compilation.
+    """
+
+    @jax.custom_vjp
+    def attend(q, k, v, bias, sinks, aux):
+        return _forward(cfg, q, k, v, bias, sinks, aux)[0]
+
+    def attend_fwd(q, k, v, bias, sinks, aux):
+        out, lse = _forward(cfg, q, k, v, bias, sinks, aux)
+        return out, (q, k, v, bias, sinks, aux, out, lse)
+
+    def attend_bwd(residuals, d_out):
+        q, k, v, bias, sinks, aux, out, lse = residuals
+        # delta = rowsum(dO * O): the softmax Jacobian's diagonal correction, per row.
+        delta = jnp.sum(d_out.astype(_F32) * out.astype(_F32), axis=-1)
+        d_out = d_out.astype(v.dtype)
+        dq, dbias = _backward_dq(cfg, q, k, v, bias, aux, d_out, lse, delta)
+        dk, dv = _backward_dkv(cfg, q, k, v, bias, aux, d_out, lse, delta)
+        dsinks = None
+        if sinks is not None:
+            # A sink joins the denominator with a zero value: d sink = -sum_rows p_sink * delta.
+            p_sink = jnp.exp(sinks.astype(_F32)[None, :, None, :] - lse[..., None])
+            dsinks = -jnp.einsum("bhqs,bhq->hs", p_sink, delta).astype(sinks.dtype)
+        if dbias is not None:
+            dbias = dbias.astype(bias.dtype)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, dsinks, None
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return jax.jit(attend)
+
+
+def _static_trips(layout: BlockLayout, names: tuple[str, str]) -> tuple[_Trips, _Trips]:
+    """Trip counts of two block lists, read at trace time when the layout is a constant."""
+    out = []
+    for name in names:
+        count = getattr(layout, name)
+        if not layout.is_static or isinstance(count, jax.core.Tracer):
+            out.append(_Trips(None, False))
+            continue
+        count = np.asarray(count)
+        n = int(count.max()) if count.size else 0
+        out.append(_Trips(n, bool((count == n).all())))
+    return tuple(out)
+
+
+def _layout_arrays(layout: BlockLayout, names) -> dict[str, Any]:
+    return {name: getattr(layout, name) for name in names}
+
+
+class XlaBlockSparse(AbstractKernel):
+    """Block-sparse flash attention in plain JAX: runs on every platform.
+
+    For each q-block it visits only the kv-blocks its `BlockLayout` lists, with an online
+    softmax in float32: FULL blocks skip the mask, PARTIAL blocks evaluate it on their token
+    indices. The backward pass is block-sparse too (a `jax.custom_vjp`): ``dq`` over q-blocks,
+    ``dk``/``dv`` over kv-blocks with the transposed lists; it keeps only the output and the
+    log-sum-exp, never the scores. Memory grows with the number of visited blocks, not with
+    ``Lq x Lk`` (except a user-given bias, which already is that size).
+
+    Every feature of `DenseReference`: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths,
+    soft cap, sinks, bias, segment ids, positions, per-head masks. The selector's default on
+    CPU and TPU, and the fallback on GPU. Block sizes larger than a sequence shrink to it.
+
+    Shapes: ``query [B, H, Lq, D]``, ``key [B, Hkv, Lk, D]``, ``value [B, Hkv, Lk, Dv]`` ->
+    ``[B, H, Lq, Dv]`` in the query dtype.
+
+    ```python
+    attn = BlockSparseAttention(
+        mask=masks.Causal() & masks.SlidingWindow(256, 0),
+        kernel=kernels.XlaBlockSparse(),
+        tiling=Tiling(block_q=128, block_kv=128),
+    )
+    out = attn(q, k, v)
+    ```
+    """
+
+    name: ClassVar[str] = "xla"
+
+    @classmethod
+    def priority(cls, platform):
+        # Below the dedicated GPU kernels (20 and up); the default where none exists.
+        return 5 if platform == "gpu" else 10
+
+    def decline_reason(self, mask, features):
+        return None
+
+    def default_tiling(self, features: Features) -> Tiling:
+        if features.platform == "cpu":
+            # Measured on a 2-core CPU (B=1, H=4, L=4096-8192, D=64; causal and a 256 window):
+            # 128 x 64 forward tiles waste the least of each partial block; the backward pass,
+            # which does more work per block, prefers 128 x 128.
+            return Tiling(block_q=128, block_kv=64, block_q_bwd=128, block_kv_bwd=128)
+        return Tiling(block_q=128, block_kv=128)
+
+    def __call__(self, query, key, value, *, mask, inputs, tiling, softmax_scale, logits_soft_cap):
+        q_len, kv_len = query.shape[2], key.shape[2]
+        heads = query.shape[1]
+        block_q, block_kv = min(tiling.block_q, q_len), min(tiling.block_kv, kv_len)
+        block_q_bwd, block_kv_bwd = tiling.backward_blocks
+        block_q_bwd, block_kv_bwd = min(block_q_bwd, q_len), min(block_kv_bwd, kv_len)
+        segments = (inputs.q_segment_ids, inputs.kv_segment_ids)
+        if not mask.uses_segment_ids:
+            segments = (None, None)
+        data = (inputs.q_positions, inputs.kv_positions, *segments)
+
+        def layout_for(bq, bk):
+            return build_layout(
+                mask, q_len=q_len, kv_len=kv_len, num_heads=heads, block_q=bq, block_kv=bk,
+                q_positions=data[0], kv_positions=data[1], q_segment_ids=data[2],
+                kv_segment_ids=data[3],
+            )
+
+        # Built here, outside the custom_vjp: a static mask gives NumPy-derived constants, so
+        # trip counts are known at trace time.
+        fwd_layout = layout_for(block_q, block_kv)
+        if (block_q_bwd, block_kv_bwd) == (block_q, block_kv):
+            bwd_layout = fwd_layout
+        else:
+            bwd_layout = layout_for(block_q_bwd, block_kv_bwd)
+        mask_arrays, mask_static = eqx.partition(mask, eqx.is_array)
+        cfg = _Config(
+            mask=mask_static,
+            scale=float(softmax_scale),
+            soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+            block_q=block_q,
+            block_kv=block_kv,
+            block_q_bwd=block_q_bwd,
+            block_kv_bwd=block_kv_bwd,
+            fwd_trips=_static_trips(fwd_layout, ("full_count", "partial_count")),
+            dq_trips=_static_trips(bwd_layout, ("full_count", "partial_count")),
+            dkv_trips=_static_trips(bwd_layout, ("t_full_count", "t_partial_count")),
+        )
+        aux = {
+            "mask": mask_arrays,
+            "fwd": _layout_arrays(fwd_layout, _FWD_LISTS),
+            "bwd": _layout_arrays(bwd_layout, _FWD_LISTS + _T_LISTS),
+            "data": data,
+        }
+        try:
+            fn = _attention_fn(cfg)
+        except TypeError:  # an unhashable user mask: build the function afresh
+            fn = _attention_fn.__wrapped__(cfg)
+        return fn(query, key, value, inputs.bias, inputs.sinks, aux)

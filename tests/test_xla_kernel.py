@@ -1,0 +1,263 @@
+"""`XlaBlockSparse` against `DenseReference`: forward and every gradient, edge cases of tiling,
+transformations, and the promise that new segment ids never retrace."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+from eqx_bsattn import Tiling, kernels, masks
+
+TOL = 1e-5
+
+
+def _normal(seed, shape):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _segments(seed, batch, length, docs, pad=0):
+    """Sorted document ids in runs; the last `pad` tokens are padding (-1)."""
+    rng = np.random.default_rng(seed)
+    ids = np.sort(rng.integers(0, docs, (batch, length)), axis=-1).astype(np.int32)
+    if pad:
+        ids[:, length - pad:] = -1
+    return jnp.asarray(ids)
+
+
+def _grads(attn, q, k, v, diff, other, cotangent):
+    """Output and gradients (q, k, v, and every array in `diff`) of ``<attn(...), cotangent>``."""
+
+    def loss(q, k, v, diff):
+        out = attn(q, k, v, **diff, **other)
+        return jnp.sum(out * cotangent), out
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    grads, out = fn(q, k, v, diff)
+    return out, grads
+
+
+def _assert_close(actual, expected, what):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
+    scale = max(np.max(np.abs(expected), initial=0.0), 1e-2)
+    err = np.max(np.abs(actual - expected), initial=0.0) / scale
+    assert err <= TOL, f"{what}: relative error {err:.2e} > {TOL:.0e}"
+
+
+def check(
+    mask,
+    *,
+    batch=2,
+    heads=4,
+    kv_heads=2,
+    q_len=50,
+    kv_len=70,
+    dim=16,
+    value_dim=8,
+    tiling=Tiling(16, 32),
+    bias_shape=None,
+    sinks_shape=None,
+    soft_cap=None,
+    softmax_scale=None,
+    segments=None,
+    positions=None,
+    seed=0,
+):
+    """Compare forward and gradients of the xla kernel with the dense reference."""
+    q = _normal(seed, (batch, heads, q_len, dim))
+    k = _normal(seed + 1, (batch, kv_heads, kv_len, dim))
+    v = _normal(seed + 2, (batch, kv_heads, kv_len, value_dim))
+    cotangent = _normal(seed + 3, (batch, heads, q_len, value_dim))
+    diff, other = {}, {}
+    if bias_shape is not None:
+        diff["bias"] = _normal(seed + 4, bias_shape)
+    if sinks_shape is not None:
+        diff["sinks"] = _normal(seed + 5, sinks_shape)
+    if segments is not None:
+        other["q_segment_ids"], other["kv_segment_ids"] = segments
+    if positions is not None:
+        other["q_positions"], other["kv_positions"] = positions
+    options = dict(mask=mask, softmax_scale=softmax_scale, logits_soft_cap=soft_cap)
+    reference = bsa.BlockSparseAttention(kernel=kernels.DenseReference(), **options)
+    xla = bsa.BlockSparseAttention(kernel=kernels.XlaBlockSparse(), tiling=tiling, **options)
+    out_ref, grads_ref = _grads(reference, q, k, v, diff, other, cotangent)
+    out, grads = _grads(xla, q, k, v, diff, other, cotangent)
+    assert out.dtype == q.dtype
+    _assert_close(out, out_ref, "output")
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads[:3], grads_ref[:3]):
+        _assert_close(g, g_ref, name)
+    for name in diff:
+        assert grads[3][name].shape == diff[name].shape
+        _assert_close(grads[3][name], grads_ref[3][name], "d" + name)
+    return out
+
+
+def _every_other(q, k):
+    return (k <= q) & ((q + k) % 3 != 0)
+
+
+_TABLE = np.random.default_rng(7).random((4, 3)) < 0.5
+
+MASKS = {
+    "causal": masks.Causal(),
+    "chunked": masks.ChunkedCausal(24),
+    "prefix": masks.PrefixLM(21),
+    "global_or_window": masks.GlobalTokens(5) | masks.SlidingWindow(6),
+    "dilated": masks.Causal() & masks.Dilated(3),
+    "bigbird": masks.Causal() & (masks.SlidingWindow(16, 0) | masks.BigBirdRandom(16, 2)),
+    "block_layout": masks.BlockLayoutMask(_TABLE, block_size=(16, 24)),
+    "predicate": masks.Predicate(_every_other),
+    "not_causal": ~masks.Causal(offset=-3),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_mask_families(name):
+    # Ragged lengths (50, 70 are not multiples of 16, 32), Lq != Lk, GQA and Dv != D throughout;
+    # `Causal() & SlidingWindow` runs in test_tilings, `Causal(bottom_right=True)` in
+    # test_one_query.
+    check(MASKS[name])
+
+
+def test_document_with_padding_and_causal():
+    # Padded tokens (-1) see nothing: fully masked rows must give zeros and zero gradients.
+    out = check(
+        masks.Causal() & masks.Document(), q_len=60, kv_len=60, sinks_shape=(4, 2),
+        segments=(_segments(0, 2, 60, 4, pad=7), _segments(0, 2, 60, 4, pad=7)),
+    )
+    assert np.all(np.asarray(out)[:, :, -7:] == 0)
+
+
+def test_document_cross_lengths():
+    check(masks.Document(), segments=(_segments(1, 2, 50, 3), _segments(2, 2, 70, 3)))
+
+
+def test_positions_with_sinks():
+    rng = np.random.default_rng(3)
+    qp = jnp.asarray(np.sort(rng.integers(0, 90, (2, 50)), -1), jnp.int32)
+    kp = jnp.asarray(np.sort(rng.integers(0, 90, (2, 70)), -1), jnp.int32)
+    check(masks.Causal() & masks.SlidingWindow(30, 0), positions=(qp, kp), sinks_shape=(4, 3))
+
+
+def test_per_head_masks_with_gqa():
+    per_head = masks.PerHead(
+        [masks.Causal(), masks.SlidingWindow(5), masks.Full(), masks.ChunkedCausal(16)]
+    )
+    check(per_head, bias_shape=(4, 50, 70), sinks_shape=(4, 1))
+
+
+def test_bias_sinks_soft_cap_scale():
+    check(
+        masks.Causal() & masks.SlidingWindow(25, 0), bias_shape=(2, 4, 50, 70),
+        sinks_shape=(4, 2), soft_cap=2.0, softmax_scale=0.7,
+    )
+
+
+def test_bias_broadcast_over_batch_with_mqa():
+    check(masks.PrefixLM(10), kv_heads=1, bias_shape=(1, 1, 50, 70), soft_cap=3.0)
+
+
+def test_fully_masked_rows():
+    # Causal with offset -20: the first 20 queries see no key at all.
+    out = check(masks.Causal(offset=-20), q_len=40, kv_len=40, sinks_shape=(4, 2))
+    assert np.all(np.asarray(out)[:, :, :20] == 0)
+
+
+def test_one_query():
+    # Blocks larger than the sequences shrink to them (1 query, 75 keys).
+    check(masks.Causal(bottom_right=True), q_len=1, kv_len=75, heads=2, kv_heads=1,
+          tiling=Tiling(16, 128))
+
+
+@pytest.mark.parametrize(
+    "tiling",
+    [Tiling(5, 7), Tiling(16, 32, block_q_bwd=32, block_kv_bwd=8)],
+    ids=["uneven", "backward_blocks"],
+)
+def test_tilings(tiling):
+    check(masks.Causal() & masks.SlidingWindow(13, 2), tiling=tiling)
+
+
+def test_vmap_checkpoint_filter_jit_eager():
+    # Unbatched calls vmapped over the batch and rematerialised; then filter_jit and eager.
+    mask = masks.Causal() & masks.SlidingWindow(10, 0)
+    xla = bsa.BlockSparseAttention(mask=mask, kernel=kernels.XlaBlockSparse(), tiling=Tiling(8, 16))
+    ref = bsa.BlockSparseAttention(mask=mask, kernel=kernels.DenseReference())
+    q, k, v = _normal(0, (3, 2, 33, 8)), _normal(1, (3, 1, 33, 8)), _normal(2, (3, 1, 33, 4))
+
+    @jax.jit
+    def loss_and_grads(q, k, v):
+        def loss(attn, q, k, v):
+            body = jax.checkpoint(lambda q, k, v: jax.vmap(attn)(q, k, v))
+            return jnp.sum(jnp.sin(body(q, k, v)))
+
+        got = jax.value_and_grad(lambda *a: loss(xla, *a), argnums=(0, 1, 2))(q, k, v)
+        want = jax.value_and_grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2))(q, k, v)
+        return got, want
+
+    got, want = loss_and_grads(q, k, v)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        _assert_close(a, b, "vmap/checkpoint")
+    expected = jax.jit(ref)(q[0], k[0], v[0])
+    _assert_close(eqx.filter_jit(lambda m, *a: m(*a))(xla, q[0], k[0], v[0]), expected, "filter_jit")
+    _assert_close(xla(q[0], k[0], v[0]), expected, "eager")
+
+
+def test_new_segment_ids_do_not_retrace():
+    traces = []
+    attn = bsa.BlockSparseAttention(
+        mask=masks.Causal(), kernel=kernels.XlaBlockSparse(), tiling=Tiling(16, 16)
+    )
+    ref = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.DenseReference())
+
+    @jax.jit
+    def grads(q, k, v, ids):
+        traces.append(None)
+        return jax.grad(lambda q: jnp.sum(attn(q, k, v, q_segment_ids=ids, kv_segment_ids=ids)))(q)
+
+    q, k, v = _normal(0, (2, 2, 48, 8)), _normal(1, (2, 2, 48, 8)), _normal(2, (2, 2, 48, 8))
+    for seed in range(3):
+        ids = _segments(seed, 2, 48, 2 + seed, pad=seed)
+        got = grads(q, k, v, ids)
+        want = jax.grad(
+            lambda q: jnp.sum(ref(q, k, v, q_segment_ids=ids, kv_segment_ids=ids))
+        )(q)
+        _assert_close(got, want, f"dq with segment ids #{seed}")
+    assert len(traces) == 1
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """Largest number of elements of any value produced anywhere in `jaxpr` (sub-jaxprs too)."""
+    largest = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            largest = max(largest, math.prod(getattr(var.aval, "shape", ())))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    largest = max(largest, _largest_intermediate(getattr(inner, "jaxpr", inner)))
+    return largest
+
+
+def test_no_lq_by_lk_array():
+    q_len = kv_len = 512
+    attn = bsa.BlockSparseAttention(
+        mask=masks.Causal() & masks.SlidingWindow(32, 0), kernel=kernels.XlaBlockSparse(),
+        tiling=Tiling(32, 32),
+    )
+    q, k, v = (jax.ShapeDtypeStruct((1, 2, q_len, 8), jnp.float32) for _ in range(3))
+    grad = jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v)), argnums=(0, 1, 2))
+    largest = _largest_intermediate(jax.make_jaxpr(grad)(q, k, v).jaxpr)
+    assert largest < q_len * kv_len // 4, largest
+
+
+def test_selector_prefers_xla_on_cpu_and_tpu():
+    assert bsa.select_kernel(masks.Causal(), "cpu").kernel.name == "xla"
+    assert kernels.XlaBlockSparse.priority("tpu") == 10
+    assert kernels.XlaBlockSparse.priority("gpu") == 5
