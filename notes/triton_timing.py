@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import eqx_bsattn as bsa
 from eqx_bsattn import masks
 from eqx_bsattn.strategies.kernels import TritonBlockSparse
+from eqx_bsattn.strategies.kernels import triton as TK
 
 
 def _time(fn, *args, reps=20):
@@ -69,10 +70,11 @@ def main():
     if a.variants:
         T = bsa.Tiling
         tilings.update({
-            "f128x64w4s3 b64x128w8s2": T(128, 64, 64, 128, 4, 3, 8, 2),
-            "f128x128w8s2 b128x64w8s2": T(128, 128, 128, 64, 8, 2, 8, 2),
-            "f128x128w8s4 b64x64w4s3": T(128, 128, 64, 64, 8, 4, 4, 3),
-            "f64x128w4s3 b128x128w8s1": T(64, 128, 128, 128, 4, 3, 8, 1),
+            "indexed (no ranges)": None,
+            "f128x128w8s2 b64x128w4s2": T(128, 128, 64, 128, 8, 2, 4, 2),
+            "f128x128w8s3 b64x128w8s3": T(128, 128, 64, 128, 8, 3, 8, 3),
+            "f128x128w8s3 b128x128w8s2": T(128, 128, 128, 128, 8, 3, 8, 2),
+            "f128x128w8s3 b64x64w4s3": T(128, 128, 64, 64, 8, 3, 4, 3),
         })
     rows = []
     for label, window in (("causal", None), (f"window{a.window}", a.window)):
@@ -80,6 +82,8 @@ def main():
         c_f = _time(jax.jit(cudnn(window)), qt, kt, vt)
         c_fb = _time(fwd_bwd(cudnn(window)), qt, kt, vt, dot_)
         for name, tiling in tilings.items():
+            TK._CONTIGUOUS_RANGES = tiling is not None
+            tiling = base if tiling is None else tiling
             try:
                 attn = ours(mask, tiling)
                 o_f = _time(jax.jit(lambda q, k, v: attn(q, k, v)), q, k, v)

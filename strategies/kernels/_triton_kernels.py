@@ -16,7 +16,7 @@ or, with ``USE_BITMAP``, a lookup in the layout's deduplicated element bitmaps.
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -110,9 +110,11 @@ def _fwd_kernel(
     HAS_KPOS: tl.constexpr, HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
     CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    FULL_CONTIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
+    # the longest programs first shortens the tail of the launch.
+    pid_m = NQB - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     hk = h // (H // HKV)
@@ -160,8 +162,17 @@ def _fwd_kernel(
             count = tl.load(PCNT + lrow)
             idx_ptr = PIDX + lrow * CP
             bm_ptr = BMIDX + lrow * CP
-        for it in range(count):
-            j = tl.load(idx_ptr + it)
+        if phase == 0 and FULL_CONTIG:
+            # Contiguous full lists (static causal / window / chunk layouts): walk the
+            # range itself, with no index load on the path to the next tile's address.
+            lo = tl.load(idx_ptr)
+        else:
+            lo = 0
+        for it in range(lo, lo + count):
+            if phase == 0 and FULL_CONTIG:
+                j = it
+            else:
+                j = tl.load(idx_ptr + it)
             offs_n = j * BLOCK_N + offs_bn
             col_ok = (offs_n < LK)[:, None]
             # Full blocks never hold the ragged last kv-block: no row check there.
@@ -228,9 +239,11 @@ def _dq_kernel(
     HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
     CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    FULL_CONTIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
+    # the longest programs first shortens the tail of the launch.
+    pid_m = NQB - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     hk = h // (H // HKV)
@@ -274,8 +287,17 @@ def _dq_kernel(
             count = tl.load(PCNT + lrow)
             idx_ptr = PIDX + lrow * CP
             bm_ptr = BMIDX + lrow * CP
-        for it in range(count):
-            j = tl.load(idx_ptr + it)
+        if phase == 0 and FULL_CONTIG:
+            # Contiguous full lists (static causal / window / chunk layouts): walk the
+            # range itself, with no index load on the path to the next tile's address.
+            lo = tl.load(idx_ptr)
+        else:
+            lo = 0
+        for it in range(lo, lo + count):
+            if phase == 0 and FULL_CONTIG:
+                j = it
+            else:
+                j = tl.load(idx_ptr + it)
             offs_n = j * BLOCK_N + offs_bn
             col_ok = (offs_n < LK)[:, None]
             CHECK_K: tl.constexpr = phase == 1 and LK % BLOCK_N != 0
@@ -337,7 +359,7 @@ def _dkdv_kernel(
     HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
     CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    FULL_CONTIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One program per (kv-block, kv head, batch); it loops over the q heads of its group, so
     grouped-query gradients are summed in registers, deterministically, without atomics.
@@ -389,8 +411,17 @@ def _dkdv_kernel(
                 count = tl.load(PCNT + lrow)
                 idx_ptr = PIDX + lrow * CP
                 bm_ptr = BMIDX + lrow * CP
-            for it in range(count):
-                i = tl.load(idx_ptr + it)
+            if phase == 0 and FULL_CONTIG:
+                # Contiguous full lists (static causal / window / chunk layouts): walk the
+                # range itself, with no index load on the path to the next tile's address.
+                lo = tl.load(idx_ptr)
+            else:
+                lo = 0
+            for it in range(lo, lo + count):
+                if phase == 0 and FULL_CONTIG:
+                    i = it
+                else:
+                    i = tl.load(idx_ptr + it)
                 offs_m = i * BLOCK_M + offs_bm
                 m_ok = (offs_m < LQ)[:, None]
                 q = _load2d(q_base + offs_m[:, None] * D + offs_d[None, :], m_ok, d_ok,

@@ -189,6 +189,8 @@ class _Config:
     bwd_blocks: tuple[int, int]
     fwd_launch: tuple[int, int]
     bwd_launch: tuple[int, int]
+    #: Whether the full lists of the forward, dq and dk/dv launches are contiguous ranges.
+    contiguous: tuple[bool, bool, bool]
 
     def common(self) -> dict:
         c = self.canonical
@@ -248,9 +250,28 @@ def _layout_arrays(layout, transposed: bool):
     return tuple(jnp.asarray(a).astype(jnp.int32) if a.dtype != jnp.int8 else a for a in arrays)
 
 
-def _list_params(arrays) -> dict:
+def _list_params(arrays, contiguous: bool) -> dict:
     fcnt, fidx, _, pidx, _, _ = arrays
-    return dict(CF=fidx.shape[-1], CP=pidx.shape[-1], MB=fcnt.shape[0], MH=fcnt.shape[1])
+    return dict(CF=fidx.shape[-1], CP=pidx.shape[-1], MB=fcnt.shape[0], MH=fcnt.shape[1],
+                FULL_CONTIG=contiguous)
+
+
+#: Walk contiguous full lists as ranges (set False to measure the indexed path).
+_CONTIGUOUS_RANGES = True
+
+
+def _full_lists_contiguous(count, index) -> bool:
+    """Whether every full list is a range of consecutive blocks (known only for static layouts)."""
+    if not _CONTIGUOUS_RANGES:
+        return False
+    try:
+        count = np.asarray(count)
+        index = np.asarray(index)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return False  # built on the device from per-call data
+    first = index[..., 0]
+    last = np.take_along_axis(index, np.maximum(count - 1, 0)[..., None], axis=-1)[..., 0]
+    return bool(np.all((count == 0) | (last - first == count - 1)))
 
 
 def _forward_launch(cfg: _Config, q, k, v, bias, sinks, data, lists):
@@ -260,7 +281,7 @@ def _forward_launch(cfg: _Config, q, k, v, bias, sinks, data, lists):
     nq = math.ceil(cfg.q_len / bq)
     warps, stages = cfg.fwd_launch
     params = cfg.common()
-    params.update(_list_params(lists), NQB=nq, S=max(cfg.num_sinks, 1),
+    params.update(_list_params(lists, cfg.contiguous[0]), NQB=nq, S=max(cfg.num_sinks, 1),
                   SP=max(2, 1 << max(cfg.num_sinks - 1, 0).bit_length()),
                   HAS_SINKS=cfg.num_sinks > 0, BLOCK_M=bq, BLOCK_N=bk)
 
@@ -301,7 +322,7 @@ def _backward_launch(cfg: _Config, q, k, v, bias, data, lists, t_lists, do, lse,
             # Blocks no program visits keep the zero gradient they have.
             zeroed_outputs=(1,) if has_bias else (),
             grid=(nq, cfg.heads, cfg.batch), num_warps=warps, num_stages=stages,
-            NQB=nq, **_list_params(lists), **params,
+            NQB=nq, **_list_params(lists, cfg.contiguous[1]), **params,
         ))
 
     def run_dkdv(q, k, v, bias, *rest):
@@ -311,7 +332,7 @@ def _backward_launch(cfg: _Config, q, k, v, bias, data, lists, t_lists, do, lse,
             out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
                        jax.ShapeDtypeStruct(v.shape, v.dtype)),
             grid=(nk, cfg.kv_heads, cfg.batch), num_warps=warps, num_stages=stages,
-            NKB=nk, **_list_params(t_lists), **params,
+            NKB=nk, **_list_params(t_lists, cfg.contiguous[2]), **params,
         ))
 
     dq, dbias = _sequential_vmap(run_dq)(q, k, v, bias, *data, do, lse, delta, *lists)
@@ -427,15 +448,20 @@ class TritonBlockSparse(AbstractKernel):
 
     def default_tiling(self, features: Features) -> Tiling:
         width = max(_pow2(features.head_dim), _pow2(features.value_dim))
-        width *= 2 if features.dtype == "float32" else 1
-        if width <= 128:
+        width *= 2 if features.dtype == "float32" else 1  # bytes per row / 2
+        if width <= 64:
             fwd, bwd, fl, bl = (128, 128), (64, 128), (4, 3), (4, 2)
-        elif width <= 256:
+        elif width <= 128:
             fwd, bwd, fl, bl = (128, 128), (64, 128), (8, 3), (8, 2)
-        elif width <= 512:
+        elif width <= 256:
             fwd, bwd, fl, bl = (64, 64), (64, 32), (8, 2), (8, 2)
         else:
             fwd, bwd, fl, bl = (32, 32), (32, 32), (4, 1), (4, 1)
+        if features.bias:
+            # The float32 bias tile is pipelined through shared memory like k and v: halve the
+            # kv tile (and keep two stages) so every stage still fits in the 227 KiB.
+            fwd, bwd = (fwd[0], max(32, fwd[1] // 2)), (bwd[0], max(32, bwd[1] // 2))
+            fl, bl = (fl[0], min(fl[1], 2)), (bl[0], min(bl[1], 2))
         # Short sequences (decoding) waste less with smaller tiles.
         cap_q, cap_k = _pow2(features.q_len), _pow2(features.kv_len)
         return Tiling(
@@ -467,9 +493,18 @@ class TritonBlockSparse(AbstractKernel):
                           q_segment_ids=inputs.q_segment_ids,
                           kv_segment_ids=inputs.kv_segment_ids)
 
+        static = all(x is None for x in positional.values())
+
         def layout_for(bq, bk):
-            return build_layout(mask, q_len=q_len, kv_len=kv_len, num_heads=heads, block_q=bq,
-                                block_kv=bk, with_bitmaps=bitmaps, **positional)
+            def build():
+                return build_layout(mask, q_len=q_len, kv_len=kv_len, num_heads=heads,
+                                    block_q=bq, block_kv=bk, with_bitmaps=bitmaps, **positional)
+
+            if not static:
+                return build()
+            # Concrete even under jit, so the host can see which full lists are ranges.
+            with jax.ensure_compile_time_eval():
+                return build()
 
         fwd_blocks = (tiling.block_q, tiling.block_kv)
         bwd_blocks = tiling.backward_blocks
@@ -506,6 +541,11 @@ class TritonBlockSparse(AbstractKernel):
             fwd_blocks=fwd_blocks, bwd_blocks=bwd_blocks,
             fwd_launch=(fwd_warps, fwd_stages),
             bwd_launch=(tiling.num_warps_bwd or fwd_warps, tiling.num_stages_bwd or fwd_stages),
+            contiguous=(
+                _full_lists_contiguous(fwd_layout.full_count, fwd_layout.full_index),
+                _full_lists_contiguous(bwd_layout.full_count, bwd_layout.full_index),
+                _full_lists_contiguous(bwd_layout.t_full_count, bwd_layout.t_full_index),
+            ),
         )
         out = _attend(cfg, query, key, value, bias_arg, sinks_arg, data, lists, bwd_lists)
         return out.astype(query.dtype)

