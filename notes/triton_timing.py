@@ -71,10 +71,8 @@ def main():
         T = bsa.Tiling
         tilings.update({
             "indexed (no ranges)": None,
-            "f128x128w8s2 b64x128w4s2": T(128, 128, 64, 128, 8, 2, 4, 2),
             "f128x128w8s3 b64x128w8s3": T(128, 128, 64, 128, 8, 3, 8, 3),
             "f128x128w8s3 b128x128w8s2": T(128, 128, 128, 128, 8, 3, 8, 2),
-            "f128x128w8s3 b64x64w4s3": T(128, 128, 64, 64, 8, 3, 4, 3),
         })
     rows = []
     for label, window in (("causal", None), (f"window{a.window}", a.window)):
