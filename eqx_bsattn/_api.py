@@ -37,15 +37,19 @@ def _mask_from_options(mask_builder, causal, sliding_window, chunk_size) -> Abst
     if causal:
         mask = masks.Causal() if isinstance(mask, Full) else mask & masks.Causal()
     if sliding_window is not None:
-        if isinstance(sliding_window, int) and not isinstance(sliding_window, bool):
-            window = masks.SlidingWindow(sliding_window)
-        elif isinstance(sliding_window, (tuple, list)) and len(sliding_window) == 2:
-            window = masks.SlidingWindow(*sliding_window)
-        else:
+        try:
+            if isinstance(sliding_window, int) and not isinstance(sliding_window, bool):
+                window = masks.SlidingWindow(sliding_window)
+            elif isinstance(sliding_window, (tuple, list)) and len(sliding_window) == 2:
+                window = masks.SlidingWindow(*sliding_window)
+            else:
+                raise ValueError("neither an int nor a pair")
+        except ValueError as e:
+            # Name the argument the caller wrote, not the mask it becomes.
             raise ValueError(
-                "`sliding_window` must be an int (symmetric) or a pair (left, right); "
-                f"got {sliding_window!r}."
-            )
+                "`sliding_window` must be an int >= 0 (symmetric) or a pair (left, right) of "
+                f"ints >= 0 or None, not both None; got {sliding_window!r}: {e}"
+            ) from None
         mask = window if isinstance(mask, Full) else mask & window
     if chunk_size is not None:
         chunked = masks.ChunkedCausal(chunk_size)
@@ -111,8 +115,8 @@ def blocksparse_attention(
     q_positions: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
     kv_positions: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
     mask_info: MaskInfo | None = None,
-    logits_soft_cap: float | None = None,
-    softmax_scale: float | None = None,
+    logits_soft_cap: float | int | None = None,
+    softmax_scale: float | int | None = None,
     mask_builder: AbstractMask | Callable[[], AbstractMask] | None = None,
     sliding_window: int | tuple[int | None, int | None] | None = None,
     chunk_size: int | None = None,

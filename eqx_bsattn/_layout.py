@@ -164,6 +164,7 @@ def element_mask(
 
     Per-call arrays are one batch element's (``[L]``). Every kernel uses this for partial blocks.
     """
+    mask = mask.resolve(q_len, kv_len)  # e.g. bottom-right causal needs the lengths
     qc = token_coords(q_index, q_positions, q_segment_ids, q_len)
     kc = token_coords(k_index, kv_positions, kv_segment_ids, kv_len)
     in_bounds = (k_index < kv_len) & (k_index >= 0) & (q_index < q_len)
@@ -303,6 +304,7 @@ def build_layout(
     """
     if block_q <= 0 or block_kv <= 0:
         raise ValueError(f"block sizes must be positive; got block_q={block_q}, block_kv={block_kv}.")
+    mask = mask.resolve(q_len, kv_len)  # e.g. bottom-right causal needs the lengths
     uses_segments = mask.uses_segment_ids
     if not uses_segments:
         q_segment_ids = kv_segment_ids = None
