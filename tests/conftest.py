@@ -1,0 +1,310 @@
+"""Shared helpers for the CPU test suite: random inputs, an independent float64 oracle, and the
+list of kernels the conformance suite runs.
+
+The oracle here is written from the semantics in DESIGN.md / notes/CONTRACT.md, not from the
+package's code: a NumPy float64 forward (`np_attention`), a jnp float64 version for gradients
+(`jnp_attention_f64`, to be called inside ``jax.enable_x64(True)``), and a dense NumPy boolean
+mask evaluator (`np_mask`) that reads each built-in mask's fields.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+from eqx_bsattn import kernels, masks
+
+# ---------------------------------------------------------------------------------------------
+# Kernels under the conformance suite: CPU kernels only (GPU kernels are tested in tests/gpu/).
+
+_CPU_KERNEL_NAMES = ("DenseReference", "XlaBlockSparse")
+KERNELS = [name for name in _CPU_KERNEL_NAMES if hasattr(kernels, name)]
+
+
+def make_kernel(name: str):
+    return getattr(kernels, name)()
+
+
+# ---------------------------------------------------------------------------------------------
+# Random inputs.
+
+
+class Inputs:
+    """A bundle of random attention inputs (float32 JAX arrays) and their shapes."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+_POOL_SIZE = 1 << 18
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_pool(seed: int) -> np.ndarray:
+    """A fixed draw of `jax.random.normal` per seed; slicing it avoids one compile per shape."""
+    return np.asarray(jax.random.normal(jax.random.key(seed), (_POOL_SIZE,), jnp.float32))
+
+
+def random_array(seed: int, shape, dtype=jnp.float32, scale: float = 1.0):
+    """Standard normal values (from `jax.random.normal`) of `shape`, times `scale`."""
+    shape = tuple(shape)
+    n = math.prod(shape)
+    assert n <= _POOL_SIZE, shape
+    x = _normal_pool(seed)[:n].reshape(shape).astype(np.float64) * scale
+    return jnp.asarray(x, dtype)
+
+
+def random_inputs(
+    seed: int = 0,
+    *,
+    batch: int | None = 2,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    q_len: int = 24,
+    kv_len: int | None = None,
+    dim: int = 8,
+    value_dim: int | None = None,
+    dtype=jnp.float32,
+    scale: float = 1.0,
+):
+    """Random ``q, k, v`` (never zeros); ``batch=None`` gives unbatched ``[H, L, D]`` arrays.
+
+    `scale` multiplies ``q`` and ``k`` (to make large logits).
+    """
+    kv_heads = heads if kv_heads is None else kv_heads
+    kv_len = q_len if kv_len is None else kv_len
+    value_dim = dim if value_dim is None else value_dim
+    lead = () if batch is None else (batch,)
+    q = random_array(3 * seed + 100_000, lead + (heads, q_len, dim), dtype, scale)
+    k = random_array(3 * seed + 100_001, lead + (kv_heads, kv_len, dim), dtype, scale)
+    v = random_array(3 * seed + 100_002, lead + (kv_heads, kv_len, value_dim), dtype)
+    return q, k, v
+
+
+def sorted_segments(rng: np.random.Generator, batch: int, length: int, num_docs: int,
+                    pad: int = 0) -> np.ndarray:
+    """[batch, length] int32 document ids 0, 1, ... in runs, the last `pad` tokens -1."""
+    out = np.empty((batch, length), np.int32)
+    body = length - pad
+    for b in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, body), size=min(num_docs - 1, body - 1),
+                                  replace=False)) if body > 1 and num_docs > 1 else []
+        ids = np.zeros(body, np.int32)
+        for c in cuts:
+            ids[c:] += 1
+        out[b, :body] = ids
+        out[b, body:] = -1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense NumPy boolean masks, written from the documented semantics.
+
+
+def np_mask(mask, *, q_len: int, kv_len: int, heads: int, q_pos=None, kv_pos=None,
+            q_seg=None, kv_seg=None) -> np.ndarray:
+    """``[heads, q_len, kv_len]`` bool visibility of `mask` for one batch element.
+
+    `q_pos`/`kv_pos` default to token indices; `q_seg`/`kv_seg` are 1-D int arrays or None.
+    """
+    qp = (np.arange(q_len) if q_pos is None else np.asarray(q_pos)).astype(np.int64)[:, None]
+    kp = (np.arange(kv_len) if kv_pos is None else np.asarray(kv_pos)).astype(np.int64)[None, :]
+    qs = None if q_seg is None else np.asarray(q_seg).astype(np.int64)[:, None]
+    ks = None if kv_seg is None else np.asarray(kv_seg).astype(np.int64)[None, :]
+    shape = (q_len, kv_len)
+
+    def table_lookup(table, bq, bk):
+        table = np.asarray(table, bool)
+        r, c = qp // bq, kp // bk
+        inside = (r >= 0) & (r < table.shape[0]) & (c >= 0) & (c < table.shape[1])
+        hit = table[np.clip(r, 0, table.shape[0] - 1), np.clip(c, 0, table.shape[1] - 1)]
+        return inside & hit
+
+    def ev(m, h) -> np.ndarray:
+        if isinstance(m, masks.And):
+            return ev(m.left, h) & ev(m.right, h)
+        if isinstance(m, masks.Or):
+            return ev(m.left, h) | ev(m.right, h)
+        if isinstance(m, masks.Not):
+            return ~ev(m.inner, h)
+        if isinstance(m, masks.PerHead):
+            return ev(m.masks[h], h)
+        if isinstance(m, masks.Full):
+            return np.ones(shape, bool)
+        if isinstance(m, masks.Causal):
+            off = m.offset + ((kv_len - q_len) if m.bottom_right else 0)
+            return np.broadcast_to(kp <= qp + off, shape)
+        if isinstance(m, masks.SlidingWindow):
+            out = np.ones(shape, bool)
+            if m.left is not None:
+                out = out & (kp >= qp - m.left)
+            if m.right is not None:
+                out = out & (kp <= qp + m.right)
+            return out
+        if isinstance(m, masks.ChunkedCausal):
+            c = m.chunk_size
+            return np.broadcast_to((kp <= qp) & (np.floor_divide(kp, c) == np.floor_divide(qp, c)),
+                                   shape)
+        if isinstance(m, masks.Document):
+            assert qs is not None and ks is not None
+            return np.broadcast_to((qs == ks) & (qs >= 0), shape)
+        if isinstance(m, masks.PrefixLM):
+            return np.broadcast_to((kp < m.prefix_length) | (kp <= qp), shape)
+        if isinstance(m, masks.GlobalTokens):
+            return np.broadcast_to((qp < m.num_global) | (kp < m.num_global), shape)
+        if isinstance(m, masks.Dilated):
+            return np.broadcast_to(np.mod(qp - kp, m.stride) == 0, shape)
+        if isinstance(m, masks.BlockLayoutMask):
+            return np.broadcast_to(table_lookup(m.layout, *m.block_size), shape)
+        if isinstance(m, masks.BigBirdRandom):
+            table = np.asarray(m.table(q_len, kv_len))
+            check_bigbird_table(m, table, q_len, kv_len)
+            return np.broadcast_to(table_lookup(table, m.block_size, m.block_size), shape)
+        if isinstance(m, masks.Predicate):
+            return np.broadcast_to(np.asarray(m.fn(qp, kp), bool), shape)
+        raise NotImplementedError(f"no NumPy reference for {type(m).__name__}")
+
+    return np.stack([np.array(ev(mask, h), bool) for h in range(heads)])
+
+
+def check_bigbird_table(m, table, q_len, kv_len):
+    """The random table has the documented shape and per-row counts (and is causal if asked)."""
+    rows, cols = math.ceil(q_len / m.block_size), math.ceil(kv_len / m.block_size)
+    assert table.shape == (rows, cols)
+    for r in range(rows):
+        limit = min(r + 1, cols) if m.causal else cols
+        assert table[r].sum() == min(m.num_random, limit)
+        assert not table[r, limit:].any()
+
+
+def np_visibility(mask, *, batch, heads, q_len, kv_len, q_pos=None, kv_pos=None, q_seg=None,
+                  kv_seg=None) -> np.ndarray:
+    """``[batch, heads, q_len, kv_len]`` visibility; per-call arrays are ``[batch, L]`` or None."""
+    out = []
+    for b in range(batch):
+        pick = lambda x: None if x is None else np.asarray(x)[b]  # noqa: E731
+        out.append(np_mask(mask, q_len=q_len, kv_len=kv_len, heads=heads, q_pos=pick(q_pos),
+                           kv_pos=pick(kv_pos), q_seg=pick(q_seg), kv_seg=pick(kv_seg)))
+    return np.stack(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The float64 attention oracle.
+
+
+def _sinks_hs(sinks, heads):
+    """Bring sinks to [H, S] by the documented rule ([S] shared, [H] per head, [H, S])."""
+    if sinks is None:
+        return None
+    sinks = np.asarray(sinks, np.float64)
+    if sinks.ndim == 1 and sinks.shape[0] == heads:
+        return sinks[:, None]
+    if sinks.ndim == 1:
+        return np.tile(sinks[None, :], (heads, 1))
+    return sinks
+
+
+def np_attention(q, k, v, visible, *, scale=None, bias=None, sinks=None, soft_cap=None):
+    """Float64 NumPy attention with every feature.
+
+    ``q [B, H, Lq, D]``, ``k [B, Hkv, Lk, D]``, ``v [B, Hkv, Lk, Dv]``, `visible` broadcasting
+    to ``[B, H, Lq, Lk]``, `bias` broadcasting to it, `sinks` ``[S]``, ``[H]`` or ``[H, S]``.
+    Rows that see no key give zeros.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = np.zeros((b, h, lq, v.shape[-1]))
+    visible = np.broadcast_to(np.asarray(visible, bool), (b, h, lq, k.shape[2]))
+    bias = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64),
+                                                     (b, h, lq, k.shape[2]))
+    sinks = _sinks_hs(sinks, h)
+    for bi in range(b):
+        for hi in range(h):
+            g = hi // (h // hkv)
+            s = scale * q[bi, hi] @ k[bi, g].T
+            if bias is not None:
+                s = s + bias[bi, hi]
+            if soft_cap is not None:
+                s = soft_cap * np.tanh(s / soft_cap)
+            for i in range(lq):
+                vis = visible[bi, hi, i]
+                if not vis.any():
+                    continue
+                logits = s[i][vis]
+                extra = sinks[hi] if sinks is not None else np.zeros(0)
+                mx = max(logits.max(), extra.max() if extra.size else -np.inf)
+                w = np.exp(logits - mx)
+                denom = w.sum() + np.exp(extra - mx).sum()
+                out[bi, hi, i] = (w / denom) @ v[bi, g][vis]
+    return out
+
+
+def jnp_attention_f64(q, k, v, visible, *, scale=None, bias=None, sinks=None, soft_cap=None):
+    """The oracle in jnp (differentiable); call inside ``jax.enable_x64(True)`` with float64 arrays.
+
+    Masked logits are replaced before the exponential and the weights zeroed after it, so no
+    gradient reaches a masked pair and a fully masked row gives zeros and zero gradients.
+    """
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    group = h // hkv
+    head_of = np.arange(h) // group
+    kk, vv = k[:, head_of], v[:, head_of]
+    s = scale * jnp.einsum("bhid,bhjd->bhij", q, kk)
+    if bias is not None:
+        s = s + bias
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    vis = jnp.broadcast_to(jnp.asarray(visible), (b, h, lq, lk))
+    row_max = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1, keepdims=True)
+    if sinks is not None:
+        if sinks.ndim == 1 and sinks.shape[0] == h:
+            sinks = sinks[:, None]
+        elif sinks.ndim == 1:
+            sinks = jnp.broadcast_to(sinks[None], (h, sinks.shape[0]))
+        row_max = jnp.maximum(row_max, jnp.max(sinks, -1)[None, :, None, None])
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    w = jnp.where(vis, jnp.exp(jnp.where(vis, s - row_max, 0.0)), 0.0)
+    denom = w.sum(-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks[None, :, None, :] - row_max).sum(-1, keepdims=True)
+    any_vis = vis.any(-1, keepdims=True)
+    denom = jnp.where(any_vis, denom, 1.0)
+    return jnp.einsum("bhij,bhjd->bhid", w, vv) / denom
+
+
+def rel_err(actual, expected) -> float:
+    """max |actual - expected| / max(max |expected|, tiny)."""
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    assert a.shape == e.shape, (a.shape, e.shape)
+    assert np.all(np.isfinite(a)), "non-finite values"
+    return float(np.max(np.abs(a - e), initial=0.0) / max(np.max(np.abs(e), initial=0.0), 1e-30))
+
+
+def assert_close(actual, expected, tol=2e-5, what=""):
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+def to_f64(x):
+    return None if x is None else jnp.asarray(np.asarray(x, np.float64))
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+__all__ = [
+    "KERNELS", "make_kernel", "random_inputs", "random_array", "sorted_segments", "np_mask",
+    "np_visibility", "np_attention", "jnp_attention_f64", "rel_err", "assert_close", "to_f64",
+    "bsa", "kernels", "masks",
+]

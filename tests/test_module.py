@@ -1,0 +1,509 @@
+"""`BlockSparseAttention` and `blocksparse_attention`: transforms, strategy swaps, the selector,
+the function API's options, and input validation."""
+
+import re
+import warnings
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+from eqx_bsattn import kernels, masks
+from eqx_bsattn.strategies.kernels.reference import reference_attention
+from tests.conftest import (
+    assert_close,
+    np_attention,
+    np_visibility,
+    random_array,
+    random_inputs,
+    sorted_segments,
+)
+
+REF = kernels.DenseReference()
+
+
+def ref_attn(mask=masks.Full(), **kw):
+    return bsa.BlockSparseAttention(mask=mask, kernel=REF, **kw)
+
+
+def expected(mask, q, k, v, **kw):
+    """The float64 NumPy truth for batched ``q, k, v``."""
+    b, h, lq = q.shape[:3]
+    vis = np_visibility(mask, batch=b, heads=h, q_len=lq, kv_len=k.shape[2])
+    return np_attention(q, k, v, vis, **kw)
+
+
+@pytest.fixture(scope="module")
+def qkv():
+    return random_inputs(0, batch=2, heads=4, kv_heads=2, q_len=20, kv_len=28, dim=8, value_dim=6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes and transforms.
+
+
+def test_batched_call_matches_truth(qkv):
+    q, k, v = qkv
+    out = eqx.filter_jit(ref_attn(masks.Causal()))(q, k, v)
+    assert out.shape == (2, 4, 20, 6) and out.dtype == jnp.float32
+    assert_close(out, expected(masks.Causal(), q, k, v))
+
+
+def test_unbatched_call_equals_batched_slice(qkv):
+    q, k, v = qkv
+    attn = ref_attn(masks.SlidingWindow(3, 1))
+    out = attn(q[1], k[1], v[1])
+    assert out.shape == (4, 20, 6)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(attn(q, k, v)[1]), rtol=1e-6, atol=1e-6)
+
+
+def test_jit_and_filter_jit_agree(qkv):
+    q, k, v = qkv
+    attn = ref_attn(masks.Causal() & masks.SlidingWindow(5, 0))
+    a = jax.jit(lambda q, k, v: attn(q, k, v))(q, k, v)
+    b = eqx.filter_jit(lambda m, q, k, v: m(q, k, v))(attn, q, k, v)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    assert_close(a, expected(attn.mask, q, k, v))
+
+
+def test_vmap_over_unbatched_call(qkv):
+    q, k, v = qkv
+    attn = ref_attn(masks.Causal())
+    rng = np.random.default_rng(0)
+    seg = jnp.asarray(sorted_segments(rng, 2, 20, 3))
+    kseg = jnp.asarray(sorted_segments(rng, 2, 28, 3))
+    vm = jax.jit(jax.vmap(lambda q, k, v, s, ks: attn(q, k, v, q_segment_ids=s, kv_segment_ids=ks)))
+    got = vm(q, k, v, seg, kseg)
+    want = attn(q, k, v, q_segment_ids=seg, kv_segment_ids=kseg)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    bias = random_array(4, (2, 4, 20, 28))
+    got = jax.vmap(lambda q, k, v, b: attn(q, k, v, bias=b))(q, k, v, bias)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(attn(q, k, v, bias=bias)), rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_grad_and_checkpoint_agree(qkv):
+    q, k, v = qkv
+    attn = ref_attn(masks.Causal(bottom_right=True))
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(attn(q, k, v)))
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    gc = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(g, gc):
+        assert np.abs(np.asarray(a)).max() > 0
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_module_is_a_pytree_of_strategies():
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.5)
+    leaves = jax.tree_util.tree_leaves(attn)
+    assert leaves == []  # only static hyperparameters
+    assert attn == bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.5)
+    assert attn != bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.25)
+
+
+def test_tree_at_swaps_and_retraces(qkv):
+    q, k, v = qkv
+    traces = []
+
+    @eqx.filter_jit
+    def run(m, q, k, v):
+        traces.append(1)
+        return m(q, k, v)
+
+    attn = ref_attn(masks.Causal())
+    a = run(attn, q, k, v)
+    run(ref_attn(masks.Causal()), q, k, v)  # an equal module: no new trace
+    assert len(traces) == 1
+    swapped = eqx.tree_at(lambda m: m.mask, attn, masks.SlidingWindow(2))
+    b = run(swapped, q, k, v)
+    assert len(traces) == 2
+    assert_close(a, expected(masks.Causal(), q, k, v))
+    assert_close(b, expected(masks.SlidingWindow(2), q, k, v))
+    tiled = eqx.tree_at(lambda m: m.tiling, attn, bsa.Tiling(block_q=16, block_kv=16),
+                        is_leaf=lambda x: x is None)
+    assert tiled.tiling == bsa.Tiling(block_q=16, block_kv=16)
+    np.testing.assert_allclose(np.asarray(run(tiled, q, k, v)), np.asarray(a), rtol=1e-6, atol=1e-6)
+    doubled = eqx.tree_at(lambda m: m.kernel, attn, DoubledReference())
+    np.testing.assert_allclose(np.asarray(doubled(q, k, v)), 2 * np.asarray(a), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels: registry and selector.
+
+
+class DoubledReference(bsa.AbstractKernel):
+    """A user kernel: twice the reference's output. Not an automatic candidate anywhere."""
+
+    name: ClassVar[str] = "test-doubled"
+
+    def __call__(self, query, key, value, *, mask, inputs, tiling, softmax_scale, logits_soft_cap):
+        return 2 * reference_attention(query, key, value, mask=mask, inputs=inputs,
+                                       softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap)
+
+
+class _Declines(bsa.AbstractKernel):
+    name: ClassVar[str] = "test-declines"
+    reason: str = eqx.field(default="it never runs anything", static=True)
+
+    @classmethod
+    def priority(cls, platform):
+        return 100 if platform == "test-platform" else None
+
+    def decline_reason(self, mask, features):
+        return self.reason
+
+    def __call__(self, query, key, value, **kw):
+        raise AssertionError("a declining kernel was called")
+
+
+class _AcceptsNoBias(bsa.AbstractKernel):
+    name: ClassVar[str] = "test-no-bias"
+
+    @classmethod
+    def priority(cls, platform):
+        return 50 if platform == "test-platform" else None
+
+    def decline_reason(self, mask, features):
+        return "it takes no bias" if features.bias else None
+
+    def __call__(self, query, key, value, *, mask, inputs, tiling, softmax_scale, logits_soft_cap):
+        return reference_attention(query, key, value, mask=mask, inputs=inputs,
+                                   softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap)
+
+
+def test_user_kernels_register_themselves():
+    registered = bsa.registered_kernels()
+    assert DoubledReference in registered and _Declines in registered
+    assert kernels.DenseReference in registered
+    assert bsa.AbstractKernel not in registered
+    assert DoubledReference.priority("cpu") is None
+
+
+def test_user_kernel_runs_in_the_module(qkv):
+    q, k, v = qkv
+    out = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=DoubledReference())(q, k, v)
+    assert_close(out, 2 * expected(masks.Causal(), q, k, v))
+
+
+def test_select_kernel_orders_by_priority_and_explains():
+    choice = bsa.select_kernel(masks.Causal(), "test-platform")
+    assert isinstance(choice.kernel, _AcceptsNoBias)
+    assert choice.declined == (("test-declines", "it never runs anything"),)
+    text = choice.explain()
+    assert "test-no-bias" in text and "declined test-declines: it never runs anything" in text
+    # With a bias the second declines too and the next registered candidate runs (the
+    # reference at least: priority 0 everywhere).
+    choice = bsa.select_kernel(masks.Causal(), "test-platform",
+                               bsa.Features(platform="cpu", bias=True))
+    assert [n for n, _ in choice.declined][:2] == ["test-declines", "test-no-bias"]
+    assert not isinstance(choice.kernel, (_Declines, _AcceptsNoBias))
+    assert type(choice.kernel).priority("test-platform") is not None
+    assert choice.kernel.name in choice.explain()
+
+
+def test_select_kernel_on_cpu_picks_a_cpu_candidate():
+    choice = bsa.select_kernel(masks.Causal(), "cpu")
+    cls = type(choice.kernel)
+    assert cls.priority("cpu") is not None
+    assert choice.kernel.name in choice.explain()
+    # Nothing with a higher cpu priority was skipped silently.
+    for other in bsa.registered_kernels():
+        p = other.priority("cpu")
+        if p is not None and p > cls.priority("cpu"):
+            assert other.name in dict(choice.declined)
+
+
+def test_no_kernel_error_lists_every_candidate():
+    candidates = [_Declines(), _Declines(reason="the moon is full"), _AcceptsNoBias()]
+    with pytest.raises(bsa.NoKernelError) as info:
+        bsa.select_kernel(masks.Causal(), "test-platform", bsa.Features(bias=True),
+                          candidates=candidates)
+    msg = str(info.value)
+    assert "it never runs anything" in msg and "the moon is full" in msg
+    assert "test-no-bias: it takes no bias" in msg
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(bsa.NoKernelError, match="no kernel is registered"):
+        bsa.select_kernel(masks.Causal(), "cpu", candidates=[])
+    with pytest.raises(TypeError, match="mask"):
+        bsa.select_kernel("causal", "cpu")
+
+
+def test_explicit_kernel_that_declines_raises(qkv):
+    q, k, v = qkv
+    attn = bsa.BlockSparseAttention(kernel=_AcceptsNoBias())
+    attn(q, k, v)
+    with pytest.raises(ValueError, match="test-no-bias.*no bias"):
+        attn(q, k, v, bias=random_array(1, (20, 28)))
+
+
+def test_plan_reports_features_and_choice(qkv):
+    q, k, v = qkv
+    rng = np.random.default_rng(0)
+    seg = sorted_segments(rng, 2, 20, 2)
+    plan = bsa.BlockSparseAttention(mask=masks.Causal(), logits_soft_cap=5.0).plan(
+        q, k, v, q_segment_ids=seg, kv_segment_ids=sorted_segments(rng, 2, 28, 2),
+        sinks=random_array(2, (4,)))
+    f = plan.features
+    assert (f.batch, f.num_heads, f.num_kv_heads, f.q_len, f.kv_len, f.head_dim, f.value_dim) == (
+        2, 4, 2, 20, 28, 8, 6)
+    assert f.segment_ids and f.sinks and f.soft_cap and not f.bias and not f.positions
+    assert plan.mask.uses_segment_ids  # Document was added for the segment ids
+    assert plan.choice is not None and plan.choice.kernel is plan.kernel
+    assert plan.softmax_scale == pytest.approx(1 / np.sqrt(8))
+    assert plan.tiling == plan.kernel.default_tiling(f)
+    assert plan.inputs.sinks.shape == (4, 1)
+
+
+def test_default_kernel_matches_truth(qkv):
+    """With no kernel the selector's pick runs and agrees with the float64 truth."""
+    q, k, v = qkv
+    attn = bsa.BlockSparseAttention(mask=masks.Causal() & masks.SlidingWindow(6, 0))
+    out = eqx.filter_jit(attn)(q, k, v)
+    assert_close(out, expected(attn.mask, q, k, v), 2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# blocksparse_attention.
+
+
+def test_function_default_is_causal(qkv):
+    q, k, v = qkv
+    out = bsa.blocksparse_attention(q, k, v, platform="reference")
+    assert_close(out, expected(masks.Causal(), q, k, v))
+    out = bsa.blocksparse_attention(q, k, v, causal=False, platform="reference")
+    assert_close(out, expected(masks.Full(), q, k, v))
+
+
+@pytest.mark.parametrize("kw,mask", [
+    (dict(sliding_window=4), masks.Causal() & masks.SlidingWindow(4)),
+    (dict(sliding_window=(3, 2), causal=False), masks.SlidingWindow(3, 2)),
+    (dict(sliding_window=(None, 1), causal=False), masks.SlidingWindow(None, 1)),
+    (dict(chunk_size=7), masks.ChunkedCausal(7)),
+    (dict(mask_builder=masks.PrefixLM(5)), masks.PrefixLM(5) & masks.Causal()),
+    (dict(mask_builder=lambda: masks.GlobalTokens(3), causal=False), masks.GlobalTokens(3)),
+    (dict(mask_builder=masks.Dilated(2), causal=False, sliding_window=(9, 0)),
+     masks.Dilated(2) & masks.SlidingWindow(9, 0)),
+])
+def test_function_mask_options(qkv, kw, mask):
+    q, k, v = qkv
+    out = bsa.blocksparse_attention(q, k, v, platform="reference", **kw)
+    assert_close(out, expected(mask, q, k, v))
+
+
+def test_function_scalars_sinks_bias_positional(qkv):
+    q, k, v = qkv
+    sinks = random_array(5, (4, 2))
+    bias = random_array(6, (2, 1, 20, 28))
+    out = bsa.blocksparse_attention(q, k, v, sinks, bias, softmax_scale=0.3, logits_soft_cap=2.0,
+                                    platform="reference")
+    assert_close(out, expected(masks.Causal(), q, k, v, scale=0.3, bias=bias, sinks=sinks,
+                               soft_cap=2.0))
+    # Integer scalars are accepted like floats.
+    a = bsa.blocksparse_attention(q, k, v, softmax_scale=1, logits_soft_cap=3, platform="reference")
+    b = bsa.blocksparse_attention(q, k, v, softmax_scale=1.0, logits_soft_cap=3.0,
+                                  platform="reference")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(TypeError):
+        bsa.blocksparse_attention(q, k, v, bias=bias)  # bias is positional-only
+
+
+def test_function_segment_ids_mask_info_and_purify(qkv):
+    q, k, v = qkv
+    rng = np.random.default_rng(2)
+    qs = jnp.asarray(sorted_segments(rng, 2, 20, 3, pad=3))
+    ks = jnp.asarray(sorted_segments(rng, 2, 28, 3, pad=2))
+    direct = bsa.blocksparse_attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks,
+                                       platform="reference")
+    info = bsa.MaskInfo(q_segment_ids=qs, kv_segment_ids=ks)
+    via_info = bsa.blocksparse_attention(q, k, v, mask_info=info, platform="reference")
+    np.testing.assert_array_equal(np.asarray(direct), np.asarray(via_info))
+    vis = np_visibility(masks.Causal() & masks.Document(), batch=2, heads=4, q_len=20, kv_len=28,
+                        q_seg=np.asarray(qs), kv_seg=np.asarray(ks))
+    assert_close(direct, np_attention(q, k, v, vis))
+    with pytest.raises(ValueError, match="q_segment_ids.*mask_info"):
+        bsa.blocksparse_attention(q, k, v, q_segment_ids=qs, mask_info=info)
+    with pytest.raises(TypeError, match="mask_info"):
+        bsa.blocksparse_attention(q, k, v, mask_info={"q_segment_ids": qs})
+    # Purify: padded queries still see the global tokens, unless purified.
+    mb = masks.GlobalTokens(2) | masks.Document()
+    plain = bsa.blocksparse_attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks, causal=False,
+                                      mask_builder=mb, platform="reference")
+    pure = bsa.blocksparse_attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks, causal=False,
+                                     mask_builder=mb, purify=True, platform="reference")
+    pad = np.asarray(qs) < 0
+    assert np.abs(np.asarray(plain).transpose(0, 2, 1, 3)[pad]).min() > 0
+    assert (np.asarray(pure).transpose(0, 2, 1, 3)[pad] == 0).all()
+    positions = bsa.MaskInfo(q_positions=jnp.arange(20) + 8,
+                             kv_positions=jnp.arange(28))
+    out = bsa.blocksparse_attention(q, k, v, mask_info=positions, platform="reference")
+    assert_close(out, expected(masks.Causal(offset=8), q, k, v))
+
+
+def test_function_cfg_and_platforms(qkv):
+    q, k, v = qkv
+    want = expected(masks.Causal(), q, k, v)
+    for cfg in (None, bsa.Tiling(block_q=8, block_kv=16), {"block_q": 16, "block_kv": 8}):
+        for platform in (None, "cpu", "reference", "dense"):
+            out = bsa.blocksparse_attention(q, k, v, cfg=cfg, platform=platform)
+            assert_close(out, want, 2e-5, f"{cfg} {platform}")
+    if hasattr(kernels, "XlaBlockSparse"):
+        out = bsa.blocksparse_attention(q, k, v, cfg={"block_q": 8, "block_kv": 8}, platform="xla")
+        assert_close(out, want, 2e-5, "xla")
+    with pytest.raises(ValueError, match="platform"):
+        bsa.blocksparse_attention(q, k, v, platform="no-such-kernel")
+    with pytest.raises(ValueError, match="cfg"):
+        bsa.blocksparse_attention(q, k, v, cfg={"block_size": 8})
+    with pytest.raises(ValueError, match="block_q"):
+        bsa.blocksparse_attention(q, k, v, cfg={"block_q": 0, "block_kv": 8})
+    with pytest.raises(TypeError, match="cfg"):
+        bsa.blocksparse_attention(q, k, v, cfg=(8, 8))
+
+
+def test_function_fused_backward_warns_for_the_reference(qkv):
+    q, k, v = qkv
+    with pytest.warns(UserWarning, match="fused_backward"):
+        out = bsa.blocksparse_attention(q, k, v, fused_backward=True, platform="reference")
+    assert_close(out, expected(masks.Causal(), q, k, v))
+
+
+@pytest.mark.parametrize("name", ["mesh", "in_specs", "out_specs",
+                                  "sequence_parallelism_mesh_axis_name", "qkv_layouts"])
+def test_function_unavailable_options(qkv, name):
+    q, k, v = qkv
+    value = "sp" if name == "sequence_parallelism_mesh_axis_name" else object()
+    with pytest.raises(NotImplementedError, match=name):
+        bsa.blocksparse_attention(q, k, v, **{name: value})
+
+
+def test_function_mask_builder_errors(qkv):
+    q, k, v = qkv
+    with pytest.raises(TypeError, match="mask_builder"):
+        bsa.blocksparse_attention(q, k, v, mask_builder=lambda: "causal")
+    with pytest.raises(TypeError, match="mask_builder"):
+        bsa.blocksparse_attention(q, k, v, mask_builder=3)
+
+
+@pytest.mark.parametrize("window", [-3, (2, -1), (None, None), (1, 2, 3)])
+def test_function_bad_sliding_window(qkv, window):
+    q, k, v = qkv
+    with pytest.raises((ValueError, TypeError), match="sliding_window"):
+        bsa.blocksparse_attention(q, k, v, sliding_window=window)
+
+
+def test_function_bad_chunk_size(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="chunk_size"):
+        bsa.blocksparse_attention(q, k, v, chunk_size=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs: ValueError / TypeError naming the argument.
+
+
+def _bad_calls():
+    q, k, v = random_inputs(1, batch=2, heads=4, kv_heads=2, q_len=12, kv_len=16, dim=8)
+    seg_q = jnp.zeros((2, 12), jnp.int32)
+    seg_k = jnp.zeros((2, 16), jnp.int32)
+    attn = bsa.BlockSparseAttention(kernel=REF)
+    return [
+        ("3d_key_4d_query", lambda: attn(q, k[0], v[0]), r"key|query"),
+        ("batch_mismatch", lambda: attn(q, k[:1], v[:1]), r"key"),
+        ("heads_not_divisible", lambda: attn(q, k[:, :1].repeat(3, 1), v[:, :1].repeat(3, 1)),
+         r"heads"),
+        ("head_dim_mismatch", lambda: attn(q, k[..., :4], v), r"key"),
+        ("value_len_mismatch", lambda: attn(q, k, v[:, :, :8]), r"value"),
+        ("value_heads_mismatch", lambda: attn(q, k, v[:, :1]), r"value"),
+        ("int_query", lambda: attn(q.astype(jnp.int32), k, v), r"query"),
+        ("dtype_mismatch", lambda: attn(q, k.astype(jnp.bfloat16), v), r"dtype"),
+        ("sinks_shape", lambda: attn(q, k, v, sinks=random_array(0, (3, 2))), r"sinks"),
+        ("sinks_3d", lambda: attn(q, k, v, sinks=random_array(0, (4, 2, 1))), r"sinks"),
+        ("sinks_int", lambda: attn(q, k, v, sinks=jnp.ones((4,), jnp.int32)), r"sinks"),
+        ("bias_shape", lambda: attn(q, k, v, bias=random_array(0, (12, 15))), r"bias"),
+        ("bias_heads", lambda: attn(q, k, v, bias=random_array(0, (3, 12, 16))), r"bias"),
+        ("bias_1d", lambda: attn(q, k, v, bias=random_array(0, (16,))), r"bias"),
+        ("bias_5d", lambda: attn(q, k, v, bias=random_array(0, (1, 2, 4, 12, 16))), r"bias"),
+        ("q_segments_length", lambda: attn(q, k, v, q_segment_ids=seg_q[:, :11],
+                                           kv_segment_ids=seg_k), r"q_segment_ids"),
+        ("kv_segments_length", lambda: attn(q, k, v, q_segment_ids=seg_q,
+                                            kv_segment_ids=seg_q), r"kv_segment_ids"),
+        ("segments_batch", lambda: attn(q, k, v, q_segment_ids=jnp.zeros((3, 12), jnp.int32),
+                                        kv_segment_ids=jnp.zeros((3, 16), jnp.int32)),
+         r"segment_ids"),
+        ("only_q_segments", lambda: attn(q, k, v, q_segment_ids=seg_q), r"kv_segment_ids"),
+        ("only_kv_segments", lambda: attn(q, k, v, kv_segment_ids=seg_k), r"q_segment_ids"),
+        ("float_segments", lambda: attn(q, k, v, q_segment_ids=seg_q.astype(jnp.float32),
+                                        kv_segment_ids=seg_k), r"q_segment_ids"),
+        ("positions_length", lambda: attn(q, k, v, q_positions=jnp.arange(11)), r"q_positions"),
+        ("document_without_segments",
+         lambda: bsa.BlockSparseAttention(mask=masks.Causal() & masks.Document(), kernel=REF)(q, k, v),
+         r"segment_ids"),
+        ("purify_without_segments", lambda: attn(q, k, v, purify=True), r"purify"),
+        ("zero_length", lambda: attn(q[:, :, :0], k, v), r"len"),
+        ("per_head_count", lambda: bsa.BlockSparseAttention(
+            mask=masks.PerHead([masks.Full()] * 2), kernel=REF)(q, k, v), r"PerHead.*heads"),
+    ]
+
+
+BAD = _bad_calls()
+
+
+@pytest.mark.parametrize("name,call,pattern", BAD, ids=[b[0] for b in BAD])
+def test_bad_inputs_raise_naming_the_argument(name, call, pattern):
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    assert re.search(pattern, str(info.value)), str(info.value)[:500]
+
+
+@pytest.mark.parametrize("make,pattern", [
+    (lambda: bsa.BlockSparseAttention(softmax_scale=float("nan")), "softmax_scale"),
+    (lambda: bsa.BlockSparseAttention(softmax_scale=float("inf")), "softmax_scale"),
+    (lambda: bsa.BlockSparseAttention(softmax_scale="0.5"), "softmax_scale"),
+    (lambda: bsa.BlockSparseAttention(logits_soft_cap=0.0), "logits_soft_cap"),
+    (lambda: bsa.BlockSparseAttention(logits_soft_cap=-3.0), "logits_soft_cap"),
+    (lambda: bsa.BlockSparseAttention(logits_soft_cap=float("inf")), "logits_soft_cap"),
+    (lambda: bsa.BlockSparseAttention(mask="causal"), "mask"),
+    (lambda: bsa.BlockSparseAttention(kernel="xla"), "kernel"),
+    (lambda: bsa.BlockSparseAttention(tiling=(128, 128)), "tiling"),
+    (lambda: bsa.BlockSparseAttention(sharding=None), "sharding"),
+    (lambda: bsa.Tiling(block_q=0, block_kv=8), "block_q"),
+    (lambda: bsa.Tiling(block_q=8, block_kv=-8), "block_kv"),
+    (lambda: bsa.Tiling(block_q=8.0, block_kv=8), "block_q"),
+    (lambda: bsa.Tiling(block_q=8, block_kv=8, num_warps=0), "num_warps"),
+    (lambda: bsa.Tiling(block_q=8, block_kv=8, block_q_bwd=True), "block_q_bwd"),
+])
+def test_bad_options_raise_naming_the_argument(make, pattern):
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        make()
+
+
+def test_function_bad_scalars(qkv):
+    q, k, v = qkv
+    with pytest.raises((ValueError, TypeError), match="softmax_scale"):
+        bsa.blocksparse_attention(q, k, v, softmax_scale=float("nan"))
+    with pytest.raises((ValueError, TypeError), match="logits_soft_cap"):
+        bsa.blocksparse_attention(q, k, v, logits_soft_cap=-1.0)
+
+
+def test_tiling_backward_defaults():
+    t = bsa.Tiling(block_q=32, block_kv=64)
+    assert t.backward_blocks == (32, 64)
+    t = bsa.Tiling(block_q=32, block_kv=64, block_q_bwd=16)
+    assert t.backward_blocks == (16, 64)
+
+
+def test_typecheck_is_on_by_default():
+    assert bsa.TYPECHECK_ENABLED
+
+
+def test_no_warnings_on_a_plain_call(qkv):
+    q, k, v = qkv
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ref_attn(masks.Causal())(q, k, v)
