@@ -192,12 +192,15 @@ def main() -> None:
               f"{_mib(row['peak_rss_bytes'] - row['rss_before_compile_bytes']):>15}")
     if len(memory) > 1 and all(r["planned_bytes"] for r in memory):
         base = memory[0]
-        print("\nGrowth relative to L={}: ".format(base["length"]) + ", ".join(
-            f"L={r['length']}: length x{r['length'] / base['length']:.0f}, planned "
-            f"x{r['planned_bytes'] / base['planned_bytes']:.2f}, peak RSS - before "
-            f"x{(r['peak_rss_bytes'] - r['rss_before_compile_bytes']) / (base['peak_rss_bytes'] - base['rss_before_compile_bytes']):.2f}"
-            for r in memory[1:]
-        ))
+
+        def used(row):
+            return row["peak_rss_bytes"] - row["rss_before_compile_bytes"]
+
+        print(f"\nGrowth relative to L={base['length']}:")
+        for r in memory[1:]:
+            print(f"  L={r['length']}: length x{r['length'] / base['length']:.0f}, XLA planned "
+                  f"x{r['planned_bytes'] / base['planned_bytes']:.2f}, "
+                  f"RSS peak - before x{used(r) / used(base):.2f}")
 
     result = {
         "config": {"batch": BATCH, "heads": HEADS, "dim": DIM, "window": WINDOW,

@@ -103,16 +103,28 @@ def _every_other(q, k):
 
 _TABLE = np.random.default_rng(7).random((4, 3)) < 0.5
 
+_POSITIONS = tuple(
+    jnp.asarray(np.sort(np.random.default_rng(3).integers(0, 90, (2, n)), -1), jnp.int32)
+    for n in (50, 70)
+)
+
+# Each family also carries a feature or two, so that every feature meets a few masks without
+# compiling more functions.
 MASKS = {
-    "causal": masks.Causal(),
-    "chunked": masks.ChunkedCausal(24),
-    "prefix": masks.PrefixLM(21),
-    "global_or_window": masks.GlobalTokens(5) | masks.SlidingWindow(6),
-    "dilated": masks.Causal() & masks.Dilated(3),
-    "bigbird": masks.Causal() & (masks.SlidingWindow(16, 0) | masks.BigBirdRandom(16, 2)),
-    "block_layout": masks.BlockLayoutMask(_TABLE, block_size=(16, 24)),
-    "predicate": masks.Predicate(_every_other),
-    "not_causal": ~masks.Causal(offset=-3),
+    "causal": (masks.Causal(), {}),
+    "chunked": (masks.ChunkedCausal(24), {"sinks_shape": (4, 1)}),
+    "prefix_mqa_bias_soft_cap": (
+        masks.PrefixLM(21), {"kv_heads": 1, "bias_shape": (1, 1, 50, 70), "soft_cap": 3.0}
+    ),
+    "global_or_window_positions": (
+        masks.GlobalTokens(5) | masks.SlidingWindow(16, 6),
+        {"positions": _POSITIONS, "sinks_shape": (4, 3)},
+    ),
+    "dilated": (masks.Causal() & masks.Dilated(3), {"softmax_scale": 0.5}),
+    "bigbird": (masks.Causal() & (masks.SlidingWindow(16, 0) | masks.BigBirdRandom(16, 2)), {}),
+    "block_layout": (masks.BlockLayoutMask(_TABLE, block_size=(16, 24)), {}),
+    "predicate_positions": (masks.Predicate(_every_other), {"positions": _POSITIONS}),
+    "not_causal": (~masks.Causal(offset=-3), {}),
 }
 
 
@@ -120,28 +132,18 @@ MASKS = {
 def test_mask_families(name):
     # Ragged lengths (50, 70 are not multiples of 16, 32), Lq != Lk, GQA and Dv != D throughout;
     # `Causal() & SlidingWindow` runs in test_tilings, `Causal(bottom_right=True)` in
-    # test_one_query.
-    check(MASKS[name])
+    # test_one_query, `Document` and `PerHead` below.
+    mask, features = MASKS[name]
+    check(mask, **features)
 
 
-def test_document_with_padding_and_causal():
+def test_document_with_padding_cross_lengths():
     # Padded tokens (-1) see nothing: fully masked rows must give zeros and zero gradients.
     out = check(
-        masks.Causal() & masks.Document(), q_len=60, kv_len=60, sinks_shape=(4, 2),
-        segments=(_segments(0, 2, 60, 4, pad=7), _segments(0, 2, 60, 4, pad=7)),
+        masks.Causal() & masks.Document(), sinks_shape=(4, 2),
+        segments=(_segments(0, 2, 50, 4, pad=7), _segments(1, 2, 70, 4, pad=5)),
     )
     assert np.all(np.asarray(out)[:, :, -7:] == 0)
-
-
-def test_document_cross_lengths():
-    check(masks.Document(), segments=(_segments(1, 2, 50, 3), _segments(2, 2, 70, 3)))
-
-
-def test_positions_with_sinks():
-    rng = np.random.default_rng(3)
-    qp = jnp.asarray(np.sort(rng.integers(0, 90, (2, 50)), -1), jnp.int32)
-    kp = jnp.asarray(np.sort(rng.integers(0, 90, (2, 70)), -1), jnp.int32)
-    check(masks.Causal() & masks.SlidingWindow(30, 0), positions=(qp, kp), sinks_shape=(4, 3))
 
 
 def test_per_head_masks_with_gqa():
@@ -158,13 +160,9 @@ def test_bias_sinks_soft_cap_scale():
     )
 
 
-def test_bias_broadcast_over_batch_with_mqa():
-    check(masks.PrefixLM(10), kv_heads=1, bias_shape=(1, 1, 50, 70), soft_cap=3.0)
-
-
 def test_fully_masked_rows():
     # Causal with offset -20: the first 20 queries see no key at all.
-    out = check(masks.Causal(offset=-20), q_len=40, kv_len=40, sinks_shape=(4, 2))
+    out = check(masks.Causal(offset=-20), sinks_shape=(4, 2))
     assert np.all(np.asarray(out)[:, :, :20] == 0)
 
 
@@ -204,7 +202,8 @@ def test_vmap_checkpoint_filter_jit_eager():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         _assert_close(a, b, "vmap/checkpoint")
     expected = jax.jit(ref)(q[0], k[0], v[0])
-    _assert_close(eqx.filter_jit(lambda m, *a: m(*a))(xla, q[0], k[0], v[0]), expected, "filter_jit")
+    filtered = eqx.filter_jit(lambda m, *a: m(*a))(xla, q[0], k[0], v[0])
+    _assert_close(filtered, expected, "filter_jit")
     _assert_close(xla(q[0], k[0], v[0]), expected, "eager")
 
 
@@ -220,13 +219,15 @@ def test_new_segment_ids_do_not_retrace():
         traces.append(None)
         return jax.grad(lambda q: jnp.sum(attn(q, k, v, q_segment_ids=ids, kv_segment_ids=ids)))(q)
 
+    @jax.jit
+    def reference_grads(q, k, v, ids):
+        return jax.grad(lambda q: jnp.sum(ref(q, k, v, q_segment_ids=ids, kv_segment_ids=ids)))(q)
+
     q, k, v = _normal(0, (2, 2, 48, 8)), _normal(1, (2, 2, 48, 8)), _normal(2, (2, 2, 48, 8))
     for seed in range(3):
         ids = _segments(seed, 2, 48, 2 + seed, pad=seed)
         got = grads(q, k, v, ids)
-        want = jax.grad(
-            lambda q: jnp.sum(ref(q, k, v, q_segment_ids=ids, kv_segment_ids=ids))
-        )(q)
+        want = reference_grads(q, k, v, ids)
         _assert_close(got, want, f"dq with segment ids #{seed}")
     assert len(traces) == 1
 

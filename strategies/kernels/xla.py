@@ -184,8 +184,9 @@ def _masked_scores(mask, s, head, i, j, masked: bool, live, data, shape_info):
         q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
         k_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
         vis = element_mask(
-            mask, head, q_idx[:, None], k_idx[None, :], q_len=q_len, kv_len=kv_len,
-            q_positions=qp, kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks,
+            mask, 0 if head is None else head, q_idx[:, None], k_idx[None, :],
+            q_len=q_len, kv_len=kv_len, q_positions=qp, kv_positions=kp, q_segment_ids=qs,
+            kv_segment_ids=ks,
         )
     if live is not None:
         vis = live if vis is None else vis & live
@@ -205,7 +206,7 @@ class _Arranged(NamedTuple):
 
     sizes: tuple[int, ...]
     per_head: bool
-    heads: Any  # [1, Hkv, U, 1] query-head ids (per-head masks) or None
+    heads: Any  # [1, Hkv, U, 1] query-head ids for per-head masks; None: one mask for all
     blocks: Any  # [1, 1, 1, n] block ids of the last level
     data: list  # positions / segment ids, [B, 1, 1, 1, L] or None
     bias: Any  # [bb, Hkv|1, U|1, 1, Gb, Lq', Lk'] or None
@@ -271,7 +272,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
 
             return _map_levels(
                 unit, arr.sizes, carry, j, live, q_u, k_b, v_b, arr.bias,
-                _head_arg(arr), arr.blocks, *arr.data,
+                arr.heads, arr.blocks, *arr.data,
             )
 
         return _slot_loop(trips, count, index, body, carry)
@@ -286,16 +287,14 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
     seen = l > 0
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     if sinks is not None:
-        sinks_u = _per_head_to_units(sinks.astype(_F32), heads, group, arr.per_head)[None, :, :, None]
+        sinks_u = _per_head_to_units(sinks.astype(_F32), heads, group, arr.per_head)
+        sinks_u = sinks_u[None, :, :, None]  # [1, Hkv, U|1, 1, G|1, S]
         lse = jnp.logaddexp(lse, jax.nn.logsumexp(sinks_u, axis=-1)[..., None])
     out = acc * jnp.where(seen, jnp.exp(m - lse), 0.0)[..., None]
     lse = jnp.where(seen, lse, jnp.inf)
     out = _units_to_rows(out, q_len, arr.per_head).astype(q.dtype)
     return out, _units_to_rows(lse, q_len, arr.per_head)
 
-
-def _head_arg(arr: _Arranged):
-    return arr.heads if arr.per_head else jnp.zeros((1, 1, 1, 1), jnp.int32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -350,7 +349,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 
             dq, ds = _map_levels(
                 unit, arr.sizes, dq, j, live, q_u, do_u, lse_u, delta_u, k_b, v_b, arr.bias,
-                _head_arg(arr), arr.blocks, *arr.data,
+                arr.heads, arr.blocks, *arr.data,
             )
             if ds_buf is not None:
                 ds_buf = jax.lax.dynamic_update_index_in_dim(ds_buf, ds, offset + t, 0)
@@ -431,7 +430,7 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 
             return _map_levels(
                 unit, arr.sizes, carry, i, live, k_b, v_b, q_u, do_u, lse_u, delta_u, arr.bias,
-                _head_arg(arr), arr.blocks, *arr.data,
+                arr.heads, arr.blocks, *arr.data,
             )
 
         return _slot_loop(trips, count, index, body, carry)
