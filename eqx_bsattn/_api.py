@@ -118,7 +118,7 @@ def blocksparse_attention(
     logits_soft_cap: float | int | None = None,
     softmax_scale: float | int | None = None,
     mask_builder: AbstractMask | Callable[[], AbstractMask] | None = None,
-    sliding_window: int | tuple[int | None, int | None] | None = None,
+    sliding_window: int | tuple[int | None, int | None] | list[int | None] | None = None,
     chunk_size: int | None = None,
     causal: bool = True,
     fused_backward: bool = False,

@@ -37,9 +37,9 @@ class GlobalTokens(AbstractMask):
 class Dilated(AbstractMask):
     """Strided attention: key visible when ``(pos_q - pos_k) % stride == 0``.
 
-    With a window, a dilated window: ``SlidingWindow(1024, 0) & Dilated(4)``. Blocks are never
-    FULL for ``stride > 1``; a block pair is EMPTY when no difference in its range is a
-    multiple of the stride.
+    With a window, a dilated window: ``SlidingWindow(1024, 0) & Dilated(4)``. For
+    ``stride > 1`` a block pair is FULL only when it holds a single pair at a multiple of the
+    stride, and EMPTY when no difference in its range is a multiple of the stride.
     """
 
     stride: int = eqx.field(static=True)
