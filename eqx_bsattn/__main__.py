@@ -6,8 +6,6 @@ against the float32 reference. Runs on CPU in well under a minute.
 """
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -15,16 +13,7 @@ import jax.numpy as jnp
 from . import BlockSparseAttention, build_layout, kernels
 from ._layout import element_mask
 from ._patterns import pattern
-
-
-def _median_ms(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+from ._timing import median_ms
 
 
 def main(argv=None) -> None:
@@ -77,8 +66,8 @@ def main(argv=None) -> None:
                                              implementation="xla")
             return jnp.swapaxes(o, 1, 2)
 
-        ours_ms = _median_ms(ours, q, k, v, data, reps=args.reps)
-        dense_ms = _median_ms(dense, q, k, v, reps=args.reps)
+        ours_ms = median_ms(ours, (q, k, v, data), args.reps)
+        dense_ms = median_ms(dense, (q, k, v), args.reps)
         print(f"{name:<10}{float(layout.density()):>8.3f}  {plan.kernel.name:<10}{ours_ms:>9.1f}"
               f"{dense_ms:>10.1f}{dense_ms / ours_ms:>8.1f}x{err:>10.1e}")
         why = plan.choice.explain() if plan.choice is not None else "chosen explicitly"

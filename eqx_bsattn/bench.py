@@ -16,9 +16,7 @@ python -m eqx_bsattn.bench --lengths 16384 --batch 2 --heads 16 --dim 128 --dtyp
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import jax
@@ -29,6 +27,7 @@ from . import BlockSparseAttention, kernels
 from ._layout import element_mask
 from ._patterns import PATTERNS, pattern
 from ._selector import default_platform
+from ._timing import median_ms
 from .strategies.kernels.cudnn import cudnn_mask_options
 
 
@@ -51,18 +50,6 @@ def visible_pairs(mask, q_len: int, kv_len: int, segment_ids=None, rows_per_step
     for start in range(0, q_len, rows_per_step):
         total += int(count_rows(jnp.int32(start)))
     return total
-
-
-def _time(fn: Callable, args, reps: int, warmup: int = 2) -> float:
-    """Median wall time in milliseconds of ``fn(*args)``, synchronised."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _with_backward(f: Callable) -> Callable:
@@ -179,10 +166,10 @@ def run(args) -> list[dict]:
                         else:
                             diff = jnp.linalg.norm(out.astype(jnp.float32) - reference_out)
                             record["rel_diff_vs_ours"] = float(diff / jnp.linalg.norm(reference_out))
-                        record["fwd_ms"] = _time(fwd, (q, k, v), args.reps)
+                        record["fwd_ms"] = median_ms(fwd, (q, k, v), args.reps, warmup=2)
                         record["fwd_tflops"] = flops_fwd / record["fwd_ms"] / 1e9
                         if not args.forward_only:
-                            record["fwdbwd_ms"] = _time(_with_backward(f), (q, k, v, do), args.reps)
+                            record["fwdbwd_ms"] = median_ms(_with_backward(f), (q, k, v, do), args.reps, warmup=2)
                             record["fwdbwd_tflops"] = 3.5 * flops_fwd / record["fwdbwd_ms"] / 1e9
                     except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal
                         record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

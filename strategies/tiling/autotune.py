@@ -1,7 +1,5 @@
 """`autotune`: time candidate tilings on the caller's own inputs and keep the fastest."""
 
-import statistics
-import time
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -9,18 +7,9 @@ import jax
 import jax.numpy as jnp
 
 from eqx_bsattn._tiling import Tiling
+from eqx_bsattn._timing import median_ms
 
 DEFAULT_BLOCKS = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 256), (256, 128))
-
-
-def _median_seconds(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def autotune(
@@ -79,7 +68,7 @@ def autotune(
             return pullback(cotangent)
 
         try:
-            seconds = _median_seconds(jax.jit(run), (query, key, value), reps)
+            seconds = median_ms(jax.jit(run), (query, key, value), reps) / 1e3
         except (ValueError, TypeError, NotImplementedError) as e:
             seconds = None
             if verbose:
