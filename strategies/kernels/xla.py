@@ -261,9 +261,10 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
                 s, hidden = _masked_scores(mask, s, head, i, j, masked, live,
                                            (qp, kp, qs, ks), shape_info)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                # A row that has seen nothing yet keeps m = -inf; shift it by 0 so that
-                # exp(-inf - (-inf)) never happens.
-                shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0) if hidden else m_new
+                # A row that has seen nothing yet (hidden by the mask, or by a -inf bias)
+                # keeps m = -inf; shift it by 0 so that exp(-inf - (-inf)) never happens.
+                guard = hidden or bias_u is not None
+                shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0) if guard else m_new
                 alpha = jnp.exp(m - shift)
                 p = jnp.exp(s - shift[..., None])
                 pv = jnp.einsum("gqk,kd->gqd", p.astype(v_blocks.dtype), v_blocks[j],
