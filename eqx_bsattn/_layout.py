@@ -171,7 +171,7 @@ def element_mask(
     return mask.elements(qc, kc, head) & in_bounds
 
 
-def _classes_by_elements(mask, head, *, q_len, kv_len, block_q, block_kv, data, mb):
+def _classes_by_elements(mask, head, *, q_len, kv_len, block_q, block_kv, data):
     """Classify blocks by evaluating the element predicate one q-block at a time."""
     nq = math.ceil(q_len / block_q)
     nk = math.ceil(kv_len / block_kv)
@@ -220,10 +220,10 @@ def _compact(flags: np.ndarray | Array, capacity: int | None, xp):
     return count, xp.where(live, order, 0).astype(xp.int32)
 
 
-def _bitmaps(mask, classes, partial_index, partial_count, t_partial_index, t_partial_count,
+def _bitmaps(mask, partial_index, partial_count, t_partial_index, t_partial_count,
              *, q_len, kv_len, block_q, block_kv):
     """Element bitmaps of every partial block (static layouts only), deduplicated."""
-    mb, mh, nq, cp = partial_index.shape
+    mb, mh, nq = partial_index.shape[:3]
     blocks = []  # (b, h, i, j)
     for b in range(mb):
         for h in range(mh):
@@ -321,7 +321,7 @@ def build_layout(
     def classes_for_head(h):
         if mask.evaluate_elements_for_blocks:
             return _classes_by_elements(mask, h, q_len=q_len, kv_len=kv_len, block_q=block_q,
-                                        block_kv=block_kv, data=data, mb=None)
+                                        block_kv=block_kv, data=data)
         qc = block_coords(q_len, block_q, q_positions, q_segment_ids, axis=-2)
         kc = block_coords(kv_len, block_kv, kv_positions, kv_segment_ids, axis=-1)
         return mask.blocks(qc, kc, h)
@@ -356,7 +356,7 @@ def build_layout(
     bitmaps = bitmap_index = t_bitmap_index = None
     if with_bitmaps:
         bitmaps, bitmap_index, t_bitmap_index = _bitmaps(
-            mask, classes, partial_index, partial_count, t_partial_index, t_partial_count,
+            mask, partial_index, partial_count, t_partial_index, t_partial_count,
             q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
         )
         bitmaps, bitmap_index, t_bitmap_index = map(
