@@ -186,6 +186,13 @@ def test_mask_algebra_types_and_properties():
     assert list((a & (b | ~a)).atoms()) == [a, b, a]
 
 
+def test_sliding_window_takes_its_arguments_by_name():
+    # The README writes `SlidingWindow(left, right=left)`; the docstring lists both by name.
+    assert masks.SlidingWindow(256, right=0) == masks.SlidingWindow(256, 0)
+    assert masks.SlidingWindow(left=3) == masks.SlidingWindow(3, 3)
+    assert masks.SlidingWindow(left=None, right=2) == masks.SlidingWindow(None, 2)
+
+
 def test_equal_masks_are_equal_and_hash():
     assert masks.Causal() == masks.Causal()
     assert masks.SlidingWindow(3, 4) == masks.SlidingWindow(3, 4)

@@ -67,7 +67,7 @@ class SlidingWindow(AbstractMask):
     left: int | None = eqx.field(static=True)
     right: int | None = eqx.field(static=True)
 
-    def __init__(self, left: int | None, right: int | None = ..., /):  # type: ignore[assignment]
+    def __init__(self, left: int | None, right: int | None = ...):  # type: ignore[assignment]
         self.left = left
         self.right = left if right is ... else right
 
