@@ -63,8 +63,7 @@ def _with_backward(f: Callable) -> Callable:
 def _peers(name, mask, data, args, platform, layout_bhld) -> dict[str, Callable]:
     """Callables ``f(q, k, v) -> out`` in [B, H, L, D] of every peer that expresses the pattern."""
     peers = {}
-    q_len = args_len = layout_bhld[2]
-    del args_len
+    q_len = layout_bhld[2]
     to_blhd = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
     options = None if data else cudnn_mask_options(mask.resolve(q_len, q_len), q_len)
     if platform == "gpu" and options is not None and args.dtype in ("bfloat16", "float16"):

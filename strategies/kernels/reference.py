@@ -10,7 +10,7 @@ from eqx_bsattn._layout import element_mask
 from eqx_bsattn._tiling import Tiling
 
 
-def dense_visibility(mask, inputs, *, batch: int, heads: int, q_len: int, kv_len: int):
+def dense_visibility(mask, inputs, *, heads: int, q_len: int, kv_len: int):
     """The ``[mb, mh, Lq, Lk]`` boolean visibility of `mask` (``mb``/``mh`` 1 or full).
 
     Materialises ``Lq x Lk`` per (batch, head) it depends on: for references and tests only.
@@ -40,7 +40,7 @@ def dense_visibility(mask, inputs, *, batch: int, heads: int, q_len: int, kv_len
 
 def reference_attention(q, k, v, *, mask, inputs, softmax_scale, logits_soft_cap):
     """Dense attention in float32 with every feature; see `DenseReference`."""
-    batch, heads, q_len, _ = q.shape
+    heads, q_len = q.shape[1:3]
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = heads // kv_heads
     f32 = jnp.float32
@@ -51,7 +51,7 @@ def reference_attention(q, k, v, *, mask, inputs, softmax_scale, logits_soft_cap
         s = s + inputs.bias.astype(f32)
     if logits_soft_cap is not None:
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-    visible = dense_visibility(mask, inputs, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
+    visible = dense_visibility(mask, inputs, heads=heads, q_len=q_len, kv_len=kv_len)
     s_visible = jnp.where(visible, s, -jnp.inf)
     m = jnp.max(s_visible, axis=-1)
     sinks = None if inputs.sinks is None else inputs.sinks.astype(f32)  # [H, S]
