@@ -155,3 +155,22 @@ def test_kernel_conforms(kernel_name, case_name):
 
 def test_kernel_list_is_not_empty():
     assert "DenseReference" in KERNELS
+
+
+@pytest.mark.parametrize("kernel_name", KERNELS)
+def test_rows_hidden_by_a_minus_inf_bias_give_zeros(kernel_name):
+    # Query 5 sees keys through the mask, but a -inf bias hides every one of them: it sees no
+    # key, so zeros and zero gradients, never NaN; the other rows are untouched.
+    q, k, v = (random_array(s, (1, 2, 40, 8)) for s in (31, 32, 33))
+    bias = jnp.zeros((40, 40)).at[5].set(-jnp.inf)
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=make_kernel(kernel_name),
+                                    tiling=TILING)
+    ct = random_array(34, (1, 2, 40, 8))
+    out, grads = kernel_fwd_and_grads(attn, q, k, v, {"bias": bias}, ct)
+    want, _ = kernel_fwd_and_grads(attn, q, k, v, {"bias": jnp.zeros((40, 40))}, ct)
+    assert (np.asarray(out)[:, :, 5] == 0).all()
+    rows = np.arange(40) != 5
+    assert_close(np.asarray(out)[:, :, rows], np.asarray(want)[:, :, rows], FWD_TOL, "other rows")
+    for n, g in grads.items():
+        assert np.isfinite(np.asarray(g)).all(), n
+    assert (np.asarray(grads["q"])[:, :, 5] == 0).all()

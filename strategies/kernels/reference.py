@@ -64,7 +64,9 @@ def reference_attention(q, k, v, *, mask, inputs, softmax_scale, logits_soft_cap
     if sinks is not None:
         denom = denom + jnp.sum(jnp.exp(sinks[None, :, None, :] - m[..., None]), axis=-1)
     any_visible = jnp.any(visible, axis=-1)
-    denom = jnp.where(any_visible, denom, 1.0)
+    # m is a visible logit, so denom >= 1, unless a -inf bias hides every visible key: then the
+    # row sees no key, and its zero weights over 1 give zeros (never 0 / 0).
+    denom = jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bhqk,bhkd->bhqd", p, v_rep) / denom[..., None]
     out = jnp.where(any_visible[..., None], out, 0.0)
     return out.astype(q.dtype)
