@@ -310,6 +310,16 @@ def _ds(p, dp, delta, t):
     return ds
 
 
+def _q_side_units(q, d_out, lse, delta, block: int, group: int, per_head: bool):
+    """The backward's q-side arrays in units; padded rows get ``lse = inf`` (so ``p = 0``)."""
+    return (
+        _rows_to_units(q, block, group, per_head),
+        _rows_to_units(d_out, block, group, per_head),
+        _rows_to_units(lse, block, group, per_head, value=jnp.inf),
+        _rows_to_units(delta, block, group, per_head),
+    )
+
+
 def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     """``dq [B, H, Lq, D]`` float32 and, with a bias, ``dbias`` in the bias's shape."""
     mask = eqx.combine(aux["mask"], cfg.mask)
@@ -323,10 +333,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     nk = aux["bwd"]["t_full_count"].shape[2]
     cf, cp = fi.shape[-1], pi.shape[-1]
     arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq)
-    q_u = _rows_to_units(q, bq, group, per_head)
-    do_u = _rows_to_units(d_out, bq, group, per_head)
-    lse_u = _rows_to_units(lse, bq, group, per_head, value=jnp.inf)
-    delta_u = _rows_to_units(delta, bq, group, per_head)
+    q_u, do_u, lse_u, delta_u = _q_side_units(q, d_out, lse, delta, bq, group, per_head)
     k_b = _kv_blocks(k, bk)[:, :, None, None]
     v_b = _kv_blocks(v, bk)[:, :, None, None]
     shape_info = (bq, bk, q_len, kv_len)
@@ -403,10 +410,9 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     nk = fc.shape[3]
     arr = _arrange(aux, per_head, bias, q, k, bq, bk, nk)
     # Every q-side array is shared by all kv-blocks of a unit: a size-1 level, never copied.
-    q_u = _rows_to_units(q, bq, group, per_head)[:, :, :, None]
-    do_u = _rows_to_units(d_out, bq, group, per_head)[:, :, :, None]
-    lse_u = _rows_to_units(lse, bq, group, per_head, value=jnp.inf)[:, :, :, None]
-    delta_u = _rows_to_units(delta, bq, group, per_head)[:, :, :, None]
+    q_u, do_u, lse_u, delta_u = (
+        x[:, :, :, None] for x in _q_side_units(q, d_out, lse, delta, bq, group, per_head)
+    )
     k_b = _kv_blocks(k, bk)[:, :, None]
     v_b = _kv_blocks(v, bk)[:, :, None]
     shape_info = (bq, bk, q_len, kv_len)
