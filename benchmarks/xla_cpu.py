@@ -24,7 +24,6 @@ import os
 import resource
 import subprocess
 import sys
-import time
 
 BATCH, HEADS, DIM, WINDOW = 1, 4, 64, 256
 
@@ -79,17 +78,10 @@ def _compiled(forward, args):
     return fwd, both
 
 
-def _median_time(fn, args, runs: int) -> float:
-    import jax
+def _median_seconds(fn, args, runs: int) -> float:
+    from eqx_bsattn._timing import median_ms
 
-    jax.block_until_ready(fn(*args))  # warm-up
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+    return median_ms(fn, args, runs) / 1e3
 
 
 def _planned_bytes(compiled) -> int | None:
@@ -111,8 +103,8 @@ def worker_time(length: int, runs: int, dense_runs: int) -> dict:
     ):
         args = _inputs(length, layout)
         fwd, both = _compiled(make(length), args)
-        out[f"{name}_fwd_s"] = _median_time(fwd, args, n)
-        out[f"{name}_fwd_bwd_s"] = _median_time(both, args, n)
+        out[f"{name}_fwd_s"] = _median_seconds(fwd, args, n)
+        out[f"{name}_fwd_bwd_s"] = _median_seconds(both, args, n)
     return out
 
 

@@ -6,14 +6,15 @@ against the float32 reference. Runs on CPU in well under a minute.
 """
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from . import BlockSparseAttention, build_layout, kernels
-from ._layout import element_mask
 from ._patterns import pattern
 from ._timing import median_ms
+from .bench import dense_mask, nn_attention
 
 
 def main(argv=None) -> None:
@@ -52,19 +53,10 @@ def main(argv=None) -> None:
         ref = reference(q, k, v, **data)
         err = float(jnp.max(jnp.abs(out - ref)))
 
-        qi = jnp.arange(length)[:, None]
-        kj = jnp.arange(length)[None, :]
         seg = data.get("q_segment_ids")
-        dense_mask = element_mask(plan.mask, 0, qi, kj, q_len=length, kv_len=length,
-                                  q_segment_ids=None if seg is None else seg[0],
-                                  kv_segment_ids=None if seg is None else seg[0])
-
-        @jax.jit
-        def dense(q, k, v, dense_mask=dense_mask):
-            t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-            o = jax.nn.dot_product_attention(t(q), t(k), t(v), mask=dense_mask[None, None],
-                                             implementation="xla")
-            return jnp.swapaxes(o, 1, 2)
+        visible = dense_mask(plan.mask, length, None if seg is None else seg[0])
+        dense = jax.jit(functools.partial(nn_attention, implementation="xla",
+                                          mask=visible[None, None]))
 
         ours_ms = median_ms(ours, (q, k, v, data), args.reps)
         dense_ms = median_ms(dense, (q, k, v), args.reps)

@@ -14,6 +14,7 @@ python -m eqx_bsattn.bench --lengths 16384 --batch 2 --heads 16 --dim 128 --dtyp
 """
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -21,7 +22,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import BlockSparseAttention, kernels
 from ._layout import element_mask
@@ -52,6 +52,20 @@ def visible_pairs(mask, q_len: int, kv_len: int, segment_ids=None, rows_per_step
     return total
 
 
+def dense_mask(mask, length: int, segment_ids=None):
+    """The ``[length, length]`` boolean visibility of `mask` (one batch element, head 0)."""
+    seg = None if segment_ids is None else jnp.asarray(segment_ids)
+    index = jnp.arange(length)
+    return element_mask(mask, 0, index[:, None], index[None, :], q_len=length, kv_len=length,
+                        q_segment_ids=seg, kv_segment_ids=seg)
+
+
+def nn_attention(q, k, v, **options):
+    """`jax.nn.dot_product_attention` on ``[B, H, L, D]`` arrays (it takes ``[B, L, H, D]``)."""
+    to_blhd = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    return jnp.swapaxes(jax.nn.dot_product_attention(to_blhd(q), to_blhd(k), to_blhd(v), **options), 1, 2)
+
+
 def _with_backward(f: Callable) -> Callable:
     def fwd_bwd(q, k, v, do):
         out, pullback = jax.vjp(f, q, k, v)
@@ -67,28 +81,12 @@ def _peers(name, mask, data, args, platform, layout_bhld) -> dict[str, Callable]
     to_blhd = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
     options = None if data else cudnn_mask_options(mask.resolve(q_len, q_len), q_len)
     if platform == "gpu" and options is not None and args.dtype in ("bfloat16", "float16"):
-        def cudnn(q, k, v):
-            return jnp.swapaxes(jax.nn.dot_product_attention(
-                to_blhd(q), to_blhd(k), to_blhd(v), implementation="cudnn", **options), 1, 2)
-        peers["cudnn"] = cudnn
+        peers["cudnn"] = functools.partial(nn_attention, implementation="cudnn", **options)
     if q_len <= args.xla_max_len:
-        if options is not None:
-            def xla(q, k, v):
-                return jnp.swapaxes(jax.nn.dot_product_attention(
-                    to_blhd(q), to_blhd(k), to_blhd(v), implementation="xla", **options), 1, 2)
-        else:
-            seg = data.get("q_segment_ids")
-            qi = jnp.arange(q_len)[:, None]
-            kj = jnp.arange(q_len)[None, :]
-            dense = element_mask(mask, 0, qi, kj, q_len=q_len, kv_len=q_len,
-                                 q_segment_ids=None if seg is None else jnp.asarray(seg),
-                                 kv_segment_ids=None if seg is None else jnp.asarray(seg))
-
-            def xla(q, k, v):
-                return jnp.swapaxes(jax.nn.dot_product_attention(
-                    to_blhd(q), to_blhd(k), to_blhd(v), implementation="xla",
-                    mask=dense[None, None]), 1, 2)
-        peers["xla"] = xla
+        if options is None:
+            dense = dense_mask(mask, q_len, data.get("q_segment_ids"))
+            options = {"mask": dense[None, None]}
+        peers["xla"] = functools.partial(nn_attention, implementation="xla", **options)
     if platform == "gpu" and name in ("causal", "document"):
         try:
             from jax.experimental.pallas.ops.gpu import attention as pallas_attention
