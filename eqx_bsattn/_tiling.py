@@ -11,9 +11,10 @@ def _check_positive(name: str, value: int | None) -> None:
 class Tiling(eqx.Module):
     """Block sizes and launch parameters of a kernel, forward and backward apart.
 
-    Backward fields left at ``None`` take the forward value. ``num_warps``/``num_stages`` are
-    launch parameters that only the GPU kernels read. A kernel may refuse a tiling it cannot run
-    (for example, Triton needs powers of two of at least 16) with a `ValueError`.
+    Backward fields left at ``None`` take the forward value; ``*_dq`` fields left at ``None``
+    take the backward value. ``num_warps``/``num_stages`` are launch parameters that only the
+    GPU kernels read. A kernel may refuse a tiling it cannot run (for example, Triton needs
+    powers of two of at least 16) with a `ValueError`.
 
     **Arguments:**
 
@@ -21,6 +22,10 @@ class Tiling(eqx.Module):
     - `block_q_bwd`, `block_kv_bwd`: backward block sizes; default to the forward ones.
     - `num_warps`, `num_stages`: forward launch parameters (GPU).
     - `num_warps_bwd`, `num_stages_bwd`: backward launch parameters (GPU).
+    - `block_q_dq`, `block_kv_dq`, `num_warps_dq`, `num_stages_dq`: the dq pass of a kernel
+      whose backward is split into a dq pass over q-blocks and a dk/dv pass over kv-blocks
+      (`TritonBlockSparse`); the backward fields then tile the dk/dv pass. Kernels with one
+      backward tiling ignore them.
 
     ```python
     tiling = Tiling(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=128, num_warps=8)
@@ -36,11 +41,16 @@ class Tiling(eqx.Module):
     num_stages: int | None = eqx.field(default=None, static=True)
     num_warps_bwd: int | None = eqx.field(default=None, static=True)
     num_stages_bwd: int | None = eqx.field(default=None, static=True)
+    block_q_dq: int | None = eqx.field(default=None, static=True)
+    block_kv_dq: int | None = eqx.field(default=None, static=True)
+    num_warps_dq: int | None = eqx.field(default=None, static=True)
+    num_stages_dq: int | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
         for name in (
             "block_q", "block_kv", "block_q_bwd", "block_kv_bwd",
             "num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd",
+            "block_q_dq", "block_kv_dq", "num_warps_dq", "num_stages_dq",
         ):
             _check_positive(name, getattr(self, name))
 
@@ -48,3 +58,9 @@ class Tiling(eqx.Module):
     def backward_blocks(self) -> tuple[int, int]:
         """``(block_q, block_kv)`` of the backward pass."""
         return (self.block_q_bwd or self.block_q, self.block_kv_bwd or self.block_kv)
+
+    @property
+    def dq_blocks(self) -> tuple[int, int]:
+        """``(block_q, block_kv)`` of the dq pass of a split backward."""
+        bq, bk = self.backward_blocks
+        return (self.block_q_dq or bq, self.block_kv_dq or bk)

@@ -1,5 +1,6 @@
 """Tiling validation and autotune."""
 
+import dataclasses
 from typing import ClassVar
 
 import jax
@@ -31,6 +32,37 @@ def test_tiling_backward_defaults_and_validation():
             bsa.Tiling(block_q=bad, block_kv=32)
     with pytest.raises(ValueError, match="num_warps"):
         bsa.Tiling(block_q=64, block_kv=64, num_warps=0)
+
+
+def test_tiling_dq_defaults_and_validation():
+    # The dq pass takes the backward blocks unless given its own.
+    t = bsa.Tiling(block_q=128, block_kv=128, block_q_bwd=64)
+    assert t.dq_blocks == (64, 128)
+    t = bsa.Tiling(block_q=128, block_kv=128, block_q_bwd=64, block_kv_dq=32)
+    assert t.dq_blocks == (64, 32) and t.backward_blocks == (64, 128)
+    for field in ("block_q_dq", "block_kv_dq", "num_warps_dq", "num_stages_dq"):
+        with pytest.raises(ValueError, match=field):
+            bsa.Tiling(block_q=64, block_kv=64, **{field: 0})
+
+
+def test_triton_checks_dq_blocks():
+    from eqx_bsattn.strategies.kernels.triton import _check_tiling
+
+    _check_tiling(bsa.Tiling(block_q=64, block_kv=64, block_q_dq=128, block_kv_dq=32))
+    with pytest.raises(ValueError, match="block_kv_dq"):
+        _check_tiling(bsa.Tiling(block_q=64, block_kv=64, block_kv_dq=48))
+
+
+def test_triton_default_tiling_gives_dq_its_own_tile():
+    from eqx_bsattn.strategies.kernels import TritonBlockSparse
+
+    features = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=128, value_dim=128,
+                            q_len=16384, kv_len=16384)
+    t = TritonBlockSparse().default_tiling(features)
+    assert t.dq_blocks == (128, 64) and t.backward_blocks == (64, 128)
+    # Packed documents: one 64x64 layout for the three launches.
+    t = TritonBlockSparse().default_tiling(dataclasses.replace(features, segment_ids=True))
+    assert (t.block_q, t.block_kv) == t.backward_blocks == t.dq_blocks == (64, 64)
 
 
 def test_autotune_keeps_a_runnable_candidate_and_reports_rejections():

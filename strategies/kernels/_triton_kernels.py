@@ -97,6 +97,71 @@ def _logits(s, bias, SCALE: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS: tl.co
 
 
 @triton.jit
+def _bias_plane(BIAS, b, h, BB: tl.constexpr, HB: tl.constexpr, LQ: tl.constexpr,
+                LK: tl.constexpr):
+    """Pointer to the ``[LQ, LK]`` bias plane of batch `b`, head `h` (size-1 axes broadcast)."""
+    # ``b * 0``, not ``0``: a bias of shape [1, 1, LQ, LK] must still index with a tensor.
+    bi = b if BB > 1 else b * 0
+    hi = h if HB > 1 else h * 0
+    return BIAS + (bi * HB + hi).to(tl.int64) * (LQ * LK)
+
+
+@triton.jit
+def _list_bounds(count_ptr, index_ptr, CONTIG: tl.constexpr, CHECK_RANGE: tl.constexpr):
+    """``(lo, hi, first, is_range)`` of one layout list; the walk is ``range(lo, hi)``.
+
+    ``CONTIG``: the host knows the list is a range of blocks (static causal / window / chunk
+    layouts), walked as the block range itself. Otherwise the steps are slots of the list;
+    `first` is the block of slot 0 (slot 0 always exists: lists have a capacity of at least
+    one, padded with 0). ``CHECK_RANGE`` (layouts built on the device, where the host cannot
+    look): `is_range` says whether this list turned out to be a range, so the walk needs no
+    index loads (packed documents give ranges).
+    """
+    count = tl.load(count_ptr)
+    first = tl.load(index_ptr)
+    if CONTIG:
+        lo = first
+    else:
+        lo = 0
+    if CHECK_RANGE:
+        last = tl.load(index_ptr + tl.maximum(count - 1, 0))
+        is_range = last - first == count - 1
+    else:
+        is_range = count < 0  # never read
+    return lo, lo + count, first, is_range
+
+
+@triton.jit
+def _list_step(index_ptr, it, hi, first, is_range, prefetched, CONTIG: tl.constexpr,
+               CHECK_RANGE: tl.constexpr, PREFETCH: tl.constexpr):
+    """``(block, prefetched)``: the block of step `it`, and what the next step needs.
+
+    ``PREFETCH`` (launches of 3 or more stages) reads the next slot one step early: the index
+    load is then off the path from one tile's address to the next, and Triton's pipeliner
+    fetches K / V two steps ahead; with the load in the step it waits on every step for a copy
+    issued at the end of the previous one. With 2 stages the plain load measured faster.
+    """
+    if CONTIG:
+        block = it
+        upcoming = prefetched
+    elif PREFETCH:
+        if CHECK_RANGE:
+            block = tl.where(is_range, first + it, prefetched)
+            upcoming = tl.load(index_ptr + it + 1, mask=(it + 1 < hi) & (is_range == 0), other=0)
+        else:
+            block = prefetched
+            upcoming = tl.load(index_ptr + it + 1, mask=it + 1 < hi, other=0)
+    else:
+        upcoming = prefetched
+        if CHECK_RANGE:
+            block = tl.where(is_range, first + it,
+                             tl.load(index_ptr + it, mask=is_range == 0, other=0))
+        else:
+            block = tl.load(index_ptr + it)
+    return block, upcoming
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, BIAS, SINKS, QPOS, KPOS, QSEG, KSEG,
     FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
@@ -110,7 +175,8 @@ def _fwd_kernel(
     HAS_KPOS: tl.constexpr, HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
     CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
-    FULL_CONTIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
     # the longest programs first shortens the tail of the launch.
@@ -132,7 +198,7 @@ def _fwd_kernel(
     q = _load2d(q_base + offs_m[:, None] * D + offs_d[None, :], row_ok, d_ok,
                 LQ % BLOCK_M != 0, D != DP)
     if HAS_BIAS:
-        bias_base = BIAS + ((b if BB > 1 else 0) * HB + (h if HB > 1 else 0)).to(tl.int64) * (LQ * LK)
+        bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
     if HAS_QPOS:
         qp = tl.load(QPOS + b * LQ + offs_m, mask=offs_m < LQ, other=0)
     else:
@@ -156,23 +222,20 @@ def _fwd_kernel(
 
     for phase in tl.static_range(2):
         if phase == 0:
-            count = tl.load(FCNT + lrow)
+            cnt_ptr = FCNT + lrow
             idx_ptr = FIDX + lrow * CF
         else:
-            count = tl.load(PCNT + lrow)
+            cnt_ptr = PCNT + lrow
             idx_ptr = PIDX + lrow * CP
             bm_ptr = BMIDX + lrow * CP
-        if phase == 0 and FULL_CONTIG:
-            # Contiguous full lists (static causal / window / chunk layouts): walk the
-            # range itself, with no index load on the path to the next tile's address.
-            lo = tl.load(idx_ptr)
-        else:
-            lo = 0
-        for it in range(lo, lo + count):
-            if phase == 0 and FULL_CONTIG:
-                j = it
-            else:
-                j = tl.load(idx_ptr + it)
+        # Contiguous full lists (static causal / window / chunk layouts) are walked as ranges.
+        lo, hi, first, is_range = _list_bounds(
+            cnt_ptr, idx_ptr, phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK)
+        j_next = first
+        for it in range(lo, hi):
+            j, j_next = _list_step(idx_ptr, it, hi, first, is_range, j_next,
+                                   phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK,
+                                   PREFETCH)
             offs_n = j * BLOCK_N + offs_bn
             col_ok = (offs_n < LK)[:, None]
             # Full blocks never hold the ragged last kv-block: no row check there.
@@ -239,7 +302,8 @@ def _dq_kernel(
     HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
     CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
-    FULL_CONTIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
     # the longest programs first shortens the tail of the launch.
@@ -266,7 +330,7 @@ def _dq_kernel(
     k_base = K + (b * HKV + hk).to(tl.int64) * (LK * D)
     v_base = V + (b * HKV + hk).to(tl.int64) * (LK * DV)
     if HAS_BIAS:
-        bias_base = BIAS + ((b if BB > 1 else 0) * HB + (h if HB > 1 else 0)).to(tl.int64) * (LQ * LK)
+        bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
         dbias_base = DBIAS + bh * (LQ * LK)
     if HAS_QPOS:
         qp = tl.load(QPOS + b * LQ + offs_m, mask=offs_m < LQ, other=0)
@@ -281,23 +345,20 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, DP], tl.float32)
     for phase in tl.static_range(2):
         if phase == 0:
-            count = tl.load(FCNT + lrow)
+            cnt_ptr = FCNT + lrow
             idx_ptr = FIDX + lrow * CF
         else:
-            count = tl.load(PCNT + lrow)
+            cnt_ptr = PCNT + lrow
             idx_ptr = PIDX + lrow * CP
             bm_ptr = BMIDX + lrow * CP
-        if phase == 0 and FULL_CONTIG:
-            # Contiguous full lists (static causal / window / chunk layouts): walk the
-            # range itself, with no index load on the path to the next tile's address.
-            lo = tl.load(idx_ptr)
-        else:
-            lo = 0
-        for it in range(lo, lo + count):
-            if phase == 0 and FULL_CONTIG:
-                j = it
-            else:
-                j = tl.load(idx_ptr + it)
+        # Contiguous full lists (static causal / window / chunk layouts) are walked as ranges.
+        lo, hi, first, is_range = _list_bounds(
+            cnt_ptr, idx_ptr, phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK)
+        j_next = first
+        for it in range(lo, hi):
+            j, j_next = _list_step(idx_ptr, it, hi, first, is_range, j_next,
+                                   phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK,
+                                   PREFETCH)
             offs_n = j * BLOCK_N + offs_bn
             col_ok = (offs_n < LK)[:, None]
             CHECK_K: tl.constexpr = phase == 1 and LK % BLOCK_N != 0
@@ -359,7 +420,8 @@ def _dkdv_kernel(
     HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
     CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
-    FULL_CONTIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One program per (kv-block, kv head, batch); it loops over the q heads of its group, so
     grouped-query gradients are summed in registers, deterministically, without atomics.
@@ -401,27 +463,23 @@ def _dkdv_kernel(
         q_base = Q + bh * (LQ * D)
         do_base = DO + bh * (LQ * DV)
         if HAS_BIAS:
-            bias_base = BIAS + ((b if BB > 1 else 0) * HB + (h if HB > 1 else 0)).to(tl.int64) * (LQ * LK)
+            bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
         lrow = ((b if MB > 1 else 0) * MH + (h if MH > 1 else 0)) * NKB + pid_n
         for phase in tl.static_range(2):
             if phase == 0:
-                count = tl.load(FCNT + lrow)
+                cnt_ptr = FCNT + lrow
                 idx_ptr = FIDX + lrow * CF
             else:
-                count = tl.load(PCNT + lrow)
+                cnt_ptr = PCNT + lrow
                 idx_ptr = PIDX + lrow * CP
                 bm_ptr = BMIDX + lrow * CP
-            if phase == 0 and FULL_CONTIG:
-                # Contiguous full lists (static causal / window / chunk layouts): walk the
-                # range itself, with no index load on the path to the next tile's address.
-                lo = tl.load(idx_ptr)
-            else:
-                lo = 0
-            for it in range(lo, lo + count):
-                if phase == 0 and FULL_CONTIG:
-                    i = it
-                else:
-                    i = tl.load(idx_ptr + it)
+            lo, hi, first, is_range = _list_bounds(
+                cnt_ptr, idx_ptr, phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK)
+            i_next = first
+            for it in range(lo, hi):
+                i, i_next = _list_step(idx_ptr, it, hi, first, is_range, i_next,
+                                       phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK,
+                                       PREFETCH)
                 offs_m = i * BLOCK_M + offs_bm
                 m_ok = (offs_m < LQ)[:, None]
                 q = _load2d(q_base + offs_m[:, None] * D + offs_d[None, :], m_ok, d_ok,

@@ -179,8 +179,10 @@ def _pow2(n: int) -> int:
 
 def _check_tiling(tiling: Tiling) -> None:
     bq, bk = tiling.backward_blocks
+    dq_q, dq_k = tiling.dq_blocks
     for name, value in (("block_q", tiling.block_q), ("block_kv", tiling.block_kv),
-                        ("block_q_bwd", bq), ("block_kv_bwd", bk)):
+                        ("block_q_bwd", bq), ("block_kv_bwd", bk),
+                        ("block_q_dq", dq_q), ("block_kv_dq", dq_k)):
         if value < 16 or value & (value - 1):
             raise ValueError(
                 f"TritonBlockSparse needs Tiling.{name} to be a power of two >= 16; got {value}."
@@ -206,12 +208,16 @@ class _Config:
     canonical: CanonicalMask | None
     has_q_positions: bool
     has_kv_positions: bool
+    #: ``(block_q, block_kv)`` and ``(num_warps, num_stages)`` of the forward, dq and dk/dv
+    #: launches; each launch reads a layout built at its own blocks.
     fwd_blocks: tuple[int, int]
-    bwd_blocks: tuple[int, int]
+    dq_blocks: tuple[int, int]
+    dkdv_blocks: tuple[int, int]
     fwd_launch: tuple[int, int]
-    bwd_launch: tuple[int, int]
-    #: Whether the full lists of the forward, dq and dk/dv launches are contiguous ranges.
-    contiguous: tuple[bool, bool, bool]
+    dq_launch: tuple[int, int]
+    dkdv_launch: tuple[int, int]
+    #: How the forward, dq and dk/dv launches walk their full lists (`_list_mode`).
+    list_modes: tuple[str, str, str]
 
     def common(self) -> dict:
         c = self.canonical
@@ -271,10 +277,10 @@ def _layout_arrays(layout, transposed: bool):
     return tuple(jnp.asarray(a).astype(jnp.int32) if a.dtype != jnp.int8 else a for a in arrays)
 
 
-def _list_params(arrays, contiguous: bool) -> dict:
+def _list_params(arrays, mode: str, stages: int) -> dict:
     fcnt, fidx, _, pidx, _, _ = arrays
     return dict(CF=fidx.shape[-1], CP=pidx.shape[-1], MB=fcnt.shape[0], MH=fcnt.shape[1],
-                FULL_CONTIG=contiguous)
+                FULL_CONTIG=mode == "range", FULL_CHECK=mode == "check", PREFETCH=stages >= 3)
 
 
 #: Static layouts whose rows visit fewer blocks than this on average, scattered (their full
@@ -289,7 +295,7 @@ def _short_row_blocks(width: int, bias: bool) -> tuple[int, int, int, int] | Non
     and ~170 registers a thread, the dq and dk/dv kernels ~99 KiB, so two programs share an SM
     and one's prologue and epilogue overlap the other's loop, which a row of a few blocks does
     not amortise. Measured on the H200: faster for BigBird (forward and backward) and for the
-    document backward; the document forward was not faster, causal rows are long.
+    document (segment ids: `default_tiling` sets the stages per kernel); causal rows are long.
     """
     if width > 128 or bias:
         return None
@@ -307,16 +313,15 @@ def _short_scattered_rows(layout) -> bool:
 _CONTIGUOUS_RANGES = True
 
 
-def _full_lists_contiguous(count, index) -> bool:
-    """Whether every full list is a range of consecutive blocks (known only for static layouts)."""
-    if not _CONTIGUOUS_RANGES:
-        return False
-    try:
-        count = np.asarray(count)
-        index = np.asarray(index)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-        return False  # built on the device from per-call data
-    return _ranges(count, index)
+def _list_mode(layout, transposed: bool) -> str:
+    """How a launch walks the full lists of `layout`: ``"range"`` (static, every list a range
+    of consecutive blocks: no index loads), ``"index"`` (static, scattered) or ``"check"``
+    (built on the device from per-call data: the kernel checks each list for a range)."""
+    if not layout.is_static:
+        return "check" if _CONTIGUOUS_RANGES else "index"
+    count, index = ((layout.t_full_count, layout.t_full_index) if transposed
+                    else (layout.full_count, layout.full_index))
+    return "range" if _CONTIGUOUS_RANGES and _ranges(count, index) else "index"
 
 
 def _ranges(count, index) -> bool:
@@ -335,7 +340,7 @@ def _forward_launch(cfg: _Config, q, k, v, bias, sinks, data, lists):
     nq = math.ceil(cfg.q_len / bq)
     warps, stages = cfg.fwd_launch
     params = cfg.common()
-    params.update(_list_params(lists, cfg.contiguous[0]), NQB=nq, S=max(cfg.num_sinks, 1),
+    params.update(_list_params(lists, cfg.list_modes[0], stages), NQB=nq, S=max(cfg.num_sinks, 1),
                   SP=max(2, 1 << max(cfg.num_sinks - 1, 0).bit_length()),
                   HAS_SINKS=cfg.num_sinks > 0, BLOCK_M=bq, BLOCK_N=bk)
 
@@ -353,22 +358,19 @@ def _forward_launch(cfg: _Config, q, k, v, bias, sinks, data, lists):
     return _sequential_vmap(run)(q, k, v, bias, sinks, *data, *lists)
 
 
-def _backward_launch(cfg: _Config, q, k, v, bias, data, lists, t_lists, do, lse, delta):
+def _dq_launch(cfg: _Config, q, k, v, bias, data, lists, do, lse, delta):
+    """dq (and the full-size float32 dS, which is the bias gradient, when there is a bias)."""
     launch = _launcher()
-    kern = _kernels()
-    bq, bk = cfg.bwd_blocks
+    bq, bk = cfg.dq_blocks
     nq = math.ceil(cfg.q_len / bq)
-    nk = math.ceil(cfg.kv_len / bk)
-    warps, stages = cfg.bwd_launch
-    params = cfg.common()
-    params.update(BLOCK_M=bq, BLOCK_N=bk)
+    warps, stages = cfg.dq_launch
     has_bias = cfg.bias_shape is not None
     dbias_shape = (cfg.batch, cfg.heads, cfg.q_len, cfg.kv_len) if has_bias else (1,)
 
-    def run_dq(q, k, v, bias, *rest):
+    def run(q, k, v, bias, *rest):
         return tuple(launch(
             q, k, v, bias, *rest,
-            kernel=kern._dq_kernel,
+            kernel=_kernels()._dq_kernel,
             out_shape=(
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
@@ -376,22 +378,32 @@ def _backward_launch(cfg: _Config, q, k, v, bias, data, lists, t_lists, do, lse,
             # Blocks no program visits keep the zero gradient they have.
             zeroed_outputs=(1,) if has_bias else (),
             grid=(nq, cfg.heads, cfg.batch), num_warps=warps, num_stages=stages,
-            NQB=nq, **_list_params(lists, cfg.contiguous[1]), **params,
+            NQB=nq, BLOCK_M=bq, BLOCK_N=bk, **_list_params(lists, cfg.list_modes[1], stages),
+            **cfg.common(),
         ))
 
-    def run_dkdv(q, k, v, bias, *rest):
+    return _sequential_vmap(run)(q, k, v, bias, *data, do, lse, delta, *lists)
+
+
+def _dkdv_launch(cfg: _Config, q, k, v, bias, data, t_lists, do, lse, delta):
+    """dk and dv, one program per (kv-block, kv head, batch), over the transposed lists."""
+    launch = _launcher()
+    bq, bk = cfg.dkdv_blocks
+    nk = math.ceil(cfg.kv_len / bk)
+    warps, stages = cfg.dkdv_launch
+
+    def run(q, k, v, bias, *rest):
         return tuple(launch(
             q, k, v, bias, *rest,
-            kernel=kern._dkdv_kernel,
+            kernel=_kernels()._dkdv_kernel,
             out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
                        jax.ShapeDtypeStruct(v.shape, v.dtype)),
             grid=(nk, cfg.kv_heads, cfg.batch), num_warps=warps, num_stages=stages,
-            NKB=nk, **_list_params(t_lists, cfg.contiguous[2]), **params,
+            NKB=nk, BLOCK_M=bq, BLOCK_N=bk, **_list_params(t_lists, cfg.list_modes[2], stages),
+            **cfg.common(),
         ))
 
-    dq, dbias = _sequential_vmap(run_dq)(q, k, v, bias, *data, do, lse, delta, *lists)
-    dk, dv = _sequential_vmap(run_dkdv)(q, k, v, bias, *data, do, lse, delta, *t_lists)
-    return dq, dk, dv, dbias
+    return _sequential_vmap(run)(q, k, v, bias, *data, do, lse, delta, *t_lists)
 
 
 def _zero_cotangent(x):
@@ -416,9 +428,9 @@ def _attend_bwd(cfg, res, do):
     do = do.astype(q.dtype)
     # delta = rowsum(dO * O): one fused elementwise pass in XLA, memory-bound and cheap.
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    fwd_lists, t_lists = bwd_lists
-    dq, dk, dv, dbias_full = _backward_launch(cfg, q, k, v, bias, data, fwd_lists, t_lists,
-                                              do, lse, delta)
+    dq_lists, t_lists = bwd_lists
+    dq, dbias_full = _dq_launch(cfg, q, k, v, bias, data, dq_lists, do, lse, delta)
+    dk, dv = _dkdv_launch(cfg, q, k, v, bias, data, t_lists, do, lse, delta)
     if cfg.bias_shape is not None:
         bb, hb = cfg.bias_shape
         axes = tuple(a for a, n in ((0, bb), (1, hb)) if n == 1)
@@ -523,30 +535,43 @@ class TritonBlockSparse(AbstractKernel):
         width = max(_pow2(features.head_dim), _pow2(features.value_dim))
         width *= 2 if features.dtype == "float32" else 1  # bytes per row / 2
         short = _short_row_blocks(width, features.bias)
+        # Blocks ``(block_q, block_kv)`` and launches ``(warps, stages)`` of the forward, dk/dv
+        # and dq kernels. dq walks kv-blocks for a tall q tile and dk/dv q-blocks for a tall kv
+        # tile; with three stages each fetches two tiles ahead. H200, causal, L=16384, bf16,
+        # D=128: dq 11.3 -> 5.6 ms against 64x128 with two stages, dk/dv 8.4 -> 8.2 ms.
         if width <= 64:
-            fwd, bwd, fl, bl = (128, 128), (64, 128), (4, 3), (4, 2)
+            fwd, fl, bwd, bl = (128, 128), (4, 3), (64, 128), (4, 2)
+            dq, dl = bwd, bl
         elif width <= 128:
-            fwd, bwd, fl, bl = (128, 128), (64, 128), (8, 3), (8, 2)
+            fwd, fl, bwd, bl, dq, dl = (128, 128), (8, 3), (64, 128), (8, 3), (128, 64), (8, 3)
         elif width <= 256:
-            fwd, bwd, fl, bl = (64, 64), (64, 32), (8, 2), (8, 2)
+            fwd, fl, bwd, bl = (64, 64), (8, 2), (64, 32), (8, 2)
+            dq, dl = bwd, bl
         else:
-            fwd, bwd, fl, bl = (32, 32), (32, 32), (4, 1), (4, 1)
+            fwd, fl, bwd, bl = (32, 32), (4, 1), (32, 32), (4, 1)
+            dq, dl = bwd, bl
         if features.bias:
             # The float32 bias tile is pipelined through shared memory like k and v: halve the
             # kv tile (and keep two stages) so every stage still fits in the 227 KiB.
             fwd, bwd = (fwd[0], max(32, fwd[1] // 2)), (bwd[0], max(32, bwd[1] // 2))
             fl, bl = (fl[0], min(fl[1], 2)), (bl[0], min(bl[1], 2))
+            dq, dl = bwd, bl
         if features.segment_ids and short is not None:
             # Per-call documents: the layout is built on the device, so its rows cannot be
-            # seen here; packed documents make short rows, which the backward runs faster
-            # with small tiles (H200, 16 documents in 16384 tokens).
-            bwd, bl = short[:2], short[2:]
+            # seen here; packed documents make short rows, which run faster with small tiles
+            # (H200, 16 documents in 16384 tokens: forward with 3 stages, dq and dk/dv with
+            # 2), and one layout then serves all three launches.
+            fwd = bwd = dq = short[:2]
+            fl, bl = (short[2], 3), short[2:]
+            dl = bl
         # Short sequences (decoding) waste less with smaller tiles.
         cap_q, cap_k = _pow2(features.q_len), _pow2(features.kv_len)
         return Tiling(
             block_q=min(fwd[0], cap_q), block_kv=min(fwd[1], cap_k),
             block_q_bwd=min(bwd[0], cap_q), block_kv_bwd=min(bwd[1], cap_k),
             num_warps=fl[0], num_stages=fl[1], num_warps_bwd=bl[0], num_stages_bwd=bl[1],
+            block_q_dq=min(dq[0], cap_q), block_kv_dq=min(dq[1], cap_k),
+            num_warps_dq=dl[0], num_stages_dq=dl[1],
         )
 
     def __call__(self, query, key, value, *, mask, inputs, tiling, softmax_scale,
@@ -561,10 +586,11 @@ class TritonBlockSparse(AbstractKernel):
         batch, heads, q_len, dim = query.shape
         kv_heads, kv_len, value_dim = value.shape[1:]
         fwd_blocks = (tiling.block_q, tiling.block_kv)
-        bwd_blocks = tiling.backward_blocks
+        dq_blocks, dkdv_blocks = tiling.dq_blocks, tiling.backward_blocks
         # Tables are looked up on positions: with per-call positions a tile is no cell.
         on_indices = inputs.q_positions is None and inputs.kv_positions is None
-        canonical = canonical_mask(mask, (fwd_blocks, bwd_blocks) if on_indices else ())
+        tiles = (fwd_blocks, dq_blocks, dkdv_blocks) if on_indices else ()
+        canonical = canonical_mask(mask, tiles)
         bitmaps = canonical is None
         if bitmaps and (inputs.q_positions is not None or inputs.kv_positions is not None
                         or inputs.q_segment_ids is not None):
@@ -599,14 +625,17 @@ class TritonBlockSparse(AbstractKernel):
                 bq, bk = min(short[0], _pow2(q_len)), min(short[1], _pow2(kv_len))
                 tiling = Tiling(block_q=bq, block_kv=bk, num_warps=short[2],
                                 num_stages=short[3])
-                fwd_blocks = bwd_blocks = (bq, bk)
+                fwd_blocks = dq_blocks = dkdv_blocks = (bq, bk)
                 canonical = canonical_mask(mask, (fwd_blocks,))
                 fwd_layout = layout_for(*fwd_blocks, canonical)
-        bwd_layout = (fwd_layout if bwd_blocks == fwd_blocks
-                      else layout_for(*bwd_blocks, canonical))
+        layouts = {fwd_blocks: fwd_layout}
+        for blocks in (dq_blocks, dkdv_blocks):
+            if blocks not in layouts:
+                layouts[blocks] = layout_for(*blocks, canonical)
+        dq_layout, dkdv_layout = layouts[dq_blocks], layouts[dkdv_blocks]
         lists = _layout_arrays(fwd_layout, transposed=False)
-        bwd_lists = (_layout_arrays(bwd_layout, transposed=False),
-                     _layout_arrays(bwd_layout, transposed=True))
+        bwd_lists = (_layout_arrays(dq_layout, transposed=False),
+                     _layout_arrays(dkdv_layout, transposed=True))
 
         dummy_int = jnp.zeros((1,), jnp.int32)
 
@@ -622,6 +651,7 @@ class TritonBlockSparse(AbstractKernel):
                      else sinks.astype(jnp.float32))
         fwd_warps = tiling.num_warps or 4
         fwd_stages = tiling.num_stages or 2
+        bwd_launch = (tiling.num_warps_bwd or fwd_warps, tiling.num_stages_bwd or fwd_stages)
         cfg = _Config(
             batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
             head_dim=dim, value_dim=value_dim, dtype=jnp.dtype(query.dtype).name,
@@ -632,14 +662,12 @@ class TritonBlockSparse(AbstractKernel):
             canonical=canonical,
             has_q_positions=inputs.q_positions is not None,
             has_kv_positions=inputs.kv_positions is not None,
-            fwd_blocks=fwd_blocks, bwd_blocks=bwd_blocks,
+            fwd_blocks=fwd_blocks, dq_blocks=dq_blocks, dkdv_blocks=dkdv_blocks,
             fwd_launch=(fwd_warps, fwd_stages),
-            bwd_launch=(tiling.num_warps_bwd or fwd_warps, tiling.num_stages_bwd or fwd_stages),
-            contiguous=(
-                _full_lists_contiguous(fwd_layout.full_count, fwd_layout.full_index),
-                _full_lists_contiguous(bwd_layout.full_count, bwd_layout.full_index),
-                _full_lists_contiguous(bwd_layout.t_full_count, bwd_layout.t_full_index),
-            ),
+            dq_launch=(tiling.num_warps_dq or bwd_launch[0], tiling.num_stages_dq or bwd_launch[1]),
+            dkdv_launch=bwd_launch,
+            list_modes=(_list_mode(fwd_layout, False), _list_mode(dq_layout, False),
+                        _list_mode(dkdv_layout, True)),
         )
         out = _attend(cfg, query, key, value, bias_arg, sinks_arg, data, lists, bwd_lists)
         return out.astype(query.dtype)

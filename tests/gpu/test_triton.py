@@ -121,6 +121,17 @@ def test_document_only():
     _compare(masks.Full(), q_segment_ids=ids, kv_segment_ids=ids)
 
 
+def test_interleaved_segment_ids():
+    # A document that resumes after another one: in batch row 0 the full lists have gaps (the
+    # kernel walks them by index), in row 1 they are ranges (walked without index loads).
+    length = 600
+    interleaved = (np.arange(length) // 150) % 2
+    packed = np.repeat(np.arange(4), 150)
+    ids = jnp.asarray(np.stack([interleaved, packed]).astype(np.int32))
+    _compare(masks.Full(), q_segment_ids=ids, kv_segment_ids=ids, q_len=length)
+    _compare(masks.Causal(), q_segment_ids=ids, kv_segment_ids=ids, q_len=length, dim=128)
+
+
 def test_positions():
     qpos = jnp.asarray(np.stack([np.arange(300) + 1000, np.arange(300)[::-1] * 2]), jnp.int32)
     kpos = jnp.asarray(np.stack([np.arange(300) + 950, np.arange(300) * 2]), jnp.int32)
@@ -155,6 +166,9 @@ def test_bias_broadcast_and_full():
     _compare(masks.Causal(), bias=bias)
     bias = jax.random.normal(jax.random.key(8), (2, 1, 300, 300)).astype(jnp.bfloat16)
     _compare(masks.Full(), bias=bias)
+    # One [Lq, Lk] plane for every batch element and head.
+    bias = jax.random.normal(jax.random.key(9), (300, 300))
+    _compare(masks.Causal(), bias=bias)
 
 
 def test_sinks_and_soft_cap():
@@ -181,6 +195,12 @@ def test_explicit_tiling():
     tiling = bsa.Tiling(block_q=64, block_kv=32, block_q_bwd=32, block_kv_bwd=64, num_warps=4,
                         num_stages=2)
     _compare(masks.Causal() & masks.SlidingWindow(70, 0), tiling=tiling)
+    # A dq tile of its own, three stages everywhere (index prefetch on every list walk).
+    tiling = bsa.Tiling(block_q=64, block_kv=64, block_q_bwd=32, block_kv_bwd=64, num_warps=4,
+                        num_stages=3, block_q_dq=64, block_kv_dq=32, num_stages_dq=3)
+    _compare(masks.Causal() & masks.SlidingWindow(70, 0), tiling=tiling)
+    ids = _segments(_RNG, 2, 300, 4, pad=0)
+    _compare(masks.Causal(), tiling=tiling, q_segment_ids=ids, kv_segment_ids=ids)
 
 
 def test_vmap_and_unbatched():
