@@ -16,8 +16,7 @@ GPU_BF16 = bsa.Features(platform="gpu", dtype="bfloat16", q_len=256, kv_len=256,
     (masks.Full(), {"is_causal": False}),
     (masks.Causal(), {"is_causal": True}),
     (masks.Causal() & masks.SlidingWindow(32, 7), {"is_causal": True, "local_window_size": (32, 0)}),
-    (masks.SlidingWindow(16, 4), {"is_causal": False, "local_window_size": (16, 4)}),
-    (masks.SlidingWindow(None, 4), {"is_causal": False, "local_window_size": (256, 4)}),
+    (masks.Causal() & masks.SlidingWindow(None, 4), {"is_causal": True, "local_window_size": (256, 0)}),
 ])
 def test_expressible_masks_translate(mask, expected):
     assert cudnn_mask_options(mask, 256) == expected
@@ -27,6 +26,9 @@ def test_expressible_masks_translate(mask, expected):
 @pytest.mark.parametrize("mask", [
     masks.Causal(offset=3), masks.ChunkedCausal(64), masks.Causal() | masks.GlobalTokens(4),
     ~masks.Causal(), masks.Causal() & masks.Document(),
+    # A window without causal: cuDNN refuses a right side, and on the H200 its left-only window
+    # without is_causal did not match the reference.
+    masks.SlidingWindow(16, 4), masks.SlidingWindow(None, 4), masks.SlidingWindow(16, 0),
 ])
 def test_other_masks_are_declined(mask):
     assert cudnn_mask_options(mask, 256) is None

@@ -21,7 +21,7 @@ def _and_terms(mask):
 
 def cudnn_mask_options(mask, length: int) -> dict | None:
     """``is_causal`` / ``local_window_size`` equivalent to `mask` at sequence `length`, or
-    ``None`` if cuDNN cannot express it."""
+    ``None`` if cuDNN cannot express it (a window is expressed only together with causal)."""
     causal = False
     window = None
     for term in _and_terms(mask):
@@ -38,15 +38,19 @@ def cudnn_mask_options(mask, length: int) -> dict | None:
         # An unbounded side is a window as long as the sequence.
         left = length if window.left is None else window.left
         right = length if window.right is None else window.right
-        options["local_window_size"] = (left, 0 if causal else right)
+        if not causal:
+            # Without is_causal cuDNN refuses a right side, and with right=0 it computed
+            # something else (H200, jax 0.11.2: relative error 0.92 against the reference).
+            return None
+        options["local_window_size"] = (left, 0)
     return options
 
 
 class CudnnDense(AbstractKernel):
     """cuDNN flash attention via ``jax.nn.dot_product_attention(implementation="cudnn")``.
 
-    On the H200 this is the fastest kernel for the masks cuDNN expresses: full, causal, a
-    sliding window, and causal with a window. The selector prefers it there and sends every
+    On the H200 this is the fastest kernel for the masks cuDNN expresses: full, causal, and
+    causal with a sliding window (``Causal() & SlidingWindow(left, right)``). The selector prefers it there and sends every
     other mask or feature (bias, sinks, soft cap, segment ids, positions, ``Dv != D``,
     ``Lq != Lk``, float32, head dims over 128) to the block-sparse kernels.
 
@@ -65,7 +69,7 @@ class CudnnDense(AbstractKernel):
         if features.platform != "gpu":
             return f"cuDNN runs on a GPU only (platform is {features.platform!r})."
         if cudnn_mask_options(mask, features.kv_len) is None:
-            return "cuDNN expresses only full, causal and sliding-window masks."
+            return "cuDNN expresses only full, causal and causal sliding-window masks."
         asked = [name for name in ("bias", "sinks", "soft_cap", "segment_ids", "positions")
                  if getattr(features, name)]
         if asked:
