@@ -64,6 +64,85 @@ def cfg_of(canonical, data, fwd=(128, 128), dq=(64, 128), dkdv=(64, 128), fl=(8,
         dkdv_launch=kl, list_modes=tuple("range" if c else "index" for c in contig))
 
 
+#: Variants per --only part: (launch, pattern, (block_q, block_kv, warps, stages), walk).
+#: walk: None = as the layout allows, True = as a range (skipped if the lists are not ranges),
+#: False = by index.
+SWEEPS = {
+    "d64": [
+        ("fwd", "causal", (128, 128, 4, 3), None),
+        ("fwd", "causal", (128, 128, 8, 3), None),
+        ("fwd", "causal", (128, 64, 4, 3), None),
+        ("fwd", "causal", (128, 64, 8, 3), None),
+        ("dq", "causal", (64, 128, 4, 2), None),
+        ("dq", "causal", (64, 128, 4, 3), None),
+        ("dq", "causal", (128, 64, 4, 3), None),
+        ("dq", "causal", (128, 64, 8, 3), None),
+        ("dq", "causal", (128, 128, 8, 3), None),
+        ("dq", "causal", (128, 32, 4, 3), None),
+        ("dkdv", "causal", (64, 128, 4, 2), None),
+        ("dkdv", "causal", (64, 128, 4, 3), None),
+        ("dkdv", "causal", (64, 128, 8, 3), None),
+        ("dkdv", "causal", (128, 128, 8, 3), None),
+        ("dkdv", "causal", (32, 128, 4, 3), None),
+        ("fwd", "document", (64, 64, 4, 2), False),
+        ("fwd", "document", (64, 64, 4, 3), False),
+        ("fwd", "document", (128, 64, 4, 3), False),
+        ("dq", "document", (64, 64, 4, 2), False),
+        ("dq", "document", (64, 64, 4, 3), False),
+        ("dq", "document", (128, 64, 4, 3), False),
+        ("dkdv", "document", (64, 64, 4, 2), False),
+        ("dkdv", "document", (64, 64, 4, 3), False),
+        ("dkdv", "document", (64, 128, 4, 3), False),
+    ],
+    "fwd": [
+        ("fwd", "causal", (128, 128, 8, 3), None),
+        ("fwd", "causal", (128, 128, 8, 3), False),
+        ("fwd", "document", (128, 128, 8, 3), False),
+        ("fwd", "document", (128, 128, 8, 3), True),
+        ("fwd", "document", (128, 128, 8, 2), False),
+        ("fwd", "document", (128, 64, 8, 3), False),
+        ("fwd", "document", (64, 64, 4, 3), False),
+        ("fwd", "document", (64, 64, 4, 2), False),
+        ("fwd", "document", (64, 64, 4, 3), True),
+        ("fwd", "bigbird", (64, 64, 4, 2), None),
+        ("fwd", "bigbird", (64, 64, 4, 3), None),
+        ("fwd", "bigbird", (128, 128, 8, 3), None),
+        ("fwd", "bigbird", (128, 64, 8, 3), None),
+    ],
+    "dq": [
+        ("dq", "causal", (64, 128, 8, 2), None),
+        ("dq", "causal", (64, 128, 8, 3), None),
+        ("dq", "causal", (128, 64, 8, 3), None),
+        ("dq", "causal", (128, 64, 8, 2), None),
+        ("dq", "causal", (128, 32, 8, 3), None),
+        ("dq", "causal", (64, 64, 4, 3), None),
+        ("dq", "document", (64, 64, 4, 2), False),
+        ("dq", "document", (64, 64, 4, 3), False),
+        ("dq", "document", (64, 128, 8, 3), False),
+        ("dq", "document", (128, 64, 8, 3), False),
+        ("dq", "document", (128, 64, 8, 3), True),
+        ("dq", "bigbird", (64, 64, 4, 2), None),
+        ("dq", "bigbird", (64, 64, 4, 3), None),
+        ("dq", "bigbird", (128, 64, 8, 3), None),
+    ],
+    "dkdv": [
+        ("dkdv", "causal", (64, 128, 8, 2), None),
+        ("dkdv", "causal", (64, 128, 8, 3), None),
+        ("dkdv", "causal", (64, 128, 8, 4), None),
+        ("dkdv", "causal", (32, 128, 8, 3), None),
+        ("dkdv", "causal", (64, 64, 4, 3), None),
+        ("dkdv", "document", (64, 64, 4, 2), False),
+        ("dkdv", "document", (64, 64, 4, 3), False),
+        ("dkdv", "document", (64, 128, 8, 3), False),
+        ("dkdv", "document", (64, 128, 8, 3), True),
+        ("dkdv", "document", (32, 128, 8, 3), False),
+        ("dkdv", "bigbird", (64, 64, 4, 2), None),
+        ("dkdv", "bigbird", (64, 64, 4, 3), None),
+        ("dkdv", "bigbird", (64, 128, 8, 3), None),
+    ],
+}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--only", default="fwd,dq,dkdv,layout,e2e")
@@ -155,65 +234,10 @@ def main():
         except Exception as e:  # noqa: BLE001
             log(f"{kind} {name} {tile} ERROR {type(e).__name__}: {str(e)[:300]}")
 
-    T = lambda *x: tuple(x)  # noqa: E731
-    if "d64" in parts:
-        for t in (T(128, 128, 4, 3), T(128, 128, 8, 3), T(128, 64, 4, 3), T(128, 64, 8, 3)):
-            run("fwd", "causal", t)
-        for t in (T(64, 128, 4, 2), T(64, 128, 4, 3), T(128, 64, 4, 3), T(128, 64, 8, 3),
-                  T(128, 128, 8, 3), T(128, 32, 4, 3)):
-            run("dq", "causal", t)
-        for t in (T(64, 128, 4, 2), T(64, 128, 4, 3), T(64, 128, 8, 3), T(128, 128, 8, 3),
-                  T(32, 128, 4, 3)):
-            run("dkdv", "causal", t)
-        for t in (T(64, 64, 4, 2), T(64, 64, 4, 3), T(128, 64, 4, 3)):
-            run("fwd", "document", t, False)
-        for t in (T(64, 64, 4, 2), T(64, 64, 4, 3), T(128, 64, 4, 3)):
-            run("dq", "document", t, False)
-        for t in (T(64, 64, 4, 2), T(64, 64, 4, 3), T(64, 128, 4, 3)):
-            run("dkdv", "document", t, False)
-    if "fwd" in parts:
-        run("fwd", "causal", T(128, 128, 8, 3))
-        run("fwd", "causal", T(128, 128, 8, 3), False)
-        run("fwd", "document", T(128, 128, 8, 3), False)
-        run("fwd", "document", T(128, 128, 8, 3), True)
-        run("fwd", "document", T(128, 128, 8, 2), False)
-        run("fwd", "document", T(128, 64, 8, 3), False)
-        run("fwd", "document", T(64, 64, 4, 3), False)
-        run("fwd", "document", T(64, 64, 4, 2), False)
-        run("fwd", "document", T(64, 64, 4, 3), True)
-        run("fwd", "bigbird", T(64, 64, 4, 2))
-        run("fwd", "bigbird", T(64, 64, 4, 3))
-        run("fwd", "bigbird", T(128, 128, 8, 3))
-        run("fwd", "bigbird", T(128, 64, 8, 3))
-    if "dq" in parts:
-        run("dq", "causal", T(64, 128, 8, 2))
-        run("dq", "causal", T(64, 128, 8, 3))
-        run("dq", "causal", T(128, 64, 8, 3))
-        run("dq", "causal", T(128, 64, 8, 2))
-        run("dq", "causal", T(128, 32, 8, 3))
-        run("dq", "causal", T(64, 64, 4, 3))
-        run("dq", "document", T(64, 64, 4, 2), False)
-        run("dq", "document", T(64, 64, 4, 3), False)
-        run("dq", "document", T(64, 128, 8, 3), False)
-        run("dq", "document", T(128, 64, 8, 3), False)
-        run("dq", "document", T(128, 64, 8, 3), True)
-        run("dq", "bigbird", T(64, 64, 4, 2))
-        run("dq", "bigbird", T(64, 64, 4, 3))
-        run("dq", "bigbird", T(128, 64, 8, 3))
-    if "dkdv" in parts:
-        run("dkdv", "causal", T(64, 128, 8, 2))
-        run("dkdv", "causal", T(64, 128, 8, 3))
-        run("dkdv", "causal", T(64, 128, 8, 4))
-        run("dkdv", "causal", T(32, 128, 8, 3))
-        run("dkdv", "causal", T(64, 64, 4, 3))
-        run("dkdv", "document", T(64, 64, 4, 2), False)
-        run("dkdv", "document", T(64, 64, 4, 3), False)
-        run("dkdv", "document", T(64, 128, 8, 3), False)
-        run("dkdv", "document", T(64, 128, 8, 3), True)
-        run("dkdv", "document", T(32, 128, 8, 3), False)
-        run("dkdv", "bigbird", T(64, 64, 4, 2))
-        run("dkdv", "bigbird", T(64, 64, 4, 3))
-        run("dkdv", "bigbird", T(64, 128, 8, 3))
+    for part in SWEEPS:
+        if part in parts:
+            for kind, name, tile, walk in SWEEPS[part]:
+                run(kind, name, tile, walk)
     if "layout" in parts:
         mask, data, _, _ = pats["document"]
         ids = jnp.broadcast_to(jnp.asarray(data["q_segment_ids"]), (B, L))
