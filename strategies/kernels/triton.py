@@ -476,8 +476,11 @@ class TritonBlockSparse(AbstractKernel):
     kernel; online softmax in base 2 with float32 accumulation; it keeps the log-sum-exp for
     the backward pass. The backward pass is split: a dq kernel over q-blocks and a dk/dv
     kernel over kv-blocks (the layout's transposed lists) that loops over the q heads of its
-    group, so grouped-query gradients are reduced deterministically, without atomics. Forward
-    and backward have their own block sizes (`Tiling.backward_blocks`) and layouts.
+    group, so grouped-query gradients are reduced deterministically, without atomics. The
+    forward, dq and dk/dv launches have their own block sizes (`Tiling`'s forward, ``*_dq`` and
+    backward fields) and layouts. Full lists that are ranges of blocks are walked without index
+    loads: known on the host for static layouts, checked per row in the kernel for layouts built
+    from per-call data.
 
     Masks that are an AND of `Causal`, `SlidingWindow`, `ChunkedCausal`, `PrefixLM`,
     `Document` and `Full` are evaluated in the kernel from positions (and segment ids); so are
@@ -487,7 +490,7 @@ class TritonBlockSparse(AbstractKernel):
 
     With the default tiling (none given, or one equal to `default_tiling`), a static layout
     whose rows visit few, scattered blocks (BigBird-like) runs with 64x64 tiles, 4 warps and 2
-    stages, forward and backward; with segment ids the backward does.
+    stages, forward and backward; with segment ids all three launches take 64x64 tiles.
 
     Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, Dv]`` in bfloat16, float16
     or float32 (float32 products in full precision), head dims up to 256 (padded to a power of
