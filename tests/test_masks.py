@@ -278,25 +278,23 @@ def check_bitmaps(layout, vis):
     assert bitmaps.shape[1:] == (bq, bk)
     # Deduplicated: no two table entries are equal.
     assert len({b.tobytes() for b in bitmaps}) == len(bitmaps)
-    pc, pi, bi = (np.asarray(x) for x in (layout.partial_count, layout.partial_index, layout.bitmap_index))
-    mb, mh = pc.shape[:2]
-    seen = 0
-    for b, h, i in np.ndindex(mb, mh, nq):
-        vb = padded[min(b, padded.shape[0] - 1), min(h, padded.shape[1] - 1)]
-        for s in range(pc[b, h, i]):
-            j = pi[b, h, i, s]
-            np.testing.assert_array_equal(bitmaps[bi[b, h, i, s]],
-                                          vb[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk])
-            seen += 1
-    tc, ti, tbi = (np.asarray(x) for x in (layout.t_partial_count, layout.t_partial_index,
-                                           layout.t_bitmap_index))
-    for b, h, j in np.ndindex(mb, mh, nk):
-        vb = padded[min(b, padded.shape[0] - 1), min(h, padded.shape[1] - 1)]
-        for s in range(tc[b, h, j]):
-            i = ti[b, h, j, s]
-            np.testing.assert_array_equal(bitmaps[tbi[b, h, j, s]],
-                                          vb[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk])
-    assert seen == int(pc.sum())
+
+    def check(counts, indices, ids, transposed):
+        """Each listed block's bitmap is the visibility of that block; returns how many."""
+        seen = 0
+        counts, indices, ids = (np.asarray(x) for x in (counts, indices, ids))
+        for b, h, r in np.ndindex(counts.shape):
+            vb = padded[min(b, padded.shape[0] - 1), min(h, padded.shape[1] - 1)]
+            for s in range(counts[b, h, r]):
+                i, j = (indices[b, h, r, s], r) if transposed else (r, indices[b, h, r, s])
+                np.testing.assert_array_equal(bitmaps[ids[b, h, r, s]],
+                                              vb[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk])
+                seen += 1
+        return seen
+
+    assert check(layout.partial_count, layout.partial_index, layout.bitmap_index, False) \
+        == int(np.asarray(layout.partial_count).sum())
+    check(layout.t_partial_count, layout.t_partial_index, layout.t_bitmap_index, True)
 
 
 # (q_len, kv_len, block_q, block_kv): square ragged, Lq < Lk ragged, Lq > Lk exact.
