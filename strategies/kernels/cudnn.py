@@ -35,13 +35,12 @@ def cudnn_mask_options(mask, length: int) -> dict | None:
             return None
     options = {"is_causal": causal}
     if window is not None:
-        # An unbounded side is a window as long as the sequence.
-        left = length if window.left is None else window.left
-        right = length if window.right is None else window.right
         if not causal:
             # Without is_causal cuDNN refuses a right side, and with right=0 it computed
             # something else (H200, jax 0.11.2: relative error 0.92 against the reference).
             return None
+        # An unbounded left side is a window as long as the sequence; causal cuts the right.
+        left = length if window.left is None else window.left
         options["local_window_size"] = (left, 0)
     return options
 
@@ -50,9 +49,10 @@ class CudnnDense(AbstractKernel):
     """cuDNN flash attention via ``jax.nn.dot_product_attention(implementation="cudnn")``.
 
     On the H200 this is the fastest kernel for the masks cuDNN expresses: full, causal, and
-    causal with a sliding window (``Causal() & SlidingWindow(left, right)``). The selector prefers it there and sends every
-    other mask or feature (bias, sinks, soft cap, segment ids, positions, ``Dv != D``,
-    ``Lq != Lk``, float32, head dims over 128) to the block-sparse kernels.
+    causal with a sliding window (``Causal() & SlidingWindow(left, right)``). The selector
+    prefers it there and sends every other mask or feature (bias, sinks, soft cap, segment ids,
+    positions, ``Dv != D``, ``Lq != Lk``, float32, head dims over 128) to the block-sparse
+    kernels.
 
     ```python
     attn = BlockSparseAttention(mask=masks.Causal(), kernel=kernels.CudnnDense())
