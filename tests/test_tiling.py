@@ -60,6 +60,11 @@ def test_triton_default_tiling_gives_dq_its_own_tile():
                             q_len=16384, kv_len=16384)
     t = TritonBlockSparse().default_tiling(features)
     assert t.dq_blocks == (128, 64) and t.backward_blocks == (64, 128)
+    # 16-bit D=64: the dk/dv tile is 32 queries tall (64x128 spilled), three stages each.
+    t = TritonBlockSparse().default_tiling(dataclasses.replace(features, head_dim=64,
+                                                               value_dim=64))
+    assert t.dq_blocks == (128, 64) and t.backward_blocks == (32, 128)
+    assert t.num_stages_dq == t.num_stages_bwd == 3
     # Packed documents: one 64x64 layout for the three launches.
     t = TritonBlockSparse().default_tiling(dataclasses.replace(features, segment_ids=True))
     assert (t.block_q, t.block_kv) == t.backward_blocks == t.dq_blocks == (64, 64)
