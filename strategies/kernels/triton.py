@@ -240,22 +240,55 @@ class _Config:
         )
 
 
-def _sequential_vmap(fn):
-    """Give a launch (arrays in, tuple of arrays out) a vmap rule: one launch per element.
+#: How a launch's arrays lie along the batch, for its vmap rule (`_batched_launch`):
+#: ``"batch"``: the leading axis is the call's batch (q, k, v, positions, segment ids, dO, ...);
+#: ``"bcast"``: the leading axis is 1 (shared by the batch) or the batch (bias, layout lists);
+#: ``"shared"``: no batch axis (sinks, bitmaps). A one-dimensional array is a placeholder for
+#: an absent input (the kernel never reads it) whatever its role.
+_BATCH, _BCAST, _SHARED = "batch", "bcast", "shared"
 
-    jax-triton has no batching rule; the module always passes batched ``[B, H, L, D]``, so
-    this only serves a user's `jax.vmap` over the whole attention call.
+
+def _batched_launch(run, cfg: "_Config", roles: tuple[str, ...], out_roles: tuple[str, ...]):
+    """``run(cfg, *arrays) -> tuple of arrays``, with a vmap rule that folds the mapped axis
+    into the batch: ``jax.vmap`` over a call (so `eqx.filter_vmap` over unbatched inputs) is one
+    launch of ``V * B`` batch elements, not ``V`` launches.
+
+    Arrays shared by the batch (a ``[1, ...]`` bias or layout) stay shared when they are not
+    mapped, and are repeated per element when they are. Mapped sinks or bitmaps have no batch
+    axis to fold into: such calls run one launch per element.
     """
-    wrapped = jax.custom_batching.custom_vmap(fn)
+    wrapped = jax.custom_batching.custom_vmap(functools.partial(run, cfg))
 
     @wrapped.def_vmap
     def rule(axis_size, in_batched, *args):
-        args = tuple(
-            a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
-            for a, batched in zip(args, in_batched)
-        )
-        out = jax.lax.map(lambda xs: wrapped(*xs), args)
-        return out, jax.tree.map(lambda _: True, out)
+        if any(b and r == _SHARED and a.ndim > 1 for a, b, r in zip(args, in_batched, roles)):
+            args = tuple(a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                         for a, b in zip(args, in_batched))
+            out = jax.lax.map(lambda xs: wrapped(*xs), args)
+            return out, jax.tree.map(lambda _: True, out)
+        folded_batch = axis_size * cfg.batch
+        folded = []
+        for a, batched, role in zip(args, in_batched, roles):
+            shape = a.shape[1:] if batched else a.shape
+            if len(shape) <= 1:  # placeholder: the kernel never reads it
+                folded.append(a[0] if batched else a)
+            elif role == _SHARED or (role == _BCAST and not batched and shape[0] == 1):
+                folded.append(a)
+            else:
+                full = (axis_size, cfg.batch) + shape[1:]
+                a = jnp.broadcast_to(a if batched else a[None], full)
+                folded.append(a.reshape((folded_batch,) + shape[1:]))
+        bias_shape = cfg.bias_shape
+        if bias_shape is not None:
+            bias_shape = (folded[roles.index(_BCAST)].shape[0], bias_shape[1])
+        inner = _batched_launch(run, dataclasses.replace(cfg, batch=folded_batch,
+                                                         bias_shape=bias_shape),
+                                roles, out_roles)
+        outs = inner(*folded)
+        unfolded = tuple(o if (r != _BATCH or o.ndim <= 1)
+                         else o.reshape((axis_size, cfg.batch) + o.shape[1:])
+                         for o, r in zip(outs, out_roles))
+        return unfolded, tuple(r == _BATCH and o.ndim > 1 for o, r in zip(outs, out_roles))
 
     return wrapped
 
@@ -333,42 +366,48 @@ def _ranges(count, index) -> bool:
     return bool(np.all((count == 0) | (last - first == count - 1)))
 
 
-def _forward_launch(cfg: _Config, q, k, v, bias, sinks, data, lists):
-    launch = _launcher()
-    kern = _kernels()
-    bq, bk = cfg.fwd_blocks
-    nq = math.ceil(cfg.q_len / bq)
-    warps, stages = cfg.fwd_launch
-    params = cfg.common()
-    params.update(_list_params(lists, cfg.list_modes[0], stages), NQB=nq, S=max(cfg.num_sinks, 1),
-                  SP=max(2, 1 << max(cfg.num_sinks - 1, 0).bit_length()),
-                  HAS_SINKS=cfg.num_sinks > 0, BLOCK_M=bq, BLOCK_N=bk)
+#: Roles (`_batched_launch`) of the data arrays (q / kv positions, q / kv segment ids) and of
+#: the layout lists (`_layout_arrays`: counts, indices, bitmap indices, bitmaps).
+_DATA_ROLES = (_BATCH,) * 4
+_LIST_ROLES = (_BCAST,) * 5 + (_SHARED,)
 
-    def run(q, k, v, bias, sinks, *rest):
-        return tuple(launch(
+
+def _forward_launch(cfg: _Config, q, k, v, bias, sinks, data, lists):
+    def run(cfg, q, k, v, bias, sinks, *rest):
+        lists = rest[4:]
+        bq, bk = cfg.fwd_blocks
+        nq = math.ceil(cfg.q_len / bq)
+        warps, stages = cfg.fwd_launch
+        return tuple(_launcher()(
             q, k, v, bias, sinks, *rest,
-            kernel=kern._fwd_kernel,
+            kernel=_kernels()._fwd_kernel,
             out_shape=(
                 jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.q_len, cfg.value_dim), q.dtype),
                 jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.q_len), jnp.float32),
             ),
-            grid=(nq, cfg.heads, cfg.batch), num_warps=warps, num_stages=stages, **params,
+            grid=(nq, cfg.heads, cfg.batch), num_warps=warps, num_stages=stages,
+            NQB=nq, S=max(cfg.num_sinks, 1),
+            SP=max(2, 1 << max(cfg.num_sinks - 1, 0).bit_length()),
+            HAS_SINKS=cfg.num_sinks > 0, BLOCK_M=bq, BLOCK_N=bk,
+            **_list_params(lists, cfg.list_modes[0], stages), **cfg.common(),
         ))
 
-    return _sequential_vmap(run)(q, k, v, bias, sinks, *data, *lists)
+    roles = (_BATCH,) * 3 + (_BCAST, _SHARED) + _DATA_ROLES + _LIST_ROLES
+    return _batched_launch(run, cfg, roles, (_BATCH, _BATCH))(
+        q, k, v, bias, sinks, *data, *lists)
 
 
 def _dq_launch(cfg: _Config, q, k, v, bias, data, lists, do, lse, delta):
     """dq (and the full-size float32 dS, which is the bias gradient, when there is a bias)."""
-    launch = _launcher()
-    bq, bk = cfg.dq_blocks
-    nq = math.ceil(cfg.q_len / bq)
-    warps, stages = cfg.dq_launch
-    has_bias = cfg.bias_shape is not None
-    dbias_shape = (cfg.batch, cfg.heads, cfg.q_len, cfg.kv_len) if has_bias else (1,)
 
-    def run(q, k, v, bias, *rest):
-        return tuple(launch(
+    def run(cfg, q, k, v, bias, *rest):
+        lists = rest[7:]
+        bq, bk = cfg.dq_blocks
+        nq = math.ceil(cfg.q_len / bq)
+        warps, stages = cfg.dq_launch
+        has_bias = cfg.bias_shape is not None
+        dbias_shape = (cfg.batch, cfg.heads, cfg.q_len, cfg.kv_len) if has_bias else (1,)
+        return tuple(_launcher()(
             q, k, v, bias, *rest,
             kernel=_kernels()._dq_kernel,
             out_shape=(
@@ -382,18 +421,20 @@ def _dq_launch(cfg: _Config, q, k, v, bias, data, lists, do, lse, delta):
             **cfg.common(),
         ))
 
-    return _sequential_vmap(run)(q, k, v, bias, *data, do, lse, delta, *lists)
+    roles = (_BATCH,) * 3 + (_BCAST,) + _DATA_ROLES + (_BATCH,) * 3 + _LIST_ROLES
+    return _batched_launch(run, cfg, roles, (_BATCH, _BATCH))(
+        q, k, v, bias, *data, do, lse, delta, *lists)
 
 
 def _dkdv_launch(cfg: _Config, q, k, v, bias, data, t_lists, do, lse, delta):
     """dk and dv, one program per (kv-block, kv head, batch), over the transposed lists."""
-    launch = _launcher()
-    bq, bk = cfg.dkdv_blocks
-    nk = math.ceil(cfg.kv_len / bk)
-    warps, stages = cfg.dkdv_launch
 
-    def run(q, k, v, bias, *rest):
-        return tuple(launch(
+    def run(cfg, q, k, v, bias, *rest):
+        t_lists = rest[7:]
+        bq, bk = cfg.dkdv_blocks
+        nk = math.ceil(cfg.kv_len / bk)
+        warps, stages = cfg.dkdv_launch
+        return tuple(_launcher()(
             q, k, v, bias, *rest,
             kernel=_kernels()._dkdv_kernel,
             out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -403,7 +444,9 @@ def _dkdv_launch(cfg: _Config, q, k, v, bias, data, t_lists, do, lse, delta):
             **cfg.common(),
         ))
 
-    return _sequential_vmap(run)(q, k, v, bias, *data, do, lse, delta, *t_lists)
+    roles = (_BATCH,) * 3 + (_BCAST,) + _DATA_ROLES + (_BATCH,) * 3 + _LIST_ROLES
+    return _batched_launch(run, cfg, roles, (_BATCH, _BATCH))(
+        q, k, v, bias, *data, do, lse, delta, *t_lists)
 
 
 def _zero_cotangent(x):
