@@ -526,3 +526,118 @@ def _dkdv_kernel(
              mask=n_ok & d_ok)
     tl.store(DV_OUT + bhk * (LK * DV) + offs_n[:, None] * DV + offs_dv[None, :],
              dv.to(DV_OUT.dtype.element_ty), mask=n_ok & dv_ok)
+
+
+@triton.jit
+def _term_class(full, empty):
+    # EMPTY 0 < PARTIAL 1 < FULL 2; an AND of terms is the minimum of their classes.
+    return tl.where(full, 2, tl.where(empty, 0, 1))
+
+
+@triton.jit
+def _block_classes(qlo, qhi, qslo, qshi, klo, khi, kslo, kshi,
+                   CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr,
+                   WIN_R: tl.constexpr, CHUNK: tl.constexpr, PREFIX: tl.constexpr,
+                   HAS_SEG: tl.constexpr):
+    """Class of (q-block, kv-block) pairs from each side's position and segment-id ranges,
+    term by term as the canonical mask's predicates bound them (never FULL unless every pair
+    is visible, never EMPTY unless none is)."""
+    cls = tl.zeros_like(qlo + klo) + 2
+    if CAUSAL:
+        cls = tl.minimum(cls, _term_class(khi <= qlo + CAUSAL_OFF, klo > qhi + CAUSAL_OFF))
+    if WIN_L >= 0:
+        cls = tl.minimum(cls, _term_class(klo >= qhi - WIN_L, khi < qlo - WIN_L))
+    if WIN_R >= 0:
+        cls = tl.minimum(cls, _term_class(khi <= qlo + WIN_R, klo > qhi + WIN_R))
+    if CHUNK > 0:
+        qc_lo = _floordiv(qlo, CHUNK)
+        qc_hi = _floordiv(qhi, CHUNK)
+        kc_lo = _floordiv(klo, CHUNK)
+        kc_hi = _floordiv(khi, CHUNK)
+        same = (qc_lo == qc_hi) & (kc_lo == kc_hi) & (qc_lo == kc_lo)
+        cls = tl.minimum(cls, _term_class(same, (kc_hi < qc_lo) | (kc_lo > qc_hi)))
+    if PREFIX >= 0:
+        cls = tl.minimum(cls, _term_class((khi < PREFIX) | (khi <= qlo),
+                                          (klo >= PREFIX) & (klo > qhi)))
+    if HAS_SEG:
+        single = (qslo == qshi) & (kslo == kshi)
+        full = single & (qslo == kslo) & (qslo >= 0)
+        empty = (qshi < kslo) | (kshi < qslo) | (qshi < 0) | (kshi < 0)
+        cls = tl.minimum(cls, _term_class(full, empty))
+    return cls
+
+
+@triton.jit
+def _list_row(a_lo, a_hi, a_slo, a_shi, OLO, OHI, OSLO, OSHI, other_base, FIDX_ROW, PIDX_ROW,
+              N: tl.constexpr, OWN_IS_Q: tl.constexpr, last_kv, RAGGED_K: tl.constexpr,
+              CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr,
+              WIN_R: tl.constexpr, CHUNK: tl.constexpr, PREFIX: tl.constexpr,
+              HAS_SEG: tl.constexpr, SPAN: tl.constexpr):
+    """Classify one block (ranges `a_*`) against the N blocks of the other side, `SPAN` at a
+    time; write the FULL and PARTIAL ones, ascending, to the two rows; return their counts."""
+    offs = tl.arange(0, SPAN)
+    n_full = 0
+    n_part = 0
+    for start in range(0, N, SPAN):
+        j = start + offs
+        ok = j < N
+        o_lo = tl.load(OLO + other_base + j, mask=ok, other=0)
+        o_hi = tl.load(OHI + other_base + j, mask=ok, other=0)
+        o_slo = tl.load(OSLO + other_base + j, mask=ok, other=0)
+        o_shi = tl.load(OSHI + other_base + j, mask=ok, other=0)
+        if OWN_IS_Q:
+            cls = _block_classes(a_lo, a_hi, a_slo, a_shi, o_lo, o_hi, o_slo, o_shi,
+                                 CAUSAL, CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX, HAS_SEG)
+            ragged = j == N - 1
+        else:
+            cls = _block_classes(o_lo, o_hi, o_slo, o_shi, a_lo, a_hi, a_slo, a_shi,
+                                 CAUSAL, CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX, HAS_SEG)
+            ragged = last_kv
+        if RAGGED_K:  # the ragged last kv-block bound-checks its keys: never FULL
+            cls = tl.where(ragged, tl.minimum(cls, 1), cls)
+        is_full = ok & (cls == 2)
+        is_part = ok & (cls == 1)
+        tl.store(FIDX_ROW + n_full + tl.cumsum(is_full.to(tl.int32), 0) - 1, j, mask=is_full)
+        tl.store(PIDX_ROW + n_part + tl.cumsum(is_part.to(tl.int32), 0) - 1, j, mask=is_part)
+        n_full += tl.sum(is_full.to(tl.int32), 0)
+        n_part += tl.sum(is_part.to(tl.int32), 0)
+    return n_full, n_part
+
+
+@triton.jit
+def _layout_kernel(
+    QLO, QHI, QSLO, QSHI, KLO, KHI, KSLO, KSHI,
+    FCNT, FIDX, PCNT, PIDX, TFCNT, TFIDX, TPCNT, TPIDX,
+    NQB: tl.constexpr, NKB: tl.constexpr, RAGGED_K: tl.constexpr,
+    CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
+    CHUNK: tl.constexpr, PREFIX: tl.constexpr, HAS_SEG: tl.constexpr, SPAN: tl.constexpr,
+):
+    """The block lists of a canonical mask with per-call positions or segment ids, in one
+    launch: program ``(r, b, 0)`` lists q-block r's kv-blocks, ``(r, b, 1)`` kv-block r's
+    q-blocks (the transposed lists). Inputs are per-block ranges ``[B, n]`` (position and
+    segment id, low and high); each list holds its blocks in ascending order, and its slots
+    past the count keep the zeros the caller gave them.
+    """
+    r = tl.program_id(0)
+    b = tl.program_id(1)
+    if tl.program_id(2) == 0:
+        if r < NQB:
+            row = b * NQB + r
+            n_full, n_part = _list_row(
+                tl.load(QLO + row), tl.load(QHI + row), tl.load(QSLO + row),
+                tl.load(QSHI + row), KLO, KHI, KSLO, KSHI, b * NKB,
+                FIDX + row.to(tl.int64) * NKB, PIDX + row.to(tl.int64) * NKB, NKB, True,
+                False, RAGGED_K, CAUSAL, CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX, HAS_SEG, SPAN)
+            tl.store(FCNT + row, n_full)
+            tl.store(PCNT + row, n_part)
+    else:
+        if r < NKB:
+            row = b * NKB + r
+            n_full, n_part = _list_row(
+                tl.load(KLO + row), tl.load(KHI + row), tl.load(KSLO + row),
+                tl.load(KSHI + row), QLO, QHI, QSLO, QSHI, b * NQB,
+                TFIDX + row.to(tl.int64) * NQB, TPIDX + row.to(tl.int64) * NQB, NQB, False,
+                r == NKB - 1, RAGGED_K, CAUSAL, CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX,
+                HAS_SEG, SPAN)
+            tl.store(TFCNT + row, n_full)
+            tl.store(TPCNT + row, n_part)
