@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqx_bsattn._kernel import AbstractKernel, Features
-from eqx_bsattn._layout import _range_per_block, build_layout
+from eqx_bsattn._layout import build_layout
 from eqx_bsattn._mask import AbstractMask, And, Full
 from eqx_bsattn._tiling import Tiling
 
@@ -449,82 +449,6 @@ def _dkdv_launch(cfg: _Config, q, k, v, bias, data, t_lists, do, lse, delta):
         q, k, v, bias, *data, do, lse, delta, *t_lists)
 
 
-@dataclasses.dataclass(frozen=True)
-class _ListsConfig:
-    """Everything static about building the lists of one tiling on the device."""
-
-    batch: int
-    q_len: int
-    kv_len: int
-    blocks: tuple[int, int]
-    canonical: CanonicalMask
-    bias_shape: None = None  # `_batched_launch` reads it
-
-
-#: Build the lists of a canonical mask with per-call data in one Triton launch (set False to
-#: measure `build_layout`'s XLA path instead).
-_FUSED_DEVICE_LISTS = True
-
-
-def _device_lists(canonical: CanonicalMask, *, q_len: int, kv_len: int, blocks, q_positions,
-                  kv_positions, q_segment_ids, kv_segment_ids):
-    """``(lists, transposed lists)`` as `_layout_arrays` gives them, for a canonical mask with
-    per-call positions or segment ids, from one launch of `_layout_kernel`.
-
-    `build_layout` computes the same lists in XLA: a classification and four sorts, some tens of
-    small launches (~0.1-0.2 ms at any length on the H200). Here each q-block row (and each
-    kv-block column) is classified from the per-block ranges of positions and segment ids and
-    compacted in place. The classes follow each canonical term's bounds, as the masks' `blocks`
-    do; the kernels only need them conservative (FULL only if every pair is visible, EMPTY only
-    if none is).
-    """
-    bq, bk = blocks
-    nq, nk = math.ceil(q_len / bq), math.ceil(kv_len / bk)
-    given = [x for x in (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-             if x is not None]
-    batch = given[0].shape[0]
-
-    def ranges(length, block, n, positions, segments):
-        index_lo = np.arange(n, dtype=np.int32) * block
-        index_hi = np.minimum(index_lo + block, length).astype(np.int32) - 1
-        if positions is None:
-            lo, hi = (jnp.broadcast_to(jnp.asarray(x), (batch, n)) for x in (index_lo, index_hi))
-        else:
-            lo, hi = _range_per_block(positions.astype(jnp.int32), block)
-        if segments is None:
-            slo = shi = jnp.zeros((batch, n), jnp.int32)
-        else:
-            slo, shi = _range_per_block(segments.astype(jnp.int32), block)
-        return tuple(x.astype(jnp.int32) for x in (lo, hi, slo, shi))
-
-    def run(lcfg, *ranges):
-        b = lcfg.batch
-        nq_, nk_ = (math.ceil(n / blk) for n, blk in zip((lcfg.q_len, lcfg.kv_len), lcfg.blocks))
-        counts = lambda n: jax.ShapeDtypeStruct((b, 1, n), jnp.int32)  # noqa: E731
-        index = lambda n, m: jax.ShapeDtypeStruct((b, 1, n, m), jnp.int32)  # noqa: E731
-        return tuple(_launcher()(
-            *ranges,
-            kernel=_kernels()._layout_kernel,
-            out_shape=(counts(nq_), index(nq_, nk_), counts(nq_), index(nq_, nk_),
-                       counts(nk_), index(nk_, nq_), counts(nk_), index(nk_, nq_)),
-            zeroed_outputs=(1, 3, 5, 7),
-            grid=(max(nq_, nk_), b, 2), num_warps=4, num_stages=1,
-            NQB=nq_, NKB=nk_, RAGGED_K=lcfg.kv_len % lcfg.blocks[1] != 0,
-            HAS_SEG=lcfg.canonical.document, SPAN=min(1024, max(_pow2(nq_), _pow2(nk_))),
-            **lcfg.canonical.constexprs(),
-        ))
-
-    lcfg = _ListsConfig(batch=batch, q_len=q_len, kv_len=kv_len, blocks=(bq, bk),
-                        canonical=canonical)
-    args = (ranges(q_len, bq, nq, q_positions, q_segment_ids)
-            + ranges(kv_len, bk, nk, kv_positions, kv_segment_ids))
-    fcnt, fidx, pcnt, pidx, tfcnt, tfidx, tpcnt, tpidx = _batched_launch(
-        run, lcfg, (_BATCH,) * 8, (_BATCH,) * 8)(*args)
-    no_bitmaps = jnp.zeros((1,), jnp.int8)
-    return ((fcnt, fidx, pcnt, pidx, pcnt, no_bitmaps),
-            (tfcnt, tfidx, tpcnt, tpidx, tpcnt, no_bitmaps))
-
-
 def _zero_cotangent(x):
     if jnp.issubdtype(x.dtype, jnp.floating):
         return jnp.zeros_like(x)
@@ -738,10 +662,7 @@ class TritonBlockSparse(AbstractKernel):
             with jax.ensure_compile_time_eval():
                 return build()
 
-        # Canonical masks with per-call data: the lists come from one Triton launch.
-        fused = (not static and _FUSED_DEVICE_LISTS and canonical is not None
-                 and canonical_mask(mask) is not None)
-        fwd_layout = None if fused else layout_for(*fwd_blocks, canonical)
+        fwd_layout = layout_for(*fwd_blocks, canonical)
         if static and tiling == self.default_tiling(_features_of(query, value, inputs)):
             # Short scattered rows (BigBird-like static layouts): the short-row tiling.
             width = max(_pow2(dim), _pow2(value_dim)) * (2 if query.dtype == jnp.float32 else 1)
@@ -753,23 +674,14 @@ class TritonBlockSparse(AbstractKernel):
                 fwd_blocks = dq_blocks = dkdv_blocks = (bq, bk)
                 canonical = canonical_mask(mask, (fwd_blocks,))
                 fwd_layout = layout_for(*fwd_blocks, canonical)
-        # Per tiling: (lists, transposed lists, how each is walked).
-        per_blocks = {}
-        for blocks in (fwd_blocks, dq_blocks, dkdv_blocks):
-            if blocks in per_blocks:
-                continue
-            if fused:
-                per_blocks[blocks] = _device_lists(canonical, q_len=q_len, kv_len=kv_len,
-                                                   blocks=blocks, **positional) + (
-                                                       "check", "check")
-            else:
-                layout = fwd_layout if blocks == fwd_blocks else layout_for(*blocks, canonical)
-                per_blocks[blocks] = (_layout_arrays(layout, transposed=False),
-                                      _layout_arrays(layout, transposed=True),
-                                      _list_mode(layout, False), _list_mode(layout, True))
-        fwd, dq, dkdv = (per_blocks[b] for b in (fwd_blocks, dq_blocks, dkdv_blocks))
-        lists = fwd[0]
-        bwd_lists = (dq[0], dkdv[1])
+        layouts = {fwd_blocks: fwd_layout}
+        for blocks in (dq_blocks, dkdv_blocks):
+            if blocks not in layouts:
+                layouts[blocks] = layout_for(*blocks, canonical)
+        dq_layout, dkdv_layout = layouts[dq_blocks], layouts[dkdv_blocks]
+        lists = _layout_arrays(fwd_layout, transposed=False)
+        bwd_lists = (_layout_arrays(dq_layout, transposed=False),
+                     _layout_arrays(dkdv_layout, transposed=True))
 
         dummy_int = jnp.zeros((1,), jnp.int32)
 
@@ -800,7 +712,8 @@ class TritonBlockSparse(AbstractKernel):
             fwd_launch=(fwd_warps, fwd_stages),
             dq_launch=(tiling.num_warps_dq or bwd_launch[0], tiling.num_stages_dq or bwd_launch[1]),
             dkdv_launch=bwd_launch,
-            list_modes=(fwd[2], dq[2], dkdv[3]),
+            list_modes=(_list_mode(fwd_layout, False), _list_mode(dq_layout, False),
+                        _list_mode(dkdv_layout, True)),
         )
         out = _attend(cfg, query, key, value, bias_arg, sinks_arg, data, lists, bwd_lists)
         return out.astype(query.dtype)

@@ -248,48 +248,6 @@ def test_vmap_folds_segment_ids_bias_and_groups():
         assert _rel(g, w) < TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("mask", [
-    masks.Causal() & masks.Document(),
-    masks.Document(),
-    masks.Causal() & masks.SlidingWindow(40, 0) & masks.Document(),
-    masks.ChunkedCausal(48) & masks.Document(),
-    masks.PrefixLM(30) & masks.Document(),
-    masks.Causal(offset=7) & masks.SlidingWindow(25, 9),
-], ids=["causal_doc", "doc", "window_doc", "chunk_doc", "prefix_doc", "positions_window"])
-@pytest.mark.parametrize("blocks", [(32, 16), (64, 64)])
-def test_device_lists_equal_build_layout(mask, blocks):
-    # The fused list builder against `build_layout`'s XLA path: same counts, same blocks.
-    from eqx_bsattn._layout import build_layout
-    from eqx_bsattn.strategies.kernels.triton import _device_lists, _layout_arrays, canonical_mask
-
-    q_len, kv_len = 300, 250
-    rng = np.random.default_rng(3)
-    data = {}
-    if mask.uses_segment_ids:
-        ids = np.sort(rng.integers(-1, 5, (2, max(q_len, kv_len))), axis=1).astype(np.int32)
-        ids[1] = rng.permutation(ids[1])  # unsorted ids: scattered blocks
-        data = dict(q_segment_ids=jnp.asarray(ids[:, :q_len]),
-                    kv_segment_ids=jnp.asarray(ids[:, -kv_len:]))
-    else:
-        data = dict(q_positions=jnp.asarray(np.cumsum(rng.integers(0, 3, (2, q_len)), axis=1)),
-                    kv_positions=jnp.asarray(np.cumsum(rng.integers(0, 3, (2, kv_len)), axis=1)))
-    full = dict(q_positions=None, kv_positions=None, q_segment_ids=None, kv_segment_ids=None)
-    full.update(data)
-    got = jax.jit(lambda d: _device_lists(canonical_mask(mask), q_len=q_len, kv_len=kv_len,
-                                          blocks=blocks, **d))(full)
-    layout = build_layout(mask, q_len=q_len, kv_len=kv_len, num_heads=1, block_q=blocks[0],
-                          block_kv=blocks[1], **data)
-    for transposed, lists in ((False, got[0]), (True, got[1])):
-        want = _layout_arrays(layout, transposed)
-        for counts, index, want_counts, want_index in ((lists[0], lists[1], want[0], want[1]),
-                                                       (lists[2], lists[3], want[2], want[3])):
-            np.testing.assert_array_equal(np.asarray(counts), np.asarray(want_counts))
-            live = np.arange(index.shape[-1]) < np.asarray(counts)[..., None]
-            np.testing.assert_array_equal(np.where(live, np.asarray(index), 0),
-                                          np.where(live, np.asarray(want_index), 0))
-        assert np.asarray(lists[0]).sum() + np.asarray(lists[2]).sum() > 0
-
-
 def test_selected_on_gpu():
     features = bsa.Features(platform="gpu", dtype="bfloat16", segment_ids=True)
     choice = bsa.select_kernel(masks.Causal() & masks.Document(), "gpu", features)
