@@ -10,11 +10,11 @@ kernel's launcher by a `jax.pure_callback` into the interpreter, and lets the ke
 
     import notes.triton_interpret  # or exec it; then call the module as usual
 
-Outputs are poisoned with NaN before each launch (except those the kernel must zero), so unwritten
-elements show. Known limits of Triton 3.6's interpreter: bfloat16 ``tl.dot`` gives wrong values
-(test with float16 / float32); a scalar ``tl.load`` used as a loop bound needs its ``__index__``
-to accept a one-element array (``int(np.asarray(self.handle.data).reshape(-1)[0])`` in
-``triton/runtime/interpreter.py``).
+Outputs are poisoned with NaN (integers: -7777) before each launch (except those the kernel
+must zero), so unwritten elements show. Known limits of Triton 3.6's interpreter: bfloat16
+``tl.dot`` gives wrong values (test with float16 / float32); a scalar ``tl.load`` used as a
+loop bound needs its ``__index__`` to accept a one-element array
+(``int(np.asarray(self.handle.data).reshape(-1)[0])`` in ``triton/runtime/interpreter.py``).
 """
 
 import os
@@ -57,7 +57,8 @@ def launch(*args, kernel, out_shape, grid, num_warps=None, num_stages=None, zero
         inputs = [_to_torch(a) for a in arrays]
         outputs = []
         for i, s in enumerate(out_shape):
-            fill = 0.0 if i in zeroed_outputs else float("nan")
+            integer = np.issubdtype(np.dtype(s.dtype), np.integer)
+            fill = 0 if i in zeroed_outputs else (-7777 if integer else float("nan"))
             outputs.append(torch.full(s.shape, fill, dtype=_TORCH[np.dtype(s.dtype)]))
         kernel[grid](*inputs, *outputs, **meta)
         return tuple(_to_numpy(o, np.dtype(s.dtype)) for o, s in zip(outputs, out_shape))
