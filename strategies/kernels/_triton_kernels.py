@@ -162,6 +162,48 @@ def _list_step(index_ptr, it, hi, first, is_range, prefetched, CONTIG: tl.conste
 
 
 @triton.jit
+def _phase_list(phase: tl.constexpr, lrow, FCNT, FIDX, PCNT, PIDX, CF: tl.constexpr,
+                CP: tl.constexpr, FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr):
+    """``(index_ptr, lo, hi, first, is_range)``: the walk over row `lrow`'s full list (phase
+    0; contiguous static lists are walked as the block range itself) or partial list (1)."""
+    if phase == 0:
+        idx_ptr = FIDX + lrow * CF
+        lo, hi, first, is_range = _list_bounds(FCNT + lrow, idx_ptr, FULL_CONTIG, FULL_CHECK)
+    else:
+        idx_ptr = PIDX + lrow * CP
+        lo, hi, first, is_range = _list_bounds(PCNT + lrow, idx_ptr, False, False)
+    return idx_ptr, lo, hi, first, is_range
+
+
+@triton.jit
+def _partial_visible(bm_ptr, it, BMAPS, b, offs_n, offs_bn, qp, qs, KPOS, KSEG,
+                     LK: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_SEG: tl.constexpr,
+                     CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr,
+                     WIN_R: tl.constexpr, CHUNK: tl.constexpr, PREFIX: tl.constexpr,
+                     USE_BITMAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` visibility of a partial block (step `it` of the partial list) for
+    queries ``qp`` / ``qs`` and keys ``offs_n``: its bitmap, or the canonical terms."""
+    if USE_BITMAP:
+        bid = tl.load(bm_ptr + it).to(tl.int64)
+        bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
+                       + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + offs_bn[None, :])
+        vis = bits != 0
+    else:
+        if HAS_KPOS:
+            kp = tl.load(KPOS + b * LK + offs_n, mask=offs_n < LK, other=0)
+        else:
+            kp = offs_n
+        if HAS_SEG:
+            ks = tl.load(KSEG + b * LK + offs_n, mask=offs_n < LK, other=-2)
+        else:
+            ks = offs_n
+        vis = _visible(qp[:, None], kp[None, :], qs[:, None], ks[None, :],
+                       (offs_n < LK)[None, :], CAUSAL, CAUSAL_OFF, WIN_L, WIN_R,
+                       CHUNK, PREFIX, HAS_SEG)
+    return vis
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, BIAS, SINKS, QPOS, KPOS, QSEG, KSEG,
     FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
@@ -221,16 +263,8 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, DVP], tl.float32)
 
     for phase in tl.static_range(2):
-        if phase == 0:
-            cnt_ptr = FCNT + lrow
-            idx_ptr = FIDX + lrow * CF
-        else:
-            cnt_ptr = PCNT + lrow
-            idx_ptr = PIDX + lrow * CP
-            bm_ptr = BMIDX + lrow * CP
-        # Contiguous full lists (static causal / window / chunk layouts) are walked as ranges.
-        lo, hi, first, is_range = _list_bounds(
-            cnt_ptr, idx_ptr, phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK)
+        idx_ptr, lo, hi, first, is_range = _phase_list(phase, lrow, FCNT, FIDX, PCNT, PIDX,
+                                                       CF, CP, FULL_CONTIG, FULL_CHECK)
         j_next = first
         for it in range(lo, hi):
             j, j_next = _list_step(idx_ptr, it, hi, first, is_range, j_next,
@@ -249,23 +283,9 @@ def _fwd_kernel(
                 bias = 0.0
             s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS)
             if phase == 1:
-                if USE_BITMAP:
-                    bid = tl.load(bm_ptr + it).to(tl.int64)
-                    bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
-                                   + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + offs_bn[None, :])
-                    vis = bits != 0
-                else:
-                    if HAS_KPOS:
-                        kp = tl.load(KPOS + b * LK + offs_n, mask=offs_n < LK, other=0)
-                    else:
-                        kp = offs_n
-                    if HAS_SEG:
-                        ks = tl.load(KSEG + b * LK + offs_n, mask=offs_n < LK, other=-2)
-                    else:
-                        ks = offs_n
-                    vis = _visible(qp[:, None], kp[None, :], qs[:, None], ks[None, :],
-                                   (offs_n < LK)[None, :], CAUSAL, CAUSAL_OFF, WIN_L, WIN_R,
-                                   CHUNK, PREFIX, HAS_SEG)
+                vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp, qs,
+                                       KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL, CAUSAL_OFF,
+                                       WIN_L, WIN_R, CHUNK, PREFIX, USE_BITMAP, BLOCK_M, BLOCK_N)
                 s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen nothing yet keeps m = -inf: shift by 0 so exp2 gives 0, not NaN.
@@ -344,16 +364,8 @@ def _dq_kernel(
     lrow = ((b if MB > 1 else 0) * MH + (h if MH > 1 else 0)) * NQB + pid_m
     dq = tl.zeros([BLOCK_M, DP], tl.float32)
     for phase in tl.static_range(2):
-        if phase == 0:
-            cnt_ptr = FCNT + lrow
-            idx_ptr = FIDX + lrow * CF
-        else:
-            cnt_ptr = PCNT + lrow
-            idx_ptr = PIDX + lrow * CP
-            bm_ptr = BMIDX + lrow * CP
-        # Contiguous full lists (static causal / window / chunk layouts) are walked as ranges.
-        lo, hi, first, is_range = _list_bounds(
-            cnt_ptr, idx_ptr, phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK)
+        idx_ptr, lo, hi, first, is_range = _phase_list(phase, lrow, FCNT, FIDX, PCNT, PIDX,
+                                                       CF, CP, FULL_CONTIG, FULL_CHECK)
         j_next = first
         for it in range(lo, hi):
             j, j_next = _list_step(idx_ptr, it, hi, first, is_range, j_next,
@@ -374,23 +386,9 @@ def _dq_kernel(
                 bias = 0.0
             s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS)
             if phase == 1:
-                if USE_BITMAP:
-                    bid = tl.load(bm_ptr + it).to(tl.int64)
-                    bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
-                                   + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + offs_bn[None, :])
-                    vis = bits != 0
-                else:
-                    if HAS_KPOS:
-                        kp = tl.load(KPOS + b * LK + offs_n, mask=offs_n < LK, other=0)
-                    else:
-                        kp = offs_n
-                    if HAS_SEG:
-                        ks = tl.load(KSEG + b * LK + offs_n, mask=offs_n < LK, other=-2)
-                    else:
-                        ks = offs_n
-                    vis = _visible(qp[:, None], kp[None, :], qs[:, None], ks[None, :],
-                                   (offs_n < LK)[None, :], CAUSAL, CAUSAL_OFF, WIN_L, WIN_R,
-                                   CHUNK, PREFIX, HAS_SEG)
+                vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp, qs,
+                                       KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL, CAUSAL_OFF,
+                                       WIN_L, WIN_R, CHUNK, PREFIX, USE_BITMAP, BLOCK_M, BLOCK_N)
                 s = tl.where(vis, s, float("-inf"))
             p = tl.exp2(s - lse[:, None])
             dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
@@ -466,15 +464,8 @@ def _dkdv_kernel(
             bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
         lrow = ((b if MB > 1 else 0) * MH + (h if MH > 1 else 0)) * NKB + pid_n
         for phase in tl.static_range(2):
-            if phase == 0:
-                cnt_ptr = FCNT + lrow
-                idx_ptr = FIDX + lrow * CF
-            else:
-                cnt_ptr = PCNT + lrow
-                idx_ptr = PIDX + lrow * CP
-                bm_ptr = BMIDX + lrow * CP
-            lo, hi, first, is_range = _list_bounds(
-                cnt_ptr, idx_ptr, phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK)
+            idx_ptr, lo, hi, first, is_range = _phase_list(
+                phase, lrow, FCNT, FIDX, PCNT, PIDX, CF, CP, FULL_CONTIG, FULL_CHECK)
             i_next = first
             for it in range(lo, hi):
                 i, i_next = _list_step(idx_ptr, it, hi, first, is_range, i_next,
@@ -497,7 +488,7 @@ def _dkdv_kernel(
                 s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS)
                 if phase == 1:
                     if USE_BITMAP:
-                        bid = tl.load(bm_ptr + it).to(tl.int64)
+                        bid = tl.load(BMIDX + lrow * CP + it).to(tl.int64)
                         bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
                                        + offs_bm[None, :] * BLOCK_N
                                        + tl.arange(0, BLOCK_N)[:, None])
