@@ -162,6 +162,22 @@ def _list_step(index_ptr, it, hi, first, is_range, prefetched, CONTIG: tl.conste
 
 
 @triton.jit
+def _coords(POS, SEG, b, offs, L: tl.constexpr, HAS_POS: tl.constexpr, HAS_SEG: tl.constexpr,
+            SEG_PAD: tl.constexpr):
+    """``(positions, segment ids)`` of tokens `offs` of batch `b` (their indices where the call
+    gives none); tokens past `L` read position 0 and segment `SEG_PAD`."""
+    if HAS_POS:
+        pos = tl.load(POS + b * L + offs, mask=offs < L, other=0)
+    else:
+        pos = offs
+    if HAS_SEG:
+        seg = tl.load(SEG + b * L + offs, mask=offs < L, other=SEG_PAD)
+    else:
+        seg = offs
+    return pos, seg
+
+
+@triton.jit
 def _phase_list(phase: tl.constexpr, lrow, FCNT, FIDX, PCNT, PIDX, CF: tl.constexpr,
                 CP: tl.constexpr, FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr):
     """``(index_ptr, lo, hi, first, is_range)``: the walk over row `lrow`'s full list (phase
@@ -189,14 +205,7 @@ def _partial_visible(bm_ptr, it, BMAPS, b, offs_n, offs_bn, qp, qs, KPOS, KSEG,
                        + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + offs_bn[None, :])
         vis = bits != 0
     else:
-        if HAS_KPOS:
-            kp = tl.load(KPOS + b * LK + offs_n, mask=offs_n < LK, other=0)
-        else:
-            kp = offs_n
-        if HAS_SEG:
-            ks = tl.load(KSEG + b * LK + offs_n, mask=offs_n < LK, other=-2)
-        else:
-            ks = offs_n
+        kp, ks = _coords(KPOS, KSEG, b, offs_n, LK, HAS_KPOS, HAS_SEG, -2)
         vis = _visible(qp[:, None], kp[None, :], qs[:, None], ks[None, :],
                        (offs_n < LK)[None, :], CAUSAL, CAUSAL_OFF, WIN_L, WIN_R,
                        CHUNK, PREFIX, HAS_SEG)
@@ -241,14 +250,7 @@ def _fwd_kernel(
                 LQ % BLOCK_M != 0, D != DP)
     if HAS_BIAS:
         bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
-    if HAS_QPOS:
-        qp = tl.load(QPOS + b * LQ + offs_m, mask=offs_m < LQ, other=0)
-    else:
-        qp = offs_m
-    if HAS_SEG:
-        qs = tl.load(QSEG + b * LQ + offs_m, mask=offs_m < LQ, other=-1)
-    else:
-        qs = offs_m
+    qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG, -1)
 
     lrow = ((b if MB > 1 else 0) * MH + (h if MH > 1 else 0)) * NQB + pid_m
     if HAS_SINKS:
@@ -352,14 +354,7 @@ def _dq_kernel(
     if HAS_BIAS:
         bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
         dbias_base = DBIAS + bh * (LQ * LK)
-    if HAS_QPOS:
-        qp = tl.load(QPOS + b * LQ + offs_m, mask=offs_m < LQ, other=0)
-    else:
-        qp = offs_m
-    if HAS_SEG:
-        qs = tl.load(QSEG + b * LQ + offs_m, mask=offs_m < LQ, other=-1)
-    else:
-        qs = offs_m
+    qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG, -1)
 
     lrow = ((b if MB > 1 else 0) * MH + (h if MH > 1 else 0)) * NQB + pid_m
     dq = tl.zeros([BLOCK_M, DP], tl.float32)
@@ -443,14 +438,7 @@ def _dkdv_kernel(
                 CHECK_K, D != DP)
     v = _load2d(V + bhk * (LK * DV) + offs_n[:, None] * DV + offs_dv[None, :], n_ok, dv_ok,
                 CHECK_K, DV != DVP)
-    if HAS_KPOS:
-        kp = tl.load(KPOS + b * LK + offs_n, mask=offs_n < LK, other=0)
-    else:
-        kp = offs_n
-    if HAS_SEG:
-        ks = tl.load(KSEG + b * LK + offs_n, mask=offs_n < LK, other=-2)
-    else:
-        ks = offs_n
+    kp, ks = _coords(KPOS, KSEG, b, offs_n, LK, HAS_KPOS, HAS_SEG, -2)
     k_in = (offs_n < LK)[:, None]
 
     dk = tl.zeros([BLOCK_N, DP], tl.float32)
@@ -494,14 +482,7 @@ def _dkdv_kernel(
                                        + tl.arange(0, BLOCK_N)[:, None])
                         vis = bits != 0
                     else:
-                        if HAS_QPOS:
-                            qp = tl.load(QPOS + b * LQ + offs_m, mask=offs_m < LQ, other=0)
-                        else:
-                            qp = offs_m
-                        if HAS_SEG:
-                            qs = tl.load(QSEG + b * LQ + offs_m, mask=offs_m < LQ, other=-1)
-                        else:
-                            qs = offs_m
+                        qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG, -1)
                         vis = _visible(qp[None, :], kp[:, None], qs[None, :], ks[:, None], k_in,
                                        CAUSAL, CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX, HAS_SEG)
                     s = tl.where(vis, s, float("-inf"))
