@@ -321,7 +321,13 @@ def _list_params(arrays, mode: str, stages: int) -> dict:
 _SHORT_ROWS_BELOW = 16
 
 
-def _short_row_blocks(width: int, bias: bool) -> tuple[int, int, int, int] | None:
+def _row_width(features: Features) -> int:
+    """Bytes per row of the wider of q / v, over 2: the padded head dim, doubled for float32."""
+    width = max(_pow2(features.head_dim), _pow2(features.value_dim))
+    return width * (2 if features.dtype == "float32" else 1)
+
+
+def _short_row_blocks(features: Features) -> tuple[int, int, int, int] | None:
     """``(block_q, block_kv, warps, stages)`` for short rows, or ``None`` (no such variant).
 
     64x64 tiles, 4 warps, 2 stages: for bf16 D=128 the forward takes 82 KiB of shared memory
@@ -330,7 +336,7 @@ def _short_row_blocks(width: int, bias: bool) -> tuple[int, int, int, int] | Non
     not amortise. Measured on the H200: faster for BigBird (forward and backward) and for the
     document (segment ids: `default_tiling` sets the stages per kernel); causal rows are long.
     """
-    if width > 128 or bias:
+    if _row_width(features) > 128 or features.bias:
         return None
     return (64, 64, 4, 2)
 
@@ -366,10 +372,13 @@ def _ranges(count, index) -> bool:
     return bool(np.all((count == 0) | (last - first == count - 1)))
 
 
-#: Roles (`_batched_launch`) of the data arrays (q / kv positions, q / kv segment ids) and of
-#: the layout lists (`_layout_arrays`: counts, indices, bitmap indices, bitmaps).
+#: Roles (`_batched_launch`) of each launch's arrays: q, k, v, bias (every launch's first
+#: "bcast" array), [sinks,] the data (q / kv positions, q / kv segment ids), [dO, lse, delta,]
+#: then the layout lists (`_layout_arrays`: counts, indices, bitmap indices, bitmaps).
 _DATA_ROLES = (_BATCH,) * 4
 _LIST_ROLES = (_BCAST,) * 5 + (_SHARED,)
+_FORWARD_ROLES = (_BATCH,) * 3 + (_BCAST, _SHARED) + _DATA_ROLES + _LIST_ROLES
+_BACKWARD_ROLES = (_BATCH,) * 3 + (_BCAST,) + _DATA_ROLES + (_BATCH,) * 3 + _LIST_ROLES
 
 
 def _forward_launch(cfg: _Config, q, k, v, bias, sinks, data, lists):
@@ -392,8 +401,7 @@ def _forward_launch(cfg: _Config, q, k, v, bias, sinks, data, lists):
             **_list_params(lists, cfg.list_modes[0], stages), **cfg.common(),
         ))
 
-    roles = (_BATCH,) * 3 + (_BCAST, _SHARED) + _DATA_ROLES + _LIST_ROLES
-    return _batched_launch(run, cfg, roles, (_BATCH, _BATCH))(
+    return _batched_launch(run, cfg, _FORWARD_ROLES, (_BATCH, _BATCH))(
         q, k, v, bias, sinks, *data, *lists)
 
 
@@ -421,8 +429,7 @@ def _dq_launch(cfg: _Config, q, k, v, bias, data, lists, do, lse, delta):
             **cfg.common(),
         ))
 
-    roles = (_BATCH,) * 3 + (_BCAST,) + _DATA_ROLES + (_BATCH,) * 3 + _LIST_ROLES
-    return _batched_launch(run, cfg, roles, (_BATCH, _BATCH))(
+    return _batched_launch(run, cfg, _BACKWARD_ROLES, (_BATCH, _BATCH))(
         q, k, v, bias, *data, do, lse, delta, *lists)
 
 
@@ -444,8 +451,7 @@ def _dkdv_launch(cfg: _Config, q, k, v, bias, data, t_lists, do, lse, delta):
             **cfg.common(),
         ))
 
-    roles = (_BATCH,) * 3 + (_BCAST,) + _DATA_ROLES + (_BATCH,) * 3 + _LIST_ROLES
-    return _batched_launch(run, cfg, roles, (_BATCH, _BATCH))(
+    return _batched_launch(run, cfg, _BACKWARD_ROLES, (_BATCH, _BATCH))(
         q, k, v, bias, *data, do, lse, delta, *t_lists)
 
 
@@ -578,15 +584,14 @@ class TritonBlockSparse(AbstractKernel):
         return None
 
     def default_tiling(self, features: Features) -> Tiling:
-        width = max(_pow2(features.head_dim), _pow2(features.value_dim))
-        width *= 2 if features.dtype == "float32" else 1  # bytes per row / 2
-        short = _short_row_blocks(width, features.bias)
+        width = _row_width(features)
+        short = _short_row_blocks(features)
         # Blocks ``(block_q, block_kv)`` and launches ``(warps, stages)`` of the forward, dk/dv
         # and dq kernels. dq walks kv-blocks for a tall q tile and dk/dv q-blocks for a tall kv
         # tile; with three stages each fetches two tiles ahead. H200, causal, L=16384, bf16,
         # D=128: dq 11.3 -> 5.6 ms against 64x128 with two stages, dk/dv 8.4 -> 8.2 ms.
         if width <= 64:
-            # bf16 D=64: dk/dv 64x128 spilled (27.5 ms); 32x128 with three stages: 4.95 ms.
+            # 16-bit D=64: dk/dv 64x128 spilled (27.5 ms); 32x128 with three stages: 4.95 ms.
             fwd, fl, bwd, bl, dq, dl = (128, 128), (4, 3), (32, 128), (4, 3), (128, 64), (4, 3)
         elif width <= 128:
             fwd, fl, bwd, bl, dq, dl = (128, 128), (8, 3), (64, 128), (8, 3), (128, 64), (8, 3)
@@ -663,10 +668,10 @@ class TritonBlockSparse(AbstractKernel):
                 return build()
 
         fwd_layout = layout_for(*fwd_blocks, canonical)
-        if static and tiling == self.default_tiling(_features_of(query, value, inputs)):
+        features = _features_of(query, value, inputs)
+        if static and tiling == self.default_tiling(features):
             # Short scattered rows (BigBird-like static layouts): the short-row tiling.
-            width = max(_pow2(dim), _pow2(value_dim)) * (2 if query.dtype == jnp.float32 else 1)
-            short = _short_row_blocks(width, inputs.bias is not None)
+            short = _short_row_blocks(features)
             if short is not None and _short_scattered_rows(fwd_layout):
                 bq, bk = min(short[0], _pow2(q_len)), min(short[1], _pow2(kv_len))
                 tiling = Tiling(block_q=bq, block_kv=bk, num_warps=short[2],
