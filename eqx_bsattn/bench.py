@@ -28,7 +28,7 @@ from ._layout import element_mask
 from ._patterns import PATTERNS, pattern
 from ._selector import default_platform
 from ._timing import median_ms
-from .strategies.kernels.cudnn import cudnn_mask_options
+from .strategies.kernels.cudnn import cudnn_mask_options, nn_attention
 
 
 def visible_pairs(mask, q_len: int, kv_len: int, segment_ids=None, rows_per_step: int = 512) -> int:
@@ -58,12 +58,6 @@ def dense_mask(mask, length: int, segment_ids=None):
     index = jnp.arange(length)
     return element_mask(mask, 0, index[:, None], index[None, :], q_len=length, kv_len=length,
                         q_segment_ids=seg, kv_segment_ids=seg)
-
-
-def nn_attention(q, k, v, **options):
-    """`jax.nn.dot_product_attention` on ``[B, H, L, D]`` arrays (it takes ``[B, L, H, D]``)."""
-    to_blhd = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-    return jnp.swapaxes(jax.nn.dot_product_attention(to_blhd(q), to_blhd(k), to_blhd(v), **options), 1, 2)
 
 
 def _with_backward(f: Callable) -> Callable:

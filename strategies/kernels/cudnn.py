@@ -13,6 +13,14 @@ from eqx_bsattn._tiling import Tiling
 from ..masks import Causal, SlidingWindow
 
 
+def nn_attention(q, k, v, **options):
+    """`jax.nn.dot_product_attention` on ``[B, H, L, D]`` arrays (it takes ``[B, L, H, D]``);
+    `options` go to it unchanged."""
+    to_blhd = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    out = jax.nn.dot_product_attention(to_blhd(q), to_blhd(k), to_blhd(v), **options)
+    return jnp.swapaxes(out, 1, 2)
+
+
 def _and_terms(mask):
     if isinstance(mask, And):
         return _and_terms(mask.left) + _and_terms(mask.right)
@@ -91,9 +99,5 @@ class CudnnDense(AbstractKernel):
         options = cudnn_mask_options(mask, key.shape[2])
         if options is None:
             raise ValueError("CudnnDense cannot express this mask; see decline_reason.")
-        to_blhd = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-        out = jax.nn.dot_product_attention(
-            to_blhd(query), to_blhd(key), to_blhd(value), scale=softmax_scale,
-            implementation="cudnn", **options,
-        )
-        return jnp.swapaxes(out, 1, 2)
+        return nn_attention(query, key, value, scale=softmax_scale, implementation="cudnn",
+                            **options)
