@@ -414,11 +414,13 @@ def _dkdv_kernel(
     CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
     CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
     FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr, PREFETCH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FLAT_GROUP: tl.constexpr,
 ):
-    """One program per (kv-block, kv head, batch); it loops over the q heads of its group, so
+    """One program per (kv-block, kv head, batch); it walks the q heads of its group too, so
     grouped-query gradients are summed in registers, deterministically, without atomics.
-    Tiles are computed transposed (``[BLOCK_N, BLOCK_M]``: keys by queries)."""
+    Tiles are computed transposed (``[BLOCK_N, BLOCK_M]``: keys by queries). ``FLAT_GROUP``:
+    where the heads share one list, one loop of (q-block, head) steps instead of a loop per
+    head."""
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
@@ -443,37 +445,45 @@ def _dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, DP], tl.float32)
     dv = tl.zeros([BLOCK_N, DVP], tl.float32)
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        bh = (b * H + h).to(tl.int64)
-        q_base = Q + bh * (LQ * D)
-        do_base = DO + bh * (LQ * DV)
-        if HAS_BIAS:
-            bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
-        lrow = ((b if MB > 1 else 0) * MH + (h if MH > 1 else 0)) * NKB + pid_n
+    # With one list for every head (MH == 1), a group's q heads walk one loop of (block, head)
+    # steps, heads fastest: one pipeline fill per phase instead of one per head, and the Q / dO
+    # tiles of a block's heads are read together.
+    FLAT: tl.constexpr = GROUP > 1 and MH == 1 and FLAT_GROUP
+    HEAD_LOOPS: tl.constexpr = 1 if FLAT else GROUP
+    STEP_HEADS: tl.constexpr = GROUP if FLAT else 1
+    for g0 in range(HEAD_LOOPS):
+        lrow = ((b if MB > 1 else 0) * MH + (hk * GROUP + g0 if MH > 1 else 0)) * NKB + pid_n
         for phase in tl.static_range(2):
             idx_ptr, lo, hi, first, is_range = _phase_list(
                 phase, lrow, FCNT, FIDX, PCNT, PIDX, CF, CP, FULL_CONTIG, FULL_CHECK)
             i_next = first
-            for it in range(lo, hi):
-                i, i_next = _list_step(idx_ptr, it, hi, first, is_range, i_next,
-                                       phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK,
-                                       PREFETCH)
+            for t in range(lo * STEP_HEADS, hi * STEP_HEADS):
+                it = t // STEP_HEADS
+                i, upcoming = _list_step(idx_ptr, it, hi, first, is_range, i_next,
+                                         phase == 0 and FULL_CONTIG,
+                                         phase == 0 and FULL_CHECK, PREFETCH)
+                if STEP_HEADS > 1:
+                    i_next = tl.where(t % STEP_HEADS == STEP_HEADS - 1, upcoming, i_next)
+                else:
+                    i_next = upcoming
+                h = hk * GROUP + g0 + t % STEP_HEADS
+                bh = (b * H + h).to(tl.int64)
                 offs_m = i * BLOCK_M + offs_bm
                 m_ok = (offs_m < LQ)[:, None]
-                q = _load2d(q_base + offs_m[:, None] * D + offs_d[None, :], m_ok, d_ok,
-                            CHECK_Q, D != DP)
-                do = _load2d(do_base + offs_m[:, None] * DV + offs_dv[None, :], m_ok, dv_ok,
-                             CHECK_Q, DV != DVP)
+                q = _load2d(Q + bh * (LQ * D) + offs_m[:, None] * D + offs_d[None, :], m_ok,
+                            d_ok, CHECK_Q, D != DP)
+                do = _load2d(DO + bh * (LQ * DV) + offs_m[:, None] * DV + offs_dv[None, :],
+                             m_ok, dv_ok, CHECK_Q, DV != DVP)
                 lse = tl.load(LSE + bh * LQ + offs_m, mask=offs_m < LQ, other=float("inf"))
                 delta = tl.load(DELTA + bh * LQ + offs_m, mask=offs_m < LQ, other=0.0)
                 s = _dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
                 if HAS_BIAS:
+                    bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
                     bias = tl.load(bias_base + offs_m[None, :] * LK + offs_n[:, None],
                                    mask=(offs_m < LQ)[None, :] & n_ok, other=0.0).to(tl.float32)
                 else:
                     bias = 0.0
-                s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS)
+                s, t_cap = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS)
                 if phase == 1:
                     if USE_BITMAP:
                         bid = tl.load(BMIDX + lrow * CP + it).to(tl.int64)
@@ -491,7 +501,7 @@ def _dkdv_kernel(
                 dp = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
                 ds = p * (dp - delta[None, :])
                 if SOFTCAP > 0:
-                    ds = ds * (1.0 - t * t)
+                    ds = ds * (1.0 - t_cap * t_cap)
                 dk = _dot(ds.to(q.dtype), q, dk, IEEE)
     dk = dk * SCALE
     tl.store(DK + bhk * (LK * D) + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),

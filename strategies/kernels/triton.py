@@ -351,6 +351,10 @@ def _short_scattered_rows(layout) -> bool:
 #: Walk contiguous full lists as ranges (set False to measure the indexed path).
 _CONTIGUOUS_RANGES = True
 
+#: dk/dv: walk a group's q heads in one loop of (block, head) steps where the heads share one
+#: list (set False to measure one loop per head).
+_FLAT_GROUPS = True
+
 
 def _list_mode(layout, transposed: bool) -> str:
     """How a launch walks the full lists of `layout`: ``"range"`` (static, every list a range
@@ -447,7 +451,8 @@ def _dkdv_launch(cfg: _Config, q, k, v, bias, data, t_lists, do, lse, delta):
             out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
                        jax.ShapeDtypeStruct(v.shape, v.dtype)),
             grid=(nk, cfg.kv_heads, cfg.batch), num_warps=warps, num_stages=stages,
-            NKB=nk, BLOCK_M=bq, BLOCK_N=bk, **_list_params(t_lists, cfg.list_modes[2], stages),
+            NKB=nk, BLOCK_M=bq, BLOCK_N=bk, FLAT_GROUP=_FLAT_GROUPS,
+            **_list_params(t_lists, cfg.list_modes[2], stages),
             **cfg.common(),
         ))
 
