@@ -7,7 +7,10 @@ out = attn(q, k, v)
 ```
 """
 
+from . import contract as contract
 from ._api import blocksparse_attention as blocksparse_attention
+from ._autotune import autotune as autotune
+from ._compile import CompiledMask as CompiledMask, ResolvedMask as ResolvedMask
 from ._inputs import AttentionInputs as AttentionInputs, MaskInfo as MaskInfo
 from ._kernel import (
     AbstractKernel as AbstractKernel,
@@ -15,7 +18,7 @@ from ._kernel import (
     registered_kernels as registered_kernels,
 )
 from ._layout import BlockLayout as BlockLayout, build_layout as build_layout
-from ._mask import AbstractMask as AbstractMask
+from ._mask import AbstractMask as AbstractMask, MaskTerms as MaskTerms
 from ._plot import plot_layout as plot_layout
 from ._module import BlockSparseAttention as BlockSparseAttention, CallPlan as CallPlan
 from ._selector import (

@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import BlockSparseAttention, build_layout, kernels
+from . import BlockSparseAttention, kernels
 from ._patterns import pattern
 from ._timing import median_ms
 from .bench import dense_mask, nn_attention
@@ -43,10 +43,7 @@ def main(argv=None) -> None:
         data = {n: jnp.asarray(x)[None] for n, x in data.items()}
         attn = BlockSparseAttention(mask=mask)
         plan = attn.plan(q, k, v, **data)
-        layout = build_layout(
-            plan.mask, q_len=length, kv_len=length, num_heads=heads,
-            block_q=plan.tiling.block_q, block_kv=plan.tiling.block_kv, **data,
-        )
+        layout = plan.mask.forward  # the layout the forward pass walks
         ours = jax.jit(lambda q, k, v, data, attn=attn: attn(q, k, v, **data))
         reference = BlockSparseAttention(mask=mask, kernel=kernels.DenseReference())
         out = ours(q, k, v, data)
@@ -54,7 +51,7 @@ def main(argv=None) -> None:
         err = float(jnp.max(jnp.abs(out - ref)))
 
         seg = data.get("q_segment_ids")
-        visible = dense_mask(plan.mask, length, None if seg is None else seg[0])
+        visible = dense_mask(plan.mask.predicate, length, None if seg is None else seg[0])
         dense = jax.jit(functools.partial(nn_attention, implementation="xla",
                                           mask=visible[None, None]))
 

@@ -2,14 +2,13 @@
 
 import abc
 import dataclasses
-import inspect
-from typing import ClassVar
 
 import equinox as eqx
+from equinox import AbstractClassVar
 from jaxtyping import Array, Float
 
+from ._compile import CompiledMask, MaskReads, ResolvedMask
 from ._inputs import AttentionInputs
-from ._mask import AbstractMask
 from ._tiling import Tiling
 
 
@@ -17,7 +16,7 @@ from ._tiling import Tiling
 class Features:
     """What a call asks of a kernel; the selector's input besides the mask and the platform.
 
-    Built by `BlockSparseAttention` from the arguments of a call; build one yourself to ask
+    Built by `BlockSparseAttention.plan` from the arguments of a call; build one yourself to ask
     `select_kernel` about a call you have not made.
     """
 
@@ -49,38 +48,61 @@ def registered_kernels() -> tuple[type["AbstractKernel"], ...]:
 class AbstractKernel(eqx.Module):
     """How attention is computed: a reference, an XLA loop, a Triton or cuDNN launch.
 
-    A concrete subclass registers itself with the selector when it is defined. It implements:
+    A concrete subclass registers itself with the selector when it is defined. It declares:
+
+    - `name` (class variable): the short name the selector, the plan and the benchmark show.
+    - `platforms` (class variable): where it runs, e.g. ``("gpu",)``; the selector declines it
+      elsewhere.
+    - `reads` (class variable): what it reads of the `CompiledMask`: ``"dense"`` (no layout:
+      it visits every pair, or expresses the terms itself), ``"elements"`` (a layout per pass;
+      partial blocks through `CompiledMask.visible`) or ``"terms"`` (a layout per pass; partial
+      blocks from `CompiledMask.terms` inside the kernel, or from element bitmaps the plan puts
+      in the layouts where the mask has no terms).
+
+    and implements:
 
     - `priority(platform)` (classmethod): higher is tried first by the selector on that
-      platform; ``None`` means "not a candidate there" (it can still be chosen explicitly).
+      platform; ``None`` (the default) means "not a candidate there" (it can still be chosen
+      explicitly).
     - `decline_reason(mask, features)`: ``None`` if it can run this call, else one sentence
-      saying why not (the selector shows it to the user).
-    - `default_tiling(features)`: the heuristic `Tiling` when the module has none.
-    - `__call__(query, key, value, *, mask, inputs, tiling, softmax_scale, logits_soft_cap)`:
-      batched ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, Dv]`` in,
-      ``[B, H, Lq, Dv]`` out, differentiable in query, key, value, bias and sinks.
+      saying why not (the selector shows it to the user). `mask` is the `ResolvedMask`: its
+      `terms` say what the mask is in kernel terms.
+    - `default_tiling(features, mask)`: the heuristic `Tiling` when the module has none.
+    - `adapt_tiling(tiling, features)`: the tiling it runs (e.g. blocks clamped to the
+      sequence), or a `ValueError` naming the field it cannot run.
+    - `__call__(query, key, value, *, mask, inputs, features, tiling, softmax_scale,
+      logits_soft_cap)`: batched ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, Dv]``
+      in, ``[B, H, Lq, Dv]`` out, differentiable in query, key, value, bias and sinks; `mask`
+      is the `CompiledMask`.
     """
+
+    name: AbstractClassVar[str]
+    platforms: AbstractClassVar[tuple[str, ...]]
+    reads: AbstractClassVar[MaskReads]
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if not inspect.isabstract(cls) and not cls.__name__.startswith("Abstract"):
+        # Equinox checks abstract class variables after this hook runs: look at them here.
+        declared = all(hasattr(cls, name) for name in ("name", "platforms", "reads"))
+        if declared and not cls.__name__.startswith("Abstract"):
             _REGISTRY.append(cls)
-
-    #: Short name shown by the selector and the benchmark.
-    name: ClassVar[str] = "kernel"
 
     @classmethod
     def priority(cls, platform: str) -> int | None:
         """Selector order on `platform`: higher first; ``None`` = not an automatic candidate."""
         return None
 
-    def decline_reason(self, mask: AbstractMask, features: Features) -> str | None:
+    def decline_reason(self, mask: ResolvedMask, features: Features) -> str | None:
         """``None`` if this kernel runs the call, else why it does not."""
         return None
 
-    def default_tiling(self, features: Features) -> Tiling:
-        """Heuristic block sizes and launch parameters for `features`."""
+    def default_tiling(self, features: Features, mask: ResolvedMask) -> Tiling:
+        """Heuristic block sizes and launch parameters for `features` and `mask`."""
         return Tiling(block_q=128, block_kv=128)
+
+    def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
+        """The tiling this kernel runs for `features`; raise `ValueError` if it cannot."""
+        return tiling
 
     @abc.abstractmethod
     def __call__(
@@ -89,8 +111,9 @@ class AbstractKernel(eqx.Module):
         key: Float[Array, "batch kv_heads kv_len dim"],
         value: Float[Array, "batch kv_heads kv_len value_dim"],
         *,
-        mask: AbstractMask,
+        mask: CompiledMask,
         inputs: AttentionInputs,
+        features: Features,
         tiling: Tiling,
         softmax_scale: float,
         logits_soft_cap: float | None,

@@ -162,7 +162,9 @@ def element_mask(
 ) -> Bool[Array, "..."]:
     """Evaluate `mask` on broadcastable token indices, with out-of-bounds keys hidden.
 
-    Per-call arrays are one batch element's (``[L]``). Every kernel uses this for partial blocks.
+    Per-call arrays are one batch element's (``[L]``); `mask` may be unresolved (it is
+    resolved against the lengths here). Kernels read the same predicate through
+    `CompiledMask.visible`.
     """
     mask = mask.resolve(q_len, kv_len)  # e.g. bottom-right causal needs the lengths
     qc = token_coords(q_index, q_positions, q_segment_ids, q_len)
@@ -319,7 +321,7 @@ def build_layout(
     data = {"qp": q_positions, "kp": kv_positions, "qs": q_segment_ids, "ks": kv_segment_ids}
 
     def classes_for_head(h):
-        if mask.evaluate_elements_for_blocks:
+        if not mask.classifies_blocks:
             return _classes_by_elements(mask, h, q_len=q_len, kv_len=kv_len, block_q=block_q,
                                         block_kv=block_kv, data=data)
         qc = block_coords(q_len, block_q, q_positions, q_segment_ids, axis=-2)

@@ -1,11 +1,14 @@
-"""The mask strategy: which (query, key) pairs attend, element by element and block by block."""
+"""The mask strategy: which (query, key) pairs attend, element by element, block by block, and
+as the in-kernel terms a GPU or TPU kernel evaluates inside a partial block."""
 
 import abc
+import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
+from equinox import AbstractClassVar
 from jaxtyping import Array, Bool, Int
 
 #: Block classes, as stored in :class:`eqx_bsattn.BlockLayout` ``classes``.
@@ -58,61 +61,158 @@ def classify(all_visible: Any, none_visible: Any) -> Int[Array, "..."]:
     return out.astype(jnp.int8)
 
 
+def _tighter(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskTerms:
+    """The canonical predicate: an AND of terms a kernel evaluates in a partial block.
+
+    A key at position ``kp`` is visible to a query at ``qp`` when every term that is switched
+    on holds (``None`` / ``False`` / ``()`` switch a term off):
+
+    - `causal_offset`: ``kp <= qp + causal_offset``;
+    - `window_left`, `window_right`: ``qp - window_left <= kp <= qp + window_right``;
+    - `chunk`: ``qp // chunk == kp // chunk``;
+    - `prefix`: ``kp < prefix`` or ``kp <= qp``;
+    - `segment_ids`: the segment ids are equal and non-negative;
+    - `tables`: ``(rows, cols)`` cell sizes of boolean block tables in the AND. A table is
+      constant on each of its cells, so where every tile of a layout is a whole number of
+      cells and positions are the token indices, the layout already holds it: a visited tile
+      has it True (`aligned`). Elsewhere it has no in-kernel form.
+
+    Mask atoms declare their terms with `AbstractMask.terms`; ``&`` combines two ANDs (the
+    tighter bound wins) and gives ``None`` when no single AND expresses both (two chunk sizes).
+
+    ```python
+    (masks.Causal() & masks.SlidingWindow(1024, 0)).terms(0)
+    # MaskTerms(causal_offset=0, window_left=1024, window_right=0, ...)
+    ```
+    """
+
+    causal_offset: int | None = None
+    window_left: int | None = None
+    window_right: int | None = None
+    chunk: int | None = None
+    prefix: int | None = None
+    segment_ids: bool = False
+    tables: tuple[tuple[int, int], ...] = ()
+
+    def __and__(self, other: "MaskTerms") -> "MaskTerms | None":
+        if self.chunk is not None and other.chunk is not None and self.chunk != other.chunk:
+            return None
+        return MaskTerms(
+            causal_offset=_tighter(self.causal_offset, other.causal_offset),
+            window_left=_tighter(self.window_left, other.window_left),
+            window_right=_tighter(self.window_right, other.window_right),
+            chunk=self.chunk if self.chunk is not None else other.chunk,
+            # (k < p1 or causal) and (k < p2 or causal) == k < min(p1, p2) or causal
+            prefix=_tighter(self.prefix, other.prefix),
+            segment_ids=self.segment_ids or other.segment_ids,
+            tables=tuple(dict.fromkeys(self.tables + other.tables)),
+        )
+
+    @property
+    def uses_positions(self) -> bool:
+        """Whether a term reads positions (every term but `segment_ids`)."""
+        return any(x is not None for x in (self.causal_offset, self.window_left,
+                                           self.window_right, self.chunk, self.prefix))
+
+    def aligned(self, tiles) -> "MaskTerms | None":
+        """These terms without their tables, if every ``(block_q, block_kv)`` in `tiles`
+        covers whole cells of every table (so the layout holds the tables); else ``None``.
+
+        Valid only where positions are the token indices: tables are looked up on positions.
+        """
+        for rows, cols in self.tables:
+            if any(rows % bq or cols % bk for bq, bk in tiles):
+                return None
+        return dataclasses.replace(self, tables=())
+
+
 class AbstractMask(eqx.Module):
     """Which (query, key) pairs attend.
 
-    A mask answers two questions:
+    A mask answers up to three questions:
 
-    - `elements(q, k, head)`: for each pair of tokens, does the query see the key? Given
-      :class:`TokenCoords`; returns a boolean array broadcast from the two sides.
-    - `blocks(q, k, head)`: for each pair of blocks, is it EMPTY, PARTIAL or FULL? Given
-      :class:`BlockCoords`; returns int8 classes. Built-in masks answer from the block
-      coordinates analytically (``O(blocks)``), never by evaluating every element.
+    - `elements(q, k, head)` (required): for each pair of tokens, does the query see the key?
+      Given :class:`TokenCoords`; returns a boolean array broadcast from the two sides.
+    - `blocks(q, k, head)` (optional): for each pair of blocks, is it EMPTY, PARTIAL or FULL?
+      Given :class:`BlockCoords`; returns int8 classes, from the block ranges alone
+      (``O(blocks)``). A mask that does not implement it has its blocks classified by
+      evaluating `elements` block by block: exact, but ``O(Lq x Lk)`` once per layout.
+    - `terms(head)` (optional): the mask as a `MaskTerms` AND that GPU and TPU kernels
+      evaluate inside a partial block; ``None`` (the default) means it has none, and those
+      kernels read element bitmaps of its partial blocks instead (static masks only).
 
-    Masks compose: ``a & b`` (both), ``a | b`` (either), ``~a`` (not). Every mask acts in
-    position space; positions default to token indices.
+    Every concrete mask declares two class variables: `reads_segment_ids` (its `elements`
+    reads the segment ids, so a call must pass them) and `varies_by_head` (it gives different
+    heads different masks). Masks compose: ``a & b`` (both), ``a | b`` (either), ``~a`` (not).
+    Every mask acts in position space; positions default to token indices.
 
-    Subclass it for a mask of your own: implement `elements` and, for speed, `blocks` (the
-    default evaluates `elements` block by block).
+    ```python
+    class EveryOther(AbstractMask):
+        reads_segment_ids: ClassVar[bool] = False
+        varies_by_head: ClassVar[bool] = False
+
+        def elements(self, q, k, head):
+            return (k.position <= q.position) & ((q.position - k.position) % 2 == 0)
+    ```
     """
+
+    reads_segment_ids: AbstractClassVar[bool]
+    varies_by_head: AbstractClassVar[bool]
 
     @abc.abstractmethod
     def elements(self, q: TokenCoords, k: TokenCoords, head: Any) -> Bool[Array, "..."]:
         """Element predicate: True where query ``q`` attends to key ``k`` for `head`."""
 
     def blocks(self, q: BlockCoords, k: BlockCoords, head: Any) -> Int[Array, "..."]:
-        """Block classes (int8 EMPTY / PARTIAL / FULL). Default: conservative PARTIAL."""
-        shape = jnp.broadcast_shapes(q.index_lo.shape, k.index_lo.shape)
-        return jnp.full(shape, PARTIAL, jnp.int8)
+        """Block classes (int8 EMPTY / PARTIAL / FULL) from block ranges.
 
-    def atoms(self) -> Iterator["AbstractMask"]:
-        """The non-composite masks this mask is built from."""
+        Not implemented by default: `build_layout` then evaluates `elements` block by block
+        (see `classifies_blocks`).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not classify blocks from ranges; build_layout "
+            "evaluates its elements block by block instead."
+        )
+
+    def terms(self, head: int) -> MaskTerms | None:
+        """The in-kernel form of this mask for query head `head`, or ``None`` if it has none."""
+        return None
+
+    def children(self) -> tuple["AbstractMask", ...]:
+        """The masks this one combines (none for an atom)."""
+        return ()
+
+    def nodes(self) -> Iterator["AbstractMask"]:
+        """This mask and every mask it is built from, depth first."""
         yield self
+        for child in self.children():
+            yield from child.nodes()
 
     @property
     def uses_segment_ids(self) -> bool:
         """Whether the mask reads segment ids (then the call must pass them)."""
-        return any(getattr(a, "_reads_segments", False) for a in self.atoms())
+        return any(node.reads_segment_ids for node in self.nodes())
 
     @property
     def head_dependent(self) -> bool:
         """Whether different heads see different masks."""
-        return any(getattr(a, "_per_head", False) for a in self.atoms())
+        return any(node.varies_by_head for node in self.nodes())
 
     @property
-    def evaluate_elements_for_blocks(self) -> bool:
-        """Whether block classes come from evaluating `elements` block by block.
-
-        True for masks whose `blocks` cannot answer from ranges (`Predicate`, and user masks
-        that set the class attribute ``_element_blocks = True``).
-        """
-        return any(getattr(a, "_element_blocks", False) for a in self.atoms())
+    def classifies_blocks(self) -> bool:
+        """Whether every part of the mask classifies blocks from ranges (`blocks`); if not,
+        layouts evaluate `elements` block by block."""
+        return all(type(node).blocks is not AbstractMask.blocks for node in self.nodes())
 
     def check(self, q_len: int, kv_len: int, num_heads: int) -> None:
         """Raise `ValueError` if the mask cannot serve these lengths or head count."""
-        for atom in self.atoms():
-            if atom is not self:
-                atom.check(q_len, kv_len, num_heads)
+        for child in self.children():
+            child.check(q_len, kv_len, num_heads)
 
     def resolve(self, q_len: int, kv_len: int) -> "AbstractMask":
         """Return the mask with length-dependent options (e.g. bottom-right causal) made concrete."""
@@ -145,6 +245,9 @@ class Full(AbstractMask):
     ```
     """
 
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
+
     def elements(self, q, k, head):
         return jnp.ones(jnp.broadcast_shapes(q.index.shape, k.index.shape), bool)
 
@@ -152,12 +255,63 @@ class Full(AbstractMask):
         shape = jnp.broadcast_shapes(q.index_lo.shape, k.index_lo.shape)
         return jnp.full(shape, FULL, jnp.int8)
 
+    def terms(self, head):
+        return MaskTerms()
 
-class And(AbstractMask):
-    """Pairs visible under both masks. Usually written ``left & right``."""
+
+class Document(AbstractMask):
+    """A query sees a key only inside its own document: equal segment ids, both ``>= 0``.
+
+    Reads the call's ``q_segment_ids`` / ``kv_segment_ids`` (negative ids mark padding). The
+    layout is built on the device inside `jit`, so new segment ids never recompile. Passing
+    segment ids to a call adds this mask automatically.
+
+    ```python
+    attn = BlockSparseAttention(mask=masks.Causal() & masks.Document())
+    out = attn(q, k, v, q_segment_ids=ids, kv_segment_ids=ids)
+    ```
+    """
+
+    reads_segment_ids: ClassVar[bool] = True
+    varies_by_head: ClassVar[bool] = False
+
+    def elements(self, q, k, head):
+        if q.segment is None or k.segment is None:
+            raise ValueError("`Document` needs `q_segment_ids` and `kv_segment_ids`.")
+        return (q.segment == k.segment) & (q.segment >= 0)
+
+    def blocks(self, q, k, head):
+        if q.seg_lo is None or k.seg_lo is None:
+            raise ValueError("`Document` needs `q_segment_ids` and `kv_segment_ids`.")
+        single = (q.seg_lo == q.seg_hi) & (k.seg_lo == k.seg_hi)
+        full = single & (q.seg_lo == k.seg_lo) & (q.seg_lo >= 0)
+        empty = (
+            (q.seg_hi < k.seg_lo) | (k.seg_hi < q.seg_lo) | (q.seg_hi < 0) | (k.seg_hi < 0)
+        )
+        return classify(full, jnp.asarray(empty))
+
+    def terms(self, head):
+        return MaskTerms(segment_ids=True)
+
+
+class AbstractBinaryMask(AbstractMask):
+    """A mask that combines two masks pair by pair (`And`, `Or`)."""
 
     left: AbstractMask
     right: AbstractMask
+
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
+
+    def children(self):
+        return (self.left, self.right)
+
+    def resolve(self, q_len, kv_len):
+        return type(self)(self.left.resolve(q_len, kv_len), self.right.resolve(q_len, kv_len))
+
+
+class And(AbstractBinaryMask):
+    """Pairs visible under both masks. Usually written ``left & right``."""
 
     def elements(self, q, k, head):
         return self.left.elements(q, k, head) & self.right.elements(q, k, head)
@@ -167,23 +321,13 @@ class And(AbstractMask):
         b = self.right.blocks(q, k, head)
         return jnp.minimum(a, b).astype(jnp.int8)  # EMPTY < PARTIAL < FULL
 
-    def atoms(self):
-        yield from self.left.atoms()
-        yield from self.right.atoms()
-
-    def check(self, q_len, kv_len, num_heads):
-        self.left.check(q_len, kv_len, num_heads)
-        self.right.check(q_len, kv_len, num_heads)
-
-    def resolve(self, q_len, kv_len):
-        return And(self.left.resolve(q_len, kv_len), self.right.resolve(q_len, kv_len))
+    def terms(self, head):
+        left, right = self.left.terms(head), self.right.terms(head)
+        return None if left is None or right is None else left & right
 
 
-class Or(AbstractMask):
+class Or(AbstractBinaryMask):
     """Pairs visible under either mask. Usually written ``left | right``."""
-
-    left: AbstractMask
-    right: AbstractMask
 
     def elements(self, q, k, head):
         return self.left.elements(q, k, head) | self.right.elements(q, k, head)
@@ -193,22 +337,14 @@ class Or(AbstractMask):
         b = self.right.blocks(q, k, head)
         return jnp.maximum(a, b).astype(jnp.int8)
 
-    def atoms(self):
-        yield from self.left.atoms()
-        yield from self.right.atoms()
-
-    def check(self, q_len, kv_len, num_heads):
-        self.left.check(q_len, kv_len, num_heads)
-        self.right.check(q_len, kv_len, num_heads)
-
-    def resolve(self, q_len, kv_len):
-        return Or(self.left.resolve(q_len, kv_len), self.right.resolve(q_len, kv_len))
-
 
 class Not(AbstractMask):
     """Pairs the inner mask hides. Usually written ``~inner``."""
 
     inner: AbstractMask
+
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
 
     def elements(self, q, k, head):
         return ~self.inner.elements(q, k, head)
@@ -216,11 +352,8 @@ class Not(AbstractMask):
     def blocks(self, q, k, head):
         return (FULL - self.inner.blocks(q, k, head)).astype(jnp.int8)
 
-    def atoms(self):
-        yield from self.inner.atoms()
-
-    def check(self, q_len, kv_len, num_heads):
-        self.inner.check(q_len, kv_len, num_heads)
+    def children(self):
+        return (self.inner,)
 
     def resolve(self, q_len, kv_len):
         return Not(self.inner.resolve(q_len, kv_len))

@@ -1,31 +1,73 @@
 """`BlockSparseAttention`: the Equinox module that holds the four strategies."""
 
+import dataclasses
 import math
 from typing import NamedTuple
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ._compile import CompiledMask, ResolvedMask, describe_terms
 from ._inputs import AttentionInputs, prepare_inputs
 from ._kernel import AbstractKernel, Features
-from ._mask import AbstractMask, Full
-from ._selector import KernelChoice, default_platform, select_kernel
+from ._mask import AbstractMask, Document, Full
+from ._selector import KernelChoice, choose_kernel, decline_reason, default_platform
 from ._sharding import AbstractSharding, Unsharded
 from ._tiling import Tiling
 from ._typing import ArrayOrNumpy, typechecked
 
 
 class CallPlan(NamedTuple):
-    """What one call will do: the mask as resolved, the kernel and tiling, and why."""
+    """What one call will do, decided once at trace time: `str(plan)` explains it.
 
-    mask: AbstractMask
+    - `kernel`, `choice`: the kernel and the selector's answer (``None`` when the module named
+      its kernel).
+    - `tiling`, `tiling_source`: the tiling and where it came from (``"module"`` or
+      ``"heuristic"``).
+    - `mask`: the `CompiledMask` the kernel reads (layouts per pass, terms, predicate).
+    - `features`, `inputs`, `softmax_scale`: the call as the kernel sees it.
+    """
+
     kernel: AbstractKernel
-    tiling: Tiling
     choice: KernelChoice | None
+    tiling: Tiling
+    tiling_source: str
+    mask: CompiledMask
     features: Features
     inputs: AttentionInputs
     softmax_scale: float
+
+    def explain(self) -> str:
+        """Kernel and why, tiling and where from, the mask's terms and each pass's density."""
+        if self.choice is not None:
+            lines = [f"kernel {self.choice.explain()}"]
+        else:
+            lines = [f"kernel {self.kernel.name}: given by the module"]
+        lines.append(f"tiling ({self.tiling_source}): {_tiling_text(self.tiling)}")
+        lines.append(f"mask terms: {describe_terms(self.mask.terms)}")
+        layouts = self.mask.layouts()
+        if not layouts:
+            lines.append(f"passes: {self.kernel.name} reads no block layout (it visits every pair)")
+        for name, layout in layouts.items():
+            where = "static" if layout.is_static else "built on the device per call"
+            try:
+                density = f"density {float(layout.density()):.3f}"
+            except jax.errors.ConcretizationTypeError:
+                density = "density known at run time"
+            lines.append(f"pass {name}: {layout.block_q}x{layout.block_kv} tiles, "
+                         f"{layout.num_q_blocks}x{layout.num_kv_blocks} blocks, {density} ({where})")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+
+def _tiling_text(tiling: Tiling) -> str:
+    parts = [f"{f.name}={getattr(tiling, f.name)}" for f in dataclasses.fields(tiling)
+             if getattr(tiling, f.name) is not None]
+    return ", ".join(parts)
 
 
 def _check_qkv(query, key, value) -> None:
@@ -67,8 +109,6 @@ def _check_qkv(query, key, value) -> None:
 
 
 def _with_document(mask: AbstractMask, has_segments: bool) -> AbstractMask:
-    from .strategies.masks import Document  # the core imports strategies lazily
-
     if has_segments and not mask.uses_segment_ids:
         return mask & Document()
     if mask.uses_segment_ids and not has_segments:
@@ -149,10 +189,12 @@ class BlockSparseAttention(eqx.Module):
         platform: str | None = None,
         fused_backward: bool = False,
     ) -> CallPlan:
-        """Everything a call decides before it runs: resolved mask, kernel, tiling, inputs.
+        """Everything a call decides before it runs, once: the mask resolved and compiled,
+        the per-call data normalised, the kernel and the tiling.
 
-        Takes the arguments of `__call__`; useful to ask which kernel would run and why
-        (``attn.plan(q, k, v).choice.explain()``). Runs no attention.
+        Takes the arguments of `__call__`; ``print(attn.plan(q, k, v))`` says which kernel
+        would run and why, with which tiling, and how dense each pass's layout is. Runs no
+        attention.
         """
         _check_qkv(query, key, value)
         batched = query.ndim == 4
@@ -165,8 +207,12 @@ class BlockSparseAttention(eqx.Module):
             q_positions=q_positions, kv_positions=kv_positions,
         )
         mask = _with_document(self.mask, inputs.q_segment_ids is not None)
-        mask = mask.resolve(q_len, kv_len)
         mask.check(q_len, kv_len, heads)
+        resolved = ResolvedMask(
+            mask, q_len=q_len, kv_len=kv_len, num_heads=heads,
+            q_positions=inputs.q_positions, kv_positions=inputs.kv_positions,
+            q_segment_ids=inputs.q_segment_ids, kv_segment_ids=inputs.kv_segment_ids,
+        )
         platform = platform or default_platform()
         features = Features(
             platform=platform,
@@ -186,17 +232,22 @@ class BlockSparseAttention(eqx.Module):
             fused_backward=fused_backward,
         )
         if self.kernel is None:
-            choice = select_kernel(mask, platform, features)
+            choice = choose_kernel(resolved, features)
             kernel = choice.kernel
         else:
             choice = None
             kernel = self.kernel
-            why = kernel.decline_reason(mask, features)
+            why = decline_reason(kernel, resolved, features)
             if why is not None:
                 raise ValueError(f"kernel {kernel.name} cannot run this call: {why}")
-        tiling = self.tiling if self.tiling is not None else kernel.default_tiling(features)
+        if self.tiling is not None:
+            tiling, source = self.tiling, "module"
+        else:
+            tiling, source = kernel.default_tiling(features, resolved), "heuristic"
+        tiling = kernel.adapt_tiling(tiling, features)
+        compiled = resolved.compile(tiling, kernel.reads)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
-        return CallPlan(mask, kernel, tiling, choice, features, inputs, float(scale))
+        return CallPlan(kernel, choice, tiling, source, compiled, features, inputs, float(scale))
 
     @typechecked
     def __call__(
@@ -248,13 +299,13 @@ def run_plan(plan: CallPlan, query, key, value, sharding, logits_soft_cap, purif
     if not batched:
         query, key, value = query[None], key[None], value[None]
 
-    def attend(q, k, v, inputs):
+    def attend(q, k, v, inputs, mask):
         return plan.kernel(
-            q, k, v, mask=plan.mask, inputs=inputs, tiling=plan.tiling,
+            q, k, v, mask=mask, inputs=inputs, features=plan.features, tiling=plan.tiling,
             softmax_scale=plan.softmax_scale, logits_soft_cap=logits_soft_cap,
         )
 
-    out = sharding.wrap(attend)(query, key, value, plan.inputs)
+    out = sharding.wrap(attend)(query, key, value, plan.inputs, plan.mask)
     if purify:
         padded = (plan.inputs.q_segment_ids < 0)[:, None, :, None]
         out = jnp.where(padded, jnp.zeros((), out.dtype), out)

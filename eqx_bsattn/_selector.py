@@ -1,10 +1,12 @@
 """`select_kernel`: which kernel runs a call, and why."""
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 
+from ._compile import ResolvedMask
 from ._kernel import AbstractKernel, Features, registered_kernels
 from ._mask import AbstractMask
 
@@ -32,6 +34,14 @@ def default_platform() -> str:
     return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
 
 
+def decline_reason(kernel: AbstractKernel, mask: ResolvedMask, features: Features) -> str | None:
+    """Why `kernel` cannot run this call (its platforms first, then its own reason), or ``None``."""
+    if features.platform not in kernel.platforms:
+        return (f"runs on {' / '.join(kernel.platforms)} only; this call runs on "
+                f"{features.platform!r}.")
+    return kernel.decline_reason(mask, features)
+
+
 def _candidates(platform: str) -> list[AbstractKernel]:
     ranked = []
     for order, cls in enumerate(registered_kernels()):
@@ -46,6 +56,32 @@ def _candidates(platform: str) -> list[AbstractKernel]:
     return [kernel for _, _, kernel in sorted(ranked, key=lambda t: t[:2])]
 
 
+def choose_kernel(
+    mask: ResolvedMask, features: Features, candidates: Sequence[AbstractKernel] | None = None
+) -> KernelChoice:
+    """`select_kernel` for a call the plan has resolved."""
+    platform = features.platform
+    pool = list(candidates) if candidates is not None else _candidates(platform)
+    declined: list[tuple[str, str]] = []
+    for kernel in pool:
+        why = decline_reason(kernel, mask, features)
+        if why is None:
+            if declined:
+                reason = f"first candidate on {platform} that runs this call"
+            else:
+                reason = f"preferred kernel on {platform} for this mask and these features"
+            return KernelChoice(kernel, reason, tuple(declined))
+        declined.append((kernel.name, why))
+    if not pool:
+        raise NoKernelError(f"no kernel is registered as a candidate on platform {platform!r}.")
+    listing = "\n".join(f"  - {name}: {why}" for name, why in declined)
+    raise NoKernelError(
+        f"no kernel can run this call on {platform!r}. Each candidate declined:\n{listing}\n"
+        "Pass a kernel explicitly (e.g. `kernel=kernels.DenseReference()`), or drop the "
+        "feature a candidate names."
+    )
+
+
 def select_kernel(
     mask: AbstractMask,
     platform: str | None = None,
@@ -56,12 +92,15 @@ def select_kernel(
 
     Candidates are tried in order (by default: every registered kernel that is an automatic
     candidate on the platform, highest priority first); the first that does not decline wins.
+    A kernel declines a platform outside its `platforms`, and whatever its `decline_reason`
+    names.
 
     **Arguments:**
 
     - `mask`: the attention mask.
     - `platform`: ``"cpu"``, ``"gpu"`` or ``"tpu"``; defaults to JAX's default backend.
-    - `features`: what the call asks for (`Features`); defaults to a plain call.
+    - `features`: what the call asks for (`Features`: lengths, heads, dtype, per-call data);
+      defaults to a plain call.
     - `candidates`: kernels to choose among, in order; defaults to the registry's.
 
     **Returns:** a `KernelChoice` ``(kernel, reason, declined)``.
@@ -79,23 +118,7 @@ def select_kernel(
     if features is None:
         features = Features(platform=platform)
     elif features.platform != platform:
-        features = Features(**{**features.__dict__, "platform": platform})
-    pool = list(candidates) if candidates is not None else _candidates(platform)
-    declined: list[tuple[str, str]] = []
-    for kernel in pool:
-        why = kernel.decline_reason(mask, features)
-        if why is None:
-            if declined:
-                reason = f"first candidate on {platform} that runs this call"
-            else:
-                reason = f"preferred kernel on {platform} for this mask and these features"
-            return KernelChoice(kernel, reason, tuple(declined))
-        declined.append((kernel.name, why))
-    if not pool:
-        raise NoKernelError(f"no kernel is registered as a candidate on platform {platform!r}.")
-    listing = "\n".join(f"  - {name}: {why}" for name, why in declined)
-    raise NoKernelError(
-        f"no kernel can run this call on {platform!r}. Each candidate declined:\n{listing}\n"
-        "Pass a kernel explicitly (e.g. `kernel=kernels.DenseReference()`), or drop the "
-        "feature a candidate names."
-    )
+        features = dataclasses.replace(features, platform=platform)
+    resolved = ResolvedMask(mask, q_len=features.q_len, kv_len=features.kv_len,
+                            num_heads=features.num_heads)
+    return choose_kernel(resolved, features, candidates)

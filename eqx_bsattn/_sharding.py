@@ -9,9 +9,10 @@ import equinox as eqx
 class AbstractSharding(eqx.Module):
     """How a kernel call spreads over devices.
 
-    `wrap(fn)` takes the kernel's function ``fn(query, key, value, inputs) -> out`` (batched
-    ``[B, H, L, D]`` arrays) and returns one with the same signature that runs it spread over
-    devices. `Unsharded` returns it unchanged.
+    `wrap(fn)` takes the kernel's function ``fn(query, key, value, inputs, mask) -> out``
+    (batched ``[B, H, L, D]`` arrays, the `AttentionInputs` and the `CompiledMask`) and returns
+    one with the same signature that runs it spread over devices, splitting the compiled mask
+    per shard where it splits the sequence. `Unsharded` returns it unchanged.
     """
 
     @abc.abstractmethod

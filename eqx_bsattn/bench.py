@@ -23,7 +23,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from . import BlockSparseAttention, kernels
+from . import BlockSparseAttention, ResolvedMask, kernels
 from ._layout import element_mask
 from ._patterns import PATTERNS, pattern
 from ._selector import default_platform
@@ -73,7 +73,8 @@ def _peers(name, mask, data, args, platform, layout_bhld) -> dict[str, Callable]
     peers = {}
     q_len = layout_bhld[2]
     to_blhd = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-    options = None if data else cudnn_mask_options(mask.resolve(q_len, q_len), q_len)
+    terms = ResolvedMask(mask, q_len=q_len, kv_len=q_len, num_heads=1).terms
+    options = None if data else cudnn_mask_options(terms, q_len)
     if platform == "gpu" and options is not None and args.dtype in ("bfloat16", "float16"):
         peers["cudnn"] = functools.partial(nn_attention, implementation="cudnn", **options)
     if q_len <= args.xla_max_len:

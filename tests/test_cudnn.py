@@ -12,6 +12,21 @@ GPU_BF16 = bsa.Features(platform="gpu", dtype="bfloat16", q_len=256, kv_len=256,
                         head_dim=64, value_dim=64)
 
 
+def _terms(mask, features=GPU_BF16):
+    return bsa.ResolvedMask(mask, q_len=features.q_len, kv_len=features.kv_len,
+                            num_heads=1).terms
+
+
+def _decline(mask, features=GPU_BF16):
+    """Why the selector declines CudnnDense for `mask` with `features` (None: it runs)."""
+    choice_or_error = None
+    try:
+        bsa.select_kernel(mask, features.platform, features, candidates=[bsa.kernels.CudnnDense()])
+    except bsa.NoKernelError as e:
+        choice_or_error = str(e)
+    return choice_or_error
+
+
 @pytest.mark.parametrize("mask, expected", [
     (masks.Full(), {"is_causal": False}),
     (masks.Causal(), {"is_causal": True}),
@@ -19,8 +34,8 @@ GPU_BF16 = bsa.Features(platform="gpu", dtype="bfloat16", q_len=256, kv_len=256,
     (masks.Causal() & masks.SlidingWindow(None, 4), {"is_causal": True, "local_window_size": (256, 0)}),
 ])
 def test_expressible_masks_translate(mask, expected):
-    assert cudnn_mask_options(mask, 256) == expected
-    assert bsa.kernels.CudnnDense().decline_reason(mask, GPU_BF16) is None
+    assert cudnn_mask_options(_terms(mask), 256) == expected
+    assert _decline(mask) is None
 
 
 @pytest.mark.parametrize("mask", [
@@ -29,20 +44,22 @@ def test_expressible_masks_translate(mask, expected):
     # A window without causal: cuDNN refuses a right side, and on the H200 its left-only window
     # without is_causal did not match the reference.
     masks.SlidingWindow(16, 4), masks.SlidingWindow(None, 4), masks.SlidingWindow(16, 0),
+    # A table, even one that is all True, is no term cuDNN takes.
+    masks.Causal() & masks.BlockLayoutMask([[True, True], [True, True]], 128),
 ])
 def test_other_masks_are_declined(mask):
-    assert cudnn_mask_options(mask, 256) is None
-    why = bsa.kernels.CudnnDense().decline_reason(mask, GPU_BF16)
-    assert why is not None and "mask" in why
+    assert cudnn_mask_options(_terms(mask), 256) is None
+    why = _decline(mask)
+    assert why is not None and "cuDNN expresses only full, causal" in why
 
 
 @pytest.mark.parametrize("change, word", [
-    ({"platform": "cpu"}, "GPU"), ({"dtype": "float32"}, "bfloat16"), ({"bias": True}, "bias"),
+    ({"platform": "cpu"}, "runs on gpu only"), ({"dtype": "float32"}, "bfloat16"), ({"bias": True}, "bias"),
     ({"sinks": True}, "sinks"), ({"value_dim": 32}, "Dv"), ({"head_dim": 256, "value_dim": 256}, "128"),
     ({"kv_len": 300}, "Lq != Lk"),
 ])
 def test_features_cudnn_lacks_are_declined(change, word):
-    why = bsa.kernels.CudnnDense().decline_reason(masks.Causal(), dataclasses.replace(GPU_BF16, **change))
+    why = _decline(masks.Causal(), dataclasses.replace(GPU_BF16, **change))
     assert why is not None and word in why
 
 

@@ -1,6 +1,7 @@
 """Masks at element level and block level, against an independent dense NumPy reference."""
 
 import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -181,9 +182,45 @@ def test_mask_algebra_types_and_properties():
     assert (a & b).uses_segment_ids and not a.uses_segment_ids
     assert (~b).uses_segment_ids
     assert masks.PerHead([a, a]).head_dependent and not (a & b).head_dependent
-    assert masks.Predicate(every_third_causal).evaluate_elements_for_blocks
-    assert not (a | masks.SlidingWindow(3)).evaluate_elements_for_blocks
-    assert list((a & (b | ~a)).atoms()) == [a, b, a]
+    assert not masks.Predicate(every_third_causal).classifies_blocks
+    assert not (a & masks.Predicate(every_third_causal)).classifies_blocks
+    assert (a | masks.SlidingWindow(3)).classifies_blocks
+    combined = a & (b | ~a)
+    assert list(combined.nodes()) == [combined, a, b | ~a, b, ~a, a]
+
+
+class CausalWindowElements(masks.AbstractMask):
+    """A user mask that gives only its element predicate: a causal window of `width`."""
+
+    width: int
+
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
+
+    def elements(self, q, k, head):
+        return (k.position <= q.position) & (k.position >= q.position - self.width)
+
+
+@pytest.mark.parametrize("lengths,blocks", [((256, 256), (32, 32)), ((200, 333), (16, 64))])
+def test_an_elements_only_mask_gets_real_block_classes(lengths, blocks):
+    q_len, kv_len = lengths
+    user = CausalWindowElements(40)
+    builtin = masks.Causal() & masks.SlidingWindow(40, 0)
+    assert not user.classifies_blocks and builtin.classifies_blocks
+    kw = dict(q_len=q_len, kv_len=kv_len, num_heads=1, block_q=blocks[0], block_kv=blocks[1])
+    got = bsa.build_layout(user, **kw)
+    want = bsa.build_layout(builtin, **kw)
+    assert float(got.density()) == float(want.density()) < 0.5
+    np.testing.assert_array_equal(np.asarray(got.classes), np.asarray(want.classes))
+
+
+def test_concrete_masks_declare_their_class_variables():
+    class Forgetful(masks.AbstractMask):
+        def elements(self, q, k, head):
+            return k.position <= q.position
+
+    with pytest.raises(TypeError, match="reads_segment_ids|varies_by_head"):
+        Forgetful()
 
 
 def test_sliding_window_takes_its_arguments_by_name():

@@ -142,14 +142,19 @@ class DoubledReference(bsa.AbstractKernel):
     """A user kernel: twice the reference's output. Not an automatic candidate anywhere."""
 
     name: ClassVar[str] = "test-doubled"
+    platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
+    reads: ClassVar[str] = "dense"
 
-    def __call__(self, query, key, value, *, mask, inputs, tiling, softmax_scale, logits_soft_cap):
+    def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
+                 logits_soft_cap):
         return 2 * reference_attention(query, key, value, mask=mask, inputs=inputs,
                                        softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap)
 
 
 class _Declines(bsa.AbstractKernel):
     name: ClassVar[str] = "test-declines"
+    platforms: ClassVar[tuple[str, ...]] = ("test-platform",)
+    reads: ClassVar[str] = "dense"
     reason: str = eqx.field(default="it never runs anything", static=True)
 
     @classmethod
@@ -165,6 +170,8 @@ class _Declines(bsa.AbstractKernel):
 
 class _AcceptsNoBias(bsa.AbstractKernel):
     name: ClassVar[str] = "test-no-bias"
+    platforms: ClassVar[tuple[str, ...]] = ("test-platform", "cpu")
+    reads: ClassVar[str] = "dense"
 
     @classmethod
     def priority(cls, platform):
@@ -173,7 +180,8 @@ class _AcceptsNoBias(bsa.AbstractKernel):
     def decline_reason(self, mask, features):
         return "it takes no bias" if features.bias else None
 
-    def __call__(self, query, key, value, *, mask, inputs, tiling, softmax_scale, logits_soft_cap):
+    def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
+                 logits_soft_cap):
         return reference_attention(query, key, value, mask=mask, inputs=inputs,
                                    softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap)
 
@@ -198,14 +206,13 @@ def test_select_kernel_orders_by_priority_and_explains():
     assert choice.declined == (("test-declines", "it never runs anything"),)
     text = choice.explain()
     assert "test-no-bias" in text and "declined test-declines: it never runs anything" in text
-    # With a bias the second declines too and the next registered candidate runs (the
-    # reference at least: priority 0 everywhere).
-    choice = bsa.select_kernel(masks.Causal(), "test-platform",
-                               bsa.Features(platform="cpu", bias=True))
-    assert [n for n, _ in choice.declined][:2] == ["test-declines", "test-no-bias"]
-    assert not isinstance(choice.kernel, (_Declines, _AcceptsNoBias))
-    assert type(choice.kernel).priority("test-platform") is not None
-    assert choice.kernel.name in choice.explain()
+    # With a bias the second declines too; the built-in kernels, whose priorities hold on
+    # every platform, decline a platform they do not list: every reason is in the error.
+    with pytest.raises(bsa.NoKernelError) as info:
+        bsa.select_kernel(masks.Causal(), "test-platform", bsa.Features(platform="cpu", bias=True))
+    msg = str(info.value)
+    assert msg.index("test-declines") < msg.index("test-no-bias: it takes no bias")
+    assert "reference: runs on cpu / gpu / tpu only; this call runs on 'test-platform'" in msg
 
 
 def test_select_kernel_on_cpu_picks_a_cpu_candidate():
@@ -257,7 +264,15 @@ def test_plan_reports_features_and_choice(qkv):
     assert plan.mask.uses_segment_ids  # Document was added for the segment ids
     assert plan.choice is not None and plan.choice.kernel is plan.kernel
     assert plan.softmax_scale == pytest.approx(1 / np.sqrt(8))
-    assert plan.tiling == plan.kernel.default_tiling(f)
+    assert plan.tiling_source == "heuristic"
+    text = plan.explain()
+    assert text == str(plan)
+    assert f"kernel {plan.kernel.name}: preferred kernel on cpu" in text
+    assert "mask terms: causal_offset=0, segment_ids=True" in text
+    for name in ("forward", "dq", "dkv"):
+        layout = getattr(plan.mask, name)
+        assert f"pass {name}: {layout.block_q}x{layout.block_kv} tiles" in text
+    assert "built on the device per call" in text  # the segment ids shape the layout
     assert plan.inputs.sinks.shape == (4, 1)
 
 

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_bsattn.strategies.kernels import triton as tr
+from eqx_bsattn.contract import MaskTerms
+from eqx_bsattn.strategies.kernels.triton import launch as tr
 
 B, H, HKV, LQ, LK, D, V = 2, 4, 2, 24, 40, 8, 3
 
@@ -62,17 +63,17 @@ def _stand_in(calls):
 @pytest.fixture
 def calls(monkeypatch):
     recorded = []
-    monkeypatch.setattr(tr, "_LAUNCH", _stand_in(recorded))
-    monkeypatch.setattr(tr, "_kernels", lambda: types.SimpleNamespace(
-        _fwd_kernel="fwd", _dq_kernel="dq", _dkdv_kernel="dkdv"))
+    monkeypatch.setattr(tr, "triton_call", _stand_in(recorded))
+    monkeypatch.setattr(tr, "jit_kernels", lambda: types.SimpleNamespace(
+        forward_kernel="fwd", dq_kernel="dq", dkdv_kernel="dkdv"))
     return recorded
 
 
 def _cfg(bias_shape):
-    return tr._Config(
+    return tr.LaunchConfig(
         batch=B, heads=H, kv_heads=HKV, q_len=LQ, kv_len=LK, head_dim=D, value_dim=D,
         dtype="float32", bias_shape=bias_shape, num_sinks=1, softmax_scale=0.3, soft_cap=0.0,
-        canonical=tr.CanonicalMask(causal_offset=0, document=True), has_q_positions=False,
+        terms=MaskTerms(causal_offset=0, segment_ids=True), has_q_positions=False,
         has_kv_positions=False, fwd_blocks=(16, 16), dq_blocks=(16, 16), dkdv_blocks=(16, 16),
         fwd_launch=(4, 2), dq_launch=(4, 2), dkdv_launch=(4, 2),
         list_modes=("check", "check", "check"))
@@ -106,9 +107,9 @@ def _inputs(seed, list_batch, bias_batch):
 
 def _launches(cfg):
     def all_three(q, k, v, bias, sinks, data, lists, t_lists, do, lse, delta):
-        out, lse_out = tr._forward_launch(cfg, q, k, v, bias, sinks, data, lists)
-        dq, dbias = tr._dq_launch(cfg, q, k, v, bias, data, lists, do, lse, delta)
-        dk, dv = tr._dkdv_launch(cfg, q, k, v, bias, data, t_lists, do, lse, delta)
+        out, lse_out = tr.forward_launch(cfg, q, k, v, bias, sinks, data, lists)
+        dq, dbias = tr.dq_launch(cfg, q, k, v, bias, data, lists, do, lse, delta)
+        dk, dv = tr.dkdv_launch(cfg, q, k, v, bias, data, t_lists, do, lse, delta)
         return out, lse_out, dq, dbias, dk, dv
 
     return all_three
@@ -184,13 +185,13 @@ def test_nested_vmap_folds_twice(calls):
 
 def test_mapped_sinks_run_one_launch_per_element(calls):
     x = _inputs(2, 1, 1)
-    cfg = dataclasses.replace(_cfg(None), canonical=tr.CanonicalMask(causal_offset=0))
+    cfg = dataclasses.replace(_cfg(None), terms=MaskTerms(causal_offset=0))
     sinks = jnp.stack([x["sinks"] * (i + 1) for i in range(V)])
     lists = jax.tree.map(lambda a: a[0] if a.ndim > 1 else a, x["lists"])
     dummy = jnp.zeros((1,), jnp.int32)
 
     def fwd(q, k, v, s):
-        return tr._forward_launch(cfg, q, k, v, jnp.zeros((1,), jnp.float32), s,
+        return tr.forward_launch(cfg, q, k, v, jnp.zeros((1,), jnp.float32), s,
                                   (dummy,) * 4, lists)
 
     out, lse = jax.vmap(fwd)(x["q"], x["k"], x["v"], sinks)

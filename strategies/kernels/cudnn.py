@@ -1,16 +1,12 @@
 """`CudnnDense`: cuDNN's fused attention through `jax.nn.dot_product_attention`, for the masks
-it can express (full, causal, sliding window) on a GPU."""
+it can express (full, causal, causal with a sliding window) on a GPU."""
 
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn._kernel import AbstractKernel
-from eqx_bsattn._mask import And, Full
-from eqx_bsattn._tiling import Tiling
-
-from ..masks import Causal, SlidingWindow
+from eqx_bsattn.contract import AbstractKernel, MaskTerms
 
 
 def nn_attention(q, k, v, **options):
@@ -21,34 +17,24 @@ def nn_attention(q, k, v, **options):
     return jnp.swapaxes(out, 1, 2)
 
 
-def _and_terms(mask):
-    if isinstance(mask, And):
-        return _and_terms(mask.left) + _and_terms(mask.right)
-    return [mask]
-
-
-def cudnn_mask_options(mask, length: int) -> dict | None:
-    """``is_causal`` / ``local_window_size`` equivalent to `mask` at sequence `length`, or
-    ``None`` if cuDNN cannot express it (a window is expressed only together with causal)."""
-    causal = False
-    window = None
-    for term in _and_terms(mask):
-        if isinstance(term, Full):
-            continue
-        if isinstance(term, Causal) and term.offset == 0 and not term.bottom_right:
-            causal = True
-        elif isinstance(term, SlidingWindow) and window is None:
-            window = term
-        else:
-            return None
+def cudnn_mask_options(terms: MaskTerms | None, length: int) -> dict | None:
+    """``is_causal`` / ``local_window_size`` equivalent to the canonical `terms` at sequence
+    `length`, or ``None`` if cuDNN cannot express them (a window only together with causal)."""
+    if terms is None or terms.chunk is not None or terms.prefix is not None:
+        return None
+    if terms.segment_ids or terms.tables:
+        return None
+    if terms.causal_offset not in (None, 0):
+        return None
+    causal = terms.causal_offset == 0
     options = {"is_causal": causal}
-    if window is not None:
+    if terms.window_left is not None or terms.window_right is not None:
         if not causal:
             # Without is_causal cuDNN refuses a right side, and with right=0 it computed
             # something else (H200, jax 0.11.2: relative error 0.92 against the reference).
             return None
         # An unbounded left side is a window as long as the sequence; causal cuts the right.
-        left = length if window.left is None else window.left
+        left = length if terms.window_left is None else terms.window_left
         options["local_window_size"] = (left, 0)
     return options
 
@@ -57,26 +43,26 @@ class CudnnDense(AbstractKernel):
     """cuDNN flash attention via ``jax.nn.dot_product_attention(implementation="cudnn")``.
 
     On the H200 this is the fastest kernel for the masks cuDNN expresses: full, causal, and
-    causal with a sliding window (``Causal() & SlidingWindow(left, right)``). The selector
-    prefers it there and sends every other mask or feature (bias, sinks, soft cap, segment ids,
-    positions, ``Dv != D``, ``Lq != Lk``, float32, head dims over 128) to the block-sparse
-    kernels.
+    causal with a sliding window (mask terms: causal offset 0, optionally a window). The
+    selector prefers it there and sends every other mask or feature (bias, sinks, soft cap,
+    segment ids, positions, ``Dv != D``, ``Lq != Lk``, float32, head dims over 128) to the
+    block-sparse kernels. It reads no block layout: cuDNN gets the mask's terms.
 
     ```python
-    attn = BlockSparseAttention(mask=masks.Causal(), kernel=kernels.CudnnDense())
+    attn = BlockSparseAttention(mask=mask, kernel=kernels.CudnnDense())
     ```
     """
 
     name: ClassVar[str] = "cudnn"
+    platforms: ClassVar[tuple[str, ...]] = ("gpu",)
+    reads: ClassVar[str] = "dense"
 
     @classmethod
     def priority(cls, platform):
         return 40 if platform == "gpu" else None
 
     def decline_reason(self, mask, features):
-        if features.platform != "gpu":
-            return f"cuDNN runs on a GPU only (platform is {features.platform!r})."
-        if cudnn_mask_options(mask, features.kv_len) is None:
+        if cudnn_mask_options(mask.terms, features.kv_len) is None:
             return "cuDNN expresses only full, causal and causal sliding-window masks."
         asked = [name for name in ("bias", "sinks", "soft_cap", "segment_ids", "positions")
                  if getattr(features, name)]
@@ -92,11 +78,9 @@ class CudnnDense(AbstractKernel):
             return "cuDNN's causal and window masks align top-left; this call has Lq != Lk."
         return None
 
-    def default_tiling(self, features):
-        return Tiling(block_q=128, block_kv=128)  # cuDNN tiles itself; unused
-
-    def __call__(self, query, key, value, *, mask, inputs, tiling, softmax_scale, logits_soft_cap):
-        options = cudnn_mask_options(mask, key.shape[2])
+    def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
+                 logits_soft_cap):
+        options = cudnn_mask_options(mask.terms, key.shape[2])
         if options is None:
             raise ValueError("CudnnDense cannot express this mask; see decline_reason.")
         return nn_attention(query, key, value, scale=softmax_scale, implementation="cudnn",

@@ -5,16 +5,15 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn._kernel import AbstractKernel
-from eqx_bsattn._layout import element_mask
-from eqx_bsattn._tiling import Tiling
+from eqx_bsattn.contract import AbstractKernel, AttentionInputs, CompiledMask
 
 
-def dense_visibility(mask, inputs, *, heads: int, q_len: int, kv_len: int):
+def dense_visibility(mask: CompiledMask, inputs: AttentionInputs):
     """The ``[mb, mh, Lq, Lk]`` boolean visibility of `mask` (``mb``/``mh`` 1 or full).
 
     Materialises ``Lq x Lk`` per (batch, head) it depends on: for references and tests only.
     """
+    q_len, kv_len = mask.q_len, mask.kv_len
     qi = jnp.arange(q_len, dtype=jnp.int32)[:, None]
     kj = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
     data = {
@@ -24,24 +23,22 @@ def dense_visibility(mask, inputs, *, heads: int, q_len: int, kv_len: int):
         "kv_segment_ids": inputs.kv_segment_ids if mask.uses_segment_ids else None,
     }
     present = {name: x for name, x in data.items() if x is not None}
-    head_range = range(heads) if mask.head_dependent else range(1)
-
-    def for_batch(arrays, h):
-        return element_mask(mask, h, qi, kj, q_len=q_len, kv_len=kv_len, **arrays)
+    head_range = range(mask.num_heads) if mask.head_dependent else range(1)
 
     per_head = []
     for h in head_range:
         if present:
-            per_head.append(jax.vmap(lambda arrays: for_batch(arrays, h))(present))
+            per_head.append(jax.vmap(lambda arrays, h=h: mask.visible(h, qi, kj, **arrays))(present))
         else:
-            per_head.append(jnp.broadcast_to(for_batch({}, h), (1, q_len, kv_len)))
+            per_head.append(jnp.broadcast_to(mask.visible(h, qi, kj), (1, q_len, kv_len)))
     return jnp.stack(per_head, axis=1)
 
 
-def reference_attention(q, k, v, *, mask, inputs, softmax_scale, logits_soft_cap):
+def reference_attention(q, k, v, *, mask: CompiledMask, inputs: AttentionInputs, softmax_scale,
+                        logits_soft_cap):
     """Dense attention in float32 with every feature; see `DenseReference`."""
-    heads, q_len = q.shape[1:3]
-    kv_heads, kv_len = k.shape[1], k.shape[2]
+    heads = q.shape[1]
+    kv_heads = k.shape[1]
     group = heads // kv_heads
     f32 = jnp.float32
     k_rep = jnp.repeat(k.astype(f32), group, axis=1)
@@ -51,7 +48,7 @@ def reference_attention(q, k, v, *, mask, inputs, softmax_scale, logits_soft_cap
         s = s + inputs.bias.astype(f32)
     if logits_soft_cap is not None:
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-    visible = dense_visibility(mask, inputs, heads=heads, q_len=q_len, kv_len=kv_len)
+    visible = dense_visibility(mask, inputs)
     s_visible = jnp.where(visible, s, -jnp.inf)
     m = jnp.max(s_visible, axis=-1)
     sinks = None if inputs.sinks is None else inputs.sinks.astype(f32)  # [H, S]
@@ -77,23 +74,24 @@ class DenseReference(AbstractKernel):
 
     Materialises the ``[B, H, Lq, Lk]`` scores, so memory grows with ``Lq x Lk``; the selector
     falls back to it only when no block-sparse kernel can run a call. Differentiable by JAX's
-    autodiff; rows that see no key give zeros and zero gradients.
+    autodiff; rows that see no key give zeros and zero gradients. It reads no block layout: it
+    evaluates `CompiledMask.visible` on every pair.
 
     ```python
-    attn = BlockSparseAttention(mask=masks.Causal(), kernel=kernels.DenseReference())
+    attn = BlockSparseAttention(mask=mask, kernel=kernels.DenseReference())
     ```
     """
 
     name: ClassVar[str] = "reference"
+    platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
+    reads: ClassVar[str] = "dense"
 
     @classmethod
     def priority(cls, platform):
         return 0  # the last resort everywhere
 
-    def default_tiling(self, features):
-        return Tiling(block_q=128, block_kv=128)  # unused: the reference has no tiles
-
-    def __call__(self, query, key, value, *, mask, inputs, tiling, softmax_scale, logits_soft_cap):
+    def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
+                 logits_soft_cap):
         return reference_attention(
             query, key, value, mask=mask, inputs=inputs, softmax_scale=softmax_scale,
             logits_soft_cap=logits_soft_cap,

@@ -10,6 +10,7 @@ at each slot every (batch, kv_head, unit, block) advances at once, mapped with `
 scales with the number of visited blocks; no ``Lq x Lk`` array is built (a user-given bias
 already is that size: its blocks are sliced out of it)."""
 
+import dataclasses
 import functools
 import math
 from typing import Any, ClassVar, NamedTuple
@@ -19,10 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_bsattn._kernel import AbstractKernel, Features
-from eqx_bsattn._layout import BlockLayout, build_layout, element_mask
-from eqx_bsattn._mask import AbstractMask
-from eqx_bsattn._tiling import Tiling
+from eqx_bsattn.contract import AbstractKernel, BlockLayout, CompiledMask, Features, Tiling
 
 _F32 = jnp.float32
 _FWD_LISTS = ("full_count", "full_index", "partial_count", "partial_index")
@@ -43,16 +41,12 @@ class _Trips(NamedTuple):
 class _Config(NamedTuple):
     """Everything static about one call; hashable, so compiled functions are reused."""
 
-    mask: AbstractMask  # the static part (arrays partitioned out)
+    mask: CompiledMask  # the static part (arrays partitioned out)
     scale: float
     soft_cap: float | None
-    block_q: int
-    block_kv: int
-    block_q_bwd: int
-    block_kv_bwd: int
     fwd_trips: tuple[_Trips, _Trips]  # full, partial lists of the forward layout
-    dq_trips: tuple[_Trips, _Trips]  # the same lists of the backward layout
-    dkv_trips: tuple[_Trips, _Trips]  # its transposed lists
+    dq_trips: tuple[_Trips, _Trips]  # the same lists of the dq layout
+    dkv_trips: tuple[_Trips, _Trips]  # the transposed lists of the dk/dv layout
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,22 +165,21 @@ def _scores(cfg: _Config, q_blk, k_blk, bias_blk):
     return cfg.soft_cap * t, t
 
 
-def _masked_scores(mask, s, head, i, j, masked: bool, live, data, shape_info):
+def _masked_scores(mask: CompiledMask, s, head, i, j, masked: bool, live, data, blocks):
     """`s` with invisible pairs at ``-inf``; also says whether any pair could be hidden.
 
     PARTIAL blocks evaluate the mask on their token indices (bounds included); FULL blocks
     skip it. `live` (a scalar) switches off a slot past the end of its list.
     """
-    bq, bk, q_len, kv_len = shape_info
+    bq, bk = blocks
     vis = None
     if masked:
         qp, kp, qs, ks = data
         q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
         k_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
-        vis = element_mask(
-            mask, 0 if head is None else head, q_idx[:, None], k_idx[None, :],
-            q_len=q_len, kv_len=kv_len, q_positions=qp, kv_positions=kp, q_segment_ids=qs,
-            kv_segment_ids=ks,
+        vis = mask.visible(
+            0 if head is None else head, q_idx[:, None], k_idx[None, :],
+            q_positions=qp, kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks,
         )
     if live is not None:
         vis = live if vis is None else vis & live
@@ -212,9 +205,9 @@ class _Arranged(NamedTuple):
     bias: Any  # [bb, Hkv|1, U|1, 1, Gb, Lq', Lk'] or None
 
 
-def _per_head_layout(lists: dict) -> bool:
+def _per_head_layout(layout: BlockLayout) -> bool:
     """Whether the layout has one list per query head (a per-head mask) or one for all."""
-    return lists["full_count"].shape[1] > 1
+    return layout.full_count.shape[1] > 1
 
 
 def _arrange(aux, per_head: bool, bias, q, k, bq: int, bk: int, last: int) -> _Arranged:
@@ -240,18 +233,18 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
     """Returns the output ``[B, H, Lq, Dv]`` (query dtype) and the float32 log-sum-exp
     ``[B, H, Lq]`` (``+inf`` on rows that see no key)."""
     mask = eqx.combine(aux["mask"], cfg.mask)
+    layout = mask.forward
     batch, heads, q_len, _ = q.shape
-    kv_heads, kv_len, value_dim = v.shape[1:]
+    kv_heads, value_dim = v.shape[1], v.shape[3]
     group = heads // kv_heads
-    bq, bk = cfg.block_q, cfg.block_kv
-    per_head = _per_head_layout(aux["fwd"])
-    fc, fi, pc, pi = (_lists_to_units(aux["fwd"][name], group, per_head) for name in _FWD_LISTS)
+    bq, bk = layout.block_q, layout.block_kv
+    per_head = _per_head_layout(layout)
+    fc, fi, pc, pi = (_lists_to_units(getattr(layout, name), group, per_head) for name in _FWD_LISTS)
     nq = fc.shape[3]
     arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq)
     q_u = _rows_to_units(q, bq, group, arr.per_head)
     k_b = _kv_blocks(k, bk)[:, :, None, None]
     v_b = _kv_blocks(v, bk)[:, :, None, None]
-    shape_info = (bq, bk, q_len, kv_len)
 
     def run_list(trips, count, index, masked, carry):
         def body(t, j, live, carry):
@@ -259,7 +252,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
                 m, l, acc = carry
                 s, _ = _scores(cfg, q_blk, k_blocks[j], _bias_block(bias_u, i, j, bq, bk))
                 s, hidden = _masked_scores(mask, s, head, i, j, masked, live,
-                                           (qp, kp, qs, ks), shape_info)
+                                           (qp, kp, qs, ks), (bq, bk))
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 # A row that has seen nothing yet (hidden by the mask, or by a -inf bias)
                 # keeps m = -inf; shift it by 0 so that exp(-inf - (-inf)) never happens.
@@ -323,20 +316,20 @@ def _q_side_units(q, d_out, lse, delta, block: int, group: int, per_head: bool):
 def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     """``dq [B, H, Lq, D]`` float32 and, with a bias, ``dbias`` in the bias's shape."""
     mask = eqx.combine(aux["mask"], cfg.mask)
+    layout = mask.dq
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1:3]
     group = heads // kv_heads
-    bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
-    per_head = _per_head_layout(aux["bwd"])
-    fc, fi, pc, pi = (_lists_to_units(aux["bwd"][name], group, per_head) for name in _FWD_LISTS)
+    bq, bk = layout.block_q, layout.block_kv
+    per_head = _per_head_layout(layout)
+    fc, fi, pc, pi = (_lists_to_units(getattr(layout, name), group, per_head) for name in _FWD_LISTS)
     nq = fc.shape[3]
-    nk = aux["bwd"]["t_full_count"].shape[2]
+    nk = layout.num_kv_blocks
     cf, cp = fi.shape[-1], pi.shape[-1]
     arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq)
     q_u, do_u, lse_u, delta_u = _q_side_units(q, d_out, lse, delta, bq, group, per_head)
     k_b = _kv_blocks(k, bk)[:, :, None, None]
     v_b = _kv_blocks(v, bk)[:, :, None, None]
-    shape_info = (bq, bk, q_len, kv_len)
 
     def run_list(trips, count, index, masked, offset, carry):
         def body(t, j, live, carry):
@@ -347,7 +340,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
                 k_blk, v_blk = k_blocks[j], v_blocks[j]
                 s, tc = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk))
                 s, _ = _masked_scores(mask, s, head, i, j, masked, live, (qp, kp, qs, ks),
-                                      shape_info)
+                                      (bq, bk))
                 p = jnp.exp(s - lse_blk[..., None])
                 dp = jnp.einsum("gqe,ke->gqk", do_blk, v_blk, preferred_element_type=_F32)
                 ds = _ds(p, dp, delta_blk, tc)
@@ -401,12 +394,13 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     """``dk [B, Hkv, Lk, D]``, ``dv [B, Hkv, Lk, Dv]`` float32, summed over each kv head's group."""
     mask = eqx.combine(aux["mask"], cfg.mask)
+    layout = mask.dkv
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1:3]
     group = heads // kv_heads
-    bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
-    per_head = _per_head_layout(aux["bwd"])
-    fc, fi, pc, pi = (_lists_to_units(aux["bwd"][name], group, per_head) for name in _T_LISTS)
+    bq, bk = layout.block_q, layout.block_kv
+    per_head = _per_head_layout(layout)
+    fc, fi, pc, pi = (_lists_to_units(getattr(layout, name), group, per_head) for name in _T_LISTS)
     nk = fc.shape[3]
     arr = _arrange(aux, per_head, bias, q, k, bq, bk, nk)
     # Every q-side array is shared by all kv-blocks of a unit: a size-1 level, never copied.
@@ -415,7 +409,6 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     )
     k_b = _kv_blocks(k, bk)[:, :, None]
     v_b = _kv_blocks(v, bk)[:, :, None]
-    shape_info = (bq, bk, q_len, kv_len)
 
     def run_list(trips, count, index, masked, carry):
         def body(t, i, live, carry):
@@ -425,7 +418,7 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
                 q_blk, do_blk = q_all[i], do_all[i]
                 s, tc = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk))
                 s, _ = _masked_scores(mask, s, head, i, j, masked, live, (qp, kp, qs, ks),
-                                      shape_info)
+                                      (bq, bk))
                 p = jnp.exp(s - lse_all[i][..., None])
                 dv = dv + jnp.einsum("gqk,gqe->ke", p.astype(do_blk.dtype), do_blk,
                                      preferred_element_type=_F32)
@@ -507,18 +500,15 @@ def _static_trips(layout: BlockLayout, names: tuple[str, str]) -> tuple[_Trips, 
     return tuple(out)
 
 
-def _layout_arrays(layout: BlockLayout, names) -> dict[str, Any]:
-    return {name: getattr(layout, name) for name in names}
-
-
 class XlaBlockSparse(AbstractKernel):
     """Block-sparse flash attention in plain JAX: runs on every platform.
 
     For each q-block it visits only the kv-blocks its `BlockLayout` lists, with an online
-    softmax in float32: FULL blocks skip the mask, PARTIAL blocks evaluate it on their token
-    indices. The backward pass is block-sparse too (a `jax.custom_vjp`): ``dq`` over q-blocks,
-    ``dk``/``dv`` over kv-blocks with the transposed lists; it keeps only the output and the
-    log-sum-exp, never the scores. Memory grows with the number of visited blocks, not with
+    softmax in float32: FULL blocks skip the mask, PARTIAL blocks evaluate the element
+    predicate (`CompiledMask.visible`) on their token indices. The backward pass is
+    block-sparse too (a `jax.custom_vjp`): ``dq`` over q-blocks with the dq layout, ``dk``/``dv``
+    over kv-blocks with the transposed lists of the dk/dv layout; it keeps only the output and
+    the log-sum-exp, never the scores. Memory grows with the number of visited blocks, not with
     ``Lq x Lk`` (except a user-given bias, which already is that size).
 
     Every feature of `DenseReference`: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths,
@@ -530,7 +520,7 @@ class XlaBlockSparse(AbstractKernel):
 
     ```python
     attn = BlockSparseAttention(
-        mask=masks.Causal() & masks.SlidingWindow(256, 0),
+        mask=mask,
         kernel=kernels.XlaBlockSparse(),
         tiling=Tiling(block_q=128, block_kv=128),
     )
@@ -539,16 +529,15 @@ class XlaBlockSparse(AbstractKernel):
     """
 
     name: ClassVar[str] = "xla"
+    platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
+    reads: ClassVar[str] = "elements"
 
     @classmethod
     def priority(cls, platform):
         # Below the dedicated GPU kernels (20 and up); the default where none exists.
         return 5 if platform == "gpu" else 10
 
-    def decline_reason(self, mask, features):
-        return None
-
-    def default_tiling(self, features: Features) -> Tiling:
+    def default_tiling(self, features: Features, mask) -> Tiling:
         if features.platform == "cpu":
             # Measured on a 2-core CPU (B=1, H=4, L=4096-8192, D=64; causal and a 256 window):
             # 128 x 64 forward tiles waste the least of each partial block; the backward pass,
@@ -556,50 +545,33 @@ class XlaBlockSparse(AbstractKernel):
             return Tiling(block_q=128, block_kv=64, block_q_bwd=128, block_kv_bwd=128)
         return Tiling(block_q=128, block_kv=128)
 
-    def __call__(self, query, key, value, *, mask, inputs, tiling, softmax_scale, logits_soft_cap):
-        q_len, kv_len = query.shape[2], key.shape[2]
-        heads = query.shape[1]
-        block_q, block_kv = min(tiling.block_q, q_len), min(tiling.block_kv, kv_len)
-        block_q_bwd, block_kv_bwd = tiling.backward_blocks
-        block_q_bwd, block_kv_bwd = min(block_q_bwd, q_len), min(block_kv_bwd, kv_len)
-        segments = (inputs.q_segment_ids, inputs.kv_segment_ids)
-        if not mask.uses_segment_ids:
-            segments = (None, None)
-        data = (inputs.q_positions, inputs.kv_positions, *segments)
+    def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
+        # Blocks longer than a sequence only pad it: shrink them to the sequence.
+        lq, lk = features.q_len, features.kv_len
+        bq_bwd, bk_bwd = tiling.backward_blocks
+        bq_dq, bk_dq = tiling.dq_blocks
+        return dataclasses.replace(
+            tiling, block_q=min(tiling.block_q, lq), block_kv=min(tiling.block_kv, lk),
+            block_q_bwd=min(bq_bwd, lq), block_kv_bwd=min(bk_bwd, lk),
+            block_q_dq=min(bq_dq, lq), block_kv_dq=min(bk_dq, lk),
+        )
 
-        def layout_for(bq, bk):
-            return build_layout(
-                mask, q_len=q_len, kv_len=kv_len, num_heads=heads, block_q=bq, block_kv=bk,
-                q_positions=data[0], kv_positions=data[1], q_segment_ids=data[2],
-                kv_segment_ids=data[3],
-            )
-
-        # Built here, outside the custom_vjp: a static mask gives NumPy-derived constants, so
-        # trip counts are known at trace time.
-        fwd_layout = layout_for(block_q, block_kv)
-        if (block_q_bwd, block_kv_bwd) == (block_q, block_kv):
-            bwd_layout = fwd_layout
-        else:
-            bwd_layout = layout_for(block_q_bwd, block_kv_bwd)
+    def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
+                 logits_soft_cap):
+        data = (inputs.q_positions, inputs.kv_positions, inputs.q_segment_ids,
+                inputs.kv_segment_ids)
+        # The layouts of a static mask are NumPy-derived constants: their trip counts are known
+        # at trace time.
         mask_arrays, mask_static = eqx.partition(mask, eqx.is_array)
         cfg = _Config(
             mask=mask_static,
             scale=float(softmax_scale),
             soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-            block_q=block_q,
-            block_kv=block_kv,
-            block_q_bwd=block_q_bwd,
-            block_kv_bwd=block_kv_bwd,
-            fwd_trips=_static_trips(fwd_layout, ("full_count", "partial_count")),
-            dq_trips=_static_trips(bwd_layout, ("full_count", "partial_count")),
-            dkv_trips=_static_trips(bwd_layout, ("t_full_count", "t_partial_count")),
+            fwd_trips=_static_trips(mask.forward, ("full_count", "partial_count")),
+            dq_trips=_static_trips(mask.dq, ("full_count", "partial_count")),
+            dkv_trips=_static_trips(mask.dkv, ("t_full_count", "t_partial_count")),
         )
-        aux = {
-            "mask": mask_arrays,
-            "fwd": _layout_arrays(fwd_layout, _FWD_LISTS),
-            "bwd": _layout_arrays(bwd_layout, _FWD_LISTS + _T_LISTS),
-            "data": data,
-        }
+        aux = {"mask": mask_arrays, "data": data}
         try:
             fn = _attention_fn(cfg)
         except TypeError:  # an unhashable user mask: build the function afresh

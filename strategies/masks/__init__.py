@@ -1,13 +1,15 @@
 """Masks: which (query, key) pairs attend. Compose with ``&``, ``|`` and ``~``."""
 
-from eqx_bsattn._mask import (
+from eqx_bsattn.contract import (
     EMPTY as EMPTY,
     FULL as FULL,
     PARTIAL as PARTIAL,
     AbstractMask as AbstractMask,
     And as And,
     BlockCoords as BlockCoords,
+    Document as Document,
     Full as Full,
+    MaskTerms as MaskTerms,
     Not as Not,
     Or as Or,
     TokenCoords as TokenCoords,
@@ -15,7 +17,6 @@ from eqx_bsattn._mask import (
 )
 
 from .custom import PerHead as PerHead, Predicate as Predicate
-from .document import Document as Document
 from .positional import (
     Causal as Causal,
     ChunkedCausal as ChunkedCausal,

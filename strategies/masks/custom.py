@@ -1,21 +1,23 @@
 """Masks from user code: any predicate of positions, and a different mask per head."""
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn._mask import AbstractMask
+from eqx_bsattn.contract import AbstractMask
 
 
 class Predicate(AbstractMask):
     """Any JAX function of query and key positions: ``fn(q_pos, k_pos) -> bool array``.
 
     `fn` receives broadcastable int32 arrays (queries ``[..., n, 1]``, keys ``[..., 1, m]``)
-    and must return their broadcast boolean. Blocks are classified by evaluating `fn` one
-    q-block at a time (once per trace when no positions are passed). Define `fn` once, not as
-    a fresh lambda per call: the function is part of the module's static identity.
+    and must return their broadcast boolean. It has no `blocks`, so layouts evaluate `fn` one
+    q-block at a time (once per trace when no positions are passed), and no `terms`, so GPU
+    kernels read element bitmaps. Define `fn` once, not as a fresh lambda per call: the
+    function is part of the module's static identity.
 
     ```python
     def every_other(q, k):
@@ -26,7 +28,9 @@ class Predicate(AbstractMask):
     """
 
     fn: Callable = eqx.field(static=True)
-    _element_blocks = True
+
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
 
     def __check_init__(self):
         if not callable(self.fn):
@@ -48,7 +52,9 @@ class PerHead(AbstractMask):
     """
 
     masks: tuple[AbstractMask, ...]
-    _per_head = True
+
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = True
 
     def __init__(self, masks):
         masks = tuple(masks)
@@ -59,10 +65,8 @@ class PerHead(AbstractMask):
                 raise TypeError(f"PerHead takes masks; got {type(m).__name__}.")
         self.masks = masks
 
-    def atoms(self):
-        yield self
-        for m in self.masks:
-            yield from m.atoms()
+    def children(self):
+        return self.masks
 
     def check(self, q_len, kv_len, num_heads):
         if len(self.masks) != num_heads:
@@ -86,3 +90,6 @@ class PerHead(AbstractMask):
 
     def blocks(self, q, k, head):
         return self._pick("blocks", head, q, k)
+
+    def terms(self, head):
+        return self.masks[head].terms(head)

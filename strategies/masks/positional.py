@@ -1,9 +1,11 @@
 """Masks defined by query and key positions: causal, sliding window, chunked causal, prefix-LM."""
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax.numpy as jnp
 
-from eqx_bsattn._mask import AbstractMask, classify
+from eqx_bsattn.contract import AbstractMask, MaskTerms, classify
 
 
 def _check_int(name: str, value, *, minimum: int) -> None:
@@ -29,6 +31,9 @@ class Causal(AbstractMask):
     offset: int = eqx.field(default=0, static=True)
     bottom_right: bool = eqx.field(default=False, static=True)
 
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
+
     def __check_init__(self):
         if not isinstance(self.offset, int) or isinstance(self.offset, bool):
             raise ValueError(f"`offset` must be an int; got {self.offset!r}.")
@@ -45,6 +50,10 @@ class Causal(AbstractMask):
         return classify(
             k.pos_hi <= q.pos_lo + self.offset, k.pos_lo > q.pos_hi + self.offset
         )
+
+    def terms(self, head):
+        # Bottom-right alignment needs the lengths: the plan resolves it first.
+        return None if self.bottom_right else MaskTerms(causal_offset=self.offset)
 
 
 class SlidingWindow(AbstractMask):
@@ -66,6 +75,9 @@ class SlidingWindow(AbstractMask):
 
     left: int | None = eqx.field(static=True)
     right: int | None = eqx.field(static=True)
+
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
 
     def __init__(self, left: int | None, right: int | None = ...):  # type: ignore[assignment]
         self.left = left
@@ -99,6 +111,9 @@ class SlidingWindow(AbstractMask):
             empty = empty | (k.pos_lo > q.pos_hi + self.right)
         return classify(full, empty)
 
+    def terms(self, head):
+        return MaskTerms(window_left=self.left, window_right=self.right)
+
 
 class ChunkedCausal(AbstractMask):
     """Causal attention inside fixed chunks: ``pos_k <= pos_q`` and ``pos_q // C == pos_k // C``.
@@ -109,6 +124,9 @@ class ChunkedCausal(AbstractMask):
     """
 
     chunk_size: int = eqx.field(static=True)
+
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
 
     def __check_init__(self):
         _check_int("chunk_size", self.chunk_size, minimum=1)
@@ -128,6 +146,9 @@ class ChunkedCausal(AbstractMask):
         )
         return classify(full, empty)
 
+    def terms(self, head):
+        return MaskTerms(causal_offset=0, chunk=self.chunk_size)
+
 
 class PrefixLM(AbstractMask):
     """Prefix-LM: every query sees the first `prefix_length` keys, and is causal after them.
@@ -141,6 +162,9 @@ class PrefixLM(AbstractMask):
 
     prefix_length: int = eqx.field(static=True)
 
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
+
     def __check_init__(self):
         _check_int("prefix_length", self.prefix_length, minimum=0)
 
@@ -152,3 +176,6 @@ class PrefixLM(AbstractMask):
         full = (k.pos_hi < p) | (k.pos_hi <= q.pos_lo)
         empty = (k.pos_lo >= p) & (k.pos_lo > q.pos_hi)
         return classify(full, empty)
+
+    def terms(self, head):
+        return MaskTerms(prefix=self.prefix_length)

@@ -2,12 +2,13 @@
 
 import functools
 import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_bsattn._mask import AbstractMask, classify
+from eqx_bsattn.contract import AbstractMask, MaskTerms, classify
 
 from .positional import _check_int
 
@@ -20,6 +21,9 @@ class GlobalTokens(AbstractMask):
     """
 
     num_global: int = eqx.field(static=True)
+
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
 
     def __check_init__(self):
         _check_int("num_global", self.num_global, minimum=0)
@@ -43,6 +47,9 @@ class Dilated(AbstractMask):
     """
 
     stride: int = eqx.field(static=True)
+
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
 
     def __check_init__(self):
         _check_int("stride", self.stride, minimum=1)
@@ -102,6 +109,9 @@ class BlockLayoutMask(AbstractMask):
     layout: tuple[tuple[bool, ...], ...] = eqx.field(static=True)
     block_size: tuple[int, int] = eqx.field(static=True)
 
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
+
     def __init__(self, layout, block_size: int | tuple[int, int]):
         table = np.asarray(layout)
         if table.ndim != 2 or table.size == 0:
@@ -139,6 +149,9 @@ class BlockLayoutMask(AbstractMask):
     def blocks(self, q, k, head):
         return _table_blocks(self.table, *self.block_size, q, k)
 
+    def terms(self, head):
+        return MaskTerms(tables=(self.block_size,))
+
 
 @functools.lru_cache(maxsize=64)
 def _random_blocks(rows: int, cols: int, num_random: int, seed: int, causal: bool) -> np.ndarray:
@@ -166,6 +179,9 @@ class BigBirdRandom(AbstractMask):
     seed: int = eqx.field(default=0, static=True)
     causal: bool = eqx.field(default=True, static=True)
 
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
+
     def __check_init__(self):
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("num_random", self.num_random, minimum=0)
@@ -184,3 +200,6 @@ class BigBirdRandom(AbstractMask):
     def blocks(self, q, k, head):
         t = self.table(q.length, k.length)
         return _table_blocks(t, self.block_size, self.block_size, q, k)
+
+    def terms(self, head):
+        return MaskTerms(tables=((self.block_size, self.block_size),))

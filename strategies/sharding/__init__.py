@@ -1,3 +1,3 @@
 """Sharding: how the work spreads over devices."""
 
-from eqx_bsattn._sharding import AbstractSharding as AbstractSharding, Unsharded as Unsharded
+from eqx_bsattn.contract import AbstractSharding as AbstractSharding, Unsharded as Unsharded

@@ -1,5 +1,4 @@
-"""Tiling: block sizes and launch parameters (heuristics live with each kernel), and `autotune`."""
+"""Tiling: block sizes and launch parameters. Each kernel holds its own heuristic
+(`AbstractKernel.default_tiling`); `eqx_bsattn.autotune` times candidates on real inputs."""
 
-from eqx_bsattn._tiling import Tiling as Tiling
-
-from .autotune import DEFAULT_BLOCKS as DEFAULT_BLOCKS, autotune as autotune
+from eqx_bsattn.contract import Tiling as Tiling

@@ -1,4 +1,4 @@
-"""Raw Triton kernels of `TritonBlockSparse` (imported lazily: Triton may be absent).
+"""The `@triton.jit` kernels of `TritonBlockSparse` (imported lazily: Triton may be absent).
 
 Every array is contiguous and batched: q ``[B, H, LQ, D]``, k ``[B, HKV, LK, D]``,
 v ``[B, HKV, LK, DV]``, o ``[B, H, LQ, DV]``, lse ``[B, H, LQ]`` (base 2: ``log2 sum exp2``),
@@ -213,7 +213,7 @@ def _partial_visible(bm_ptr, it, BMAPS, b, offs_n, offs_bn, qp, qs, KPOS, KSEG,
 
 
 @triton.jit
-def _fwd_kernel(
+def forward_kernel(
     Q, K, V, BIAS, SINKS, QPOS, KPOS, QSEG, KSEG,
     FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
     O, LSE,
@@ -311,7 +311,7 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _dq_kernel(
+def dq_kernel(
     Q, K, V, BIAS, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
     FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
     DQ, DBIAS,
@@ -400,7 +400,7 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dkdv_kernel(
+def dkdv_kernel(
     Q, K, V, BIAS, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
     FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
     DK, DV_OUT,
@@ -414,13 +414,12 @@ def _dkdv_kernel(
     CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
     CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
     FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr, PREFETCH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FLAT_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One program per (kv-block, kv head, batch); it walks the q heads of its group too, so
     grouped-query gradients are summed in registers, deterministically, without atomics.
-    Tiles are computed transposed (``[BLOCK_N, BLOCK_M]``: keys by queries). ``FLAT_GROUP``:
-    where the heads share one list, one loop of (q-block, head) steps instead of a loop per
-    head."""
+    Tiles are computed transposed (``[BLOCK_N, BLOCK_M]``: keys by queries). Where the heads
+    share one list, one loop of (q-block, head) steps instead of a loop per head."""
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
@@ -448,7 +447,7 @@ def _dkdv_kernel(
     # With one list for every head (MH == 1), a group's q heads walk one loop of (block, head)
     # steps, heads fastest: one pipeline fill per phase instead of one per head, and the Q / dO
     # tiles of a block's heads are read together.
-    FLAT: tl.constexpr = GROUP > 1 and MH == 1 and FLAT_GROUP
+    FLAT: tl.constexpr = GROUP > 1 and MH == 1
     HEAD_LOOPS: tl.constexpr = 1 if FLAT else GROUP
     STEP_HEADS: tl.constexpr = GROUP if FLAT else 1
     for g0 in range(HEAD_LOOPS):

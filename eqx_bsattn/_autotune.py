@@ -6,8 +6,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn._tiling import Tiling
-from eqx_bsattn._timing import median_ms
+from ._tiling import Tiling
+from ._timing import median_ms
 
 DEFAULT_BLOCKS = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 256), (256, 128))
 
@@ -45,9 +45,11 @@ def autotune(
     tuned, timings = autotune(attn, q, k, v)
     ```
     """
-    plan = attn.plan(query, key, value, **{n: x for n, x in call_kwargs.items() if n != "purify"})
+    plan_kwargs = {n: x for n, x in call_kwargs.items() if n != "purify"}
+    heuristic = eqx.tree_at(lambda m: m.tiling, attn, None, is_leaf=lambda x: x is None)
+    plan = heuristic.plan(query, key, value, **plan_kwargs)
     if candidates is None:
-        base = plan.kernel.default_tiling(plan.features)
+        base = plan.tiling
         candidates = [
             Tiling(block_q=bq, block_kv=bk, num_warps=base.num_warps, num_stages=base.num_stages,
                    num_warps_bwd=base.num_warps_bwd, num_stages_bwd=base.num_stages_bwd)

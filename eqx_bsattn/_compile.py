@@ -1,0 +1,221 @@
+"""The compiled mask: the contract between masks and kernels, built once per call by the plan.
+
+`ResolvedMask` is a call's mask with its lengths, head count and per-call data (what the
+selector and the tiling heuristics see); `ResolvedMask.compile` turns it, at the tiling the plan
+picked, into the `CompiledMask` that a kernel reads: one `BlockLayout` per pass, the canonical
+predicate terms, bitmaps for partial blocks that no term describes, and the element predicate.
+"""
+
+import dataclasses
+from typing import Literal
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Bool, Int
+
+from ._layout import BlockLayout, build_layout, token_coords
+from ._mask import AbstractMask, MaskTerms
+
+#: How a kernel reads the mask (`AbstractKernel.reads`).
+MaskReads = Literal["dense", "elements", "terms"]
+
+#: The passes of a call, with the `Tiling` blocks each runs at.
+PASSES = ("forward", "dq", "dkv")
+
+
+def _pass_tiles(tiling) -> dict[str, tuple[int, int]]:
+    return {"forward": (tiling.block_q, tiling.block_kv), "dq": tiling.dq_blocks,
+            "dkv": tiling.backward_blocks}
+
+
+class CompiledMask(eqx.Module):
+    """Everything a kernel reads about the mask of one call.
+
+    Built by `BlockSparseAttention.plan` for the kernel it picked, at the tiling it picked
+    (`ResolvedMask.compile`):
+
+    - `forward`, `dq`, `dkv`: the `BlockLayout` of each pass at its own tiles (`Tiling`'s
+      forward, ``*_dq`` and backward blocks); the dk/dv pass walks the transposed lists of
+      `dkv`. Passes with equal tiles share one layout. ``None`` for a kernel that reads no
+      layout (``reads == "dense"``).
+    - `terms`: the canonical predicate (`MaskTerms`) that holds for every head at these tiles,
+      with the block tables the layouts already hold removed; ``None`` when the mask has none.
+      Then a kernel that evaluates terms (``reads == "terms"``) finds element bitmaps of the
+      partial blocks in the layouts (``bitmaps``, ``bitmap_index``, ``t_bitmap_index``).
+    - `head_terms`: the terms of each head (one entry when every head sees the same mask, as
+      the mask declares them, tables included), ``None`` where a head's mask has none.
+    - `predicate`: the resolved mask, as an element predicate: call `visible`.
+
+    Kernels never look inside `predicate`: the terms, the layouts and `visible` are the
+    contract.
+    """
+
+    forward: BlockLayout | None
+    dq: BlockLayout | None
+    dkv: BlockLayout | None
+    predicate: AbstractMask
+    terms: MaskTerms | None = eqx.field(static=True)
+    head_terms: tuple[MaskTerms | None, ...] = eqx.field(static=True)
+    q_len: int = eqx.field(static=True)
+    kv_len: int = eqx.field(static=True)
+    num_heads: int = eqx.field(static=True)
+
+    @property
+    def uses_segment_ids(self) -> bool:
+        """Whether the predicate reads segment ids."""
+        return self.predicate.uses_segment_ids
+
+    @property
+    def head_dependent(self) -> bool:
+        """Whether heads see different masks (layouts then have a head axis ``mh = H``)."""
+        return self.predicate.head_dependent
+
+    @property
+    def is_static(self) -> bool:
+        """Whether the layouts were built at trace time (no per-call data): counts exact."""
+        return all(layout.is_static for layout in self.layouts().values())
+
+    def layouts(self) -> dict[str, BlockLayout]:
+        """The layouts by pass name (``"forward"``, ``"dq"``, ``"dkv"``); empty if none."""
+        return {name: getattr(self, name) for name in PASSES if getattr(self, name) is not None}
+
+    def visible(
+        self,
+        head,
+        q_index: Int[Array, "..."],
+        k_index: Int[Array, "..."],
+        *,
+        q_positions: Int[Array, " lq"] | None = None,
+        kv_positions: Int[Array, " lk"] | None = None,
+        q_segment_ids: Int[Array, " lq"] | None = None,
+        kv_segment_ids: Int[Array, " lk"] | None = None,
+    ) -> Bool[Array, "..."]:
+        """Whether query `q_index` sees key `k_index` (broadcastable int32 token indices).
+
+        Per-call arrays are one batch element's ``[L]``; segment ids are read only when the
+        mask uses them. Keys outside ``[0, kv_len)`` are hidden. `head` may be traced.
+        """
+        if not self.uses_segment_ids:
+            q_segment_ids = kv_segment_ids = None
+        qc = token_coords(q_index, q_positions, q_segment_ids, self.q_len)
+        kc = token_coords(k_index, kv_positions, kv_segment_ids, self.kv_len)
+        in_bounds = (k_index < self.kv_len) & (k_index >= 0) & (q_index < self.q_len)
+        return self.predicate.elements(qc, kc, head) & in_bounds
+
+
+def _shared(head_terms: tuple[MaskTerms | None, ...]) -> MaskTerms | None:
+    first = head_terms[0]
+    return first if all(t == first for t in head_terms) else None
+
+
+class ResolvedMask:
+    """A call's mask resolved against its lengths, head count and per-call data.
+
+    What the selector (`AbstractKernel.decline_reason`) and the tiling heuristics
+    (`AbstractKernel.default_tiling`) see before the tiling is fixed; `compile` then builds the
+    `CompiledMask` a kernel reads. Layouts are built once per ``(block_q, block_kv)`` and
+    reused by every pass and heuristic that asks for them.
+
+    **Arguments:**
+
+    - `mask`: the mask as the user wrote it (resolved against the lengths here; the plan has
+      checked it with `AbstractMask.check`).
+    - `q_len`, `kv_len`, `num_heads`: the call's lengths and query heads.
+    - `q_positions`, `kv_positions`, `q_segment_ids`, `kv_segment_ids`: ``[B, L]`` int32 or
+      ``None`` (segment ids are dropped when the mask does not read them).
+
+    ```python
+    resolved = ResolvedMask(masks.Causal(), q_len=4096, kv_len=4096, num_heads=8)
+    resolved.terms          # MaskTerms(causal_offset=0)
+    resolved.layout(128, 128).density()
+    ```
+    """
+
+    def __init__(self, mask: AbstractMask, *, q_len: int, kv_len: int, num_heads: int,
+                 q_positions=None, kv_positions=None, q_segment_ids=None, kv_segment_ids=None):
+        mask = mask.resolve(q_len, kv_len)
+        if not mask.uses_segment_ids:
+            q_segment_ids = kv_segment_ids = None
+        self.mask = mask
+        self.q_len, self.kv_len, self.num_heads = q_len, kv_len, num_heads
+        self.data = dict(q_positions=q_positions, kv_positions=kv_positions,
+                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+        heads = num_heads if mask.head_dependent else 1
+        #: Each head's `MaskTerms` (one entry when the mask is the same for every head).
+        self.head_terms: tuple[MaskTerms | None, ...] = tuple(mask.terms(h) for h in range(heads))
+        #: The terms every head shares, tables included; ``None`` if there are none.
+        self.terms: MaskTerms | None = _shared(self.head_terms)
+        self._layouts: dict[tuple[int, int, bool], BlockLayout] = {}
+
+    @property
+    def is_static(self) -> bool:
+        """Whether no per-call data shapes the mask: layouts are built at trace time."""
+        return all(x is None for x in self.data.values())
+
+    @property
+    def positions_are_indices(self) -> bool:
+        """Whether the call passed no positions (block tables then align with tiles)."""
+        return self.data["q_positions"] is None and self.data["kv_positions"] is None
+
+    def layout(self, block_q: int, block_kv: int, *, bitmaps: bool = False) -> BlockLayout:
+        """The `BlockLayout` at ``block_q x block_kv`` (built once; concrete when static)."""
+        key = (block_q, block_kv, bitmaps)
+        if key not in self._layouts:
+            if (block_q, block_kv, True) in self._layouts:
+                self._layouts[key] = self._layouts[(block_q, block_kv, True)]
+            else:
+                def build():
+                    return build_layout(self.mask, q_len=self.q_len, kv_len=self.kv_len,
+                                        num_heads=self.num_heads, block_q=block_q,
+                                        block_kv=block_kv, with_bitmaps=bitmaps, **self.data)
+
+                if self.is_static:
+                    # Concrete even under jit, so heuristics and kernels can read it on the host.
+                    with jax.ensure_compile_time_eval():
+                        self._layouts[key] = build()
+                else:
+                    self._layouts[key] = build()
+        return self._layouts[key]
+
+    def kernel_terms(self, tiles) -> MaskTerms | None:
+        """The shared terms as a kernel evaluates them at `tiles` (``(block_q, block_kv)``
+        pairs): block tables dropped where the tiles cover whole cells and positions are the
+        token indices; ``None`` where that fails or the mask has no terms."""
+        if self.terms is None or not self.terms.tables:
+            return self.terms
+        return self.terms.aligned(tiles) if self.positions_are_indices else None
+
+    def compile(self, tiling, reads: MaskReads) -> CompiledMask:
+        """The `CompiledMask` for a kernel that `reads` the mask that way, at `tiling`.
+
+        - ``"dense"``: no layouts; `CompiledMask.terms` are the mask's own.
+        - ``"elements"``: a layout per pass; partial blocks are evaluated with `visible`.
+        - ``"terms"``: a layout per pass; where the mask has no terms at these tiles, the
+          layouts carry element bitmaps (which need a static mask).
+        """
+        if reads == "dense":
+            return CompiledMask(None, None, None, self.mask, self.terms, self.head_terms,
+                                self.q_len, self.kv_len, self.num_heads)
+        if reads not in ("elements", "terms"):
+            raise ValueError(f"`reads` must be 'dense', 'elements' or 'terms'; got {reads!r}.")
+        tiles = _pass_tiles(tiling)
+        terms = self.kernel_terms(tiles.values())
+        bitmaps = reads == "terms" and terms is None
+        if bitmaps and not self.is_static:
+            raise ValueError(
+                "this mask has no in-kernel terms at these tiles, so the kernel needs element "
+                "bitmaps, which need a static mask; this call passes positions or segment ids."
+            )
+        layouts = {name: self.layout(*blocks, bitmaps=bitmaps) for name, blocks in tiles.items()}
+        return CompiledMask(layouts["forward"], layouts["dq"], layouts["dkv"], self.mask, terms,
+                            self.head_terms, self.q_len, self.kv_len, self.num_heads)
+
+
+def describe_terms(terms: MaskTerms | None) -> str:
+    """One line naming the switched-on terms, for `CallPlan.explain`."""
+    if terms is None:
+        return "none (element predicate or bitmaps)"
+    values = {f.name: getattr(terms, f.name) for f in dataclasses.fields(terms)}
+    parts = [f"{name}={value!r}" for name, value in values.items()
+             if value is not None and value is not False and value != ()]
+    return ", ".join(parts) if parts else "always visible"

@@ -1,0 +1,53 @@
+"""The contract between masks and kernels, in public names: what a plug-in imports.
+
+A **mask** subclasses `AbstractMask`: it declares `reads_segment_ids` and `varies_by_head`,
+implements `elements` (on `TokenCoords`), and for speed `blocks` (on `BlockCoords`, with
+`classify`) and `terms` (a `MaskTerms` AND that GPU and TPU kernels evaluate in place).
+
+A **kernel** subclasses `AbstractKernel`: it declares `name`, `platforms` and `reads`, and its
+``__call__`` receives the `CompiledMask` the plan built for it (a `BlockLayout` per pass, the
+canonical `MaskTerms`, element bitmaps where the mask has no terms, and the element predicate
+`CompiledMask.visible`), the call's `AttentionInputs`, its `Features` and its `Tiling`. Its
+`decline_reason` and `default_tiling` see the `ResolvedMask` (the terms, and layouts on demand)
+before the tiling is fixed. It never imports a mask class.
+
+A **sharding** subclasses `AbstractSharding`.
+
+The core also defines the few strategies it uses itself: the masks `Full` (the module's
+default) and `Document` (added when a call passes segment ids), the algebra `And`, `Or`, `Not`,
+and the sharding `Unsharded` (the module's default); `eqx_bsattn.masks` and
+`eqx_bsattn.sharding` re-export them.
+
+```python
+from eqx_bsattn.contract import AbstractKernel, CompiledMask
+```
+
+`docs/custom_mask.md` and `docs/custom_kernel.md` walk through one of each.
+"""
+
+from ._compile import (
+    CompiledMask as CompiledMask,
+    MaskReads as MaskReads,
+    ResolvedMask as ResolvedMask,
+)
+from ._inputs import AttentionInputs as AttentionInputs
+from ._kernel import AbstractKernel as AbstractKernel, Features as Features
+from ._layout import BlockLayout as BlockLayout, build_layout as build_layout
+from ._mask import (
+    EMPTY as EMPTY,
+    FULL as FULL,
+    PARTIAL as PARTIAL,
+    AbstractBinaryMask as AbstractBinaryMask,
+    AbstractMask as AbstractMask,
+    And as And,
+    BlockCoords as BlockCoords,
+    Document as Document,
+    Full as Full,
+    MaskTerms as MaskTerms,
+    Not as Not,
+    Or as Or,
+    TokenCoords as TokenCoords,
+    classify as classify,
+)
+from ._sharding import AbstractSharding as AbstractSharding, Unsharded as Unsharded
+from ._tiling import Tiling as Tiling

@@ -1,0 +1,118 @@
+"""`TritonBlockSparse`'s tiling: the default per head dim and feature, the short-row variant,
+and the checks a tiling must pass to launch."""
+
+import numpy as np
+
+from eqx_bsattn.contract import BlockLayout, Features, ResolvedMask, Tiling
+
+#: Static layouts whose rows visit fewer blocks than this on average, scattered (their full
+#: lists are not ranges), run with `short_row_blocks` when the tiling is the heuristic's.
+SHORT_ROWS_BELOW = 16
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= `n`, at least 16 (Triton's smallest dot)."""
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def row_width(features: Features) -> int:
+    """Bytes per row of the wider of q / v, over 2: the padded head dim, doubled for float32."""
+    width = max(pow2(features.head_dim), pow2(features.value_dim))
+    return width * (2 if features.dtype == "float32" else 1)
+
+
+def short_row_blocks(features: Features) -> tuple[int, int, int, int] | None:
+    """``(block_q, block_kv, warps, stages)`` for short rows, or ``None`` (no such variant).
+
+    64x64 tiles, 4 warps, 2 stages: for bf16 D=128 the forward takes 82 KiB of shared memory
+    and ~170 registers a thread, the dq and dk/dv kernels ~99 KiB, so two programs share an SM
+    and one's prologue and epilogue overlap the other's loop, which a row of a few blocks does
+    not amortise. Measured on the H200: faster for BigBird (forward and backward) and for the
+    document (segment ids: `default_tiling` sets the stages per kernel); causal rows are long.
+    """
+    if row_width(features) > 128 or features.bias:
+        return None
+    return (64, 64, 4, 2)
+
+
+def lists_are_ranges(count, index) -> bool:
+    """Whether every list of a concrete layout is a range of consecutive blocks."""
+    count = np.asarray(count)
+    index = np.asarray(index)
+    first = index[..., 0]
+    last = np.take_along_axis(index, np.maximum(count - 1, 0)[..., None], axis=-1)[..., 0]
+    return bool(np.all((count == 0) | (last - first == count - 1)))
+
+
+def short_scattered_rows(layout: BlockLayout) -> bool:
+    """Whether a static layout's rows visit few blocks on average, not as ranges."""
+    visits = np.asarray(layout.full_count) + np.asarray(layout.partial_count)
+    if not visits.size or float(visits.mean()) >= SHORT_ROWS_BELOW:
+        return False
+    return not lists_are_ranges(layout.full_count, layout.full_index)
+
+
+def default_tiling(features: Features, mask: ResolvedMask) -> Tiling:
+    """The heuristic tiling: per head dim and features, then the short-row variant for static
+    layouts whose rows visit few, scattered blocks (BigBird-like)."""
+    width = row_width(features)
+    short = short_row_blocks(features)
+    # Blocks ``(block_q, block_kv)`` and launches ``(warps, stages)`` of the forward, dk/dv
+    # and dq kernels. dq walks kv-blocks for a tall q tile and dk/dv q-blocks for a tall kv
+    # tile; with three stages each fetches two tiles ahead. H200, causal, L=16384, bf16,
+    # D=128: dq 11.3 -> 5.6 ms against 64x128 with two stages, dk/dv 8.4 -> 8.2 ms.
+    if width <= 64:
+        # 16-bit D=64: dk/dv 64x128 spilled (27.5 ms); 32x128 with three stages: 4.95 ms.
+        fwd, fl, bwd, bl, dq, dl = (128, 128), (4, 3), (32, 128), (4, 3), (128, 64), (4, 3)
+    elif width <= 128:
+        fwd, fl, bwd, bl, dq, dl = (128, 128), (8, 3), (64, 128), (8, 3), (128, 64), (8, 3)
+    elif width <= 256:
+        fwd, fl, bwd, bl = (64, 64), (8, 2), (64, 32), (8, 2)
+        dq, dl = bwd, bl
+    else:
+        fwd, fl, bwd, bl = (32, 32), (4, 1), (32, 32), (4, 1)
+        dq, dl = bwd, bl
+    if features.bias:
+        # The float32 bias tile is pipelined through shared memory like k and v: halve the
+        # kv tile (and keep two stages) so every stage still fits in the 227 KiB.
+        fwd, bwd = (fwd[0], max(32, fwd[1] // 2)), (bwd[0], max(32, bwd[1] // 2))
+        fl, bl = (fl[0], min(fl[1], 2)), (bl[0], min(bl[1], 2))
+        dq, dl = bwd, bl
+    if features.segment_ids and short is not None:
+        # Per-call documents: the layout is built on the device, so its rows cannot be
+        # seen here; packed documents make short rows, which run faster with small tiles
+        # (H200, 16 documents in 16384 tokens: forward with 3 stages, dq and dk/dv with
+        # 2), and one layout then serves all three launches.
+        fwd = bwd = dq = short[:2]
+        fl, bl = (short[2], 3), short[2:]
+        dl = bl
+    # Short sequences (decoding) waste less with smaller tiles.
+    cap_q, cap_k = pow2(features.q_len), pow2(features.kv_len)
+    tiling = Tiling(
+        block_q=min(fwd[0], cap_q), block_kv=min(fwd[1], cap_k),
+        block_q_bwd=min(bwd[0], cap_q), block_kv_bwd=min(bwd[1], cap_k),
+        num_warps=fl[0], num_stages=fl[1], num_warps_bwd=bl[0], num_stages_bwd=bl[1],
+        block_q_dq=min(dq[0], cap_q), block_kv_dq=min(dq[1], cap_k),
+        num_warps_dq=dl[0], num_stages_dq=dl[1],
+    )
+    if short is not None and mask.is_static and not (features.segment_ids or features.positions):
+        # Short scattered rows (BigBird-like static layouts): the short-row tiling.
+        bitmaps = mask.kernel_terms([(tiling.block_q, tiling.block_kv)]) is None
+        if short_scattered_rows(mask.layout(tiling.block_q, tiling.block_kv, bitmaps=bitmaps)):
+            tiling = Tiling(block_q=min(short[0], cap_q), block_kv=min(short[1], cap_k),
+                            num_warps=short[2], num_stages=short[3])
+    return tiling
+
+
+def check_tiling(tiling: Tiling) -> Tiling:
+    """`tiling` if every block of every launch is a power of two >= 16, else `ValueError`."""
+    bq, bk = tiling.backward_blocks
+    dq_q, dq_k = tiling.dq_blocks
+    for name, value in (("block_q", tiling.block_q), ("block_kv", tiling.block_kv),
+                        ("block_q_bwd", bq), ("block_kv_bwd", bk),
+                        ("block_q_dq", dq_q), ("block_kv_dq", dq_k)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(
+                f"TritonBlockSparse needs Tiling.{name} to be a power of two >= 16; got {value}."
+            )
+    return tiling

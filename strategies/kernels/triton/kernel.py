@@ -1,0 +1,144 @@
+"""`TritonBlockSparse`: the kernel strategy, reading the compiled mask into the launches."""
+
+import functools
+import warnings
+from typing import ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+
+from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling
+
+from .heuristics import check_tiling, default_tiling
+from .launch import LaunchConfig, layout_arrays, list_mode
+from .vjp import attend
+
+_SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+_MAX_HEAD_DIM = 256
+
+
+@functools.cache
+def _jax_triton_missing() -> str | None:
+    try:
+        import jax_triton  # noqa: F401
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install that fails at import
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class TritonBlockSparse(AbstractKernel):
+    """Block-sparse flash attention written in Triton, launched from JAX with jax-triton.
+
+    The forward pass runs one program per (q-block, head, batch) over that q-block's visited
+    kv-blocks: full blocks without masking, partial blocks with the mask evaluated in the
+    kernel; online softmax in base 2 with float32 accumulation; it keeps the log-sum-exp for
+    the backward pass. The backward pass is split: a dq kernel over q-blocks and a dk/dv
+    kernel over kv-blocks (the layout's transposed lists) that loops over the q heads of its
+    group, so grouped-query gradients are reduced deterministically, without atomics. The
+    forward, dq and dk/dv launches read the compiled mask's three layouts, each at its own
+    tiles (`Tiling`'s forward, ``*_dq`` and backward fields). Full lists that are ranges of
+    blocks are walked without index loads: known on the host for static layouts, checked per
+    row in the kernel for layouts built from per-call data.
+
+    Partial blocks evaluate the compiled mask's canonical terms (causal with an offset, a
+    window, chunks, a prefix, segment ids) on positions; block tables whose cells are
+    multiples of the tiles need no term (the layouts hold them). A mask without terms uses the
+    layouts' deduplicated element bitmaps, which need a static mask: with positions or segment
+    ids such a mask declines.
+
+    With the heuristic tiling, a static layout whose rows visit few, scattered blocks
+    (BigBird-like) runs with 64x64 tiles, 4 warps and 2 stages, forward and backward; with
+    segment ids all three launches take 64x64 tiles.
+
+    Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, Dv]`` in bfloat16, float16
+    or float32 (float32 products in full precision), head dims up to 256 (padded to a power of
+    two inside the kernel); bias, sinks, soft cap, segment ids and positions, all
+    differentiable where they are floating. GPU only; needs ``jax-triton`` (the ``gpu``
+    extra).
+
+    **Arguments:**
+
+    - `fused_backward`: accepted for symmetry with other kernels, but no fused backward is
+      built: when True, a warning says the split backward runs instead.
+
+    ```python
+    attn = BlockSparseAttention(mask=mask, kernel=kernels.TritonBlockSparse())
+    out = attn(q, k, v)          # q [B, H, L, D] bfloat16 on a GPU
+    ```
+    """
+
+    fused_backward: bool = eqx.field(default=False, static=True)
+
+    name: ClassVar[str] = "triton"
+    platforms: ClassVar[tuple[str, ...]] = ("gpu",)
+    reads: ClassVar[str] = "terms"
+
+    @classmethod
+    def priority(cls, platform):
+        return 30 if platform == "gpu" else None
+
+    def decline_reason(self, mask: ResolvedMask, features: Features) -> str | None:
+        missing = _jax_triton_missing()
+        if missing is not None:
+            return f"jax_triton / triton cannot be imported ({missing}); install the `gpu` extra."
+        if features.dtype not in _SUPPORTED_DTYPES:
+            return f"dtype {features.dtype} is not supported (bfloat16, float16, float32 are)."
+        if max(features.head_dim, features.value_dim) > _MAX_HEAD_DIM:
+            return (f"head dims above {_MAX_HEAD_DIM} are not supported; got "
+                    f"{features.head_dim} / {features.value_dim}.")
+        per_call = features.positions or features.segment_ids
+        if per_call and (mask.terms is None or mask.terms.tables):
+            return ("the mask has no in-kernel terms (causal / window / chunk / prefix / "
+                    "document), so it needs element bitmaps, which cannot be built with per-call "
+                    "positions or segment ids.")
+        return None
+
+    def default_tiling(self, features: Features, mask: ResolvedMask) -> Tiling:
+        return default_tiling(features, mask)
+
+    def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
+        return check_tiling(tiling)
+
+    def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
+                 logits_soft_cap):
+        if self.fused_backward:
+            warnings.warn(
+                "TritonBlockSparse(fused_backward=True): no fused backward is built; the split "
+                "backward (dq kernel + dk/dv kernel) runs instead.",
+                stacklevel=2,
+            )
+        batch, heads, q_len, dim = query.shape
+        kv_heads, kv_len, value_dim = value.shape[1:]
+        fwd, dq, dkdv = mask.forward, mask.dq, mask.dkv
+        dummy_int = jnp.zeros((1,), jnp.int32)
+        data = tuple(dummy_int if x is None else x.astype(jnp.int32) for x in (
+            inputs.q_positions, inputs.kv_positions, inputs.q_segment_ids, inputs.kv_segment_ids))
+        bias, sinks = inputs.bias, inputs.sinks
+        bias_arg = jnp.zeros((1,), jnp.float32) if bias is None else bias
+        sinks_arg = (jnp.zeros((1, 1), jnp.float32) if sinks is None
+                     else sinks.astype(jnp.float32))
+        fwd_warps = tiling.num_warps or 4
+        fwd_stages = tiling.num_stages or 2
+        bwd_launch = (tiling.num_warps_bwd or fwd_warps, tiling.num_stages_bwd or fwd_stages)
+        cfg = LaunchConfig(
+            batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+            head_dim=dim, value_dim=value_dim, dtype=jnp.dtype(query.dtype).name,
+            bias_shape=None if bias is None else tuple(bias.shape[:2]),
+            num_sinks=0 if sinks is None else sinks.shape[-1],
+            softmax_scale=float(softmax_scale),
+            soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
+            terms=mask.terms,
+            has_q_positions=inputs.q_positions is not None,
+            has_kv_positions=inputs.kv_positions is not None,
+            fwd_blocks=(fwd.block_q, fwd.block_kv), dq_blocks=(dq.block_q, dq.block_kv),
+            dkdv_blocks=(dkdv.block_q, dkdv.block_kv),
+            fwd_launch=(fwd_warps, fwd_stages),
+            dq_launch=(tiling.num_warps_dq or bwd_launch[0], tiling.num_stages_dq or bwd_launch[1]),
+            dkdv_launch=bwd_launch,
+            list_modes=(list_mode(fwd, False), list_mode(dq, False), list_mode(dkdv, True)),
+        )
+        lists = layout_arrays(fwd, transposed=False)
+        bwd_lists = (layout_arrays(dq, transposed=False), layout_arrays(dkdv, transposed=True))
+        out = attend(cfg, query, key, value, bias_arg, sinks_arg, data, lists, bwd_lists)
+        return out.astype(query.dtype)

@@ -1,0 +1,271 @@
+"""The launches of `TritonBlockSparse`: their static configuration, the arrays each reads, and a
+vmap rule that folds a mapped axis into the launch's batch.
+
+Triton and jax-triton are imported lazily, when a launch is traced: this module imports on
+machines that have neither.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from eqx_bsattn.contract import BlockLayout, MaskTerms
+
+from .heuristics import lists_are_ranges, pow2
+
+
+def triton_call(*args, **kwargs):
+    """`jax_triton.triton_call`, imported on first use."""
+    import jax_triton
+
+    return jax_triton.triton_call(*args, **kwargs)
+
+
+def jit_kernels():
+    """The module of `@triton.jit` kernels, imported on first use (it imports Triton)."""
+    from . import jit_kernels
+
+    return jit_kernels
+
+
+def term_constexprs(terms: MaskTerms | None) -> dict:
+    """The kernels' constexpr switches for the canonical terms (all off when ``None``)."""
+    if terms is None:
+        return dict(CAUSAL=False, CAUSAL_OFF=0, WIN_L=-1, WIN_R=-1, CHUNK=0, PREFIX=-1)
+    return dict(
+        CAUSAL=terms.causal_offset is not None,
+        CAUSAL_OFF=terms.causal_offset or 0,
+        WIN_L=-1 if terms.window_left is None else terms.window_left,
+        WIN_R=-1 if terms.window_right is None else terms.window_right,
+        CHUNK=terms.chunk or 0,
+        PREFIX=-1 if terms.prefix is None else terms.prefix,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Everything static about one call: shapes, flags and launch parameters (hashable)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    value_dim: int
+    dtype: str
+    bias_shape: tuple[int, int] | None
+    num_sinks: int
+    softmax_scale: float
+    soft_cap: float
+    #: The canonical terms evaluated in partial blocks; ``None``: the layouts' bitmaps.
+    terms: MaskTerms | None
+    has_q_positions: bool
+    has_kv_positions: bool
+    #: ``(block_q, block_kv)`` and ``(num_warps, num_stages)`` of the forward, dq and dk/dv
+    #: launches; each launch reads a layout built at its own blocks.
+    fwd_blocks: tuple[int, int]
+    dq_blocks: tuple[int, int]
+    dkdv_blocks: tuple[int, int]
+    fwd_launch: tuple[int, int]
+    dq_launch: tuple[int, int]
+    dkdv_launch: tuple[int, int]
+    #: How the forward, dq and dk/dv launches walk their full lists (`list_mode`).
+    list_modes: tuple[str, str, str]
+
+    def common(self) -> dict:
+        t = self.terms
+        bb, hb = self.bias_shape or (1, 1)
+        return dict(
+            H=self.heads, HKV=self.kv_heads, LQ=self.q_len, LK=self.kv_len,
+            D=self.head_dim, DV=self.value_dim, DP=pow2(self.head_dim),
+            DVP=pow2(self.value_dim), BB=bb, HB=hb,
+            SCALE=float(self.softmax_scale), SOFTCAP=float(self.soft_cap),
+            HAS_BIAS=self.bias_shape is not None,
+            HAS_QPOS=self.has_q_positions and t is not None and t.uses_positions,
+            HAS_KPOS=self.has_kv_positions and t is not None and t.uses_positions,
+            HAS_SEG=t is not None and t.segment_ids,
+            USE_BITMAP=t is None,
+            IEEE=self.dtype == "float32",
+            **term_constexprs(t),
+        )
+
+
+def list_mode(layout: BlockLayout, transposed: bool) -> str:
+    """How a launch walks the full lists of `layout`: ``"range"`` (static, every list a range
+    of consecutive blocks: no index loads), ``"index"`` (static, scattered) or ``"check"``
+    (built on the device from per-call data: the kernel checks each list for a range)."""
+    if not layout.is_static:
+        return "check"
+    count, index = ((layout.t_full_count, layout.t_full_index) if transposed
+                    else (layout.full_count, layout.full_index))
+    return "range" if lists_are_ranges(count, index) else "index"
+
+
+def layout_arrays(layout: BlockLayout, transposed: bool) -> tuple:
+    """The six arrays a launch reads of `layout`: full / partial counts and indices, the
+    bitmap index of each partial entry (the partial counts as a placeholder without bitmaps)
+    and the bitmaps (int8; a placeholder without)."""
+    bitmaps = layout.bitmaps
+    if bitmaps is None:
+        bitmaps = jnp.zeros((1,), jnp.int8)
+        idx = layout.t_partial_count if transposed else layout.partial_count
+    else:
+        bitmaps = bitmaps.astype(jnp.int8)
+        idx = layout.t_bitmap_index if transposed else layout.bitmap_index
+    if transposed:
+        arrays = (layout.t_full_count, layout.t_full_index, layout.t_partial_count,
+                  layout.t_partial_index, idx, bitmaps)
+    else:
+        arrays = (layout.full_count, layout.full_index, layout.partial_count,
+                  layout.partial_index, idx, bitmaps)
+    return tuple(jnp.asarray(a).astype(jnp.int32) if a.dtype != jnp.int8 else a for a in arrays)
+
+
+def _list_params(arrays, mode: str, stages: int) -> dict:
+    fcnt, fidx, _, pidx, _, _ = arrays
+    return dict(CF=fidx.shape[-1], CP=pidx.shape[-1], MB=fcnt.shape[0], MH=fcnt.shape[1],
+                FULL_CONTIG=mode == "range", FULL_CHECK=mode == "check", PREFETCH=stages >= 3)
+
+
+#: How a launch's arrays lie along the batch, for its vmap rule (`batched_launch`):
+#: ``"batch"``: the leading axis is the call's batch (q, k, v, positions, segment ids, dO, ...);
+#: ``"bcast"``: the leading axis is 1 (shared by the batch) or the batch (bias, layout lists);
+#: ``"shared"``: no batch axis (sinks, bitmaps). A one-dimensional array is a placeholder for
+#: an absent input (the kernel never reads it) whatever its role.
+BATCH, BCAST, SHARED = "batch", "bcast", "shared"
+
+
+def batched_launch(run, cfg: LaunchConfig, roles: tuple[str, ...], out_roles: tuple[str, ...]):
+    """``run(cfg, *arrays) -> tuple of arrays``, with a vmap rule that folds the mapped axis
+    into the batch: ``jax.vmap`` over a call (so `eqx.filter_vmap` over unbatched inputs) is one
+    launch of ``V * B`` batch elements, not ``V`` launches.
+
+    Arrays shared by the batch (a ``[1, ...]`` bias or layout) stay shared when they are not
+    mapped, and are repeated per element when they are. Mapped sinks or bitmaps have no batch
+    axis to fold into: such calls run one launch per element.
+    """
+    wrapped = jax.custom_batching.custom_vmap(functools.partial(run, cfg))
+
+    @wrapped.def_vmap
+    def rule(axis_size, in_batched, *args):
+        if any(b and r == SHARED and a.ndim > 1 for a, b, r in zip(args, in_batched, roles)):
+            args = tuple(a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                         for a, b in zip(args, in_batched))
+            out = jax.lax.map(lambda xs: wrapped(*xs), args)
+            return out, jax.tree.map(lambda _: True, out)
+        folded_batch = axis_size * cfg.batch
+        folded = []
+        for a, batched, role in zip(args, in_batched, roles):
+            shape = a.shape[1:] if batched else a.shape
+            if len(shape) <= 1:  # placeholder: the kernel never reads it
+                folded.append(a[0] if batched else a)
+            elif role == SHARED or (role == BCAST and not batched and shape[0] == 1):
+                folded.append(a)
+            else:
+                full = (axis_size, cfg.batch) + shape[1:]
+                a = jnp.broadcast_to(a if batched else a[None], full)
+                folded.append(a.reshape((folded_batch,) + shape[1:]))
+        bias_shape = cfg.bias_shape
+        if bias_shape is not None:
+            bias_shape = (folded[roles.index(BCAST)].shape[0], bias_shape[1])
+        inner = batched_launch(run, dataclasses.replace(cfg, batch=folded_batch,
+                                                        bias_shape=bias_shape),
+                               roles, out_roles)
+        outs = inner(*folded)
+        unfolded = tuple(o if (r != BATCH or o.ndim <= 1)
+                         else o.reshape((axis_size, cfg.batch) + o.shape[1:])
+                         for o, r in zip(outs, out_roles))
+        return unfolded, tuple(r == BATCH and o.ndim > 1 for o, r in zip(outs, out_roles))
+
+    return wrapped
+
+
+#: Roles (`batched_launch`) of each launch's arrays: q, k, v, bias (every launch's first
+#: "bcast" array), [sinks,] the data (q / kv positions, q / kv segment ids), [dO, lse, delta,]
+#: then the layout lists (`layout_arrays`: counts, indices, bitmap indices, bitmaps).
+_DATA_ROLES = (BATCH,) * 4
+_LIST_ROLES = (BCAST,) * 5 + (SHARED,)
+FORWARD_ROLES = (BATCH,) * 3 + (BCAST, SHARED) + _DATA_ROLES + _LIST_ROLES
+BACKWARD_ROLES = (BATCH,) * 3 + (BCAST,) + _DATA_ROLES + (BATCH,) * 3 + _LIST_ROLES
+
+
+def forward_launch(cfg: LaunchConfig, q, k, v, bias, sinks, data, lists):
+    """``(out [B, H, Lq, Dv], lse [B, H, Lq] float32, base 2)``."""
+
+    def run(cfg, q, k, v, bias, sinks, *rest):
+        lists = rest[4:]
+        bq, bk = cfg.fwd_blocks
+        nq = math.ceil(cfg.q_len / bq)
+        warps, stages = cfg.fwd_launch
+        return tuple(triton_call(
+            q, k, v, bias, sinks, *rest,
+            kernel=jit_kernels().forward_kernel,
+            out_shape=(
+                jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.q_len, cfg.value_dim), q.dtype),
+                jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.q_len), jnp.float32),
+            ),
+            grid=(nq, cfg.heads, cfg.batch), num_warps=warps, num_stages=stages,
+            NQB=nq, S=max(cfg.num_sinks, 1),
+            SP=max(2, 1 << max(cfg.num_sinks - 1, 0).bit_length()),
+            HAS_SINKS=cfg.num_sinks > 0, BLOCK_M=bq, BLOCK_N=bk,
+            **_list_params(lists, cfg.list_modes[0], stages), **cfg.common(),
+        ))
+
+    return batched_launch(run, cfg, FORWARD_ROLES, (BATCH, BATCH))(
+        q, k, v, bias, sinks, *data, *lists)
+
+
+def dq_launch(cfg: LaunchConfig, q, k, v, bias, data, lists, do, lse, delta):
+    """dq (and the full-size float32 dS, which is the bias gradient, when there is a bias)."""
+
+    def run(cfg, q, k, v, bias, *rest):
+        lists = rest[7:]
+        bq, bk = cfg.dq_blocks
+        nq = math.ceil(cfg.q_len / bq)
+        warps, stages = cfg.dq_launch
+        has_bias = cfg.bias_shape is not None
+        dbias_shape = (cfg.batch, cfg.heads, cfg.q_len, cfg.kv_len) if has_bias else (1,)
+        return tuple(triton_call(
+            q, k, v, bias, *rest,
+            kernel=jit_kernels().dq_kernel,
+            out_shape=(
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+            ),
+            # Blocks no program visits keep the zero gradient they have.
+            zeroed_outputs=(1,) if has_bias else (),
+            grid=(nq, cfg.heads, cfg.batch), num_warps=warps, num_stages=stages,
+            NQB=nq, BLOCK_M=bq, BLOCK_N=bk, **_list_params(lists, cfg.list_modes[1], stages),
+            **cfg.common(),
+        ))
+
+    return batched_launch(run, cfg, BACKWARD_ROLES, (BATCH, BATCH))(
+        q, k, v, bias, *data, do, lse, delta, *lists)
+
+
+def dkdv_launch(cfg: LaunchConfig, q, k, v, bias, data, t_lists, do, lse, delta):
+    """dk and dv, one program per (kv-block, kv head, batch), over the transposed lists."""
+
+    def run(cfg, q, k, v, bias, *rest):
+        t_lists = rest[7:]
+        bq, bk = cfg.dkdv_blocks
+        nk = math.ceil(cfg.kv_len / bk)
+        warps, stages = cfg.dkdv_launch
+        return tuple(triton_call(
+            q, k, v, bias, *rest,
+            kernel=jit_kernels().dkdv_kernel,
+            out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
+                       jax.ShapeDtypeStruct(v.shape, v.dtype)),
+            grid=(nk, cfg.kv_heads, cfg.batch), num_warps=warps, num_stages=stages,
+            NKB=nk, BLOCK_M=bq, BLOCK_N=bk,
+            **_list_params(t_lists, cfg.list_modes[2], stages),
+            **cfg.common(),
+        ))
+
+    return batched_launch(run, cfg, BACKWARD_ROLES, (BATCH, BATCH))(
+        q, k, v, bias, *data, do, lse, delta, *t_lists)
+

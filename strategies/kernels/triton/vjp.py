@@ -1,0 +1,63 @@
+"""`attend`: the three launches of `TritonBlockSparse` under one `jax.custom_vjp`."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .launch import LaunchConfig, dkdv_launch, dq_launch, forward_launch
+
+_LN2 = math.log(2.0)
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attend(cfg: LaunchConfig, q, k, v, bias, sinks, data, lists, bwd_lists):
+    """Attention output ``[B, H, Lq, Dv]``; differentiable in q, k, v, bias and sinks.
+
+    `bias` and `sinks` are one-element placeholders when absent; `data` the positions and
+    segment ids (placeholders when absent); `lists` the forward layout's arrays and
+    `bwd_lists` the dq layout's and the dk/dv layout's (`launch.layout_arrays`).
+    """
+    out, _ = forward_launch(cfg, q, k, v, bias, sinks, data, lists)
+    return out
+
+
+def _attend_fwd(cfg, q, k, v, bias, sinks, data, lists, bwd_lists):
+    out, lse = forward_launch(cfg, q, k, v, bias, sinks, data, lists)
+    return out, (q, k, v, bias, sinks, data, lists, bwd_lists, out, lse)
+
+
+def _attend_bwd(cfg, res, do):
+    q, k, v, bias, sinks, data, lists, bwd_lists, out, lse = res
+    do = do.astype(q.dtype)
+    # delta = rowsum(dO * O): one fused elementwise pass in XLA, memory-bound and cheap.
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    dq_lists, t_lists = bwd_lists
+    dq, dbias_full = dq_launch(cfg, q, k, v, bias, data, dq_lists, do, lse, delta)
+    dk, dv = dkdv_launch(cfg, q, k, v, bias, data, t_lists, do, lse, delta)
+    if cfg.bias_shape is not None:
+        bb, hb = cfg.bias_shape
+        axes = tuple(a for a, n in ((0, bb), (1, hb)) if n == 1)
+        dbias = jnp.sum(dbias_full, axis=axes, keepdims=True).astype(bias.dtype)
+    else:
+        dbias = jnp.zeros_like(bias)
+    if cfg.num_sinks > 0:
+        # d sink[h, s] = -sum over rows of exp(sink - lse) * delta (lse stored in base 2).
+        lse_nat = lse * _LN2
+        weight = jnp.exp(sinks[None, :, None, :] - lse_nat[..., None])  # [B, H, LQ, S]
+        dsinks = -jnp.sum(weight * delta[..., None], axis=(0, 2)).astype(sinks.dtype)
+    else:
+        dsinks = jnp.zeros_like(sinks)
+    zeros = jax.tree.map(_zero_cotangent, (data, lists, bwd_lists))
+    return (dq, dk, dv, dbias, dsinks) + zeros
+
+
+attend.defvjp(_attend_fwd, _attend_bwd)
