@@ -9,8 +9,14 @@ mask evaluator (`np_mask`) that reads each built-in mask's fields.
 
 import functools
 import math
+import os
 
-import jax
+if os.environ.get("EQX_BSATTN_TRITON_INTERPRET"):  # a debugging aid: see tests/triton_interpret.py
+    from tests.triton_interpret import install
+
+    install(os.environ["EQX_BSATTN_TRITON_INTERPRET"])
+
+import jax  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
 import pytest

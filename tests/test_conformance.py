@@ -1,13 +1,23 @@
-"""The shared conformance suite: every CPU kernel in `KERNELS` against `DenseReference`.
+"""The one conformance suite: every registered kernel against the float64 oracle.
 
-Parametrised over kernels x cases (mask families x features). Each case compares the forward
-output and the gradients of q, k, v, bias and sinks (through one random cotangent) at float32
-tolerance, with a small tiling so several blocks, full and partial, are exercised. A kernel
-joins by its name appearing in `tests.conftest.KERNELS`.
+Parametrised over kernels x cases x dtypes. Each case runs the kernel through
+`BlockSparseAttention` with an explicit kernel and compares the forward output and the
+gradients of q, k, v, bias and sinks (through one random cotangent) with `jnp_attention_f64`
+of `tests.conftest`, whose mask comes from the NumPy evaluator `np_mask`, not from the package.
+Inputs are random normals (never zeros) rounded to the case's dtype; the oracle reads the same
+rounded values. Tolerances are by dtype.
 
-`DenseReference` itself is checked here against the independent float64 oracle instead (checking
-it against itself could not fail).
+The kernels are every concrete kernel class the package and the documentation's worked example
+register (`registered_kernels()`, less the ones test modules define); a new kernel is tested by
+being registered. Kernels that do not run on the CPU carry the `gpu` marker and skip without a
+GPU. A kernel may decline a case: the test then checks that the plan refuses it with the
+kernel's reason, and `test_declined_cases_are_the_expected_ones` checks that the declined cases
+are exactly the ones each kernel is known to decline, so a kernel cannot pass by declining.
 """
+
+import dataclasses
+import importlib.util
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -15,162 +25,433 @@ import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
-from eqx_bsattn import kernels, masks
-from tests.conftest import KERNELS, assert_close, jnp_attention_f64, make_kernel, random_array
-from tests.test_reference import Case, build
+from eqx_bsattn import masks
+from tests.conftest import jnp_attention_f64, np_visibility, sorted_segments
 
-TILING = bsa.Tiling(block_q=16, block_kv=32)
-FWD_TOL = 2e-5
-GRAD_TOL = 5e-5
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load_documented_kernels():
+    """Import the worked examples of docs/ that define kernels, so that they register."""
+    for path in sorted((ROOT / "docs" / "examples").glob("*kernel*.py")):
+        spec = importlib.util.spec_from_file_location(f"docs_examples_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+_load_documented_kernels()
+
+KERNELS = [cls for cls in bsa.registered_kernels() if not cls.__module__.startswith("tests")]
+ON_GPU = jax.default_backend() == "gpu"
+
+# Maximum absolute error over the largest expected magnitude, forward and gradients, and the
+# error in norm, ||got - want|| / ||want||, by input dtype. float32 kernels round only their
+# arithmetic; the half types also round p and dS to 8 or 11 bits (the XLA kernel in bfloat16
+# on the CPU: norm ~3e-3, maximum ~4.5e-3).
+TOL = {
+    "float32": {"max": (2e-5, 5e-5), "norm": (2e-5, 5e-5)},
+    "float16": {"max": (4e-3, 4e-3), "norm": (2e-3, 2e-3)},
+    "bfloat16": {"max": (2e-2, 2e-2), "norm": (1e-2, 1e-2)},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call: the mask, shapes, per-call data and options; ``tiling="small"`` is a 16x32
+    tiling (many blocks, full and partial), ``None`` the kernel's heuristic."""
+
+    mask: object
+    batch: int | None = 2
+    heads: int = 4
+    kv_heads: int | None = None
+    q_len: int = 45
+    kv_len: int | None = None
+    dim: int = 8
+    value_dim: int | None = None
+    softmax_scale: float | None = None
+    soft_cap: float | None = None
+    bias: str | None = None  # "qk", "hqk", "b1qk", "1hqk", "bhqk"
+    sinks: str | None = None  # "s", "h", "hs"
+    documents: int = 0  # sorted segment ids with this many documents
+    pad: int = 0  # the last `pad` tokens are padding (segment id -1)
+    interleaved: bool = False  # documents that resume after another one
+    positions: str | None = None  # "sorted" (random, sorted) or "shifted"
+    input_scale: float = 1.0
+    tiling: object = "small"
+    dtypes: tuple[str, ...] | None = None  # default: the kernel's own (see `_dtypes`)
+    seed: int = 0
+
+
+SMALL = bsa.Tiling(block_q=16, block_kv=32)
 
 
 def every_other_causal(q, k):
     return (k <= q) & ((q - k) % 2 == 0)
 
 
-_TABLE = np.random.default_rng(4).random((8, 8)) < 0.4
+def every_fifth_skipped(q, k):
+    return (k <= q) & ((q - k) % 5 != 2)
 
-# Ragged lengths (not multiples of the tiling) unless a case says otherwise.
-R = dict(q_len=45, kv_len=45)
+
+_TABLE = np.random.default_rng(4).random((8, 8)) < 0.4
+_TABLE3 = np.tril(np.ones((3, 3), bool)) & (np.random.default_rng(0).random((3, 3)) > 0.3)
+_TABLE3[np.arange(3), np.arange(3)] = True
+
+R = dict(q_len=45, kv_len=45)  # ragged: not multiples of the small tiling
+# Shapes on which the GPU kernels run their own tiles: the heuristic tiling, head dim 64, GQA.
+BIG = dict(q_len=300, dim=64, kv_heads=2, tiling=None)
+
 CASES = {
-    # mask families
-    "full_scale": Case(mask=masks.Full(), softmax_scale=0.9, **R),
-    "causal_bottom_right_lq_lt_lk": Case(mask=masks.Causal(bottom_right=True), q_len=21, kv_len=70),
-    "causal_lq_gt_lk": Case(mask=masks.Causal(offset=3), q_len=70, kv_len=37),
-    "window": Case(mask=masks.SlidingWindow(13, 5), **R),
-    "chunked": Case(mask=masks.ChunkedCausal(24), **R),
-    "prefix_lm": Case(mask=masks.PrefixLM(18), **R),
-    "global_window": Case(mask=masks.SlidingWindow(6) | masks.GlobalTokens(4), **R),
-    "dilated_window": Case(mask=masks.SlidingWindow(30, 0) & masks.Dilated(3), **R),
-    "bigbird": Case(mask=masks.Causal() & (masks.SlidingWindow(16, 0) | masks.GlobalTokens(8)
-                                           | masks.BigBirdRandom(16, 1, seed=1)), q_len=80, kv_len=80),
-    "block_layout": Case(mask=masks.BlockLayoutMask(_TABLE, (8, 12)), q_len=50, kv_len=61),
-    "predicate": Case(mask=masks.Predicate(every_other_causal), **R),
-    "not_window": Case(mask=~masks.SlidingWindow(4), **R),
-    "per_head": Case(mask=masks.PerHead([masks.Causal(), masks.SlidingWindow(5),
-                                         masks.ChunkedCausal(16), ~masks.Causal()]), **R),
-    "fully_masked_rows": Case(mask=masks.Causal(offset=-20), **R),
-    # features
-    "bias_qk": Case(mask=masks.Causal(), bias_shape="qk", **R),
-    "bias_hqk_window": Case(mask=masks.SlidingWindow(9), bias_shape="hqk", **R),
-    "bias_b1qk_chunked": Case(mask=masks.ChunkedCausal(16), bias_shape="b1qk", q_len=33, kv_len=50),
-    "gqa_causal_sinks_s": Case(mask=masks.Causal(), sinks_shape="s", heads=6, kv_heads=2, **R),
-    "sinks_hs_window": Case(mask=masks.SlidingWindow(8, 0), sinks_shape="hs", **R),
-    "soft_cap": Case(mask=masks.Causal(), soft_cap=2.0, input_scale=1.5, **R),
-    "segments": Case(mask=masks.Causal(), segments=True, q_len=64, kv_len=64),
-    "segments_padded_lq_ne_lk": Case(mask=masks.Full(), segments=True, pad=5, q_len=40, kv_len=57),
-    "positions": Case(mask=masks.Causal() & masks.SlidingWindow(12, 0), positions=True,
+    # Mask families on a small tiling.
+    "full_scale": Case(masks.Full(), softmax_scale=0.9, **R),
+    "causal_bottom_right_lq_lt_lk": Case(masks.Causal(bottom_right=True), q_len=21, kv_len=70),
+    "causal_lq_gt_lk": Case(masks.Causal(offset=3), q_len=70, kv_len=37),
+    "window": Case(masks.SlidingWindow(13, 5), **R),
+    "chunked": Case(masks.ChunkedCausal(24), **R),
+    "prefix_lm": Case(masks.PrefixLM(18), **R),
+    "global_window": Case(masks.SlidingWindow(6) | masks.GlobalTokens(4), **R),
+    "dilated_window": Case(masks.SlidingWindow(30, 0) & masks.Dilated(3), **R),
+    "bigbird": Case(masks.Causal() & (masks.SlidingWindow(16, 0) | masks.GlobalTokens(8)
+                                      | masks.BigBirdRandom(16, 1, seed=1)), q_len=80),
+    "block_layout": Case(masks.BlockLayoutMask(_TABLE, (8, 12)), q_len=50, kv_len=61),
+    "aligned_table": Case(masks.Causal() & masks.BlockLayoutMask(_TABLE, (32, 32)), q_len=100,
+                          kv_len=90),
+    "predicate": Case(masks.Predicate(every_other_causal), **R),
+    "not_window": Case(~masks.SlidingWindow(4), **R),
+    "per_head": Case(masks.PerHead([masks.Causal(), masks.SlidingWindow(5),
+                                    masks.ChunkedCausal(16), ~masks.Causal()]), **R),
+    "fully_masked_rows": Case(masks.Causal(offset=-20), **R),
+    # Features on a small tiling.
+    "bias_qk": Case(masks.Causal(), bias="qk", **R),
+    "bias_hqk_window": Case(masks.SlidingWindow(9), bias="hqk", **R),
+    "bias_b1qk_chunked": Case(masks.ChunkedCausal(16), bias="b1qk", q_len=33, kv_len=50),
+    "gqa_causal_sinks_s": Case(masks.Causal(), sinks="s", heads=6, kv_heads=2, **R),
+    "sinks_hs_window": Case(masks.SlidingWindow(8, 0), sinks="hs", **R),
+    "soft_cap": Case(masks.Causal(), soft_cap=2.0, input_scale=1.5, **R),
+    "segments": Case(masks.Causal(), documents=3, q_len=64),
+    "segments_padded_lq_ne_lk": Case(masks.Full(), documents=3, pad=5, q_len=40, kv_len=57),
+    "positions": Case(masks.Causal() & masks.SlidingWindow(12, 0), positions="sorted",
                       q_len=30, kv_len=66),
-    "mqa_window": Case(mask=masks.SlidingWindow(7, 2), heads=4, kv_heads=1, **R),
-    "value_dim": Case(mask=masks.PrefixLM(9), dim=8, value_dim=12, **R),
-    "one_query": Case(mask=masks.Causal(bottom_right=True), q_len=1, kv_len=50),
-    "unbatched": Case(mask=masks.Causal(), batch=None, bias_shape="hqk", **R),
-    "everything": Case(mask=masks.Causal(bottom_right=True) & masks.SlidingWindow(25, 0),
+    "mqa_window": Case(masks.SlidingWindow(7, 2), heads=4, kv_heads=1, **R),
+    "value_dim": Case(masks.PrefixLM(9), dim=8, value_dim=12, **R),
+    "one_query": Case(masks.Causal(bottom_right=True), q_len=1, kv_len=50),
+    "unbatched": Case(masks.Causal(), batch=None, bias="hqk", **R),
+    "everything": Case(masks.Causal(bottom_right=True) & masks.SlidingWindow(25, 0),
                        heads=4, kv_heads=2, q_len=39, kv_len=58, dim=8, value_dim=5,
-                       softmax_scale=0.4, soft_cap=4.0, bias_shape="b1qk", sinks_shape="hs",
-                       segments=True, pad=3),
+                       softmax_scale=0.4, soft_cap=4.0, bias="b1qk", sinks="hs", documents=3,
+                       pad=3),
+    # Mask families on the kernel's own tiling.
+    "tiled_full": Case(masks.Full(), **BIG),
+    "tiled_causal": Case(masks.Causal(), **BIG),
+    "tiled_causal_window": Case(masks.Causal() & masks.SlidingWindow(70, 0), **BIG),
+    "tiled_causal_open_window": Case(masks.Causal() & masks.SlidingWindow(None, 5), **BIG),
+    "tiled_gqa_long": Case(masks.Causal(), batch=1, heads=8, kv_heads=2, q_len=1024, dim=128,
+                           tiling=None),
+    "tiled_symmetric_window": Case(masks.SlidingWindow(40), **BIG),
+    "tiled_chunked": Case(masks.ChunkedCausal(96), **BIG),
+    "tiled_prefix": Case(masks.PrefixLM(77), **BIG),
+    "tiled_global": Case(masks.SlidingWindow(30) | masks.GlobalTokens(20), **BIG),
+    "tiled_dilated": Case(masks.Causal() & masks.Dilated(3), **BIG),
+    "tiled_bigbird": Case(masks.Causal() & (masks.SlidingWindow(64, 0) | masks.GlobalTokens(32)
+                                            | masks.BigBirdRandom(64, 2)), **BIG),
+    "tiled_block_layout": Case(masks.BlockLayoutMask(_TABLE3, 128), **BIG),
+    "tiled_predicate": Case(masks.Predicate(every_fifth_skipped), **BIG),
+    "tiled_per_head": Case(masks.PerHead([masks.Causal(), masks.SlidingWindow(16),
+                                          masks.PrefixLM(50), masks.Full()]), **BIG),
+    "tiled_not_causal": Case(~masks.Causal(offset=-1), **BIG),
+    "tiled_offset_window_chunk": Case(masks.Causal(offset=3) & masks.SlidingWindow(100, 10)
+                                      & masks.ChunkedCausal(128), **BIG),
+    # Features on the kernel's own tiling.
+    "tiled_documents_window": Case(masks.Causal() & masks.SlidingWindow(50, 0), documents=4,
+                                   pad=7, **BIG),
+    "tiled_documents": Case(masks.Full(), documents=6, **BIG),
+    "tiled_interleaved_documents": Case(masks.Full(), interleaved=True,
+                                        **{**BIG, "q_len": 600}),
+    "tiled_interleaved_documents_causal": Case(masks.Causal(), interleaved=True,
+                                               **{**BIG, "q_len": 600, "dim": 128}),
+    "tiled_positions": Case(masks.Causal() & masks.SlidingWindow(60, 0), positions="shifted",
+                            **BIG),
+    "tiled_dtypes": Case(masks.Causal() & masks.SlidingWindow(100, 0),
+                         dtypes=("float16", "float32", "bfloat16"), **BIG),
+    **{f"tiled_head_dim_{d}": Case(masks.Causal(), **{**BIG, "q_len": 200, "dim": d})
+       for d in (80, 96, 128, 192, 256)},
+    "tiled_value_dim": Case(masks.Causal(), value_dim=128, **{**BIG, "q_len": 200}),
+    "tiled_decode_mqa": Case(masks.Causal(bottom_right=True), heads=8, kv_heads=1, q_len=1,
+                             kv_len=500, dim=64, tiling=None),
+    "tiled_cross_lengths": Case(masks.Causal(bottom_right=True) & masks.SlidingWindow(90, 0),
+                                **{**BIG, "q_len": 130, "kv_len": 333}),
+    "tiled_bias_1hqk": Case(masks.Causal(), bias="1hqk", **BIG),
+    "tiled_bias_b1qk": Case(masks.Full(), bias="b1qk", **BIG),
+    "tiled_bias_qk": Case(masks.Causal(), bias="qk", **BIG),
+    "tiled_sinks_soft_cap": Case(masks.Causal(), sinks="hs", soft_cap=5.0, **BIG),
+    "tiled_everything": Case(masks.Causal() & masks.SlidingWindow(80, 0), bias="bhqk",
+                             sinks="hs", soft_cap=3.0, documents=3, pad=5,
+                             **{**BIG, "dim": 80, "value_dim": 96}),
+    "tiled_fully_masked_rows": Case(masks.Causal(offset=-40), **BIG),
+    "tiled_fully_masked_rows_sinks": Case(masks.Causal(offset=-40), sinks="h", **BIG),
+    "tiled_explicit": Case(masks.Causal() & masks.SlidingWindow(70, 0),
+                           **{**BIG, "tiling": bsa.Tiling(block_q=64, block_kv=32,
+                                                          block_q_bwd=32, block_kv_bwd=64,
+                                                          num_warps=4, num_stages=2)}),
+    "tiled_explicit_dq": Case(masks.Causal() & masks.SlidingWindow(70, 0),
+                              **{**BIG, "tiling": bsa.Tiling(
+                                  block_q=64, block_kv=64, block_q_bwd=32, block_kv_bwd=64,
+                                  num_warps=4, num_stages=3, block_q_dq=64, block_kv_dq=32,
+                                  num_stages_dq=3)}),
+    "tiled_explicit_documents": Case(masks.Causal(), documents=4,
+                                     **{**BIG, "tiling": bsa.Tiling(
+                                         block_q=64, block_kv=64, block_q_bwd=32,
+                                         block_kv_bwd=64, num_warps=4, num_stages=3,
+                                         block_q_dq=64, block_kv_dq=32, num_stages_dq=3)}),
 }
 
 
-def _split(kw):
-    diff = {n: kw[n] for n in ("bias", "sinks") if n in kw}
-    rest = {n: x for n, x in kw.items() if n not in diff}
-    return diff, rest
+def _dtypes(kernel_cls, case: Case) -> tuple[str, ...]:
+    """The case's dtypes, else the kernel's own: float32 where it runs on the CPU, bfloat16
+    for a GPU-only kernel."""
+    if case.dtypes is not None:
+        return case.dtypes
+    return ("float32",) if "cpu" in kernel_cls.platforms else ("bfloat16",)
 
 
-def kernel_fwd_and_grads(attn, q, k, v, kw, ct):
-    diff, rest = _split(kw)
+def _unavailable(kernel_cls) -> str | None:
+    """Why `kernel_cls` cannot run anywhere on this installation (a library it needs is
+    missing), or None: its reason to decline a plain call on its own platform."""
+    features = bsa.Features(platform=kernel_cls.platforms[0], dtype="bfloat16", q_len=128,
+                            kv_len=128)
+    resolved = bsa.ResolvedMask(masks.Full(), q_len=128, kv_len=128, num_heads=1)
+    return kernel_cls().decline_reason(resolved, features)
+
+
+def _marks(kernel_cls, runs: bool) -> list:
+    """A GPU-only kernel carries the `gpu` marker. It skips where a library it needs is
+    missing, and, when the test `runs` it, where this machine is not one of its platforms."""
+    marks = [] if "cpu" in kernel_cls.platforms else [pytest.mark.gpu]
+    why = _unavailable(kernel_cls)
+    if why is None and runs and bsa.default_platform() not in kernel_cls.platforms:
+        why = f"runs on {' / '.join(kernel_cls.platforms)}; this machine is {bsa.default_platform()}"
+    if why is not None:
+        marks.append(pytest.mark.skip(reason=f"{kernel_cls.name}: {why}"))
+    return marks
+
+
+PARAMS = [pytest.param(cls, name, dtype, marks=_marks(cls, runs=True),
+                        id=f"{cls.name}-{name}-{dtype}")
+          for cls in KERNELS for name, case in CASES.items() for dtype in _dtypes(cls, case)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and the oracle.
+
+
+@dataclasses.dataclass
+class Built:
+    args: dict  # differentiable inputs: q, k, v, and bias / sinks when present
+    data: dict  # segment ids / positions as the call takes them
+    truth: dict  # the NumPy evaluator's arguments: mask, shapes, segment ids, positions
+    cotangent: jax.Array
+
+    @property
+    def visible(self) -> np.ndarray:
+        """``[B, H, Lq, Lk]`` visibility from the NumPy evaluator."""
+        return np_visibility(**self.truth)
+
+
+def _normal(rng, shape, dtype, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32).astype(dtype)
+
+
+def build(case: Case, dtype: str) -> Built:
+    rng = np.random.default_rng(case.seed)
+    b = 1 if case.batch is None else case.batch
+    lead = () if case.batch is None else (case.batch,)
+    h, lq = case.heads, case.q_len
+    hkv = h if case.kv_heads is None else case.kv_heads
+    lk = lq if case.kv_len is None else case.kv_len
+    dv = case.dim if case.value_dim is None else case.value_dim
+    args = {
+        "q": _normal(rng, lead + (h, lq, case.dim), dtype, case.input_scale),
+        "k": _normal(rng, lead + (hkv, lk, case.dim), dtype, case.input_scale),
+        "v": _normal(rng, lead + (hkv, lk, dv), dtype),
+    }
+    if case.bias is not None:
+        shape = {"qk": (lq, lk), "hqk": (h, lq, lk), "b1qk": lead + (1, lq, lk),
+                 "1hqk": (1, h, lq, lk), "bhqk": lead + (h, lq, lk)}[case.bias]
+        args["bias"] = _normal(rng, shape, jnp.float32)
+    if case.sinks is not None:
+        args["sinks"] = _normal(rng, {"s": (3,), "h": (h,), "hs": (h, 2)}[case.sinks],
+                                jnp.float32)
+    data, truth = {}, {}
+    if case.documents or case.interleaved:
+        if case.interleaved:
+            # Row 0: two documents alternating every 150 tokens; row 1: four packed documents.
+            ids = np.stack([(np.arange(lq) // 150) % 2, np.repeat(np.arange(4), -(-lq // 4))[:lq]])
+            qs = ks = ids[:b].astype(np.int32)
+        else:
+            qs = sorted_segments(rng, b, lq, case.documents, pad=case.pad)
+            ks = qs if lk == lq else sorted_segments(rng, b, lk, case.documents, pad=case.pad)
+        truth.update(q_seg=qs, kv_seg=ks)
+        data.update(q_segment_ids=qs, kv_segment_ids=ks)
+    if case.positions == "sorted":
+        qp = np.sort(rng.choice(lq + lk, size=(b, lq)), axis=-1).astype(np.int32)
+        kp = np.stack([np.arange(lk)] * b).astype(np.int32)
+    elif case.positions == "shifted":
+        qp = np.stack([np.arange(lq) + 1000, np.arange(lq)[::-1] * 2])[:b].astype(np.int32)
+        kp = np.stack([np.arange(lk) + 950, np.arange(lk) * 2])[:b].astype(np.int32)
+    if case.positions is not None:
+        truth.update(q_pos=qp, kv_pos=kp)
+        data.update(q_positions=qp, kv_positions=kp)
+    data = {n: jnp.asarray(x if case.batch is not None else x[0]) for n, x in data.items()}
+    mask = case.mask & masks.Document() if (case.documents or case.interleaved) else case.mask
+    truth.update(mask=mask, batch=b, heads=h, q_len=lq, kv_len=lk)
+    cotangent = _normal(rng, lead + (h, lq, dv), dtype)
+    return Built(args, data, truth, cotangent)
+
+
+def oracle(case: Case, built: Built):
+    """Float64 output and gradients of every differentiable input, on the CPU."""
+    batched = case.batch is not None
+    cpu = jax.devices("cpu")[0]
+    visible = built.visible
+    with jax.enable_x64(True), jax.default_device(cpu):
+        a = {n: jnp.asarray(np.asarray(x, np.float64)) for n, x in built.args.items()}
+        vis = jnp.asarray(visible)
+
+        def f(a):
+            lift = (lambda x: x) if batched else (lambda x: x[None])
+            bias = a.get("bias")
+            if bias is not None and not batched and bias.ndim == 3:
+                bias = bias[None]
+            out = jnp_attention_f64(lift(a["q"]), lift(a["k"]), lift(a["v"]), vis,
+                                    scale=case.softmax_scale, bias=bias, sinks=a.get("sinks"),
+                                    soft_cap=case.soft_cap)
+            return out if batched else out[0]
+
+        out, pullback = jax.vjp(f, a)
+        grads = pullback(jnp.asarray(np.asarray(built.cotangent, np.float64)))[0]
+        return np.asarray(out), {n: np.asarray(g) for n, g in grads.items()}
+
+
+def run_kernel(attn, built: Built):
+    diff = {n: x for n, x in built.args.items() if n in ("bias", "sinks")}
 
     def f(a):
-        return attn(a["q"], a["k"], a["v"], **{n: a[n] for n in diff}, **rest)
+        return attn(a["q"], a["k"], a["v"], **{n: a[n] for n in diff}, **built.data)
 
     @jax.jit
     def run(a, ct):
         out, pullback = jax.vjp(f, a)
         return out, pullback(ct)[0]
 
-    return run({"q": q, "k": k, "v": v, **diff}, ct)
+    return run(built.args, built.cotangent)
 
 
-def oracle_fwd_and_grads(case, q, k, v, kw, vis, ct):
-    diff, _ = _split(kw)
-    batched = case.batch is not None
-
-    def lift(x):
-        return x if batched else x[None]
-
-    with jax.enable_x64(True):
-        a = {n: jnp.asarray(np.asarray(x, np.float64))
-             for n, x in {"q": q, "k": k, "v": v, **diff}.items()}
-        vis64 = jnp.asarray(vis)
-
-        def f(a):
-            bias = a.get("bias")
-            if bias is not None and not batched and bias.ndim == 3:
-                bias = bias[None]
-            out = jnp_attention_f64(lift(a["q"]), lift(a["k"]), lift(a["v"]), vis64,
-                                    scale=case.softmax_scale, bias=bias, sinks=a.get("sinks"),
-                                    soft_cap=case.soft_cap)
-            return out if batched else out[0]
-
-        @jax.jit
-        def run(a, ct):
-            out, pullback = jax.vjp(f, a)
-            return out, pullback(ct)[0]
-
-        out, grads = run(a, jnp.asarray(np.asarray(ct, np.float64)))
-        return np.asarray(out), {n: np.asarray(g) for n, g in grads.items()}
-
-
-@pytest.mark.parametrize("case_name", list(CASES))
-@pytest.mark.parametrize("kernel_name", KERNELS)
-def test_kernel_conforms(kernel_name, case_name):
-    case = CASES[case_name]
-    q, k, v, kw, vis = build(case)
-    attn = bsa.BlockSparseAttention(mask=case.mask, kernel=make_kernel(kernel_name),
-                                    tiling=TILING, softmax_scale=case.softmax_scale,
+def _module(case: Case, kernel):
+    tiling = SMALL if case.tiling == "small" else case.tiling
+    return bsa.BlockSparseAttention(mask=case.mask, kernel=kernel, tiling=tiling,
+                                    softmax_scale=case.softmax_scale,
                                     logits_soft_cap=case.soft_cap)
-    out_shape = q.shape[:-1] + (v.shape[-1],)
-    ct = random_array(case.seed + 77, out_shape)
-    out, grads = kernel_fwd_and_grads(attn, q, k, v, kw, ct)
-    assert out.shape == out_shape and out.dtype == q.dtype
-    if kernel_name == "DenseReference":
-        want_out, want_grads = oracle_fwd_and_grads(case, q, k, v, kw, vis, ct)
-    else:
-        ref = bsa.BlockSparseAttention(mask=case.mask, kernel=kernels.DenseReference(),
-                                       softmax_scale=case.softmax_scale,
-                                       logits_soft_cap=case.soft_cap)
-        want_out, want_grads = kernel_fwd_and_grads(ref, q, k, v, kw, ct)
-    assert_close(out, want_out, FWD_TOL, f"{kernel_name} {case_name} out")
-    dead = ~vis.any(-1)
-    if dead.any():  # rows that see nothing: exactly zero output and zero dq
+
+
+def _errors(got, want) -> tuple[float, float]:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    assert np.all(np.isfinite(got)), "non-finite values"
+    scale = max(np.abs(want).max(initial=0.0), 1e-30)
+    norm = max(np.linalg.norm(want), 1e-30)
+    return float(np.abs(got - want).max(initial=0.0) / scale), float(np.linalg.norm(got - want) / norm)
+
+
+def _decline(case: Case, kernel, built: Built) -> str | None:
+    """The kernel's reason to decline this call, through the plan, or None."""
+    attn = _module(case, kernel)
+    diff = {n: x for n, x in built.args.items() if n in ("bias", "sinks")}
+    try:
+        attn.plan(built.args["q"], built.args["k"], built.args["v"], **diff, **built.data)
+    except ValueError as e:
+        if str(e).startswith(f"kernel {kernel.name} cannot run this call: "):
+            return str(e)
+        raise
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The suite.
+
+
+@pytest.mark.parametrize("kernel_cls,case_name,dtype", PARAMS)
+def test_kernel_conforms(kernel_cls, case_name, dtype):
+    case = CASES[case_name]
+    kernel = kernel_cls()
+    built = build(case, dtype)
+    why = _decline(case, kernel, built)
+    if why is not None:
+        assert (case_name, dtype) in EXPECTED_DECLINES.get(kernel.name, set()), (
+            f"{kernel.name} declined {case_name} ({dtype}): {why}")
+        return
+    out, grads = run_kernel(_module(case, kernel), built)
+    assert out.shape == built.cotangent.shape and out.dtype == jnp.dtype(dtype)
+    want_out, want_grads = oracle(case, built)
+    visible = built.visible
+    (tol_max_out, tol_max_grad), (tol_norm_out, tol_norm_grad) = (
+        TOL[dtype]["max"], TOL[dtype]["norm"])
+    errors = {"out": _errors(out, want_out)}
+    assert set(grads) == set(want_grads)
+    for n in grads:
+        assert grads[n].dtype == built.args[n].dtype, n
+        assert np.abs(want_grads[n]).max() > 0, f"d{n} of the oracle is all zeros"
+        errors[f"d{n}"] = _errors(grads[n], want_grads[n])
+    bad = {n: e for n, e in errors.items()
+           if e[0] > (tol_max_out if n == "out" else tol_max_grad)
+           or e[1] > (tol_norm_out if n == "out" else tol_norm_grad)}
+    assert not bad, f"(max, norm) relative errors over the {dtype} tolerance: {errors}"
+    # Rows that see no key: exactly zero output and zero dq, never NaN.
+    dead = ~visible.any(-1)
+    if dead.any():
         b_out = np.asarray(out) if case.batch is not None else np.asarray(out)[None]
         b_dq = np.asarray(grads["q"]) if case.batch is not None else np.asarray(grads["q"])[None]
         assert (b_out[dead] == 0).all() and (b_dq[dead] == 0).all()
-    assert set(grads) == set(want_grads)
-    for n in grads:
-        assert np.abs(np.asarray(want_grads[n])).max() > 0, f"{case_name}: d{n} is all zeros"
-        assert_close(grads[n], want_grads[n], GRAD_TOL, f"{kernel_name} {case_name} d{n}")
 
 
-def test_kernel_list_is_not_empty():
-    assert "DenseReference" in KERNELS
+#: The (case, dtype) pairs each kernel declines, with why. A kernel absent here declines none.
+_CUDNN_RUNS = {"full_scale", "tiled_full", "tiled_causal", "tiled_causal_window",
+               "tiled_causal_open_window", "tiled_gqa_long",
+               "tiled_head_dim_80", "tiled_head_dim_96", "tiled_head_dim_128", "tiled_explicit",
+               "tiled_explicit_dq"}
+EXPECTED_DECLINES = {
+    # cuDNN: only full / causal / causal-window masks, 16-bit, no per-call data or extras,
+    # Dv == D <= 128, Lq == Lk.
+    "cudnn": {(name, dtype) for name, case in CASES.items()
+              for dtype in (case.dtypes or ("bfloat16",))
+              if not (name in _CUDNN_RUNS or (name == "tiled_dtypes" and dtype != "float32"))},
+}
 
 
-@pytest.mark.parametrize("kernel_name", KERNELS)
-def test_rows_hidden_by_a_minus_inf_bias_give_zeros(kernel_name):
-    # Query 5 sees keys through the mask, but a -inf bias hides every one of them: it sees no
-    # key, so zeros and zero gradients, never NaN; the other rows are untouched.
-    q, k, v = (random_array(s, (1, 2, 40, 8)) for s in (31, 32, 33))
-    bias = jnp.zeros((40, 40)).at[5].set(-jnp.inf)
-    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=make_kernel(kernel_name),
-                                    tiling=TILING)
-    ct = random_array(34, (1, 2, 40, 8))
-    out, grads = kernel_fwd_and_grads(attn, q, k, v, {"bias": bias}, ct)
-    want, _ = kernel_fwd_and_grads(attn, q, k, v, {"bias": jnp.zeros((40, 40))}, ct)
-    assert (np.asarray(out)[:, :, 5] == 0).all()
-    rows = np.arange(40) != 5
-    assert_close(np.asarray(out)[:, :, rows], np.asarray(want)[:, :, rows], FWD_TOL, "other rows")
-    for n, g in grads.items():
-        assert np.isfinite(np.asarray(g)).all(), n
-    assert (np.asarray(grads["q"])[:, :, 5] == 0).all()
+@pytest.mark.parametrize("kernel_cls", [pytest.param(cls, marks=_marks(cls, runs=False),
+                                                      id=cls.name) for cls in KERNELS])
+def test_declined_cases_are_the_expected_ones(kernel_cls):
+    """The kernel declines exactly its expected cases. Declining needs no device: the plan is
+    made for the kernel's own platform, so GPU kernels are checked on the CPU too."""
+    kernel = kernel_cls()
+    wrong = []
+    for name, case in CASES.items():
+        for dtype in _dtypes(kernel_cls, case):
+            built = build(case, dtype)
+            diff = {n: x for n, x in built.args.items() if n in ("bias", "sinks")}
+            try:
+                _module(case, kernel).plan(built.args["q"], built.args["k"], built.args["v"],
+                                           platform=kernel_cls.platforms[0], **diff,
+                                           **built.data)
+                declined = False
+            except ValueError as e:
+                if not str(e).startswith(f"kernel {kernel.name} cannot run this call: "):
+                    raise
+                declined = True
+            if declined != ((name, dtype) in EXPECTED_DECLINES.get(kernel.name, set())):
+                wrong.append((name, dtype, "declined" if declined else "ran"))
+    assert not wrong, wrong
+
+
+def test_every_built_in_kernel_is_in_the_suite():
+    names = {cls.name for cls in KERNELS}
+    assert {"reference", "xla", "triton", "cudnn"} <= names
+    assert "gather" in names  # the worked example of docs/custom_kernel.md

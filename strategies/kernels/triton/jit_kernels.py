@@ -274,7 +274,7 @@ def forward_kernel(
                                    PREFETCH)
             offs_n = j * BLOCK_N + offs_bn
             col_ok = (offs_n < LK)[:, None]
-            # Full blocks never hold the ragged last kv-block: no row check there.
+            # FULL blocks never hold the ragged last kv-block: no row check there.
             k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
                         phase == 1 and LK % BLOCK_N != 0, D != DP)
             s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)

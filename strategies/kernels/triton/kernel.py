@@ -37,7 +37,7 @@ class TritonBlockSparse(AbstractKernel):
     kernel over kv-blocks (the layout's transposed lists) that loops over the q heads of its
     group, so grouped-query gradients are reduced deterministically, without atomics. The
     forward, dq and dk/dv launches read the compiled mask's three layouts, each at its own
-    tiles (`Tiling`'s forward, ``*_dq`` and backward fields). Full lists that are ranges of
+    tiles (`Tiling`'s forward, ``*_dq`` and backward fields). FULL lists that are ranges of
     blocks are walked without index loads: known on the host for static layouts, checked per
     row in the kernel for layouts built from per-call data.
 

@@ -1,0 +1,114 @@
+"""The boundaries of the contract, read from the source: plug-ins import only public names,
+kernels never name a mask class, the core never imports the strategies, and every class is
+abstract or final."""
+
+import ast
+import inspect
+import pathlib
+import re
+
+import equinox as eqx
+import pytest
+
+import eqx_bsattn as bsa
+from eqx_bsattn import masks
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STRATEGIES = sorted((ROOT / "strategies").rglob("*.py"))
+KERNEL_FILES = sorted((ROOT / "strategies" / "kernels").rglob("*.py")) + sorted(
+    (ROOT / "docs" / "examples").glob("*kernel*.py"))
+#: The core: what the plug-ins import through `eqx_bsattn.contract`, and the module. The front
+#: doors that compose built-in strategies (the seed-style call, the demo, the benchmark and its
+#: patterns) and the package's `__init__` (which registers the built-ins) may import them.
+CORE = [p for p in sorted((ROOT / "eqx_bsattn").glob("*.py"))
+        if p.name not in ("__init__.py", "__main__.py", "_api.py", "bench.py", "_patterns.py")]
+
+
+def _imports(path: pathlib.Path):
+    """``(module, names)`` of every import statement in `path` (relative ones resolved)."""
+    tree = ast.parse(path.read_text())
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    package = package.replace("strategies", "eqx_bsattn.strategies", 1) if package.startswith(
+        "strategies") else package
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, []
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([module] if module else []))
+            yield module, [alias.name for alias in node.names]
+
+
+def test_the_source_lists_are_not_empty():
+    assert len(STRATEGIES) > 10 and len(KERNEL_FILES) > 5 and len(CORE) > 8
+
+
+@pytest.mark.parametrize("path", STRATEGIES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_strategies_import_no_private_name(path):
+    for module, names in _imports(path):
+        if module.startswith("eqx_bsattn") and not module.startswith("eqx_bsattn.strategies"):
+            parts = module.split(".")
+            assert not any(part.startswith("_") for part in parts), (path, module)
+            assert not any(name.startswith("_") for name in names), (path, module, names)
+
+
+def _mask_class_names() -> set[str]:
+    names = set()
+    for obj in vars(masks).values():
+        if inspect.isclass(obj) and issubclass(obj, bsa.AbstractMask):
+            if not obj.__name__.startswith("Abstract"):
+                names.add(obj.__name__)
+    return names
+
+
+def test_the_mask_catalogue_is_found():
+    assert {"Causal", "SlidingWindow", "Document", "Full", "And", "PerHead"} <= _mask_class_names()
+
+
+@pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_kernels_never_name_a_mask_class(path):
+    text = path.read_text()
+    found = sorted(name for name in _mask_class_names() if re.search(rf"\b{name}\b", text))
+    assert not found, f"{path.name} names mask classes {found}: read the compiled mask instead"
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
+def test_the_core_never_imports_the_strategies(path):
+    for module, _ in _imports(path):
+        assert "strategies" not in module, (path.name, module)
+
+
+def _package_classes():
+    seen = {}
+    for module_name, module in list(__import__("sys").modules.items()):
+        if module_name == "eqx_bsattn" or module_name.startswith("eqx_bsattn."):
+            for obj in vars(module).values():
+                if inspect.isclass(obj) and issubclass(obj, eqx.Module) and (
+                        obj.__module__.startswith("eqx_bsattn")):
+                    seen[obj] = None
+    return list(seen)
+
+
+def test_every_class_is_abstract_or_final():
+    classes = _package_classes()
+    assert len(classes) > 20
+    for cls in classes:
+        subclasses = [s for s in cls.__subclasses__() if s.__module__.startswith("eqx_bsattn")]
+        if cls.__name__.startswith("Abstract"):
+            continue
+        assert not subclasses, f"{cls.__name__} is concrete but subclassed by {subclasses}"
+        for base in cls.__mro__[1:]:
+            if base in classes:
+                assert base.__name__.startswith("Abstract"), (cls.__name__, base.__name__)
+
+
+def test_contract_exports_what_a_plug_in_needs():
+    from eqx_bsattn import contract
+
+    for name in ("AbstractMask", "AbstractKernel", "AbstractSharding", "CompiledMask",
+                 "ResolvedMask", "MaskTerms", "BlockLayout", "TokenCoords", "BlockCoords",
+                 "AttentionInputs", "Features", "Tiling", "classify", "EMPTY", "PARTIAL", "FULL"):
+        assert hasattr(contract, name), name
