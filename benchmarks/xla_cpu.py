@@ -79,7 +79,7 @@ def _compiled(forward, args):
 
 
 def _median_seconds(fn, args, runs: int) -> float:
-    from eqx_bsattn._timing import median_ms
+    from eqx_bsattn.bench import median_ms
 
     return median_ms(fn, args, runs) / 1e3
 

@@ -12,9 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from . import BlockSparseAttention, kernels
-from ._patterns import pattern
-from ._timing import median_ms
-from .bench import dense_mask, nn_attention
+from .bench import dense_mask, median_ms, nn_attention, pattern
 
 
 def main(argv=None) -> None:

@@ -18,10 +18,10 @@ STRATEGIES = sorted((ROOT / "strategies").rglob("*.py"))
 KERNEL_FILES = sorted((ROOT / "strategies" / "kernels").rglob("*.py")) + sorted(
     (ROOT / "docs" / "examples").glob("*kernel*.py"))
 #: The core: what the plug-ins import through `eqx_bsattn.contract`, and the module. The front
-#: doors that compose built-in strategies (the seed-style call, the demo, the benchmark and its
+#: doors that compose built-in strategies (the seed-style call, the demo, the benchmark with its
 #: patterns) and the package's `__init__` (which registers the built-ins) may import them.
 CORE = [p for p in sorted((ROOT / "eqx_bsattn").glob("*.py"))
-        if p.name not in ("__init__.py", "__main__.py", "_api.py", "bench.py", "_patterns.py")]
+        if p.name not in ("__init__.py", "__main__.py", "_api.py", "bench.py")]
 
 
 def _imports(path: pathlib.Path):
@@ -46,8 +46,10 @@ def test_the_source_lists_are_not_empty():
     assert len(STRATEGIES) > 10 and len(KERNEL_FILES) > 5 and len(CORE) > 8
 
 
-@pytest.mark.parametrize("path", STRATEGIES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_strategies_import_no_private_name(path):
+@pytest.mark.parametrize("path", STRATEGIES + sorted((ROOT / "benchmarks").glob("*.py"))
+                         + sorted((ROOT / "docs" / "examples").glob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_plug_ins_and_scripts_import_no_private_name(path):
     for module, names in _imports(path):
         if module.startswith("eqx_bsattn") and not module.startswith("eqx_bsattn.strategies"):
             parts = module.split(".")

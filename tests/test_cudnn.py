@@ -56,7 +56,7 @@ def test_other_masks_are_declined(mask):
 @pytest.mark.parametrize("change, word", [
     ({"platform": "cpu"}, "runs on gpu only"), ({"dtype": "float32"}, "bfloat16"), ({"bias": True}, "bias"),
     ({"sinks": True}, "sinks"), ({"value_dim": 32}, "Dv"), ({"head_dim": 256, "value_dim": 256}, "128"),
-    ({"kv_len": 300}, "Lq != Lk"),
+    ({"kv_len": 300}, "Lq != Lk"), ({"q_len": 45, "kv_len": 45}, "even sequence length"),
 ])
 def test_features_cudnn_lacks_are_declined(change, word):
     why = _decline(masks.Causal(), dataclasses.replace(GPU_BF16, **change))

@@ -80,7 +80,7 @@ def test_triton_default_tiling_gives_dq_its_own_tile():
 
 
 def test_triton_short_scattered_rows_take_small_tiles():
-    from eqx_bsattn._patterns import bigbird_mask
+    from eqx_bsattn.bench import bigbird_mask
 
     features = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=128, value_dim=128,
                             q_len=4096, kv_len=4096)

@@ -76,6 +76,10 @@ class CudnnDense(AbstractKernel):
             return f"cuDNN attention needs a head dim that is a multiple of 8, at most 128; got {features.head_dim}."
         if features.q_len != features.kv_len:
             return "cuDNN's causal and window masks align top-left; this call has Lq != Lk."
+        if features.q_len % 2:
+            # jax 0.11.2 refuses odd lengths in cuDNN's training path ("Unsupported sequence
+            # length"), and a forward taken now may be differentiated later.
+            return f"cuDNN attention's backward pass needs an even sequence length; got {features.q_len}."
         return None
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,

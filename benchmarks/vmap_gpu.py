@@ -1,10 +1,11 @@
-"""`jax.vmap` over unbatched `TritonBlockSparse` calls against one batched call.
+"""`jax.vmap` over unbatched calls against one batched call, on a GPU.
 
-    python notes/vmap_timing.py [--reps 20]
+    python benchmarks/vmap_gpu.py [--reps 20] [--shape B,H,L,D]
 
-Causal and packed documents (segment ids per element), bfloat16, forward and forward+backward;
-ms are medians of wall-clock time around a jitted call. With the vmap rule folding the mapped
-axis into the batch, the two columns should agree; one launch per element would not.
+Causal and packed documents (segment ids per element), bfloat16, `TritonBlockSparse`, forward
+and forward+backward; ms are medians of wall-clock time around a jitted call. With the Triton
+launches folding the mapped axis into their batch, the two columns should agree; one launch
+per element would not. Not a test: numbers depend on the machine.
 """
 
 import argparse
@@ -13,13 +14,12 @@ import jax
 import jax.numpy as jnp
 
 import eqx_bsattn as bsa
-from eqx_bsattn._patterns import document_segment_ids
-from eqx_bsattn._timing import median_ms
+from eqx_bsattn.bench import document_segment_ids, median_ms
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--reps", type=int, default=20)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=20, help="timed calls per measurement")
     p.add_argument("--shape", default="8,16,2048,128", help="B,H,L,D")
     a = p.parse_args()
     b, h, length, d = map(int, a.shape.split(","))
@@ -34,10 +34,9 @@ def main():
             return attn(q, k, v) if s is None else attn(q, k, v, q_segment_ids=s,
                                                         kv_segment_ids=s)
 
-        batched = call
         mapped = jax.vmap(call, in_axes=(0, 0, 0, None if seg is None else 0))
         row = []
-        for f in (batched, mapped):
+        for f in (call, mapped):
             fwd = jax.jit(f)
             fb = jax.jit(lambda q, k, v, s, do, f=f: jax.vjp(lambda q, k, v: f(q, k, v, s),
                                                               q, k, v)[1](do))
