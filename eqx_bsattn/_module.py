@@ -7,12 +7,13 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ._compile import CompiledMask, ResolvedMask, describe_terms
 from ._inputs import AttentionInputs, prepare_inputs
 from ._kernel import AbstractKernel, Features
-from ._mask import AbstractMask, Document, Full
+from ._mask import EMPTY, AbstractMask, Document, Full
 from ._selector import KernelChoice, choose_kernel, decline_reason, default_platform
 from ._sharding import AbstractSharding, Unsharded
 from ._tiling import Tiling
@@ -52,10 +53,10 @@ class CallPlan(NamedTuple):
             lines.append(f"passes: {self.kernel.name} reads no block layout (it visits every pair)")
         for name, layout in layouts.items():
             where = "static" if layout.is_static else "built on the device per call"
-            try:
-                density = f"density {float(layout.density()):.3f}"
-            except jax.errors.ConcretizationTypeError:
+            if isinstance(layout.classes, jax.core.Tracer):  # built inside a trace
                 density = "density known at run time"
+            else:
+                density = f"density {float(np.mean(np.asarray(layout.classes) != EMPTY)):.3f}"
             lines.append(f"pass {name}: {layout.block_q}x{layout.block_kv} tiles, "
                          f"{layout.num_q_blocks}x{layout.num_kv_blocks} blocks, {density} ({where})")
         return "\n".join(lines)
