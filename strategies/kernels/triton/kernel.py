@@ -16,15 +16,33 @@ from .vjp import attend
 _SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 _MAX_HEAD_DIM = 256
 
+#: The jax-triton releases this kernel was run with, each with the Triton release series it was
+#: run against (on an H200 with jax 0.11.2). jax-triton breaks with new Triton releases; the
+#: `gpu` extra pins the same pairs.
+KNOWN_GOOD_VERSIONS = {"0.3.1": ("3.6",)}
+
+
+def version_problem(jax_triton_version: str, triton_version: str) -> str | None:
+    """Why this jax-triton / Triton pair is not one the kernel was run with, or ``None``."""
+    series = KNOWN_GOOD_VERSIONS.get(jax_triton_version, ())
+    if any(triton_version == s or triton_version.startswith(s + ".") for s in series):
+        return None
+    known = "; ".join(f"jax-triton {jt} with triton {', '.join(s + '.x' for s in ts)}"
+                      for jt, ts in KNOWN_GOOD_VERSIONS.items())
+    return (f"jax-triton {jax_triton_version} with triton {triton_version} is not a pair this "
+            f"kernel was run with (known good: {known}); install the `gpu` extra.")
+
 
 @functools.cache
 def _jax_triton_missing() -> str | None:
+    """Why jax-triton and Triton cannot serve this kernel here, or ``None``."""
     try:
-        import jax_triton  # noqa: F401
-        import triton  # noqa: F401
+        import jax_triton
+        import triton
     except Exception as e:  # ImportError, or a broken install that fails at import
-        return f"{type(e).__name__}: {e}"
-    return None
+        return (f"jax_triton / triton cannot be imported ({type(e).__name__}: {e}); install the "
+                "`gpu` extra.")
+    return version_problem(jax_triton.__version__, triton.__version__)
 
 
 class TritonBlockSparse(AbstractKernel):
@@ -81,7 +99,7 @@ class TritonBlockSparse(AbstractKernel):
     def decline_reason(self, mask: ResolvedMask, features: Features) -> str | None:
         missing = _jax_triton_missing()
         if missing is not None:
-            return f"jax_triton / triton cannot be imported ({missing}); install the `gpu` extra."
+            return missing
         if features.dtype not in _SUPPORTED_DTYPES:
             return f"dtype {features.dtype} is not supported (bfloat16, float16, float32 are)."
         if max(features.head_dim, features.value_dim) > _MAX_HEAD_DIM:
