@@ -22,10 +22,10 @@ class Tiling(eqx.Module):
     - `block_q_bwd`, `block_kv_bwd`: backward block sizes; default to the forward ones.
     - `num_warps`, `num_stages`: forward launch parameters (GPU).
     - `num_warps_bwd`, `num_stages_bwd`: backward launch parameters (GPU).
-    - `block_q_dq`, `block_kv_dq`, `num_warps_dq`, `num_stages_dq`: the dq pass of a kernel
-      whose backward is split into a dq pass over q-blocks and a dk/dv pass over kv-blocks
-      (`TritonBlockSparse`); the backward fields then tile the dk/dv pass. Kernels with one
-      backward tiling ignore them.
+    - `block_q_dq`, `block_kv_dq`, `num_warps_dq`, `num_stages_dq`: the dq pass (over
+      q-blocks) of a backward split into a dq pass and a dk/dv pass (over kv-blocks); the
+      backward fields then tile the dk/dv pass. The plan builds one layout per pass at these
+      blocks (`CompiledMask.dq`, `CompiledMask.dkv`); a kernel reads what it uses.
 
     ```python
     tiling = Tiling(block_q=128, block_kv=64, block_q_bwd=64, block_kv_bwd=128, num_warps=8)
