@@ -126,10 +126,18 @@ def test_tree_at_swaps_and_retraces(qkv):
     assert len(traces) == 2
     assert_close(a, expected(masks.Causal(), q, k, v))
     assert_close(b, expected(masks.SlidingWindow(2), q, k, v))
-    tiled = eqx.tree_at(lambda m: m.tiling, attn, bsa.Tiling(block_q=16, block_kv=16),
+    # The reference ignores the tiling; the block-sparse kernel reads it (16x16 tiles over
+    # 20 queries and 28 keys: ragged in both), so the swap must retrace and stay exact.
+    xla = eqx.tree_at(lambda m: m.kernel, attn, kernels.XlaBlockSparse())
+    c = run(xla, q, k, v)
+    assert len(traces) == 3
+    tiled = eqx.tree_at(lambda m: m.tiling, xla, bsa.Tiling(block_q=16, block_kv=16),
                         is_leaf=lambda x: x is None)
-    assert tiled.tiling == bsa.Tiling(block_q=16, block_kv=16)
-    np.testing.assert_allclose(np.asarray(run(tiled, q, k, v)), np.asarray(a), rtol=1e-6, atol=1e-6)
+    assert tiled.tiling == bsa.Tiling(block_q=16, block_kv=16) and xla.tiling is None
+    d = run(tiled, q, k, v)
+    assert len(traces) == 4, "swapping the tiling must retrace"
+    assert_close(c, expected(masks.Causal(), q, k, v))
+    assert_close(d, expected(masks.Causal(), q, k, v))
     doubled = eqx.tree_at(lambda m: m.kernel, attn, DoubledReference())
     np.testing.assert_allclose(np.asarray(doubled(q, k, v)), 2 * np.asarray(a), rtol=1e-6, atol=1e-6)
 
