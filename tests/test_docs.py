@@ -13,6 +13,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import masks
+from tests.conftest import assert_close, jnp_attention_f64, np_attention, np_visibility
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -36,11 +37,51 @@ def _run_blocks(path: pathlib.Path) -> dict:
     return namespace
 
 
+README_TOL = 2e-5  # float32 results against the float64 oracle, relative to the largest value
+
+
+def _readme_truth(ns, mask, **kw):
+    """The float64 oracle for the README's q, k, v (GQA: 8 query heads on 2 kv heads)."""
+    q, k, v = (np.asarray(ns[n], np.float64) for n in ("q", "k", "v"))
+    seg = kw.pop("segment_ids", None)
+    seg = None if seg is None else np.broadcast_to(np.asarray(seg), (2, 512))
+    vis = np_visibility(mask, batch=2, heads=8, q_len=512, kv_len=512, q_seg=seg, kv_seg=seg)
+    return np_attention(q, k, v, vis, **kw)  # default scale 1 / sqrt(64)
+
+
+@pytest.mark.slow
 def test_readme_python_blocks_run():
-    namespace = _run_blocks(ROOT / "README.md")
-    out = namespace["out"]
+    ns = _run_blocks(ROOT / "README.md")
+    out = ns["out"]
     assert out.shape == (2, 8, 512, 32)
-    assert namespace["out_one"].shape == (8, 512, 32)
+    assert ns["out_one"].shape == (8, 512, 32)
+    assert ns["attn"].mask == masks.Causal() & masks.SlidingWindow(128, 0)
+    want = _readme_truth(ns, ns["attn"].mask)
+    assert_close(out, want, README_TOL, "out")
+    assert_close(ns["out_one"], want[0], README_TOL, "out_one")
+    np.testing.assert_allclose(np.asarray(ns["out_one"]), np.asarray(out[0]), rtol=0, atol=1e-5)
+    assert_close(ns["out_vmapped"], want, README_TOL, "out_vmapped")
+    assert_close(ns["out_fn"], want, README_TOL, "out_fn")  # the same mask, by options
+    # Packed documents: the ids add a Document mask; the padded rows see nothing (zeros).
+    want_docs = _readme_truth(ns, ns["attn"].mask & masks.Document(), segment_ids=ns["ids"])
+    assert_close(ns["out_docs"], want_docs, README_TOL, "out_docs")
+    assert (np.asarray(ns["out_docs"])[:, :, -12:] == 0).all()
+    want_extra = _readme_truth(ns, masks.Causal(), sinks=np.asarray(ns["sinks"]),
+                               bias=np.asarray(ns["bias"]), soft_cap=30.0)
+    assert_close(ns["out_extra"], want_extra, README_TOL, "out_extra")
+    want_fn2 = _readme_truth(ns, masks.ChunkedCausal(128), sinks=np.asarray(ns["sinks"]))
+    assert_close(ns["out_fn2"], want_fn2, README_TOL, "out_fn2")
+    # The gradients of sum(out ** 2), against the float64 oracle's.
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(np.asarray(ns[n], np.float64)) for n in ("q", "k", "v"))
+        vis = jnp.asarray(np_visibility(ns["attn"].mask, batch=2, heads=8, q_len=512,
+                                        kv_len=512))
+        # `vis` is an argument, not a closed-over constant that XLA would fold for seconds.
+        grads = jax.jit(jax.grad(lambda q, k, v, vis: jnp.sum(jnp_attention_f64(q, k, v, vis) ** 2),
+                                 argnums=(0, 1, 2)))(q, k, v, vis)
+        grads = [np.asarray(g) for g in grads]
+    for name, want_g in zip(("dq", "dk", "dv"), grads):
+        assert_close(ns[name], want_g, 5e-5, name)
 
 
 def test_readme_first_screen_has_the_two_commands():
