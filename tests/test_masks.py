@@ -382,36 +382,78 @@ def test_ragged_visited_pairs():
 
 # Dynamic layouts (positions, segment ids).
 
-DYNAMIC_MASKS = [m for m in ALL_MASKS if m[0] not in ("causal_bottom_right",)] + [
+DYNAMIC_MASKS = ALL_MASKS + [
     ("document", masks.Document(), False),
     ("causal_document", masks.Causal() & masks.Document(), False),
     ("window_document", masks.SlidingWindow(5, 2) & masks.Document(), False),
     ("not_document", ~masks.Document(), False),
+    ("document_or_global", masks.Document() | masks.GlobalTokens(3), False),
+    ("per_head_document", masks.PerHead([masks.Document(), masks.Causal() & masks.Document(),
+                                         masks.SlidingWindow(4), ~masks.Document()]), False),
 ]
 
+# Masks whose layouts must hold FULL blocks under the positions and segment ids below (with
+# small tiles), so that "no FULL block hides a pair" is not checked vacuously. Windows without
+# `Causal` on top among them.
+FULL_UNDER_CALL_DATA = {
+    "full", "causal", "causal_offset_pos", "causal_bottom_right", "window_sym", "window_pair",
+    "window_past", "window_left_unbounded", "window_right_unbounded", "prefix_10", "dilated_1",
+    "bigbird_causal", "block_layout_square", "per_head", "not_causal", "not_window", "document",
+    "causal_document", "not_document", "document_or_global", "per_head_document",
+}
 
+
+def _positions_with_gaps(rng, batch, length, start):
+    """[batch, length] sorted int32 positions from `start`: repeats (step 0) and gaps (> 1)."""
+    steps = rng.choice([0, 0, 1, 1, 1, 2, 3, 6], size=(batch, length))
+    steps[:, 0] = 0
+    return (np.asarray(start)[:, None] + np.cumsum(steps, axis=-1)).astype(np.int32)
+
+
+def _segments_padded_both_ends(rng, batch, length, docs):
+    """[batch, length] sorted document ids with -1 padding at the start and at the end."""
+    out = np.empty((batch, length), np.int32)
+    for b in range(batch):
+        lead, trail = rng.integers(1, 6), rng.integers(1, 6)
+        body = sorted_segments(rng, 1, length - lead, docs, pad=trail)[0]
+        out[b] = np.concatenate([np.full(lead, -1, np.int32), body])
+    return out
+
+
+@pytest.mark.parametrize("block_q,block_kv", [(8, 16), (4, 8)], ids=["8x16", "4x8"])
 @pytest.mark.parametrize("name,mask,tight", DYNAMIC_MASKS, ids=[m[0] for m in DYNAMIC_MASKS])
-def test_dynamic_layout_with_positions_and_segments(name, mask, tight):
+def test_dynamic_layout_with_positions_and_segments(name, mask, tight, block_q, block_kv):
+    """Block classes agree with the element predicate under per-call positions and segment ids:
+    no FULL block holds a hidden in-bounds pair, no EMPTY block a visible one."""
     rng = np.random.default_rng(7)
-    batch, q_len, kv_len, bq, bk = 2, 29, 43, 8, 16
-    # Positions: a shifted range in batch 0, a random permutation-like mix in batch 1.
-    qpos = np.stack([np.arange(q_len) + 11, rng.permutation(q_len + 14)[:q_len]]).astype(np.int32)
-    kpos = np.stack([np.arange(kv_len), rng.permutation(kv_len)]).astype(np.int32)
-    data = dict(q_positions=jnp.asarray(qpos), kv_positions=jnp.asarray(kpos))
-    np_data = dict(q_pos=qpos, kv_pos=kpos)
-    if mask.uses_segment_ids:
-        qs = sorted_segments(rng, batch, q_len, 3, pad=3)
-        ks = sorted_segments(rng, batch, kv_len, 4, pad=5)
-        data.update(q_segment_ids=jnp.asarray(qs), kv_segment_ids=jnp.asarray(ks))
-        np_data.update(q_seg=qs, kv_seg=ks)
-    layout = bsa.build_layout(mask, q_len=q_len, kv_len=kv_len, num_heads=HEADS, block_q=bq,
-                              block_kv=bk, **data)
+    batch, q_len, kv_len = 4, 29, 43
+    # Positions: a shifted range, a random permutation-like mix, and two sorted draws with
+    # repeats and gaps (queries starting a little after the keys).
+    qpos = np.concatenate([
+        np.stack([np.arange(q_len) + 11, rng.permutation(q_len + 14)[:q_len]]),
+        _positions_with_gaps(rng, 2, q_len, rng.integers(0, 8, 2)),
+    ]).astype(np.int32)
+    kpos = np.concatenate([
+        np.stack([np.arange(kv_len), rng.permutation(kv_len)]),
+        _positions_with_gaps(rng, 2, kv_len, [0, 0]),
+    ]).astype(np.int32)
+    # Segment ids with padding on both ends of both sides; masks that do not read them get
+    # them too (and must ignore them).
+    qs = _segments_padded_both_ends(rng, batch, q_len, 3)
+    ks = _segments_padded_both_ends(rng, batch, kv_len, 4)
+    layout = bsa.build_layout(mask, q_len=q_len, kv_len=kv_len, num_heads=HEADS, block_q=block_q,
+                              block_kv=block_kv, q_positions=jnp.asarray(qpos),
+                              kv_positions=jnp.asarray(kpos), q_segment_ids=jnp.asarray(qs),
+                              kv_segment_ids=jnp.asarray(ks))
     assert not layout.is_static
     assert layout.classes.shape[0] in (1, batch)
     # Dynamic capacities are every block.
     assert layout.full_index.shape[-1] == layout.num_kv_blocks
     assert layout.t_partial_index.shape[-1] == layout.num_q_blocks
-    check_layout(layout, _dense_truth(mask, q_len, kv_len, **np_data), tight=False)
+    vis = _dense_truth(mask, q_len, kv_len, q_pos=qpos, kv_pos=kpos, q_seg=qs, kv_seg=ks)
+    classes = check_layout(layout, vis, tight=False)
+    if name in FULL_UNDER_CALL_DATA and (block_q, block_kv) == (4, 8):
+        assert (classes == FULL).any(), "no FULL block: the FULL check above was vacuous"
 
 
 @pytest.mark.parametrize("name,mask,tight", ATOMS, ids=[m[0] for m in ATOMS])
