@@ -161,6 +161,7 @@ def test_notebooks_exist():
     assert NOTEBOOKS, "no notebooks found"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path):
     import nbclient
