@@ -2,6 +2,7 @@
 
 import abc
 import dataclasses
+from typing import ClassVar
 
 import equinox as eqx
 from equinox import AbstractClassVar
@@ -35,6 +36,7 @@ class Features:
     segment_ids: bool = False
     positions: bool = False
     fused_backward: bool = False
+    lse: bool = False
 
 
 _REGISTRY: list[type["AbstractKernel"]] = []
@@ -74,11 +76,19 @@ class AbstractKernel(eqx.Module):
       logits_soft_cap)`: batched ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, Dv]``
       in, ``[B, H, Lq, Dv]`` out, differentiable in query, key, value, bias and sinks; `mask`
       is the `CompiledMask`.
+
+    and, optionally (sequence sharding merges partial results by it):
+
+    - `returns_lse` (class variable, default ``False``): whether it implements
+      `attention_with_lse`, which returns the output and the float32 log-sum-exp of each row,
+      both differentiable. The selector declines a kernel without it for a call that needs it
+      (``Features.lse``, set by `RingAttention`).
     """
 
     name: AbstractClassVar[str]
     platforms: AbstractClassVar[tuple[str, ...]]
     reads: AbstractClassVar[MaskReads]
+    returns_lse: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -119,3 +129,28 @@ class AbstractKernel(eqx.Module):
         logits_soft_cap: float | None,
     ) -> Float[Array, "batch heads q_len value_dim"]:
         """Attention output ``[B, H, Lq, Dv]`` (rows that see no key are zeros)."""
+
+    def attention_with_lse(
+        self,
+        query: Float[Array, "batch heads q_len dim"],
+        key: Float[Array, "batch kv_heads kv_len dim"],
+        value: Float[Array, "batch kv_heads kv_len value_dim"],
+        *,
+        mask: CompiledMask,
+        inputs: AttentionInputs,
+        features: Features,
+        tiling: Tiling,
+        softmax_scale: float,
+        logits_soft_cap: float | None,
+    ) -> tuple[Float[Array, "batch heads q_len value_dim"], Float[Array, "batch heads q_len"]]:
+        """The output of `__call__` and each row's log-sum-exp ``[B, H, Lq]`` (float32).
+
+        The log-sum-exp is ``log(sum_k exp(s_k) + sum_sinks exp(sink))`` over the row's visible
+        logits ``s_k`` (after bias and soft cap); ``-inf`` on a row that sees no key (whose
+        output is zeros). Both are differentiable: a custom backward adds the log-sum-exp's
+        cotangent as ``delta_i -= dlse_i``. Only kernels that declare ``returns_lse = True``
+        implement it.
+        """
+        raise NotImplementedError(
+            f"kernel {self.name!r} does not return the log-sum-exp (returns_lse=False)."
+        )

@@ -231,6 +231,7 @@ class BlockSparseAttention(eqx.Module):
             segment_ids=inputs.q_segment_ids is not None,
             positions=inputs.q_positions is not None or inputs.kv_positions is not None,
             fused_backward=fused_backward,
+            lse=self.sharding.needs_lse,
         )
         if self.kernel is None:
             choice = choose_kernel(resolved, features)
@@ -300,8 +301,9 @@ def run_plan(plan: CallPlan, query, key, value, sharding, logits_soft_cap, purif
     if not batched:
         query, key, value = query[None], key[None], value[None]
 
-    def attend(q, k, v, inputs, mask):
-        return plan.kernel(
+    def attend(q, k, v, inputs, mask, *, return_lse=False):
+        call = plan.kernel.attention_with_lse if return_lse else plan.kernel
+        return call(
             q, k, v, mask=mask, inputs=inputs, features=plan.features, tiling=plan.tiling,
             softmax_scale=plan.softmax_scale, logits_soft_cap=logits_soft_cap,
         )

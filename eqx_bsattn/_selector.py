@@ -39,6 +39,9 @@ def decline_reason(kernel: AbstractKernel, mask: ResolvedMask, features: Feature
     if features.platform not in kernel.platforms:
         return (f"runs on {' / '.join(kernel.platforms)} only; this call runs on "
                 f"{features.platform!r}.")
+    if features.lse and not kernel.returns_lse:
+        return ("does not return the log-sum-exp (returns_lse=False) that sequence sharding "
+                "merges partial results by.")
     return kernel.decline_reason(mask, features)
 
 

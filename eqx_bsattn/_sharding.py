@@ -2,18 +2,32 @@
 
 import abc
 from collections.abc import Callable
+from typing import ClassVar
 
 import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+
+from ._layout import BlockLayout, _compact
+from ._mask import FULL, PARTIAL
 
 
 class AbstractSharding(eqx.Module):
     """How a kernel call spreads over devices.
 
-    `wrap(fn)` takes the kernel's function ``fn(query, key, value, inputs, mask) -> out``
-    (batched ``[B, H, L, D]`` arrays, the `AttentionInputs` and the `CompiledMask`) and returns
-    one with the same signature that runs it spread over devices, splitting the compiled mask
-    per shard where it splits the sequence. `Unsharded` returns it unchanged.
+    `wrap(fn)` takes the kernel's function
+    ``fn(query, key, value, inputs, mask, *, return_lse=False) -> out`` (or ``(out, lse)``
+    with `return_lse`; batched ``[B, H, L, D]`` arrays, the `AttentionInputs` and the
+    `CompiledMask`) and returns one with the signature ``(query, key, value, inputs, mask) ->
+    out`` that runs it spread over devices, splitting the compiled mask per shard.
+    `Unsharded` returns it unchanged.
+
+    `needs_lse` (class variable, default ``False``): the sharding merges partial results by
+    their log-sum-exp, so the selector declines kernels that do not return it
+    (`AbstractKernel.returns_lse`).
     """
+
+    needs_lse: ClassVar[bool] = False
 
     @abc.abstractmethod
     def wrap(self, fn: Callable) -> Callable:
@@ -25,3 +39,25 @@ class Unsharded(AbstractSharding):
 
     def wrap(self, fn: Callable) -> Callable:
         return fn
+
+
+def layout_from_classes(classes, *, q_len: int, kv_len: int, block_q: int, block_kv: int,
+                        is_static: bool) -> BlockLayout:
+    """The `BlockLayout` whose block matrix is `classes` (``[..., nq, nk]`` int8).
+
+    For a sharding that cuts a layout into the blocks one device sees: a NumPy `classes`
+    gives exact capacities (the largest count over every leading index, so the lists of
+    several shards stack); a traced one gives capacities of every block. Leading axes are
+    kept as they are (a `BlockLayout` proper has two, ``[mb, mh]``). No bitmaps.
+    """
+    xp = np if isinstance(classes, np.ndarray) else jnp
+    cap_q, cap_k = (None, None) if xp is np else (classes.shape[-1], classes.shape[-2])
+    full, partial = classes == FULL, classes == PARTIAL
+    full_count, full_index = _compact(full, cap_q, xp)
+    partial_count, partial_index = _compact(partial, cap_q, xp)
+    t_full_count, t_full_index = _compact(xp.swapaxes(full, -1, -2), cap_k, xp)
+    t_partial_count, t_partial_index = _compact(xp.swapaxes(partial, -1, -2), cap_k, xp)
+    arrays = (classes, full_count, full_index, partial_count, partial_index, t_full_count,
+              t_full_index, t_partial_count, t_partial_index)
+    return BlockLayout(*map(jnp.asarray, arrays), None, None, None, q_len=q_len, kv_len=kv_len,
+                       block_q=block_q, block_kv=block_kv, is_static=is_static)

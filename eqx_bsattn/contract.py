@@ -11,7 +11,8 @@ canonical `MaskTerms`, element bitmaps where the mask has no terms, and the elem
 `decline_reason` and `default_tiling` see the `ResolvedMask` (the terms, and layouts on demand)
 before the tiling is fixed. It never imports a mask class.
 
-A **sharding** subclasses `AbstractSharding`.
+A **sharding** subclasses `AbstractSharding`; `layout_from_classes` rebuilds the block
+lists of the part of a layout one device sees.
 
 The core also defines the few strategies it uses itself: the masks `Full` (the module's
 default) and `Document` (added when a call passes segment ids), the algebra `And`, `Or`, `Not`,
@@ -49,5 +50,9 @@ from ._mask import (
     TokenCoords as TokenCoords,
     classify as classify,
 )
-from ._sharding import AbstractSharding as AbstractSharding, Unsharded as Unsharded
+from ._sharding import (
+    AbstractSharding as AbstractSharding,
+    Unsharded as Unsharded,
+    layout_from_classes as layout_from_classes,
+)
 from ._tiling import Tiling as Tiling

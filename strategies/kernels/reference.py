@@ -35,8 +35,11 @@ def dense_visibility(mask: CompiledMask, inputs: AttentionInputs):
 
 
 def reference_attention(q, k, v, *, mask: CompiledMask, inputs: AttentionInputs, softmax_scale,
-                        logits_soft_cap):
-    """Dense attention in float32 with every feature; see `DenseReference`."""
+                        logits_soft_cap, return_lse: bool = False):
+    """Dense attention in float32 with every feature; see `DenseReference`.
+
+    With `return_lse`, also each row's float32 log-sum-exp ``[B, H, Lq]`` (``-inf`` where the
+    row sees no key)."""
     heads = q.shape[1]
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -66,7 +69,10 @@ def reference_attention(q, k, v, *, mask: CompiledMask, inputs: AttentionInputs,
     denom = jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bhqk,bhkd->bhqd", p, v_rep) / denom[..., None]
     out = jnp.where(any_visible[..., None], out, 0.0)
-    return out.astype(q.dtype)
+    if not return_lse:
+        return out.astype(q.dtype)
+    lse = jnp.where(any_visible, m + jnp.log(denom), -jnp.inf)
+    return out.astype(q.dtype), lse
 
 
 class DenseReference(AbstractKernel):
@@ -85,6 +91,7 @@ class DenseReference(AbstractKernel):
     name: ClassVar[str] = "reference"
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
     reads: ClassVar[str] = "dense"
+    returns_lse: ClassVar[bool] = True
 
     @classmethod
     def priority(cls, platform):
@@ -95,4 +102,11 @@ class DenseReference(AbstractKernel):
         return reference_attention(
             query, key, value, mask=mask, inputs=inputs, softmax_scale=softmax_scale,
             logits_soft_cap=logits_soft_cap,
+        )
+
+    def attention_with_lse(self, query, key, value, *, mask, inputs, features, tiling,
+                           softmax_scale, logits_soft_cap):
+        return reference_attention(
+            query, key, value, mask=mask, inputs=inputs, softmax_scale=softmax_scale,
+            logits_soft_cap=logits_soft_cap, return_lse=True,
         )

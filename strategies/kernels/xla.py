@@ -151,6 +151,18 @@ def _slot_loop(trips: _Trips, count, index, body, carry):
     return jax.lax.fori_loop(0, stop, step, carry)
 
 
+def _typed_like(carry, *refs):
+    """`carry` (fresh zeros or ``-inf``) typed to vary over every mesh axis `refs` vary over.
+
+    Inside `jax.shard_map` a loop's carry must keep its type: a constant is the same on every
+    device, the values the loop body adds are not. Adding a zero made from each input
+    (`jnp.zeros_like` keeps that type) gives the carry the inputs' type; elsewhere it is a
+    no-op that XLA folds away.
+    """
+    zero = sum(jnp.zeros_like(x, dtype=_F32, shape=()) for x in jax.tree.leaves(refs))
+    return jax.tree.map(lambda c: c + zero.astype(c.dtype), carry)
+
+
 def _scores(cfg: _Config, q_blk, k_blk, bias_blk):
     """Logits of one block, float32: ``[G, bq, D] x [bk, D] -> [G, bq, bk]``.
 
@@ -275,6 +287,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
     lead = (batch, kv_heads, arr.sizes[2], nq, g, bq)
     carry = (jnp.full(lead, -jnp.inf, _F32), jnp.zeros(lead, _F32),
              jnp.zeros(lead + (value_dim,), _F32))
+    carry = _typed_like(carry, q, k, v, bias, aux)
     carry = run_list(cfg.fwd_trips[0], fc, fi, False, carry)
     carry = run_list(cfg.fwd_trips[1], pc, pi, True, carry)
     m, l, acc = carry
@@ -364,6 +377,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     if bias is not None:
         ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32)
     carry = (jnp.zeros(lead + (q.shape[-1],), _F32), ds_buf)
+    carry = _typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
     carry = run_list(cfg.dq_trips[0], fc, fi, False, 0, carry)
     carry = run_list(cfg.dq_trips[1], pc, pi, True, cf, carry)
     dq, ds_buf = carry
@@ -437,6 +451,7 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 
     lead = (batch, kv_heads, arr.sizes[2], nk, bk)
     carry = (jnp.zeros(lead + (k.shape[-1],), _F32), jnp.zeros(lead + (v.shape[-1],), _F32))
+    carry = _typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
     carry = run_list(cfg.dkv_trips[0], fc, fi, False, carry)
     carry = run_list(cfg.dkv_trips[1], pc, pi, True, carry)
     dk, dv = carry
@@ -450,9 +465,16 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 # The differentiable function, one per static configuration.
 
 
+def _public_lse(lse):
+    """The kernel's log-sum-exp (``+inf`` on rows that see no key) as the contract has it
+    (``-inf`` there)."""
+    return jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
 @functools.lru_cache(maxsize=128)
-def _attention_fn(cfg: _Config):
-    """A jitted `custom_vjp` function ``(q, k, v, bias, sinks, aux) -> out`` for `cfg`.
+def _attention_fn(cfg: _Config, with_lse: bool = False):
+    """A jitted `custom_vjp` function ``(q, k, v, bias, sinks, aux) -> out`` for `cfg`
+    (``-> (out, lse)`` `with_lse`).
 
     `aux` carries the integer inputs (layouts, positions, segment ids) and the array leaves of
     the mask: never differentiated. Cached so that eager calls reuse one compilation.
@@ -460,16 +482,23 @@ def _attention_fn(cfg: _Config):
 
     @jax.custom_vjp
     def attend(q, k, v, bias, sinks, aux):
-        return _forward(cfg, q, k, v, bias, sinks, aux)[0]
+        out, lse = _forward(cfg, q, k, v, bias, sinks, aux)
+        return (out, _public_lse(lse)) if with_lse else out
 
     def attend_fwd(q, k, v, bias, sinks, aux):
         out, lse = _forward(cfg, q, k, v, bias, sinks, aux)
-        return out, (q, k, v, bias, sinks, aux, out, lse)
+        result = (out, _public_lse(lse)) if with_lse else out
+        return result, (q, k, v, bias, sinks, aux, out, lse)
 
-    def attend_bwd(residuals, d_out):
+    def attend_bwd(residuals, cotangent):
         q, k, v, bias, sinks, aux, out, lse = residuals
-        # delta = rowsum(dO * O): the softmax Jacobian's diagonal correction, per row.
+        d_out, d_lse = cotangent if with_lse else (cotangent, None)
+        # delta = rowsum(dO * O): the softmax Jacobian's diagonal correction, per row; the
+        # log-sum-exp's own cotangent enters the same correction (d lse / d s = p).
         delta = jnp.sum(d_out.astype(_F32) * out.astype(_F32), axis=-1)
+        if d_lse is not None:
+            # Rows that see no key have p = 0 everywhere: their cotangent goes nowhere.
+            delta = delta - jnp.where(lse == jnp.inf, 0.0, d_lse.astype(_F32))
         d_out = d_out.astype(v.dtype)
         dq, dbias = _backward_dq(cfg, q, k, v, bias, aux, d_out, lse, delta)
         dk, dv = _backward_dkv(cfg, q, k, v, bias, aux, d_out, lse, delta)
@@ -531,6 +560,7 @@ class XlaBlockSparse(AbstractKernel):
     name: ClassVar[str] = "xla"
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
     reads: ClassVar[str] = "elements"
+    returns_lse: ClassVar[bool] = True
 
     @classmethod
     def priority(cls, platform):
@@ -558,6 +588,13 @@ class XlaBlockSparse(AbstractKernel):
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
+        return self._run(query, key, value, mask, inputs, softmax_scale, logits_soft_cap, False)
+
+    def attention_with_lse(self, query, key, value, *, mask, inputs, features, tiling,
+                           softmax_scale, logits_soft_cap):
+        return self._run(query, key, value, mask, inputs, softmax_scale, logits_soft_cap, True)
+
+    def _run(self, query, key, value, mask, inputs, softmax_scale, logits_soft_cap, with_lse):
         data = (inputs.q_positions, inputs.kv_positions, inputs.q_segment_ids,
                 inputs.kv_segment_ids)
         # The layouts of a static mask are NumPy-derived constants: their trip counts are known
@@ -573,7 +610,7 @@ class XlaBlockSparse(AbstractKernel):
         )
         aux = {"mask": mask_arrays, "data": data}
         try:
-            fn = _attention_fn(cfg)
+            fn = _attention_fn(cfg, with_lse)
         except TypeError:  # an unhashable user mask: build the function afresh
-            fn = _attention_fn.__wrapped__(cfg)
+            fn = _attention_fn.__wrapped__(cfg, with_lse)
         return fn(query, key, value, inputs.bias, inputs.sinks, aux)
