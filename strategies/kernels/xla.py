@@ -609,8 +609,13 @@ class XlaBlockSparse(AbstractKernel):
             dkv_trips=_static_trips(mask.dkv, ("t_full_count", "t_partial_count")),
         )
         aux = {"mask": mask_arrays, "data": data}
+        # Inside `jax.shard_map`, a custom backward must give each input's cotangent that
+        # input's type: type them alike here, so that autodiff sums the cotangents of inputs
+        # shared by several devices (a bias broadcast over heads split across devices).
+        diff_args = _typed_like((query, key, value, inputs.bias, inputs.sinks), query, key,
+                                value, inputs.bias, inputs.sinks)
         try:
             fn = _attention_fn(cfg, with_lse)
         except TypeError:  # an unhashable user mask: build the function afresh
             fn = _attention_fn.__wrapped__(cfg, with_lse)
-        return fn(query, key, value, inputs.bias, inputs.sinks, aux)
+        return fn(*diff_args, aux)

@@ -1,3 +1,5 @@
 """Sharding: how the work spreads over devices."""
 
 from eqx_bsattn.contract import AbstractSharding as AbstractSharding, Unsharded as Unsharded
+
+from .shard_map import ShardMap as ShardMap
