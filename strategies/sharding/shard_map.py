@@ -27,7 +27,8 @@ def split_inputs(ops: Operands, inputs: AttentionInputs, *, batch: int, heads: i
     if inputs.bias is not None:
         bb, hb = inputs.bias.shape[:2]
         lead = lead_spec(bb, hb, batch, heads, batch_axis, head_axis)
-        slots["bias"] = ops.add(inputs.bias, P(*lead, q_axis, kv_axis))
+        # Every device keeps all the bias's key columns: a ring walks them.
+        slots["bias"] = ops.add(inputs.bias, P(*lead, q_axis, None))
     if inputs.sinks is not None:
         slots["sinks"] = ops.add(inputs.sinks, P(head_axis, None))
     for name, axis in (("q_segment_ids", q_axis), ("kv_segment_ids", kv_axis),
