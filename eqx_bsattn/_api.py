@@ -4,6 +4,7 @@ library it replaces. It builds a `BlockSparseAttention` and calls it: one implem
 import warnings
 from collections.abc import Callable
 
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from ._inputs import MaskInfo
@@ -55,6 +56,70 @@ def _mask_from_options(mask_builder, causal, sliding_window, chunk_size) -> Abst
         chunked = masks.ChunkedCausal(chunk_size)
         mask = chunked if isinstance(mask, Full) else mask & chunked
     return mask
+
+
+def _spec_axis(spec, dim: int, arg: str):
+    entry = spec[dim] if len(spec) > dim else None
+    if entry is not None and not isinstance(entry, str):
+        raise ValueError(
+            f"`{arg}` splits dimension {dim} over {entry!r}; each dimension may be split over "
+            "one mesh axis (a name) or None."
+        )
+    return entry
+
+
+def _sharding_from_options(mesh, in_specs, out_specs, seq_axis):
+    """The sharding strategy the seed-style mesh options ask for (None: unsharded)."""
+    from .strategies import sharding
+
+    if mesh is None:
+        if in_specs is not None or out_specs is not None or seq_axis is not None:
+            raise ValueError(
+                "`in_specs`, `out_specs` and `sequence_parallelism_mesh_axis_name` need `mesh` "
+                "(a jax.sharding.Mesh)."
+            )
+        return None
+    accepted = ("`in_specs` must be a tuple of PartitionSpecs whose first three are those of "
+                "query, key and value [batch, heads, seq, head_dim]: each dimension over one "
+                "mesh axis or None, head_dim unsplit, key and value split like the query "
+                "(heads may be unsplit for them)")
+    batch_axis = head_axis = spec_seq = None
+    if in_specs is not None:
+        if not isinstance(in_specs, (tuple, list)) or len(in_specs) < 3 or not all(
+            isinstance(x, PartitionSpec) for x in in_specs[:3]
+        ):
+            raise ValueError(f"{accepted}; got {in_specs!r}.")
+        q_spec, k_spec, v_spec = in_specs[:3]
+        batch_axis, head_axis, spec_seq = (_spec_axis(q_spec, d, "in_specs") for d in range(3))
+        if _spec_axis(q_spec, 3, "in_specs") is not None:
+            raise ValueError(f"{accepted}; the query spec {q_spec} splits head_dim.")
+        for name, spec in (("key", k_spec), ("value", v_spec)):
+            axes = tuple(_spec_axis(spec, d, "in_specs") for d in range(4))
+            if axes[0] != batch_axis or axes[1] not in (head_axis, None) or \
+                    axes[2] != spec_seq or axes[3] is not None:
+                raise ValueError(f"{accepted}; the {name} spec {spec} differs from the "
+                                 f"query's {q_spec}.")
+    if seq_axis is not None and spec_seq is not None and seq_axis != spec_seq:
+        raise ValueError(
+            f"`sequence_parallelism_mesh_axis_name`={seq_axis!r} differs from the sequence "
+            f"axis {spec_seq!r} of the query's spec in `in_specs`."
+        )
+    seq_axis = seq_axis if seq_axis is not None else spec_seq
+    expected = PartitionSpec(batch_axis, head_axis, seq_axis, None)
+    if out_specs is not None and tuple(out_specs) + (None,) * (4 - len(out_specs)) != \
+            tuple(expected):
+        raise ValueError(
+            f"`out_specs` must split the output [batch, heads, seq, value_dim] like the query: "
+            f"{expected} (or None); got {out_specs!r}."
+        )
+    if seq_axis is not None:
+        return sharding.RingAttention(mesh, seq_axis, batch_axis=batch_axis, head_axis=head_axis)
+    if in_specs is None:
+        raise ValueError(
+            "`mesh` needs `in_specs` (batch and head axes) or "
+            "`sequence_parallelism_mesh_axis_name` (the sequence axis) to say how to split."
+        )
+    return sharding.ShardMap(mesh, batch_axis=batch_axis, head_axis=head_axis)
 
 
 def _kernel_for(platform: str | None, fused_backward: bool) -> tuple[AbstractKernel | None, str | None]:
@@ -154,24 +219,17 @@ def blocksparse_attention(
     - `cfg`: a `Tiling` (or a dict of its fields).
     - `fused_backward`: ask for the fused backward pass where the kernel has one; others warn
       and use their split backward.
-    - `mesh`, `in_specs`, `out_specs`, `sequence_parallelism_mesh_axis_name`,
-      `qkv_layouts`: not available yet; anything but ``None`` raises `NotImplementedError`.
+    - `mesh`: a `jax.sharding.Mesh` to spread the call over, with `in_specs` (the
+      PartitionSpecs of query, key, value, ...; batch and head axes give `ShardMap`, a
+      sequence axis `RingAttention`), `out_specs` (``None`` or the query's spec) and/or
+      `sequence_parallelism_mesh_axis_name` (the sequence axis: `RingAttention`).
+    - `qkv_layouts`: not available yet; anything but ``None`` raises `NotImplementedError`.
 
     ```python
     out = blocksparse_attention(q, k, v, causal=True, sliding_window=1024)
     ```
     """
-    for name, value_ in (
-        ("mesh", mesh),
-        ("in_specs", in_specs),
-        ("out_specs", out_specs),
-        ("sequence_parallelism_mesh_axis_name", sequence_parallelism_mesh_axis_name),
-    ):
-        if value_ is not None:
-            raise NotImplementedError(
-                f"`{name}` (multi-device sharding) is not available yet; pass None and shard "
-                "the call with jax.jit/shard_map around it."
-            )
+    shard = _sharding_from_options(mesh, in_specs, out_specs, sequence_parallelism_mesh_axis_name)
     if qkv_layouts is not None:
         raise NotImplementedError(
             "`qkv_layouts` other than the default [batch, heads, seq, head_dim] is not available yet."
@@ -185,6 +243,7 @@ def blocksparse_attention(
     attn = BlockSparseAttention(
         mask=mask, kernel=kernel, tiling=_tiling_from_cfg(cfg),
         softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
+        **({} if shard is None else {"sharding": shard}),
     )
     plan = attn.plan(
         query, key, value, bias=bias, sinks=softmax_aux, platform=device_platform,

@@ -396,13 +396,18 @@ def test_function_fused_backward_warns_for_the_reference(qkv):
     assert_close(out, expected(masks.Causal(), q, k, v))
 
 
-@pytest.mark.parametrize("name", ["mesh", "in_specs", "out_specs",
-                                  "sequence_parallelism_mesh_axis_name", "qkv_layouts"])
+@pytest.mark.parametrize("name", ["qkv_layouts"])
 def test_function_unavailable_options(qkv, name):
     q, k, v = qkv
-    value = "sp" if name == "sequence_parallelism_mesh_axis_name" else object()
     with pytest.raises(NotImplementedError, match=name):
-        bsa.blocksparse_attention(q, k, v, **{name: value})
+        bsa.blocksparse_attention(q, k, v, **{name: object()})
+
+
+@pytest.mark.parametrize("name", ["in_specs", "out_specs", "sequence_parallelism_mesh_axis_name"])
+def test_function_mesh_options_need_a_mesh(qkv, name):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="need `mesh`"):
+        bsa.blocksparse_attention(q, k, v, **{name: "sp"})
 
 
 def test_function_mask_builder_errors(qkv):

@@ -1,0 +1,347 @@
+"""Sharding on 8 virtual CPU devices: kernels inside a user's `jax.shard_map` and under `jit`
+with sharded inputs, `ShardMap` (batch and heads) and `RingAttention` (sequence), each against
+the unsharded call, forward and every gradient.
+
+JAX fixes the number of CPU devices when its backend starts, so these tests run in a child
+process started with ``--xla_force_host_platform_device_count=8``: the test collected in the
+main run starts it and passes on its verdict (and its marker selection).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+_CHILD = "EQX_BSATTN_SHARDING_CHILD"
+_DEVICES = 8
+
+
+def _run_child(marker: str):
+    env = dict(os.environ, **{_CHILD: "1"})
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        f" --xla_force_host_platform_device_count={_DEVICES}").strip()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", marker,
+           os.path.abspath(__file__)]
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
+
+
+if os.environ.get(_CHILD) != "1":
+
+    def test_sharding_on_eight_devices():
+        _run_child("not slow")
+
+    @pytest.mark.slow
+    def test_sharding_on_eight_devices_slow_cases():
+        _run_child("slow")
+
+else:
+    from typing import ClassVar
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from eqx_bsattn import sharding
+    from tests.conftest import (
+        assert_close,
+        bsa,
+        kernels,
+        make_kernel,
+        masks,
+        np_mask,
+        random_array,
+        random_inputs,
+        sorted_segments,
+    )
+
+    assert jax.device_count() == _DEVICES, jax.devices()
+
+    def make_mesh(shape, names):
+        return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+    TILES = bsa.Tiling(block_q=8, block_kv=8)
+
+    def compare(base, sharded, args, extra, *, tol=2e-5):
+        """`sharded` against `base` (both functions of `args` and keywords `extra`), forward and
+        the gradients of a random projection in every float argument."""
+        floats = {name: x for name, x in extra.items() if jnp.issubdtype(x.dtype, jnp.floating)}
+        fixed = {name: x for name, x in extra.items() if name not in floats}
+        q = args[0]
+        proj = random_array(7, q.shape[:-1] + (args[2].shape[-1],))
+
+        def run(fn):  # one compilation for the output and every gradient
+            def both(a, f):
+                out, pullback = jax.vjp(lambda a, f: fn(*a, **f, **fixed), a, f)
+                return out, pullback(proj)
+
+            return jax.jit(both)(args, floats)
+
+        out, got = run(sharded)
+        ref, want = run(base)
+        assert_close(out, ref, tol, "output")
+        for path, g, w in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got),
+                              jax.tree.leaves(want)):
+            assert_close(g, w, tol, f"gradient {jax.tree_util.keystr(path[0])}")
+
+    def module(mask, kernel, shard=None, tiling=TILES):
+        return bsa.BlockSparseAttention(mask=mask, kernel=make_kernel(kernel), tiling=tiling,
+                                        **({} if shard is None else {"sharding": shard}))
+
+    # ---------------------------------------------------------------------------------------
+    # Every kernel inside a user's shard_map, and under jit with sharded inputs.
+
+    slow = pytest.mark.slow
+
+    @pytest.mark.parametrize("kernel, shape", [
+        ("DenseReference", (2,)), ("XlaBlockSparse", (2, 4)),
+        pytest.param("DenseReference", (2, 4), marks=slow),
+        pytest.param("XlaBlockSparse", (2,), marks=slow),
+    ])
+    def test_kernel_inside_user_shard_map(kernel, shape):
+        names = ("b", "h")[:len(shape)]
+        mesh = make_mesh(shape, names)
+        q, k, v = random_inputs(1, batch=2, heads=8, kv_heads=4, q_len=32)
+        seg = jnp.asarray(sorted_segments(np.random.default_rng(0), 2, 32, 3))
+        attn = module(masks.Causal(), kernel)
+        spec = P(*names)
+
+        def per_device(q, k, v, seg):  # default check_vma=True
+            return attn(q, k, v, q_segment_ids=seg, kv_segment_ids=seg)
+
+        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, P("b")),
+                               out_specs=spec)
+        compare(lambda q, k, v: per_device(q, k, v, seg), lambda q, k, v: mapped(q, k, v, seg),
+                (q, k, v), {})
+
+    @pytest.mark.parametrize("kernel", ["XlaBlockSparse",
+                                        pytest.param("DenseReference", marks=slow)])
+    def test_kernel_under_jit_with_named_sharding(kernel):
+        mesh = make_mesh((2, 4), ("b", "h"))
+        q, k, v = random_inputs(2, batch=2, heads=8, kv_heads=4, q_len=32)
+        put = lambda x: jax.device_put(x, NamedSharding(mesh, P("b", "h")))  # noqa: E731
+        attn = module(masks.Causal() & masks.SlidingWindow(9), kernel)
+        compare(attn, attn, tuple(map(put, (q, k, v))), {})
+
+    # ---------------------------------------------------------------------------------------
+    # ShardMap: batch and heads.
+
+    @pytest.mark.parametrize("kernel, axes", [
+        ("XlaBlockSparse", ("b", "h")), ("DenseReference", ("b", None)),
+        pytest.param("DenseReference", (None, "h"), marks=slow),
+        pytest.param("XlaBlockSparse", ("b", None), marks=slow),
+        pytest.param("XlaBlockSparse", (None, "h"), marks=slow),
+    ])
+    def test_shard_map(kernel, axes):
+        mesh = make_mesh((2, 4), ("b", "h"))
+        q, k, v = random_inputs(3, batch=2, heads=8, kv_heads=2, q_len=32, value_dim=4)
+        seg = jnp.asarray(sorted_segments(np.random.default_rng(1), 2, 32, 3, pad=3))
+        extra = dict(bias=random_array(4, (2, 1, 32, 32)), sinks=random_array(5, (8,)),
+                     q_segment_ids=seg, kv_segment_ids=seg)
+        mask = masks.Causal()
+        compare(module(mask, kernel), module(mask, kernel, sharding.ShardMap(mesh, *axes)),
+                (q, k, v), extra)
+
+    @pytest.mark.parametrize("kernel", ["DenseReference",
+                                        pytest.param("XlaBlockSparse", marks=slow)])
+    def test_shard_map_per_head_mask(kernel):
+        mesh = make_mesh((2, 4), ("b", "h"))
+        q, k, v = random_inputs(4, batch=2, heads=8, kv_heads=8, q_len=32)
+        mask = masks.PerHead([masks.Causal(), masks.SlidingWindow(5)] * 4)
+        extra = dict(bias=random_array(6, (1, 8, 32, 32)))
+        compare(module(mask, kernel), module(mask, kernel, sharding.ShardMap(mesh, "b", "h")),
+                (q, k, v), extra)
+
+    # ---------------------------------------------------------------------------------------
+    # RingAttention: the sequence.
+
+    L = 128  # 8 devices: 16 tokens each, or two slices of 8 in zig-zag order
+
+    def ring_case(name):
+        table = np.random.default_rng(3).random((L // 16, L // 16)) < 0.4
+        seg = jnp.asarray(sorted_segments(np.random.default_rng(2), 2, L, 5, pad=5))
+        return {
+            "causal": (masks.Causal(), {}),
+            "window": (masks.Causal() & masks.SlidingWindow(12), {}),
+            "document": (masks.Causal(), dict(q_segment_ids=seg, kv_segment_ids=seg)),
+            "block_table": (masks.BlockLayoutMask(table, 16), {}),
+            "bias_sinks": (masks.Causal(), dict(bias=random_array(8, (2, 1, L, L)),
+                                                sinks=random_array(9, (4, 2)))),
+        }[name]
+
+    RING_MESHES = {
+        "1d": (((8,), ("s",)), dict(seq_axis="s")),
+        "2d_heads": (((4, 2), ("s", "h")), dict(seq_axis="s", head_axis="h")),
+        "2d_batch": (((2, 4), ("b", "s")), dict(seq_axis="s", batch_axis="b")),
+    }
+
+    def ring(mesh_name, **kw):
+        (shape, names), axes = RING_MESHES[mesh_name]
+        return sharding.RingAttention(make_mesh(shape, names), **axes, **kw)
+
+    def check_ring(case, kernel, mesh_name, *, kv_heads=2, **kw):
+        mask, extra = ring_case(case)
+        q, k, v = random_inputs(5, batch=2, heads=4, kv_heads=kv_heads, q_len=L)
+        compare(module(mask, kernel), module(mask, kernel, ring(mesh_name, **kw)),
+                (q, k, v), extra)
+
+    @pytest.mark.parametrize("case", ["causal", "document", "block_table",
+                                      pytest.param("window", marks=slow),
+                                      pytest.param("bias_sinks", marks=slow)])
+    def test_ring_reference(case):
+        check_ring(case, "DenseReference", "1d")
+
+    @pytest.mark.parametrize("case", ["window", pytest.param("causal", marks=slow)])
+    def test_ring_xla(case):
+        check_ring(case, "XlaBlockSparse", "1d")
+
+    @pytest.mark.parametrize("mesh_name", ["2d_heads", pytest.param("2d_batch", marks=slow)])
+    def test_ring_two_axes_gqa(mesh_name):
+        check_ring("causal", "DenseReference", mesh_name, kv_heads=1)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("case", ["document", "block_table", "bias_sinks"])
+    @pytest.mark.parametrize("mesh_name", ["1d", "2d_heads"])
+    def test_ring_xla_slow(case, mesh_name):
+        check_ring(case, "XlaBlockSparse", mesh_name)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("order", ["contiguous", "zigzag"])
+    def test_ring_orders(order):
+        check_ring("window", "DenseReference", "1d", order=order)
+
+    # ---------------------------------------------------------------------------------------
+    # What the ring computes and sends.
+
+    def oracle_pairs(mask, order, n=_DEVICES, seg=None):
+        """(query shard, kv shard) pairs with a visible pair, from the NumPy mask."""
+        pieces = n if order == "contiguous" else 2 * n
+        size = L // pieces
+        chunks = {d: [d] if order == "contiguous" else [d, 2 * n - 1 - d] for d in range(n)}
+        tokens = {d: np.concatenate([np.arange(c * size, (c + 1) * size) for c in chunks[d]])
+                  for d in range(n)}
+        vis = np_mask(mask, q_len=L, kv_len=L, heads=1, q_seg=seg, kv_seg=seg)[0]
+        return {(a, b) for a in range(n) for b in range(n)
+                if vis[np.ix_(tokens[a], tokens[b])].any()}
+
+    @pytest.mark.parametrize("case", ["window", "causal", "document"])
+    def test_ring_steps_match_the_mask(case):
+        mask, extra = ring_case(case)
+        strategy = ring("1d")
+        q, k, v = random_inputs(6, batch=2, heads=4, kv_heads=2, q_len=L)
+        attn = module(mask, "XlaBlockSparse", strategy)
+        plan = attn.plan(q, k, v, **extra)
+        sched = strategy.schedule(plan.mask, plan.inputs)
+        if case == "document":  # known on the device only: every step, decided per device
+            assert sched.pairs is None and sched.steps == tuple(range(_DEVICES))
+            assert sched.order == "zigzag"
+        else:
+            assert sched.pairs == oracle_pairs(mask, sched.order)
+        if case == "window":  # a window narrower than a shard: one neighbour, one hop
+            assert sched.order == "contiguous"
+            assert sched.steps == (0, 1) and sched.hops == (1, 0)
+        if case == "causal":  # zig-zag: every device works at every step
+            assert sched.order == "zigzag"
+            assert len(sched.pairs) == _DEVICES * _DEVICES and sched.hops == (4, 3)
+
+        calls = []
+
+        def counting(q, k, v, inputs, mask, *, return_lse=False):
+            calls.append(mask.forward.num_q_blocks)
+            return plan.kernel.attention_with_lse(
+                q, k, v, mask=mask, inputs=inputs, features=plan.features, tiling=plan.tiling,
+                softmax_scale=plan.softmax_scale, logits_soft_cap=None)
+
+        jaxpr = jax.make_jaxpr(lambda q, k, v: strategy.wrap(counting)(
+            q, k, v, plan.inputs, plan.mask))(q, k, v)
+        assert len(calls) == len(sched.steps)
+        sent = 3 + (case == "document")  # k, v, kv positions (and kv segment ids)
+        assert str(jaxpr).count("ppermute") == sent * sum(sched.hops)
+
+    # ---------------------------------------------------------------------------------------
+    # The seed-style door and errors.
+
+    def test_function_style_mesh_options():
+        mesh = make_mesh((2, 4), ("b", "s"))
+        q, k, v = random_inputs(7, batch=2, heads=4, kv_heads=2, q_len=32)
+        want = bsa.blocksparse_attention(q, k, v, sliding_window=(6, 0), platform="reference")
+        spec = P("b", None, "s", None)
+        got = jax.jit(lambda q, k, v: bsa.blocksparse_attention(
+            q, k, v, sliding_window=(6, 0), platform="reference", mesh=mesh,
+            in_specs=(spec, spec, spec), out_specs=spec))(q, k, v)
+        assert_close(got, want)
+        got = jax.jit(lambda q, k, v: bsa.blocksparse_attention(
+            q, k, v, platform="reference", mesh=mesh, in_specs=(P("b"),) * 3,
+            sequence_parallelism_mesh_axis_name="s", sliding_window=(6, 0)))(q, k, v)
+        assert_close(got, want)
+        heads = P("b", "s")
+        got = jax.jit(lambda q, k, v: bsa.blocksparse_attention(
+            q, k, v, platform="reference", mesh=mesh, in_specs=(heads, heads, heads),
+            sliding_window=(6, 0)))(q, k, v)
+        assert_close(got, want)
+
+    def test_function_style_rejects_specs():
+        mesh = make_mesh((2, 4), ("b", "s"))
+        q, k, v = random_inputs(7, batch=2, heads=4, kv_heads=2, q_len=64)
+        call = lambda **kw: bsa.blocksparse_attention(q, k, v, mesh=mesh, **kw)  # noqa: E731
+        with pytest.raises(ValueError, match="head_dim"):
+            call(in_specs=(P(None, None, None, "s"),) * 3)
+        with pytest.raises(ValueError, match="one mesh axis"):
+            call(in_specs=(P(("b", "s")),) * 3)
+        with pytest.raises(ValueError, match="differs from the query"):
+            call(in_specs=(P("b"), P(None), P("b")))
+        with pytest.raises(ValueError, match="out_specs"):
+            call(in_specs=(P("b"),) * 3, out_specs=P("s"))
+        with pytest.raises(ValueError, match="sequence_parallelism_mesh_axis_name"):
+            call(in_specs=(P(None, None, "s"),) * 3, sequence_parallelism_mesh_axis_name="b")
+        with pytest.raises(ValueError, match="in_specs"):
+            call()
+
+    def test_bad_mesh_and_axes():
+        mesh = make_mesh((2, 4), ("b", "s"))
+        with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+            sharding.ShardMap("mesh", "b")
+        with pytest.raises(ValueError, match="'x' is not an axis of the mesh"):
+            sharding.ShardMap(mesh, "x")
+        with pytest.raises(ValueError, match="one dimension only"):
+            sharding.RingAttention(mesh, "s", head_axis="s")
+        with pytest.raises(ValueError, match="order"):
+            sharding.RingAttention(mesh, "s", order="spiral")
+        q, k, v = random_inputs(7, batch=2, heads=4, kv_heads=2, q_len=18)
+        with pytest.raises(ValueError, match="multiples"):
+            module(masks.Causal(), "DenseReference", sharding.RingAttention(mesh, "s"))(q, k, v)
+        q, k, v = random_inputs(7, batch=2, heads=4, kv_heads=2, q_len=32)
+        with pytest.raises(ValueError, match="tiles"):  # 8- or 4-token slices, 16-token tiles
+            module(masks.Causal(), "XlaBlockSparse", sharding.RingAttention(mesh, "s"),
+                   tiling=bsa.Tiling(block_q=16, block_kv=16))(q, k, v)
+        with pytest.raises(ValueError, match="batch"):
+            module(masks.Causal(), "DenseReference",
+                   sharding.ShardMap(make_mesh((8,), ("b",)), "b"))(q, k, v)
+        mesh = make_mesh((2, 4), ("b", "h"))
+        q, k, v = random_inputs(7, batch=2, heads=12, kv_heads=6, q_len=16)
+        with pytest.raises(ValueError, match="key/value heads"):
+            module(masks.Causal(), "DenseReference", sharding.ShardMap(mesh, None, "h"))(q, k, v)
+
+    def test_ring_declines_kernels_without_lse():
+        class NoLse(bsa.AbstractKernel):
+            name: ClassVar[str] = "no-lse-test"
+            platforms: ClassVar[tuple[str, ...]] = ("cpu",)
+            reads: ClassVar[str] = "dense"
+
+            def __call__(self, query, key, value, **kw):
+                return kernels.DenseReference()(query, key, value, **kw)
+
+        mesh = make_mesh((8,), ("s",))
+        q, k, v = random_inputs(7, batch=2, heads=4, kv_heads=2, q_len=64)
+        attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=NoLse(),
+                                        sharding=sharding.RingAttention(mesh, "s"))
+        with pytest.raises(ValueError, match="no-lse-test cannot run this call.*log-sum-exp"):
+            attn(q, k, v)
+        choice = bsa.select_kernel(masks.Causal(), platform="cpu", features=bsa.Features(lse=True),
+                                   candidates=[NoLse(), kernels.XlaBlockSparse()])
+        assert choice.kernel.name == "xla"
+        assert [(name, "log-sum-exp" in why) for name, why in choice.declined] == [
+            ("no-lse-test", True)]
