@@ -213,6 +213,15 @@ else:
     def test_ring_orders(order):
         check_ring("window", "DenseReference", "1d", order=order)
 
+    def test_explicit_mesh():  # jax.make_mesh's default axis type
+        mesh = jax.make_mesh((4, 2), ("s", "h"))
+        q, k, v = random_inputs(8, batch=2, heads=4, kv_heads=2, q_len=64)
+        mask = masks.Causal() & masks.SlidingWindow(10)
+        for shard in (sharding.RingAttention(mesh, "s", head_axis="h"),
+                      sharding.ShardMap(mesh, None, "h")):
+            compare(module(mask, "DenseReference"), module(mask, "DenseReference", shard),
+                    (q, k, v), {})
+
     # ---------------------------------------------------------------------------------------
     # What the ring computes and sends.
 

@@ -5,6 +5,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from eqx_bsattn.contract import AbstractMask, BlockLayout, CompiledMask, TokenCoords
@@ -120,7 +121,8 @@ class Operands:
         slot = len(self.arrays) + len(self.constants)
         whole = all(s is None for s in spec)
         if constant_ok and whole and not isinstance(x, jax.core.Tracer):
-            self.constants[slot] = x
+            # As NumPy: a constant placed on an explicitly sharded mesh cannot be closed over.
+            self.constants[slot] = np.asarray(x)
         else:
             self.arrays.append((slot, place(x, self.mesh, spec)))
             self.specs.append(spec)
