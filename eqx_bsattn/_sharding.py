@@ -5,6 +5,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -39,6 +40,24 @@ class Unsharded(AbstractSharding):
 
     def wrap(self, fn: Callable) -> Callable:
         return fn
+
+
+def typed_like(value, *refs):
+    """`value` (a pytree of fresh arrays) typed to vary over every mesh axis `refs` vary over.
+
+    Inside `jax.shard_map` JAX types each value by the mesh axes it varies over; a loop's
+    carry must keep its type, and a custom backward must give each input's cotangent that
+    input's type. Fresh constants (zeros, ``-inf``) vary over none: adding a zero made from
+    each of `refs` (`jnp.zeros_like` keeps the type) gives `value` theirs. Outside
+    `shard_map` it adds zeros, which XLA folds away.
+
+    ```python
+    carry = typed_like((jnp.zeros(shape), jnp.full(shape, -jnp.inf)), q, k, v)
+    ```
+    """
+    leaves = [x for x in jax.tree.leaves(refs) if x is not None]
+    zero = sum(jnp.zeros_like(x, dtype=jnp.float32, shape=()) for x in leaves)
+    return jax.tree.map(lambda c: c + jnp.asarray(zero).astype(c.dtype), value)
 
 
 def layout_from_classes(classes, *, q_len: int, kv_len: int, block_q: int, block_kv: int,

@@ -54,5 +54,6 @@ from ._sharding import (
     AbstractSharding as AbstractSharding,
     Unsharded as Unsharded,
     layout_from_classes as layout_from_classes,
+    typed_like as typed_like,
 )
 from ._tiling import Tiling as Tiling

@@ -20,7 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_bsattn.contract import AbstractKernel, BlockLayout, CompiledMask, Features, Tiling
+from eqx_bsattn.contract import (
+    AbstractKernel,
+    BlockLayout,
+    CompiledMask,
+    Features,
+    Tiling,
+    typed_like,
+)
 
 _F32 = jnp.float32
 _FWD_LISTS = ("full_count", "full_index", "partial_count", "partial_index")
@@ -151,18 +158,6 @@ def _slot_loop(trips: _Trips, count, index, body, carry):
     return jax.lax.fori_loop(0, stop, step, carry)
 
 
-def _typed_like(carry, *refs):
-    """`carry` (fresh zeros or ``-inf``) typed to vary over every mesh axis `refs` vary over.
-
-    Inside `jax.shard_map` a loop's carry must keep its type: a constant is the same on every
-    device, the values the loop body adds are not. Adding a zero made from each input
-    (`jnp.zeros_like` keeps that type) gives the carry the inputs' type; elsewhere it is a
-    no-op that XLA folds away.
-    """
-    zero = sum(jnp.zeros_like(x, dtype=_F32, shape=()) for x in jax.tree.leaves(refs))
-    return jax.tree.map(lambda c: c + zero.astype(c.dtype), carry)
-
-
 def _scores(cfg: _Config, q_blk, k_blk, bias_blk):
     """Logits of one block, float32: ``[G, bq, D] x [bk, D] -> [G, bq, bk]``.
 
@@ -287,7 +282,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
     lead = (batch, kv_heads, arr.sizes[2], nq, g, bq)
     carry = (jnp.full(lead, -jnp.inf, _F32), jnp.zeros(lead, _F32),
              jnp.zeros(lead + (value_dim,), _F32))
-    carry = _typed_like(carry, q, k, v, bias, aux)
+    carry = typed_like(carry, q, k, v, bias, aux)
     carry = run_list(cfg.fwd_trips[0], fc, fi, False, carry)
     carry = run_list(cfg.fwd_trips[1], pc, pi, True, carry)
     m, l, acc = carry
@@ -377,7 +372,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     if bias is not None:
         ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32)
     carry = (jnp.zeros(lead + (q.shape[-1],), _F32), ds_buf)
-    carry = _typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
+    carry = typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
     carry = run_list(cfg.dq_trips[0], fc, fi, False, 0, carry)
     carry = run_list(cfg.dq_trips[1], pc, pi, True, cf, carry)
     dq, ds_buf = carry
@@ -451,7 +446,7 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 
     lead = (batch, kv_heads, arr.sizes[2], nk, bk)
     carry = (jnp.zeros(lead + (k.shape[-1],), _F32), jnp.zeros(lead + (v.shape[-1],), _F32))
-    carry = _typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
+    carry = typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
     carry = run_list(cfg.dkv_trips[0], fc, fi, False, carry)
     carry = run_list(cfg.dkv_trips[1], pc, pi, True, carry)
     dk, dv = carry
@@ -612,7 +607,7 @@ class XlaBlockSparse(AbstractKernel):
         # Inside `jax.shard_map`, a custom backward must give each input's cotangent that
         # input's type: type them alike here, so that autodiff sums the cotangents of inputs
         # shared by several devices (a bias broadcast over heads split across devices).
-        diff_args = _typed_like((query, key, value, inputs.bias, inputs.sinks), query, key,
+        diff_args = typed_like((query, key, value, inputs.bias, inputs.sinks), query, key,
                                 value, inputs.bias, inputs.sinks)
         try:
             fn = _attention_fn(cfg, with_lse)

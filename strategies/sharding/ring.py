@@ -20,6 +20,7 @@ from eqx_bsattn.contract import (
     CompiledMask,
     build_layout,
     layout_from_classes,
+    typed_like,
 )
 
 from ._local import (
@@ -90,11 +91,6 @@ def _merge(out_a, lse_a, out_b, lse_b):
     lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
     out = (wa[..., None] * out_a + wb[..., None] * out_b) / safe[..., None]
     return out, lse
-
-
-def _typed_like(x, *refs):
-    zero = sum(jnp.zeros_like(r, dtype=_F32, shape=()) for r in jax.tree.leaves(refs))
-    return jax.tree.map(lambda c: c + zero.astype(c.dtype), x)
 
 
 class RingAttention(AbstractSharding):
@@ -393,7 +389,7 @@ class RingAttention(AbstractSharding):
                         shape = q.shape[:3]
                         out = jnp.zeros(shape + (v_t.shape[-1],), _F32)
                         lse = jnp.full(shape, -jnp.inf, _F32)
-                        return _typed_like((out, lse), q, k_t, v_t, step_inputs, flags)
+                        return typed_like((out, lse), q, k_t, v_t, step_inputs, flags)
 
                     return jax.lax.cond(work, attend, skip)
 
@@ -425,7 +421,7 @@ class RingAttention(AbstractSharding):
                         acc = add(acc, compute(n - hop, current))
                 if acc is None:  # nothing visible anywhere
                     out = jnp.zeros(q.shape[:3] + (v.shape[-1],), _F32)
-                    return _typed_like(out, q, k, v).astype(q.dtype)
+                    return typed_like(out, q, k, v).astype(q.dtype)
                 out, lse = acc
                 sinks = here.get("sinks")
                 if sinks is not None:
