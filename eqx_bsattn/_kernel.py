@@ -5,6 +5,8 @@ import dataclasses
 from typing import ClassVar
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 from equinox import AbstractClassVar
 from jaxtyping import Array, Float
 
@@ -37,6 +39,19 @@ class Features:
     positions: bool = False
     fused_backward: bool = False
     lse: bool = False
+
+
+def add_sinks(out, lse, sinks):
+    """Join attention sinks to a result computed without them: ``(out, lse)`` as
+    `AbstractKernel.attention_with_lse` returns them (``[B, H, Lq, Dv]``, ``[B, H, Lq]``)
+    and `sinks` ``[H, S]``. Returns the float32 output and log-sum-exp with the sinks in each
+    row's denominator; a row that sees no key keeps zeros and ``-inf``. Differentiable.
+    """
+    sink_lse = jax.nn.logsumexp(sinks.astype(jnp.float32), axis=-1)[None, :, None]
+    total = jnp.logaddexp(lse, sink_lse)
+    seen = jnp.isfinite(lse)
+    scale = jnp.where(seen, jnp.exp(lse - total), 0.0)
+    return out.astype(jnp.float32) * scale[..., None], jnp.where(seen, total, -jnp.inf)
 
 
 _REGISTRY: list[type["AbstractKernel"]] = []

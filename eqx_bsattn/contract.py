@@ -32,7 +32,11 @@ from ._compile import (
     ResolvedMask as ResolvedMask,
 )
 from ._inputs import AttentionInputs as AttentionInputs
-from ._kernel import AbstractKernel as AbstractKernel, Features as Features
+from ._kernel import (
+    AbstractKernel as AbstractKernel,
+    Features as Features,
+    add_sinks as add_sinks,
+)
 from ._layout import BlockLayout as BlockLayout, build_layout as build_layout
 from ._mask import (
     EMPTY as EMPTY,

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from eqx_bsattn.contract import (
     EMPTY,
     AbstractSharding,
+    add_sinks,
     AttentionInputs,
     BlockLayout,
     CompiledMask,
@@ -423,13 +424,9 @@ class RingAttention(AbstractSharding):
                     out = jnp.zeros(q.shape[:3] + (v.shape[-1],), _F32)
                     return typed_like(out, q, k, v).astype(q.dtype)
                 out, lse = acc
-                sinks = here.get("sinks")
-                if sinks is not None:
+                if here.get("sinks") is not None:
                     # Sinks join each row's denominator once, after every shard is merged.
-                    sink_lse = jax.nn.logsumexp(sinks.astype(_F32), axis=-1)[None, :, None]
-                    total = jnp.logaddexp(lse, sink_lse)
-                    scale = jnp.where(jnp.isfinite(lse), jnp.exp(lse - total), 0.0)
-                    out = out * scale[..., None]
+                    out, _ = add_sinks(out, lse, here["sinks"])
                 return out.astype(q.dtype)
 
             out = jax.shard_map(body, mesh=mesh, in_specs=tuple(ops.specs),

@@ -7,11 +7,11 @@ from typing import ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling
+from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling, add_sinks
 
 from .heuristics import check_tiling, default_tiling
 from .launch import LaunchConfig, layout_arrays, list_mode
-from .vjp import attend
+from .vjp import attend, attend_with_lse
 
 _SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 _MAX_HEAD_DIM = 256
@@ -91,6 +91,7 @@ class TritonBlockSparse(AbstractKernel):
     name: ClassVar[str] = "triton"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
     reads: ClassVar[str] = "terms"
+    returns_lse: ClassVar[bool] = True
 
     @classmethod
     def priority(cls, platform):
@@ -120,6 +121,16 @@ class TritonBlockSparse(AbstractKernel):
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
+        return self._run(query, key, value, mask, inputs, tiling, softmax_scale,
+                         logits_soft_cap, with_lse=False)
+
+    def attention_with_lse(self, query, key, value, *, mask, inputs, features, tiling,
+                           softmax_scale, logits_soft_cap):
+        return self._run(query, key, value, mask, inputs, tiling, softmax_scale,
+                         logits_soft_cap, with_lse=True)
+
+    def _run(self, query, key, value, mask, inputs, tiling, softmax_scale, logits_soft_cap,
+             with_lse):
         if self.fused_backward:
             warnings.warn(
                 "TritonBlockSparse(fused_backward=True): no fused backward is built; the split "
@@ -133,9 +144,12 @@ class TritonBlockSparse(AbstractKernel):
         data = tuple(dummy_int if x is None else x.astype(jnp.int32) for x in (
             inputs.q_positions, inputs.kv_positions, inputs.q_segment_ids, inputs.kv_segment_ids))
         bias, sinks = inputs.bias, inputs.sinks
+        # With the log-sum-exp, sinks join after the launch (`add_sinks`), so that a row that
+        # sees no key keeps lse = -inf.
+        kernel_sinks = None if with_lse else sinks
         bias_arg = jnp.zeros((1,), jnp.float32) if bias is None else bias
-        sinks_arg = (jnp.zeros((1, 1), jnp.float32) if sinks is None
-                     else sinks.astype(jnp.float32))
+        sinks_arg = (jnp.zeros((1, 1), jnp.float32) if kernel_sinks is None
+                     else kernel_sinks.astype(jnp.float32))
         fwd_warps = tiling.num_warps or 4
         fwd_stages = tiling.num_stages or 2
         bwd_launch = (tiling.num_warps_bwd or fwd_warps, tiling.num_stages_bwd or fwd_stages)
@@ -143,7 +157,7 @@ class TritonBlockSparse(AbstractKernel):
             batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
             head_dim=dim, value_dim=value_dim, dtype=jnp.dtype(query.dtype).name,
             bias_shape=None if bias is None else tuple(bias.shape[:2]),
-            num_sinks=0 if sinks is None else sinks.shape[-1],
+            num_sinks=0 if kernel_sinks is None else kernel_sinks.shape[-1],
             softmax_scale=float(softmax_scale),
             soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
             terms=mask.terms,
@@ -158,5 +172,10 @@ class TritonBlockSparse(AbstractKernel):
         )
         lists = layout_arrays(fwd, transposed=False)
         bwd_lists = (layout_arrays(dq, transposed=False), layout_arrays(dkdv, transposed=True))
-        out = attend(cfg, query, key, value, bias_arg, sinks_arg, data, lists, bwd_lists)
-        return out.astype(query.dtype)
+        args = (cfg, query, key, value, bias_arg, sinks_arg, data, lists, bwd_lists)
+        if with_lse:
+            out, lse = attend_with_lse(*args)
+            if sinks is not None:
+                out, lse = add_sinks(out, lse, sinks)
+            return out.astype(query.dtype), lse
+        return attend(*args).astype(query.dtype)

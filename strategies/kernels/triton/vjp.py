@@ -1,4 +1,5 @@
-"""`attend`: the three launches of `TritonBlockSparse` under one `jax.custom_vjp`."""
+"""`attend` (and `attend_with_lse`): the three launches of `TritonBlockSparse` under one
+`jax.custom_vjp`."""
 
 import functools
 import math
@@ -35,11 +36,15 @@ def _attend_fwd(cfg, q, k, v, bias, sinks, data, lists, bwd_lists):
     return out, (q, k, v, bias, sinks, data, lists, bwd_lists, out, lse)
 
 
-def _attend_bwd(cfg, res, do):
+def _attend_bwd(cfg, res, do, dlse=None):
     q, k, v, bias, sinks, data, lists, bwd_lists, out, lse = res
     do = do.astype(q.dtype)
     # delta = rowsum(dO * O): one fused elementwise pass in XLA, memory-bound and cheap.
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    if dlse is not None:
+        # The log-sum-exp's cotangent (d lse / d s = p) joins the same correction; rows that
+        # see no key (lse = +inf) have p = 0 everywhere.
+        delta = delta - jnp.where(lse == jnp.inf, 0.0, dlse.astype(jnp.float32))
     dq_lists, t_lists = bwd_lists
     dq, dbias_full = dq_launch(cfg, q, k, v, bias, data, dq_lists, do, lse, delta)
     dk, dv = dkdv_launch(cfg, q, k, v, bias, data, t_lists, do, lse, delta)
@@ -61,3 +66,30 @@ def _attend_bwd(cfg, res, do):
 
 
 attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _public_lse(lse):
+    """The kernel's base-2 log-sum-exp (``+inf`` on empty rows) in natural units, ``-inf``
+    on empty rows, as `AbstractKernel.attention_with_lse` returns it."""
+    return jnp.where(lse == jnp.inf, -jnp.inf, lse * _LN2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attend_with_lse(cfg: LaunchConfig, q, k, v, bias, sinks, data, lists, bwd_lists):
+    """`attend` and each row's float32 log-sum-exp ``[B, H, Lq]`` (natural log; ``-inf`` on
+    rows that see no key); differentiable in both."""
+    out, lse = forward_launch(cfg, q, k, v, bias, sinks, data, lists)
+    return out, _public_lse(lse)
+
+
+def _attend_with_lse_fwd(cfg, *args):
+    out, res = _attend_fwd(cfg, *args)
+    return (out, _public_lse(res[-1])), res
+
+
+def _attend_with_lse_bwd(cfg, res, cotangents):
+    do, dlse = cotangents
+    return _attend_bwd(cfg, res, do, dlse)
+
+
+attend_with_lse.defvjp(_attend_with_lse_fwd, _attend_with_lse_bwd)

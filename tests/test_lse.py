@@ -1,0 +1,74 @@
+"""`AbstractKernel.attention_with_lse`: every kernel that declares `returns_lse` against a
+float64 oracle, the output, the log-sum-exp and the gradients through both."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.conftest import assert_close, bsa, masks, np_visibility, random_array, random_inputs
+
+B, H, HKV, L, D = 2, 4, 2, 40, 8
+TILES = bsa.Tiling(block_q=16, block_kv=16)
+
+
+def _lse_kernels():
+    platform = bsa.default_platform()
+    return [cls for cls in bsa.registered_kernels()
+            if cls.returns_lse and platform in cls.platforms]
+
+
+def _call(kernel, mask, q, k, v, bias, sinks):
+    attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, tiling=TILES)
+    plan = attn.plan(q, k, v, bias=bias, sinks=sinks)
+    return plan.kernel.attention_with_lse(
+        q, k, v, mask=plan.mask, inputs=plan.inputs, features=plan.features, tiling=plan.tiling,
+        softmax_scale=plan.softmax_scale, logits_soft_cap=None)
+
+
+def _oracle(q, k, v, bias, sinks, visible):
+    """float64 output and log-sum-exp (rows that see no key: zeros and -inf)."""
+    group = H // HKV
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(D) + bias
+    s = jnp.where(visible, s, -jnp.inf)
+    seen = visible.any(-1)
+    logits = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,))],
+                             axis=-1)
+    lse = jax.nn.logsumexp(jnp.where(seen[..., None], logits, 0.0), axis=-1)
+    p = jnp.exp(s - lse[..., None])
+    out = jnp.where(seen[..., None], jnp.einsum("bhqk,bhkd->bhqd", p, v), 0.0)
+    return out, jnp.where(seen, lse, -jnp.inf)
+
+
+@pytest.mark.parametrize("kernel", _lse_kernels(), ids=lambda cls: cls.name)
+@pytest.mark.parametrize("mask", [masks.Causal() & masks.SlidingWindow(12, 0),
+                                  masks.Causal(offset=-9)], ids=["window", "empty_rows"])
+def test_attention_with_lse_against_float64(kernel, mask):
+    q, k, v = random_inputs(11, batch=B, heads=H, kv_heads=HKV, q_len=L, dim=D)
+    bias = random_array(12, (B, 1, L, L))
+    sinks = random_array(13, (H,))
+    visible = np_visibility(mask, batch=B, heads=1, q_len=L, kv_len=L)
+    seen = visible.any(-1)
+    w_out, w_lse = random_array(14, (B, H, L, D)), random_array(15, (B, H, L))
+
+    def loss(fn, *args):
+        out, lse = fn(*args)
+        # Rows that see nothing have lse = -inf: weigh only the others.
+        return jnp.sum(out * w_out) + jnp.sum(jnp.where(seen, lse, 0.0) * w_lse)
+
+    run = lambda *a: _call(kernel(), mask, *a)  # noqa: E731
+    out, lse = jax.jit(run)(q, k, v, bias, sinks)
+    grads = jax.jit(jax.grad(lambda *a: loss(run, *a), argnums=range(5)))(q, k, v, bias, sinks)
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, bias, sinks)]
+        oracle = lambda *a: _oracle(*a, jnp.asarray(visible))  # noqa: E731
+        want_out, want_lse = oracle(*f64)
+        want_grads = jax.grad(lambda *a: loss(oracle, *a), argnums=range(5))(*f64)
+    assert lse.dtype == jnp.float32
+    assert np.all(np.isneginf(np.asarray(lse)[~np.broadcast_to(seen, lse.shape)]))
+    rows = np.broadcast_to(seen, lse.shape)
+    assert_close(np.asarray(lse)[rows], np.asarray(want_lse)[rows], what="lse")
+    assert_close(out, want_out, what="output")
+    for name, g, w in zip("q k v bias sinks".split(), grads, want_grads):
+        assert_close(g, w, what=f"d{name}")
