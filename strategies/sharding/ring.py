@@ -201,7 +201,7 @@ class RingAttention(AbstractSharding):
         return np.asarray(layout.classes), bq, bk
 
     def _pair_work(self, classes, order: str, bq: int, bk: int, q_len: int, kv_len: int):
-        """``[n, n]`` visited blocks of each (query shard, kv shard) pair, and whether any."""
+        """``[n, n]``: how many blocks each (query shard, kv shard) pair visits."""
         n = axis_size(self.mesh, self.seq_axis)
         visited = (classes != EMPTY).any(axis=(0, 1))  # [nq, nk], over batch and heads
         qo = _block_order(order, n, q_len, bq)
@@ -242,8 +242,12 @@ class RingAttention(AbstractSharding):
     def _step_layouts(self, mask: CompiledMask, order: str, steps) -> dict:
         """For each step, each pass's lists per device: arrays with a leading ``[n]`` axis."""
         n = axis_size(self.mesh, self.seq_axis)
-        out = {}
+        out, first_name = {}, {}
         for name, layout in mask.layouts().items():
+            if id(layout) in first_name:  # passes with equal tiles share one layout
+                out.update({(t, name): out[(t, first_name[id(layout)])] for t in steps})
+                continue
+            first_name[id(layout)] = name
             if layout.bitmaps is not None:
                 raise ValueError(
                     "RingAttention cuts layouts per shard and cannot cut element bitmaps; "
@@ -315,11 +319,14 @@ class RingAttention(AbstractSharding):
                                 head_axis=h_axis, q_axis=s_axis, kv_axis=s_axis)
             step_layouts = self._step_layouts(mask, order, sched.steps)
             layout_slots = {}
+            slots_of_cut = {}
             for (t, name), cut in step_layouts.items():
-                mb, mh = cut.classes.shape[1:3]
-                lead = lead_spec(mb, mh, batch, heads, b_axis, h_axis)
-                layout_slots[(t, name)] = {f: ops.add(getattr(cut, f), P(s_axis, *lead))
-                                           for f in LAYOUT_LISTS if getattr(cut, f) is not None}
+                if id(cut) not in slots_of_cut:
+                    mb, mh = cut.classes.shape[1:3]
+                    lead = lead_spec(mb, mh, batch, heads, b_axis, h_axis)
+                    slots_of_cut[id(cut)] = {f: ops.add(getattr(cut, f), P(s_axis, *lead))
+                                             for f in LAYOUT_LISTS if getattr(cut, f) is not None}
+                layout_slots[(t, name)] = slots_of_cut[id(cut)]
             # Which devices have work at each step: known now for a static mask; for one
             # built from per-call data, from the layout of each pair on the device.
             flags_slot, partial_steps = None, set()
