@@ -71,6 +71,12 @@ class BlockLayout(eqx.Module):
         return jnp.sum(jnp.where(self.classes != EMPTY, sizes, 0))
 
 
+def carries_arrays(mask: AbstractMask) -> bool:
+    """Whether the mask holds per-call arrays (e.g. `ArrayMask`): its layouts are then built on
+    the device, like those of segment ids."""
+    return any(eqx.is_array(leaf) for leaf in jax.tree_util.tree_leaves(mask))
+
+
 def _block_lengths(length: int, block: int) -> np.ndarray:
     n = math.ceil(length / block)
     starts = np.arange(n) * block
@@ -310,10 +316,13 @@ def build_layout(
     uses_segments = mask.uses_segment_ids
     if not uses_segments:
         q_segment_ids = kv_segment_ids = None
-    dynamic = any(x is not None for x in (q_positions, kv_positions, q_segment_ids, kv_segment_ids))
+    dynamic = carries_arrays(mask) or any(
+        x is not None for x in (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    )
     if with_bitmaps and dynamic:
         raise ValueError(
-            "element bitmaps need a static mask; this call passes positions or segment ids."
+            "element bitmaps need a static mask; this call passes positions, segment ids or a "
+            "mask array."
         )
     mh = num_heads if mask.head_dependent else 1
     nq = math.ceil(q_len / block_q)
