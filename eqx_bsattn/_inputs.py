@@ -59,6 +59,8 @@ def as_array(name: str, x) -> Array:
     """`x` as a JAX array (NumPy arrays, Python scalars and nested lists are converted)."""
     if isinstance(x, jax.Array):
         return x
+    if isinstance(x, (str, bytes)) or x is None:
+        raise TypeError(f"`{name}` must be an array (JAX or NumPy); got {type(x).__name__}.")
     try:
         return jnp.asarray(x)
     except (TypeError, ValueError):
@@ -169,11 +171,12 @@ def _check_sinks(sinks, heads: int, name: str):
     if sinks is None:
         return None
     sinks = as_array(name, sinks)
+    label = f"`{name}`" if name == "sinks" else f"`{name}` (sinks)"
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
-        raise TypeError(f"`{name}` (sinks) must be a floating array; got dtype {_dtype_name(sinks)}.")
+        raise TypeError(f"{label} must be a floating array; got dtype {_dtype_name(sinks)}.")
     if not (sinks.ndim == 1 or (sinks.ndim == 2 and sinks.shape[0] == heads)):
         raise ValueError(
-            f"`{name}` (sinks) must have shape [num_sinks] (shared by all heads), "
+            f"{label} must have shape [num_sinks] (shared by all heads), "
             f"[{heads}] (one per head) or [{heads}, num_sinks]; got {_shape(sinks)}."
         )
     return sinks

@@ -216,7 +216,10 @@ class BlockSparseAttention(eqx.Module):
             tiling, source = self.tiling, "module"
         else:
             tiling, source = kernel.default_tiling(features, resolved), "heuristic"
-        tiling = kernel.adapt_tiling(tiling, features)
+        try:
+            tiling = kernel.adapt_tiling(tiling, features)
+        except ValueError as e:
+            raise ValueError(f"the {source} tiling cannot run on kernel {kernel.name}: {e}") from None
         compiled = resolved.compile(tiling, kernel.reads)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
         return CallPlan(kernel, choice, tiling, source, compiled, features, inputs, float(scale))
