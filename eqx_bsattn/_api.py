@@ -17,7 +17,7 @@ from ._mask import AbstractMask, Full
 from ._module import BlockSparseAttention, run_plan
 from ._selector import DEVICE_PLATFORMS
 from ._tiling import Tiling
-from ._typing import ArrayOrNumpy, typechecked
+from ._typing import typechecked
 
 #: The seed's platform names that pick a device, not a kernel (``"auto"``: JAX's default).
 _DEVICE_ALIASES = {"auto": None, "cuda": "gpu"}

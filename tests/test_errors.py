@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
-from eqx_bsattn import kernels, masks
+from eqx_bsattn import masks
 from eqx_bsattn.strategies.kernels.reference import reference_attention
 from tests.conftest import assert_close, random_array
 
