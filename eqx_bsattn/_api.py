@@ -19,7 +19,7 @@ from ._selector import DEVICE_PLATFORMS
 from ._tiling import Tiling
 from ._typing import typechecked
 
-#: The seed's platform names that pick a device, not a kernel (``"auto"``: JAX's default).
+#: ejKernel's platform names that pick a device, not a kernel (``"auto"``: JAX's default).
 _DEVICE_ALIASES = {"auto": None, "cuda": "gpu"}
 #: Other names of kernels.
 _KERNEL_ALIASES = {"dense": "reference", "flash": "triton"}
@@ -29,7 +29,7 @@ _LAYOUTS_ACCEPTED = (
     "'bhsd' ([batch, heads, seq, head_dim], the default) or 'bshd' ([batch, seq, heads, "
     "head_dim]), one name for all three or a tuple of three (query, key, value)"
 )
-#: The seed's `cfg` (`fwd_params` / `bwd_params`) field names, as `Tiling` fields.
+#: ejKernel's `cfg` (`fwd_params` / `bwd_params`) field names, as `Tiling` fields.
 _SEED_FWD = {"q_blocksize": "block_q", "kv_blocksize": "block_kv", "num_warps": "num_warps",
              "num_stages": "num_stages"}
 _SEED_BWD = {"q_blocksize": "block_q_bwd", "kv_blocksize": "block_kv_bwd",
@@ -171,7 +171,7 @@ def _seed_params(params, table: dict, where: str) -> dict:
 
 
 def _tiling_from_cfg(cfg) -> tuple[Tiling | None, str | None]:
-    """The `Tiling` that `cfg` asks for, and the platform it names (the seed's `cfg.platform`)."""
+    """The `Tiling` that `cfg` asks for, and the platform it names (ejKernel's `cfg.platform`)."""
     if cfg is None or isinstance(cfg, Tiling):
         return cfg, None
     get = cfg.get if isinstance(cfg, dict) else lambda name: getattr(cfg, name, None)
@@ -195,14 +195,14 @@ def _tiling_from_cfg(cfg) -> tuple[Tiling | None, str | None]:
             if name in tiling_fields:
                 continue
             seed = _SEED_FWD.get(name)
-            hint = f"; the seed's {name!r} is Tiling's {seed!r}" if seed else ""
+            hint = f"; ejKernel's {name!r} is Tiling's {seed!r}" if seed else ""
             raise ValueError(
                 f"`cfg` has a key Tiling does not take: {name!r}{hint}. Tiling fields: "
                 f"{', '.join(tiling_fields)}."
             )
         return Tiling(**cfg), None
     raise TypeError(
-        "`cfg` must be a Tiling, a dict of Tiling fields, the seed's config (with `fwd_params` / "
+        "`cfg` must be a Tiling, a dict of Tiling fields, ejKernel's config (with `fwd_params` / "
         f"`bwd_params`), or None; got {type(cfg).__name__}."
     )
 
@@ -407,7 +407,7 @@ def blocksparse_attention(
     - `platform`: ``None`` or ``"auto"`` (select for JAX's default device), ``"cpu"`` /
       ``"gpu"`` (or ``"cuda"``) / ``"tpu"`` (select for that platform, which must be
       present), or a kernel name (``"reference"``, ``"xla"``, ``"triton"``, ...).
-    - `cfg`: a `Tiling`, a dict of its fields, or the seed's config (``fwd_params`` /
+    - `cfg`: a `Tiling`, a dict of its fields, or ejKernel's config (``fwd_params`` /
       ``bwd_params`` with ``q_blocksize``, ``kv_blocksize``, ``num_warps``, ``num_stages``;
       its ``platform`` applies when `platform` is ``None``).
     - `fused_backward`: ask for the fused backward pass where the kernel has one; others warn

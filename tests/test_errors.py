@@ -150,7 +150,7 @@ CASES = [
     ("mask_builder result", _fn(mask_builder=lambda: "causal"), TypeError,
      "`mask_builder()` must return a mask (an AbstractMask such as masks.Causal()); it returned str."),
     ("cfg seed key", _fn(cfg={"q_blocksize": 64}), ValueError,
-     "`cfg` has a key Tiling does not take: 'q_blocksize'; the seed's 'q_blocksize' is Tiling's 'block_q'."),
+     "`cfg` has a key Tiling does not take: 'q_blocksize'; ejKernel's 'q_blocksize' is Tiling's 'block_q'."),
     ("cfg seed params", _fn(cfg={"fwd_params": {"q_block": 64}}), ValueError,
      "`cfg.fwd_params` has no field 'q_block'; accepted: ['q_blocksize', 'kv_blocksize', "),
     ("cfg type", _fn(cfg=(8, 8)), TypeError, "`cfg` must be a Tiling, a dict of Tiling fields"),

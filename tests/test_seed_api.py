@@ -1,5 +1,5 @@
-"""`blocksparse_attention` with the seed library's remaining arguments, against the float64
-oracle: `attention_mask` (and `masks.ArrayMask`), platform names, the seed's `cfg`, the
+"""`blocksparse_attention` with the remaining arguments of ejKernel's function, against the
+float64 oracle: `attention_mask` (and `masks.ArrayMask`), platform names, ejKernel's `cfg`, the
 per-head `mask_builder` form, `kv_segment_ids` defaulting to `q_segment_ids`, `qkv_layouts`
 names and `MaskInfo`."""
 
