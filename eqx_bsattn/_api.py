@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ._inputs import MaskInfo, as_array, check_call, check_qkv
+from ._inputs import MaskInfo, as_array, check_call, check_qkv, python_scalar
 from ._kernel import AbstractKernel, registered_kernels
 from ._mask import AbstractMask, Full
 from ._module import BlockSparseAttention, run_plan
@@ -307,9 +307,8 @@ def _validate(arguments: dict):
         a["attention_mask"], q.shape[0] if batched else 1, q.shape[-3], q.shape[-2], k.shape[-2],
         batched,
     )
-    for name in ("softmax_scale", "logits_soft_cap"):
-        if isinstance(a[name], np.generic) and np.issubdtype(type(a[name]), np.number):
-            a[name] = a[name].item()
+    a.update(softmax_scale=python_scalar(a["softmax_scale"]),
+             logits_soft_cap=python_scalar(a["logits_soft_cap"]))
     return (lambda out: _to_bhsd(out, True)) if seq_first[0] else None
 
 

@@ -55,6 +55,14 @@ def _shape(x) -> tuple:
     return tuple(np.shape(x))
 
 
+def python_scalar(x):
+    """A NumPy number as the Python number it holds (static fields must hash and compare
+    plainly); anything else unchanged."""
+    if isinstance(x, np.generic) and np.issubdtype(type(x), np.number):
+        return x.item()
+    return x
+
+
 def as_array(name: str, x) -> Array:
     """`x` as a JAX array (NumPy arrays, Python scalars and nested lists are converted)."""
     if isinstance(x, jax.Array):

@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ._compile import CompiledMask, ResolvedMask, describe_terms
-from ._inputs import AttentionInputs, check_call, prepare_inputs
+from ._inputs import AttentionInputs, check_call, prepare_inputs, python_scalar
 from ._kernel import AbstractKernel, Features
 from ._mask import EMPTY, AbstractMask, Document, Full
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
@@ -117,8 +117,8 @@ class BlockSparseAttention(eqx.Module):
     kernel: AbstractKernel | None = None
     tiling: Tiling | None = None
     sharding: AbstractSharding = Unsharded()
-    softmax_scale: float | None = eqx.field(default=None, static=True)
-    logits_soft_cap: float | None = eqx.field(default=None, static=True)
+    softmax_scale: float | None = eqx.field(default=None, static=True, converter=python_scalar)
+    logits_soft_cap: float | None = eqx.field(default=None, static=True, converter=python_scalar)
 
     def __check_init__(self):
         if not isinstance(self.mask, AbstractMask):

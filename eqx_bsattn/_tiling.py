@@ -1,16 +1,12 @@
 """`Tiling`: block sizes and launch parameters, forward and backward apart."""
 
 import equinox as eqx
-import numpy as np
 
-
-def _as_int(value):
-    """NumPy integers become Python ints (static fields must hash and compare plainly)."""
-    return int(value) if isinstance(value, np.integer) else value
+from ._inputs import python_scalar
 
 
 def _field(**kwargs):
-    return eqx.field(static=True, converter=_as_int, **kwargs)
+    return eqx.field(static=True, converter=python_scalar, **kwargs)
 
 
 def _check_positive(name: str, value: int | None) -> None:

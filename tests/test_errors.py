@@ -219,6 +219,8 @@ def test_numpy_and_python_scalars_are_accepted():
                      kv_segment_ids=np.zeros((B, L), np.int16))
     assert plan.inputs.q_segment_ids.shape == (B, L)
     assert bsa.Tiling(np.int64(32), np.int32(16)) == bsa.Tiling(32, 16)
+    attn = bsa.BlockSparseAttention(softmax_scale=np.float32(0.5), logits_soft_cap=np.int64(30))
+    assert attn == bsa.BlockSparseAttention(softmax_scale=0.5, logits_soft_cap=30)
     layout = bsa.build_layout(masks.Document(), q_len=L, kv_len=L, num_heads=1, block_q=8,
                               block_kv=8, q_segment_ids=np.zeros(L, int),
                               kv_segment_ids=np.zeros(L, int))
