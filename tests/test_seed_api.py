@@ -12,7 +12,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import masks
-from eqx_bsattn._api import _tiling_from_cfg
+from eqx_bsattn._api import _mask_from_builder, _tiling_from_cfg
 from tests.conftest import (
     assert_close,
     jnp_attention_f64,
@@ -206,10 +206,12 @@ def test_mask_builder_per_head_form(qkv):
     vis = np_visibility(masks.PerHead(per_head) & masks.Causal(), batch=B, heads=H, q_len=LQ,
                         kv_len=LK)
     assert_close(out, np_attention(q, k, v, vis), 2e-5)
-    same = bsa.blocksparse_attention(q, k, v, mask_builder=lambda *a: masks.SlidingWindow(4, 0),
-                                     causal=False, platform="xla")
-    vis = np_visibility(masks.SlidingWindow(4, 0), batch=B, heads=H, q_len=LQ, kv_len=LK)
-    assert_close(same, np_attention(q, k, v, vis), 2e-5)
+    # One mask for every head stays one mask (no per-head layouts); a `*args` builder is
+    # called with no arguments.
+    window = masks.SlidingWindow(4, 0)
+    assert _mask_from_builder(lambda a, b, c, d, e: window, LQ, LK, H, HKV) == window
+    assert _mask_from_builder(lambda *a: window if not a else None, LQ, LK, H, HKV) == window
+    assert _mask_from_builder(builder, LQ, LK, H, HKV) == masks.PerHead(per_head)
 
 
 def test_kv_segment_ids_default_to_q_segment_ids():
