@@ -1,42 +1,108 @@
 """`blocksparse_attention`: the function-style front door, with the call signature of the kernel
 library it replaces. It builds a `BlockSparseAttention` and calls it: one implementation."""
 
+import inspect
 import warnings
 from collections.abc import Callable
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from ._inputs import MaskInfo
+from ._inputs import MaskInfo, as_array, check_call, check_qkv, python_scalar
 from ._kernel import AbstractKernel, registered_kernels
 from ._mask import AbstractMask, Full
 from ._module import BlockSparseAttention, run_plan
+from ._selector import DEVICE_PLATFORMS
 from ._tiling import Tiling
-from ._typing import ArrayOrNumpy, typechecked
+from ._typing import typechecked
 
-_DEVICE_PLATFORMS = ("cpu", "gpu", "tpu")
+#: ejKernel's platform names that pick a device, not a kernel (``"auto"``: JAX's default).
+_DEVICE_ALIASES = {"auto": None, "cuda": "gpu"}
+#: Other names of kernels.
+_KERNEL_ALIASES = {"dense": "reference", "flash": "triton"}
+#: Tensor layout names for `qkv_layouts`: True when the sequence axis comes before the heads.
+_LAYOUT_NAMES = {"bhsd": False, "bhtd": False, "bshd": True, "bthd": True}
+_LAYOUTS_ACCEPTED = (
+    "'bhsd' ([batch, heads, seq, head_dim], the default) or 'bshd' ([batch, seq, heads, "
+    "head_dim]), one name for all three or a tuple of three (query, key, value)"
+)
+#: ejKernel's `cfg` (`fwd_params` / `bwd_params`) field names, as `Tiling` fields.
+_SEED_FWD = {"q_blocksize": "block_q", "kv_blocksize": "block_kv", "num_warps": "num_warps",
+             "num_stages": "num_stages"}
+_SEED_BWD = {"q_blocksize": "block_q_bwd", "kv_blocksize": "block_kv_bwd",
+             "num_warps": "num_warps_bwd", "num_stages": "num_stages_bwd"}
+_BUILDER_FORMS = (
+    "a mask, a zero-argument callable returning one, or a callable "
+    "`(q_len, kv_len, num_heads, head_idx, num_reps) -> mask` called once per query head"
+)
 
 
-def _mask_from_options(mask_builder, causal, sliding_window, chunk_size) -> AbstractMask:
+def _and(mask: AbstractMask, other: AbstractMask) -> AbstractMask:
+    return other if isinstance(mask, Full) else mask & other
+
+
+def _positional_arity(fn) -> tuple[int, int] | None:
+    """(required, accepted) positional parameters of `fn`; accepted is large for ``*args``."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p for p in parameters if p.kind in kinds]
+    required = sum(p.default is p.empty for p in positional)
+    many = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in parameters)
+    return required, (1 << 30) if many else len(positional)
+
+
+def _built_mask(result, call: str) -> AbstractMask:
+    if not isinstance(result, AbstractMask):
+        raise TypeError(
+            f"`{call}` must return a mask (an AbstractMask such as masks.Causal()); it returned "
+            f"{type(result).__name__}. `mask_builder` accepts {_BUILDER_FORMS}."
+        )
+    return result
+
+
+def _mask_from_builder(mask_builder, q_len: int, kv_len: int, heads: int, kv_heads: int):
     from .strategies import masks
 
     if mask_builder is None:
-        mask = Full()
-    elif isinstance(mask_builder, AbstractMask):
-        mask = mask_builder
-    elif callable(mask_builder):
-        mask = mask_builder()
-        if not isinstance(mask, AbstractMask):
-            raise TypeError(
-                f"`mask_builder()` must return a mask; it returned {type(mask).__name__}."
-            )
-    else:
+        return Full()
+    if isinstance(mask_builder, AbstractMask):
+        return mask_builder
+    if not callable(mask_builder):
         raise TypeError(
-            "`mask_builder` must be a mask or a zero-argument callable returning one; "
-            f"got {type(mask_builder).__name__}."
+            f"`mask_builder` must be {_BUILDER_FORMS}; got {type(mask_builder).__name__}."
         )
+    arity = _positional_arity(mask_builder)
+    if arity is None or arity[0] == 0:
+        return _built_mask(mask_builder(), "mask_builder()")
+    required, accepted = arity
+    if required <= 5 <= accepted:
+        reps = heads // kv_heads
+        per_head = [
+            _built_mask(mask_builder(q_len, kv_len, heads, h, reps),
+                        f"mask_builder({q_len}, {kv_len}, {heads}, {h}, {reps})")
+            for h in range(heads)
+        ]
+        if all(eqx.tree_equal(m, per_head[0]) is True for m in per_head[1:]):
+            return per_head[0]
+        return masks.PerHead(per_head)
+    raise TypeError(
+        f"`mask_builder` must be {_BUILDER_FORMS}; got a callable with {required} required "
+        "positional arguments."
+    )
+
+
+def _mask_from_options(mask, causal, sliding_window, chunk_size) -> AbstractMask:
+    from .strategies import masks
+
     if causal:
-        mask = masks.Causal() if isinstance(mask, Full) else mask & masks.Causal()
+        mask = _and(mask, masks.Causal())
     if sliding_window is not None:
         try:
             if isinstance(sliding_window, int) and not isinstance(sliding_window, bool):
@@ -51,10 +117,9 @@ def _mask_from_options(mask_builder, causal, sliding_window, chunk_size) -> Abst
                 "`sliding_window` must be an int >= 0 (symmetric) or a pair (left, right) of "
                 f"ints >= 0 or None, not both None; got {sliding_window!r}: {e}"
             ) from None
-        mask = window if isinstance(mask, Full) else mask & window
+        mask = _and(mask, window)
     if chunk_size is not None:
-        chunked = masks.ChunkedCausal(chunk_size)
-        mask = chunked if isinstance(mask, Full) else mask & chunked
+        mask = _and(mask, masks.ChunkedCausal(chunk_size))
     return mask
 
 
@@ -122,41 +187,144 @@ def _sharding_from_options(mesh, in_specs, out_specs, seq_axis):
     return sharding.ShardMap(mesh, batch_axis=batch_axis, head_axis=head_axis)
 
 
-def _kernel_for(platform: str | None, fused_backward: bool) -> tuple[AbstractKernel | None, str | None]:
+def _check_present(platform: str) -> None:
+    try:
+        jax.devices(platform)
+    except RuntimeError:
+        available = ", ".join(sorted({repr(d.platform) for d in jax.devices()}))
+        raise ValueError(
+            f"`platform={platform!r}`: JAX finds no {platform} device here (available: "
+            f"{available}); pass platform=None or 'auto' to run on JAX's default device."
+        ) from None
+
+
+def _kernel_for(platform, fused_backward: bool) -> tuple[AbstractKernel | None, str | None]:
     """An explicit kernel for `platform` when it names one, else (None, device platform)."""
-    if platform is None or platform in _DEVICE_PLATFORMS:
-        return None, platform
-    aliases = {"dense": "reference", "flash": "triton"}
-    wanted = aliases.get(platform, platform)
+    if platform is None or platform in _DEVICE_ALIASES or platform in DEVICE_PLATFORMS:
+        device = _DEVICE_ALIASES.get(platform, platform)
+        if device is not None:
+            _check_present(device)
+        return None, device
+    wanted = _KERNEL_ALIASES.get(platform, platform)
     for cls in registered_kernels():
         if cls.name == wanted:
             if "fused_backward" in getattr(cls, "__dataclass_fields__", {}):
                 return cls(fused_backward=fused_backward), None
             return cls(), None
-    known = sorted({cls.name for cls in registered_kernels()} | set(_DEVICE_PLATFORMS))
     if wanted in ("triton", "pallas", "cudnn"):
         raise NotImplementedError(
             f"platform={platform!r}: that kernel is not available in this installation."
         )
-    raise ValueError(f"`platform` must be one of {known} or None; got {platform!r}.")
+    known = [*DEVICE_PLATFORMS, *_DEVICE_ALIASES,
+             *sorted({cls.name for cls in registered_kernels()} | set(_KERNEL_ALIASES))]
+    raise ValueError(
+        f"`platform` must be one of {', '.join(map(repr, known))} or None; got {platform!r}."
+    )
 
 
-def _tiling_from_cfg(cfg) -> Tiling | None:
+def _seed_params(params, table: dict, where: str) -> dict:
+    if params is None:
+        return {}
+    if isinstance(params, dict):
+        for name in params:
+            if name not in table:
+                raise ValueError(f"`cfg.{where}` has no field {name!r}; accepted: {list(table)}.")
+        values = params
+    else:
+        values = {name: getattr(params, name, None) for name in table}
+    return {table[name]: value for name, value in values.items() if value is not None}
+
+
+def _tiling_from_cfg(cfg) -> tuple[Tiling | None, str | None]:
+    """The `Tiling` that `cfg` asks for, and the platform it names (ejKernel's `cfg.platform`)."""
     if cfg is None or isinstance(cfg, Tiling):
-        return cfg
-    if isinstance(cfg, dict):
+        return cfg, None
+    get = cfg.get if isinstance(cfg, dict) else lambda name: getattr(cfg, name, None)
+    tiling_fields = list(Tiling.__dataclass_fields__)
+    if get("fwd_params") is not None or get("bwd_params") is not None:
+        if isinstance(cfg, dict):
+            extra = set(cfg) - {"fwd_params", "bwd_params", "platform", "backend"}
+            if extra:
+                raise ValueError(f"`cfg` has no field {sorted(extra)[0]!r}; accepted: fwd_params, "
+                                 "bwd_params, platform, backend.")
+        fields = {**_seed_params(get("fwd_params"), _SEED_FWD, "fwd_params"),
+                  **_seed_params(get("bwd_params"), _SEED_BWD, "bwd_params")}
+        if "block_q" not in fields or "block_kv" not in fields:
+            raise ValueError("`cfg.fwd_params` must give q_blocksize and kv_blocksize.")
         try:
-            return Tiling(**cfg)
-        except TypeError as e:
-            raise ValueError(f"`cfg` holds a key Tiling does not take: {e}") from None
-    raise TypeError(f"`cfg` must be a Tiling, a dict of Tiling fields, or None; got {type(cfg).__name__}.")
+            return Tiling(**fields), get("platform")
+        except ValueError as e:
+            raise ValueError(f"`cfg` (as Tiling): {e}") from None
+    if isinstance(cfg, dict):
+        for name in cfg:
+            if name in tiling_fields:
+                continue
+            seed = _SEED_FWD.get(name)
+            hint = f"; ejKernel's {name!r} is Tiling's {seed!r}" if seed else ""
+            raise ValueError(
+                f"`cfg` has a key Tiling does not take: {name!r}{hint}. Tiling fields: "
+                f"{', '.join(tiling_fields)}."
+            )
+        return Tiling(**cfg), None
+    raise TypeError(
+        "`cfg` must be a Tiling, a dict of Tiling fields, ejKernel's config (with `fwd_params` / "
+        f"`bwd_params`), or None; got {type(cfg).__name__}."
+    )
+
+
+def _seq_first(qkv_layouts) -> tuple[bool, bool, bool]:
+    """For query, key, value: whether its layout puts the sequence before the heads."""
+    if qkv_layouts is None:
+        return (False, False, False)
+    names = (qkv_layouts,) * 3 if isinstance(qkv_layouts, str) else qkv_layouts
+    if not (isinstance(names, (tuple, list)) and len(names) == 3
+            and all(isinstance(n, str) for n in names)):
+        raise NotImplementedError(
+            f"`qkv_layouts` takes tensor layout names: {_LAYOUTS_ACCEPTED}; got "
+            f"{type(qkv_layouts).__name__}. Precomputed block layouts (a tuple of sparse masks) "
+            "are not taken: layouts come from the mask (`mask_builder`, `causal`, "
+            "`sliding_window`, `chunk_size`, `attention_mask`)."
+        )
+    for name in names:
+        if name.lower() not in _LAYOUT_NAMES:
+            raise ValueError(f"`qkv_layouts` must be {_LAYOUTS_ACCEPTED}; got {name!r}.")
+    return tuple(_LAYOUT_NAMES[n.lower()] for n in names)
+
+
+def _to_bhsd(x, seq_first: bool):
+    return jnp.swapaxes(x, -2, -3) if seq_first else x
+
+
+def _attention_mask(mask, batch: int, heads: int, q_len: int, kv_len: int, batched: bool):
+    """`attention_mask` as ``[B or 1, H or 1, Lq, Lk]`` booleans, or the error saying why not."""
+    if mask is None:
+        return None
+    mask = as_array("attention_mask", mask)
+    if mask.dtype != jnp.bool_ and not jnp.issubdtype(mask.dtype, jnp.integer):
+        raise TypeError(
+            "`attention_mask` must hold booleans (or integers, nonzero = attend); got dtype "
+            f"{jnp.dtype(mask.dtype).name}."
+        )
+    if batched:
+        accepted = (f"[{batch} or 1, {heads} or 1, {q_len}, {kv_len}], "
+                    f"[{batch} or 1, {q_len}, {kv_len}] or [{q_len}, {kv_len}]")
+        lead = {4: (), 3: (1,), 2: (0, 1)}.get(mask.ndim)
+    else:
+        accepted = f"[{heads} or 1, {q_len}, {kv_len}] or [{q_len}, {kv_len}]"
+        lead = {3: (0,), 2: (0, 1)}.get(mask.ndim)
+    if lead is not None:
+        mask = jnp.expand_dims(mask, lead) if lead else mask
+        if (mask.shape[0] in (1, batch) and mask.shape[1] in (1, heads)
+                and mask.shape[2:] == (q_len, kv_len)):
+            return mask if mask.dtype == jnp.bool_ else mask != 0
+    raise ValueError(f"`attention_mask` must have shape {accepted}; got {tuple(np.shape(mask))}.")
 
 
 def _merge_mask_info(mask_info, **explicit):
     if mask_info is None:
         return explicit
     if not isinstance(mask_info, MaskInfo):
-        raise TypeError(f"`mask_info` must be a MaskInfo; got {type(mask_info).__name__}.")
+        raise TypeError(f"`mask_info` must be a MaskInfo or None; got {type(mask_info).__name__}.")
     merged = {}
     for name, value in explicit.items():
         from_info = getattr(mask_info, name)
@@ -166,39 +334,119 @@ def _merge_mask_info(mask_info, **explicit):
     return merged
 
 
-@typechecked
+def _validate(arguments: dict):
+    """The function door's own checks, before jaxtyping sees the arguments (see `typechecked`).
+
+    Brings query, key and value to ``[B, H, L, D]``; returns the function that brings the
+    output back to the query's layout, or ``None``.
+    """
+    a = arguments
+    seq_first = _seq_first(a["qkv_layouts"])
+    qkv = [as_array(name, a[name]) for name in ("query", "key", "value")]
+    if seq_first != (False, False, False) and not all(x.ndim == 4 for x in qkv):
+        raise ValueError(
+            "`qkv_layouts` other than 'bhsd' needs [batch, ...] inputs of 4 dimensions; got shapes "
+            f"{', '.join(str(tuple(x.shape)) for x in qkv)}."
+        )
+    q, k, v = check_qkv(*(_to_bhsd(x, s) for x, s in zip(qkv, seq_first)))
+    a.update(query=q, key=k, value=v, qkv_layouts=None)
+    a.update(_merge_mask_info(
+        a["mask_info"], q_segment_ids=a["q_segment_ids"], kv_segment_ids=a["kv_segment_ids"],
+        q_positions=a["q_positions"], kv_positions=a["kv_positions"],
+        attention_mask=a["attention_mask"],
+    ), mask_info=None)
+    if a["q_segment_ids"] is not None and a["kv_segment_ids"] is None:
+        q_len, kv_len = q.shape[-2], k.shape[-2]
+        if q_len != kv_len:
+            raise ValueError(
+                f"`kv_segment_ids` defaults to `q_segment_ids` only when q_len == kv_len; got "
+                f"q_len={q_len}, kv_len={kv_len}: pass `kv_segment_ids`."
+            )
+        a["kv_segment_ids"] = a["q_segment_ids"]
+    names = ("bias", "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
+    _, _, _, data = check_call(q, k, v, sinks_name="softmax_aux", sinks=a["softmax_aux"],
+                               **{name: a[name] for name in names})
+    a.update({name: data[name] for name in names}, softmax_aux=data["sinks"])
+    batched = q.ndim == 4
+    a["attention_mask"] = _attention_mask(
+        a["attention_mask"], q.shape[0] if batched else 1, q.shape[-3], q.shape[-2], k.shape[-2],
+        batched,
+    )
+    a.update(softmax_scale=python_scalar(a["softmax_scale"]),
+             logits_soft_cap=python_scalar(a["logits_soft_cap"]))
+    return (lambda out: _to_bhsd(out, True)) if seq_first[0] else None
+
+
+def _attend(attn, platform, fused_backward, purify, query, key, value, mask_array, data):
+    """Plan and run one call of `attn` (its mask and'ed with `mask_array` when given)."""
+    from .strategies import masks
+
+    if mask_array is not None:
+        attn = eqx.tree_at(lambda m: m.mask, attn, _and(attn.mask, masks.ArrayMask(mask_array)))
+    plan = attn.plan(query, key, value, platform=platform, fused_backward=fused_backward, **data)
+    if fused_backward and not getattr(plan.kernel, "fused_backward", False):
+        warnings.warn(
+            f"fused_backward=True: kernel {plan.kernel.name!r} has no fused backward pass; "
+            "it uses its split backward.",
+            stacklevel=4,
+        )
+    return run_plan(plan, query, key, value, attn.sharding, attn.logits_soft_cap, purify)
+
+
+def _attend_per_example(attend, query, key, value, mask, data):
+    """`attend` mapped over the batch: for an `attention_mask` that differs per example."""
+    batch = query.shape[0]
+
+    def axis(name, x):
+        if x is None or name == "sinks":
+            return None, x
+        if name == "bias":
+            if x.ndim == 4 and x.shape[0] == batch:
+                return 0, x
+            return None, x[0] if x.ndim == 4 else x
+        return (0, x) if x.ndim == 2 else (None, x)
+
+    placed = {name: axis(name, x) for name, x in data.items()}
+    axes = {name: ax for name, (ax, _) in placed.items()}
+    values = {name: x for name, (_, x) in placed.items()}
+    return jax.vmap(attend, in_axes=(0, 0, 0, 0, axes))(query, key, value, mask, values)
+
+
+@typechecked(validate=_validate)
 def blocksparse_attention(
     query: Float[Array, "*batch heads q_len dim"],
     key: Float[Array, "*batch kv_heads kv_len dim"],
     value: Float[Array, "*batch kv_heads kv_len value_dim"],
-    softmax_aux: Float[ArrayOrNumpy, "..."] | None = None,
-    bias: Float[ArrayOrNumpy, "..."] | None = None,
+    softmax_aux: Float[Array, "..."] | None = None,
+    bias: Float[Array, "..."] | None = None,
     /,
     *,
-    q_segment_ids: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
-    kv_segment_ids: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
-    q_positions: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
-    kv_positions: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
+    q_segment_ids: Int[Array, "*_ q_len"] | None = None,
+    kv_segment_ids: Int[Array, "*_ kv_len"] | None = None,
+    q_positions: Int[Array, "*_ q_len"] | None = None,
+    kv_positions: Int[Array, "*_ kv_len"] | None = None,
+    attention_mask: Array | None = None,
     mask_info: MaskInfo | None = None,
     logits_soft_cap: float | int | None = None,
     softmax_scale: float | int | None = None,
-    mask_builder: AbstractMask | Callable[[], AbstractMask] | None = None,
+    mask_builder: AbstractMask | Callable[..., AbstractMask] | None = None,
     sliding_window: int | tuple[int | None, int | None] | list[int | None] | None = None,
     chunk_size: int | None = None,
     causal: bool = True,
     fused_backward: bool = False,
     purify: bool = False,
     platform: str | None = None,
-    cfg: Tiling | dict | None = None,
+    cfg: Tiling | dict | object | None = None,
     mesh=None,
     in_specs=None,
     out_specs=None,
     sequence_parallelism_mesh_axis_name: str | None = None,
-    qkv_layouts=None,
+    qkv_layouts: str | tuple[str, str, str] | None = None,
 ) -> Float[Array, "*batch heads q_len value_dim"]:
     """Block-sparse attention, function style: ``[B, H, Lq, D]`` in, ``[B, H, Lq, Dv]`` out.
 
-    Builds a `BlockSparseAttention` from the options and calls it.
+    Builds a `BlockSparseAttention` from the options and calls it. Array arguments may be JAX
+    or NumPy arrays. `docs/seed_api.md` maps each argument of the library this replaces.
 
     **Arguments:**
 
@@ -206,53 +454,62 @@ def blocksparse_attention(
       (GQA when ``H % Hkv == 0``); unbatched ``[H, L, D]`` also works.
     - `softmax_aux`: attention sinks, ``[S]``, ``[H]`` or ``[H, S]`` (positional).
     - `bias`: additive bias broadcasting to ``[B, H, Lq, Lk]`` (positional).
-    - `q_segment_ids`, `kv_segment_ids`, `q_positions`, `kv_positions`: ``[B, L]`` ints, or in
-      one `MaskInfo` as `mask_info`.
+    - `q_segment_ids`, `kv_segment_ids`, `q_positions`, `kv_positions`: ``[B, L]`` ints;
+      `kv_segment_ids` defaults to `q_segment_ids` when ``Lq == Lk``.
+    - `attention_mask`: booleans ``[B or 1, H or 1, Lq, Lk]`` (also ``[B or 1, Lq, Lk]``,
+      ``[Lq, Lk]``; integers count as True where nonzero): a `masks.ArrayMask` and'ed with
+      the rest of the mask. A mask that differs per example maps the call over the batch.
+    - `mask_info`: a `MaskInfo` holding any of the five arguments above.
     - `logits_soft_cap`, `softmax_scale`: as in `BlockSparseAttention`.
-    - `mask_builder`: a mask, or a zero-argument callable returning one; the options below
+    - `mask_builder`: a mask; a zero-argument callable returning one; or
+      ``fn(q_len, kv_len, num_heads, head_idx, num_reps) -> mask``, called once per query
+      head (``num_reps = H // Hkv``; different masks make a `masks.PerHead`). The options below
       are combined with it by ``&``.
     - `causal` (default ``True``), `sliding_window` (int, or ``(left, right)``),
       `chunk_size` (chunked causal).
     - `purify`: zero the rows of padded queries (``q_segment_ids < 0``).
-    - `platform`: ``None`` (select per device), ``"cpu"``/``"gpu"``/``"tpu"`` (select for that
-      platform), or a kernel name (``"reference"``, ``"xla"``, ``"triton"``, ...).
-    - `cfg`: a `Tiling` (or a dict of its fields).
+    - `platform`: ``None`` or ``"auto"`` (select for JAX's default device), ``"cpu"`` /
+      ``"gpu"`` (or ``"cuda"``) / ``"tpu"`` (select for that platform, which must be
+      present), or a kernel name (``"reference"``, ``"xla"``, ``"triton"``, ...).
+    - `cfg`: a `Tiling`, a dict of its fields, or ejKernel's config (``fwd_params`` /
+      ``bwd_params`` with ``q_blocksize``, ``kv_blocksize``, ``num_warps``, ``num_stages``;
+      its ``platform`` applies when `platform` is ``None``).
     - `fused_backward`: ask for the fused backward pass where the kernel has one; others warn
       and use their split backward.
+    - `qkv_layouts`: ``"bhsd"`` (default) or ``"bshd"`` (``[B, L, H, D]`` in and out), or one
+      name each for query, key, value; inputs are transposed (no kernel reads ``bshd``).
     - `mesh`: a `jax.sharding.Mesh` to spread the call over, with `in_specs` (the
       PartitionSpecs of query, key, value, ...; batch and head axes give `ShardMap`, a
       sequence axis `RingAttention`), `out_specs` (``None`` or the query's spec) and/or
       `sequence_parallelism_mesh_axis_name` (the sequence axis: `RingAttention`).
-    - `qkv_layouts`: not available yet; anything but ``None`` raises `NotImplementedError`.
 
     ```python
     out = blocksparse_attention(q, k, v, causal=True, sliding_window=1024)
     ```
     """
     shard = _sharding_from_options(mesh, in_specs, out_specs, sequence_parallelism_mesh_axis_name)
-    if qkv_layouts is not None:
-        raise NotImplementedError(
-            "`qkv_layouts` other than the default [batch, heads, seq, head_dim] is not available yet."
-        )
-    data = _merge_mask_info(
-        mask_info, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        q_positions=q_positions, kv_positions=kv_positions,
-    )
-    mask = _mask_from_options(mask_builder, causal, sliding_window, chunk_size)
-    kernel, device_platform = _kernel_for(platform, fused_backward)
+    del qkv_layouts  # `_validate` brought the inputs to [B, H, L, D] and turns the output back
+    tiling, cfg_platform = _tiling_from_cfg(cfg)
+    kernel, device = _kernel_for(platform if platform is not None else cfg_platform,
+                                 fused_backward)
+    heads, q_len = query.shape[-3], query.shape[-2]
+    kv_heads, kv_len = key.shape[-3], key.shape[-2]
+    mask = _mask_from_builder(mask_builder, q_len, kv_len, heads, kv_heads)
+    mask = _mask_from_options(mask, causal, sliding_window, chunk_size)
     attn = BlockSparseAttention(
-        mask=mask, kernel=kernel, tiling=_tiling_from_cfg(cfg),
+        mask=mask, kernel=kernel, tiling=tiling,
         softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
         **({} if shard is None else {"sharding": shard}),
     )
-    plan = attn.plan(
-        query, key, value, bias=bias, sinks=softmax_aux, platform=device_platform,
-        fused_backward=fused_backward, **data,
-    )
-    if fused_backward and not getattr(plan.kernel, "fused_backward", False):
-        warnings.warn(
-            f"fused_backward=True: kernel {plan.kernel.name!r} has no fused backward pass; "
-            "it uses its split backward.",
-            stacklevel=2,
-        )
-    return run_plan(plan, query, key, value, attn.sharding, logits_soft_cap, purify)
+    data = dict(bias=bias, sinks=softmax_aux, q_segment_ids=q_segment_ids,
+                kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_positions=kv_positions)
+
+    def attend(q, k, v, mask_array, data):
+        return _attend(attn, device, fused_backward, purify, q, k, v, mask_array, data)
+
+    if attention_mask is None or attention_mask.shape[0] == 1:
+        mask_array = None if attention_mask is None else attention_mask[0]
+        out = attend(query, key, value, mask_array, data)
+    else:
+        out = _attend_per_example(attend, query, key, value, attention_mask, data)
+    return out

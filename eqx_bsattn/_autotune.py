@@ -12,6 +12,29 @@ from ._timing import median_ms
 DEFAULT_BLOCKS = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 256), (256, 128))
 
 
+def _check_arguments(attn, candidates, backward, reps) -> None:
+    from ._module import BlockSparseAttention
+
+    if not isinstance(attn, BlockSparseAttention):
+        raise TypeError(f"`attn` must be a BlockSparseAttention; got {type(attn).__name__}.")
+    if candidates is not None:
+        if isinstance(candidates, Tiling) or not isinstance(candidates, Sequence):
+            raise TypeError(
+                f"`candidates` must be a sequence of Tiling or None; got {type(candidates).__name__}."
+            )
+        if not candidates:
+            raise ValueError("`candidates` must hold at least one Tiling (or be None); got none.")
+        for tiling in candidates:
+            if not isinstance(tiling, Tiling):
+                raise TypeError(
+                    f"`candidates` must hold Tiling instances; got {type(tiling).__name__}."
+                )
+    if not isinstance(backward, bool):
+        raise TypeError(f"`backward` must be a bool; got {type(backward).__name__}.")
+    if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+        raise ValueError(f"`reps` must be an int >= 1; got {reps!r}.")
+
+
 def autotune(
     attn,
     query,
@@ -45,6 +68,7 @@ def autotune(
     tuned, timings = autotune(attn, q, k, v)
     ```
     """
+    _check_arguments(attn, candidates, backward, reps)
     plan_kwargs = {n: x for n, x in call_kwargs.items() if n != "purify"}
     heuristic = eqx.tree_at(lambda m: m.tiling, attn, None, is_leaf=lambda x: x is None)
     plan = heuristic.plan(query, key, value, **plan_kwargs)

@@ -13,7 +13,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Bool, Int
 
-from ._layout import BlockLayout, build_layout, token_coords
+from ._layout import BlockLayout, build_layout, carries_arrays, token_coords
 from ._mask import AbstractMask, MaskTerms
 
 #: How a kernel reads the mask (`AbstractKernel.reads`).
@@ -150,7 +150,7 @@ class ResolvedMask:
     @property
     def is_static(self) -> bool:
         """Whether no per-call data shapes the mask: layouts are built at trace time."""
-        return all(x is None for x in self.data.values())
+        return all(x is None for x in self.data.values()) and not carries_arrays(self.mask)
 
     @property
     def positions_are_indices(self) -> bool:
@@ -204,7 +204,8 @@ class ResolvedMask:
         if bitmaps and not self.is_static:
             raise ValueError(
                 "this mask has no in-kernel terms at these tiles, so the kernel needs element "
-                "bitmaps, which need a static mask; this call passes positions or segment ids."
+                "bitmaps, which need a static mask; this call passes positions, segment ids or a "
+                "mask array."
             )
         layouts = {name: self.layout(*blocks, bitmaps=bitmaps) for name, blocks in tiles.items()}
         return CompiledMask(layouts["forward"], layouts["dq"], layouts["dkv"], self.mask, terms,

@@ -3,6 +3,7 @@
 import dataclasses
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -27,43 +28,131 @@ class AttentionInputs(eqx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class MaskInfo:
-    """Segment ids and positions in one object, for `blocksparse_attention(mask_info=...)`.
+    """What masks one call, in one object, for `blocksparse_attention(mask_info=...)`.
 
-    Each field is ``[batch, len]`` or ``[len]`` integers, or ``None``.
+    - `attention_mask`: booleans (or integers, nonzero = visible), ``[B or 1, H or 1, Lq, Lk]``,
+      ``[B or 1, Lq, Lk]`` or ``[Lq, Lk]``: an element mask (`masks.ArrayMask`), combined
+      by ``&`` with the rest of the call's mask.
+    - `q_segment_ids`, `kv_segment_ids`: ``[batch, len]`` or ``[len]`` integers (``-1`` pads).
+    - `q_positions`, `kv_positions`: ``[batch, len]`` or ``[len]`` integers.
+
+    Every field defaults to ``None``. A field given both here and directly is an error.
+
+    ```python
+    info = MaskInfo(q_segment_ids=ids, kv_segment_ids=ids, attention_mask=keep)
+    out = blocksparse_attention(q, k, v, mask_info=info)
+    ```
     """
 
     q_segment_ids: Array | None = None
     kv_segment_ids: Array | None = None
     q_positions: Array | None = None
     kv_positions: Array | None = None
+    attention_mask: Array | None = None
 
 
 def _shape(x) -> tuple:
     return tuple(np.shape(x))
 
 
-def _token_data(name: str, x, batch: int, length: int, batched: bool) -> Array | None:
+def python_scalar(x):
+    """A NumPy number as the Python number it holds (static fields must hash and compare
+    plainly); anything else unchanged."""
+    if isinstance(x, np.generic) and np.issubdtype(type(x), np.number):
+        return x.item()
+    return x
+
+
+def as_array(name: str, x) -> Array:
+    """`x` as a JAX array (NumPy arrays, Python scalars and nested lists are converted)."""
+    if isinstance(x, jax.Array):
+        return x
+    if isinstance(x, (str, bytes)) or x is None:
+        raise TypeError(f"`{name}` must be an array (JAX or NumPy); got {type(x).__name__}.")
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"`{name}` must be an array (JAX or NumPy); got {type(x).__name__}."
+        ) from None
+
+
+def _dtype_name(x) -> str:
+    return jnp.dtype(x.dtype).name
+
+
+def check_qkv(query, key, value) -> tuple[Array, Array, Array]:
+    """`query`, `key`, `value` as JAX arrays, or the error that says what is wrong with them."""
+    query, key, value = as_array("query", query), as_array("key", key), as_array("value", value)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"`{name}` must be a floating-point array (bfloat16, float16, float32 or "
+                f"float64); got dtype {_dtype_name(x)}."
+            )
+    if not (query.ndim == key.ndim == value.ndim) or query.ndim not in (3, 4):
+        raise ValueError(
+            "`query`, `key`, `value` must all be [batch, heads, len, dim] or all [heads, len, dim]; "
+            f"got shapes {_shape(query)}, {_shape(key)}, {_shape(value)}."
+        )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"`query`, `key`, `value` must share one dtype; got {_dtype_name(query)}, "
+            f"{_dtype_name(key)}, {_dtype_name(value)}."
+        )
+    if query.ndim == 4 and not (query.shape[0] == key.shape[0] == value.shape[0]):
+        raise ValueError(
+            f"`query`, `key`, `value` must share the batch size; got {query.shape[0]}, "
+            f"{key.shape[0]}, {value.shape[0]}."
+        )
+    heads, kv_heads = query.shape[-3], key.shape[-3]
+    if value.shape[-3] != kv_heads:
+        raise ValueError(f"`key` has {kv_heads} heads but `value` has {value.shape[-3]}.")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads}) "
+            "(grouped-query attention)."
+        )
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"`key` and `value` must have the same length; got {key.shape[-2]} and {value.shape[-2]}."
+        )
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"`query` and `key` must have the same head dim; got {query.shape[-1]} and {key.shape[-1]}."
+        )
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        raise ValueError(
+            f"sequence lengths must be positive; got q_len={query.shape[-2]}, kv_len={key.shape[-2]}."
+        )
+    return query, key, value
+
+
+def _check_token_data(name: str, x, batch: int, length: int, batched: bool) -> Array | None:
     if x is None:
         return None
-    x = jnp.asarray(x)
+    x = as_array(name, x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"`{name}` must hold integers; got dtype {x.dtype}.")
+        raise TypeError(f"`{name}` must hold integers; got dtype {_dtype_name(x)}.")
     accepted = f"[{length}]" + (f" or [{batch}, {length}]" if batched else "")
-    if x.ndim == 1 and x.shape[0] == length:
-        x = jnp.broadcast_to(x, (batch, length))
-    elif batched and x.shape == (batch, length):
-        pass
-    else:
+    if not ((x.ndim == 1 and x.shape[0] == length) or (batched and x.shape == (batch, length))):
         raise ValueError(f"`{name}` must have shape {accepted}; got {_shape(x)}.")
-    return x.astype(jnp.int32)
+    return x
 
 
-def _bias(bias, batch: int, heads: int, q_len: int, kv_len: int, batched: bool) -> Array | None:
+def _token_data(name: str, x, batch: int, length: int, batched: bool) -> Array | None:
+    x = _check_token_data(name, x, batch, length, batched)
+    if x is None:
+        return None
+    return jnp.broadcast_to(x, (batch, length)).astype(jnp.int32)
+
+
+def _check_bias(bias, batch: int, heads: int, q_len: int, kv_len: int, batched: bool):
     if bias is None:
         return None
-    bias = jnp.asarray(bias)
+    bias = as_array("bias", bias)
     if not jnp.issubdtype(bias.dtype, jnp.floating):
-        raise TypeError(f"`bias` must be a floating array; got dtype {bias.dtype}.")
+        raise TypeError(f"`bias` must be a floating array; got dtype {_dtype_name(bias)}.")
     full = (batch, heads, q_len, kv_len) if batched else (heads, q_len, kv_len)
     if bias.ndim > len(full) or bias.ndim < 2:
         raise ValueError(
@@ -74,27 +163,75 @@ def _bias(bias, batch: int, heads: int, q_len: int, kv_len: int, batched: bool) 
         jnp.broadcast_shapes(bias.shape, full)
     except ValueError:
         raise ValueError(f"`bias` must broadcast to {list(full)}; got shape {_shape(bias)}.") from None
+    return bias
+
+
+def _bias(bias, batch: int, heads: int, q_len: int, kv_len: int, batched: bool) -> Array | None:
+    bias = _check_bias(bias, batch, heads, q_len, kv_len, batched)
+    if bias is None:
+        return None
     bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     bb, hb = bias.shape[0], bias.shape[1]
     return jnp.broadcast_to(bias, (bb, hb, q_len, kv_len))
 
 
-def _sinks(sinks, heads: int) -> Array | None:
+def _check_sinks(sinks, heads: int, name: str):
     if sinks is None:
         return None
-    sinks = jnp.asarray(sinks)
+    sinks = as_array(name, sinks)
+    label = f"`{name}`" if name == "sinks" else f"`{name}` (sinks)"
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
-        raise TypeError(f"`softmax_aux` (sinks) must be a floating array; got dtype {sinks.dtype}.")
-    if sinks.ndim == 1 and sinks.shape[0] == heads:
-        return sinks[:, None]
-    if sinks.ndim == 1:
-        return jnp.broadcast_to(sinks[None, :], (heads, sinks.shape[0]))
-    if sinks.ndim == 2 and sinks.shape[0] == heads:
+        raise TypeError(f"{label} must be a floating array; got dtype {_dtype_name(sinks)}.")
+    if not (sinks.ndim == 1 or (sinks.ndim == 2 and sinks.shape[0] == heads)):
+        raise ValueError(
+            f"{label} must have shape [num_sinks] (shared by all heads), "
+            f"[{heads}] (one per head) or [{heads}, num_sinks]; got {_shape(sinks)}."
+        )
+    return sinks
+
+
+def _sinks(sinks, heads: int, name: str) -> Array | None:
+    sinks = _check_sinks(sinks, heads, name)
+    if sinks is None or sinks.ndim == 2:
         return sinks
-    raise ValueError(
-        f"`softmax_aux` (sinks) must have shape [num_sinks] (shared by all heads), "
-        f"[{heads}] (one per head) or [{heads}, num_sinks]; got {_shape(sinks)}."
-    )
+    if sinks.shape[0] == heads:
+        return sinks[:, None]
+    return jnp.broadcast_to(sinks[None, :], (heads, sinks.shape[0]))
+
+
+def _check_segment_pair(q_segment_ids, kv_segment_ids) -> None:
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError(
+            "pass both `q_segment_ids` and `kv_segment_ids`, or neither; got only "
+            + ("`q_segment_ids`." if kv_segment_ids is None else "`kv_segment_ids`.")
+        )
+
+
+def check_call(query, key, value, *, sinks_name: str = "sinks", **data) -> tuple:
+    """Check one call's arguments before anything else looks at them.
+
+    `data` holds the per-call arrays by their `__call__` names (``bias``, ``sinks``,
+    ``q_segment_ids``, ...). Returns ``(query, key, value, data)`` with every array-like turned
+    into a JAX array; raises `TypeError`/`ValueError` naming the argument, what was given and
+    what is accepted. `sinks_name` is the name the caller wrote for the sinks.
+    """
+    query, key, value = check_qkv(query, key, value)
+    batched = query.ndim == 4
+    batch = query.shape[0] if batched else 1
+    heads, q_len = query.shape[-3], query.shape[-2]
+    kv_len = key.shape[-2]
+    lengths = {"q_segment_ids": q_len, "kv_segment_ids": kv_len, "q_positions": q_len,
+               "kv_positions": kv_len}
+    out = dict(data)
+    for name, length in lengths.items():
+        if name in out:
+            out[name] = _check_token_data(name, out[name], batch, length, batched)
+    if "bias" in out:
+        out["bias"] = _check_bias(out["bias"], batch, heads, q_len, kv_len, batched)
+    if "sinks" in out:
+        out["sinks"] = _check_sinks(out["sinks"], heads, sinks_name)
+    _check_segment_pair(out.get("q_segment_ids"), out.get("kv_segment_ids"))
+    return query, key, value, out
 
 
 def prepare_inputs(
@@ -110,16 +247,13 @@ def prepare_inputs(
     kv_segment_ids=None,
     q_positions=None,
     kv_positions=None,
+    sinks_name: str = "sinks",
 ) -> AttentionInputs:
     """Check the per-call data against the attention shapes and bring it to kernel shapes."""
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError(
-            "pass both `q_segment_ids` and `kv_segment_ids`, or neither; got only "
-            + ("`q_segment_ids`." if kv_segment_ids is None else "`kv_segment_ids`.")
-        )
+    _check_segment_pair(q_segment_ids, kv_segment_ids)
     return AttentionInputs(
         bias=_bias(bias, batch, heads, q_len, kv_len, batched),
-        sinks=_sinks(sinks, heads),
+        sinks=_sinks(sinks, heads, sinks_name),
         q_segment_ids=_token_data("q_segment_ids", q_segment_ids, batch, q_len, batched),
         kv_segment_ids=_token_data("kv_segment_ids", kv_segment_ids, batch, kv_len, batched),
         q_positions=_token_data("q_positions", q_positions, batch, q_len, batched),

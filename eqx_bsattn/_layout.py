@@ -71,6 +71,12 @@ class BlockLayout(eqx.Module):
         return jnp.sum(jnp.where(self.classes != EMPTY, sizes, 0))
 
 
+def carries_arrays(mask: AbstractMask) -> bool:
+    """Whether the mask holds per-call arrays (e.g. `ArrayMask`): its layouts are then built on
+    the device, like those of segment ids."""
+    return any(eqx.is_array(leaf) for leaf in jax.tree_util.tree_leaves(mask))
+
+
 def _block_lengths(length: int, block: int) -> np.ndarray:
     n = math.ceil(length / block)
     starts = np.arange(n) * block
@@ -278,6 +284,23 @@ def _bitmaps(mask, partial_index, partial_count, t_partial_index, t_partial_coun
     return bitmaps, bitmap_index, t_bitmap_index
 
 
+def _per_call(name: str, x, length: int) -> Array | None:
+    """Per-call data for `build_layout`: ``[L]`` or ``[B, L]`` integers, as ``[B or 1, L]``."""
+    if x is None:
+        return None
+    if not isinstance(x, jax.Array):
+        try:
+            x = jnp.asarray(x)
+        except (TypeError, ValueError):
+            raise TypeError(f"`{name}` must be an integer array; got {type(x).__name__}.") from None
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"`{name}` must hold integers; got dtype {jnp.dtype(x.dtype).name}.")
+    if x.ndim not in (1, 2) or x.shape[-1] != length:
+        raise ValueError(f"`{name}` must have shape [{length}] or [batch, {length}]; got "
+                         f"{tuple(x.shape)}.")
+    return (x[None] if x.ndim == 1 else x).astype(jnp.int32)
+
+
 def build_layout(
     mask: AbstractMask,
     *,
@@ -304,16 +327,34 @@ def build_layout(
     layout.density()   # ~0.5
     ```
     """
-    if block_q <= 0 or block_kv <= 0:
-        raise ValueError(f"block sizes must be positive; got block_q={block_q}, block_kv={block_kv}.")
+    if not isinstance(mask, AbstractMask):
+        raise TypeError(f"`mask` must be an AbstractMask; got {type(mask).__name__}.")
+    for name, value in (("q_len", q_len), ("kv_len", kv_len), ("num_heads", num_heads),
+                        ("block_q", block_q), ("block_kv", block_kv)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+            what = "block sizes must be positive ints" if name.startswith("block") else (
+                f"`{name}` must be a positive int")
+            raise ValueError(f"{what}; got `{name}`={value!r}.")
+    q_len, kv_len, num_heads, block_q, block_kv = map(int, (q_len, kv_len, num_heads, block_q,
+                                                           block_kv))
+    q_positions, q_segment_ids = (_per_call("q_positions", q_positions, q_len),
+                                  _per_call("q_segment_ids", q_segment_ids, q_len))
+    kv_positions, kv_segment_ids = (_per_call("kv_positions", kv_positions, kv_len),
+                                    _per_call("kv_segment_ids", kv_segment_ids, kv_len))
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("pass both `q_segment_ids` and `kv_segment_ids`, or neither.")
+    mask.check(q_len, kv_len, num_heads)
     mask = mask.resolve(q_len, kv_len)  # e.g. bottom-right causal needs the lengths
     uses_segments = mask.uses_segment_ids
     if not uses_segments:
         q_segment_ids = kv_segment_ids = None
-    dynamic = any(x is not None for x in (q_positions, kv_positions, q_segment_ids, kv_segment_ids))
+    dynamic = carries_arrays(mask) or any(
+        x is not None for x in (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    )
     if with_bitmaps and dynamic:
         raise ValueError(
-            "element bitmaps need a static mask; this call passes positions or segment ids."
+            "element bitmaps need a static mask; this call passes positions, segment ids or a "
+            "mask array."
         )
     mh = num_heads if mask.head_dependent else 1
     nq = math.ceil(q_len / block_q)

@@ -11,10 +11,10 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ._compile import CompiledMask, ResolvedMask, describe_terms
-from ._inputs import AttentionInputs, prepare_inputs
+from ._inputs import AttentionInputs, check_call, prepare_inputs, python_scalar
 from ._kernel import AbstractKernel, Features
 from ._mask import EMPTY, AbstractMask, Document, Full
-from ._selector import KernelChoice, choose_kernel, decline_reason, default_platform
+from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
 from ._sharding import AbstractSharding, Unsharded
 from ._tiling import Tiling
 from ._typing import ArrayOrNumpy, typechecked
@@ -71,44 +71,6 @@ def _tiling_text(tiling: Tiling) -> str:
     return ", ".join(parts)
 
 
-def _check_qkv(query, key, value) -> None:
-    if not (query.ndim == key.ndim == value.ndim) or query.ndim not in (3, 4):
-        raise ValueError(
-            "`query`, `key`, `value` must all be [batch, heads, len, dim] or all [heads, len, dim]; "
-            f"got shapes {query.shape}, {key.shape}, {value.shape}."
-        )
-    if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(
-            f"`query`, `key`, `value` must share one dtype; got {query.dtype}, {key.dtype}, "
-            f"{value.dtype}."
-        )
-    if query.ndim == 4 and not (query.shape[0] == key.shape[0] == value.shape[0]):
-        raise ValueError(
-            f"`query`, `key`, `value` must share the batch size; got {query.shape[0]}, "
-            f"{key.shape[0]}, {value.shape[0]}."
-        )
-    heads, kv_heads = query.shape[-3], key.shape[-3]
-    if value.shape[-3] != kv_heads:
-        raise ValueError(f"`key` has {kv_heads} heads but `value` has {value.shape[-3]}.")
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(
-            f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads}) "
-            "(grouped-query attention)."
-        )
-    if key.shape[-2] != value.shape[-2]:
-        raise ValueError(
-            f"`key` and `value` must have the same length; got {key.shape[-2]} and {value.shape[-2]}."
-        )
-    if key.shape[-1] != query.shape[-1]:
-        raise ValueError(
-            f"`query` and `key` must have the same head dim; got {query.shape[-1]} and {key.shape[-1]}."
-        )
-    if query.shape[-2] == 0 or key.shape[-2] == 0:
-        raise ValueError(
-            f"sequence lengths must be positive; got q_len={query.shape[-2]}, kv_len={key.shape[-2]}."
-        )
-
-
 def _with_document(mask: AbstractMask, has_segments: bool) -> AbstractMask:
     if has_segments and not mask.uses_segment_ids:
         return mask & Document()
@@ -118,6 +80,13 @@ def _with_document(mask: AbstractMask, has_segments: bool) -> AbstractMask:
             "`kv_segment_ids`."
         )
     return mask
+
+
+def _validate_call(arguments: dict) -> None:
+    names = ("bias", "sinks", "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
+    q, k, v, data = check_call(arguments["query"], arguments["key"], arguments["value"],
+                               **{name: arguments[name] for name in names})
+    arguments.update(query=q, key=k, value=v, **data)
 
 
 class BlockSparseAttention(eqx.Module):
@@ -148,8 +117,8 @@ class BlockSparseAttention(eqx.Module):
     kernel: AbstractKernel | None = None
     tiling: Tiling | None = None
     sharding: AbstractSharding = Unsharded()
-    softmax_scale: float | None = eqx.field(default=None, static=True)
-    logits_soft_cap: float | None = eqx.field(default=None, static=True)
+    softmax_scale: float | None = eqx.field(default=None, static=True, converter=python_scalar)
+    logits_soft_cap: float | None = eqx.field(default=None, static=True, converter=python_scalar)
 
     def __check_init__(self):
         if not isinstance(self.mask, AbstractMask):
@@ -197,15 +166,17 @@ class BlockSparseAttention(eqx.Module):
         would run and why, with which tiling, and how dense each pass's layout is. Runs no
         attention.
         """
-        _check_qkv(query, key, value)
+        query, key, value, data = check_call(
+            query, key, value, bias=bias, sinks=sinks, q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_positions=kv_positions,
+        )
+        platform = check_platform(platform)
         batched = query.ndim == 4
         batch = query.shape[0] if batched else 1
         heads, q_len, dim = query.shape[-3:]
         kv_heads, kv_len, value_dim = value.shape[-3:]
         inputs = prepare_inputs(
-            batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, batched=batched,
-            bias=bias, sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            q_positions=q_positions, kv_positions=kv_positions,
+            batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, batched=batched, **data
         )
         mask = _with_document(self.mask, inputs.q_segment_ids is not None)
         mask.check(q_len, kv_len, heads)
@@ -246,12 +217,15 @@ class BlockSparseAttention(eqx.Module):
             tiling, source = self.tiling, "module"
         else:
             tiling, source = kernel.default_tiling(features, resolved), "heuristic"
-        tiling = kernel.adapt_tiling(tiling, features)
+        try:
+            tiling = kernel.adapt_tiling(tiling, features)
+        except ValueError as e:
+            raise ValueError(f"the {source} tiling cannot run on kernel {kernel.name}: {e}") from None
         compiled = resolved.compile(tiling, kernel.reads)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
         return CallPlan(kernel, choice, tiling, source, compiled, features, inputs, float(scale))
 
-    @typechecked
+    @typechecked(validate=_validate_call)
     def __call__(
         self,
         query: Float[Array, "*batch heads q_len dim"],

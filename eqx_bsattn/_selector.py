@@ -21,9 +21,13 @@ class KernelChoice(NamedTuple):
     kernel: AbstractKernel
     reason: str
     declined: tuple[tuple[str, str], ...]
+    #: What the selector assumed about the call, when the caller did not say (else empty).
+    assumed: str = ""
 
     def explain(self) -> str:
         lines = [f"{self.kernel.name}: {self.reason}"]
+        if self.assumed:
+            lines.append(f"  ({self.assumed})")
         lines += [f"  declined {name}: {why}" for name, why in self.declined]
         return "\n".join(lines)
 
@@ -32,6 +36,30 @@ def default_platform() -> str:
     """The platform of JAX's default backend: ``"cpu"``, ``"gpu"`` or ``"tpu"``."""
     backend = jax.default_backend()
     return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
+
+
+#: The platforms JAX names; kernels may add their own (`AbstractKernel.platforms`).
+DEVICE_PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+def known_platforms() -> tuple[str, ...]:
+    """``"cpu"``, ``"gpu"``, ``"tpu"`` and any other platform a registered kernel lists."""
+    extra = {p for cls in registered_kernels() for p in cls.platforms} - set(DEVICE_PLATFORMS)
+    return DEVICE_PLATFORMS + tuple(sorted(extra))
+
+
+def check_platform(platform, argument: str = "platform") -> str | None:
+    """`platform` if it is ``None`` or a known platform, else a `ValueError` listing them."""
+    if platform is None:
+        return None
+    known = known_platforms()
+    if isinstance(platform, str) and platform in known:
+        return platform
+    hint = " (a CUDA or ROCm GPU is 'gpu')" if platform in ("cuda", "rocm") else ""
+    raise ValueError(
+        f"`{argument}` must be one of {', '.join(map(repr, known))} or None{hint}; "
+        f"got {platform!r}."
+    )
 
 
 def decline_reason(kernel: AbstractKernel, mask: ResolvedMask, features: Features) -> str | None:
@@ -101,7 +129,8 @@ def select_kernel(
     **Arguments:**
 
     - `mask`: the attention mask.
-    - `platform`: ``"cpu"``, ``"gpu"`` or ``"tpu"``; defaults to JAX's default backend.
+    - `platform`: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (or a platform a registered kernel
+      lists); defaults to JAX's default backend. It need not be present: this only asks.
     - `features`: what the call asks for (`Features`: lengths, heads, dtype, per-call data);
       defaults to a plain call.
     - `candidates`: kernels to choose among, in order; defaults to the registry's.
@@ -117,11 +146,29 @@ def select_kernel(
     """
     if not isinstance(mask, AbstractMask):
         raise TypeError(f"`mask` must be an AbstractMask; got {type(mask).__name__}.")
-    platform = platform or default_platform()
+    if features is not None and not isinstance(features, Features):
+        raise TypeError(f"`features` must be a Features or None; got {type(features).__name__}.")
+    if candidates is not None:
+        candidates = list(candidates)
+        for kernel in candidates:
+            if not isinstance(kernel, AbstractKernel):
+                raise TypeError(
+                    f"`candidates` must hold AbstractKernel instances; got {type(kernel).__name__}."
+                )
+    platform = check_platform(platform) or default_platform()
+    assumed = ""
     if features is None:
         features = Features(platform=platform)
+        assumed = ("no `features` given: assumed a float32 call of one head and length 1; pass "
+                   "`features=Features(dtype=..., q_len=..., ...)` to ask about your call")
     elif features.platform != platform:
         features = dataclasses.replace(features, platform=platform)
     resolved = ResolvedMask(mask, q_len=features.q_len, kv_len=features.kv_len,
                             num_heads=features.num_heads)
-    return choose_kernel(resolved, features, candidates)
+    try:
+        choice = choose_kernel(resolved, features, candidates)
+    except NoKernelError as e:
+        if assumed:
+            raise NoKernelError(f"{e}\n({assumed})") from None
+        raise
+    return choice._replace(assumed=assumed)

@@ -2,10 +2,16 @@
 
 import equinox as eqx
 
+from ._inputs import python_scalar
+
+
+def _field(**kwargs):
+    return eqx.field(static=True, converter=python_scalar, **kwargs)
+
 
 def _check_positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"Tiling.{name} must be a positive int or None; got {value!r}.")
+        raise ValueError(f"`Tiling.{name}` must be a positive int or None; got {value!r}.")
 
 
 class Tiling(eqx.Module):
@@ -33,18 +39,18 @@ class Tiling(eqx.Module):
     ```
     """
 
-    block_q: int = eqx.field(static=True)
-    block_kv: int = eqx.field(static=True)
-    block_q_bwd: int | None = eqx.field(default=None, static=True)
-    block_kv_bwd: int | None = eqx.field(default=None, static=True)
-    num_warps: int | None = eqx.field(default=None, static=True)
-    num_stages: int | None = eqx.field(default=None, static=True)
-    num_warps_bwd: int | None = eqx.field(default=None, static=True)
-    num_stages_bwd: int | None = eqx.field(default=None, static=True)
-    block_q_dq: int | None = eqx.field(default=None, static=True)
-    block_kv_dq: int | None = eqx.field(default=None, static=True)
-    num_warps_dq: int | None = eqx.field(default=None, static=True)
-    num_stages_dq: int | None = eqx.field(default=None, static=True)
+    block_q: int = _field()
+    block_kv: int = _field()
+    block_q_bwd: int | None = _field(default=None)
+    block_kv_bwd: int | None = _field(default=None)
+    num_warps: int | None = _field(default=None)
+    num_stages: int | None = _field(default=None)
+    num_warps_bwd: int | None = _field(default=None)
+    num_stages_bwd: int | None = _field(default=None)
+    block_q_dq: int | None = _field(default=None)
+    block_kv_dq: int | None = _field(default=None)
+    num_warps_dq: int | None = _field(default=None)
+    num_stages_dq: int | None = _field(default=None)
 
     def __check_init__(self):
         for name in (

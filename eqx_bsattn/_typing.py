@@ -2,9 +2,12 @@
 
 Checking happens at trace time (jaxtyping + beartype), so it costs nothing inside a compiled
 function. Set the environment variable ``EQX_BSATTN_TYPECHECK=0`` before importing
-``eqx_bsattn`` to turn it off.
+``eqx_bsattn`` to turn it off. The library's own argument checks (`typechecked(validate=...)`)
+run first and always: they say in one line which argument is wrong and what is accepted.
 """
 
+import functools
+import inspect
 import os
 from collections.abc import Callable
 from typing import TypeVar
@@ -26,8 +29,27 @@ TYPECHECK_ENABLED: bool = os.environ.get("EQX_BSATTN_TYPECHECK", "1").lower() no
 )
 
 
-def typechecked(fn: _F) -> _F:
-    """Decorate `fn` with jaxtyping + beartype checks, unless checking is switched off."""
-    if not TYPECHECK_ENABLED:
-        return fn
-    return jaxtyped(typechecker=beartype)(fn)
+def typechecked(fn: _F | None = None, *, validate: Callable[[dict], Callable | None] | None = None):
+    """Decorate `fn` with jaxtyping + beartype checks, unless checking is switched off.
+
+    `validate`, if given, runs before them on the bound arguments (a dict, name -> value, with
+    defaults applied): it raises the library's own errors and may replace values in the dict
+    (e.g. NumPy arrays by JAX arrays), which `fn` then receives. If it returns a function, that
+    function is applied to `fn`'s (checked) result.
+    """
+    if fn is None:
+        return functools.partial(typechecked, validate=validate)
+    checked = jaxtyped(typechecker=beartype)(fn) if TYPECHECK_ENABLED else fn
+    if validate is None:
+        return checked
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        finish = validate(bound.arguments)
+        out = checked(*bound.args, **bound.kwargs)
+        return out if finish is None else finish(out)
+
+    return wrapper

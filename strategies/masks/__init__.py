@@ -29,3 +29,4 @@ from .sparse import (
     Dilated as Dilated,
     GlobalTokens as GlobalTokens,
 )
+from .array import ArrayMask as ArrayMask

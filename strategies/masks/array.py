@@ -1,0 +1,94 @@
+"""A mask given as a boolean array: any pattern, at the cost of reading ``Lq x Lk`` per call."""
+
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool
+
+from eqx_bsattn.contract import AbstractMask, classify
+
+
+class ArrayMask(AbstractMask):
+    """An explicit element mask: query ``i`` sees key ``j`` of head ``h`` where
+    ``mask[h, i, j]`` is True.
+
+    The array is per-call data, like segment ids: it is a leaf of the module (traced under
+    `jit`, so a new array never recompiles), and block layouts are built from it on the device,
+    one any/all reduction per block. It reads token indices, not positions. It has no
+    in-kernel terms, so it runs on kernels that evaluate the element predicate (`DenseReference`,
+    `XlaBlockSparse`); kernels that need static element bitmaps decline it.
+
+    It is also the way to mask under a soft cap: with ``logits_soft_cap=c`` a ``-inf`` bias
+    becomes ``-c`` after the cap and no longer hides the key; a mask hides it.
+
+    **Arguments:**
+
+    - `mask`: ``[Lq, Lk]`` or ``[H or 1, Lq, Lk]`` booleans (array-like; integers count as True
+      where nonzero). For a different mask per batch element, `jax.vmap` the call over the batch
+      (`blocksparse_attention(attention_mask=...)` does that for you).
+
+    ```python
+    keep = jax.random.bernoulli(jax.random.key(0), 0.3, (1024, 1024))
+    attn = BlockSparseAttention(mask=masks.Causal() & masks.ArrayMask(keep))
+    ```
+    """
+
+    mask: Bool[Array, "heads_or_1 q_len kv_len"]
+
+    reads_segment_ids: ClassVar[bool] = False
+
+    def __init__(self, mask):
+        if not isinstance(mask, jax.Array):
+            try:
+                mask = jnp.asarray(mask)
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"`mask` must be a boolean array [Lq, Lk] or [H or 1, Lq, Lk]; got "
+                    f"{type(mask).__name__}."
+                ) from None
+        if mask.dtype != jnp.bool_ and not jnp.issubdtype(mask.dtype, jnp.integer):
+            raise TypeError(
+                f"`mask` must hold booleans (or integers, nonzero = visible); got dtype "
+                f"{jnp.dtype(mask.dtype).name}."
+            )
+        if mask.ndim == 2:
+            mask = mask[None]
+        if mask.ndim != 3 or 0 in mask.shape:
+            raise ValueError(
+                f"`mask` must have shape [Lq, Lk] or [H or 1, Lq, Lk]; got {tuple(mask.shape)}."
+            )
+        self.mask = mask if mask.dtype == jnp.bool_ else mask != 0
+
+    @property
+    def varies_by_head(self) -> bool:
+        """Whether the array has a mask per head (its first axis is longer than 1)."""
+        return self.mask.shape[0] > 1
+
+    def check(self, q_len, kv_len, num_heads):
+        heads, rows, cols = self.mask.shape
+        if (rows, cols) != (q_len, kv_len) or heads not in (1, num_heads):
+            raise ValueError(
+                f"ArrayMask has shape {tuple(self.mask.shape)}; this call needs "
+                f"[1 or {num_heads}, {q_len}, {kv_len}] (heads, q_len, kv_len)."
+            )
+
+    def _table(self, head):
+        return self.mask[0] if self.mask.shape[0] == 1 else self.mask[head]
+
+    def elements(self, q, k, head):
+        table = self._table(head)
+        rows, cols = table.shape
+        return table[jnp.clip(q.index, 0, rows - 1), jnp.clip(k.index, 0, cols - 1)]
+
+    def blocks(self, q, k, head):
+        # One any/all per tile of the (block_q x block_kv) grid the layout is built on.
+        table = self._table(head)
+        bq, bk = q.block_size, k.block_size
+        nq, nk = math.ceil(q.length / bq), math.ceil(k.length / bk)
+        pad = ((0, nq * bq - table.shape[0]), (0, nk * bk - table.shape[1]))
+        tiles = (nq, bq, nk, bk)
+        any_visible = jnp.pad(table, pad, constant_values=False).reshape(tiles).any((1, 3))
+        all_visible = jnp.pad(table, pad, constant_values=True).reshape(tiles).all((1, 3))
+        return classify(all_visible, ~any_visible)
