@@ -53,6 +53,11 @@ class TilingTrial:
     forward_backward_ms: float | None = None
     error: float | None = None
 
+    @property
+    def tiling_text(self) -> str:
+        """The tiling in one line: ``"fwd 128x128 w8 s3 | dq 128x64 w8 s3 | dk/dv ..."``."""
+        return tiling_text(self.tiling)
+
 
 def tiling_text(tiling: Tiling) -> str:
     """``"fwd 128x128 w8 s3 | dq 128x64 w8 s3 | dk/dv 64x128 w8 s3"`` (launch parameters
@@ -114,7 +119,7 @@ class AutotuneReport:
         def ms(x):
             return f"{x:10.3f}" if x is not None else " " * 9 + "-"
 
-        texts = [tiling_text(t.tiling) for t in self.trials]
+        texts = [t.tiling_text for t in self.trials]
         width = max(len(x) for x in texts + ["tiling"])
         lines = [
             f"autotune: kernel {self.kernel}, by {self.objective} time; {len(self.trials)} "

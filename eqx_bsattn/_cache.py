@@ -117,9 +117,12 @@ def describe(x: Any, depth: int = 0) -> str:
         owner = getattr(x, "__self__", None)
         prefix = "" if owner is None or isinstance(owner, types.ModuleType) else deeper(owner) + "."
         return f"{prefix}{getattr(x, '__module__', None)}.{x.__qualname__}"
+    wrapped = getattr(x, "__wrapped__", None)  # jit-wrapped and functools.wraps functions
+    if callable(x) and wrapped is not None and wrapped is not x:
+        return f"{describe(type(x))}<{deeper(wrapped)}>"
     text = repr(x)
-    if " at 0x" in text:  # an id in the repr: keep the class only
-        text = ""
+    if " at 0x" in text:  # an id in the repr: keep the class and any name
+        text = f"{getattr(x, '__module__', '')}.{getattr(x, '__qualname__', '')}"
     return f"{describe(type(x))}<{text}>"
 
 

@@ -360,3 +360,23 @@ def test_two_processes_write_at_once_and_agree_on_keys(cache_dir):
     features = bsa.Features(q_len=512, kv_len=512, num_heads=4, num_kv_heads=4)
     mine = _cache.call_key(bsa.kernels.XlaBlockSparse(), features) + " | " + _cache.mask_key(resolved)
     assert mine == keys[0]["bigbird"]
+
+
+def test_blocksparse_attention_with_cfg_none_reads_the_cache(monkeypatch):
+    from eqx_bsattn import _api
+
+    q, k, v = _qkv(6)
+    plan = bsa.BlockSparseAttention(mask=bsa.masks.Causal()).plan(q, k, v)
+    tuned = bsa.Tiling(block_q=32, block_kv=16)
+    _cache.store(plan.kernel, plan.features, plan.resolved, tuned, {})
+    plans = []
+
+    def record(plan, query, *args):
+        plans.append(plan)
+        return query
+
+    monkeypatch.setattr(_api, "run_plan", record)
+    bsa.blocksparse_attention(q, k, v, causal=True)
+    bsa.blocksparse_attention(q, k, v, causal=True, cfg={"block_q": 16, "block_kv": 16})
+    assert [(p.tiling_source, p.tiling.block_q, p.tiling.block_kv) for p in plans] == [
+        ("cache", 32, 16), ("module", 16, 16)]
