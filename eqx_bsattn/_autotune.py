@@ -79,8 +79,8 @@ def tiling_text(tiling: Tiling) -> str:
 class AutotuneReport:
     """What `autotune` tried and found; ``print(report)`` shows it as a table.
 
-    - `kernel`: the kernel's name; `device`, `call`: the cache key's call part and the mask's
-      digest (`cache_key`).
+    - `kernel`: the kernel's name; `cache_key`: the call's key in the cache and the mask's
+      digest (`docs/autotune.md`).
     - `objective`: ``"forward+backward"`` or ``"forward"``: the time that picks the winner.
     - `trials`: a `TilingTrial` per candidate, the heuristic first.
     - `best`: the winning tiling; `tuning_seconds`: the wall time of the whole run.
@@ -301,6 +301,7 @@ def autotune(
     module = eqx.tree_at(lambda m: m.kernel, untiled, kernel, is_leaf=_is_none)
     runner = _Runner(module, (query, key, value), call_data, cotangent, backward, reps, tolerance)
     objective = "forward_backward_ms" if backward else "forward_ms"
+    objective_name = "forward+backward" if backward else "forward"
     trials = []
     bar = tqdm(total=len(runnable), desc=f"autotune {kernel.name}", unit="tiling",
                file=sys.stderr, leave=False, disable=None if progress is None else not progress)
@@ -322,7 +323,11 @@ def autotune(
         if backward and fastest_forward is not fastest:
             forward_fields = {n: getattr(fastest_forward.tiling.explicit(), n) for n in _FORWARD_FIELDS}
             combined = dataclasses.replace(fastest.tiling.explicit(), **forward_fields)
-            if kernel.adapt_tiling(combined, features).explicit() not in seen:
+            try:
+                new = kernel.adapt_tiling(combined, features).explicit() not in seen
+            except ValueError:  # a pair of fields the kernel does not take together
+                new = False
+            if new:
                 trials.append(runner.trial(combined, "combined"))
     winner = min((t for t in trials if t.status == "ok"), key=lambda t: getattr(t, objective))
     best = winner.tiling
@@ -331,7 +336,7 @@ def autotune(
     if cache:
         heuristic = trials[0]
         record = {
-            "objective": objective.removesuffix("_ms").replace("_", "+"),
+            "objective": objective_name,
             "forward_ms": winner.forward_ms, "forward_backward_ms": winner.forward_backward_ms,
             "heuristic_forward_ms": heuristic.forward_ms,
             "heuristic_forward_backward_ms": heuristic.forward_backward_ms,
@@ -343,7 +348,7 @@ def autotune(
     report = AutotuneReport(
         kernel=kernel.name,
         cache_key=f"{call_key(kernel, features)} | mask {mask_key(resolved)}",
-        objective="forward+backward" if backward else "forward",
+        objective=objective_name,
         trials=tuple(trials + rejected),
         best=best,
         tuning_seconds=seconds,
