@@ -92,6 +92,8 @@ def describe(x: Any, depth: int = 0) -> str:
         return repr(x)
     if isinstance(x, (tuple, list)):
         return "(" + ",".join(map(deeper, x)) + ")"
+    if isinstance(x, (set, frozenset)):  # iteration order differs between processes
+        return "{" + ",".join(sorted(map(deeper, x))) + "}"
     if isinstance(x, (dict, types.MappingProxyType)):
         return "{" + ",".join(f"{deeper(k)}:{deeper(v)}" for k, v in sorted(x.items(), key=repr)) + "}"
     if isinstance(x, jax.core.Tracer):
