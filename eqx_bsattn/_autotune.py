@@ -11,7 +11,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from ._cache import cache_file, call_key, lookup, mask_key, policy, store, tiling_policy
 from ._tiling import Tiling
@@ -303,6 +302,8 @@ def autotune(
     objective = "forward_backward_ms" if backward else "forward_ms"
     objective_name = "forward+backward" if backward else "forward"
     trials = []
+    from tqdm import tqdm  # imported on first use, like the tuning itself
+
     bar = tqdm(total=len(runnable), desc=f"autotune {kernel.name}", unit="tiling",
                file=sys.stderr, leave=False, disable=None if progress is None else not progress)
     with bar:

@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import platformdirs
 
 from ._tiling import Tiling
 
@@ -45,7 +44,11 @@ _policy_override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 def cache_file() -> pathlib.Path:
     """Where the cache lives now: ``$EQX_BSATTN_CACHE_DIR/autotune.json``, else
     ``autotune.json`` in the user's cache directory for eqx_bsattn."""
-    folder = os.environ.get(CACHE_DIR_VARIABLE) or platformdirs.user_cache_dir("eqx_bsattn")
+    folder = os.environ.get(CACHE_DIR_VARIABLE)
+    if not folder:
+        import platformdirs  # imported on first use: plans that set the folder never need it
+
+        folder = platformdirs.user_cache_dir("eqx_bsattn")
     return pathlib.Path(folder) / FILE_NAME
 
 
