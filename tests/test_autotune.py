@@ -261,7 +261,7 @@ def test_policy_variable(monkeypatch, cache_dir):
     assert_close(out, np_attention(q[:, :, :32], k, v, vis), 2e-5, "tuned")
 
 
-def test_corrupt_or_foreign_cache_files_warn_and_never_fail(cache_dir):
+def test_corrupt_or_foreign_cache_files_warn_and_never_fail(cache_dir, monkeypatch):
     q, k, v = _qkv(5)
     attn = bsa.BlockSparseAttention(mask=bsa.masks.Causal(), kernel=_Flawed())
     path = cache_dir / "autotune.json"
@@ -291,7 +291,7 @@ def test_corrupt_or_foreign_cache_files_warn_and_never_fail(cache_dir):
     # A cache folder that cannot be created warns and keeps nothing.
     blocker = cache_dir / "file"
     blocker.write_text("")
-    os.environ[_cache.CACHE_DIR_VARIABLE] = str(blocker / "sub")
+    monkeypatch.setenv(_cache.CACHE_DIR_VARIABLE, str(blocker / "sub"))
     with pytest.warns(RuntimeWarning, match="cannot write"):
         _, report = bsa.autotune(attn, q, k, v, candidates=[], reps=1, progress=False)
     assert report.cache_file is None
