@@ -9,7 +9,11 @@ out = attn(q, k, v)
 
 from . import contract as contract
 from ._api import blocksparse_attention as blocksparse_attention
-from ._autotune import autotune as autotune
+from ._autotune import (
+    AutotuneReport as AutotuneReport,
+    TilingTrial as TilingTrial,
+    autotune as autotune,
+)
 from ._compile import CompiledMask as CompiledMask, ResolvedMask as ResolvedMask
 from ._inputs import AttentionInputs as AttentionInputs, MaskInfo as MaskInfo
 from ._kernel import (

@@ -1,15 +1,211 @@
-"""`autotune`: time candidate tilings on the caller's own inputs and keep the fastest."""
+"""`autotune`: time a kernel's candidate tilings on one call, check each against the heuristic
+tiling's result, keep the fastest and remember it in the cache; and the plan's tiling choice
+(module, cache, tuning on a miss, heuristic)."""
 
+import dataclasses
+import sys
+import time
 from collections.abc import Sequence
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from ._cache import cache_file, call_key, lookup, mask_key, policy, store, tiling_policy
 from ._tiling import Tiling
 from ._timing import median_ms
 
-DEFAULT_BLOCKS = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 256), (256, 128))
+#: Largest ``max |candidate - heuristic| / max |heuristic|`` over the output and the gradients
+#: that a candidate may show, by dtype: a few roundings of the largest value, since tilings
+#: only reorder the float32 sums (and, on GPUs, the TF32 roundings of float32 products).
+TOLERANCES = {"float64": 1e-6, "float32": 2e-3, "float16": 1e-2, "bfloat16": 4e-2}
+
+_FORWARD_FIELDS = ("block_q", "block_kv", "num_warps", "num_stages")
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
+@dataclasses.dataclass(frozen=True)
+class TilingTrial:
+    """One candidate of an `autotune` run.
+
+    - `tiling`: the candidate as listed (the kernel's `adapt_tiling` may shrink it to run).
+    - `origin`: ``"heuristic"``, ``"module"`` (the module's own), ``"kernel"``
+      (`AbstractKernel.tiling_candidates`), ``"given"`` (the `candidates` argument) or
+      ``"combined"`` (the fastest forward fields with the fastest backward fields).
+    - `status`: ``"ok"``, ``"rejected"`` (the kernel cannot run it: `reason`), ``"failed"``
+      (it did not compile or run: `reason`) or ``"wrong"`` (its output or gradients differ
+      from the heuristic tiling's: `reason`, `error`).
+    - `forward_ms`, `forward_backward_ms`: median wall times (``None`` where not measured).
+    - `error`: ``max |difference| / max |value|`` against the heuristic tiling's output and
+      gradients (0 for the heuristic itself).
+    """
+
+    tiling: Tiling
+    origin: str
+    status: str
+    reason: str | None = None
+    forward_ms: float | None = None
+    forward_backward_ms: float | None = None
+    error: float | None = None
+
+    @property
+    def tiling_text(self) -> str:
+        """The tiling in one line: ``"fwd 128x128 w8 s3 | dq 128x64 w8 s3 | dk/dv ..."``."""
+        return tiling_text(self.tiling)
+
+
+def tiling_text(tiling: Tiling) -> str:
+    """``"fwd 128x128 w8 s3 | dq 128x64 w8 s3 | dk/dv 64x128 w8 s3"`` (launch parameters
+    where set)."""
+    t = tiling.explicit()
+
+    def launch(name, blocks, warps, stages):
+        extra = "".join(f" {p}{x}" for p, x in (("w", warps), ("s", stages)) if x is not None)
+        return f"{name} {blocks[0]}x{blocks[1]}{extra}"
+
+    return " | ".join((
+        launch("fwd", (t.block_q, t.block_kv), t.num_warps, t.num_stages),
+        launch("dq", t.dq_blocks, t.num_warps_dq, t.num_stages_dq),
+        launch("dk/dv", t.backward_blocks, t.num_warps_bwd, t.num_stages_bwd),
+    ))
+
+
+@dataclasses.dataclass(frozen=True)
+class AutotuneReport:
+    """What `autotune` tried and found; ``print(report)`` shows it as a table.
+
+    - `kernel`: the kernel's name; `cache_key`: the call's key in the cache and the mask's
+      digest (`docs/autotune.md`).
+    - `objective`: ``"forward+backward"`` or ``"forward"``: the time that picks the winner.
+    - `trials`: a `TilingTrial` per candidate, the heuristic first.
+    - `best`: the winning tiling; `tuning_seconds`: the wall time of the whole run.
+    - `cache_file`: where the result was written (``None``: not written).
+    - `untried`: runnable candidates left out by `max_candidates`.
+    """
+
+    kernel: str
+    cache_key: str
+    objective: str
+    trials: tuple[TilingTrial, ...]
+    best: Tiling
+    tuning_seconds: float
+    cache_file: str | None
+    untried: int
+
+    def _time(self, trial: TilingTrial) -> float | None:
+        return trial.forward_backward_ms if self.objective == "forward+backward" else trial.forward_ms
+
+    @property
+    def heuristic(self) -> TilingTrial:
+        """The heuristic tiling's trial (the reference of the checks)."""
+        return self.trials[0]
+
+    @property
+    def winner(self) -> TilingTrial:
+        """The winning trial."""
+        return next(t for t in self.trials if t.status == "ok" and t.tiling == self.best)
+
+    @property
+    def speedup(self) -> float:
+        """The heuristic's time over the winner's (by `objective`; >= 1)."""
+        return self._time(self.heuristic) / self._time(self.winner)
+
+    def __str__(self) -> str:
+        def ms(x):
+            return f"{x:10.3f}" if x is not None else " " * 9 + "-"
+
+        texts = [t.tiling_text for t in self.trials]
+        width = max(len(x) for x in texts + ["tiling"])
+        lines = [
+            f"autotune: kernel {self.kernel}, by {self.objective} time; {len(self.trials)} "
+            f"candidates in {self.tuning_seconds:.1f} s",
+            f"    {'tiling':<{width}}  {'fwd ms':>10}  {'fwd+bwd ms':>10}  result",
+        ]
+        winner = self.winner
+        for trial, text in zip(self.trials, texts, strict=True):
+            mark = "*" if trial is winner else " "
+            result = f"{trial.status} ({trial.origin})"
+            if trial.reason:
+                result += f": {trial.reason}"
+            lines.append(f"  {mark} {text:<{width}}  {ms(trial.forward_ms)}  "
+                         f"{ms(trial.forward_backward_ms)}  {result}")
+        if self.untried:
+            lines.append(f"  ({self.untried} more runnable candidates not tried: max_candidates)")
+        where = f"cached in {self.cache_file}" if self.cache_file else "not cached"
+        lines.append(f"best: {tiling_text(self.best)}, {self.speedup:.2f}x the heuristic; {where}")
+        return "\n".join(lines)
+
+
+@jax.jit
+def _relative_error(candidate, reference):
+    a = candidate.astype(jnp.float32)
+    b = reference.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(b)), jnp.finfo(jnp.float32).tiny)
+    error = jnp.max(jnp.abs(a - b)) / scale
+    return jnp.where(jnp.all(jnp.isfinite(a)), error, jnp.inf)
+
+
+def _error(results, reference) -> float:
+    return max(float(_relative_error(a, b)) for a, b in zip(results, reference, strict=True))
+
+
+@eqx.filter_jit
+def _forward(module, query, key, value, data):
+    return (module(query, key, value, **data),)
+
+
+@eqx.filter_jit
+def _forward_backward(module, query, key, value, data, cotangent):
+    out, pullback = jax.vjp(lambda q, k, v: module(q, k, v, **data), query, key, value)
+    return (out, *pullback(cotangent))
+
+
+def _failure(e: Exception) -> str:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:300]}"
+
+
+class _Runner:
+    """Runs, checks and times candidate tilings of one call."""
+
+    def __init__(self, module, args, data, cotangent, backward, reps, tolerance):
+        self.module, self.args, self.data, self.cotangent = module, args, data, cotangent
+        self.backward, self.reps, self.tolerance = backward, reps, tolerance
+        self.reference = None  # the heuristic's (forward, forward+backward) results
+
+    def trial(self, tiling: Tiling, origin: str) -> TilingTrial:
+        module = eqx.tree_at(lambda m: m.tiling, self.module, tiling, is_leaf=_is_none)
+        passes = [("forward", _forward, ())]
+        if self.backward:
+            passes.append(("forward_backward", _forward_backward, (self.cotangent,)))
+        times, results = {}, []
+        for name, fn, extra in passes:
+
+            def call(*args, fn=fn, module=module, extra=extra):
+                return fn(module, *args, self.data, *extra)
+
+            try:
+                results.append(jax.block_until_ready(call(*self.args)))  # compiles
+            except Exception as e:  # any compile or launch error: skip the candidate
+                return TilingTrial(tiling, origin, "failed", _failure(e), **times)
+            if self.reference is not None:
+                error = _error(results[-1], self.reference[len(results) - 1])
+                if not error <= self.tolerance:
+                    return TilingTrial(
+                        tiling, origin, "wrong",
+                        f"{name.replace('_', '+')} differs from the heuristic tiling's by "
+                        f"{error:.3g} (max |difference| / max |value|; tolerance "
+                        f"{self.tolerance:g})", error=error, **times)
+            times[f"{name}_ms"] = median_ms(call, self.args, self.reps)
+        if self.reference is None:
+            self.reference = results
+            return TilingTrial(tiling, origin, "ok", error=0.0, **times)
+        errors = [_error(r, ref) for r, ref in zip(results, self.reference, strict=True)]
+        return TilingTrial(tiling, origin, "ok", error=max(errors), **times)
 
 
 def _check_arguments(attn, candidates, backward, reps) -> None:
@@ -42,69 +238,207 @@ def autotune(
     value,
     *,
     candidates: Sequence[Tiling] | None = None,
+    max_candidates: int | None = None,
     backward: bool = True,
     reps: int = 5,
-    verbose: bool = False,
-    **call_kwargs,
+    tolerance: float | None = None,
+    cache: bool = True,
+    progress: bool | None = None,
+    **call_data,
 ):
-    """Return `attn` with the fastest of `candidates` as its tiling, timed on these inputs.
+    """Time candidate tilings on one call's inputs; return the module with the fastest correct
+    one, and a report.
 
-    Each candidate runs the forward pass (and, with ``backward=True``, a backward pass on a
-    random cotangent) under `jax.jit`; the median of `reps` timed runs decides. Candidates the
-    kernel rejects (for example, block sizes it cannot launch) are skipped. Inputs should be
-    real data or random numbers, never zeros.
+    Candidates are the kernel's heuristic tiling, the module's own tiling if it has one, and
+    the kernel's `AbstractKernel.tiling_candidates` for this call (or `candidates`); those the
+    kernel rejects are listed with its reason. Each runnable candidate is compiled and run
+    forward and forward+backward (``jax.vjp`` with a random cotangent) under ``jit``; its output
+    and ``dq, dk, dv`` are checked against the heuristic tiling's, and one that differs by more
+    than `tolerance` is rejected as wrong; one that fails to compile or run is skipped with the
+    error. The median of `reps` timed runs ranks the rest. When the fastest forward and the
+    fastest forward+backward are different candidates, their combination is tried too. The
+    winner is written to the cache (`docs/autotune.md`), so a module without a tiling picks it
+    for these shapes and this mask from then on, in any process, also inside ``jit``.
+
+    Use real inputs or random ones (never zeros: every tiling gives zeros alike).
 
     **Arguments:**
 
-    - `attn`: a `BlockSparseAttention`.
-    - `query`, `key`, `value`, `**call_kwargs`: one call's arguments.
-    - `candidates`: `Tiling`s to try; default: block pairs in `DEFAULT_BLOCKS` with the
-      kernel's heuristic launch parameters, forward and backward alike.
+    - `attn`: a `BlockSparseAttention` (its kernel, or the one the selector picks).
+    - `query`, `key`, `value`, `**call_data`: one call's arguments (as for ``attn(...)``).
+    - `candidates`: tilings to try instead of the kernel's list.
+    - `max_candidates`: time at most this many runnable candidates (the heuristic included),
+      in the kernel's order (most promising first); default: all.
+    - `backward`: rank by forward+backward time (default) or, if False, by forward time
+      alone (then only the forward is run and checked).
+    - `reps`: timed runs per candidate and pass.
+    - `tolerance`: the largest ``max |difference| / max |value|`` allowed; default by dtype
+      (`TOLERANCES`).
+    - `cache`: write the winner to the cache file.
+    - `progress`: show a progress bar (default: when stderr is a terminal).
 
-    **Returns:** ``(tuned_attn, timings)``: the module with the best tiling, and
-    ``[(tiling, seconds or None if rejected), ...]``.
+    **Returns:** ``(tuned_attn, report)``: `attn` with the winning `Tiling`, and an
+    `AutotuneReport` (``print(report)`` shows the table).
 
     ```python
-    tuned, timings = autotune(attn, q, k, v)
+    tuned, report = bsa.autotune(attn, q, k, v)
+    print(report)
     ```
     """
     _check_arguments(attn, candidates, backward, reps)
-    plan_kwargs = {n: x for n, x in call_kwargs.items() if n != "purify"}
-    heuristic = eqx.tree_at(lambda m: m.tiling, attn, None, is_leaf=lambda x: x is None)
-    plan = heuristic.plan(query, key, value, **plan_kwargs)
+    start = time.perf_counter()
+    plan_data = {n: x for n, x in call_data.items() if n != "purify"}
+    untiled = eqx.tree_at(lambda m: m.tiling, attn, None, is_leaf=_is_none)
+    with policy("heuristics"):
+        plan = untiled.plan(query, key, value, **plan_data)
+    kernel, features, resolved = plan.kernel, plan.features, plan.resolved
+    if tolerance is None:
+        tolerance = TOLERANCES.get(features.dtype, 2e-3)
+
+    listed = [(kernel.default_tiling(features, resolved), "heuristic", None)]
+    if attn.tiling is not None:
+        listed.append((attn.tiling, "module", None))
     if candidates is None:
-        base = plan.tiling
-        candidates = [
-            Tiling(block_q=bq, block_kv=bk, num_warps=base.num_warps, num_stages=base.num_stages,
-                   num_warps_bwd=base.num_warps_bwd, num_stages_bwd=base.num_stages_bwd)
-            for bq, bk in DEFAULT_BLOCKS
-        ]
+        listed += [(t, "kernel", why) for t, why in kernel.tiling_candidates(features, resolved)]
+    else:
+        listed += [(t, "given", None) for t in candidates]
+    rejected, runnable, seen = [], [], set()
+    for tiling, origin, why in listed:
+        if why is None:
+            try:
+                runs = kernel.adapt_tiling(tiling, features).explicit()
+            except ValueError as e:
+                why = str(e)
+        if why is not None:
+            rejected.append(TilingTrial(tiling, origin, "rejected", why))
+        elif runs not in seen:
+            seen.add(runs)
+            runnable.append((tiling, origin))
+    limit = len(runnable) if max_candidates is None else max(1, max_candidates)
+    untried = max(0, len(runnable) - limit)
+    runnable = runnable[:limit]
+
     cotangent = jax.random.normal(
         jax.random.key(0), query.shape[:-1] + (value.shape[-1],), jnp.float32
     ).astype(query.dtype)
-    timings = []
-    for tiling in candidates:
-        module = eqx.tree_at(lambda m: m.tiling, attn, tiling, is_leaf=lambda x: x is None)
-        module = eqx.tree_at(lambda m: m.kernel, module, plan.kernel, is_leaf=lambda x: x is None)
+    module = eqx.tree_at(lambda m: m.kernel, untiled, kernel, is_leaf=_is_none)
+    runner = _Runner(module, (query, key, value), call_data, cotangent, backward, reps, tolerance)
+    objective = "forward_backward_ms" if backward else "forward_ms"
+    objective_name = "forward+backward" if backward else "forward"
+    trials = []
+    from tqdm import tqdm  # imported on first use, like the tuning itself
 
-        def run(q, k, v, module=module):
-            if not backward:
-                return module(q, k, v, **call_kwargs)
-            out, pullback = jax.vjp(lambda q, k, v: module(q, k, v, **call_kwargs), q, k, v)
-            return pullback(cotangent)
+    bar = tqdm(total=len(runnable), desc=f"autotune {kernel.name}", unit="tiling",
+               file=sys.stderr, leave=False, disable=None if progress is None else not progress)
+    with bar:
+        for tiling, origin in runnable:
+            trials.append(runner.trial(tiling, origin))
+            if trials[0].status != "ok":
+                raise ValueError(
+                    f"autotune: the heuristic tiling ({tiling_text(tiling)}) of kernel "
+                    f"{kernel.name} does not run this call ({trials[0].reason}); candidates are "
+                    "checked against its result."
+                )
+            ok = [t for t in trials if t.status == "ok"]
+            bar.set_postfix_str(f"best {min(getattr(t, objective) for t in ok):.3f} ms")
+            bar.update()
+        ok = [t for t in trials if t.status == "ok"]
+        fastest_forward = min(ok, key=lambda t: t.forward_ms)
+        fastest = min(ok, key=lambda t: getattr(t, objective))
+        if backward and fastest_forward is not fastest:
+            forward_fields = {n: getattr(fastest_forward.tiling.explicit(), n) for n in _FORWARD_FIELDS}
+            combined = dataclasses.replace(fastest.tiling.explicit(), **forward_fields)
+            try:
+                new = kernel.adapt_tiling(combined, features).explicit() not in seen
+            except ValueError:  # a pair of fields the kernel does not take together
+                new = False
+            if new:
+                trials.append(runner.trial(combined, "combined"))
+    winner = min((t for t in trials if t.status == "ok"), key=lambda t: getattr(t, objective))
+    best = winner.tiling
+    seconds = time.perf_counter() - start
+    written = None
+    if cache:
+        heuristic = trials[0]
+        record = {
+            "objective": objective_name,
+            "forward_ms": winner.forward_ms, "forward_backward_ms": winner.forward_backward_ms,
+            "heuristic_forward_ms": heuristic.forward_ms,
+            "heuristic_forward_backward_ms": heuristic.forward_backward_ms,
+            "candidates": len(trials), "tuning_seconds": round(seconds, 2),
+        }
+        path = cache_file()
+        if store(kernel, features, resolved, best, record, path):
+            written = str(path)
+    report = AutotuneReport(
+        kernel=kernel.name,
+        cache_key=f"{call_key(kernel, features)} | mask {mask_key(resolved)}",
+        objective=objective_name,
+        trials=tuple(trials + rejected),
+        best=best,
+        tuning_seconds=seconds,
+        cache_file=written,
+        untried=untried,
+    )
+    tuned = eqx.tree_at(lambda m: m.tiling, attn, best, is_leaf=_is_none)
+    return tuned, report
 
-        try:
-            seconds = median_ms(jax.jit(run), (query, key, value), reps) / 1e3
-        except (ValueError, TypeError, NotImplementedError) as e:
-            seconds = None
-            if verbose:
-                print(f"{tiling}: rejected ({e})")
-        timings.append((tiling, seconds))
-        if verbose and seconds is not None:
-            print(f"{tiling}: {seconds * 1e3:.2f} ms")
-    timed = [(s, i) for i, (_, s) in enumerate(timings) if s is not None]
-    if not timed:
-        raise ValueError("autotune: the kernel rejected every candidate tiling.")
-    best = candidates[min(timed)[1]]
-    tuned = eqx.tree_at(lambda m: m.tiling, attn, best, is_leaf=lambda x: x is None)
-    return tuned, timings
+
+# ------------------------------------------------------------------------------------------------
+# The plan's choice.
+
+
+def _random_call(features, inputs, seed: int = 0):
+    """Random inputs with the shapes of a planned call (its per-call data where concrete)."""
+    rng = np.random.default_rng(seed)
+
+    def normal(shape, dtype):
+        return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+
+    f = features
+    dtype = jnp.dtype(f.dtype)
+    q = normal((f.batch, f.num_heads, f.q_len, f.head_dim), dtype)
+    k = normal((f.batch, f.num_kv_heads, f.kv_len, f.head_dim), dtype)
+    v = normal((f.batch, f.num_kv_heads, f.kv_len, f.value_dim), dtype)
+    data = {}
+    for name in ("bias", "sinks"):
+        x = getattr(inputs, name)
+        if x is not None:
+            data[name] = normal(x.shape, x.dtype)
+    documents = {}
+    for name in ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions"):
+        x = getattr(inputs, name)
+        if x is None:
+            continue
+        if not isinstance(x, jax.core.Tracer):
+            data[name] = x
+        elif name.endswith("positions"):
+            data[name] = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
+        else:
+            # Traced segment ids: four documents of random length (one draw per length).
+            length = x.shape[-1]
+            if length not in documents:
+                documents[length] = np.sort(rng.integers(0, 4, length)).astype(np.int32)
+            data[name] = jnp.broadcast_to(documents[length], x.shape)
+    return q, k, v, data
+
+
+def choose_tiling(attn, kernel, features, resolved, inputs) -> tuple[Tiling, str]:
+    """The plan's tiling and where it came from: the module's (``"module"``), else by the
+    policy (`EQX_BSATTN_AUTOTUNE`): the cache (``"cache"``), tuning now on random inputs of
+    this call's shapes (``"autotune"``, policy ``tune``), or the kernel's heuristic
+    (``"heuristic"``)."""
+    if attn.tiling is not None:
+        return attn.tiling, "module"
+    mode = tiling_policy()
+    if mode != "heuristics":
+        cached = lookup(kernel, features, resolved)
+        if cached is not None:
+            return cached, "cache"
+        if mode == "tune":
+            with jax.ensure_compile_time_eval():  # run the candidates even inside a trace
+                q, k, v, data = _random_call(features, inputs)
+                module = eqx.tree_at(lambda m: m.kernel, attn, kernel, is_leaf=_is_none)
+                tuned, _ = autotune(module, q, k, v, **data)
+            return tuned.tiling, "autotune"
+    return kernel.default_tiling(features, resolved), "heuristic"

@@ -87,6 +87,8 @@ class AbstractKernel(eqx.Module):
     - `default_tiling(features, mask)`: the heuristic `Tiling` when the module has none.
     - `adapt_tiling(tiling, features)`: the tiling it runs (e.g. blocks clamped to the
       sequence), or a `ValueError` naming the field it cannot run.
+    - `tiling_candidates(features, mask)`: the tilings `eqx_bsattn.autotune` times, each with
+      ``None`` or the reason it cannot run; by default the heuristic alone.
     - `__call__(query, key, value, *, mask, inputs, features, tiling, softmax_scale,
       logits_soft_cap)`: batched ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, Dv]``
       in, ``[B, H, Lq, Dv]`` out, differentiable in query, key, value, bias and sinks; `mask`
@@ -104,6 +106,9 @@ class AbstractKernel(eqx.Module):
     platforms: AbstractClassVar[tuple[str, ...]]
     reads: AbstractClassVar[MaskReads]
     returns_lse: ClassVar[bool] = False
+    #: Part of the autotune cache key: change it when a change to the kernel makes tilings
+    #: tuned before it stale.
+    version: ClassVar[str] = "1"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -128,6 +133,22 @@ class AbstractKernel(eqx.Module):
     def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
         """The tiling this kernel runs for `features`; raise `ValueError` if it cannot."""
         return tiling
+
+    def tiling_candidates(
+        self, features: Features, mask: ResolvedMask
+    ) -> tuple[tuple[Tiling, str | None], ...]:
+        """The tilings worth timing for this call, most promising first, the heuristic
+        (`default_tiling`) among them: ``((tiling, None), ...)`` for those it can run,
+        ``(tiling, reason)`` for those it cannot (too much shared memory, a block its launch
+        does not take, ...). `eqx_bsattn.autotune` times the runnable ones and shows the
+        reasons. A kernel without choices (the default) offers its heuristic alone.
+
+        ```python
+        kernel.tiling_candidates(plan.features, plan.resolved)
+        # ((Tiling(block_q=128, block_kv=64, ...), None), ...)
+        ```
+        """
+        return ((self.default_tiling(features, mask), None),)
 
     @abc.abstractmethod
     def __call__(

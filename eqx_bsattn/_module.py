@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from ._autotune import choose_tiling
 from ._compile import CompiledMask, ResolvedMask, describe_terms
 from ._inputs import AttentionInputs, check_call, prepare_inputs, python_scalar
 from ._kernel import AbstractKernel, Features
@@ -25,10 +26,12 @@ class CallPlan(NamedTuple):
 
     - `kernel`, `choice`: the kernel and the selector's answer (``None`` when the module named
       its kernel).
-    - `tiling`, `tiling_source`: the tiling and where it came from (``"module"`` or
-      ``"heuristic"``).
+    - `tiling`, `tiling_source`: the tiling and where it came from: ``"module"`` (the module's
+      own), ``"cache"`` (tuned before: `autotune`), ``"autotune"`` (tuned by this plan: the
+      policy ``EQX_BSATTN_AUTOTUNE=tune``) or ``"heuristic"`` (the kernel's `default_tiling`).
     - `mask`: the `CompiledMask` the kernel reads (layouts per pass, terms, predicate).
     - `features`, `inputs`, `softmax_scale`: the call as the kernel sees it.
+    - `resolved`: the `ResolvedMask` the selector and the tiling heuristics saw.
     """
 
     kernel: AbstractKernel
@@ -39,6 +42,7 @@ class CallPlan(NamedTuple):
     features: Features
     inputs: AttentionInputs
     softmax_scale: float
+    resolved: ResolvedMask | None = None
 
     def explain(self) -> str:
         """Kernel and why, tiling and where from, the mask's terms and each pass's density."""
@@ -46,7 +50,8 @@ class CallPlan(NamedTuple):
             lines = [f"kernel {self.choice.explain()}"]
         else:
             lines = [f"kernel {self.kernel.name}: given by the module"]
-        lines.append(f"tiling ({self.tiling_source}): {_tiling_text(self.tiling)}")
+        source = _TILING_SOURCES.get(self.tiling_source, self.tiling_source)
+        lines.append(f"tiling ({source}): {_tiling_text(self.tiling)}")
         lines.append(f"mask terms: {describe_terms(self.mask.terms)}")
         layouts = self.mask.layouts()
         if not layouts:
@@ -63,6 +68,14 @@ class CallPlan(NamedTuple):
 
     def __str__(self) -> str:
         return self.explain()
+
+
+_TILING_SOURCES = {
+    "module": "given by the module",
+    "cache": "from the autotune cache",
+    "autotune": "tuned by this plan and cached",
+    "heuristic": "the kernel's heuristic",
+}
 
 
 def _tiling_text(tiling: Tiling) -> str:
@@ -213,17 +226,15 @@ class BlockSparseAttention(eqx.Module):
             why = decline_reason(kernel, resolved, features)
             if why is not None:
                 raise ValueError(f"kernel {kernel.name} cannot run this call: {why}")
-        if self.tiling is not None:
-            tiling, source = self.tiling, "module"
-        else:
-            tiling, source = kernel.default_tiling(features, resolved), "heuristic"
+        tiling, source = choose_tiling(self, kernel, features, resolved, inputs)
         try:
             tiling = kernel.adapt_tiling(tiling, features)
         except ValueError as e:
             raise ValueError(f"the {source} tiling cannot run on kernel {kernel.name}: {e}") from None
         compiled = resolved.compile(tiling, kernel.reads)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
-        return CallPlan(kernel, choice, tiling, source, compiled, features, inputs, float(scale))
+        return CallPlan(kernel, choice, tiling, source, compiled, features, inputs, float(scale),
+                        resolved)
 
     @typechecked(validate=_validate_call)
     def __call__(

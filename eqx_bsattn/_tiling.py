@@ -1,5 +1,8 @@
 """`Tiling`: block sizes and launch parameters, forward and backward apart."""
 
+import dataclasses
+from collections.abc import Sequence
+
 import equinox as eqx
 
 from ._inputs import python_scalar
@@ -64,6 +67,40 @@ class Tiling(eqx.Module):
     def backward_blocks(self) -> tuple[int, int]:
         """``(block_q, block_kv)`` of the backward pass."""
         return (self.block_q_bwd or self.block_q, self.block_kv_bwd or self.block_kv)
+
+    def explicit(self) -> "Tiling":
+        """The same tiling with every backward and dq field spelled out (taken from the field
+        it defaults to); launch parameters no field sets stay ``None``."""
+        bq, bk = self.backward_blocks
+        dq_q, dq_k = self.dq_blocks
+        warps_bwd = self.num_warps_bwd or self.num_warps
+        stages_bwd = self.num_stages_bwd or self.num_stages
+        return Tiling(
+            block_q=self.block_q, block_kv=self.block_kv, block_q_bwd=bq, block_kv_bwd=bk,
+            num_warps=self.num_warps, num_stages=self.num_stages,
+            num_warps_bwd=warps_bwd, num_stages_bwd=stages_bwd,
+            block_q_dq=dq_q, block_kv_dq=dq_k,
+            num_warps_dq=self.num_warps_dq or warps_bwd,
+            num_stages_dq=self.num_stages_dq or stages_bwd,
+        )
+
+    def variants(self, *groups: tuple[tuple[str, ...], Sequence[tuple]]) -> tuple["Tiling", ...]:
+        """This tiling, then this tiling with one group of fields set to each of its options,
+        the groups taken in turn (the first option of every group, then the second, ...) so
+        that a short prefix varies every group; duplicates dropped. For a kernel's
+        `tiling_candidates`.
+
+        ```python
+        base.variants((("block_q", "block_kv"), [(64, 64), (128, 64)]),
+                      (("num_warps", "num_stages"), [(4, 2), (8, 3)]))
+        ```
+        """
+        lists = [[dataclasses.replace(self, **dict(zip(fields, option, strict=True)))
+                  for option in options] for fields, options in groups]
+        ordered = [self]
+        for rank in range(max((len(x) for x in lists), default=0)):
+            ordered.extend(x[rank] for x in lists if rank < len(x))
+        return tuple(dict.fromkeys(ordered))
 
     @property
     def dq_blocks(self) -> tuple[int, int]:

@@ -1,29 +1,10 @@
-"""Tiling validation and autotune."""
+"""Tiling validation, its helpers, and the Triton tiling heuristics (autotune: test_autotune.py)."""
 
 import dataclasses
-from typing import ClassVar
 
-import jax
 import pytest
 
 import eqx_bsattn as bsa
-from eqx_bsattn.strategies.kernels.reference import reference_attention
-from tests.conftest import assert_close, np_attention, np_visibility
-
-
-class _OnlyBlock32(bsa.AbstractKernel):
-    """A test kernel: exact, but launches only 32-query tiles."""
-
-    name: ClassVar[str] = "only32"
-    platforms: ClassVar[tuple[str, ...]] = ("cpu",)
-    reads: ClassVar[str] = "dense"
-
-    def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
-                 logits_soft_cap):
-        if tiling.block_q != 32:
-            raise ValueError(f"only32 needs block_q=32; got {tiling.block_q}")
-        return reference_attention(query, key, value, mask=mask, inputs=inputs,
-                                   softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap)
 
 
 def test_tiling_backward_defaults_and_validation():
@@ -92,25 +73,21 @@ def test_triton_short_scattered_rows_take_small_tiles():
         assert _triton_tiling(mask, features).block_q == 128
 
 
-def test_autotune_keeps_a_runnable_candidate_and_reports_rejections():
-    keys = jax.random.split(jax.random.key(3), 3)
-    q, k, v = (jax.random.normal(kk, (1, 2, 96, 16)) for kk in keys)
-    attn = bsa.BlockSparseAttention(mask=bsa.masks.Causal(), kernel=_OnlyBlock32())
-    candidates = [bsa.Tiling(block_q=64, block_kv=64), bsa.Tiling(block_q=32, block_kv=64),
-                  bsa.Tiling(block_q=32, block_kv=16)]
-    tuned, timings = bsa.autotune(attn, q, k, v, candidates=candidates, reps=1)
-    assert [t for t, _ in timings] == candidates
-    assert timings[0][1] is None
-    assert timings[1][1] is not None and timings[2][1] is not None
-    assert tuned.tiling in candidates[1:]
-    assert tuned.mask == attn.mask and attn.tiling is None  # the original is untouched
-    # The test kernel wraps the reference, so compare with the independent float64 oracle.
-    vis = np_visibility(attn.mask, batch=1, heads=2, q_len=96, kv_len=96)
-    assert_close(tuned(q, k, v), np_attention(q, k, v, vis), 2e-5, "tuned")
-
-
-def test_autotune_raises_when_every_candidate_is_rejected():
-    q = jax.random.normal(jax.random.key(4), (1, 2, 40, 8))
-    attn = bsa.BlockSparseAttention(kernel=_OnlyBlock32())
-    with pytest.raises(ValueError, match="rejected every candidate"):
-        bsa.autotune(attn, q, q, q, candidates=[bsa.Tiling(block_q=16, block_kv=16)], reps=1)
+def test_explicit_spells_out_the_defaults_and_variants_vary_one_group_at_a_time():
+    t = bsa.Tiling(block_q=128, block_kv=64, num_warps=8, num_stages=3, block_q_bwd=32,
+                   num_stages_dq=2)
+    e = t.explicit()
+    assert (e.block_q_bwd, e.block_kv_bwd, e.block_q_dq, e.block_kv_dq) == (32, 64, 32, 64)
+    assert (e.num_warps_bwd, e.num_stages_bwd, e.num_warps_dq, e.num_stages_dq) == (8, 3, 8, 2)
+    assert e.backward_blocks == t.backward_blocks and e.dq_blocks == t.dq_blocks
+    assert bsa.Tiling(block_q=16, block_kv=16).explicit().num_warps_dq is None
+    base = bsa.Tiling(block_q=64, block_kv=64)
+    out = base.variants((("block_q", "block_kv"), [(64, 64), (128, 64), (32, 32)]),
+                        (("num_warps",), [(4,), (8,)]))
+    assert out == (
+        base,  # (64, 64) is the base itself: dropped
+        bsa.Tiling(block_q=64, block_kv=64, num_warps=4),
+        bsa.Tiling(block_q=128, block_kv=64),
+        bsa.Tiling(block_q=64, block_kv=64, num_warps=8),
+        bsa.Tiling(block_q=32, block_kv=32),
+    )

@@ -581,6 +581,17 @@ class XlaBlockSparse(AbstractKernel):
             block_q_dq=min(bq_dq, lq), block_kv_dq=min(bk_dq, lk),
         )
 
+    def tiling_candidates(self, features: Features, mask):
+        # Blocks of each pass in turn around the heuristic; blocks longer than the sequence
+        # shrink to it (`adapt_tiling`), so some options coincide and are dropped.
+        base = self.default_tiling(features, mask).explicit()
+        options = ((128, 128), (128, 64), (64, 128), (256, 128), (64, 64), (128, 256))
+        candidates = base.variants((("block_q", "block_kv"), options),
+                                   (("block_q_bwd", "block_kv_bwd"), options),
+                                   (("block_q_dq", "block_kv_dq"), options))
+        runs = dict.fromkeys(self.adapt_tiling(t, features) for t in candidates)
+        return tuple((t, None) for t in runs)
+
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
         return self._run(query, key, value, mask, inputs, softmax_scale, logits_soft_cap, False)

@@ -116,3 +116,73 @@ def check_tiling(tiling: Tiling) -> Tiling:
                 f"TritonBlockSparse needs Tiling.{name} to be a power of two >= 16; got {value}."
             )
     return tiling
+
+
+#: Shared memory one program may use on sm_90 (H100, H200); a launch over it cannot start.
+SHARED_MEMORY_BYTES = 227 * 1024
+
+# The alternatives `tiling_candidates` tries for each group of fields, best guesses first.
+_FORWARD_BLOCKS = ((128, 128), (128, 64), (64, 128), (64, 64))
+_DKV_BLOCKS = ((64, 128), (128, 128), (32, 128), (64, 64), (128, 64))
+_DQ_BLOCKS = ((128, 64), (64, 64), (128, 128), (64, 128))
+_LAUNCHES = ((8, 3), (4, 3), (8, 2), (4, 2), (4, 4), (8, 4))
+
+
+def shared_memory(tiling: Tiling, features: Features) -> dict[str, int]:
+    """Bytes of shared memory each launch of `tiling` takes, estimated from its pipelined
+    tiles: the forward holds a q tile and `num_stages` k/v tiles; the dq kernel holds q and
+    dO tiles and pipelines k/v; the dk/dv kernel holds k/v tiles and pipelines q and dO. A
+    bias tile (float32) is pipelined with the others. The short-row variant's 82 KiB
+    (forward) and 99 KiB (dq) on bf16 D=128 agree with this count within a few KiB."""
+    t = tiling.explicit()
+    size = 4 if features.dtype == "float32" else 2
+    d, dv = pow2(features.head_dim), pow2(features.value_dim)
+
+    def launch(held_rows, held_width, piped_rows, piped_width, stages, bias_tile):
+        stages = stages or 2
+        bias = stages * bias_tile * 4 if features.bias else 0
+        return (held_rows * held_width + stages * piped_rows * piped_width) * size + bias
+
+    bq, bk = t.block_q, t.block_kv
+    dq_q, dq_k = t.dq_blocks
+    kv_q, kv_k = t.backward_blocks
+    return {
+        "forward": launch(bq, d, bk, d + dv, t.num_stages, bq * bk),
+        "dq": launch(dq_q, d + dv, dq_k, d + dv, t.num_stages_dq, dq_q * dq_k),
+        "dk/dv": launch(kv_k, d + dv, kv_q, d + dv, t.num_stages_bwd, kv_q * kv_k),
+    }
+
+
+def launch_problem(tiling: Tiling, features: Features) -> str | None:
+    """Why `tiling` cannot launch for `features` (blocks, shared memory), or ``None``."""
+    try:
+        check_tiling(tiling)
+    except ValueError as e:
+        return str(e)
+    for name, used in shared_memory(tiling, features).items():
+        if used > SHARED_MEMORY_BYTES:
+            return (f"the {name} launch needs ~{used // 1024} KiB of shared memory; "
+                    f"{SHARED_MEMORY_BYTES // 1024} KiB is the most a program gets.")
+    return None
+
+
+def tiling_candidates(features: Features, mask: ResolvedMask) -> tuple[tuple[Tiling, str | None], ...]:
+    """The heuristic, then the heuristic with one group of fields changed (forward blocks,
+    dk/dv blocks, dq blocks, then each launch's warps and stages), the groups taken in turn so
+    a short prefix of the list varies each of them; each with the reason it cannot launch, or
+    ``None``. Blocks are capped at the sequence (a power of two) as the heuristic caps them."""
+    base = default_tiling(features, mask).explicit()
+    cap_q, cap_k = pow2(features.q_len), pow2(features.kv_len)
+
+    def blocks(pairs):
+        return [(min(q, cap_q), min(k, cap_k)) for q, k in pairs]
+
+    candidates = base.variants(
+        (("block_q", "block_kv"), blocks(_FORWARD_BLOCKS)),
+        (("block_q_bwd", "block_kv_bwd"), blocks(_DKV_BLOCKS)),
+        (("block_q_dq", "block_kv_dq"), blocks(_DQ_BLOCKS)),
+        (("num_warps", "num_stages"), _LAUNCHES),
+        (("num_warps_bwd", "num_stages_bwd"), _LAUNCHES),
+        (("num_warps_dq", "num_stages_dq"), _LAUNCHES),
+    )
+    return tuple((t, launch_problem(t, features)) for t in candidates)

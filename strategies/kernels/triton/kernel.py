@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling, add_sinks
 
-from .heuristics import check_tiling, default_tiling
+from .heuristics import check_tiling, default_tiling, tiling_candidates
 from .launch import LaunchConfig, layout_arrays, list_mode
 from .vjp import attend, attend_with_lse
 
@@ -118,6 +118,9 @@ class TritonBlockSparse(AbstractKernel):
 
     def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
         return check_tiling(tiling)
+
+    def tiling_candidates(self, features: Features, mask: ResolvedMask):
+        return tiling_candidates(features, mask)
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
