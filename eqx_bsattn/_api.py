@@ -61,7 +61,7 @@ def _kernel_for(platform: str | None, fused_backward: bool) -> tuple[AbstractKer
     """An explicit kernel for `platform` when it names one, else (None, device platform)."""
     if platform is None or platform in _DEVICE_PLATFORMS:
         return None, platform
-    aliases = {"dense": "reference", "flash": "triton"}
+    aliases = {"dense": "reference", "flash": "triton", "pallas": "splash"}
     wanted = aliases.get(platform, platform)
     for cls in registered_kernels():
         if cls.name == wanted:
