@@ -127,7 +127,7 @@ class SplashBlockSparse(AbstractKernel):
         # Splash has no softmax scale: it goes into the queries.
         q = (query.astype(jnp.float32) * softmax_scale).astype(query.dtype)
         q, k, v = padded(q, 2, lq), padded(key, 2, lk), padded(value, 2, lk)
-        if not interpret:
+        if features.platform == "tpu":
             q, k = padded(q, 3, _tpu_head_dim(dim)), padded(k, 3, _tpu_head_dim(dim))
             v = padded(v, 3, _tpu_head_dim(value_dim))
         out = splash_attention(
