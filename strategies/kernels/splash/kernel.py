@@ -55,7 +55,7 @@ class SplashBlockSparse(AbstractKernel):
       everywhere but on a TPU.
 
     ```python
-    attn = BlockSparseAttention(mask=masks.Causal(), kernel=kernels.SplashBlockSparse())
+    attn = BlockSparseAttention(mask=mask, kernel=kernels.SplashBlockSparse())
     out = attn(q, k, v)          # q [B, H, L, D] on a TPU; interpreted elsewhere
     ```
     """
