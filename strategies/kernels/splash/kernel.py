@@ -8,9 +8,8 @@ import jax.numpy as jnp
 
 from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling
 
-from .launch import (block_sizes, never_matching, padded, sink_logits, splash_attention,
-                     splash_missing)
-from .mask_info import TermsPredicate, block_info, padded_length
+from .launch import block_sizes, never_matching, sink_logits, splash_attention, splash_missing
+from .mask_info import TermsPredicate, block_info, pad_axis, padded_length
 
 _LANES = 128  # Splash's key blocks (and query blocks with segment ids) are multiples of this
 _DTYPES = ("bfloat16", "float32")
@@ -123,13 +122,13 @@ class SplashBlockSparse(AbstractKernel):
         segment_ids = None
         if mask.uses_segment_ids:
             q_ids, kv_ids = never_matching(inputs.q_segment_ids, inputs.kv_segment_ids)
-            segment_ids = (padded(q_ids, 1, lq, -1), padded(kv_ids, 1, lk, -2))
+            segment_ids = (pad_axis(q_ids, 1, lq, -1), pad_axis(kv_ids, 1, lk, -2))
         # Splash has no softmax scale: it goes into the queries.
         q = (query.astype(jnp.float32) * softmax_scale).astype(query.dtype)
-        q, k, v = padded(q, 2, lq), padded(key, 2, lk), padded(value, 2, lk)
+        q, k, v = pad_axis(q, 2, lq), pad_axis(key, 2, lk), pad_axis(value, 2, lk)
         if features.platform == "tpu":
-            q, k = padded(q, 3, _tpu_head_dim(dim)), padded(k, 3, _tpu_head_dim(dim))
-            v = padded(v, 3, _tpu_head_dim(value_dim))
+            q, k = pad_axis(q, 3, _tpu_head_dim(dim)), pad_axis(k, 3, _tpu_head_dim(dim))
+            v = pad_axis(v, 3, _tpu_head_dim(value_dim))
         out = splash_attention(
             q, k, v, infos=infos, bitmaps=bitmaps, segment_ids=segment_ids,
             sinks=sink_logits(inputs.sinks, heads),

@@ -13,7 +13,6 @@ import inspect
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .mask_info import BlockInfo
 
@@ -139,13 +138,3 @@ def never_matching(q_ids, kv_ids):
     q_ids = jnp.where(q_ids < 0, -1, q_ids).astype(jnp.int32)
     kv_ids = jnp.where(kv_ids < 0, -2, kv_ids).astype(jnp.int32)
     return q_ids, kv_ids
-
-
-def padded(x, axis: int, size: int, value=0):
-    """`x` padded with `value` along `axis` to `size`."""
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, extra)
-    return jnp.pad(x, pad, constant_values=np.asarray(value, x.dtype))

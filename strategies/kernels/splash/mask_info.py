@@ -56,16 +56,14 @@ def _slots(full_count, full_index, partial_count, partial_index, bitmap_index, w
     Slots past a list's end are skipped (``block_mask`` 0) and repeat its last block and bitmap,
     so Splash's pipeline fetches nothing new for them.
     """
-    slot = xp.arange(width, dtype=np.int32)
+    slot = xp.broadcast_to(xp.arange(width, dtype=np.int32), full_count.shape + (width,))
     fc = full_count[..., None].astype(np.int32)
     pc = partial_count[..., None].astype(np.int32)
-    cf, cp = full_index.shape[-1], partial_index.shape[-1]
     count = fc + pc
     in_full = slot < fc
     from_partial = xp.clip(slot - fc, 0, xp.maximum(pc - 1, 0))
     take = lambda a, i: xp.take_along_axis(a, i, axis=-1)  # noqa: E731
-    index = xp.where(in_full, take(full_index, xp.clip(slot, 0, cf - 1)
-                                   + xp.zeros_like(from_partial)),
+    index = xp.where(in_full, take(full_index, xp.clip(slot, 0, full_index.shape[-1] - 1)),
                      take(partial_index, from_partial))
     last = take(index, xp.clip(count - 1, 0, width - 1))
     index = xp.where(slot < count, index, last)
@@ -74,13 +72,15 @@ def _slots(full_count, full_index, partial_count, partial_index, bitmap_index, w
     return index, block_mask, mask_next
 
 
-def _pad_axis(x, axis: int, size: int, xp):
+def pad_axis(x, axis: int, size: int, value=0):
+    """`x` (NumPy or JAX) padded with `value` along `axis` to `size`."""
     extra = size - x.shape[axis]
     if extra <= 0:
         return x
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, extra)
-    return xp.pad(x, pad)
+    xp = np if isinstance(x, np.ndarray) else jnp
+    return xp.pad(x, pad, constant_values=np.asarray(value, x.dtype))
 
 
 def block_info(layout: BlockLayout, *, transposed: bool, num_q_blocks: int,
@@ -110,9 +110,9 @@ def block_info(layout: BlockLayout, *, transposed: bool, num_q_blocks: int,
         width = max(fi.shape[-1], 1)  # the capacity: every block of the other side
     index, block_mask, mask_next = _slots(fc, fi, pc, pi, bi, width, xp)
     # Padding blocks of the listed side visit nothing.
-    index, block_mask = (_pad_axis(a, 2, rows, xp) for a in (index, block_mask))
+    index, block_mask = (pad_axis(a, 2, rows) for a in (index, block_mask))
     if mask_next is not None:
-        mask_next = _pad_axis(mask_next, 2, rows, xp)
+        mask_next = pad_axis(mask_next, 2, rows)
     index = index.astype(_smallest_int(cols))
     block_mask = block_mask.astype(np.int8)
     if mask_next is not None:
@@ -152,20 +152,23 @@ class TermsPredicate:
         return predicate if predicate != cls() else None
 
     def __call__(self, q, k):
-        visible = jnp.ones(jnp.broadcast_shapes(q.shape, k.shape), jnp.bool_)
+        conditions = []
         if self.kv_len is not None:
-            visible &= k < self.kv_len
+            conditions.append(k < self.kv_len)
         if self.causal_offset is not None:
-            visible &= k <= q + self.causal_offset
+            conditions.append(k <= q + self.causal_offset)
         if self.window_left is not None:
-            visible &= k >= q - self.window_left
+            conditions.append(k >= q - self.window_left)
         if self.window_right is not None:
-            visible &= k <= q + self.window_right
+            conditions.append(k <= q + self.window_right)
         if self.chunk is not None:
-            visible &= (q // self.chunk) == (k // self.chunk)
+            conditions.append((q // self.chunk) == (k // self.chunk))
         if self.prefix is not None:
-            visible &= (k < self.prefix) | (k <= q)
-        return visible
+            conditions.append((k < self.prefix) | (k <= q))
+        visible = conditions[0]
+        for condition in conditions[1:]:
+            visible = visible & condition
+        return jnp.broadcast_to(visible, jnp.broadcast_shapes(q.shape, k.shape))
 
 
 def padded_length(length: int, blocks) -> int:
