@@ -46,7 +46,8 @@ class SplashBlockSparse(AbstractKernel):
     multiples of 128.
 
     Runs on a TPU, and anywhere in Splash's interpret mode (`interpret`): the conformance suite
-    runs it that way on the CPU. The selector picks it on TPU only.
+    runs it that way on the CPU. The selector picks it on TPU only. It has not yet run on a
+    TPU: every test ran it interpreted, on a CPU (`docs/splash.md`).
 
     **Arguments:**
 
