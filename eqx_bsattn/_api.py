@@ -23,7 +23,7 @@ from ._typing import typechecked
 #: ejKernel's platform names that pick a device, not a kernel (``"auto"``: JAX's default).
 _DEVICE_ALIASES = {"auto": None, "cuda": "gpu"}
 #: Other names of kernels.
-_KERNEL_ALIASES = {"dense": "reference", "flash": "triton"}
+_KERNEL_ALIASES = {"dense": "reference", "flash": "triton", "pallas": "splash"}
 #: Tensor layout names for `qkv_layouts`: True when the sequence axis comes before the heads.
 _LAYOUT_NAMES = {"bhsd": False, "bhtd": False, "bshd": True, "bthd": True}
 _LAYOUTS_ACCEPTED = (

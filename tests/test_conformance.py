@@ -237,7 +237,22 @@ def _marks(kernel_cls, runs: bool) -> list:
     return marks
 
 
-PARAMS = [pytest.param(cls, name, dtype, marks=_marks(cls, runs=True),
+#: Kernels that interpret their device code on the CPU (seconds a case), with the cases they
+#: run there in every test run; their other cases carry the `slow` marker.
+INTERPRETED_QUICK_CASES = {
+    "splash": {"full_scale", "causal_lq_gt_lk", "window", "chunked", "prefix_lm", "not_window", "per_head", "fully_masked_rows", "gqa_causal_sinks_s",
+               "sinks_hs_window", "soft_cap", "segments_padded_lq_ne_lk", "mqa_window",
+               "value_dim", "one_query"},
+}
+
+
+def _case_marks(kernel_cls, case_name: str) -> list:
+    quick = INTERPRETED_QUICK_CASES.get(kernel_cls.name)
+    slow = quick is not None and case_name not in quick and bsa.default_platform() == "cpu"
+    return _marks(kernel_cls, runs=True) + ([pytest.mark.slow] if slow else [])
+
+
+PARAMS = [pytest.param(cls, name, dtype, marks=_case_marks(cls, name),
                         id=f"{cls.name}-{name}-{dtype}")
           for cls in KERNELS for name, case in CASES.items() for dtype in _dtypes(cls, case)]
 
@@ -429,6 +444,10 @@ EXPECTED_DECLINES = {
     "cudnn": {(name, dtype) for name, case in CASES.items()
               for dtype in (case.dtypes or ("bfloat16",))
               if not (name in _CUDNN_RUNS or (name == "tiled_dtypes" and dtype != "float32"))},
+    # Splash: no bias, no positions, no float16.
+    "splash": {(name, dtype) for name, case in CASES.items()
+               for dtype in (case.dtypes or ("float32",))
+               if case.bias is not None or case.positions is not None or dtype == "float16"},
 }
 
 
@@ -450,5 +469,5 @@ def test_declined_cases_are_the_expected_ones(kernel_cls):
 
 def test_every_built_in_kernel_is_in_the_suite():
     names = {cls.name for cls in KERNELS}
-    assert {"reference", "xla", "triton", "cudnn"} <= names
+    assert {"reference", "xla", "triton", "cudnn", "splash"} <= names
     assert "gather" in names  # the worked example of docs/custom_kernel.md
