@@ -6,3 +6,4 @@ from .reference import DenseReference as DenseReference, reference_attention as 
 from .cudnn import CudnnDense as CudnnDense
 from .xla import XlaBlockSparse as XlaBlockSparse
 from .triton import TritonBlockSparse as TritonBlockSparse
+from .mosaic import MosaicBlockSparse as MosaicBlockSparse
