@@ -7,7 +7,6 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling
 
@@ -15,6 +14,7 @@ from ..triton.heuristics import check_tiling
 from ..triton.heuristics import default_tiling as triton_default_tiling
 from ..triton.kernel import TritonBlockSparse
 from ..triton.launch import LaunchConfig, dkdv_launch, dq_launch, layout_arrays, list_mode
+from ..triton.vjp import _zero_cotangent
 from .forward import BLOCK_Q, ForwardConfig, block_kv_for, forward_call, rows_padded, stages_for
 
 _DTYPES = ("bfloat16", "float16")
@@ -180,12 +180,6 @@ def _forward(fcfg: ForwardConfig, q, k, v, seg, lists):
     out, lse = forward_call(fcfg, _pad(q, fcfg.q_len), _pad(k, fcfg.kv_len),
                             _pad(v, fcfg.kv_len), *lists, *seg)
     return out[:, :, :q_len], lse[:, :, :q_len]
-
-
-def _zero_cotangent(x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
