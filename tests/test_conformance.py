@@ -438,7 +438,19 @@ _CUDNN_RUNS = {"tiled_full", "tiled_causal", "tiled_causal_window",
                "tiled_causal_open_window", "tiled_gqa_long",
                "tiled_head_dim_80", "tiled_head_dim_96", "tiled_head_dim_128", "tiled_explicit",
                "tiled_explicit_dq"}
+#: MosaicBlockSparse: 16-bit, D = Dv in {64, 128}, masks with shared in-kernel terms, no
+#: positions, bias, sinks or soft cap.
+_MOSAIC_RUNS = {"tiled_full", "tiled_causal", "tiled_causal_window", "tiled_causal_open_window",
+                "tiled_gqa_long", "tiled_symmetric_window", "tiled_chunked", "tiled_prefix",
+                "tiled_block_layout", "tiled_offset_window_chunk", "tiled_documents_window",
+                "tiled_documents", "tiled_interleaved_documents",
+                "tiled_interleaved_documents_causal", "tiled_head_dim_128", "tiled_decode_mqa",
+                "tiled_cross_lengths", "tiled_fully_masked_rows", "tiled_explicit",
+                "tiled_explicit_dq", "tiled_explicit_documents"}
 EXPECTED_DECLINES = {
+    "mosaic": {(name, dtype) for name, case in CASES.items()
+               for dtype in (case.dtypes or ("bfloat16",))
+               if not (name in _MOSAIC_RUNS or (name == "tiled_dtypes" and dtype != "float32"))},
     # cuDNN: only full / causal / causal-window masks, 16-bit, no per-call data or extras,
     # Dv == D <= 128, Lq == Lk, even lengths.
     "cudnn": {(name, dtype) for name, case in CASES.items()
@@ -469,5 +481,5 @@ def test_declined_cases_are_the_expected_ones(kernel_cls):
 
 def test_every_built_in_kernel_is_in_the_suite():
     names = {cls.name for cls in KERNELS}
-    assert {"reference", "xla", "triton", "cudnn", "splash"} <= names
+    assert {"reference", "xla", "triton", "cudnn", "splash", "mosaic"} <= names
     assert "gather" in names  # the worked example of docs/custom_kernel.md

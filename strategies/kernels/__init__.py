@@ -7,3 +7,4 @@ from .cudnn import CudnnDense as CudnnDense
 from .xla import XlaBlockSparse as XlaBlockSparse
 from .triton import TritonBlockSparse as TritonBlockSparse
 from .splash import SplashBlockSparse as SplashBlockSparse
+from .mosaic import MosaicBlockSparse as MosaicBlockSparse

@@ -1,0 +1,318 @@
+"""The forward launch of `MosaicBlockSparse`: a warp-specialised Pallas Mosaic GPU kernel.
+
+One CTA per (head, q-tile of 128 rows, batch) runs three warpgroups:
+
+- a memory warpgroup walks the q-tile's kv-block list (full blocks, then partial ones) and
+  copies each block's K and V tile into a ring of shared-memory slots with TMA, waiting for a
+  slot to be released before refilling it;
+- two compute warpgroups each own 64 of the tile's query rows: S = Q K^T with wgmma, an online
+  softmax in base 2, O += P V with wgmma (P from registers). A shared barrier staggers them, so
+  one warpgroup's softmax overlaps the other's matrix products.
+
+FULL blocks skip every mask; partial blocks evaluate the compiled mask's canonical terms
+(`MaskTerms`) on token indices, and segment ids when the mask has them. Rows that see no key
+give zeros and a log-sum-exp of +inf (the convention of the backward kernels).
+
+Arrays are batched ``[B, H, L, D]``; lengths must be multiples of the tiles (the caller pads).
+Mosaic GPU is imported when a launch is traced, so this module imports anywhere.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from eqx_bsattn.contract import MaskTerms
+
+#: Query rows per compute warpgroup (one wgmma M-tile of 64) and per CTA (two warpgroups).
+ROWS_PER_WARPGROUP = 64
+COMPUTE_WARPGROUPS = 2
+BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
+_LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """Everything static about one forward launch (hashable)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    #: Lengths after padding to the tiles, and the true key length (keys past it are hidden).
+    q_len: int
+    kv_len: int
+    true_kv_len: int
+    head_dim: int
+    block_kv: int
+    stages: int
+    softmax_scale: float
+    terms: MaskTerms
+    #: Leading axes of the layout lists: 1 or the batch, 1 or the heads.
+    layout_batch: int
+    layout_heads: int
+
+
+def _visible(cfg: ForwardConfig, q_index, k_index, q_seg, k_seg):
+    """The canonical predicate on ``[64, block_kv]`` token indices (and segment ids)."""
+    t = cfg.terms
+    vis = k_index < cfg.true_kv_len
+    if t.causal_offset is not None:
+        vis = vis & (k_index <= q_index + t.causal_offset)
+    if t.window_left is not None:
+        vis = vis & (k_index >= q_index - t.window_left)
+    if t.window_right is not None:
+        vis = vis & (k_index <= q_index + t.window_right)
+    if t.chunk is not None:
+        # Indices are non-negative: truncating division is floor division here.
+        vis = vis & (lax.div(q_index, t.chunk) == lax.div(k_index, t.chunk))
+    if t.prefix is not None:
+        vis = vis & ((k_index < t.prefix) | (k_index <= q_index))
+    if q_seg is not None:
+        vis = vis & (q_seg == k_seg) & (q_seg >= 0)
+    return vis
+
+
+def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
+                 partial_index, q_segment_ids=None, kv_segment_ids=None, *, interpret=None):
+    """``(out [B, H, Lq, D], lse [B, H, Lq] float32, base 2)`` for padded inputs."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+    if interpret is None:
+        cast, iota, load = plgpu.layout_cast, plgpu.broadcasted_iota, plgpu.load
+    else:
+        # The CPU interpreter runs no layout casts: plain arrays there.
+        def cast(x, layout):
+            return x
+
+        def iota(dtype, shape, dim, layout):
+            return lax.broadcasted_iota(dtype, shape, dim)
+
+        def load(ref, idx, layout, optimized):
+            return ref[idx]
+    bq, bk, d = ROWS_PER_WARPGROUP, cfg.block_kv, cfg.head_dim
+    dtype = q.dtype
+    stages = cfg.stages
+    group = cfg.heads // cfg.kv_heads
+    num_q_tiles = cfg.q_len // BLOCK_Q
+    cf, cp = full_index.shape[-1], partial_index.shape[-1]
+    has_segments = q_segment_ids is not None
+    # s * scale * log2(e), kept in base 2; with a positive factor the row maximum of the raw
+    # products scales to the row maximum of the logits, so full blocks fold the factor into
+    # the exponent's operand.
+    factor = cfg.softmax_scale * _LOG2E
+
+    def kernel(q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref, pidx_ref, qseg_ref,
+               kseg_ref, out_ref, lse_ref, scoped):
+        (q_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
+            (k_free, v_free), turn = scoped
+        h = lax.axis_index("heads")
+        tile = num_q_tiles - 1 - lax.axis_index("q_tiles")  # heavy causal tiles first
+        b = lax.axis_index("batch")
+        wg = lax.axis_index("wg")
+        lb = b if cfg.layout_batch > 1 else 0
+        lh = h if cfg.layout_heads > 1 else 0
+        n_full = fcnt_ref[lb, lh, tile]
+        n_steps = n_full + pcnt_ref[lb, lh, tile]
+
+        def take_turn():
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        @pl.when(wg < COMPUTE_WARPGROUPS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem = q_smem2.at[wg]
+            q_base = tile * BLOCK_Q + wg * bq
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_base, bq)], q_smem,
+                                    q_ready.at[wg])
+            if has_segments:
+                q_seg = load(qseg_ref, (b, pl.ds(q_base, bq)), layout=row_layout,
+                             optimized=False)
+                q_seg = lax.broadcast_in_dim(q_seg, (bq, bk), [0])
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            m_i = cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+            l_i = cast(jnp.zeros((bq,), jnp.float32), row_layout)
+            acc = cast(jnp.zeros((bq, d), jnp.float32), wgmma_layout)
+
+            @pl.when(n_steps > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[0])
+
+            pl.when(wg == 1)(take_turn)
+
+            def step(it, carry, masked):
+                acc, m_i, l_i = carry
+                slot = lax.rem(it, stages)
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    take_turn()
+                    return acc_ref[...]
+
+                if interpret is None:
+                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                else:
+                    # The CPU interpreter has no transposed refs: a plain product there.
+                    s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
+                    take_turn()
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    block = pidx_ref[lb, lh, tile, jnp.minimum(it - n_full, cp - 1)]
+                    k_base = block * bk
+                    rows = q_base + iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
+                    cols = k_base + iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
+                    k_seg = None
+                    if has_segments:
+                        k_seg = load(kseg_ref, (b, pl.ds(k_base, bk)), layout=col_layout,
+                                     optimized=False)
+                        k_seg = lax.broadcast_in_dim(k_seg, (bq, bk), [1])
+                    vis = _visible(cfg, rows, cols, q_seg if has_segments else None, k_seg)
+                    s = jnp.where(vis, s * factor, -jnp.inf)
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    # A row with nothing visible yet keeps m = -inf: subtract 0 instead, so
+                    # its p and alpha are exp2(-inf) = 0, never NaN.
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                    alpha = jnp.exp2(m_i - m_use)
+                elif factor > 0:
+                    m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
+                    p = jnp.exp2(s * factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    alpha = jnp.exp2(m_i - m_new)
+                else:
+                    s = s * factor
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    alpha = jnp.exp2(m_i - m_new)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                # Finish the row sums before the barriers (measured faster in JAX's own
+                # Mosaic GPU attention for D <= 128).
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(turn)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    nxt = it + 1
+
+                    @pl.when(nxt < n_steps)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
+
+                if interpret is None:
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                else:
+                    acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+                    nxt = it + 1
+
+                    @pl.when(nxt < n_steps)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
+
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
+
+            carry = (acc, m_i, l_i)
+            carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), carry)
+            acc, m_i, l_i = lax.fori_loop(n_full, n_steps, lambda i, c: step(i, c, True), carry)
+            pl.when(wg == 0)(take_turn)
+
+            empty = l_i == 0.0
+            inv = 1.0 / jnp.where(empty, 1.0, l_i)
+            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            lse = jnp.where(empty, jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
+            q_smem[...] = acc.astype(dtype)
+            lse_smem = lse_smem2.at[wg]
+            lse_smem[...] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, h, pl.ds(q_base, bq)])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WARPGROUPS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_h = lax.div(h, group)
+
+            def block_of(it):
+                full_block = fidx_ref[lb, lh, tile, jnp.minimum(it, cf - 1)]
+                part_block = pidx_ref[lb, lh, tile, jnp.clip(it - n_full, 0, cp - 1)]
+                return jnp.where(it < n_full, full_block, part_block)
+
+            def fetch(it, slot):
+                rows = pl.ds(block_of(it) * bk, bk)
+                plgpu.copy_gmem_to_smem(k_ref.at[b, kv_h, rows], k_smem.at[slot],
+                                        k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[b, kv_h, rows], v_smem.at[slot],
+                                        v_ready.at[slot])
+
+            for i in range(stages):
+                pl.when(i < n_steps)(lambda i=i: fetch(i, i))
+
+            @pl.loop(0, jnp.maximum(n_steps - stages, 0))
+            def _(it):
+                slot = lax.rem(it, stages)
+                rows = pl.ds(block_of(it + stages) * bk, bk)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[b, kv_h, rows], k_smem.at[slot],
+                                        k_ready.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[b, kv_h, rows], v_smem.at[slot],
+                                        v_ready.at[slot])
+
+    def entry(*refs):
+        transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (
+            plgpu.SMEM((COMPUTE_WARPGROUPS, bq, d), dtype, transforms=transforms),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
+            plgpu.SMEM((COMPUTE_WARPGROUPS, bq), jnp.float32),
+        )
+        ready = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+                 plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS))
+        free = (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2
+        turn = plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, ready, free, turn,
+                      collective_axes="wg")
+
+    dummy = jnp.zeros((1, 1), jnp.int32)
+    qseg = dummy if q_segment_ids is None else q_segment_ids
+    kseg = dummy if kv_segment_ids is None else kv_segment_ids
+    kwargs = {} if interpret is None else {"interpret": interpret}
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
+                   jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
+        grid=(cfg.heads, num_q_tiles, cfg.batch),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=COMPUTE_WARPGROUPS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **kwargs,
+    )(q, k, v, full_count, full_index, partial_count, partial_index, qseg, kseg)
+    return out, lse
+
+
+def stages_for(head_dim: int, block_kv: int, itemsize: int = 2) -> int:
+    """K/V ring depth that fits the 227 KiB of shared memory next to the Q tiles."""
+    q_bytes = BLOCK_Q * head_dim * itemsize
+    stage_bytes = 2 * block_kv * head_dim * itemsize
+    return max(2, min(4, (200 * 1024 - q_bytes) // stage_bytes))
+
+
+def block_kv_for(head_dim: int) -> int:
+    """The kv tile: 128 keys (D <= 128), 64 above (registers and shared memory)."""
+    return 128 if head_dim <= 128 else 64
+
+
+def rows_padded(length: int, block: int) -> int:
+    return math.ceil(length / block) * block

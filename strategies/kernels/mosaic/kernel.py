@@ -1,0 +1,207 @@
+"""`MosaicBlockSparse`: the kernel strategy; its forward is `forward.forward_call`, its
+backward `TritonBlockSparse`'s dq and dk/dv launches."""
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling
+
+from ..triton.heuristics import check_tiling
+from ..triton.heuristics import default_tiling as triton_default_tiling
+from ..triton.kernel import TritonBlockSparse
+from ..triton.launch import LaunchConfig, dkdv_launch, dq_launch, layout_arrays, list_mode
+from ..triton.vjp import _zero_cotangent
+from .forward import BLOCK_Q, ForwardConfig, block_kv_for, forward_call, rows_padded, stages_for
+
+_DTYPES = ("bfloat16", "float16")
+#: Head dims checked on the H200; D=256 (64-key tiles) gave no result there in 45 s, unverified.
+_HEAD_DIMS = (64, 128)
+
+
+@functools.cache
+def _mosaic_missing() -> str | None:
+    """Why Pallas Mosaic GPU cannot run here, or ``None``."""
+    try:
+        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
+    except Exception as e:  # ImportError, or a jaxlib built without it
+        return f"Pallas Mosaic GPU cannot be imported ({type(e).__name__}: {e})."
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        return "no GPU is visible to JAX."
+    capability = getattr(gpus[0], "compute_capability", None)
+    if capability is not None and str(capability) not in ("9.0",):
+        return f"needs a Hopper GPU (compute capability 9.0); found {capability}."
+    return None
+
+
+def _with_forward_blocks(tiling: Tiling, features: Features) -> Tiling:
+    """`tiling` with the forward tile this kernel runs: 128 query rows (two warpgroups of
+    64) by `block_kv_for` keys; the backward fields (Triton's launches) are kept."""
+    bq_bwd, bk_bwd = tiling.backward_blocks
+    bq_dq, bk_dq = tiling.dq_blocks
+    return dataclasses.replace(
+        tiling, block_q=BLOCK_Q, block_kv=block_kv_for(features.head_dim),
+        block_q_bwd=bq_bwd, block_kv_bwd=bk_bwd, block_q_dq=bq_dq, block_kv_dq=bk_dq,
+        num_warps_bwd=tiling.num_warps_bwd or tiling.num_warps,
+        num_stages_bwd=tiling.num_stages_bwd or tiling.num_stages,
+        num_stages=stages_for(features.head_dim, block_kv_for(features.head_dim)),
+        num_warps=12)
+
+
+class MosaicBlockSparse(AbstractKernel):
+    """Block-sparse flash attention for Hopper GPUs, written in Pallas Mosaic GPU.
+
+    The forward pass is warp-specialised: per (head, 128 query rows, batch) a memory
+    warpgroup streams the K / V tiles of the q-tile's visited kv-blocks through TMA into a
+    ring of shared-memory slots, while two compute warpgroups (64 rows each) run wgmma and an
+    online softmax in base 2, staggered so that one's softmax overlaps the other's products.
+    FULL blocks run without masking; partial blocks evaluate the compiled mask's canonical
+    terms (causal with an offset, a window, chunks, a prefix, segment ids) on token indices.
+
+    The backward pass is `TritonBlockSparse`'s (its dq and dk/dv kernels over the compiled
+    dq and dk/dv layouts): the forward stores the same base-2 log-sum-exp (+inf on rows that
+    see no key), so the two compose. Training calls therefore also need jax-triton.
+
+    Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, D]`` in bfloat16 or
+    float16, D in {64, 128}, ``Dv == D``, any lengths (padded to the tiles inside),
+    grouped-query heads. Declines bias, sinks, a soft cap, per-call positions and masks without
+    in-kernel terms, each with a reason. Never picked automatically (priority ``None``): pass
+    it as ``kernel=``.
+
+    ```python
+    attn = BlockSparseAttention(mask=mask, kernel=kernels.MosaicBlockSparse())
+    out = attn(q, k, v)          # q [B, H, L, 128] bfloat16 on an H100 / H200
+    ```
+    """
+
+    name: ClassVar[str] = "mosaic"
+    platforms: ClassVar[tuple[str, ...]] = ("gpu",)
+    reads: ClassVar[str] = "terms"
+
+    @classmethod
+    def priority(cls, platform):
+        # Below TritonBlockSparse (30): measured faster forward on long causal, window and
+        # document rows (docs/mosaic.md), not yet on short rows, D=64 or block tables.
+        return 20 if platform == "gpu" else None
+
+    def decline_reason(self, mask: ResolvedMask, features: Features) -> str | None:
+        missing = _mosaic_missing()
+        if missing is not None:
+            return missing
+        if features.dtype not in _DTYPES:
+            return f"dtype {features.dtype} is not supported (bfloat16 and float16 are)."
+        if features.head_dim not in _HEAD_DIMS or features.value_dim != features.head_dim:
+            return (f"head dims {features.head_dim} / {features.value_dim} are not supported "
+                    f"(equal q / v head dims in {_HEAD_DIMS} are).")
+        for name in ("bias", "sinks", "soft_cap"):
+            if getattr(features, name):
+                return f"{name.replace('_', ' ')} is not supported by the forward kernel."
+        terms = mask.terms
+        forward_tile = (BLOCK_Q, block_kv_for(features.head_dim))
+        if terms is None or (terms.tables and mask.kernel_terms([forward_tile]) is None):
+            return ("the mask has no in-kernel terms shared by every head (causal / window / "
+                    "chunk / prefix / document); this kernel reads no element bitmaps.")
+        if features.positions and terms.uses_positions:
+            return "per-call positions are not supported: partial blocks use token indices."
+        backward = TritonBlockSparse().decline_reason(mask, features)
+        if backward is not None:
+            return f"its backward pass, TritonBlockSparse's, cannot run: {backward}"
+        return None
+
+    def default_tiling(self, features: Features, mask: ResolvedMask) -> Tiling:
+        return _with_forward_blocks(triton_default_tiling(features, mask), features)
+
+    def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
+        # The forward tile is fixed by the warpgroups (128 rows) and the head dim; the
+        # backward fields tile TritonBlockSparse's launches and keep their values.
+        return check_tiling(_with_forward_blocks(tiling, features))
+
+    def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
+                 logits_soft_cap):
+        if mask.terms is None:
+            raise ValueError("MosaicBlockSparse needs in-kernel mask terms at these tiles; "
+                             "the compiled mask has none.")
+        batch, heads, q_len, dim = query.shape
+        kv_heads, kv_len = key.shape[1:3]
+        fwd, dq, dkdv = mask.forward, mask.dq, mask.dkv
+        block_kv = fwd.block_kv
+        lq, lk = rows_padded(q_len, BLOCK_Q), rows_padded(kv_len, block_kv)
+        seg = (None, None)
+        if mask.terms.segment_ids:
+            seg = (_pad(inputs.q_segment_ids.astype(jnp.int32), lq, -1),
+                   _pad(inputs.kv_segment_ids.astype(jnp.int32), lk, -2))
+        fcfg = ForwardConfig(
+            batch=batch, heads=heads, kv_heads=kv_heads, q_len=lq, kv_len=lk,
+            true_kv_len=kv_len, head_dim=dim, block_kv=block_kv,
+            stages=tiling.num_stages or 2, softmax_scale=float(softmax_scale),
+            terms=mask.terms, layout_batch=fwd.full_count.shape[0],
+            layout_heads=fwd.full_count.shape[1])
+        dummy_int = jnp.zeros((1,), jnp.int32)
+        data = tuple(dummy_int if x is None else x.astype(jnp.int32) for x in (
+            inputs.q_positions, inputs.kv_positions, inputs.q_segment_ids,
+            inputs.kv_segment_ids))
+        bwd_launch = (tiling.num_warps_bwd or 8, tiling.num_stages_bwd or 2)
+        bcfg = LaunchConfig(
+            batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+            head_dim=dim, value_dim=dim, dtype=jnp.dtype(query.dtype).name,
+            bias_shape=None, num_sinks=0, softmax_scale=float(softmax_scale), soft_cap=0.0,
+            terms=mask.terms, has_q_positions=inputs.q_positions is not None,
+            has_kv_positions=inputs.kv_positions is not None,
+            fwd_blocks=(fwd.block_q, fwd.block_kv), dq_blocks=(dq.block_q, dq.block_kv),
+            dkdv_blocks=(dkdv.block_q, dkdv.block_kv), fwd_launch=bwd_launch,
+            dq_launch=(tiling.num_warps_dq or bwd_launch[0],
+                       tiling.num_stages_dq or bwd_launch[1]),
+            dkdv_launch=bwd_launch,
+            list_modes=("index", list_mode(dq, False), list_mode(dkdv, True)),
+        )
+        lists = tuple(jnp.asarray(a, jnp.int32) for a in (
+            fwd.full_count, fwd.full_index, fwd.partial_count, fwd.partial_index))
+        bwd_lists = (layout_arrays(dq, transposed=False), layout_arrays(dkdv, transposed=True))
+        return _attend(fcfg, bcfg, query, key, value, seg, data, lists, bwd_lists)
+
+
+def _pad(x, length: int, fill=0):
+    """Pad axis 2 (or the last axis of a ``[B, L]`` array) to `length`."""
+    axis = 2 if x.ndim == 4 else x.ndim - 1
+    extra = length - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def _forward(fcfg: ForwardConfig, q, k, v, seg, lists):
+    q_len = q.shape[2]
+    out, lse = forward_call(fcfg, _pad(q, fcfg.q_len), _pad(k, fcfg.kv_len),
+                            _pad(v, fcfg.kv_len), *lists, *seg)
+    return out[:, :, :q_len], lse[:, :, :q_len]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(fcfg, bcfg, q, k, v, seg, data, lists, bwd_lists):
+    return _forward(fcfg, q, k, v, seg, lists)[0]
+
+
+def _attend_fwd(fcfg, bcfg, q, k, v, seg, data, lists, bwd_lists):
+    out, lse = _forward(fcfg, q, k, v, seg, lists)
+    return out, (q, k, v, seg, data, lists, bwd_lists, out, lse)
+
+
+def _attend_bwd(fcfg, bcfg, res, do):
+    q, k, v, seg, data, lists, bwd_lists, out, lse = res
+    do = do.astype(q.dtype)
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    no_bias = jnp.zeros((1,), jnp.float32)
+    dq_lists, t_lists = bwd_lists
+    dq, _ = dq_launch(bcfg, q, k, v, no_bias, data, dq_lists, do, lse, delta)
+    dk, dv = dkdv_launch(bcfg, q, k, v, no_bias, data, t_lists, do, lse, delta)
+    zeros = jax.tree.map(_zero_cotangent, (seg, data, lists, bwd_lists))
+    return (dq, dk, dv) + zeros
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)

@@ -1,0 +1,193 @@
+"""`MosaicBlockSparse` on a Hopper GPU: forward and gradients against the float32 dense
+reference for each mask family it expresses, the edges (ragged lengths, Lq != Lk, one query,
+fully masked rows, grouped-query heads, head dims 64 / 128, float16) and what it declines.
+
+The GPU tests skip unless JAX's default backend is a GPU and jax-triton imports. One slow test
+runs the forward kernel's lists, barriers and masking in Pallas' CPU interpreter for Mosaic
+GPU (plain products in place of wgmma there).
+"""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+from eqx_bsattn import masks
+from eqx_bsattn.strategies.kernels import DenseReference
+from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
+
+gpu_only = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("jax_triton") is None, reason="needs jax-triton"),
+]
+
+
+def on_gpu(test):
+    for mark in gpu_only:
+        test = mark(test)
+    return test
+
+# Relative error in norm, ||out - ref|| / ||ref||, by input dtype (q, k, v and p rounded).
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+
+
+def _rel(a, b) -> float:
+    a = np.asarray(jnp.asarray(a, jnp.float32))
+    b = np.asarray(jnp.asarray(b, jnp.float32))
+    assert np.all(np.isfinite(a)), "non-finite values"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _inputs(seed, batch, heads, kv_heads, q_len, kv_len, dim):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (batch, heads, q_len, dim), jnp.float32)
+    k = jax.random.normal(ks[1], (batch, kv_heads, kv_len, dim), jnp.float32)
+    v = jax.random.normal(ks[2], (batch, kv_heads, kv_len, dim), jnp.float32)
+    cot = jax.random.normal(ks[3], (batch, heads, q_len, dim), jnp.float32)
+    return q, k, v, cot
+
+
+def _run(kernel, mask, dtype, q, k, v, cot, data, grads):
+    attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel)
+    f = lambda q, k, v: attn(q.astype(dtype), k.astype(dtype), v.astype(dtype), **data)  # noqa: E731
+    if not grads:
+        return (jax.jit(f)(q, k, v),)
+
+    def both(q, k, v):
+        out, pullback = jax.vjp(f, q, k, v)
+        return (out, *pullback(cot.astype(out.dtype)))
+
+    return jax.jit(both)(q, k, v)
+
+
+def _segments(batch, length, docs, pad, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = np.sort(rng.integers(0, docs, (batch, length)), axis=1).astype(np.int32)
+    if pad:
+        ids[:, -pad:] = -1
+    return jnp.asarray(ids)
+
+
+CASES = {
+    # name: (mask, batch, heads, kv_heads, q_len, kv_len, dim, dtype, segment ids, grads)
+    "causal": (masks.Causal(), 2, 4, 4, 512, 512, 128, jnp.bfloat16, False, True),
+    "window": (masks.Causal() & masks.SlidingWindow(100, 0), 1, 4, 2, 640, 640, 128,
+               jnp.bfloat16, False, True),
+    "document": (masks.Causal() & masks.Document(), 2, 2, 2, 700, 700, 64, jnp.bfloat16, True,
+                 True),
+    "chunked": (masks.ChunkedCausal(96), 1, 2, 1, 384, 384, 64, jnp.float16, False, False),
+    "prefix": (masks.PrefixLM(70), 1, 2, 2, 300, 300, 64, jnp.bfloat16, False, False),
+    "full_ragged": (masks.Full(), 1, 2, 2, 200, 333, 128, jnp.float16, False, True),
+    "one_query": (masks.Causal(), 1, 2, 1, 1, 257, 128, jnp.bfloat16, False, False),
+    # A negative offset: the first 150 rows see no key (zeros, never NaN).
+    "empty_rows": (masks.Causal(offset=-150), 1, 2, 2, 384, 200, 64, jnp.bfloat16, False,
+                   True),
+}
+
+
+@on_gpu
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_reference(case):
+    mask, b, h, hkv, lq, lk, d, dtype, seg, grads = CASES[case]
+    q, k, v, cot = _inputs(hash(case) % 1000, b, h, hkv, lq, lk, d)
+    data = {}
+    if seg:
+        ids = _segments(b, lq, 4, pad=7)
+        data = {"q_segment_ids": ids, "kv_segment_ids": ids}
+    got = _run(MosaicBlockSparse(), mask, dtype, q, k, v, cot, data, grads)
+    with jax.default_matmul_precision("highest"):
+        want = _run(DenseReference(), mask, jnp.float32, q, k, v, cot, data, grads)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert _rel(g, w) < TOL[dtype], name
+
+
+@on_gpu
+def test_fully_masked_rows_are_zero():
+    q, k, v, _ = _inputs(5, 1, 2, 2, 256, 256, 128)
+    # Rows 0..127 see no key.
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(offset=-128), kernel=MosaicBlockSparse())
+    out = jax.jit(attn)(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    out = np.asarray(out, np.float32)
+    assert np.all(np.isfinite(out))
+    assert np.all(out[:, :, :128] == 0.0)
+    assert np.all(np.abs(out[:, :, 128:]).sum(-1) > 0)
+
+
+@on_gpu
+def test_declines_with_reasons():
+    resolved = bsa.ResolvedMask(masks.Causal(), q_len=128, kv_len=128, num_heads=2)
+    kernel = MosaicBlockSparse()
+    base = dict(platform="gpu", dtype="bfloat16", head_dim=128, value_dim=128)
+    assert kernel.decline_reason(resolved, bsa.Features(**base)) is None
+    for change, word in ((dict(dtype="float32"), "dtype"), (dict(head_dim=96, value_dim=96),
+                         "head dims"), (dict(value_dim=64), "head dims"),
+                         (dict(bias=True), "bias"), (dict(positions=True), "positions")):
+        why = kernel.decline_reason(resolved, bsa.Features(**{**base, **change}))
+        assert why is not None and word in why, (change, why)
+    dilated = bsa.ResolvedMask(masks.Causal() | masks.Dilated(2), q_len=128, kv_len=128,
+                               num_heads=2)
+    why = kernel.decline_reason(dilated, bsa.Features(**base))
+    assert why is not None and "terms" in why
+
+
+def _mosaic_interpreter():
+    try:
+        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except Exception:  # noqa: BLE001 - the interpreter is optional (it needs absl)
+        return None
+    return InterpretGPUParams
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["prefix_gqa_ragged", "document"])
+def test_forward_in_cpu_interpreter(case):
+    params = _mosaic_interpreter()
+    if params is None or jax.default_backend() != "cpu":
+        pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
+    from eqx_bsattn.strategies.kernels.mosaic.forward import (
+        BLOCK_Q, ForwardConfig, forward_call, rows_padded)
+
+    heads, kv_heads, lq, lk, d, bk = 2, 1, 200, 300, 64, 128
+    data, seg = {}, None
+    if case == "document":
+        mask, kv_heads, lk = masks.Causal() & masks.Document(), 2, lq
+        seg = np.repeat(np.arange(4, dtype=np.int32), [40, 70, 50, 40])
+        seg[-9:] = -1
+        data = {"q_segment_ids": jnp.asarray(seg[None]), "kv_segment_ids": jnp.asarray(seg[None])}
+    else:
+        mask = masks.PrefixLM(70)
+    resolved = bsa.ResolvedMask(mask, q_len=lq, kv_len=lk, num_heads=heads, **data)
+    layout = resolved.layout(BLOCK_Q, bk)
+    terms = resolved.kernel_terms([(BLOCK_Q, bk)])
+    plq, plk = rows_padded(lq, BLOCK_Q), rows_padded(lk, bk)
+    cfg = ForwardConfig(batch=1, heads=heads, kv_heads=kv_heads, q_len=plq, kv_len=plk,
+                        true_kv_len=lk, head_dim=d, block_kv=bk, stages=2,
+                        softmax_scale=d ** -0.5, terms=terms,
+                        layout_batch=layout.full_count.shape[0],
+                        layout_heads=layout.full_count.shape[1])
+    q, k, v, _ = _inputs(7, 1, heads, kv_heads, lq, lk, d)
+    q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
+
+    def pad(x, length, fill=0.0):
+        widths = [(0, 0)] * (x.ndim - 1) + [(0, length - x.shape[-1])]
+        if x.ndim == 4:
+            widths = [(0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)]
+        return jnp.pad(x, widths, constant_values=fill)
+
+    lists = [jnp.asarray(a, jnp.int32) for a in (layout.full_count, layout.full_index,
+                                                 layout.partial_count, layout.partial_index)]
+    segs = [] if seg is None else [pad(data["q_segment_ids"], plq, -1),
+                                   pad(data["kv_segment_ids"], plk, -2)]
+    out, lse = forward_call(cfg, pad(q, plq), pad(k, plk), pad(v, plk), *lists, *segs,
+                            interpret=params())
+    ref = bsa.BlockSparseAttention(mask=mask, kernel=DenseReference())
+    want = ref(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **data)
+    assert _rel(out[:, :, :lq], want) < TOL[jnp.float16]
+    lse = np.asarray(lse[:, :, :lq])
+    empty = np.asarray(jnp.abs(want).sum(-1) == 0)
+    assert np.all(np.isinf(lse[empty])) and np.all(np.isfinite(lse[~empty]))
