@@ -225,6 +225,47 @@ def _arrange(aux, per_head: bool, bias, q, k, bq: int, bk: int, last: int) -> _A
     return _Arranged((batch, kv_heads, units, last), per_head, head_ids, block_ids, data, bias)
 
 
+#: The most score elements (``rows x keys``, all mapped levels together) one slot of a pass
+#: computes at once. Past it the blocks of the last level run in chunks, one after another, so
+#: the temporaries of a slot (scores, probabilities, gathered K/V) stay bounded as L grows.
+_SLOT_ELEMENTS = 1 << 22
+
+
+def _chunk_width(sizes: tuple[int, ...], block_elements: int) -> int:
+    """How many blocks of the last level one chunk maps, for blocks of `block_elements` scores."""
+    per_block = math.prod(sizes[:-1]) * block_elements
+    return max(1, _SLOT_ELEMENTS // per_block)
+
+
+def _by_chunks(run, n: int, width: int, blocked):
+    """``run(blocked, block_ids)`` on chunks of at most `width` blocks of axis 3 (the block
+    level) of every array in `blocked`, one chunk at a time (`lax.map`); outputs are joined
+    along axis 3. Padding blocks (lists of index 0) are computed and dropped."""
+    chunks = math.ceil(n / width)
+    if chunks <= 1:
+        return run(blocked, jnp.arange(n, dtype=jnp.int32))
+    width = math.ceil(n / chunks)
+    total = chunks * width
+
+    def split(x):
+        x = _pad_axis(x, 3, total)
+        return jnp.moveaxis(x.reshape(x.shape[:3] + (chunks, width) + x.shape[4:]), 3, 0)
+
+    def join(x):
+        x = jnp.moveaxis(x, 0, 3)
+        return x.reshape(x.shape[:3] + (total,) + x.shape[5:])[:, :, :, :n]
+
+    ids = jnp.arange(total, dtype=jnp.int32).reshape(chunks, width)
+    out = jax.lax.map(lambda a: run(*a), (jax.tree.map(split, blocked), ids))
+    return jax.tree.map(join, out)
+
+
+def _in_chunk(arr: _Arranged, block_ids) -> _Arranged:
+    """`arr` for the chunk of blocks `block_ids` (global ids: the mask and the bias read them)."""
+    return arr._replace(sizes=arr.sizes[:3] + (block_ids.shape[0],),
+                        blocks=block_ids.reshape(1, 1, 1, -1))
+
+
 # ------------------------------------------------------------------------------------------------
 # Forward.
 
@@ -246,7 +287,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
     k_b = _kv_blocks(k, bk)[:, :, None, None]
     v_b = _kv_blocks(v, bk)[:, :, None, None]
 
-    def run_list(trips, count, index, masked, carry):
+    def run_list(arr, q_u, trips, count, index, masked, carry):
         def body(t, j, live, carry):
             def unit(carry, j, live, q_blk, k_blocks, v_blocks, bias_u, head, i, qp, kp, qs, ks):
                 m, l, acc = carry
@@ -272,12 +313,18 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
         return _slot_loop(trips, count, index, body, carry)
 
     g = q_u.shape[4]
-    lead = (batch, kv_heads, arr.sizes[2], nq, g, bq)
-    carry = (jnp.full(lead, -jnp.inf, _F32), jnp.zeros(lead, _F32),
-             jnp.zeros(lead + (value_dim,), _F32))
-    carry = run_list(cfg.fwd_trips[0], fc, fi, False, carry)
-    carry = run_list(cfg.fwd_trips[1], pc, pi, True, carry)
-    m, l, acc = carry
+
+    def run_chunk(blocked, block_ids):
+        q_c, fc, fi, pc, pi = blocked
+        arr_c = _in_chunk(arr, block_ids)
+        lead = (batch, kv_heads, arr.sizes[2], block_ids.shape[0], g, bq)
+        carry = (jnp.full(lead, -jnp.inf, _F32), jnp.zeros(lead, _F32),
+                 jnp.zeros(lead + (value_dim,), _F32))
+        carry = run_list(arr_c, q_c, cfg.fwd_trips[0], fc, fi, False, carry)
+        return run_list(arr_c, q_c, cfg.fwd_trips[1], pc, pi, True, carry)
+
+    width = _chunk_width(arr.sizes, g * bq * bk)
+    m, l, acc = _by_chunks(run_chunk, nq, width, (q_u, fc, fi, pc, pi))
     seen = l > 0
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     if sinks is not None:
@@ -331,7 +378,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     k_b = _kv_blocks(k, bk)[:, :, None, None]
     v_b = _kv_blocks(v, bk)[:, :, None, None]
 
-    def run_list(trips, count, index, masked, offset, carry):
+    def run_list(arr, q_u, do_u, lse_u, delta_u, trips, count, index, masked, offset, carry):
         def body(t, j, live, carry):
             dq, ds_buf = carry
 
@@ -359,14 +406,26 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
         return _slot_loop(trips, count, index, body, carry)
 
     g = q_u.shape[4]
-    lead = (batch, kv_heads, arr.sizes[2], nq, g, bq)
-    ds_buf = None
-    if bias is not None:
-        ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32)
-    carry = (jnp.zeros(lead + (q.shape[-1],), _F32), ds_buf)
-    carry = run_list(cfg.dq_trips[0], fc, fi, False, 0, carry)
-    carry = run_list(cfg.dq_trips[1], pc, pi, True, cf, carry)
-    dq, ds_buf = carry
+
+    def run_chunk(blocked, block_ids):
+        q_c, do_c, lse_c, delta_c, fc, fi, pc, pi = blocked
+        arr_c = _in_chunk(arr, block_ids)
+        sides = (arr_c, q_c, do_c, lse_c, delta_c)
+        lead = (batch, kv_heads, arr.sizes[2], block_ids.shape[0], g, bq)
+        ds_buf = None
+        if bias is not None:
+            ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32)
+        carry = (jnp.zeros(lead + (q.shape[-1],), _F32), ds_buf)
+        carry = run_list(*sides, cfg.dq_trips[0], fc, fi, False, 0, carry)
+        dq, ds_buf = run_list(*sides, cfg.dq_trips[1], pc, pi, True, cf, carry)
+        # The slot axis last, so that the block level is axis 3 as `_by_chunks` joins it.
+        return dq, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1))
+
+    width = _chunk_width(arr.sizes, g * bq * bk)
+    dq, ds_buf = _by_chunks(run_chunk, nq, width,
+                            (q_u, do_u, lse_u, delta_u, fc, fi, pc, pi))
+    if ds_buf is not None:
+        ds_buf = jnp.moveaxis(ds_buf, -1, 0)
     dq = _units_to_rows(dq * cfg.scale, q_len, per_head)
     if bias is None:
         return dq, None
@@ -410,7 +469,7 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     k_b = _kv_blocks(k, bk)[:, :, None]
     v_b = _kv_blocks(v, bk)[:, :, None]
 
-    def run_list(trips, count, index, masked, carry):
+    def run_list(arr, k_b, v_b, trips, count, index, masked, carry):
         def body(t, i, live, carry):
             def unit(carry, i, live, k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_u,
                      head, j, qp, kp, qs, ks):
@@ -435,11 +494,17 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 
         return _slot_loop(trips, count, index, body, carry)
 
-    lead = (batch, kv_heads, arr.sizes[2], nk, bk)
-    carry = (jnp.zeros(lead + (k.shape[-1],), _F32), jnp.zeros(lead + (v.shape[-1],), _F32))
-    carry = run_list(cfg.dkv_trips[0], fc, fi, False, carry)
-    carry = run_list(cfg.dkv_trips[1], pc, pi, True, carry)
-    dk, dv = carry
+    def run_chunk(blocked, block_ids):
+        k_c, v_c, fc, fi, pc, pi = blocked
+        arr_c = _in_chunk(arr, block_ids)
+        lead = (batch, kv_heads, arr.sizes[2], block_ids.shape[0], bk)
+        carry = (jnp.zeros(lead + (k.shape[-1],), _F32), jnp.zeros(lead + (v.shape[-1],), _F32))
+        carry = run_list(arr_c, k_c, v_c, cfg.dkv_trips[0], fc, fi, False, carry)
+        return run_list(arr_c, k_c, v_c, cfg.dkv_trips[1], pc, pi, True, carry)
+
+    group_rows = q_u.shape[5] * bq  # G query heads of bq rows each
+    width = _chunk_width(arr.sizes, group_rows * bk)
+    dk, dv = _by_chunks(run_chunk, nk, width, (k_b, v_b, fc, fi, pc, pi))
     # Sum the units (query heads with their own masks) of each kv head.
     dk = (dk.sum(axis=2) * cfg.scale).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
     dv = dv.sum(axis=2).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
