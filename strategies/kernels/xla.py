@@ -22,6 +22,8 @@ import numpy as np
 
 from eqx_bsattn.contract import AbstractKernel, BlockLayout, CompiledMask, Features, Tiling
 
+from .reference import refuse_forward_mode
+
 _F32 = jnp.float32
 _FWD_LISTS = ("full_count", "full_index", "partial_count", "partial_index")
 _T_LISTS = ("t_full_count", "t_full_index", "t_partial_count", "t_partial_index")
@@ -239,25 +241,31 @@ def _chunk_width(sizes: tuple[int, ...], block_elements: int) -> int:
 
 def _by_chunks(run, n: int, width: int, blocked):
     """``run(blocked, block_ids)`` on chunks of at most `width` blocks of axis 3 (the block
-    level) of every array in `blocked`, one chunk at a time (`lax.map`); outputs are joined
-    along axis 3. Padding blocks (lists of index 0) are computed and dropped."""
+    level) of every array in `blocked`, one chunk after another; outputs are joined along axis
+    3. Each chunk is sliced out of the inputs and written into the outputs in place, so no
+    input is copied (unless padded to whole chunks: padding blocks are computed and dropped)."""
     chunks = math.ceil(n / width)
     if chunks <= 1:
         return run(blocked, jnp.arange(n, dtype=jnp.int32))
     width = math.ceil(n / chunks)
     total = chunks * width
+    blocked = jax.tree.map(lambda x: _pad_axis(x, 3, total), blocked)
 
-    def split(x):
-        x = _pad_axis(x, 3, total)
-        return jnp.moveaxis(x.reshape(x.shape[:3] + (chunks, width) + x.shape[4:]), 3, 0)
+    def one_chunk(c):
+        part = jax.tree.map(
+            lambda x: jax.lax.dynamic_slice_in_dim(x, c * width, width, axis=3), blocked)
+        return run(part, c * width + jnp.arange(width, dtype=jnp.int32))
 
-    def join(x):
-        x = jnp.moveaxis(x, 0, 3)
-        return x.reshape(x.shape[:3] + (total,) + x.shape[5:])[:, :, :, :n]
+    def step(c, out):
+        return jax.tree.map(
+            lambda o, x: jax.lax.dynamic_update_slice_in_dim(o, x, c * width, axis=3),
+            out, one_chunk(c))
 
-    ids = jnp.arange(total, dtype=jnp.int32).reshape(chunks, width)
-    out = jax.lax.map(lambda a: run(*a), (jax.tree.map(split, blocked), ids))
-    return jax.tree.map(join, out)
+    shapes = jax.eval_shape(one_chunk, 0)
+    out = jax.tree.map(
+        lambda x: jnp.zeros(x.shape[:3] + (total,) + x.shape[4:], x.dtype), shapes)
+    out = jax.lax.fori_loop(0, chunks, step, out)
+    return jax.tree.map(lambda x: x[:, :, :, :n], out)
 
 
 def _in_chunk(arr: _Arranged, block_ids) -> _Arranged:
@@ -271,8 +279,8 @@ def _in_chunk(arr: _Arranged, block_ids) -> _Arranged:
 
 
 def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
-    """Returns the output ``[B, H, Lq, Dv]`` (query dtype) and the float32 log-sum-exp
-    ``[B, H, Lq]`` (``+inf`` on rows that see no key)."""
+    """Returns the output ``[B, H, Lq, Dv]`` and the log-sum-exp ``[B, H, Lq]`` (``+inf`` on
+    rows that see no key), both float32."""
     mask = eqx.combine(aux["mask"], cfg.mask)
     layout = mask.forward
     batch, heads, q_len, _ = q.shape
@@ -333,7 +341,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
         lse = jnp.logaddexp(lse, jax.nn.logsumexp(sinks_u, axis=-1)[..., None])
     out = acc * jnp.where(seen, jnp.exp(m - lse), 0.0)[..., None]
     lse = jnp.where(seen, lse, jnp.inf)
-    out = _units_to_rows(out, q_len, arr.per_head).astype(q.dtype)
+    out = _units_to_rows(out, q_len, arr.per_head)
     return out, _units_to_rows(lse, q_len, arr.per_head)
 
 
@@ -391,7 +399,8 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
                 p = jnp.exp(s - lse_blk[..., None])
                 dp = jnp.einsum("gqe,ke->gqk", do_blk, v_blk, preferred_element_type=_F32)
                 ds = _ds(p, dp, delta_blk, tc)
-                dq = dq + jnp.einsum("gqk,kd->gqd", ds.astype(k_blk.dtype), k_blk,
+                # ds in float32: p * (dp - delta) cancels, so 8 bits of it lose the small terms.
+                dq = dq + jnp.einsum("gqk,kd->gqd", ds, k_blk.astype(_F32),
                                      preferred_element_type=_F32)
                 return dq, (ds if ds_buf is not None else None)
 
@@ -479,11 +488,11 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
                 s, _ = _masked_scores(mask, s, head, i, j, masked, live, (qp, kp, qs, ks),
                                       (bq, bk))
                 p = jnp.exp(s - lse_all[i][..., None])
-                dv = dv + jnp.einsum("gqk,gqe->ke", p.astype(do_blk.dtype), do_blk,
+                dv = dv + jnp.einsum("gqk,gqe->ke", p, do_blk.astype(_F32),
                                      preferred_element_type=_F32)
                 dp = jnp.einsum("gqe,ke->gqk", do_blk, v_blk, preferred_element_type=_F32)
                 ds = _ds(p, dp, delta_all[i], tc)
-                dk = dk + jnp.einsum("gqk,gqd->kd", ds.astype(q_blk.dtype), q_blk,
+                dk = dk + jnp.einsum("gqk,gqd->kd", ds, q_blk.astype(_F32),
                                      preferred_element_type=_F32)
                 return dk, dv
 
@@ -525,11 +534,13 @@ def _attention_fn(cfg: _Config):
 
     @jax.custom_vjp
     def attend(q, k, v, bias, sinks, aux):
-        return _forward(cfg, q, k, v, bias, sinks, aux)[0]
+        return _forward(cfg, q, k, v, bias, sinks, aux)[0].astype(q.dtype)
 
     def attend_fwd(q, k, v, bias, sinks, aux):
         out, lse = _forward(cfg, q, k, v, bias, sinks, aux)
-        return out, (q, k, v, bias, sinks, aux, out, lse)
+        # The backward's delta = rowsum(dO * O) reads the float32 output: with O rounded to a
+        # half type, dp - delta loses the small differences (head dims of a few elements).
+        return out.astype(q.dtype), (q, k, v, bias, sinks, aux, out, lse)
 
     def attend_bwd(residuals, d_out):
         q, k, v, bias, sinks, aux, out, lse = residuals
@@ -563,6 +574,21 @@ def _static_trips(layout: BlockLayout, names: tuple[str, str]) -> tuple[_Trips, 
         n = int(count.max()) if count.size else 0
         out.append(_Trips(n, bool((count == n).all())))
     return tuple(out)
+
+
+def _lists_only(mask: CompiledMask) -> CompiledMask:
+    """`mask` with each layout's ``[mb, mh, nq, nk]`` class matrix reduced to its shape.
+
+    The kernel walks the block lists; the class matrix grows with ``Lq x Lk`` (134 MB at
+    L = 2^20 with 128 x 64 tiles) and would otherwise be an argument, or a constant, of the
+    compiled function.
+    """
+    def shape_only(layout: BlockLayout) -> BlockLayout:
+        c = layout.classes
+        return eqx.tree_at(lambda x: x.classes, layout, jax.ShapeDtypeStruct(c.shape, c.dtype))
+
+    return eqx.tree_at(lambda m: (m.forward, m.dq, m.dkv), mask,
+                       tuple(shape_only(x) for x in (mask.forward, mask.dq, mask.dkv)))
 
 
 class XlaBlockSparse(AbstractKernel):
@@ -623,11 +649,12 @@ class XlaBlockSparse(AbstractKernel):
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
+        refuse_forward_mode(type(self).__name__, query, key, value, inputs.bias, inputs.sinks)
         data = (inputs.q_positions, inputs.kv_positions, inputs.q_segment_ids,
                 inputs.kv_segment_ids)
         # The layouts of a static mask are NumPy-derived constants: their trip counts are known
         # at trace time.
-        mask_arrays, mask_static = eqx.partition(mask, eqx.is_array)
+        mask_arrays, mask_static = eqx.partition(_lists_only(mask), eqx.is_array)
         cfg = _Config(
             mask=mask_static,
             scale=float(softmax_scale),
