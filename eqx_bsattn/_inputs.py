@@ -50,8 +50,9 @@ def _within(name: str, x, bad, message: str):
     check at run time (`eqx.error_if`: one reduction over the per-call array)."""
     if isinstance(x, jax.core.Tracer):
         return eqx.error_if(x, jnp.any(bad(x)), f"`{name}` {message}")
-    found = np.asarray(bad(x))
-    if found.any():
+    with jax.ensure_compile_time_eval():  # a concrete array inside someone's trace, too
+        found = bool(jnp.any(bad(x)))
+    if found:
         raise ValueError(f"`{name}` {message}")
     return x
 

@@ -298,3 +298,16 @@ def test_jvp_through_the_reference_matches_finite_differences():
     eps = 1e-3
     fd = (attn(q + eps * q, k + eps * k, v + eps * v) - attn(q - eps * q, k - eps * k, v - eps * v))
     np.testing.assert_allclose(tangent, fd / (2 * eps), rtol=2e-2, atol=2e-3)
+
+
+def test_concrete_positions_inside_a_trace_are_checked_at_trace_time():
+    """Found by tests/test_fuzz.py: positions closed over by a jitted function are concrete
+    while the call is traced; the range check must not turn them into tracers."""
+    q = jnp.ones((2, 16, 4))
+    attn = bsa.BlockSparseAttention(mask=_WINDOW, kernel=kernels.XlaBlockSparse())
+    pos = jnp.arange(16, dtype=jnp.int32)
+    out = jax.jit(lambda q: attn(q, q, q, q_positions=pos, kv_positions=pos))(q)
+    np.testing.assert_allclose(out, attn(q, q, q, q_positions=pos, kv_positions=pos), rtol=1e-6)
+    far = pos + 2**30
+    with pytest.raises(ValueError, match="must lie in"):
+        jax.jit(lambda q: attn(q, q, q, q_positions=far, kv_positions=pos))(q)
