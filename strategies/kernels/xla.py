@@ -6,7 +6,8 @@ query heads that share one list of kv-blocks: when the mask is the same for ever
 so each gathered K/V block serves the whole group); with per-head masks each query head is its
 own unit (``G = 1``). One `lax.fori_loop` walks the slots of the `BlockLayout` lists, first the
 FULL blocks (no masking), then the PARTIAL ones (mask evaluated on the block's token indices);
-at each slot every (batch, kv_head, unit, block) advances at once, mapped with `vmap`. The work
+at each slot every (batch, kv_head, unit, block) advances at once, mapped with `vmap` (in
+chunks of blocks one after another past `_SLOT_ELEMENTS` scores, so memory stays linear). The work
 scales with the number of visited blocks; no ``Lq x Lk`` array is built (a user-given bias
 already is that size: its blocks are sliced out of it)."""
 
