@@ -51,6 +51,36 @@ class MaskInfo:
     attention_mask: Array | None = None
 
 
+#: Positions lie in ``[-POSITION_LIMIT, POSITION_LIMIT]``. Masks compare positions in int32
+#: with sums such as ``q + window`` or ``q + offset``; inside this range (and with mask sizes up
+#: to it) those sums are exact.
+POSITION_LIMIT = 2**30
+
+
+def _within(name: str, x, bad, message: str):
+    """Raise `ValueError` now if `x` is concrete and `bad(x)` holds anywhere; inside a trace,
+    check at run time (`eqx.error_if`: one reduction over the per-call array)."""
+    if isinstance(x, jax.core.Tracer):
+        return eqx.error_if(x, jnp.any(bad(x)), f"`{name}` {message}")
+    with jax.ensure_compile_time_eval():  # a concrete array inside someone's trace, too
+        found = bool(jnp.any(bad(x)))
+    if found:
+        raise ValueError(f"`{name}` {message}")
+    return x
+
+
+def _check_positions(name: str, x):
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        return x  # `_token_data` says what it accepts
+    return _within(
+        name, x, lambda p: (p < -POSITION_LIMIT) | (p > POSITION_LIMIT),
+        "must lie in [-2**30, 2**30] (masks compare positions in int32); got values outside.",
+    )
+
+
 def _shape(x) -> tuple:
     return tuple(np.shape(x))
 
@@ -121,6 +151,11 @@ def check_qkv(query, key, value) -> tuple[Array, Array, Array]:
         raise ValueError(
             f"`query` and `key` must have the same head dim; got {query.shape[-1]} and {key.shape[-1]}."
         )
+    if query.shape[-1] == 0 or value.shape[-1] == 0:
+        raise ValueError(
+            f"head dims must be positive; got dim={query.shape[-1]} (`query`, `key`) and "
+            f"value_dim={value.shape[-1]} (`value`)."
+        )
     if query.shape[-2] == 0 or key.shape[-2] == 0:
         raise ValueError(
             f"sequence lengths must be positive; got q_len={query.shape[-2]}, kv_len={key.shape[-2]}."
@@ -170,6 +205,9 @@ def _bias(bias, batch: int, heads: int, q_len: int, kv_len: int, batched: bool) 
     bias = _check_bias(bias, batch, heads, q_len, kv_len, batched)
     if bias is None:
         return None
+    # -inf hides a pair; +inf has no meaning as a softmax weight (inf / inf): refuse it.
+    bias = _within("bias", bias, lambda b: b == jnp.inf,
+                   "must be finite or -inf (which hides a pair); got +inf.")
     bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     bb, hb = bias.shape[0], bias.shape[1]
     return jnp.broadcast_to(bias, (bb, hb, q_len, kv_len))
@@ -256,6 +294,8 @@ def prepare_inputs(
         sinks=_sinks(sinks, heads, sinks_name),
         q_segment_ids=_token_data("q_segment_ids", q_segment_ids, batch, q_len, batched),
         kv_segment_ids=_token_data("kv_segment_ids", kv_segment_ids, batch, kv_len, batched),
-        q_positions=_token_data("q_positions", q_positions, batch, q_len, batched),
-        kv_positions=_token_data("kv_positions", kv_positions, batch, kv_len, batched),
+        q_positions=_token_data("q_positions", _check_positions("q_positions", q_positions),
+                                batch, q_len, batched),
+        kv_positions=_token_data("kv_positions", _check_positions("kv_positions", kv_positions),
+                                 batch, kv_len, batched),
     )

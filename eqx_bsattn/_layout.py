@@ -209,6 +209,11 @@ def _classes_by_elements(mask, head, *, q_len, kv_len, block_q, block_kv, data):
     return jax.vmap(one_batch, in_axes=in_axes)(*arrays)
 
 
+# Jitted once per (mask, head, lengths, blocks): an eager call with a static mask then reuses
+# the compiled classification instead of tracing a fresh `lax.map` body every call.
+_classes_by_elements_jit = eqx.filter_jit(_classes_by_elements)
+
+
 def _compact(flags: np.ndarray | Array, capacity: int | None, xp):
     """Sorted indices of True entries along the last axis, padded with 0 to `capacity`."""
     count = flags.sum(-1).astype(xp.int32)
@@ -363,8 +368,8 @@ def build_layout(
 
     def classes_for_head(h):
         if not mask.classifies_blocks:
-            return _classes_by_elements(mask, h, q_len=q_len, kv_len=kv_len, block_q=block_q,
-                                        block_kv=block_kv, data=data)
+            return _classes_by_elements_jit(mask, h, q_len=q_len, kv_len=kv_len,
+                                            block_q=block_q, block_kv=block_kv, data=data)
         qc = block_coords(q_len, block_q, q_positions, q_segment_ids, axis=-2)
         kc = block_coords(kv_len, block_kv, kv_positions, kv_segment_ids, axis=-1)
         return mask.blocks(qc, kc, h)

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 
 from eqx_bsattn.contract import AbstractKernel, MaskTerms
 
+from .reference import refuse_forward_mode
+
 
 def nn_attention(q, k, v, **options):
     """`jax.nn.dot_product_attention` on ``[B, H, L, D]`` arrays (it takes ``[B, L, H, D]``);
@@ -84,6 +86,7 @@ class CudnnDense(AbstractKernel):
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
+        refuse_forward_mode(type(self).__name__, query, key, value)
         options = cudnn_mask_options(mask.terms, key.shape[2])
         if options is None:
             raise ValueError("CudnnDense cannot express this mask; see decline_reason.")

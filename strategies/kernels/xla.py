@@ -6,7 +6,8 @@ query heads that share one list of kv-blocks: when the mask is the same for ever
 so each gathered K/V block serves the whole group); with per-head masks each query head is its
 own unit (``G = 1``). One `lax.fori_loop` walks the slots of the `BlockLayout` lists, first the
 FULL blocks (no masking), then the PARTIAL ones (mask evaluated on the block's token indices);
-at each slot every (batch, kv_head, unit, block) advances at once, mapped with `vmap`. The work
+at each slot every (batch, kv_head, unit, block) advances at once, mapped with `vmap` (in
+chunks of blocks one after another past `_SLOT_ELEMENTS` scores, so memory stays linear). The work
 scales with the number of visited blocks; no ``Lq x Lk`` array is built (a user-given bias
 already is that size: its blocks are sliced out of it)."""
 
@@ -28,6 +29,8 @@ from eqx_bsattn.contract import (
     Tiling,
     typed_like,
 )
+
+from .reference import refuse_forward_mode
 
 _F32 = jnp.float32
 _FWD_LISTS = ("full_count", "full_index", "partial_count", "partial_index")
@@ -232,13 +235,60 @@ def _arrange(aux, per_head: bool, bias, q, k, bq: int, bk: int, last: int) -> _A
     return _Arranged((batch, kv_heads, units, last), per_head, head_ids, block_ids, data, bias)
 
 
+#: The most score elements (``rows x keys``, all mapped levels together) one slot of a pass
+#: computes at once. Past it the blocks of the last level run in chunks, one after another, so
+#: the temporaries of a slot (scores, probabilities, gathered K/V) stay bounded as L grows.
+_SLOT_ELEMENTS = 1 << 22
+
+
+def _chunk_width(sizes: tuple[int, ...], block_elements: int) -> int:
+    """How many blocks of the last level one chunk maps, for blocks of `block_elements` scores."""
+    per_block = math.prod(sizes[:-1]) * block_elements
+    return max(1, _SLOT_ELEMENTS // per_block)
+
+
+def _by_chunks(run, n: int, width: int, blocked):
+    """``run(blocked, block_ids)`` on chunks of at most `width` blocks of axis 3 (the block
+    level) of every array in `blocked`, one chunk after another; outputs are joined along axis
+    3. Each chunk is sliced out of the inputs and written into the outputs in place, so no
+    input is copied (unless padded to whole chunks: padding blocks are computed and dropped)."""
+    chunks = math.ceil(n / width)
+    if chunks <= 1:
+        return run(blocked, jnp.arange(n, dtype=jnp.int32))
+    width = math.ceil(n / chunks)
+    total = chunks * width
+    blocked = jax.tree.map(lambda x: _pad_axis(x, 3, total), blocked)
+
+    def one_chunk(c):
+        part = jax.tree.map(
+            lambda x: jax.lax.dynamic_slice_in_dim(x, c * width, width, axis=3), blocked)
+        return run(part, c * width + jnp.arange(width, dtype=jnp.int32))
+
+    def step(c, out):
+        return jax.tree.map(
+            lambda o, x: jax.lax.dynamic_update_slice_in_dim(o, x, c * width, axis=3),
+            out, one_chunk(c))
+
+    shapes = jax.eval_shape(one_chunk, 0)
+    out = jax.tree.map(
+        lambda x: jnp.zeros(x.shape[:3] + (total,) + x.shape[4:], x.dtype), shapes)
+    out = jax.lax.fori_loop(0, chunks, step, out)
+    return jax.tree.map(lambda x: x[:, :, :, :n], out)
+
+
+def _in_chunk(arr: _Arranged, block_ids) -> _Arranged:
+    """`arr` for the chunk of blocks `block_ids` (global ids: the mask and the bias read them)."""
+    return arr._replace(sizes=arr.sizes[:3] + (block_ids.shape[0],),
+                        blocks=block_ids.reshape(1, 1, 1, -1))
+
+
 # ------------------------------------------------------------------------------------------------
 # Forward.
 
 
 def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
-    """Returns the output ``[B, H, Lq, Dv]`` (query dtype) and the float32 log-sum-exp
-    ``[B, H, Lq]`` (``+inf`` on rows that see no key)."""
+    """Returns the output ``[B, H, Lq, Dv]`` and the log-sum-exp ``[B, H, Lq]`` (``+inf`` on
+    rows that see no key), both float32."""
     mask = eqx.combine(aux["mask"], cfg.mask)
     layout = mask.forward
     batch, heads, q_len, _ = q.shape
@@ -253,7 +303,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
     k_b = _kv_blocks(k, bk)[:, :, None, None]
     v_b = _kv_blocks(v, bk)[:, :, None, None]
 
-    def run_list(trips, count, index, masked, carry):
+    def run_list(arr, q_u, trips, count, index, masked, carry):
         def body(t, j, live, carry):
             def unit(carry, j, live, q_blk, k_blocks, v_blocks, bias_u, head, i, qp, kp, qs, ks):
                 m, l, acc = carry
@@ -279,13 +329,19 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
         return _slot_loop(trips, count, index, body, carry)
 
     g = q_u.shape[4]
-    lead = (batch, kv_heads, arr.sizes[2], nq, g, bq)
-    carry = (jnp.full(lead, -jnp.inf, _F32), jnp.zeros(lead, _F32),
-             jnp.zeros(lead + (value_dim,), _F32))
-    carry = typed_like(carry, q, k, v, bias, aux)
-    carry = run_list(cfg.fwd_trips[0], fc, fi, False, carry)
-    carry = run_list(cfg.fwd_trips[1], pc, pi, True, carry)
-    m, l, acc = carry
+
+    def run_chunk(blocked, block_ids):
+        q_c, fc, fi, pc, pi = blocked
+        arr_c = _in_chunk(arr, block_ids)
+        lead = (batch, kv_heads, arr.sizes[2], block_ids.shape[0], g, bq)
+        carry = (jnp.full(lead, -jnp.inf, _F32), jnp.zeros(lead, _F32),
+                 jnp.zeros(lead + (value_dim,), _F32))
+        carry = typed_like(carry, q, k, v, bias, aux)
+        carry = run_list(arr_c, q_c, cfg.fwd_trips[0], fc, fi, False, carry)
+        return run_list(arr_c, q_c, cfg.fwd_trips[1], pc, pi, True, carry)
+
+    width = _chunk_width(arr.sizes, g * bq * bk)
+    m, l, acc = _by_chunks(run_chunk, nq, width, (q_u, fc, fi, pc, pi))
     seen = l > 0
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     if sinks is not None:
@@ -294,7 +350,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
         lse = jnp.logaddexp(lse, jax.nn.logsumexp(sinks_u, axis=-1)[..., None])
     out = acc * jnp.where(seen, jnp.exp(m - lse), 0.0)[..., None]
     lse = jnp.where(seen, lse, jnp.inf)
-    out = _units_to_rows(out, q_len, arr.per_head).astype(q.dtype)
+    out = _units_to_rows(out, q_len, arr.per_head)
     return out, _units_to_rows(lse, q_len, arr.per_head)
 
 
@@ -339,7 +395,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     k_b = _kv_blocks(k, bk)[:, :, None, None]
     v_b = _kv_blocks(v, bk)[:, :, None, None]
 
-    def run_list(trips, count, index, masked, offset, carry):
+    def run_list(arr, q_u, do_u, lse_u, delta_u, trips, count, index, masked, offset, carry):
         def body(t, j, live, carry):
             dq, ds_buf = carry
 
@@ -352,7 +408,8 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
                 p = jnp.exp(s - lse_blk[..., None])
                 dp = jnp.einsum("gqe,ke->gqk", do_blk, v_blk, preferred_element_type=_F32)
                 ds = _ds(p, dp, delta_blk, tc)
-                dq = dq + jnp.einsum("gqk,kd->gqd", ds.astype(k_blk.dtype), k_blk,
+                # ds in float32: p * (dp - delta) cancels, so 8 bits of it lose the small terms.
+                dq = dq + jnp.einsum("gqk,kd->gqd", ds, k_blk.astype(_F32),
                                      preferred_element_type=_F32)
                 return dq, (ds if ds_buf is not None else None)
 
@@ -367,15 +424,27 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
         return _slot_loop(trips, count, index, body, carry)
 
     g = q_u.shape[4]
-    lead = (batch, kv_heads, arr.sizes[2], nq, g, bq)
-    ds_buf = None
-    if bias is not None:
-        ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32)
-    carry = (jnp.zeros(lead + (q.shape[-1],), _F32), ds_buf)
-    carry = typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
-    carry = run_list(cfg.dq_trips[0], fc, fi, False, 0, carry)
-    carry = run_list(cfg.dq_trips[1], pc, pi, True, cf, carry)
-    dq, ds_buf = carry
+
+    def run_chunk(blocked, block_ids):
+        q_c, do_c, lse_c, delta_c, fc, fi, pc, pi = blocked
+        arr_c = _in_chunk(arr, block_ids)
+        sides = (arr_c, q_c, do_c, lse_c, delta_c)
+        lead = (batch, kv_heads, arr.sizes[2], block_ids.shape[0], g, bq)
+        ds_buf = None
+        if bias is not None:
+            ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32)
+        carry = (jnp.zeros(lead + (q.shape[-1],), _F32), ds_buf)
+        carry = typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
+        carry = run_list(*sides, cfg.dq_trips[0], fc, fi, False, 0, carry)
+        dq, ds_buf = run_list(*sides, cfg.dq_trips[1], pc, pi, True, cf, carry)
+        # The slot axis last, so that the block level is axis 3 as `_by_chunks` joins it.
+        return dq, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1))
+
+    width = _chunk_width(arr.sizes, g * bq * bk)
+    dq, ds_buf = _by_chunks(run_chunk, nq, width,
+                            (q_u, do_u, lse_u, delta_u, fc, fi, pc, pi))
+    if ds_buf is not None:
+        ds_buf = jnp.moveaxis(ds_buf, -1, 0)
     dq = _units_to_rows(dq * cfg.scale, q_len, per_head)
     if bias is None:
         return dq, None
@@ -419,7 +488,7 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     k_b = _kv_blocks(k, bk)[:, :, None]
     v_b = _kv_blocks(v, bk)[:, :, None]
 
-    def run_list(trips, count, index, masked, carry):
+    def run_list(arr, k_b, v_b, trips, count, index, masked, carry):
         def body(t, i, live, carry):
             def unit(carry, i, live, k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_u,
                      head, j, qp, kp, qs, ks):
@@ -429,11 +498,11 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
                 s, _ = _masked_scores(mask, s, head, i, j, masked, live, (qp, kp, qs, ks),
                                       (bq, bk))
                 p = jnp.exp(s - lse_all[i][..., None])
-                dv = dv + jnp.einsum("gqk,gqe->ke", p.astype(do_blk.dtype), do_blk,
+                dv = dv + jnp.einsum("gqk,gqe->ke", p, do_blk.astype(_F32),
                                      preferred_element_type=_F32)
                 dp = jnp.einsum("gqe,ke->gqk", do_blk, v_blk, preferred_element_type=_F32)
                 ds = _ds(p, dp, delta_all[i], tc)
-                dk = dk + jnp.einsum("gqk,gqd->kd", ds.astype(q_blk.dtype), q_blk,
+                dk = dk + jnp.einsum("gqk,gqd->kd", ds, q_blk.astype(_F32),
                                      preferred_element_type=_F32)
                 return dk, dv
 
@@ -444,12 +513,18 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 
         return _slot_loop(trips, count, index, body, carry)
 
-    lead = (batch, kv_heads, arr.sizes[2], nk, bk)
-    carry = (jnp.zeros(lead + (k.shape[-1],), _F32), jnp.zeros(lead + (v.shape[-1],), _F32))
-    carry = typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
-    carry = run_list(cfg.dkv_trips[0], fc, fi, False, carry)
-    carry = run_list(cfg.dkv_trips[1], pc, pi, True, carry)
-    dk, dv = carry
+    def run_chunk(blocked, block_ids):
+        k_c, v_c, fc, fi, pc, pi = blocked
+        arr_c = _in_chunk(arr, block_ids)
+        lead = (batch, kv_heads, arr.sizes[2], block_ids.shape[0], bk)
+        carry = (jnp.zeros(lead + (k.shape[-1],), _F32), jnp.zeros(lead + (v.shape[-1],), _F32))
+        carry = typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
+        carry = run_list(arr_c, k_c, v_c, cfg.dkv_trips[0], fc, fi, False, carry)
+        return run_list(arr_c, k_c, v_c, cfg.dkv_trips[1], pc, pi, True, carry)
+
+    group_rows = q_u.shape[5] * bq  # G query heads of bq rows each
+    width = _chunk_width(arr.sizes, group_rows * bk)
+    dk, dv = _by_chunks(run_chunk, nk, width, (k_b, v_b, fc, fi, pc, pi))
     # Sum the units (query heads with their own masks) of each kv head.
     dk = (dk.sum(axis=2) * cfg.scale).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
     dv = dv.sum(axis=2).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
@@ -478,11 +553,15 @@ def _attention_fn(cfg: _Config, with_lse: bool = False):
     @jax.custom_vjp
     def attend(q, k, v, bias, sinks, aux):
         out, lse = _forward(cfg, q, k, v, bias, sinks, aux)
+        out = out.astype(q.dtype)
         return (out, _public_lse(lse)) if with_lse else out
 
     def attend_fwd(q, k, v, bias, sinks, aux):
         out, lse = _forward(cfg, q, k, v, bias, sinks, aux)
-        result = (out, _public_lse(lse)) if with_lse else out
+        # The backward's delta = rowsum(dO * O) reads the float32 output: with O rounded to a
+        # half type, dp - delta loses the small differences (head dims of a few elements).
+        result = out.astype(q.dtype)
+        result = (result, _public_lse(lse)) if with_lse else result
         return result, (q, k, v, bias, sinks, aux, out, lse)
 
     def attend_bwd(residuals, cotangent):
@@ -522,6 +601,21 @@ def _static_trips(layout: BlockLayout, names: tuple[str, str]) -> tuple[_Trips, 
         n = int(count.max()) if count.size else 0
         out.append(_Trips(n, bool((count == n).all())))
     return tuple(out)
+
+
+def _lists_only(mask: CompiledMask) -> CompiledMask:
+    """`mask` with each layout's ``[mb, mh, nq, nk]`` class matrix reduced to its shape.
+
+    The kernel walks the block lists; the class matrix grows with ``Lq x Lk`` (134 MB at
+    L = 2^20 with 128 x 64 tiles) and would otherwise be an argument, or a constant, of the
+    compiled function.
+    """
+    def shape_only(layout: BlockLayout) -> BlockLayout:
+        c = layout.classes
+        return eqx.tree_at(lambda x: x.classes, layout, jax.ShapeDtypeStruct(c.shape, c.dtype))
+
+    return eqx.tree_at(lambda m: (m.forward, m.dq, m.dkv), mask,
+                       tuple(shape_only(x) for x in (mask.forward, mask.dq, mask.dkv)))
 
 
 class XlaBlockSparse(AbstractKernel):
@@ -601,11 +695,12 @@ class XlaBlockSparse(AbstractKernel):
         return self._run(query, key, value, mask, inputs, softmax_scale, logits_soft_cap, True)
 
     def _run(self, query, key, value, mask, inputs, softmax_scale, logits_soft_cap, with_lse):
+        refuse_forward_mode(type(self).__name__, query, key, value, inputs.bias, inputs.sinks)
         data = (inputs.q_positions, inputs.kv_positions, inputs.q_segment_ids,
                 inputs.kv_segment_ids)
         # The layouts of a static mask are NumPy-derived constants: their trip counts are known
         # at trace time.
-        mask_arrays, mask_static = eqx.partition(mask, eqx.is_array)
+        mask_arrays, mask_static = eqx.partition(_lists_only(mask), eqx.is_array)
         cfg = _Config(
             mask=mask_static,
             scale=float(softmax_scale),

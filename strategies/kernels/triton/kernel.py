@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling, add_sinks
 
+from ..reference import refuse_forward_mode
 from .heuristics import check_tiling, default_tiling, tiling_candidates
 from .launch import LaunchConfig, layout_arrays, list_mode
 from .vjp import attend, attend_with_lse
@@ -140,6 +141,7 @@ class TritonBlockSparse(AbstractKernel):
                 "backward (dq kernel + dk/dv kernel) runs instead.",
                 stacklevel=2,
             )
+        refuse_forward_mode(type(self).__name__, query, key, value, inputs.bias, inputs.sinks)
         batch, heads, q_len, dim = query.shape
         kv_heads, kv_len, value_dim = value.shape[1:]
         fwd, dq, dkdv = mask.forward, mask.dq, mask.dkv

@@ -1,0 +1,74 @@
+"""Peak memory of `XlaBlockSparse` forward+backward on the CPU as the sequence grows.
+
+For each length L, a fresh worker process builds ``q, k, v`` (B=1, H=1, D=64, float32), runs
+``jax.grad`` of ``sum(out * w)`` with respect to ``q, k, v`` under `jax.jit` for the mask
+``Causal() & SlidingWindow(256, 0)``, and reports its peak resident set size (``ru_maxrss``)
+and what the arrays it must hold cost: ``q, k, v, w`` (inputs), the output and ``dq, dk, dv``.
+One process per length, one at a time, so the peaks do not mix.
+
+Run from the repository root::
+
+    python benchmarks/memory_cpu.py                          # L = 2^16, 2^18, 2^20
+    python benchmarks/memory_cpu.py --lengths 65536 1048576
+
+Not a test: the peak depends on the allocator and the XLA version.
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+
+DIM, WINDOW = 64, 256
+
+
+def _worker(length: int) -> dict:
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    import eqx_bsattn as bsa
+    from eqx_bsattn import kernels, masks
+
+    attn = bsa.BlockSparseAttention(
+        mask=masks.Causal() & masks.SlidingWindow(WINDOW, 0), kernel=kernels.XlaBlockSparse()
+    )
+    shape = (1, 1, length, DIM)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, w = (jax.random.normal(key, shape, jnp.float32) for key in keys)
+
+    @jax.jit
+    def grads(q, k, v, w):
+        return jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+
+    start = time.perf_counter()
+    jax.block_until_ready(grads(q, k, v, w))
+    seconds = time.perf_counter() - start
+    array_bytes = 8 * q.size * q.dtype.itemsize  # q, k, v, w, out, dq, dk, dv
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return {"length": length, "peak_rss_gb": peak / 1e9, "arrays_gb": array_bytes / 1e9,
+            "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2**16, 2**18, 2**20])
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        print(json.dumps(_worker(args.worker)))
+        return
+    print("| L | peak RSS (GB) | q, k, v, w, out, dq, dk, dv (GB) | seconds (compile + run) |")
+    print("| ---: | ---: | ---: | ---: |")
+    for length in args.lengths:
+        done = subprocess.run([sys.executable, __file__, "--worker", str(length)],
+                              capture_output=True, text=True, check=True)
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"| {length} | {row['peak_rss_gb']:.2f} | {row['arrays_gb']:.2f} | "
+              f"{row['seconds']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

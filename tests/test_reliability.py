@@ -1,0 +1,313 @@
+"""Reliability: garbage in padding, edges of the inputs (head dim 0, positions near the int32
+limits, a +inf bias), half-precision gradients at small head dims, compile caching, bit-for-bit
+determinism and forward-mode AD; for every kernel that runs on this machine, against the float64
+oracle of `tests/conftest.py`. The rules tested here are written down in docs/reliability.md.
+
+With a GPU the GPU kernels join (the `gpu` marker); on the CPU the Triton kernel runs through
+its interpreter when ``EQX_BSATTN_TRITON_INTERPRET`` is set (see `tests/triton_interpret.py`).
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+from eqx_bsattn import kernels, masks
+from eqx_bsattn.strategies.kernels import xla as xla_kernel
+from tests.test_conformance import (
+    KERNELS,
+    TOL,
+    Case,
+    _decline,
+    _errors,
+    _marks,
+    _module,
+    build,
+    oracle,
+    run_kernel,
+)
+
+RUNS = [pytest.param(cls, marks=_marks(cls, runs=True), id=cls.name) for cls in KERNELS]
+
+
+def _dtype(kernel_cls) -> str:
+    # cuDNN takes only half types; the Triton interpreter computes bfloat16 dots wrongly.
+    return "bfloat16" if kernel_cls.name == "cudnn" else "float32"
+
+
+def _run_or_skip(case, kernel, built):
+    why = _decline(case, kernel, built)
+    if why is not None:
+        pytest.skip(why)
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding full of garbage.
+
+_PADDED = {
+    # Documents with trailing padding (-1) on both sides, GQA, a small tiling.
+    "documents": Case(mask=masks.Causal(), heads=4, kv_heads=2, q_len=40, documents=2, pad=7),
+    # The same with every extra: padding is hidden whatever the bias, sinks and soft cap do.
+    "extras": Case(mask=masks.SlidingWindow(9, 3), q_len=37, kv_len=43, documents=3, pad=5,
+                   bias="bhqk", sinks="h", soft_cap=5.0, seed=3),
+}
+
+
+def _poison(x, segment_ids, value):
+    """`x` ``[B, H, L, D]`` with the rows of padding tokens (segment id < 0) set to `value`."""
+    pad = jnp.asarray(np.asarray(segment_ids) < 0)[:, None, :, None]
+    return jnp.where(pad, jnp.asarray(value, x.dtype), x)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("case_name", list(_PADDED))
+@pytest.mark.parametrize("kernel_cls", RUNS)
+def test_garbage_in_padding_reaches_nothing(kernel_cls, case_name, poison):
+    """Padding queries and keys hold NaN / inf in q, k and v: the output and every gradient
+    equal the oracle's on clean inputs, and the padding's own dq, dk, dv are exactly zero."""
+    case = _PADDED[case_name]
+    dtype = _dtype(kernel_cls)
+    kernel = kernel_cls()
+    built = build(case, dtype)
+    _run_or_skip(case, kernel, built)
+    want_out, want_grads = oracle(case, built)
+    qs, ks = built.data["q_segment_ids"], built.data["kv_segment_ids"]
+    clean = dict(built.args)
+    built.args.update(q=_poison(clean["q"], qs, poison), k=_poison(clean["k"], ks, poison),
+                      v=_poison(clean["v"], ks, poison))
+    attn = _module(case, kernel)
+
+    @jax.jit
+    def run(a, ct):
+        def f(a):
+            return attn(a["q"], a["k"], a["v"], **{n: a[n] for n in built.diff}, **built.data,
+                        purify=True)
+
+        out, pullback = jax.vjp(f, a)
+        return out, pullback(ct)[0]
+
+    out, grads = run(built.args, built.cotangent)
+    tol = TOL[dtype]["max"]
+    assert _errors(out, want_out)[0] <= tol[0]
+    for name in grads:
+        assert _errors(grads[name], want_grads[name])[0] <= tol[1], name
+    q_pad = (np.asarray(qs) < 0)[:, None, :]
+    k_pad = (np.asarray(ks) < 0)[:, None, :]
+    assert (np.asarray(grads["q"])[np.broadcast_to(q_pad, grads["q"].shape[:3])] == 0).all()
+    for name in ("k", "v"):
+        g = np.asarray(grads[name])
+        assert (g[np.broadcast_to(k_pad, g.shape[:3])] == 0).all(), name
+
+
+def test_padding_seen_through_an_or_is_not_hidden():
+    """Only a mask that needs equal segment ids hides padding: through ``Document() | Causal()``
+    a padding key is visible, and its values count."""
+    case = Case(mask=masks.Document() | masks.Causal(), batch=1, heads=2, q_len=24, documents=2,
+                pad=5, tiling=None)
+    built = build(case, "float32")
+    ids = built.data["q_segment_ids"]
+    attn = bsa.BlockSparseAttention(mask=case.mask, kernel=kernels.XlaBlockSparse())
+    q, k, v = (built.args[n] for n in ("q", "k", "v"))
+    out = attn(q, k, v, q_segment_ids=ids, kv_segment_ids=ids)
+    out_changed = attn(q, k, _poison(v, ids, 7.0), q_segment_ids=ids, kv_segment_ids=ids)
+    assert not np.allclose(out, out_changed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Edges of the inputs.
+
+
+def test_head_dim_zero_is_refused():
+    q = jnp.ones((2, 8, 0))
+    with pytest.raises(ValueError, match="head dims must be positive"):
+        bsa.BlockSparseAttention()(q, q, q)
+    v = jnp.ones((2, 8, 0))
+    with pytest.raises(ValueError, match="value_dim=0"):
+        bsa.BlockSparseAttention()(jnp.ones((2, 8, 4)), jnp.ones((2, 8, 4)), v)
+
+
+_WINDOW = masks.Causal() & masks.SlidingWindow(5, 0)
+
+
+@pytest.mark.parametrize("shift", [2**30 - 40, -(2**30)], ids=["top", "bottom"])
+def test_positions_at_the_limit_are_exact(shift):
+    """Positions shifted to the ends of the accepted range give the unshifted result."""
+    q, k, v = (jax.random.normal(key, (2, 32, 4)) for key in jax.random.split(jax.random.key(0), 3))
+    attn = bsa.BlockSparseAttention(mask=_WINDOW, kernel=kernels.XlaBlockSparse(),
+                                    tiling=bsa.Tiling(block_q=8, block_kv=8))
+    pos = jnp.arange(32, dtype=jnp.int32)
+    want = attn(q, k, v, q_positions=pos, kv_positions=pos)
+    got = attn(q, k, v, q_positions=pos + shift, kv_positions=pos + shift)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [2**30 + 1, -(2**30) - 1, 2**31 - 1])
+def test_positions_outside_the_range_are_refused(bad):
+    q = jnp.ones((2, 16, 4))
+    attn = bsa.BlockSparseAttention(mask=_WINDOW, kernel=kernels.XlaBlockSparse())
+    pos = jnp.arange(16, dtype=jnp.int32).at[3].set(bad)
+    with pytest.raises(ValueError, match=r"`q_positions` must lie in \[-2\*\*30, 2\*\*30\]"):
+        attn(q, q, q, q_positions=pos, kv_positions=jnp.arange(16))
+    # Inside jit the check runs with the computation.
+    with pytest.raises(Exception, match=r"`kv_positions` must lie in"):
+        jax.jit(lambda p: attn(q, q, q, q_positions=jnp.arange(16), kv_positions=p))(pos)
+
+
+def test_int64_positions_are_checked_before_narrowing():
+    with jax.enable_x64(True):
+        q = jnp.ones((2, 16, 4), jnp.float32)
+        pos = np.arange(16, dtype=np.int64) + 2**32  # would wrap to 0..15 in int32
+        attn = bsa.BlockSparseAttention(mask=_WINDOW, kernel=kernels.XlaBlockSparse())
+        with pytest.raises(ValueError, match="must lie in"):
+            attn(q, q, q, q_positions=pos, kv_positions=pos)
+
+
+def test_plus_inf_bias_is_refused_minus_inf_hides():
+    q, k, v = (jax.random.normal(key, (2, 8, 4)) for key in jax.random.split(jax.random.key(1), 3))
+    attn = bsa.BlockSparseAttention(kernel=kernels.XlaBlockSparse())
+    bias = jnp.zeros((8, 8)).at[2, 5].set(jnp.inf)
+    with pytest.raises(ValueError, match=r"`bias` must be finite or -inf"):
+        attn(q, k, v, bias=bias)
+    with pytest.raises(Exception, match=r"`bias` must be finite or -inf"):
+        jax.jit(lambda b: attn(q, k, v, bias=b))(bias)
+    # -inf hides the pair: the same as a mask without it.
+    hide = jnp.zeros((8, 8)).at[:, 5].set(-jnp.inf)
+    no_key_5 = bsa.BlockSparseAttention(mask=masks.Predicate(_not_key_5),
+                                        kernel=kernels.XlaBlockSparse())
+    np.testing.assert_allclose(attn(q, k, v, bias=hide), no_key_5(q, k, v), rtol=1e-6, atol=1e-6)
+
+
+def _not_key_5(q, k):
+    return k != 5
+
+
+def _causal_even(q, k):
+    return (k <= q) & (k % 2 == 0)
+
+
+def test_eager_predicate_calls_compile_once(caplog):
+    """A second eager call with an equal `Predicate` mask (and its gradient) compiles nothing."""
+    x = jax.random.normal(jax.random.key(0), (2, 64, 8))
+    for kernel in (kernels.XlaBlockSparse(), kernels.DenseReference()):
+        attn = bsa.BlockSparseAttention(mask=masks.Predicate(_causal_even), kernel=kernel)
+        step = lambda: jax.grad(lambda x: attn(x, x, x).sum())(x)  # noqa: E731
+        attn(x, x, x)
+        step()
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+            attn(x, x, x)
+            step()
+        compiles = [r.getMessage()[:120] for r in caplog.records if "Compiling" in r.getMessage()]
+        assert not compiles, (kernel.name, compiles)
+
+
+# ---------------------------------------------------------------------------------------------
+# Half precision at small head dims.
+
+
+@pytest.mark.parametrize("dim", [1, 3])
+def test_xla_bfloat16_gradients_stay_near_the_reference(dim):
+    """bfloat16 gradients of XlaBlockSparse are within 2x of DenseReference's error (norm)."""
+    for seed in range(2):
+        case = Case(mask=masks.Causal(), dim=dim, seed=seed)
+        built = build(case, "bfloat16")
+        _, want = oracle(case, built)
+        _, ref = run_kernel(_module(case, kernels.DenseReference()), built)
+        _, got = run_kernel(_module(case, kernels.XlaBlockSparse()), built)
+        for name in want:
+            ref_err, got_err = _errors(ref[name], want[name])[1], _errors(got[name], want[name])[1]
+            assert got_err <= 2 * ref_err, (dim, seed, name, got_err, ref_err)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: the blocks of a slot run in chunks.
+
+
+def test_chunked_slots_match_one_chunk(monkeypatch):
+    """With a tiny slot budget every pass runs block by block, ragged chunks included; the
+    results equal the one-chunk run (per-block arithmetic is the same)."""
+    case = Case(mask=masks.Causal() & masks.SlidingWindow(20, 2), q_len=53, documents=2, pad=3,
+                bias="1hqk", tiling=bsa.Tiling(block_q=8, block_kv=8, block_q_bwd=16,
+                                               block_kv_bwd=8))
+    built = build(case, "float32")
+    attn = _module(case, kernels.XlaBlockSparse())
+    xla_kernel._attention_fn.cache_clear()
+    whole = run_kernel(attn, built)
+    monkeypatch.setattr(xla_kernel, "_SLOT_ELEMENTS", 3 * 8 * 8 * 4 * 2)  # 3 blocks a chunk
+    xla_kernel._attention_fn.cache_clear()
+    chunked = run_kernel(attn, built)
+    xla_kernel._attention_fn.cache_clear()
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism.
+
+
+@pytest.mark.parametrize("kernel_cls", RUNS)
+def test_repeated_calls_are_bit_identical(kernel_cls):
+    """Output and every gradient: the same bits on every call, eager and under jit."""
+    case = Case(mask=masks.Causal() & masks.SlidingWindow(16, 0), q_len=48, heads=4, kv_heads=2,
+                tiling=None if kernel_cls.name == "cudnn" else "small")
+    dtype = _dtype(kernel_cls)
+    kernel = kernel_cls()
+    built = build(case, dtype)
+    _run_or_skip(case, kernel, built)
+    attn = _module(case, kernel)
+
+    def value_and_grads(a):
+        def f(a):
+            return attn(a["q"], a["k"], a["v"], **built.data)
+
+        out, pullback = jax.vjp(f, a)
+        return out, pullback(built.cotangent)[0]
+
+    jitted = jax.jit(value_and_grads)
+    for fn in (value_and_grads, jitted):
+        first = jax.tree.leaves(fn(built.args))
+        for _ in range(2):
+            again = jax.tree.leaves(fn(built.args))
+            for a, b in zip(first, again):
+                assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward-mode AD.
+
+
+def _jvp(attn, q, k, v):
+    return jax.jvp(lambda q, k, v: attn(q, k, v), (q, k, v), (q, k, v))
+
+
+def test_jvp_through_a_custom_vjp_kernel_says_what_to_use():
+    q, k, v = (jax.random.normal(key, (2, 16, 4)) for key in jax.random.split(jax.random.key(2), 3))
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.XlaBlockSparse())
+    for call in (lambda: _jvp(attn, q, k, v), lambda: jax.jit(_jvp, static_argnums=0)(attn, q, k, v)):
+        with pytest.raises(TypeError, match=r"forward-mode.*XlaBlockSparse.*DenseReference"):
+            call()
+
+
+def test_jvp_through_the_reference_matches_finite_differences():
+    q, k, v = (jax.random.normal(key, (2, 16, 4)) for key in jax.random.split(jax.random.key(3), 3))
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.DenseReference())
+    _, tangent = _jvp(attn, q, k, v)
+    eps = 1e-3
+    fd = (attn(q + eps * q, k + eps * k, v + eps * v) - attn(q - eps * q, k - eps * k, v - eps * v))
+    np.testing.assert_allclose(tangent, fd / (2 * eps), rtol=2e-2, atol=2e-3)
+
+
+def test_concrete_positions_inside_a_trace_are_checked_at_trace_time():
+    """Found by tests/test_fuzz.py: positions closed over by a jitted function are concrete
+    while the call is traced; the range check must not turn them into tracers."""
+    q = jnp.ones((2, 16, 4))
+    attn = bsa.BlockSparseAttention(mask=_WINDOW, kernel=kernels.XlaBlockSparse())
+    pos = jnp.arange(16, dtype=jnp.int32)
+    out = jax.jit(lambda q: attn(q, q, q, q_positions=pos, kv_positions=pos))(q)
+    np.testing.assert_allclose(out, attn(q, q, q, q_positions=pos, kv_positions=pos), rtol=1e-6)
+    far = pos + 2**30
+    with pytest.raises(ValueError, match="must lie in"):
+        jax.jit(lambda q: attn(q, q, q, q_positions=far, kv_positions=pos))(q)
