@@ -103,7 +103,7 @@ def test_autotune_keeps_a_runnable_candidate_and_reports_rejections():
     assert timings[0][1] is None
     assert timings[1][1] is not None and timings[2][1] is not None
     assert tuned.tiling in candidates[1:]
-    assert tuned.mask == attn.mask and attn.tiling is None  # the original is untouched
+    assert tuned.mask == attn.mask and attn.tiling == bsa.AutoTiling()  # the original is untouched
     # The test kernel wraps the reference, so compare with the independent float64 oracle.
     vis = np_visibility(attn.mask, batch=1, heads=2, q_len=96, kv_len=96)
     assert_close(tuned(q, k, v), np_attention(q, k, v, vis), 2e-5, "tuned")
