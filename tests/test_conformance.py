@@ -237,7 +237,17 @@ def _marks(kernel_cls, runs: bool) -> list:
     return marks
 
 
-PARAMS = [pytest.param(cls, name, dtype, marks=_marks(cls, runs=True),
+#: The cases each kernel runs in the quick subset (``-m "not slow"``): the one that combines
+#: every feature, and for the default CPU kernel a block table on its own tiling and an element
+#: predicate; cuDNN, which declines "everything", runs causal. The rest are marked `slow`.
+QUICK_CASES = {"xla": {"everything", "tiled_bigbird", "predicate"}, "cudnn": {"tiled_causal"}}
+
+
+def _quick(cls, name: str) -> list:
+    return [] if name in QUICK_CASES.get(cls.name, {"everything"}) else [pytest.mark.slow]
+
+
+PARAMS = [pytest.param(cls, name, dtype, marks=_marks(cls, runs=True) + _quick(cls, name),
                         id=f"{cls.name}-{name}-{dtype}")
           for cls in KERNELS for name, case in CASES.items() for dtype in _dtypes(cls, case)]
 
@@ -432,8 +442,10 @@ EXPECTED_DECLINES = {
 }
 
 
-@pytest.mark.parametrize("kernel_cls", [pytest.param(cls, marks=_marks(cls, runs=False),
-                                                      id=cls.name) for cls in KERNELS])
+@pytest.mark.parametrize("kernel_cls", [
+    pytest.param(cls, id=cls.name, marks=_marks(cls, runs=False)
+                 + ([] if cls.name in EXPECTED_DECLINES else [pytest.mark.slow]))
+    for cls in KERNELS])
 def test_declined_cases_are_the_expected_ones(kernel_cls):
     """The kernel declines exactly its expected cases. Declining needs no device: the plan is
     made for the kernel's own platform, so GPU kernels are checked on the CPU too."""
