@@ -21,6 +21,7 @@ from ._kernel import (
     Features as Features,
     registered_kernels as registered_kernels,
 )
+from ._layer import MultiheadBlockSparseAttention as MultiheadBlockSparseAttention
 from ._layout import BlockLayout as BlockLayout, build_layout as build_layout
 from ._mask import AbstractMask as AbstractMask, MaskTerms as MaskTerms
 from ._plot import plot_layout as plot_layout
@@ -32,6 +33,11 @@ from ._selector import (
     select_kernel as select_kernel,
 )
 from ._sharding import AbstractSharding as AbstractSharding, Unsharded as Unsharded
+from ._swap import (
+    AutoKernel as AutoKernel,
+    AutoTiling as AutoTiling,
+    swap_strategy as swap_strategy,
+)
 from ._tiling import Tiling as Tiling
 from ._typing import TYPECHECK_ENABLED as TYPECHECK_ENABLED
 

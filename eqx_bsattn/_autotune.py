@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._cache import cache_file, call_key, lookup, mask_key, policy, store, tiling_policy
+from ._swap import is_auto
 from ._tiling import Tiling
 from ._timing import median_ms
 
@@ -296,7 +297,7 @@ def autotune(
         tolerance = TOLERANCES.get(features.dtype, 2e-3)
 
     listed = [(kernel.default_tiling(features, resolved), "heuristic", None)]
-    if attn.tiling is not None:
+    if not is_auto(attn.tiling):
         listed.append((attn.tiling, "module", None))
     if candidates is None:
         listed += [(t, "kernel", why) for t, why in kernel.tiling_candidates(features, resolved)]
@@ -428,7 +429,7 @@ def choose_tiling(attn, kernel, features, resolved, inputs) -> tuple[Tiling, str
     policy (`EQX_BSATTN_AUTOTUNE`): the cache (``"cache"``), tuning now on random inputs of
     this call's shapes (``"autotune"``, policy ``tune``), or the kernel's heuristic
     (``"heuristic"``)."""
-    if attn.tiling is not None:
+    if not is_auto(attn.tiling):
         return attn.tiling, "module"
     mode = tiling_policy()
     if mode != "heuristics":

@@ -17,6 +17,7 @@ from ._kernel import AbstractKernel, Features
 from ._mask import EMPTY, AbstractMask, And, Document, Full
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
 from ._sharding import AbstractSharding, Unsharded
+from ._swap import AutoKernel, AutoTiling, _kernel_or_auto, _tiling_or_auto, is_auto
 from ._tiling import Tiling
 from ._typing import ArrayOrNumpy, typechecked
 
@@ -105,16 +106,18 @@ def _validate_call(arguments: dict) -> None:
 class BlockSparseAttention(eqx.Module):
     """Exact attention that skips the blocks its mask leaves empty.
 
-    Holds four strategies: a `mask` (which pairs attend), a `kernel` (how it runs; ``None``
-    lets `select_kernel` pick per platform), a `tiling` (block sizes; ``None`` takes the
-    kernel's heuristic) and a `sharding` (how it spreads over devices). Swap any of them with
-    `eqx.tree_at`.
+    Holds four strategies: a `mask` (which pairs attend), a `kernel` (how it runs; the default
+    `AutoKernel()` lets `select_kernel` pick per platform), a `tiling` (block sizes; the default
+    `AutoTiling()` takes the kernel's heuristic) and a `sharding` (how it spreads over devices).
+    Swap any of them with `eqx.tree_at` (in training, `swap_strategy` keeps the optimizer state).
 
     **Arguments:**
 
     - `mask`: an `AbstractMask`; default `masks.Full()` (dense attention).
-    - `kernel`: an `AbstractKernel` or ``None`` (default: selected per call).
-    - `tiling`: a `Tiling` or ``None`` (default: the kernel's heuristic).
+    - `kernel`: an `AbstractKernel`; default `AutoKernel()` (selected per call; ``None`` means
+      the same).
+    - `tiling`: a `Tiling`; default `AutoTiling()` (the kernel's heuristic; ``None`` means the
+      same).
     - `sharding`: an `AbstractSharding`; default `Unsharded()`.
     - `softmax_scale`: multiplies ``q . k``; default ``1 / sqrt(head_dim)``.
     - `logits_soft_cap`: if set to ``c``, logits become ``c * tanh(logits / c)``.
@@ -127,8 +130,8 @@ class BlockSparseAttention(eqx.Module):
     """
 
     mask: AbstractMask = Full()
-    kernel: AbstractKernel | None = None
-    tiling: Tiling | None = None
+    kernel: AbstractKernel | AutoKernel = eqx.field(default=AutoKernel(), converter=_kernel_or_auto)
+    tiling: Tiling | AutoTiling = eqx.field(default=AutoTiling(), converter=_tiling_or_auto)
     sharding: AbstractSharding = Unsharded()
     softmax_scale: float | None = eqx.field(default=None, static=True, converter=python_scalar)
     logits_soft_cap: float | None = eqx.field(default=None, static=True, converter=python_scalar)
@@ -136,9 +139,9 @@ class BlockSparseAttention(eqx.Module):
     def __check_init__(self):
         if not isinstance(self.mask, AbstractMask):
             raise TypeError(f"`mask` must be an AbstractMask; got {type(self.mask).__name__}.")
-        if self.kernel is not None and not isinstance(self.kernel, AbstractKernel):
+        if not isinstance(self.kernel, (AbstractKernel, AutoKernel)):
             raise TypeError(f"`kernel` must be an AbstractKernel or None; got {type(self.kernel).__name__}.")
-        if self.tiling is not None and not isinstance(self.tiling, Tiling):
+        if not isinstance(self.tiling, (Tiling, AutoTiling)):
             raise TypeError(f"`tiling` must be a Tiling or None; got {type(self.tiling).__name__}.")
         if not isinstance(self.sharding, AbstractSharding):
             raise TypeError(
@@ -217,7 +220,7 @@ class BlockSparseAttention(eqx.Module):
             fused_backward=fused_backward,
             lse=self.sharding.needs_lse,
         )
-        if self.kernel is None:
+        if is_auto(self.kernel):
             choice = choose_kernel(resolved, features)
             kernel = choice.kernel
         else:

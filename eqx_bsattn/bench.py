@@ -277,24 +277,49 @@ def _table(records: list[dict]) -> str:
 def parse_args(argv=None):
     platform = default_platform()
     gpu = platform == "gpu"
-    p = argparse.ArgumentParser(prog="python -m eqx_bsattn.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[16384] if gpu else [2048])
-    p.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=PATTERNS)
-    p.add_argument("--batch", type=int, default=2 if gpu else 1)
-    p.add_argument("--heads", type=int, default=16 if gpu else 4)
+    p = argparse.ArgumentParser(
+        prog="python -m eqx_bsattn.bench",
+        description=" ".join(__doc__.split("\n\n")[1].split()),
+        epilog=f"Defaults are for this platform ({platform}).",
+    )
+    p.add_argument("--lengths", type=int, nargs="+", default=[16384] if gpu else [2048],
+                   help="sequence lengths to time, one table row per pattern and length "
+                        "(default: %(default)s)")
+    p.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=PATTERNS,
+                   help="masks to time: causal, causal sliding window, 16 packed documents, "
+                        "BigBird (default: all)")
+    p.add_argument("--batch", type=int, default=2 if gpu else 1,
+                   help="batch size B (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=16 if gpu else 4,
+                   help="query heads H (default: %(default)s)")
     p.add_argument("--gqa-kv-heads", type=int, default=4 if gpu else 0,
-                   help="also time causal with this many kv heads (0: skip)")
-    p.add_argument("--dim", type=int, default=128 if gpu else 64)
-    p.add_argument("--dtype", default="bfloat16" if gpu else "float32")
-    p.add_argument("--window", type=int, default=1024 if gpu else 256)
-    p.add_argument("--reps", type=int, default=10 if gpu else 3)
+                   help="also time causal with this many kv heads, grouped-query attention "
+                        "(0: skip; default: %(default)s)")
+    p.add_argument("--dim", type=int, default=128 if gpu else 64,
+                   help="head dimension D (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16" if gpu else "float32",
+                   help="dtype of q, k, v, e.g. float32, bfloat16, float16 (default: %(default)s)")
+    p.add_argument("--window", type=int, default=1024 if gpu else 256,
+                   help="keys each query sees under the 'window' pattern (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=10 if gpu else 3,
+                   help="timed calls per measurement; the median is reported (default: %(default)s)")
     p.add_argument("--xla-max-len", type=int, default=4096,
-                   help="time the dense XLA peer only up to this length (it materialises L x L)")
-    p.add_argument("--kernel", default=None, help="our kernel class name (default per platform)")
-    p.add_argument("--platform", default=None)
-    p.add_argument("--forward-only", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the records as JSON here")
+                   help="time the dense XLA peer only up to this length, since it materialises "
+                        "L x L (default: %(default)s)")
+    p.add_argument("--kernel", default=None,
+                   help="our kernel by class name, e.g. XlaBlockSparse or TritonBlockSparse "
+                        "(default: the selector's choice per pattern)")
+    p.add_argument("--platform", default=None,
+                   help="platform the selector picks for: cpu, gpu or tpu (default: JAX's "
+                        "default backend)")
+    p.add_argument("--forward-only", action="store_true",
+                   help="time the forward pass only (default: forward and forward+backward)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random inputs, document lengths and BigBird blocks "
+                        "(default: %(default)s)")
+    p.add_argument("--out", default=None,
+                   help="write the records as JSON to this path (one object per pattern and "
+                        "length; see notebooks/ for a plot of it)")
     return p.parse_args(argv)
 
 

@@ -10,6 +10,10 @@ mask evaluator (`np_mask`) that reads each built-in mask's fields.
 import functools
 import math
 import os
+import tempfile
+
+# The tests never read or write the user's autotune cache: a fresh, empty folder per run.
+os.environ.setdefault("EQX_BSATTN_CACHE_DIR", tempfile.mkdtemp(prefix="eqx_bsattn_cache_"))
 
 if os.environ.get("EQX_BSATTN_TRITON_INTERPRET"):  # a debugging aid: see tests/triton_interpret.py
     from tests.triton_interpret import install

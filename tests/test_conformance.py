@@ -237,22 +237,19 @@ def _marks(kernel_cls, runs: bool) -> list:
     return marks
 
 
-#: Kernels that interpret their device code on the CPU (seconds a case), with the cases they
-#: run there in every test run; their other cases carry the `slow` marker.
-INTERPRETED_QUICK_CASES = {
-    "splash": {"full_scale", "causal_lq_gt_lk", "window", "chunked", "prefix_lm", "not_window", "per_head", "fully_masked_rows", "gqa_causal_sinks_s",
-               "sinks_hs_window", "soft_cap", "segments_padded_lq_ne_lk", "mqa_window",
-               "value_dim", "one_query"},
-}
+#: The cases each kernel runs in the quick subset (``-m "not slow"``): the one that combines
+#: every feature, and for the default CPU kernel a block table on its own tiling and an element
+#: predicate; cuDNN, which declines "everything", runs causal; Splash (interpreted on the CPU,
+#: seconds a case) a few of the features it takes. The rest are marked `slow`.
+QUICK_CASES = {"xla": {"everything", "tiled_bigbird", "predicate"}, "cudnn": {"tiled_causal"},
+               "splash": {"window", "segments_padded_lq_ne_lk", "gqa_causal_sinks_s"}}
 
 
-def _case_marks(kernel_cls, case_name: str) -> list:
-    quick = INTERPRETED_QUICK_CASES.get(kernel_cls.name)
-    slow = quick is not None and case_name not in quick and bsa.default_platform() == "cpu"
-    return _marks(kernel_cls, runs=True) + ([pytest.mark.slow] if slow else [])
+def _quick(cls, name: str) -> list:
+    return [] if name in QUICK_CASES.get(cls.name, {"everything"}) else [pytest.mark.slow]
 
 
-PARAMS = [pytest.param(cls, name, dtype, marks=_case_marks(cls, name),
+PARAMS = [pytest.param(cls, name, dtype, marks=_marks(cls, runs=True) + _quick(cls, name),
                         id=f"{cls.name}-{name}-{dtype}")
           for cls in KERNELS for name, case in CASES.items() for dtype in _dtypes(cls, case)]
 
@@ -463,8 +460,10 @@ EXPECTED_DECLINES = {
 }
 
 
-@pytest.mark.parametrize("kernel_cls", [pytest.param(cls, marks=_marks(cls, runs=False),
-                                                      id=cls.name) for cls in KERNELS])
+@pytest.mark.parametrize("kernel_cls", [
+    pytest.param(cls, id=cls.name, marks=_marks(cls, runs=False)
+                 + ([] if cls.name in EXPECTED_DECLINES else [pytest.mark.slow]))
+    for cls in KERNELS])
 def test_declined_cases_are_the_expected_ones(kernel_cls):
     """The kernel declines exactly its expected cases. Declining needs no device: the plan is
     made for the kernel's own platform, so GPU kernels are checked on the CPU too."""

@@ -131,9 +131,8 @@ def test_tree_at_swaps_and_retraces(qkv):
     xla = eqx.tree_at(lambda m: m.kernel, attn, kernels.XlaBlockSparse())
     c = run(xla, q, k, v)
     assert len(traces) == 3
-    tiled = eqx.tree_at(lambda m: m.tiling, xla, bsa.Tiling(block_q=16, block_kv=16),
-                        is_leaf=lambda x: x is None)
-    assert tiled.tiling == bsa.Tiling(block_q=16, block_kv=16) and xla.tiling is None
+    tiled = eqx.tree_at(lambda m: m.tiling, xla, bsa.Tiling(block_q=16, block_kv=16))
+    assert tiled.tiling == bsa.Tiling(block_q=16, block_kv=16) and xla.tiling == bsa.AutoTiling()
     d = run(tiled, q, k, v)
     assert len(traces) == 4, "swapping the tiling must retrace"
     assert_close(c, expected(masks.Causal(), q, k, v))

@@ -1,0 +1,231 @@
+"""`MultiheadBlockSparseAttention`: a drop-in for `eqx.nn.MultiheadAttention` with projections,
+grouped-query heads, rotary embedding and a block-sparse mask."""
+
+import jax
+import jax.numpy as jnp
+import equinox as eqx
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._kernel import AbstractKernel
+from ._mask import AbstractMask, Full
+from ._module import BlockSparseAttention
+from ._tiling import Tiling
+from ._typing import ArrayOrNumpy, typechecked
+
+
+def apply_rotary(
+    x: Float[Array, "heads seq dim"], positions: Int[Array, " seq"], theta: float
+) -> Float[Array, "heads seq dim"]:
+    """Rotary position embedding of `x` at `positions`, halves rotated as in
+    `eqx.nn.RotaryPositionalEmbedding` (``x * cos + rotate_half(x) * sin``), in float32."""
+    dim = x.shape[-1]
+    freqs = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]
+    cos = jnp.tile(jnp.cos(angles), (1, 2))
+    sin = jnp.tile(jnp.sin(angles), (1, 2))
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+class MultiheadBlockSparseAttention(eqx.Module):
+    """Multi-head attention with learned projections, in the manner of
+    `eqx.nn.MultiheadAttention`, computed by a `BlockSparseAttention` that skips the blocks its
+    mask leaves empty.
+
+    Projects ``query [Lq, query_size]`` to `num_heads` heads of `qk_size`, ``key_`` and
+    ``value [Lk, *]`` to `num_kv_heads` heads (of `qk_size` and `vo_size`), optionally rotates
+    query and key heads by their positions (rotary embedding), attends, and projects the
+    ``num_heads * vo_size`` channels to `output_size`. The call is unbatched, as in
+    `equinox.nn`: map it over a batch with `jax.vmap` or `eqx.filter_vmap`.
+
+    With the same weights, a full mask and no rotary embedding it computes what
+    `eqx.nn.MultiheadAttention` computes. Dropout is the one difference: block-sparse kernels
+    never form the attention weights, so `dropout_p` drops elements of each head's attention
+    output (before the output projection) instead of attention weights.
+
+    The strategies sit in `attention` and swap with `eqx.tree_at`
+    (``lambda m: m.attention.kernel``); in training use `swap_strategy` to keep the optimizer
+    state.
+
+    **Arguments:**
+
+    - `num_heads`: number of query heads ``H``.
+    - `query_size`: channels of the query input.
+    - `key_size`, `value_size`: channels of the key and value inputs; default `query_size`.
+    - `output_size`: output channels; default `query_size`.
+    - `qk_size`, `vo_size`: channels per head for query/key and for value/output; default
+      ``query_size // num_heads``.
+    - `num_kv_heads`: key/value heads ``Hkv`` (grouped-query attention; ``H % Hkv == 0``,
+      query head ``h`` reads kv head ``h // (H // Hkv)``); default `num_heads`.
+    - `mask`: an `AbstractMask`; default `masks.Full()`.
+    - `kernel`, `tiling`: as in `BlockSparseAttention`; default: chosen per call.
+    - `rotary_theta`: if set, rotary position embedding with this base (``10_000.0`` is the
+      usual value) on the query and key heads; `qk_size` must be even. Default ``None``: off.
+    - `use_query_bias`, `use_key_bias`, `use_value_bias`, `use_output_bias`: biases of the
+      four projections; default ``False``.
+    - `dropout_p`: dropout probability on the attention output; default ``0.0``.
+    - `inference`: if ``True`` dropout is off (toggle with `eqx.nn.inference_mode`).
+    - `softmax_scale`, `logits_soft_cap`: as in `BlockSparseAttention`.
+    - `dtype`: dtype of the weights; default float32 (float64 in 64-bit mode).
+    - `key`: a `jax.random` key for the initial weights (keyword only).
+
+    ```python
+    import equinox as eqx, jax
+    import eqx_bsattn as bsa
+
+    layer = bsa.MultiheadBlockSparseAttention(
+        num_heads=8, query_size=256, num_kv_heads=2, rotary_theta=10_000.0,
+        mask=bsa.masks.Causal() & bsa.masks.SlidingWindow(128, 0), key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (4, 1024, 256))      # [batch, seq, channels]
+    y = jax.vmap(lambda x: layer(x, x, x))(x)                       # [4, 1024, 256]
+    exact = eqx.tree_at(lambda m: m.attention.kernel, layer, bsa.kernels.DenseReference())
+    ```
+    """
+
+    query_proj: eqx.nn.Linear
+    key_proj: eqx.nn.Linear
+    value_proj: eqx.nn.Linear
+    output_proj: eqx.nn.Linear
+    attention: BlockSparseAttention
+    dropout: eqx.nn.Dropout
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    query_size: int = eqx.field(static=True)
+    key_size: int = eqx.field(static=True)
+    value_size: int = eqx.field(static=True)
+    output_size: int = eqx.field(static=True)
+    qk_size: int = eqx.field(static=True)
+    vo_size: int = eqx.field(static=True)
+    rotary_theta: float | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_heads: int,
+        query_size: int,
+        key_size: int | None = None,
+        value_size: int | None = None,
+        output_size: int | None = None,
+        qk_size: int | None = None,
+        vo_size: int | None = None,
+        num_kv_heads: int | None = None,
+        mask: AbstractMask = Full(),
+        kernel: AbstractKernel | None = None,
+        tiling: Tiling | None = None,
+        rotary_theta: float | None = None,
+        use_query_bias: bool = False,
+        use_key_bias: bool = False,
+        use_value_bias: bool = False,
+        use_output_bias: bool = False,
+        dropout_p: float = 0.0,
+        inference: bool = False,
+        softmax_scale: float | None = None,
+        logits_soft_cap: float | None = None,
+        dtype=None,
+        *,
+        key: PRNGKeyArray,
+    ):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                            ("query_size", query_size)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"`{name}` must be a positive int; got {value!r}.")
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"`num_heads` ({num_heads}) must be a multiple of `num_kv_heads` ({num_kv_heads})."
+            )
+        key_size = query_size if key_size is None else key_size
+        value_size = query_size if value_size is None else value_size
+        output_size = query_size if output_size is None else output_size
+        qk_size = query_size // num_heads if qk_size is None else qk_size
+        vo_size = query_size // num_heads if vo_size is None else vo_size
+        if qk_size <= 0 or vo_size <= 0:
+            raise ValueError(
+                f"`qk_size` and `vo_size` must be positive; got {qk_size} and {vo_size} "
+                f"(they default to query_size // num_heads = {query_size} // {num_heads})."
+            )
+        if rotary_theta is not None and (qk_size % 2 or rotary_theta <= 0):
+            raise ValueError(
+                "rotary embedding needs an even `qk_size` and a positive `rotary_theta`; got "
+                f"qk_size={qk_size}, rotary_theta={rotary_theta!r}."
+            )
+        # The key split of eqx.nn.MultiheadAttention: equal keys give equal initial weights.
+        qkey, kkey, vkey, okey = jax.random.split(key, 4)
+        self.query_proj = eqx.nn.Linear(query_size, num_heads * qk_size, use_bias=use_query_bias,
+                                        dtype=dtype, key=qkey)
+        self.key_proj = eqx.nn.Linear(key_size, num_kv_heads * qk_size, use_bias=use_key_bias,
+                                      dtype=dtype, key=kkey)
+        self.value_proj = eqx.nn.Linear(value_size, num_kv_heads * vo_size,
+                                        use_bias=use_value_bias, dtype=dtype, key=vkey)
+        self.output_proj = eqx.nn.Linear(num_heads * vo_size, output_size,
+                                         use_bias=use_output_bias, dtype=dtype, key=okey)
+        self.attention = BlockSparseAttention(
+            mask=mask, kernel=kernel, tiling=tiling, softmax_scale=softmax_scale,
+            logits_soft_cap=logits_soft_cap,
+        )
+        self.dropout = eqx.nn.Dropout(dropout_p, inference=inference)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.query_size = query_size
+        self.key_size = key_size
+        self.value_size = value_size
+        self.output_size = output_size
+        self.qk_size = qk_size
+        self.vo_size = vo_size
+        self.rotary_theta = None if rotary_theta is None else float(rotary_theta)
+
+    @typechecked
+    def __call__(
+        self,
+        query: Float[Array, "q_len query_size"],
+        key_: Float[Array, "kv_len key_size"],
+        value: Float[Array, "kv_len value_size"],
+        *,
+        q_positions: Int[ArrayOrNumpy, " q_len"] | None = None,
+        kv_positions: Int[ArrayOrNumpy, " kv_len"] | None = None,
+        q_segment_ids: Int[ArrayOrNumpy, " q_len"] | None = None,
+        kv_segment_ids: Int[ArrayOrNumpy, " kv_len"] | None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+    ) -> Float[Array, "q_len output_size"]:
+        """**Arguments:**
+
+        - `query`: ``[Lq, query_size]``.
+        - `key_`: ``[Lk, key_size]``.
+        - `value`: ``[Lk, value_size]``.
+        - `q_positions`, `kv_positions`: ``[Lq]``, ``[Lk]`` ints; the rotary embedding and
+          the positional masks read them. Default: the token indices.
+        - `q_segment_ids`, `kv_segment_ids`: ``[Lq]``, ``[Lk]`` ints for packed documents (a
+          query sees a key only in its own document; ``-1`` marks padding).
+        - `key`: a `jax.random` key for dropout (keyword only).
+        - `inference`: overrides the module's `inference` for this call.
+
+        **Returns:** ``[Lq, output_size]``.
+        """
+        q_len, kv_len = query.shape[0], key_.shape[0]
+        if value.shape[0] != kv_len:
+            raise ValueError(
+                f"`key_` and `value` must have the same length; got {kv_len} and {value.shape[0]}."
+            )
+        q = self._heads(self.query_proj, query, self.num_heads)        # [H, Lq, qk]
+        k = self._heads(self.key_proj, key_, self.num_kv_heads)        # [Hkv, Lk, qk]
+        v = self._heads(self.value_proj, value, self.num_kv_heads)     # [Hkv, Lk, vo]
+        if self.rotary_theta is not None:
+            q_pos = jnp.arange(q_len) if q_positions is None else jnp.asarray(q_positions)
+            kv_pos = jnp.arange(kv_len) if kv_positions is None else jnp.asarray(kv_positions)
+            q = apply_rotary(q, q_pos, self.rotary_theta)
+            k = apply_rotary(k, kv_pos, self.rotary_theta)
+        out = self.attention(
+            q, k, v, q_positions=q_positions, kv_positions=kv_positions,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        )                                                              # [H, Lq, vo]
+        out = self.dropout(out, key=key, inference=inference)
+        out = jnp.transpose(out, (1, 0, 2)).reshape(q_len, self.num_heads * self.vo_size)
+        return jax.vmap(self.output_proj)(out)
+
+    @staticmethod
+    def _heads(proj: eqx.nn.Linear, x, heads: int):
+        """``[L, channels] -> [heads, L, channels_per_head]``."""
+        projected = jax.vmap(proj)(x)
+        return jnp.transpose(projected.reshape(x.shape[0], heads, -1), (1, 0, 2))

@@ -1,0 +1,109 @@
+"""Swapping strategies: the "choose automatically" defaults and `swap_strategy` for training."""
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+
+
+class AutoKernel(eqx.Module):
+    """The default `kernel` of `BlockSparseAttention`: let `select_kernel` pick one per call.
+
+    A strategy object rather than ``None``, so ``eqx.tree_at(lambda m: m.kernel, attn, k)``
+    needs no ``is_leaf``. ``BlockSparseAttention(kernel=None)`` still works and means this.
+    """
+
+
+class AutoTiling(eqx.Module):
+    """The default `tiling` of `BlockSparseAttention`: take the kernel's heuristic per call.
+
+    ``BlockSparseAttention(tiling=None)`` still works and means this.
+    """
+
+
+def _kernel_or_auto(kernel):
+    return AutoKernel() if kernel is None else kernel
+
+
+def _tiling_or_auto(tiling):
+    return AutoTiling() if tiling is None else tiling
+
+
+def is_auto(strategy) -> bool:
+    """Whether a `kernel` or `tiling` field asks for the automatic choice (``None`` included:
+    `eqx.tree_at` can still put ``None`` there)."""
+    return strategy is None or isinstance(strategy, (AutoKernel, AutoTiling))
+
+
+Model = TypeVar("Model")
+State = TypeVar("State")
+
+
+def _structure(tree):
+    # None counts as a leaf: a filtered copy of a model (`eqx.filter(model, eqx.is_array)`) has
+    # None where the model has a non-array leaf, and the same nodes everywhere else.
+    return jax.tree_util.tree_structure(tree, is_leaf=lambda x: x is None)
+
+
+def _array_paths(tree) -> list[str]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return [jax.tree_util.keystr(path) for path, leaf in leaves if eqx.is_array(leaf)]
+
+
+def swap_strategy(
+    where: Callable[[Model], Any], model: Model, replacement: Any, opt_state: State
+) -> tuple[Model, State]:
+    """Swap a strategy in the middle of training, keeping the optimizer state.
+
+    Strategies (masks, kernels, tilings, shardings) hold no arrays, so a swap changes only
+    the static structure of the model, not its parameters. An optimizer state built from the
+    model (for example ``optim.init(eqx.filter(model, eqx.is_array))``) holds copies of that
+    structure (Adam's moments, say), and after an `eqx.tree_at` alone the next
+    ``optim.update`` fails with "different types at key path ...". This swaps the strategy in
+    the model and in every copy of the model's structure inside `opt_state`; the arrays (the
+    parameters and the moments) are untouched.
+
+    **Arguments:**
+
+    - `where`: as in `eqx.tree_at`: a function from the model to the node(s) to replace, e.g.
+      ``lambda m: m.attention.core.kernel``; it may return a tuple of nodes.
+    - `model`: the model being trained.
+    - `replacement`: the new strategy (a tuple of them when `where` returns a tuple).
+    - `opt_state`: the optimizer state, built from the model or a filtered copy of it.
+
+    **Returns:** ``(new_model, new_opt_state)``.
+
+    **Raises:** `ValueError` if the replaced node or its replacement holds arrays: their
+    optimizer state could not be carried over.
+
+    ```python
+    model, opt_state = bsa.swap_strategy(
+        lambda m: m.attention.core.kernel, model, bsa.kernels.DenseReference(), opt_state)
+    ```
+    """
+    old = where(model)
+    for name, tree in (("the node `where` picks", old), ("`replacement`", replacement)):
+        paths = _array_paths(tree)
+        if paths:
+            raise ValueError(
+                f"swap_strategy carries the optimizer state over only when the swap changes no "
+                f"arrays, but {name} holds arrays at {', '.join(paths)}; use `eqx.tree_at` and "
+                "re-initialise the optimizer instead."
+            )
+    new_model = eqx.tree_at(where, model, replacement)
+    model_type = type(model)
+    model_structure = _structure(model)
+    # In the state's copies, the replacement carries None where it has leaves (it has no arrays).
+    replacement_in_state = jax.tree.map(lambda _: None, replacement)
+
+    def is_model_copy(node) -> bool:
+        return type(node) is model_type and _structure(node) == model_structure
+
+    def swap_copy(node):
+        if is_model_copy(node):
+            return eqx.tree_at(where, node, replacement_in_state, is_leaf=lambda x: x is None)
+        return node
+
+    new_state = jax.tree.map(swap_copy, opt_state, is_leaf=is_model_copy)
+    return new_model, new_state
