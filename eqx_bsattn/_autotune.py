@@ -219,8 +219,6 @@ def _check_arguments(attn, candidates, backward, reps) -> None:
             raise TypeError(
                 f"`candidates` must be a sequence of Tiling or None; got {type(candidates).__name__}."
             )
-        if not candidates:
-            raise ValueError("`candidates` must hold at least one Tiling (or be None); got none.")
         for tiling in candidates:
             if not isinstance(tiling, Tiling):
                 raise TypeError(

@@ -139,8 +139,6 @@ CASES = [
      "`attn` must be a BlockSparseAttention; got str."),
     ("autotune candidates", lambda: bsa.autotune(ATTN, Q, K, V, candidates=[(8, 8)]), TypeError,
      "`candidates` must hold Tiling instances; got tuple."),
-    ("autotune none", lambda: bsa.autotune(ATTN, Q, K, V, candidates=[]), ValueError,
-     "`candidates` must hold at least one Tiling"),
     ("autotune reps", lambda: bsa.autotune(ATTN, Q, K, V, reps=0), ValueError,
      "`reps` must be an int >= 1; got 0."),
     # blocksparse_attention's own arguments.

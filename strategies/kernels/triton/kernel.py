@@ -107,7 +107,7 @@ class TritonBlockSparse(AbstractKernel):
         if max(features.head_dim, features.value_dim) > _MAX_HEAD_DIM:
             return (f"head dims above {_MAX_HEAD_DIM} are not supported; got "
                     f"{features.head_dim} / {features.value_dim}.")
-        per_call = not mask.is_static
+        per_call = features.positions or features.segment_ids or not mask.is_static
         if per_call and (mask.terms is None or mask.terms.tables):
             return ("the mask has no in-kernel terms (causal / window / chunk / prefix / "
                     "document), so it needs element bitmaps, which cannot be built from per-call data "
