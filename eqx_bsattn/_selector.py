@@ -156,7 +156,10 @@ def select_kernel(
       defaults to a plain call.
     - `candidates`: kernels to choose among, in order; defaults to the registry's.
 
-    **Returns:** a `KernelChoice` ``(kernel, reason, declined)``.
+    **Returns:** a `KernelChoice` ``(kernel, reason, declined)``: `reason` says why the kernel
+    won (its priority on the platform, the kernels ranked above it that declined, whose reasons
+    are in `declined`, and those ranked below; with `candidates`, its place in the list), and
+    `explain()` puts it all in a few lines.
 
     **Raises:** `NoKernelError` (a `ValueError`) naming every candidate and why it declined.
 
