@@ -234,7 +234,8 @@ def test_notebook_bench_json_is_what_the_benchmark_writes(tmp_path):
     bench.main(["--lengths", "128", "--reps", "1", "--patterns", "causal", "window",
                 "--out", str(out)])
     fresh = json.loads(out.read_text())
-    assert set(kept) == set(fresh) == {"device", "jax", "records"}
+    assert set(kept) == set(fresh) == {"device", "platform", "device_count", "versions", "jax",
+                                       "records"}
 
     def fields(result):
         by_impl = {}
