@@ -235,15 +235,22 @@ def _chunks(n: int, width: int) -> list[tuple[int, int]]:
 def _np_lists(flags: np.ndarray, capacity: int) -> np.ndarray:
     """Sorted indices of the True entries along the last axis, padded with 0 to `capacity`.
 
-    ``O(size)``: `np.nonzero` lists the entries row by row in ascending order; each entry's
-    slot is its rank inside its row.
+    Sparse rows: `np.nonzero` lists the entries row by row in ascending order, and each
+    entry's slot is its rank inside its row. Dense rows: a stable sort of "not flag" (a radix
+    sort for booleans) puts the True entries first, in order.
     """
     rows = flags.reshape(-1, flags.shape[-1])
-    r, c = np.nonzero(rows)
-    counts = np.bincount(r, minlength=rows.shape[0])
-    slot = np.arange(r.size) - (np.cumsum(counts) - counts)[r]
-    out = np.zeros((rows.shape[0], capacity), np.int32)
-    out[r, slot] = c
+    if np.count_nonzero(rows) * 16 > rows.size:
+        order = np.argsort(~rows, axis=-1, kind="stable")[:, :capacity].astype(np.int32)
+        live = np.arange(order.shape[-1]) < rows.sum(-1)[:, None]
+        out = np.zeros((rows.shape[0], capacity), np.int32)
+        out[:, :order.shape[-1]] = np.where(live, order, 0)
+    else:
+        r, c = np.nonzero(rows)
+        counts = np.bincount(r, minlength=rows.shape[0])
+        slot = np.arange(r.size) - (np.cumsum(counts) - counts)[r]
+        out = np.zeros((rows.shape[0], capacity), np.int32)
+        out[r, slot] = c
     return out.reshape(flags.shape[:-1] + (capacity,))
 
 

@@ -204,3 +204,11 @@ def test_bitmaps_survive_chunking(monkeypatch):
     for name in ("bitmaps", "bitmap_index", "t_bitmap_index", "classes") + LIST_FIELDS:
         np.testing.assert_array_equal(np.asarray(getattr(chunked, name)),
                                       np.asarray(getattr(whole, name)), err_msg=name)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.3, 1.0])
+def test_np_lists_sparse_and_dense_rows(density):
+    """Both ways of listing (nonzero for sparse chunks, a sort for dense ones) agree."""
+    flags = np.random.default_rng(2).random((3, 5, 200)) < density
+    capacity = max(int(flags.sum(-1).max()), 1)
+    np.testing.assert_array_equal(_layout._np_lists(flags, capacity), _lists(flags, capacity)[1])
