@@ -241,10 +241,9 @@ def _np_lists(flags: np.ndarray, capacity: int) -> np.ndarray:
     """
     rows = flags.reshape(-1, flags.shape[-1])
     if np.count_nonzero(rows) * 16 > rows.size:
-        order = np.argsort(~rows, axis=-1, kind="stable")[:, :capacity].astype(np.int32)
-        live = np.arange(order.shape[-1]) < rows.sum(-1)[:, None]
-        out = np.zeros((rows.shape[0], capacity), np.int32)
-        out[:, :order.shape[-1]] = np.where(live, order, 0)
+        order = np.argsort(~rows, axis=-1, kind="stable")[:, :capacity]  # capacity <= n
+        live = np.arange(capacity) < rows.sum(-1)[:, None]
+        out = np.where(live, order, 0).astype(np.int32)
     else:
         r, c = np.nonzero(rows)
         counts = np.bincount(r, minlength=rows.shape[0])
@@ -276,14 +275,9 @@ def _lists_from_classes(classes, *, exact: bool) -> tuple:
     matrix itself is). Otherwise (`jax.numpy`, possibly traced): capacities of every block.
     """
     if not exact:
-        out = []
-        for flag in (FULL, PARTIAL):
-            out += _jnp_lists(classes == flag)
-            out += _jnp_lists(jnp.swapaxes(classes, -1, -2) == flag)
-        full_count, full_index, t_full_count, t_full_index = out[:4]
-        partial_count, partial_index, t_partial_count, t_partial_index = out[4:]
-        return (full_count, full_index, partial_count, partial_index, t_full_count,
-                t_full_index, t_partial_count, t_partial_index)
+        by_row = [_jnp_lists(classes == flag) for flag in (FULL, PARTIAL)]
+        by_col = [_jnp_lists(jnp.swapaxes(classes, -1, -2) == flag) for flag in (FULL, PARTIAL)]
+        return (*by_row[0], *by_row[1], *by_col[0], *by_col[1])
     *lead, nq, nk = classes.shape
     counts = {key: np.zeros((*lead, n), np.int32) for key, n in
               (("full", nq), ("partial", nq), ("t_full", nk), ("t_partial", nk))}
