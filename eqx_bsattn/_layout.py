@@ -11,6 +11,9 @@ from jaxtyping import Array, Bool, Int
 from ._mask import EMPTY, FULL, PARTIAL, AbstractMask, BlockCoords, TokenCoords
 
 _BIG = np.iinfo(np.int32).max // 2
+#: Block pairs per chunk of q-block rows (or kv-block columns) in `build_layout`'s loops.
+_CHUNK_PAIRS = 1 << 22
+_RANGE_FIELDS = ("index_lo", "index_hi", "pos_lo", "pos_hi", "seg_lo", "seg_hi")
 
 
 class BlockLayout(eqx.Module):
@@ -137,6 +140,14 @@ def block_coords(
     )
 
 
+def _q_rows(coords: BlockCoords, start: int, stop: int) -> BlockCoords:
+    """The query-side `coords` of q-blocks ``start:stop`` only (arrays ``[mb, n, 1]``)."""
+    return eqx.tree_at(
+        lambda c: [getattr(c, f) for f in _RANGE_FIELDS if getattr(c, f) is not None], coords,
+        [getattr(coords, f)[..., start:stop, :] for f in _RANGE_FIELDS
+         if getattr(coords, f) is not None])
+
+
 def token_coords(
     index: Array, positions: Array | None, segments: Array | None, length: int
 ) -> TokenCoords:
@@ -214,23 +225,80 @@ def _classes_by_elements(mask, head, *, q_len, kv_len, block_q, block_kv, data):
 _classes_by_elements_jit = eqx.filter_jit(_classes_by_elements)
 
 
-def _compact(flags: np.ndarray | Array, capacity: int | None, xp):
-    """Sorted indices of True entries along the last axis, padded with 0 to `capacity`."""
-    count = flags.sum(-1).astype(xp.int32)
-    n = flags.shape[-1]
-    if capacity is None:
-        capacity = max(int(count.max()) if count.size else 0, 1)
-    # A stable sort of "not flag" puts the True entries first, in ascending index order.
-    if xp is np:
-        order = np.argsort(~flags, axis=-1, kind="stable")
+def _chunks(n: int, width: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges covering ``range(n)``, each of at most ``_CHUNK_PAIRS / width``
+    rows (one at least): the transient of a chunk of ``width``-long rows stays bounded."""
+    step = max(1, _CHUNK_PAIRS // max(width, 1))
+    return [(start, min(start + step, n)) for start in range(0, n, step)]
+
+
+def _np_lists(flags: np.ndarray, capacity: int) -> np.ndarray:
+    """Sorted indices of the True entries along the last axis, padded with 0 to `capacity`.
+
+    Sparse rows: `np.nonzero` lists the entries row by row in ascending order, and each
+    entry's slot is its rank inside its row. Dense rows: a stable sort of "not flag" (a radix
+    sort for booleans) puts the True entries first, in order.
+    """
+    rows = flags.reshape(-1, flags.shape[-1])
+    if np.count_nonzero(rows) * 16 > rows.size:
+        order = np.argsort(~rows, axis=-1, kind="stable")[:, :capacity]  # capacity <= n
+        live = np.arange(capacity) < rows.sum(-1)[:, None]
+        out = np.where(live, order, 0).astype(np.int32)
     else:
-        order = jnp.argsort(~flags, axis=-1, stable=True)
-    order = order[..., :capacity].astype(xp.int32)
-    if order.shape[-1] < capacity:
-        pad = [(0, 0)] * (order.ndim - 1) + [(0, capacity - order.shape[-1])]
-        order = xp.pad(order, pad)
-    live = xp.arange(capacity)[None] < count[..., None] if n else False
-    return count, xp.where(live, order, 0).astype(xp.int32)
+        r, c = np.nonzero(rows)
+        counts = np.bincount(r, minlength=rows.shape[0])
+        slot = np.arange(r.size) - (np.cumsum(counts) - counts)[r]
+        out = np.zeros((rows.shape[0], capacity), np.int32)
+        out[r, slot] = c
+    return out.reshape(flags.shape[:-1] + (capacity,))
+
+
+def _jnp_lists(flags: Array) -> tuple[Array, Array]:
+    """`_np_lists` with every entry's slot (capacity the row length), in `jax.numpy`: counts
+    ``[...]`` and indices ``[..., n]`` int32, by one scatter."""
+    n = flags.shape[-1]
+    count = jnp.sum(flags, axis=-1, dtype=jnp.int32)
+    rows = flags.reshape(-1, n)
+    slot = jnp.where(rows, jnp.cumsum(rows, axis=-1, dtype=jnp.int32) - 1, n)  # n: dropped
+    which = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
+    index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), rows.shape)
+    out = jnp.zeros(rows.shape, jnp.int32).at[which, slot].set(index, mode="drop",
+                                                               unique_indices=True)
+    return count, out.reshape(flags.shape)
+
+
+def _lists_from_classes(classes, *, exact: bool) -> tuple:
+    """The eight block lists of a ``[..., nq, nk]`` class matrix, in `BlockLayout` order.
+
+    `exact` (a NumPy `classes`): capacities are the longest list (at least 1), computed in
+    chunks of rows and columns so that no temporary is the size of `classes` (only the int8
+    matrix itself is). Otherwise (`jax.numpy`, possibly traced): capacities of every block.
+    """
+    if not exact:
+        by_row = [_jnp_lists(classes == flag) for flag in (FULL, PARTIAL)]
+        by_col = [_jnp_lists(jnp.swapaxes(classes, -1, -2) == flag) for flag in (FULL, PARTIAL)]
+        return (*by_row[0], *by_row[1], *by_col[0], *by_col[1])
+    *lead, nq, nk = classes.shape
+    counts = {key: np.zeros((*lead, n), np.int32) for key, n in
+              (("full", nq), ("partial", nq), ("t_full", nk), ("t_partial", nk))}
+    for start, stop in _chunks(nq, nk):
+        part = classes[..., start:stop, :]
+        for name, flag in (("full", FULL), ("partial", PARTIAL)):
+            hits = part == flag
+            counts[name][..., start:stop] = hits.sum(-1)
+            counts["t_" + name] += hits.sum(-2, dtype=np.int32)
+    lists = {}
+    for name, flag in (("full", FULL), ("partial", PARTIAL)):
+        for key, n, width, take in ((name, nq, nk, lambda a, b: classes[..., a:b, :]),
+                                    ("t_" + name, nk, nq,
+                                     lambda a, b: np.swapaxes(classes[..., a:b], -1, -2))):
+            capacity = max(int(counts[key].max()) if counts[key].size else 0, 1)
+            index = np.zeros((*lead, n, capacity), np.int32)
+            for start, stop in _chunks(n, width):
+                index[..., start:stop, :] = _np_lists(take(start, stop) == flag, capacity)
+            lists[key] = index
+    return tuple(x for name in ("full", "partial", "t_full", "t_partial")
+                 for x in (counts[name], lists[name]))
 
 
 def _bitmaps(mask, partial_index, partial_count, t_partial_index, t_partial_count,
@@ -326,6 +394,11 @@ def build_layout(
     capacities). With positions or segment ids it is computed on the device inside `jit` with a
     fixed capacity (every block), so new data never recompiles.
 
+    Memory: the int8 class matrix ``[mb, mh, nq, nk]`` (a field) is the only array of that
+    size: `blocks` runs on chunks of q-block rows, and static lists are gathered from the
+    matrix in chunks of rows and columns, so temporaries stay bounded. (Per-call lists have
+    every block's capacity, so they are that size themselves.)
+
     ```python
     layout = build_layout(masks.Causal(), q_len=4096, kv_len=4096, num_heads=8,
                           block_q=128, block_kv=128)
@@ -366,40 +439,50 @@ def build_layout(
     nk = math.ceil(kv_len / block_kv)
     data = {"qp": q_positions, "kp": kv_positions, "qs": q_segment_ids, "ks": kv_segment_ids}
 
-    def classes_for_head(h):
-        if not mask.classifies_blocks:
-            return _classes_by_elements_jit(mask, h, q_len=q_len, kv_len=kv_len,
-                                            block_q=block_q, block_kv=block_kv, data=data)
-        qc = block_coords(q_len, block_q, q_positions, q_segment_ids, axis=-2)
-        kc = block_coords(kv_len, block_kv, kv_positions, kv_segment_ids, axis=-1)
-        return mask.blocks(qc, kc, h)
+    def element_classes():
+        per_head = [_classes_by_elements_jit(mask, h, q_len=q_len, kv_len=kv_len,
+                                             block_q=block_q, block_kv=block_kv, data=data)
+                    for h in range(mh)]
+        mb = max(c.shape[0] for c in per_head)
+        return jnp.stack([jnp.broadcast_to(c, (mb, nq, nk)) for c in per_head], axis=1)
 
-    def all_classes():
-        per_head = [classes_for_head(h) for h in range(mh)]
+    qc = block_coords(q_len, block_q, q_positions, q_segment_ids, axis=-2)
+    kc = block_coords(kv_len, block_kv, kv_positions, kv_segment_ids, axis=-1)
+
+    def row_classes(start, stop):
+        """[mb, mh, stop - start, nk] int8: the classes of q-blocks ``start:stop``."""
+        rows = _q_rows(qc, start, stop)
+        per_head = [mask.blocks(rows, kc, h) for h in range(mh)]
         mb = max(c.shape[0] if c.ndim == 3 else 1 for c in per_head)
-        per_head = [jnp.broadcast_to(c, (mb, nq, nk)) for c in per_head]
-        classes = jnp.stack(per_head, axis=1).astype(jnp.int8)
+        shape = (mb, stop - start, nk)
+        return ragged(jnp.stack([jnp.broadcast_to(c, shape) for c in per_head], 1))
+
+    def ragged(classes):
+        classes = classes.astype(jnp.int8)
         if kv_len % block_kv:
             # The ragged last kv-block must bound-check its keys, so it is never FULL.
             classes = classes.at[..., -1].set(jnp.minimum(classes[..., -1], PARTIAL))
         return classes
 
+    # The class matrix is built a chunk of q-block rows at a time, so that the temporaries of
+    # `blocks` (int32 and bool comparisons) stay bounded; only the int8 result is whole.
     if not dynamic:
         with jax.ensure_compile_time_eval():
-            classes = np.asarray(all_classes())
-        xp, cap_q, cap_k = np, None, None
+            if mask.classifies_blocks:
+                classes = None
+                for start, stop in _chunks(nq, nk):
+                    part = np.asarray(row_classes(start, stop))
+                    if classes is None:
+                        classes = np.empty(part.shape[:2] + (nq, nk), np.int8)
+                    classes[..., start:stop, :] = part
+            else:
+                classes = np.asarray(ragged(element_classes()))
+    elif mask.classifies_blocks:
+        classes = jnp.concatenate([row_classes(*rows) for rows in _chunks(nq, nk)], axis=-2)
     else:
-        classes = all_classes()
-        xp, cap_q, cap_k = jnp, nk, nq
-
-    full = classes == FULL
-    partial = classes == PARTIAL
-    full_t = xp.swapaxes(full, -1, -2)
-    partial_t = xp.swapaxes(partial, -1, -2)
-    full_count, full_index = _compact(full, cap_q, xp)
-    partial_count, partial_index = _compact(partial, cap_q, xp)
-    t_full_count, t_full_index = _compact(full_t, cap_k, xp)
-    t_partial_count, t_partial_index = _compact(partial_t, cap_k, xp)
+        classes = ragged(element_classes())
+    (full_count, full_index, partial_count, partial_index, t_full_count, t_full_index,
+     t_partial_count, t_partial_index) = _lists_from_classes(classes, exact=not dynamic)
 
     bitmaps = bitmap_index = t_bitmap_index = None
     if with_bitmaps:

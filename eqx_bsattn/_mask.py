@@ -171,6 +171,9 @@ class AbstractMask(eqx.Module):
     def blocks(self, q: BlockCoords, k: BlockCoords, head: Any) -> Int[Array, "..."]:
         """Block classes (int8 EMPTY / PARTIAL / FULL) from block ranges.
 
+        Classify exactly the blocks `q` and `k` hold: `build_layout` passes the q-blocks a
+        chunk of rows at a time on long sequences.
+
         Not implemented by default: `build_layout` then evaluates `elements` block by block
         (see `classifies_blocks`).
         """

@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._layout import BlockLayout, _compact
-from ._mask import FULL, PARTIAL
+from ._layout import BlockLayout, _lists_from_classes
 
 
 class AbstractSharding(eqx.Module):
@@ -69,14 +68,7 @@ def layout_from_classes(classes, *, q_len: int, kv_len: int, block_q: int, block
     several shards stack); a traced one gives capacities of every block. Leading axes are
     kept as they are (a `BlockLayout` proper has two, ``[mb, mh]``). No bitmaps.
     """
-    xp = np if isinstance(classes, np.ndarray) else jnp
-    cap_q, cap_k = (None, None) if xp is np else (classes.shape[-1], classes.shape[-2])
-    full, partial = classes == FULL, classes == PARTIAL
-    full_count, full_index = _compact(full, cap_q, xp)
-    partial_count, partial_index = _compact(partial, cap_q, xp)
-    t_full_count, t_full_index = _compact(xp.swapaxes(full, -1, -2), cap_k, xp)
-    t_partial_count, t_partial_index = _compact(xp.swapaxes(partial, -1, -2), cap_k, xp)
-    arrays = (classes, full_count, full_index, partial_count, partial_index, t_full_count,
-              t_full_index, t_partial_count, t_partial_index)
+    lists = _lists_from_classes(classes, exact=isinstance(classes, np.ndarray))
+    arrays = (classes, *lists)
     return BlockLayout(*map(jnp.asarray, arrays), None, None, None, q_len=q_len, kv_len=kv_len,
                        block_q=block_q, block_kv=block_kv, is_static=is_static)

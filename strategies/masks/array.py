@@ -83,7 +83,8 @@ class ArrayMask(AbstractMask):
         return table[jnp.clip(q.index, 0, rows - 1), jnp.clip(k.index, 0, cols - 1)]
 
     def blocks(self, q, k, head):
-        # One any/all per tile of the (block_q x block_kv) grid the layout is built on.
+        # One any/all per tile of the (block_q x block_kv) grid the layout is built on, then
+        # the tiles of the blocks asked for (a layout may ask for some rows at a time).
         table = self._table(head)
         bq, bk = q.block_size, k.block_size
         nq, nk = math.ceil(q.length / bq), math.ceil(k.length / bk)
@@ -91,4 +92,5 @@ class ArrayMask(AbstractMask):
         tiles = (nq, bq, nk, bk)
         any_visible = jnp.pad(table, pad, constant_values=False).reshape(tiles).any((1, 3))
         all_visible = jnp.pad(table, pad, constant_values=True).reshape(tiles).all((1, 3))
-        return classify(all_visible, ~any_visible)
+        rows, cols = q.index_lo // bq, k.index_lo // bk
+        return classify(all_visible[rows, cols], ~any_visible[rows, cols])

@@ -5,6 +5,7 @@ import math
 from typing import ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -67,12 +68,20 @@ class Dilated(AbstractMask):
         return classify(full, ~has_multiple)
 
 
-def _table_blocks(table: np.ndarray, block_q: int, block_k: int, q, k):
-    """Classify tiles against a boolean table of (block_q x block_k) cells, by prefix sums."""
+def _prefix_sums(table: np.ndarray) -> jax.Array:
+    """``[rows + 1, cols + 1]`` int32: ``sums[r, c]`` counts the True cells above and left."""
     rows, cols = table.shape
     sums = np.zeros((rows + 1, cols + 1), np.int32)
     sums[1:, 1:] = np.cumsum(np.cumsum(table, 0), 1)
-    sums = jnp.asarray(sums)
+    with jax.ensure_compile_time_eval():  # a constant, cached: never a tracer
+        return jnp.asarray(sums)
+
+
+def _table_blocks(table: np.ndarray, block_q: int, block_k: int, q, k, sums=None):
+    """Classify tiles against a boolean table of (block_q x block_k) cells, by prefix sums
+    (`sums`, computed from `table` when not given)."""
+    rows, cols = table.shape
+    sums = _prefix_sums(table) if sums is None else sums
     r0, r1 = q.pos_lo // block_q, q.pos_hi // block_q
     c0, c1 = k.pos_lo // block_k, k.pos_hi // block_k
     inside = (r0 >= 0) & (c0 >= 0) & (r1 < rows) & (c1 < cols)
@@ -90,6 +99,24 @@ def _table_elements(table: np.ndarray, block_q: int, block_k: int, q, k):
     inside = (r >= 0) & (r < rows) & (c >= 0) & (c < cols)
     hit = jnp.asarray(table)[jnp.clip(r, 0, rows - 1), jnp.clip(c, 0, cols - 1)]
     return inside & hit
+
+
+#: id(layout) -> (layout, table, prefix sums) of the last few `BlockLayoutMask` layouts.
+_LAYOUT_TABLES: dict[int, tuple] = {}
+
+
+def _layout_table(layout: tuple) -> tuple[np.ndarray, jax.Array]:
+    """A `BlockLayoutMask` layout's boolean table and prefix sums, made once per layout object:
+    a long sequence's layout classifies its blocks a chunk of rows at a time."""
+    hit = _LAYOUT_TABLES.get(id(layout))
+    if hit is None or hit[0] is not layout:  # the entry holds `layout`: its id is not reused
+        table = np.asarray(layout, dtype=bool)
+        table.flags.writeable = False
+        hit = (layout, table, _prefix_sums(table))
+        if len(_LAYOUT_TABLES) >= 8:
+            _LAYOUT_TABLES.pop(next(iter(_LAYOUT_TABLES)))
+        _LAYOUT_TABLES[id(layout)] = hit
+    return hit[1], hit[2]
 
 
 class BlockLayoutMask(AbstractMask):
@@ -132,7 +159,8 @@ class BlockLayoutMask(AbstractMask):
 
     @property
     def table(self) -> np.ndarray:
-        return np.asarray(self.layout, dtype=bool)
+        """The layout as a read-only ``[rows, cols]`` boolean array."""
+        return _layout_table(self.layout)[0]
 
     def check(self, q_len, kv_len, num_heads):
         rows, cols = len(self.layout), len(self.layout[0])
@@ -147,10 +175,18 @@ class BlockLayoutMask(AbstractMask):
         return _table_elements(self.table, *self.block_size, q, k)
 
     def blocks(self, q, k, head):
-        return _table_blocks(self.table, *self.block_size, q, k)
+        table, sums = _layout_table(self.layout)
+        return _table_blocks(table, *self.block_size, q, k, sums)
 
     def terms(self, head):
         return MaskTerms(tables=(self.block_size,))
+
+
+@functools.lru_cache(maxsize=8)
+def _random_block_sums(rows: int, cols: int, num_random: int, seed: int,
+                       causal: bool) -> jax.Array:
+    # Layouts of long sequences classify a chunk of rows at a time: the sums once per table.
+    return _prefix_sums(_random_blocks(rows, cols, num_random, seed, causal))
 
 
 @functools.lru_cache(maxsize=64)
@@ -199,7 +235,8 @@ class BigBirdRandom(AbstractMask):
 
     def blocks(self, q, k, head):
         t = self.table(q.length, k.length)
-        return _table_blocks(t, self.block_size, self.block_size, q, k)
+        sums = _random_block_sums(*t.shape, self.num_random, self.seed, self.causal)
+        return _table_blocks(t, self.block_size, self.block_size, q, k, sums)
 
     def terms(self, head):
         return MaskTerms(tables=((self.block_size, self.block_size),))
