@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import eqx_bsattn as bsa
-from eqx_bsattn.bench import pattern, visible_pairs
-from eqx_bsattn._timing import median_ms
+from eqx_bsattn.bench import median_ms, pattern, visible_pairs
 
 
 def parse_args(argv=None):
