@@ -31,6 +31,10 @@ from tests.test_conformance import (
 )
 
 RUNS = [pytest.param(cls, marks=_marks(cls, runs=True), id=cls.name) for cls in KERNELS]
+#: The default CPU kernel alone in the quick subset (``-m "not slow"``), the rest `slow`.
+RUNS_QUICK_XLA = [pytest.param(cls, marks=_marks(cls, runs=True)
+                               + ([] if cls.name == "xla" else [pytest.mark.slow]), id=cls.name)
+                  for cls in KERNELS]
 
 
 def _dtype(kernel_cls) -> str:
@@ -62,9 +66,12 @@ def _poison(x, segment_ids, value):
     return jnp.where(pad, jnp.asarray(value, x.dtype), x)
 
 
-@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
-@pytest.mark.parametrize("case_name", list(_PADDED))
-@pytest.mark.parametrize("kernel_cls", RUNS)
+@pytest.mark.parametrize("poison", [
+    np.nan, pytest.param(np.inf, marks=pytest.mark.slow),
+    pytest.param(-np.inf, marks=pytest.mark.slow)], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("case_name", [
+    pytest.param(name, marks=() if name == "extras" else pytest.mark.slow) for name in _PADDED])
+@pytest.mark.parametrize("kernel_cls", RUNS_QUICK_XLA)
 def test_garbage_in_padding_reaches_nothing(kernel_cls, case_name, poison):
     """Padding queries and keys hold NaN / inf in q, k and v: the output and every gradient
     equal the oracle's on clean inputs, and the padding's own dq, dk, dv are exactly zero."""
@@ -188,6 +195,7 @@ def _causal_even(q, k):
     return (k <= q) & (k % 2 == 0)
 
 
+@pytest.mark.slow
 def test_eager_predicate_calls_compile_once(caplog):
     """A second eager call with an equal `Predicate` mask (and its gradient) compiles nothing."""
     x = jax.random.normal(jax.random.key(0), (2, 64, 8))
@@ -208,6 +216,7 @@ def test_eager_predicate_calls_compile_once(caplog):
 # Half precision at small head dims.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dim", [1, 3])
 def test_xla_bfloat16_gradients_stay_near_the_reference(dim):
     """bfloat16 gradients of XlaBlockSparse are within 2x of DenseReference's error (norm)."""
@@ -226,6 +235,7 @@ def test_xla_bfloat16_gradients_stay_near_the_reference(dim):
 # Memory: the blocks of a slot run in chunks.
 
 
+@pytest.mark.slow
 def test_chunked_slots_match_one_chunk(monkeypatch):
     """With a tiny slot budget every pass runs block by block, ragged chunks included; the
     results equal the one-chunk run (per-block arithmetic is the same)."""
@@ -248,6 +258,7 @@ def test_chunked_slots_match_one_chunk(monkeypatch):
 # Determinism.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel_cls", RUNS)
 def test_repeated_calls_are_bit_identical(kernel_cls):
     """Output and every gradient: the same bits on every call, eager and under jit."""
