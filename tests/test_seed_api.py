@@ -62,8 +62,14 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("shape", list(SHAPES))
+#: (shape, kernel) pairs of the quick subset (``-m "not slow"``); the rest are `slow`.
+_QUICK_SHAPES = {("[Lq, Lk]", "reference"), ("[B, 1, Lq, Lk] ints", "xla")}
+
+
+@pytest.mark.parametrize("shape,kernel", [
+    pytest.param(shape, kernel, id=f"{shape}-{kernel}",
+                 marks=() if (shape, kernel) in _QUICK_SHAPES else pytest.mark.slow)
+    for shape in SHAPES for kernel in KERNELS])
 def test_attention_mask_shapes(qkv, kernel, shape):
     q, k, v = qkv
     dims, as4 = SHAPES[shape]
@@ -121,6 +127,7 @@ def test_attention_mask_under_jit_never_recompiles(qkv):
     assert len(traces) == 1
 
 
+@pytest.mark.slow
 def test_attention_mask_unbatched_and_soft_cap(qkv):
     q, k, v = (x[0] for x in qkv)
     m = _mask_array(4, (H, LQ, LK))
