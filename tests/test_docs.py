@@ -144,6 +144,7 @@ def test_worked_mask_classifies_blocks_as_its_elements_do():
         assert 0 < (analytic != masks.EMPTY).mean() < 0.6
 
 
+@pytest.mark.slow
 def test_worked_mask_runs_on_every_cpu_kernel():
     sinks = _load("custom_mask").SinkTokens(3)
     mask = masks.SlidingWindow(9, 0) | sinks
