@@ -164,10 +164,9 @@ TERM_MASKS = {
 
 
 @pytest.mark.parametrize("documents,tile,name", [
-    # With documents, only "everything" on one tile is quick (``-m "not slow"``).
+    # With documents: `slow` (outside the quick subset, ``-m "not slow"``).
     pytest.param(documents, tile, name, id=f"{documents}-tile{tile[0]}x{tile[1]}-{name}",
-                 marks=() if not documents or (name, tile) == ("everything", (8, 32))
-                 else pytest.mark.slow)
+                 marks=pytest.mark.slow if documents else ())
     for documents in (False, True) for tile in [(16, 16), (8, 32)] for name in TERM_MASKS])
 def test_terms_in_visited_tiles_are_the_mask(name, tile, documents):
     q_len, kv_len = 70, 85
@@ -184,6 +183,7 @@ def test_terms_in_visited_tiles_are_the_mask(name, tile, documents):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_terms_under_positions_are_the_mask():
     rng = np.random.default_rng(5)
     q_pos = np.sort(rng.integers(0, 200, 50))

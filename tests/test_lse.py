@@ -42,7 +42,7 @@ def _oracle(q, k, v, bias, sinks, visible):
 
 
 #: (mask, kernel) pairs of the quick subset; the other pairs are `slow`.
-_QUICK = {("window", "xla"), ("empty_rows", "reference")}
+_QUICK = {("window", "xla")}
 
 
 @pytest.mark.parametrize("mask_name,mask,kernel", [

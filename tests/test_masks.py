@@ -214,8 +214,8 @@ class CausalWindowElements(masks.AbstractMask):
         return (k.position <= q.position) & (k.position >= q.position - self.width)
 
 
-@pytest.mark.parametrize("lengths,blocks", [
-    ((256, 256), (32, 32)), pytest.param((200, 333), (16, 64), marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("lengths,blocks", [((256, 256), (32, 32)), ((200, 333), (16, 64))])
 def test_an_elements_only_mask_gets_real_block_classes(lengths, blocks):
     q_len, kv_len = lengths
     user = CausalWindowElements(40)
@@ -439,7 +439,7 @@ def _segments_padded_both_ends(rng, batch, length, docs):
 @pytest.mark.parametrize("block_q,block_kv", [
     pytest.param(8, 16, id="8x16", marks=pytest.mark.slow), pytest.param(4, 8, id="4x8")])
 @pytest.mark.parametrize("name,mask,tight", mask_params(DYNAMIC_MASKS, {
-    "bigbird_full", "window_document", "per_head_document"}))
+    "window_document", "per_head_document"}))
 def test_dynamic_layout_with_positions_and_segments(name, mask, tight, block_q, block_kv):
     """Block classes agree with the element predicate under per-call positions and segment ids:
     no FULL block holds a hidden in-bounds pair, no EMPTY block a visible one."""
@@ -496,6 +496,7 @@ def test_document_layout_is_tight_for_sorted_segments():
     check_layout(layout, _dense_truth(mask, 96, 96, heads=2, q_seg=seg, kv_seg=seg), tight=True)
 
 
+@pytest.mark.slow
 def test_document_layout_padding_blocks_are_empty():
     seg = np.full((1, 64), -1, np.int32)
     seg[0, :20] = 0

@@ -339,6 +339,7 @@ def test_function_scalars_sinks_bias_positional(qkv):
         bsa.blocksparse_attention(q, k, v, bias=bias)  # bias is positional-only
 
 
+@pytest.mark.slow
 def test_function_segment_ids_mask_info_and_purify(qkv):
     q, k, v = qkv
     rng = np.random.default_rng(2)

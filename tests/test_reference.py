@@ -189,7 +189,7 @@ CASES = {
 #: The cases of the quick subset (``-m "not slow"``), forward and gradients; the rest are `slow`.
 QUICK_FORWARD = {"unbatched", "gqa", "one_query", "lq_gt_lk", "per_head", "segments_pad",
                  "everything"}
-QUICK_GRADIENTS = {"gqa", "bias_unbatched", "segments_unbatched"}
+QUICK_GRADIENTS = {"gqa", "segments_unbatched"}
 
 
 def case_params(quick):

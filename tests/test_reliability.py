@@ -31,10 +31,6 @@ from tests.test_conformance import (
 )
 
 RUNS = [pytest.param(cls, marks=_marks(cls, runs=True), id=cls.name) for cls in KERNELS]
-#: The default CPU kernel alone in the quick subset (``-m "not slow"``), the rest `slow`.
-RUNS_QUICK_XLA = [pytest.param(cls, marks=_marks(cls, runs=True)
-                               + ([] if cls.name == "xla" else [pytest.mark.slow]), id=cls.name)
-                  for cls in KERNELS]
 
 
 def _dtype(kernel_cls) -> str:
@@ -66,12 +62,10 @@ def _poison(x, segment_ids, value):
     return jnp.where(pad, jnp.asarray(value, x.dtype), x)
 
 
-@pytest.mark.parametrize("poison", [
-    np.nan, pytest.param(np.inf, marks=pytest.mark.slow),
-    pytest.param(-np.inf, marks=pytest.mark.slow)], ids=["nan", "inf", "-inf"])
-@pytest.mark.parametrize("case_name", [
-    pytest.param(name, marks=() if name == "extras" else pytest.mark.slow) for name in _PADDED])
-@pytest.mark.parametrize("kernel_cls", RUNS_QUICK_XLA)
+@pytest.mark.slow
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("case_name", list(_PADDED))
+@pytest.mark.parametrize("kernel_cls", RUNS)
 def test_garbage_in_padding_reaches_nothing(kernel_cls, case_name, poison):
     """Padding queries and keys hold NaN / inf in q, k and v: the output and every gradient
     equal the oracle's on clean inputs, and the padding's own dq, dk, dv are exactly zero."""
@@ -109,6 +103,7 @@ def test_garbage_in_padding_reaches_nothing(kernel_cls, case_name, poison):
         assert (g[np.broadcast_to(k_pad, g.shape[:3])] == 0).all(), name
 
 
+@pytest.mark.slow
 def test_padding_seen_through_an_or_is_not_hidden():
     """Only a mask that needs equal segment ids hides padding: through ``Document() | Causal()``
     a padding key is visible, and its values count."""
@@ -139,6 +134,7 @@ def test_head_dim_zero_is_refused():
 _WINDOW = masks.Causal() & masks.SlidingWindow(5, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shift", [2**30 - 40, -(2**30)], ids=["top", "bottom"])
 def test_positions_at_the_limit_are_exact(shift):
     """Positions shifted to the ends of the accepted range give the unshifted result."""
@@ -302,6 +298,7 @@ def test_jvp_through_a_custom_vjp_kernel_says_what_to_use():
             call()
 
 
+@pytest.mark.slow
 def test_jvp_through_the_reference_matches_finite_differences():
     q, k, v = (jax.random.normal(key, (2, 16, 4)) for key in jax.random.split(jax.random.key(3), 3))
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.DenseReference())
@@ -311,6 +308,7 @@ def test_jvp_through_the_reference_matches_finite_differences():
     np.testing.assert_allclose(tangent, fd / (2 * eps), rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_concrete_positions_inside_a_trace_are_checked_at_trace_time():
     """Found by tests/test_fuzz.py: positions closed over by a jitted function are concrete
     while the call is traced; the range check must not turn them into tracers."""

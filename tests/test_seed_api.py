@@ -222,6 +222,7 @@ def test_mask_builder_per_head_form(qkv):
     assert _mask_from_builder(builder, LQ, LK, H, HKV) == masks.PerHead(per_head)
 
 
+@pytest.mark.slow
 def test_kv_segment_ids_default_to_q_segment_ids():
     q, k, v = random_inputs(4, batch=B, heads=H, kv_heads=HKV, q_len=LQ, dim=8)
     seg = sorted_segments(np.random.default_rng(1), B, LQ, 3, pad=1)

@@ -129,8 +129,8 @@ MASKS = {
 }
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=() if name == "chunked" else pytest.mark.slow) for name in MASKS])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MASKS))
 def test_mask_families(name):
     # Ragged lengths (50, 70 are not multiples of 16, 32), Lq != Lk, GQA and Dv != D throughout;
     # `Causal() & SlidingWindow` runs in test_tilings, `Causal(bottom_right=True)` in
@@ -165,6 +165,7 @@ def test_bias_sinks_soft_cap_scale():
     )
 
 
+@pytest.mark.slow
 def test_fully_masked_rows():
     # Causal with offset -20: the first 20 queries see no key at all.
     out = check(masks.Causal(offset=-20), sinks_shape=(4, 2))
