@@ -139,6 +139,7 @@ def test_kernels_without_choices_offer_their_heuristic():
 # Tuning.
 
 
+@pytest.mark.slow
 def test_autotune_rejects_wrong_and_failing_candidates_and_reports_them(cache_dir):
     q, k, v = _qkv()
     attn = bsa.BlockSparseAttention(mask=bsa.masks.Causal(), kernel=_Flawed())

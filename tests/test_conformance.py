@@ -238,10 +238,10 @@ def _marks(kernel_cls, runs: bool) -> list:
 
 
 #: The cases each kernel runs in the quick subset (``-m "not slow"``): the one that combines
-#: every feature and a single query, and for the default CPU kernel an element predicate too;
+#: every feature, and a single query (the default CPU kernel: an element predicate instead);
 #: cuDNN, which declines both, runs causal; Splash (interpreted on the CPU, seconds a case) a
 #: few of the features it takes. The rest are marked `slow`.
-QUICK_CASES = {"xla": {"everything", "one_query", "predicate"}, "cudnn": {"tiled_causal"},
+QUICK_CASES = {"xla": {"everything", "predicate"}, "cudnn": {"tiled_causal"},
                "splash": {"window", "gqa_causal_sinks_s"}}
 
 
@@ -469,9 +469,9 @@ EXPECTED_DECLINES = {
 }
 
 
-#: Kernels whose declines the quick subset checks: a plan a case, cheap for cuDNN, which
-#: declines most calls up front (Splash's plans take seconds in all).
-_QUICK_DECLINES = {"cudnn", "mosaic"}
+#: Kernels whose declines the quick subset checks: Mosaic's (skipped without a GPU). Checking
+#: takes a plan a case, seconds a kernel, so the rest are `slow`.
+_QUICK_DECLINES = {"mosaic"}
 
 
 @pytest.mark.parametrize("kernel_cls", [

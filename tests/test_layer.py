@@ -28,8 +28,9 @@ def _equinox_twin(layer, **kw):
     return twin
 
 
-@pytest.mark.parametrize("kernel", [kernels.XlaBlockSparse(), kernels.DenseReference()],
-                         ids=lambda k: k.name)
+@pytest.mark.parametrize("kernel", [
+    pytest.param(kernels.XlaBlockSparse(), marks=pytest.mark.slow), kernels.DenseReference()],
+    ids=lambda k: k.name)
 def test_full_mask_equals_equinox_multihead_attention(kernel):
     layer = bsa.MultiheadBlockSparseAttention(
         HEADS, SIZE, use_query_bias=True, use_output_bias=True, kernel=kernel,

@@ -41,17 +41,11 @@ def _oracle(q, k, v, bias, sinks, visible):
     return out, jnp.where(seen, lse, -jnp.inf)
 
 
-#: (mask, kernel) pairs of the quick subset; the other pairs are `slow`.
-_QUICK = {("window", "xla")}
-
-
-@pytest.mark.parametrize("mask_name,mask,kernel", [
-    pytest.param(name, mask, cls, id=f"{name}-{cls.name}",
-                 marks=() if (name, cls.name) in _QUICK else pytest.mark.slow)
-    for name, mask in [("window", masks.Causal() & masks.SlidingWindow(12, 0)),
-                       ("empty_rows", masks.Causal(offset=-9))]
-    for cls in _lse_kernels()])
-def test_attention_with_lse_against_float64(mask_name, mask, kernel):
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", _lse_kernels(), ids=lambda cls: cls.name)
+@pytest.mark.parametrize("mask", [masks.Causal() & masks.SlidingWindow(12, 0),
+                                  masks.Causal(offset=-9)], ids=["window", "empty_rows"])
+def test_attention_with_lse_against_float64(kernel, mask):
     q, k, v = random_inputs(11, batch=B, heads=H, kv_heads=HKV, q_len=L, dim=D)
     bias = random_array(12, (B, 1, L, L))
     sinks = random_array(13, (H,))
