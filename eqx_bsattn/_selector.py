@@ -87,6 +87,30 @@ def _candidates(platform: str) -> list[AbstractKernel]:
     return [kernel for _, _, kernel in sorted(ranked, key=lambda t: t[:2])]
 
 
+def _with_priorities(kernels: Sequence[AbstractKernel], platform: str) -> str:
+    """``"cudnn (40), triton (30)"``: names with their priorities on `platform`."""
+    return ", ".join(f"{k.name} ({type(k).priority(platform)})" for k in kernels)
+
+
+def _why_chosen(kernel: AbstractKernel, pool: Sequence[AbstractKernel], declined: int,
+                platform: str, from_registry: bool) -> str:
+    """Why `kernel`, the first of `pool` after `declined` others, won: one line."""
+    above, below = pool[:declined], pool[declined + 1:]
+    if from_registry:
+        reason = (f"priority {type(kernel).priority(platform)}, the highest on {platform} among "
+                  "the registered kernels that accept this call")
+        if above:
+            verb = "ranks" if len(above) == 1 else "rank"
+            reason += f"; {_with_priorities(above, platform)} {verb} higher but declined"
+        if below:
+            reason += f"; below it: {_with_priorities(below, platform)}"
+        return reason
+    reason = f"candidate {declined + 1} of the {len(pool)} given, the first that accepts this call"
+    if above:
+        reason += f"; declined before it: {', '.join(k.name for k in above)}"
+    return reason
+
+
 def choose_kernel(
     mask: ResolvedMask, features: Features, candidates: Sequence[AbstractKernel] | None = None
 ) -> KernelChoice:
@@ -97,10 +121,7 @@ def choose_kernel(
     for kernel in pool:
         why = decline_reason(kernel, mask, features)
         if why is None:
-            if declined:
-                reason = f"first candidate on {platform} that runs this call"
-            else:
-                reason = f"preferred kernel on {platform} for this mask and these features"
+            reason = _why_chosen(kernel, pool, len(declined), platform, candidates is None)
             return KernelChoice(kernel, reason, tuple(declined))
         declined.append((kernel.name, why))
     if not pool:
@@ -135,7 +156,10 @@ def select_kernel(
       defaults to a plain call.
     - `candidates`: kernels to choose among, in order; defaults to the registry's.
 
-    **Returns:** a `KernelChoice` ``(kernel, reason, declined)``.
+    **Returns:** a `KernelChoice` ``(kernel, reason, declined)``: `reason` says why the kernel
+    won (its priority on the platform, the kernels ranked above it that declined, whose reasons
+    are in `declined`, and those ranked below; with `candidates`, its place in the list), and
+    `explain()` puts it all in a few lines.
 
     **Raises:** `NoKernelError` (a `ValueError`) naming every candidate and why it declined.
 

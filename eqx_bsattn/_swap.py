@@ -67,7 +67,9 @@ def swap_strategy(
     **Arguments:**
 
     - `where`: as in `eqx.tree_at`: a function from the model to the node(s) to replace, e.g.
-      ``lambda m: m.attention.core.kernel``; it may return a tuple of nodes.
+      ``lambda m: m.attention.attention.kernel`` (the kernel of a
+      `MultiheadBlockSparseAttention` held in the model's field `attention`); it may return a
+      tuple of nodes.
     - `model`: the model being trained.
     - `replacement`: the new strategy (a tuple of them when `where` returns a tuple).
     - `opt_state`: the optimizer state, built from the model or a filtered copy of it.
@@ -79,7 +81,7 @@ def swap_strategy(
 
     ```python
     model, opt_state = bsa.swap_strategy(
-        lambda m: m.attention.core.kernel, model, bsa.kernels.DenseReference(), opt_state)
+        lambda m: m.attention.attention.kernel, model, bsa.kernels.DenseReference(), opt_state)
     ```
     """
     old = where(model)

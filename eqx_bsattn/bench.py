@@ -1,15 +1,18 @@
 """Benchmark: ``python -m eqx_bsattn.bench``.
 
 For each pattern (causal, causal sliding window, document, BigBird) and length, times our
-block-sparse kernel against the peers that can express the same mask, in one process:
+block-sparse kernels against the peers that can express the same mask, in one process:
 `jax.nn.dot_product_attention` with cuDNN and with XLA, and Pallas' GPU flash attention.
-Forward and forward+backward; effective TFLOP/s count only visible (query, key) pairs:
-``4 * B * H * D * pairs`` forward, 3.5 times that forward+backward. Prints a table and writes
-JSON (``--out``). Speed is measured here, never asserted in tests.
+Each is timed in its own input layout (ours ``[B, H, L, D]``, the peers ``[B, L, H, D]``), so
+no transpose is inside a timed region. Forward and forward+backward; effective TFLOP/s count
+only visible (query, key) pairs: ``4 * B * H * D * pairs`` forward, 3.5 times that
+forward+backward. Prints a table and writes JSON (``--out``) with the device and the versions.
+Speed is measured here, never asserted in tests.
 
 ```
 python -m eqx_bsattn.bench                                   # defaults for the platform
 python -m eqx_bsattn.bench --lengths 16384 --batch 2 --heads 16 --dim 128 --dtype bfloat16
+python -m eqx_bsattn.bench --kernels TritonBlockSparse MosaicBlockSparse --batch 32 --lengths 1024
 ```
 """
 
@@ -30,7 +33,7 @@ from ._mask import AbstractMask
 from ._selector import default_platform
 from ._timing import median_ms as median_ms
 from .strategies import masks
-from .strategies.kernels.cudnn import cudnn_mask_options, nn_attention
+from .strategies.kernels.cudnn import cudnn_mask_options
 
 # ------------------------------------------------------------------------------------------------
 # The patterns the demo, the benchmark and the scripts in benchmarks/ measure, defined once:
@@ -121,20 +124,27 @@ def _with_backward(f: Callable) -> Callable:
     return jax.jit(fwd_bwd)
 
 
-def _peers(name, mask, data, args, platform, layout_bhld) -> dict[str, Callable]:
-    """Callables ``f(q, k, v) -> out`` in [B, H, L, D] of every peer that expresses the pattern."""
+#: Input layouts: ours take ``[B, H, L, D]``; `jax.nn.dot_product_attention` and Pallas' GPU
+#: attention take ``[B, L, H, D]`` and are timed on inputs already in it.
+BHLD, BLHD = "bhld", "blhd"
+
+
+def _peers(name, mask, data, args, platform, layout_bhld) -> dict[str, tuple[Callable, str]]:
+    """``{peer: (f, layout)}`` for every peer that expresses the pattern: ``f(q, k, v) -> out``
+    on arrays in `layout` (each peer in its own layout, so no transpose is timed)."""
     peers = {}
     q_len = layout_bhld[2]
-    to_blhd = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
     terms = ResolvedMask(mask, q_len=q_len, kv_len=q_len, num_heads=1).terms
     options = None if data else cudnn_mask_options(terms, q_len)
     if platform == "gpu" and options is not None and args.dtype in ("bfloat16", "float16"):
-        peers["cudnn"] = functools.partial(nn_attention, implementation="cudnn", **options)
+        peers["cudnn"] = (functools.partial(
+            jax.nn.dot_product_attention, implementation="cudnn", **options), BLHD)
     if q_len <= args.xla_max_len:
         if options is None:
             dense = dense_mask(mask, q_len, data.get("q_segment_ids"))
             options = {"mask": dense[None, None]}
-        peers["xla"] = functools.partial(nn_attention, implementation="xla", **options)
+        peers["xla"] = (functools.partial(
+            jax.nn.dot_product_attention, implementation="xla", **options), BLHD)
     if platform == "gpu" and name in ("causal", "document"):
         try:
             from jax.experimental.pallas.ops.gpu import attention as pallas_attention
@@ -146,30 +156,45 @@ def _peers(name, mask, data, args, platform, layout_bhld) -> dict[str, Callable]
             def pallas(q, k, v):
                 segment_ids = None if seg is None else jnp.broadcast_to(
                     jnp.asarray(seg), (q.shape[0], q_len))
-                out = pallas_attention.mha(
-                    to_blhd(q), to_blhd(k), to_blhd(v), segment_ids,
-                    sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=True)
-                return jnp.swapaxes(out, 1, 2)
+                return pallas_attention.mha(q, k, v, segment_ids,
+                                            sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=True)
 
-            peers["pallas_mha"] = pallas
+            peers["pallas_mha"] = (pallas, BLHD)
     return peers
 
 
-def _ours(args, platform):
+def _ours(args, platform) -> list:
+    """Our kernels to time: those named by ``--kernels``, else the platform's usual one."""
     names = {"cpu": "XlaBlockSparse", "tpu": "XlaBlockSparse", "gpu": "TritonBlockSparse"}
-    wanted = args.kernel or names.get(platform, "XlaBlockSparse")
-    cls = getattr(kernels, wanted, None)
-    if cls is None:
-        fallback = "XlaBlockSparse" if hasattr(kernels, "XlaBlockSparse") else "DenseReference"
-        print(f"note: kernel {wanted} is not available; measuring {fallback}", file=sys.stderr)
-        cls = getattr(kernels, fallback)
-    return cls()
+    chosen = []
+    for wanted in args.kernels or [names.get(platform, "XlaBlockSparse")]:
+        cls = getattr(kernels, wanted, None)
+        if cls is None:
+            known = ", ".join(n for n in dir(kernels) if n[0].isupper())
+            raise SystemExit(f"--kernels: unknown kernel {wanted!r}; known: {known}.")
+        chosen.append(cls())
+    return chosen
+
+
+def environment() -> dict:
+    """The device and the versions a run's numbers depend on, for its JSON."""
+    from importlib import metadata
+
+    device = jax.devices()[0]
+    versions = {}
+    for package in ("eqx_bsattn", "jax", "jaxlib", "equinox", "triton", "jax-triton"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"device": device.device_kind, "platform": device.platform,
+            "device_count": jax.device_count(), "versions": versions}
 
 
 def run(args) -> list[dict]:
     platform = args.platform or default_platform()
     dtype = jnp.dtype(args.dtype)
-    kernel = _ours(args, platform)
+    ours = _ours(args, platform)
     records = []
     key = jax.random.key(args.seed)
     for length in args.lengths:
@@ -186,35 +211,43 @@ def run(args) -> list[dict]:
                 k = jax.random.normal(keys[1], (b, kv_heads, length, d), dtype)
                 v = jax.random.normal(keys[2], (b, kv_heads, length, d), dtype)
                 do = jax.random.normal(keys[3], (b, h, length, d), dtype)
-                attn = BlockSparseAttention(mask=mask, kernel=kernel)
                 call_data = {n: jnp.asarray(x) for n, x in data.items()}
+                impls = {}
+                for kernel in ours:
+                    attn = BlockSparseAttention(mask=mask, kernel=kernel)
 
-                def ours(q, k, v, attn=attn, call_data=call_data):
-                    return attn(q, k, v, **call_data)
+                    def call(q, k, v, attn=attn, call_data=call_data):
+                        return attn(q, k, v, **call_data)
 
-                impls = {f"ours:{kernel.name}": ours}
+                    impls[f"ours:{kernel.name}"] = (call, BHLD)
                 if kv_heads == args.heads:
                     impls.update(_peers(name, mask, data, args, platform, q.shape))
                 flops_fwd = 4.0 * b * h * d * pairs
                 reference_out = None
-                for impl, f in impls.items():
+                native = {BHLD: (q, k, v, do),
+                          BLHD: tuple(jnp.swapaxes(x, 1, 2) for x in (q, k, v, do))}
+                for impl, (f, layout) in impls.items():
                     record = {
                         "pattern": name, "length": length, "batch": b, "heads": h,
                         "kv_heads": kv_heads, "dim": d, "dtype": args.dtype, "impl": impl,
-                        "platform": platform, "density": pairs / float(length * length),
+                        "layout": layout, "platform": platform,
+                        "density": pairs / float(length * length),
                     }
+                    qi, ki, vi, doi = native[layout]
                     try:
                         fwd = jax.jit(f)
-                        out = fwd(q, k, v)
+                        out = fwd(qi, ki, vi)
+                        out = (out if layout == BHLD else jnp.swapaxes(out, 1, 2)).astype(jnp.float32)
                         if reference_out is None:
-                            reference_out = out.astype(jnp.float32)
+                            reference_out = out
                         else:
-                            diff = jnp.linalg.norm(out.astype(jnp.float32) - reference_out)
+                            diff = jnp.linalg.norm(out - reference_out)
                             record["rel_diff_vs_ours"] = float(diff / jnp.linalg.norm(reference_out))
-                        record["fwd_ms"] = median_ms(fwd, (q, k, v), args.reps, warmup=2)
+                        record["fwd_ms"] = median_ms(fwd, (qi, ki, vi), args.reps, warmup=2)
                         record["fwd_tflops"] = flops_fwd / record["fwd_ms"] / 1e9
                         if not args.forward_only:
-                            record["fwdbwd_ms"] = median_ms(_with_backward(f), (q, k, v, do), args.reps, warmup=2)
+                            record["fwdbwd_ms"] = median_ms(_with_backward(f), (qi, ki, vi, doi),
+                                                            args.reps, warmup=2)
                             record["fwdbwd_tflops"] = 3.5 * flops_fwd / record["fwdbwd_ms"] / 1e9
                     except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal
                         record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -230,14 +263,14 @@ def _add_ratios(records: list[dict]) -> None:
         by_case.setdefault((r["pattern"], r["length"], r["kv_heads"]), {})[r["impl"]] = r
     for (pat, length, kv_heads), impls in by_case.items():
         cudnn = impls.get("cudnn")
-        own_causal = next(
-            (r for (p, l_, kvh), i in by_case.items() if p == "causal" and l_ == length
-             and kvh == kv_heads for n, r in i.items() if n.startswith("ours")), None)
+        causal = by_case.get(("causal", length, kv_heads), {})
         for r in impls.values():
+            # Each of our kernels against itself on the causal mask at the same length.
+            own_causal = causal.get(r["impl"]) if r["impl"].startswith("ours") else None
             for metric in ("fwd_tflops", "fwdbwd_tflops"):
                 if cudnn and metric in r and metric in cudnn:
                     r[f"{metric}_vs_cudnn"] = r[metric] / cudnn[metric]
-                if own_causal and metric in r and metric in own_causal and r["impl"].startswith("ours"):
+                if own_causal and metric in r and metric in own_causal:
                     r[f"{metric}_vs_own_causal"] = r[metric] / own_causal[metric]
 
 
@@ -255,9 +288,9 @@ def _row(r: dict) -> str:
 
 def _table(records: list[dict]) -> str:
     lines = [
-        "| pattern | L | kv heads | impl | density | fwd TF/s | fwd+bwd TF/s | fwd / cuDNN | "
-        "fwd+bwd / cuDNN | fwd / own causal | fwd+bwd / own causal |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| pattern | L | kv heads | impl | layout | density | fwd TF/s | fwd+bwd TF/s | "
+        "fwd / cuDNN | fwd+bwd / cuDNN | fwd / own causal | fwd+bwd / own causal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def f(r, key, spec=".1f"):
@@ -266,7 +299,7 @@ def _table(records: list[dict]) -> str:
     for r in records:
         lines.append(
             f"| {r['pattern']} | {r['length']} | {r['kv_heads']} | {r['impl']} | "
-            f"{r['density']:.3f} | {f(r, 'fwd_tflops')} | {f(r, 'fwdbwd_tflops')} | "
+            f"{r.get('layout', '-')} | {r['density']:.3f} | {f(r, 'fwd_tflops')} | {f(r, 'fwdbwd_tflops')} | "
             f"{f(r, 'fwd_tflops_vs_cudnn', '.2f')} | {f(r, 'fwdbwd_tflops_vs_cudnn', '.2f')} | "
             f"{f(r, 'fwd_tflops_vs_own_causal', '.2f')} | {f(r, 'fwdbwd_tflops_vs_own_causal', '.2f')} |"
             + (f" error: {r['error']}" if "error" in r else "")
@@ -306,9 +339,10 @@ def parse_args(argv=None):
     p.add_argument("--xla-max-len", type=int, default=4096,
                    help="time the dense XLA peer only up to this length, since it materialises "
                         "L x L (default: %(default)s)")
-    p.add_argument("--kernel", default=None,
-                   help="our kernel by class name, e.g. XlaBlockSparse or TritonBlockSparse "
-                        "(default: the selector's choice per pattern)")
+    p.add_argument("--kernels", nargs="+", default=None,
+                   help="our kernels to time, by class name, e.g. TritonBlockSparse "
+                        "MosaicBlockSparse (default: TritonBlockSparse on a GPU, "
+                        "XlaBlockSparse elsewhere)")
     p.add_argument("--platform", default=None,
                    help="platform the selector picks for: cpu, gpu or tpu (default: JAX's "
                         "default backend)")
@@ -325,15 +359,17 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    device = jax.devices()[0]
-    print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}")
+    env = environment()
+    versions = ", ".join(f"{n} {v}" for n, v in env["versions"].items())
+    print(f"device: {env['device']} ({env['platform']}); {versions}")
     records = run(args)
     print()
     print(_table(records))
+    print("\nEach implementation is timed in its own input layout (ours [B, H, L, D]; "
+          "jax.nn.dot_product_attention and Pallas' attention [B, L, H, D]).")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"device": device.device_kind, "jax": jax.__version__,
-                       "records": records}, fh, indent=1)
+            json.dump({**env, "jax": jax.__version__, "records": records}, fh, indent=1)
         print(f"\nwrote {args.out}")
 
 

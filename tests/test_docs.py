@@ -1,11 +1,14 @@
 """The README's and docs/'s code runs as written, the worked examples do what docs/ says, and
 the notebooks execute without error."""
 
+import contextlib
 import importlib.util
+import io
 import os
 import pathlib
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,9 +52,35 @@ def _readme_truth(ns, mask, **kw):
     return np_attention(q, k, v, vis, **kw)  # default scale 1 / sqrt(64)
 
 
+def _blocks_visited(visible: np.ndarray, block: int) -> np.ndarray:
+    """Which (q-block, kv-block) tiles of a [Lq, Lk] visibility hold a visible pair."""
+    lq, lk = visible.shape
+    return visible.reshape(lq // block, block, lk // block, block).any(axis=(1, 3))
+
+
 @pytest.mark.slow
 def test_readme_python_blocks_run():
-    ns = _run_blocks(ROOT / "README.md")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        ns = _run_blocks(ROOT / "README.md")
+    printed = stdout.getvalue()
+    text = (ROOT / "README.md").read_text()
+    # The transformer block: its block-sparse attention computes what the dense kernel does.
+    assert ns["y"].shape == (4, 1024, 256)
+    dense = eqx.tree_at(lambda b: b.attention.attention.kernel, ns["block"],
+                        bsa.kernels.DenseReference())
+    assert_close(ns["y"], jax.vmap(dense)(ns["x"]), README_TOL, "y")
+    # The printed plan is the one the README shows (on a CPU), the GPU question names its
+    # winner's priority, and the printed density is the fraction of 64x64 tiles with a
+    # visible pair, as the comment says.
+    if jax.default_backend() == "cpu":
+        shown = re.search(r"On a CPU the plan prints:\n\n```text\n(.*?)```", text, re.S).group(1)
+        assert shown in printed
+    assert "cudnn: priority 40, the highest on gpu among the registered kernels" in printed
+    vis = np_visibility(ns["attn"].mask, batch=1, heads=1, q_len=512, kv_len=512)[0, 0]
+    density = float(_blocks_visited(vis, 64).mean())
+    assert printed.splitlines()[-1] == repr(density)
+    assert f"print(float(layout.density()))               # {density!r}:" in text
     out = ns["out"]
     assert out.shape == (2, 8, 512, 32)
     assert ns["out_one"].shape == (8, 512, 32)
@@ -95,8 +124,8 @@ def test_docs_pages_exist_and_link_to_each_other():
     names = {p.name for p in DOCS}
     assert {"design.md", "contract.md", "custom_mask.md", "custom_kernel.md",
             "triton.md"} <= names
-    for page in DOCS:
-        for target in re.findall(r"\]\(([^)#:]+)\)", page.read_text()):
+    for page in [*DOCS, ROOT / "README.md"]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
 
 
@@ -166,7 +195,22 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def test_notebooks_exist():
-    assert NOTEBOOKS, "no notebooks found"
+    assert {"quickstart.ipynb", "training.ipynb", "mask_gallery.ipynb"} <= {p.name for p in NOTEBOOKS}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_committed_executed_with_its_pictures(path):
+    """Read on GitHub as committed: every code cell ran, in order, without error, and the
+    figures are inline (no non-interactive backend that would drop them)."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in cells] == list(range(1, len(cells) + 1))
+    outputs = [o for c in cells for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    assert not any("matplotlib.use(" in c.source for c in cells)
 
 
 @pytest.mark.slow
@@ -182,3 +226,33 @@ def test_notebook_executes(path):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors
+
+
+@pytest.mark.slow
+def test_notebook_bench_json_is_what_the_benchmark_writes(tmp_path):
+    """mask_gallery.ipynb plots a benchmark run kept in notebooks/data: the fields of each kind
+    of record are those a fresh run writes, and its densities are those of the benchmark's
+    patterns at those lengths."""
+    import json
+
+    from eqx_bsattn import bench
+
+    kept = json.loads((ROOT / "notebooks" / "data" / "bench_cpu.json").read_text())
+    out = tmp_path / "fresh.json"
+    bench.main(["--lengths", "128", "--reps", "1", "--patterns", "causal", "window",
+                "--out", str(out)])
+    fresh = json.loads(out.read_text())
+    assert set(kept) == set(fresh) == {"device", "platform", "device_count", "versions", "jax",
+                                       "records"}
+
+    def fields(result):
+        by_impl = {}
+        for r in result["records"]:
+            by_impl.setdefault(r["impl"], set()).update(r)
+        return by_impl
+
+    assert fields(kept) == fields(fresh)
+    for r in kept["records"]:
+        mask, data = bench.pattern(r["pattern"], r["length"], window=256)
+        pairs = bench.visible_pairs(mask, r["length"], r["length"], data.get("q_segment_ids"))
+        assert r["density"] == pairs / r["length"] ** 2, r

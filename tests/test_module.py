@@ -215,7 +215,14 @@ def test_select_kernel_orders_by_priority_and_explains():
     assert isinstance(choice.kernel, _AcceptsNoBias)
     assert choice.declined == (("test-declines", "it never runs anything"),)
     text = choice.explain()
-    assert "test-no-bias" in text and "declined test-declines: it never runs anything" in text
+    assert text.startswith("test-no-bias: priority 50, the highest on test-platform among the "
+                           "registered kernels that accept this call; test-declines (100) ranks "
+                           "higher but declined")
+    assert "declined test-declines: it never runs anything" in text
+    given = bsa.select_kernel(masks.Causal(), "test-platform",
+                              candidates=[_Declines(), _AcceptsNoBias()])
+    assert given.reason == ("candidate 2 of the 2 given, the first that accepts this call; "
+                            "declined before it: test-declines")
     # With a bias the second declines too; the built-in kernels, whose priorities hold on
     # every platform, decline a platform they do not list: every reason is in the error.
     with pytest.raises(bsa.NoKernelError) as info:
@@ -277,7 +284,15 @@ def test_plan_reports_features_and_choice(qkv):
     assert plan.tiling_source == "heuristic"
     text = plan.explain()
     assert text == str(plan)
-    assert f"kernel {plan.kernel.name}: preferred kernel on cpu" in text
+    # Why it won: its cpu priority, the highest among those that accept the call, and the
+    # candidates below it, each with its priority.
+    top = type(plan.kernel).priority("cpu")
+    below = [c for c in bsa.registered_kernels()
+             if c.priority("cpu") is not None and c.priority("cpu") < top]
+    assert below and f"kernel {plan.kernel.name}: priority {top}, the highest on cpu among the " \
+        "registered kernels that accept this call; below it: " in text
+    for cls in below:
+        assert f"{cls.name} ({cls.priority('cpu')})" in text
     assert "mask terms: causal_offset=0, segment_ids=True" in text
     for name in ("forward", "dq", "dkv"):
         layout = getattr(plan.mask, name)

@@ -223,6 +223,13 @@ else:
             compare(module(mask, "DenseReference"), module(mask, "DenseReference", shard),
                     (q, k, v), {})
 
+    def test_explicit_mesh_zigzag():  # the zig-zag order's output gather moves tokens
+        mesh = jax.make_mesh((4, 2), ("s", "h"))
+        q, k, v = random_inputs(9, batch=2, heads=4, kv_heads=2, q_len=64)
+        ring = sharding.RingAttention(mesh, "s", head_axis="h", order="zigzag")
+        compare(module(masks.Causal(), "DenseReference"),
+                module(masks.Causal(), "DenseReference", ring), (q, k, v), {})
+
     # ---------------------------------------------------------------------------------------
     # What the ring computes and sends.
 

@@ -33,6 +33,7 @@ from ._local import (
     lead_spec,
     local_head_offset,
     local_mask,
+    take_along,
 )
 from .shard_map import kv_head_plan, local_kv, split_inputs
 
@@ -436,10 +437,11 @@ class RingAttention(AbstractSharding):
                     out, _ = add_sinks(out, lse, here["sinks"])
                 return out.astype(q.dtype)
 
+            out_spec = P(b_axis, h_axis, s_axis, None)
             out = jax.shard_map(body, mesh=mesh, in_specs=tuple(ops.specs),
-                                out_specs=P(b_axis, h_axis, s_axis, None))(*ops.inputs())
+                                out_specs=out_spec)(*ops.inputs())
             if permute:
-                out = jnp.take(out, np.argsort(q_order), axis=2)
+                out = take_along(out, np.argsort(q_order), 2, mesh, out_spec)
             return out
 
         return run
