@@ -223,6 +223,7 @@ else:
             compare(module(mask, "DenseReference"), module(mask, "DenseReference", shard),
                     (q, k, v), {})
 
+    @pytest.mark.slow
     def test_explicit_mesh_zigzag():  # the zig-zag order's output gather moves tokens
         mesh = jax.make_mesh((4, 2), ("s", "h"))
         q, k, v = random_inputs(9, batch=2, heads=4, kv_heads=2, q_len=64)
