@@ -192,6 +192,7 @@ def test_minus_inf_bias_hiding_a_full_block():
         _assert_close(g, g_ref, name)
 
 
+@pytest.mark.slow
 def test_one_query():
     # Blocks larger than the sequences shrink to them (1 query, 75 keys).
     check(masks.Causal(bottom_right=True), q_len=1, kv_len=75, heads=2, kv_heads=1,
