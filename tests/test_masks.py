@@ -369,8 +369,7 @@ BITMAP_MASKS = [m for m in ALL_MASKS if m[0] in (
     "per_head_composed")]
 
 
-@pytest.mark.parametrize("name,mask,tight", mask_params(
-    BITMAP_MASKS, {"predicate"}))
+@pytest.mark.parametrize("name,mask,tight", mask_params(BITMAP_MASKS, {"predicate"}))
 def test_bitmaps_reproduce_the_mask(name, mask, tight):
     q_len, kv_len = 37, 45
     layout = bsa.build_layout(mask, q_len=q_len, kv_len=kv_len, num_heads=HEADS, block_q=16,
@@ -474,7 +473,8 @@ def test_dynamic_layout_with_positions_and_segments(name, mask, tight, block_q, 
         assert (classes == FULL).any(), "no FULL block: the FULL check above was vacuous"
 
 
-@pytest.mark.parametrize("name,mask,tight", mask_params(ATOMS, set()))
+@pytest.mark.slow
+@pytest.mark.parametrize("name,mask,tight", ATOMS, ids=[m[0] for m in ATOMS])
 def test_dynamic_index_positions_equal_static(name, mask, tight):
     """Positions equal to the token indices give exactly the static layout."""
     q_len, kv_len = 37, 45

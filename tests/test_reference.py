@@ -223,12 +223,12 @@ def test_oracles_agree():
     """The two oracles (NumPy loop, jnp float64) agree with each other on a full-feature case."""
     case = CASES["everything"]
     q, k, v, kw, vis = build(case)
+    oracle = jax.jit(jnp_attention_f64, static_argnames=("scale", "soft_cap"))
     with jax.enable_x64(True):
-        out64 = jax.jit(jnp_attention_f64, static_argnames=("scale", "soft_cap"))(*(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)),
-                                  jnp.asarray(vis), scale=0.5,
-                                  bias=jnp.asarray(np.asarray(kw["bias"], np.float64)),
-                                  sinks=jnp.asarray(np.asarray(kw["sinks"], np.float64)),
-                                  soft_cap=3.0)
+        out64 = oracle(*(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)),
+                       jnp.asarray(vis), scale=0.5,
+                       bias=jnp.asarray(np.asarray(kw["bias"], np.float64)),
+                       sinks=jnp.asarray(np.asarray(kw["sinks"], np.float64)), soft_cap=3.0)
         out64 = np.asarray(out64)
     np.testing.assert_allclose(out64, oracle_forward(case, q, k, v, kw, vis), rtol=1e-12,
                                atol=1e-12)
@@ -347,7 +347,8 @@ def test_purify_zeroes_padded_query_rows():
     assert (got["q"].transpose(0, 2, 1, 3)[padded] == 0).all()
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", [
+    jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
 def test_low_precision_inputs(dtype):
     case = Case(mask=masks.Causal(), sinks_shape="h")
     q, k, v, kw, vis = build(case)
