@@ -139,6 +139,7 @@ def test_kernels_without_choices_offer_their_heuristic():
 # Tuning.
 
 
+@pytest.mark.slow
 def test_autotune_rejects_wrong_and_failing_candidates_and_reports_them(cache_dir):
     q, k, v = _qkv()
     attn = bsa.BlockSparseAttention(mask=bsa.masks.Causal(), kernel=_Flawed())
@@ -227,6 +228,7 @@ def test_plan_reads_the_tuned_tiling_from_the_cache_inside_jit():
     assert attn.plan(q[0], k[0], v[0]).tiling_source == "cache"  # unbatched = batch of one
 
 
+@pytest.mark.slow
 def test_policy_variable(monkeypatch, cache_dir):
     q, k, v = _qkv(3)
     attn = bsa.BlockSparseAttention(mask=bsa.masks.Causal(), kernel=_Two())

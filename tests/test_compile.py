@@ -122,8 +122,15 @@ def test_tables_need_aligned_tiles():
     assert moved.kernel_terms([(128, 128)]) is None
 
 
-@pytest.mark.parametrize("q_len,kv_len", [(256, 256), (300, 260), (200, 333)])
-@pytest.mark.parametrize("tile", [(64, 64), (32, 64), (64, 32), (16, 16)])
+#: (tile, q_len, kv_len) of the quick subset (``-m "not slow"``); the rest are `slow`.
+_QUICK_ALIGNED = {((64, 32), 200, 333)}
+
+
+@pytest.mark.parametrize("tile,q_len,kv_len", [
+    pytest.param(tile, q_len, kv_len, id=f"tile{tile[0]}x{tile[1]}-{q_len}-{kv_len}",
+                 marks=() if (tile, q_len, kv_len) in _QUICK_ALIGNED else pytest.mark.slow)
+    for tile in [(64, 64), (32, 64), (64, 32), (16, 16)]
+    for q_len, kv_len in [(256, 256), (300, 260), (200, 333)]])
 def test_aligned_tables_in_visited_tiles_keep_the_mask(q_len, kv_len, tile):
     rows, cols = math.ceil(q_len / 64), math.ceil(kv_len / 64)
     table = masks.BlockLayoutMask(_table(1, rows, cols), 64)
@@ -156,9 +163,11 @@ TERM_MASKS = {
 }
 
 
-@pytest.mark.parametrize("name", list(TERM_MASKS))
-@pytest.mark.parametrize("tile", [(16, 16), (8, 32)])
-@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("documents,tile,name", [
+    # With documents: `slow` (outside the quick subset, ``-m "not slow"``).
+    pytest.param(documents, tile, name, id=f"{documents}-tile{tile[0]}x{tile[1]}-{name}",
+                 marks=pytest.mark.slow if documents else ())
+    for documents in (False, True) for tile in [(16, 16), (8, 32)] for name in TERM_MASKS])
 def test_terms_in_visited_tiles_are_the_mask(name, tile, documents):
     q_len, kv_len = 70, 85
     mask = TERM_MASKS[name]
@@ -174,6 +183,7 @@ def test_terms_in_visited_tiles_are_the_mask(name, tile, documents):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_terms_under_positions_are_the_mask():
     rng = np.random.default_rng(5)
     q_pos = np.sort(rng.integers(0, 200, 50))
@@ -217,6 +227,7 @@ def test_compile_builds_one_layout_per_pass_and_shares_equal_tiles():
         np.testing.assert_array_equal(getattr(compiled.dkv, name), getattr(want, name))
 
 
+@pytest.mark.slow
 def test_compile_adds_bitmaps_only_for_terms_kernels_without_terms():
     dilated = _resolve(masks.Causal() & masks.Dilated(3), 64, 64)
     assert dilated.compile(TILING, "elements").forward.bitmaps is None

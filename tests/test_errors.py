@@ -207,6 +207,7 @@ def test_select_kernel_says_what_it_assumed():
     assert "assumed" not in given.explain()
 
 
+@pytest.mark.slow
 def test_numpy_and_python_scalars_are_accepted():
     want = ATTN(Q, K, V)
     q, k, v = (np.asarray(x) for x in (Q, K, V))

@@ -113,6 +113,10 @@ def check_call(kernel, call, dtype: str, tiling) -> None:
 
 RUNS = [pytest.param(cls, marks=_marks(cls, runs=True), id=cls.name) for cls in KERNELS]
 
+#: A minute of CI on two cores: the quick subset (``-m "not slow"``) leaves fuzzing out; the
+#: conformance suite keeps a few fixed cases of every kernel there.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("kernel_cls", RUNS)
 @examples(6)

@@ -76,7 +76,20 @@ COMPOSITES = [
 ]
 
 ALL_MASKS = ATOMS + COMPOSITES
-LENGTHS = [(37, 37), (20, 45)]
+LENGTHS = [pytest.param(37, 37, marks=pytest.mark.slow), (20, 45)]
+
+#: The masks the quick subset (``-m "not slow"``) runs through the per-mask tests, on one shape
+#: (Lq < Lk, ragged): a few families, a negation, and a composite mixing families and heads. The
+#: rest are `slow`.
+QUICK_MASKS = {"causal_bottom_right_offset", "window_pair", "chunked_5", "bigbird_free",
+               "block_layout_rect", "predicate", "not_window", "per_head_composed"}
+
+
+def mask_params(table, quick=QUICK_MASKS):
+    """``(name, mask, tight)`` parameters of `table`; those not in `quick` are `slow`."""
+    return [pytest.param(name, mask, tight, id=name,
+                         marks=() if name in quick else pytest.mark.slow)
+            for name, mask, tight in table]
 
 
 def _dense_truth(mask, q_len, kv_len, heads=HEADS, **data):
@@ -104,14 +117,14 @@ def _package_elements(mask, q_len, kv_len, heads=HEADS):
 
 
 @pytest.mark.parametrize("q_len,kv_len", LENGTHS)
-@pytest.mark.parametrize("name,mask,tight", ALL_MASKS, ids=[m[0] for m in ALL_MASKS])
+@pytest.mark.parametrize("name,mask,tight", mask_params(ALL_MASKS))
 def test_elements_match_numpy(name, mask, tight, q_len, kv_len):
     got = _package_elements(mask, q_len, kv_len)
     want = np_mask(mask, q_len=q_len, kv_len=kv_len, heads=HEADS)
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("name,mask,tight", ATOMS, ids=[m[0] for m in ATOMS])
+@pytest.mark.parametrize("name,mask,tight", mask_params(ATOMS))
 def test_one_query_row(name, mask, tight):
     got = _package_elements(mask, 1, 30)
     np.testing.assert_array_equal(got, np_mask(mask, q_len=1, kv_len=30, heads=HEADS))
@@ -201,6 +214,7 @@ class CausalWindowElements(masks.AbstractMask):
         return (k.position <= q.position) & (k.position >= q.position - self.width)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lengths,blocks", [((256, 256), (32, 32)), ((200, 333), (16, 64))])
 def test_an_elements_only_mask_gets_real_block_classes(lengths, blocks):
     q_len, kv_len = lengths
@@ -335,11 +349,12 @@ def check_bitmaps(layout, vis):
 
 
 # (q_len, kv_len, block_q, block_kv): square ragged, Lq < Lk ragged, Lq > Lk exact.
-LAYOUT_SHAPES = [(37, 37, 8, 8), (20, 45, 16, 32), (45, 20, 32, 16)]
+LAYOUT_SHAPES = [pytest.param(37, 37, 8, 8, marks=pytest.mark.slow), (20, 45, 16, 32),
+                 pytest.param(45, 20, 32, 16, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("q_len,kv_len,block_q,block_kv", LAYOUT_SHAPES)
-@pytest.mark.parametrize("name,mask,tight", ALL_MASKS, ids=[m[0] for m in ALL_MASKS])
+@pytest.mark.parametrize("name,mask,tight", mask_params(ALL_MASKS))
 def test_static_layout_matches_dense(name, mask, tight, q_len, kv_len, block_q, block_kv):
     layout = bsa.build_layout(mask, q_len=q_len, kv_len=kv_len, num_heads=HEADS,
                               block_q=block_q, block_kv=block_kv)
@@ -354,7 +369,7 @@ BITMAP_MASKS = [m for m in ALL_MASKS if m[0] in (
     "per_head_composed")]
 
 
-@pytest.mark.parametrize("name,mask,tight", BITMAP_MASKS, ids=[m[0] for m in BITMAP_MASKS])
+@pytest.mark.parametrize("name,mask,tight", mask_params(BITMAP_MASKS, {"predicate"}))
 def test_bitmaps_reproduce_the_mask(name, mask, tight):
     q_len, kv_len = 37, 45
     layout = bsa.build_layout(mask, q_len=q_len, kv_len=kv_len, num_heads=HEADS, block_q=16,
@@ -420,8 +435,10 @@ def _segments_padded_both_ends(rng, batch, length, docs):
     return out
 
 
-@pytest.mark.parametrize("block_q,block_kv", [(8, 16), (4, 8)], ids=["8x16", "4x8"])
-@pytest.mark.parametrize("name,mask,tight", DYNAMIC_MASKS, ids=[m[0] for m in DYNAMIC_MASKS])
+@pytest.mark.parametrize("block_q,block_kv", [
+    pytest.param(8, 16, id="8x16", marks=pytest.mark.slow), pytest.param(4, 8, id="4x8")])
+@pytest.mark.parametrize("name,mask,tight", mask_params(DYNAMIC_MASKS, {
+    "window_document", "per_head_document"}))
 def test_dynamic_layout_with_positions_and_segments(name, mask, tight, block_q, block_kv):
     """Block classes agree with the element predicate under per-call positions and segment ids:
     no FULL block holds a hidden in-bounds pair, no EMPTY block a visible one."""
@@ -456,6 +473,7 @@ def test_dynamic_layout_with_positions_and_segments(name, mask, tight, block_q, 
         assert (classes == FULL).any(), "no FULL block: the FULL check above was vacuous"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,mask,tight", ATOMS, ids=[m[0] for m in ATOMS])
 def test_dynamic_index_positions_equal_static(name, mask, tight):
     """Positions equal to the token indices give exactly the static layout."""
@@ -478,6 +496,7 @@ def test_document_layout_is_tight_for_sorted_segments():
     check_layout(layout, _dense_truth(mask, 96, 96, heads=2, q_seg=seg, kv_seg=seg), tight=True)
 
 
+@pytest.mark.slow
 def test_document_layout_padding_blocks_are_empty():
     seg = np.full((1, 64), -1, np.int32)
     seg[0, :20] = 0

@@ -53,6 +53,7 @@ def test_batched_call_matches_truth(qkv):
     assert_close(out, expected(masks.Causal(), q, k, v))
 
 
+@pytest.mark.slow
 def test_unbatched_call_equals_batched_slice(qkv):
     q, k, v = qkv
     attn = ref_attn(masks.SlidingWindow(3, 1))
@@ -70,6 +71,7 @@ def test_jit_and_filter_jit_agree(qkv):
     assert_close(a, expected(attn.mask, q, k, v))
 
 
+@pytest.mark.slow
 def test_vmap_over_unbatched_call(qkv):
     q, k, v = qkv
     attn = ref_attn(masks.Causal())
@@ -108,6 +110,7 @@ def test_module_is_a_pytree_of_strategies():
     assert attn != bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.25)
 
 
+@pytest.mark.slow
 def test_tree_at_swaps_and_retraces(qkv):
     q, k, v = qkv
     traces = []
@@ -351,6 +354,7 @@ def test_function_scalars_sinks_bias_positional(qkv):
         bsa.blocksparse_attention(q, k, v, bias=bias)  # bias is positional-only
 
 
+@pytest.mark.slow
 def test_function_segment_ids_mask_info_and_purify(qkv):
     q, k, v = qkv
     rng = np.random.default_rng(2)
@@ -383,6 +387,7 @@ def test_function_segment_ids_mask_info_and_purify(qkv):
     assert_close(out, expected(masks.Causal(offset=8), q, k, v))
 
 
+@pytest.mark.slow
 def test_function_cfg_and_platforms(qkv):
     q, k, v = qkv
     want = expected(masks.Causal(), q, k, v)

@@ -186,7 +186,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+#: The cases of the quick subset (``-m "not slow"``), forward and gradients; the rest are `slow`.
+QUICK_FORWARD = {"unbatched", "gqa", "one_query", "lq_gt_lk", "per_head", "segments_pad",
+                 "everything"}
+QUICK_GRADIENTS = {"gqa", "segments_unbatched"}
+
+
+def case_params(quick):
+    return [pytest.param(name, marks=() if name in quick else pytest.mark.slow)
+            for name in CASES]
+
+
+@pytest.mark.parametrize("name", case_params(QUICK_FORWARD))
 def test_forward_matches_oracle(name):
     case = CASES[name]
     q, k, v, kw, vis = build(case)
@@ -196,7 +207,7 @@ def test_forward_matches_oracle(name):
     assert_close(out, oracle_forward(case, q, k, v, kw, vis), FWD_TOL, name)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", case_params(QUICK_GRADIENTS))
 def test_gradients_match_oracle(name):
     case = CASES[name]
     q, k, v, kw, vis = build(case)
@@ -212,12 +223,12 @@ def test_oracles_agree():
     """The two oracles (NumPy loop, jnp float64) agree with each other on a full-feature case."""
     case = CASES["everything"]
     q, k, v, kw, vis = build(case)
+    oracle = jax.jit(jnp_attention_f64, static_argnames=("scale", "soft_cap"))
     with jax.enable_x64(True):
-        out64 = jnp_attention_f64(*(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)),
-                                  jnp.asarray(vis), scale=0.5,
-                                  bias=jnp.asarray(np.asarray(kw["bias"], np.float64)),
-                                  sinks=jnp.asarray(np.asarray(kw["sinks"], np.float64)),
-                                  soft_cap=3.0)
+        out64 = oracle(*(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)),
+                       jnp.asarray(vis), scale=0.5,
+                       bias=jnp.asarray(np.asarray(kw["bias"], np.float64)),
+                       sinks=jnp.asarray(np.asarray(kw["sinks"], np.float64)), soft_cap=3.0)
         out64 = np.asarray(out64)
     np.testing.assert_allclose(out64, oracle_forward(case, q, k, v, kw, vis), rtol=1e-12,
                                atol=1e-12)
@@ -225,13 +236,14 @@ def test_oracles_agree():
 
 def test_default_scale_is_inverse_sqrt_dim():
     q, k, v = random_inputs(3, heads=2, q_len=9, dim=16)
-    a = bsa.BlockSparseAttention(kernel=kernels.DenseReference())(q, k, v)
-    b = bsa.BlockSparseAttention(kernel=kernels.DenseReference(), softmax_scale=0.25)(q, k, v)
+    a = call(bsa.BlockSparseAttention(kernel=kernels.DenseReference()), q, k, v)
+    b = call(bsa.BlockSparseAttention(kernel=kernels.DenseReference(), softmax_scale=0.25), q, k, v)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-    c = bsa.BlockSparseAttention(kernel=kernels.DenseReference(), softmax_scale=1.0)(q, k, v)
+    c = call(bsa.BlockSparseAttention(kernel=kernels.DenseReference(), softmax_scale=1.0), q, k, v)
     assert not np.allclose(np.asarray(a), np.asarray(c), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_soft_cap_huge_logits_do_not_overflow():
     case = Case(soft_cap=20.0, input_scale=1e3, mask=masks.Causal(), sinks_shape="hs")
     q, k, v, kw, vis = build(case)
@@ -248,6 +260,7 @@ def test_soft_cap_huge_logits_do_not_overflow():
     assert np.abs(want["v"]).max() > 0 and np.abs(want["sinks"]).max() > 0
 
 
+@pytest.mark.slow
 def test_huge_logits_without_cap_stay_finite_and_convex():
     case = Case(input_scale=300.0, mask=masks.Causal())
     q, k, v, kw, vis = build(case)
@@ -310,6 +323,7 @@ def test_everything_masked_gives_zeros_and_zero_gradients():
         assert (np.asarray(g) == 0).all()
 
 
+@pytest.mark.slow
 def test_purify_zeroes_padded_query_rows():
     # Padded queries still see the global tokens under `GlobalTokens | Document`; purify hides them.
     mask = masks.GlobalTokens(2) | masks.Document()
@@ -333,7 +347,8 @@ def test_purify_zeroes_padded_query_rows():
     assert (got["q"].transpose(0, 2, 1, 3)[padded] == 0).all()
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [
+    jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
 def test_low_precision_inputs(dtype):
     case = Case(mask=masks.Causal(), sinks_shape="h")
     q, k, v, kw, vis = build(case)

@@ -62,6 +62,7 @@ def _poison(x, segment_ids, value):
     return jnp.where(pad, jnp.asarray(value, x.dtype), x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("case_name", list(_PADDED))
 @pytest.mark.parametrize("kernel_cls", RUNS)
@@ -102,6 +103,7 @@ def test_garbage_in_padding_reaches_nothing(kernel_cls, case_name, poison):
         assert (g[np.broadcast_to(k_pad, g.shape[:3])] == 0).all(), name
 
 
+@pytest.mark.slow
 def test_padding_seen_through_an_or_is_not_hidden():
     """Only a mask that needs equal segment ids hides padding: through ``Document() | Causal()``
     a padding key is visible, and its values count."""
@@ -132,6 +134,7 @@ def test_head_dim_zero_is_refused():
 _WINDOW = masks.Causal() & masks.SlidingWindow(5, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shift", [2**30 - 40, -(2**30)], ids=["top", "bottom"])
 def test_positions_at_the_limit_are_exact(shift):
     """Positions shifted to the ends of the accepted range give the unshifted result."""
@@ -188,6 +191,7 @@ def _causal_even(q, k):
     return (k <= q) & (k % 2 == 0)
 
 
+@pytest.mark.slow
 def test_eager_predicate_calls_compile_once(caplog):
     """A second eager call with an equal `Predicate` mask (and its gradient) compiles nothing."""
     x = jax.random.normal(jax.random.key(0), (2, 64, 8))
@@ -208,6 +212,7 @@ def test_eager_predicate_calls_compile_once(caplog):
 # Half precision at small head dims.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dim", [1, 3])
 def test_xla_bfloat16_gradients_stay_near_the_reference(dim):
     """bfloat16 gradients of XlaBlockSparse are within 2x of DenseReference's error (norm)."""
@@ -226,6 +231,7 @@ def test_xla_bfloat16_gradients_stay_near_the_reference(dim):
 # Memory: the blocks of a slot run in chunks.
 
 
+@pytest.mark.slow
 def test_chunked_slots_match_one_chunk(monkeypatch):
     """With a tiny slot budget every pass runs block by block, ragged chunks included; the
     results equal the one-chunk run (per-block arithmetic is the same)."""
@@ -248,6 +254,7 @@ def test_chunked_slots_match_one_chunk(monkeypatch):
 # Determinism.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel_cls", RUNS)
 def test_repeated_calls_are_bit_identical(kernel_cls):
     """Output and every gradient: the same bits on every call, eager and under jit."""
@@ -291,6 +298,7 @@ def test_jvp_through_a_custom_vjp_kernel_says_what_to_use():
             call()
 
 
+@pytest.mark.slow
 def test_jvp_through_the_reference_matches_finite_differences():
     q, k, v = (jax.random.normal(key, (2, 16, 4)) for key in jax.random.split(jax.random.key(3), 3))
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.DenseReference())
@@ -300,6 +308,7 @@ def test_jvp_through_the_reference_matches_finite_differences():
     np.testing.assert_allclose(tangent, fd / (2 * eps), rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_concrete_positions_inside_a_trace_are_checked_at_trace_time():
     """Found by tests/test_fuzz.py: positions closed over by a jitted function are concrete
     while the call is traced; the range check must not turn them into tracers."""

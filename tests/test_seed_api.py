@@ -62,8 +62,14 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("shape", list(SHAPES))
+#: (shape, kernel) pairs of the quick subset (``-m "not slow"``); the rest are `slow`.
+_QUICK_SHAPES = {("[B, 1, Lq, Lk] ints", "xla")}
+
+
+@pytest.mark.parametrize("shape,kernel", [
+    pytest.param(shape, kernel, id=f"{shape}-{kernel}",
+                 marks=() if (shape, kernel) in _QUICK_SHAPES else pytest.mark.slow)
+    for shape in SHAPES for kernel in KERNELS])
 def test_attention_mask_shapes(qkv, kernel, shape):
     q, k, v = qkv
     dims, as4 = SHAPES[shape]
@@ -121,6 +127,7 @@ def test_attention_mask_under_jit_never_recompiles(qkv):
     assert len(traces) == 1
 
 
+@pytest.mark.slow
 def test_attention_mask_unbatched_and_soft_cap(qkv):
     q, k, v = (x[0] for x in qkv)
     m = _mask_array(4, (H, LQ, LK))
@@ -134,6 +141,7 @@ def test_attention_mask_unbatched_and_soft_cap(qkv):
     assert np.abs(np.asarray(capped) - want[0]).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_array_mask_algebra_and_layout(qkv):
     q, k, v = qkv
     m = _mask_array(5, (LQ, LK))
@@ -214,6 +222,7 @@ def test_mask_builder_per_head_form(qkv):
     assert _mask_from_builder(builder, LQ, LK, H, HKV) == masks.PerHead(per_head)
 
 
+@pytest.mark.slow
 def test_kv_segment_ids_default_to_q_segment_ids():
     q, k, v = random_inputs(4, batch=B, heads=H, kv_heads=HKV, q_len=LQ, dim=8)
     seg = sorted_segments(np.random.default_rng(1), B, LQ, 3, pad=1)
@@ -234,6 +243,7 @@ def test_qkv_layouts(qkv):
     assert_close(mixed, want, 2e-5)
 
 
+@pytest.mark.slow
 def test_mask_info_carries_everything(qkv):
     q, k, v = qkv
     rng = np.random.default_rng(2)

@@ -97,7 +97,7 @@ else:
     slow = pytest.mark.slow
 
     @pytest.mark.parametrize("kernel, shape", [
-        ("DenseReference", (2,)), ("XlaBlockSparse", (2, 4)),
+        ("DenseReference", (2,)), pytest.param("XlaBlockSparse", (2, 4), marks=slow),
         pytest.param("DenseReference", (2, 4), marks=slow),
         pytest.param("XlaBlockSparse", (2,), marks=slow),
     ])
@@ -117,8 +117,8 @@ else:
         compare(lambda q, k, v: per_device(q, k, v, seg), lambda q, k, v: mapped(q, k, v, seg),
                 (q, k, v), {})
 
-    @pytest.mark.parametrize("kernel", ["XlaBlockSparse",
-                                        pytest.param("DenseReference", marks=slow)])
+    @pytest.mark.slow
+    @pytest.mark.parametrize("kernel", ["XlaBlockSparse", "DenseReference"])
     def test_kernel_under_jit_with_named_sharding(kernel):
         mesh = make_mesh((2, 4), ("b", "h"))
         q, k, v = random_inputs(2, batch=2, heads=8, kv_heads=4, q_len=32)
@@ -130,7 +130,7 @@ else:
     # ShardMap: batch and heads.
 
     @pytest.mark.parametrize("kernel, axes", [
-        ("XlaBlockSparse", ("b", "h")), ("DenseReference", ("b", None)),
+        pytest.param("XlaBlockSparse", ("b", "h"), marks=slow), ("DenseReference", ("b", None)),
         pytest.param("DenseReference", (None, "h"), marks=slow),
         pytest.param("XlaBlockSparse", ("b", None), marks=slow),
         pytest.param("XlaBlockSparse", (None, "h"), marks=slow),
@@ -145,8 +145,8 @@ else:
         compare(module(mask, kernel), module(mask, kernel, sharding.ShardMap(mesh, *axes)),
                 (q, k, v), extra)
 
-    @pytest.mark.parametrize("kernel", ["DenseReference",
-                                        pytest.param("XlaBlockSparse", marks=slow)])
+    @pytest.mark.slow
+    @pytest.mark.parametrize("kernel", ["DenseReference", "XlaBlockSparse"])
     def test_shard_map_per_head_mask(kernel):
         mesh = make_mesh((2, 4), ("b", "h"))
         q, k, v = random_inputs(4, batch=2, heads=8, kv_heads=8, q_len=32)
@@ -188,13 +188,13 @@ else:
         compare(module(mask, kernel), module(mask, kernel, ring(mesh_name, **kw)),
                 (q, k, v), extra)
 
-    @pytest.mark.parametrize("case", ["causal", "document", "block_table",
-                                      pytest.param("window", marks=slow),
-                                      pytest.param("bias_sinks", marks=slow)])
+    @pytest.mark.slow
+    @pytest.mark.parametrize("case", ["causal", "document", "block_table", "window", "bias_sinks"])
     def test_ring_reference(case):
         check_ring(case, "DenseReference", "1d")
 
-    @pytest.mark.parametrize("case", ["window", pytest.param("causal", marks=slow)])
+    @pytest.mark.slow
+    @pytest.mark.parametrize("case", ["window", "causal"])
     def test_ring_xla(case):
         check_ring(case, "XlaBlockSparse", "1d")
 
@@ -213,6 +213,7 @@ else:
     def test_ring_orders(order):
         check_ring("window", "DenseReference", "1d", order=order)
 
+    @pytest.mark.slow
     def test_explicit_mesh():  # jax.make_mesh's default axis type
         mesh = jax.make_mesh((4, 2), ("s", "h"))
         q, k, v = random_inputs(8, batch=2, heads=4, kv_heads=2, q_len=64)
@@ -222,6 +223,7 @@ else:
             compare(module(mask, "DenseReference"), module(mask, "DenseReference", shard),
                     (q, k, v), {})
 
+    @pytest.mark.slow
     def test_explicit_mesh_zigzag():  # the zig-zag order's output gather moves tokens
         mesh = jax.make_mesh((4, 2), ("s", "h"))
         q, k, v = random_inputs(9, batch=2, heads=4, kv_heads=2, q_len=64)
@@ -243,7 +245,8 @@ else:
         return {(a, b) for a in range(n) for b in range(n)
                 if vis[np.ix_(tokens[a], tokens[b])].any()}
 
-    @pytest.mark.parametrize("case", ["window", "causal", "document"])
+    @pytest.mark.parametrize("case", ["window", "causal",
+                                      pytest.param("document", marks=slow)])
     def test_ring_steps_match_the_mask(case):
         mask, extra = ring_case(case)
         strategy = ring("1d")
@@ -280,6 +283,7 @@ else:
     # ---------------------------------------------------------------------------------------
     # The seed-style door and errors.
 
+    @pytest.mark.slow
     def test_function_style_mesh_options():
         mesh = make_mesh((2, 4), ("b", "s"))
         q, k, v = random_inputs(7, batch=2, heads=4, kv_heads=2, q_len=32)

@@ -45,7 +45,8 @@ def _splash_visits(dense: np.ndarray) -> tuple[set, set]:
         dkv.data_next[0], dkv.block_mask[0], True)
 
 
-@pytest.mark.parametrize("name", ["causal", "window", "not_window", "document"])
+@pytest.mark.parametrize("name", ["causal", "window", "not_window",
+                                  pytest.param("document", marks=pytest.mark.slow)])
 def test_block_info_visits_what_splash_would(name):
     """Our block-info arrays, gathered from the layout, list the blocks (and their classes)
     that Splash's own O(L^2) processing of the dense mask lists."""

@@ -60,6 +60,7 @@ def test_triton_default_tiling_gives_dq_its_own_tile():
     assert (t.block_q, t.block_kv) == t.backward_blocks == t.dq_blocks == (64, 64)
 
 
+@pytest.mark.slow
 def test_triton_short_scattered_rows_take_small_tiles():
     from eqx_bsattn.bench import bigbird_mask
 

@@ -79,28 +79,35 @@ def _cfg(bias_shape):
         list_modes=("check", "check", "check"))
 
 
-def _lists(key, mb, n):
-    counts = jax.random.randint(key, (mb, 1, n), 0, 3)
-    index = jax.random.randint(jax.random.fold_in(key, 1), (mb, 1, n, 3), 0, 3)
+def _lists(rng, mb, n):
+    counts = jnp.asarray(rng.integers(0, 3, (mb, 1, n)), jnp.int32)
+    index = jnp.asarray(rng.integers(0, 3, (mb, 1, n, 3)), jnp.int32)
     return (counts, index, counts + 1, index + 1, counts + 2, jnp.zeros((1,), jnp.int8))
 
 
+def _stacked_lists(rng, mb, n):
+    """`_lists` for each of the V mapped elements, stacked on a leading axis."""
+    return jax.tree.map(lambda *x: jnp.stack(x), *(_lists(rng, mb, n) for _ in range(V)))
+
+
 def _inputs(seed, list_batch, bias_batch):
-    ks = jax.random.split(jax.random.key(seed), 12)
-    q = jax.random.normal(ks[0], (V, B, H, LQ, D))
-    k = jax.random.normal(ks[1], (V, B, HKV, LK, D))
-    v = jax.random.normal(ks[2], (V, B, HKV, LK, D))
-    do = jax.random.normal(ks[3], (V, B, H, LQ, D))
-    lse = jax.random.normal(ks[4], (V, B, H, LQ))
-    delta = jax.random.normal(ks[5], (V, B, H, LQ))
-    bias = jax.random.normal(ks[6], (V, bias_batch, H, LQ, LK))
-    sinks = jax.random.normal(ks[7], (H, 1))
-    seg = jax.random.randint(ks[8], (V, B, LQ), 0, 3)
-    kseg = jax.random.randint(ks[9], (V, B, LK), 0, 3)
+    # NumPy draws: eager `jax.random` calls compile once per shape (seconds in all).
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    q = normal(V, B, H, LQ, D)
+    k = normal(V, B, HKV, LK, D)
+    v = normal(V, B, HKV, LK, D)
+    do = normal(V, B, H, LQ, D)
+    lse = normal(V, B, H, LQ)
+    delta = normal(V, B, H, LQ)
+    bias = normal(V, bias_batch, H, LQ, LK)
+    sinks = normal(H, 1)
+    seg = jnp.asarray(rng.integers(0, 3, (V, B, LQ)), jnp.int32)
+    kseg = jnp.asarray(rng.integers(0, 3, (V, B, LK)), jnp.int32)
     dummy = jnp.zeros((1,), jnp.int32)
     data = (dummy, dummy, seg, kseg)
-    lists = jax.vmap(lambda kk: _lists(kk, list_batch, 2))(jax.random.split(ks[10], V))
-    t_lists = jax.vmap(lambda kk: _lists(kk, list_batch, 3))(jax.random.split(ks[11], V))
+    lists = _stacked_lists(rng, list_batch, 2)
+    t_lists = _stacked_lists(rng, list_batch, 3)
     return dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta, bias=bias, sinks=sinks, data=data,
                 lists=lists, t_lists=t_lists)
 
@@ -153,10 +160,16 @@ def _element(args, axes, i):
     return _zip_map(lambda a, ax: a if ax is None else a[i], args, axes)
 
 
-@pytest.mark.parametrize("list_batch", [1, B])
-@pytest.mark.parametrize("bias_batch", [1, B])
-@pytest.mark.parametrize("case", list(_CASES))
-def test_vmap_folds_the_mapped_axis_into_the_batch(calls, case, list_batch, bias_batch):
+#: (case, bias_batch, list_batch) of the quick subset: mapped and shared operands, both batch
+#: sizes of the bias; the rest are `slow` (each new shape compiles anew).
+_QUICK = {("everything_mapped", B, B), ("shared_kv_and_bias", 1, B)}
+
+
+@pytest.mark.parametrize("case,bias_batch,list_batch", [
+    pytest.param(case, bb, lb, id=f"{case}-{bb}-{lb}",
+                 marks=() if (case, bb, lb) in _QUICK else pytest.mark.slow)
+    for case in _CASES for bb in (1, B) for lb in (1, B)])
+def test_vmap_folds_the_mapped_axis_into_the_batch(calls, case, bias_batch, list_batch):
     axes = _CASES[case]
     args = _args(_inputs(0, list_batch, bias_batch), axes)
     fn = _launches(_cfg((bias_batch, H)))
@@ -170,6 +183,7 @@ def test_vmap_folds_the_mapped_axis_into_the_batch(calls, case, list_batch, bias
     assert {c[1] for c in calls} == {B}
 
 
+@pytest.mark.slow
 def test_nested_vmap_folds_twice(calls):
     axes = _CASES["everything_mapped"]
     args = _args(_inputs(1, B, 1), axes)

@@ -11,12 +11,13 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import Tiling, kernels, masks
+from tests.conftest import random_array
 
 TOL = 1e-5
 
 
 def _normal(seed, shape):
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    return random_array(seed, shape)
 
 
 def _segments(seed, batch, length, docs, pad=0):
@@ -128,6 +129,7 @@ MASKS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MASKS))
 def test_mask_families(name):
     # Ragged lengths (50, 70 are not multiples of 16, 32), Lq != Lk, GQA and Dv != D throughout;
@@ -137,6 +139,7 @@ def test_mask_families(name):
     check(mask, **features)
 
 
+@pytest.mark.slow
 def test_document_with_padding_cross_lengths():
     # Padded tokens (-1) see nothing: fully masked rows must give zeros and zero gradients.
     out = check(
@@ -146,6 +149,7 @@ def test_document_with_padding_cross_lengths():
     assert np.all(np.asarray(out)[:, :, -7:] == 0)
 
 
+@pytest.mark.slow
 def test_per_head_masks_with_gqa():
     per_head = masks.PerHead(
         [masks.Causal(), masks.SlidingWindow(5), masks.Full(), masks.ChunkedCausal(16)]
@@ -153,6 +157,7 @@ def test_per_head_masks_with_gqa():
     check(per_head, bias_shape=(4, 50, 70), sinks_shape=(4, 1))
 
 
+@pytest.mark.slow
 def test_bias_sinks_soft_cap_scale():
     check(
         masks.Causal() & masks.SlidingWindow(25, 0), bias_shape=(2, 4, 50, 70),
@@ -160,12 +165,14 @@ def test_bias_sinks_soft_cap_scale():
     )
 
 
+@pytest.mark.slow
 def test_fully_masked_rows():
     # Causal with offset -20: the first 20 queries see no key at all.
     out = check(masks.Causal(offset=-20), sinks_shape=(4, 2))
     assert np.all(np.asarray(out)[:, :, :20] == 0)
 
 
+@pytest.mark.slow
 def test_minus_inf_bias_hiding_a_full_block():
     # An additive -inf bias (a padding mask written as a bias) hides the first kv-block of every
     # row, which the mask calls FULL; later blocks are visible. The row maximum stays -inf over
@@ -185,12 +192,14 @@ def test_minus_inf_bias_hiding_a_full_block():
         _assert_close(g, g_ref, name)
 
 
+@pytest.mark.slow
 def test_one_query():
     # Blocks larger than the sequences shrink to them (1 query, 75 keys).
     check(masks.Causal(bottom_right=True), q_len=1, kv_len=75, heads=2, kv_heads=1,
           tiling=Tiling(16, 128))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tiling",
     [Tiling(5, 7), Tiling(16, 32, block_q_bwd=32, block_kv_bwd=8)],
@@ -200,6 +209,7 @@ def test_tilings(tiling):
     check(masks.Causal() & masks.SlidingWindow(13, 2), tiling=tiling)
 
 
+@pytest.mark.slow
 def test_vmap_checkpoint_filter_jit_eager():
     # Unbatched calls vmapped over the batch and rematerialised; then filter_jit and eager.
     mask = masks.Causal() & masks.SlidingWindow(10, 0)
@@ -226,6 +236,7 @@ def test_vmap_checkpoint_filter_jit_eager():
     _assert_close(xla(q[0], k[0], v[0]), expected, "eager")
 
 
+@pytest.mark.slow
 def test_new_segment_ids_do_not_retrace(monkeypatch):
     # Eager calls: each runs the kernel's own cached, jitted function. Count the traces of its
     # forward and backward; an outer jax.jit would hide a retrace (it traces once per shape).
