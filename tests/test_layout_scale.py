@@ -151,8 +151,7 @@ def _call_data(rng, batch, q_len, kv_len):
 
 # Eager builds with call data dispatch every operation of every chunk: a few masks in every
 # test run, the others (and the other shapes) marked `slow`.
-QUICK_DYNAMIC = ("causal_and_window", "bigbird_full", "per_head_composed", "predicate",
-                 "causal_document", "per_head_document", "document_or_global")
+QUICK_DYNAMIC = ("per_head_composed", "causal_document", "document_or_global")
 DYNAMIC = [pytest.param(*m, id=m[0], marks=[] if m[0] in QUICK_DYNAMIC else [pytest.mark.slow])
            for m in DYNAMIC_MASKS]
 
@@ -180,7 +179,8 @@ def test_traced_layout_is_the_dense_one(name, mask, tight, monkeypatch):
 
 
 @pytest.mark.parametrize("shape", _shapes(SHAPES[:4]))
-@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
+@pytest.mark.parametrize("per_head", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["shared", "per_head"])
 def test_array_mask_layout_is_the_dense_one(shape, per_head, monkeypatch):
     """A mask array (per-call data in the mask itself), alone and under `Causal`."""
     q_len, kv_len, block_q, block_kv = shape
