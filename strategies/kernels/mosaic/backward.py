@@ -156,7 +156,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                 slot = lax.rem(it, stages)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
-                s, dp = ops.products([(q_smem, k_ring.at[slot], True),
+                s, dp = ops.products((bq, bk), [(q_smem, k_ring.at[slot], True),
                                       (do_smem, v_ring.at[slot], True)])
                 plgpu.barrier_arrive(v_free.at[slot])
                 lse_b = lax.broadcast_in_dim(lse, (bq, bk), [0])
@@ -257,7 +257,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 delta = ops.load(delta_ref, (b, h, cols), ops.col_layout)
                 plgpu.barrier_wait(q_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
-                s_t, dp_t = ops.products([(k_smem, q_ring.at[slot], True),
+                s_t, dp_t = ops.products((bk, bq), [(k_smem, q_ring.at[slot], True),
                                           (v_smem, do_ring.at[slot], True)])
                 lse_b = lax.broadcast_in_dim(lse, (bk, bq), [1])
                 if masked:

@@ -75,9 +75,10 @@ class Ops:
 
         return plgpu.load(ref, idx, layout=layout, optimized=False)
 
-    def products(self, pairs):
-        """Fresh float32 products ``a @ b`` (``a @ b.T`` where the pair says so) for
-        `pairs` of ``(a smem ref, b smem ref, transpose_b)``, issued as one wgmma group."""
+    def products(self, shape, pairs):
+        """Fresh float32 products ``a @ b`` (``a @ b.T`` where the pair says so), each of
+        `shape`, for `pairs` of ``(a smem ref, b smem ref, transpose_b)``, issued as one
+        wgmma group."""
         if self.interpreted:
             return tuple(jnp.dot(a[...], b[...].T if t else b[...],
                                  preferred_element_type=jnp.float32) for a, b, t in pairs)
@@ -89,8 +90,7 @@ class Ops:
                 plgpu.wgmma(acc, a, plgpu.transpose_ref(b, (1, 0)) if t else b)
             return tuple(acc[...] for acc in accs)
 
-        shapes = [(a.shape[0], b.shape[0] if t else b.shape[1]) for a, b, t in pairs]
-        return pl.run_scoped(issue, *(plgpu.ACC(s, jnp.float32) for s in shapes))
+        return pl.run_scoped(issue, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
 
     def accumulate(self, accs, pairs):
         """``acc + a @ b`` for each float32 accumulator and ``(a registers, b smem ref)``,
