@@ -178,6 +178,8 @@ def main():
     p.add_argument("--skip-errors", action="store_true")
     p.add_argument("--cases", nargs="+", default=None, choices=sorted(ERROR_CASES),
                    help="only these error cases")
+    p.add_argument("--backwards", nargs="+", default=["triton", "mosaic"],
+                   choices=["triton", "mosaic"], help="the error table's backward passes")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--out", default=None, help="write the records as JSON here")
@@ -186,7 +188,7 @@ def main():
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "jaxlib": jax.lib.__version__, "args": vars(args)}
     if not args.skip_errors:
-        result["errors"] = errors(args.cases)
+        result["errors"] = errors(args.cases, args.backwards)
     if not args.skip_speed:
         result["speed"] = speed(args.lengths, args.batch, args.heads, args.dim, args.reps,
                                 not args.forward_only)

@@ -1,10 +1,11 @@
-"""`MosaicBlockSparse` on a Hopper GPU: forward and gradients against the float32 dense
-reference for each mask family it expresses, the edges (ragged lengths, Lq != Lk, one query,
-fully masked rows, grouped-query heads, head dims 64 / 128, float16) and what it declines.
+"""`MosaicBlockSparse` on a Hopper GPU: forward and gradients (through Triton's backward and
+through its own Mosaic backward) against the float32 dense reference for each mask family it
+expresses, the edges (ragged lengths, Lq != Lk, one query, fully masked rows, grouped-query
+heads, head dims 64 / 128, float16) and what it declines.
 
-The GPU tests skip unless JAX's default backend is a GPU and jax-triton imports. One slow test
-runs the forward kernel's lists, barriers and masking in Pallas' CPU interpreter for Mosaic
-GPU (plain products in place of wgmma there).
+The GPU tests skip unless JAX's default backend is a GPU and jax-triton imports. Slow tests run
+the forward kernel, and the forward then the dq and dk/dv kernels, in Pallas' CPU interpreter
+for Mosaic GPU (plain products in place of wgmma there).
 """
 
 import importlib.util

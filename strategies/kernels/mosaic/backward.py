@@ -28,10 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from eqx_bsattn.contract import MaskTerms
-
-from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, MEMORY_REGISTERS,
-                     ROWS_PER_WARPGROUP, Ops, list_entry, ring_stages, stream_blocks, swizzled,
+from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, AttentionShape,
+                     Ops, list_bounds, list_entry, memory_warpgroup, ring_stages, swizzled,
                      visible)
 
 #: Rows of a CTA's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
@@ -46,22 +44,12 @@ def backward_blocks(head_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardConfig:
-    """Everything static about the two backward launches (hashable)."""
+class BackwardConfig(AttentionShape):
+    """Everything static about the two backward launches (hashable); lengths padded to 128."""
 
-    batch: int
-    heads: int
-    kv_heads: int
-    #: Lengths after padding to 128, and the true key length (keys past it are hidden).
-    q_len: int
-    kv_len: int
-    true_kv_len: int
-    head_dim: int
     #: Keys per block of the dq layout, queries per block of the dk/dv layout (`backward_blocks`).
     dq_block_kv: int
     dkv_block_q: int
-    softmax_scale: float
-    terms: MaskTerms
     #: Leading axes (1 or the batch, 1 or the heads) of the dq and of the dk/dv lists.
     dq_layout_axes: tuple[int, int]
     dkv_layout_axes: tuple[int, int]
@@ -117,9 +105,9 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     bq, d, dtype = ROWS_PER_WARPGROUP, cfg.head_dim, q.dtype
     bk = cfg.dq_block_kv
     stages = cfg.stages(bk)
-    group = cfg.heads // cfg.kv_heads
+    group = cfg.group
     num_tiles = cfg.q_len // BLOCK_OWN
-    factor = cfg.softmax_scale * LOG2E
+    factor = cfg.log2_factor
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref, fidx_ref, pcnt_ref,
@@ -130,10 +118,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
         tile = num_tiles - 1 - lax.axis_index("q_tiles")  # heavy causal tiles first
         b = lax.axis_index("batch")
         wg = lax.axis_index("wg")
-        prefix = (b if cfg.dq_layout_axes[0] > 1 else 0,
-                  h if cfg.dq_layout_axes[1] > 1 else 0, tile)
-        n_full = fcnt_ref[prefix]
-        n_steps = n_full + pcnt_ref[prefix]
+        prefix, n_full, n_steps = list_bounds(cfg.dq_layout_axes, b, h, tile, fcnt_ref, pcnt_ref)
 
         @pl.when(wg < COMPUTE_WARPGROUPS)
         def _compute():
@@ -185,16 +170,10 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == COMPUTE_WARPGROUPS)
-        def _memory():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-            kv_h = lax.div(h, group)
-            streams = [(lambda block, ref=ref: ref.at[b, kv_h, pl.ds(block * bk, bk)], ring,
-                        ready, free)
-                       for ref, ring, ready, free in ((k_ref, k_ring, k_ready, k_free),
-                                                      (v_ref, v_ring, v_ready, v_free))]
-            stream_blocks(n_steps, lambda it: list_entry(fidx_ref, pidx_ref, prefix, it, n_full),
-                          streams, stages)
+        pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
+            n_steps, lambda it: list_entry(fidx_ref, pidx_ref, prefix, it, n_full),
+            lambda ref, block: ref.at[b, lax.div(h, group), pl.ds(block * bk, bk)],
+            ((k_ref, k_ring, k_ready, k_free), (v_ref, v_ring, v_ready, v_free)), stages))
 
     scratch = _scratch((COMPUTE_WARPGROUPS, bq, d), (stages, bk, d), dtype, stages)
     return _launch(cfg, body, scratch, "q_tiles", num_tiles, jax.ShapeDtypeStruct(q.shape, dtype),
@@ -214,9 +193,9 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     bk, d, dtype = ROWS_PER_WARPGROUP, cfg.head_dim, q.dtype
     bq = cfg.dkv_block_q
     stages = cfg.stages(bq)
-    group = cfg.heads // cfg.kv_heads
+    group = cfg.group
     num_tiles = cfg.kv_len // BLOCK_OWN
-    factor = cfg.softmax_scale * LOG2E
+    factor = cfg.log2_factor
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref, fidx_ref, pcnt_ref,
@@ -227,10 +206,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
         tile = lax.axis_index("kv_tiles")  # under causal masks the first tiles are heavy
         b = lax.axis_index("batch")
         wg = lax.axis_index("wg")
-        prefix = (b if cfg.dkv_layout_axes[0] > 1 else 0,
-                  h if cfg.dkv_layout_axes[1] > 1 else 0, tile)
-        n_full = fcnt_ref[prefix]
-        n_steps = n_full + pcnt_ref[prefix]
+        prefix, n_full, n_steps = list_bounds(cfg.dkv_layout_axes, b, h, tile, fcnt_ref,
+                                              pcnt_ref)
 
         @pl.when(wg < COMPUTE_WARPGROUPS)
         def _compute():
@@ -287,15 +264,10 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
             plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h, keys])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == COMPUTE_WARPGROUPS)
-        def _memory():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-            streams = [(lambda block, ref=ref: ref.at[b, h, pl.ds(block * bq, bq)], ring,
-                        ready, free)
-                       for ref, ring, ready, free in ((q_ref, q_ring, q_ready, q_free),
-                                                      (do_ref, do_ring, do_ready, do_free))]
-            stream_blocks(n_steps, lambda it: list_entry(fidx_ref, pidx_ref, prefix, it, n_full),
-                          streams, stages)
+        pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
+            n_steps, lambda it: list_entry(fidx_ref, pidx_ref, prefix, it, n_full),
+            lambda ref, block: ref.at[b, h, pl.ds(block * bq, bq)],
+            ((q_ref, q_ring, q_ready, q_free), (do_ref, do_ring, do_ready, do_free)), stages))
 
     scratch = _scratch((COMPUTE_WARPGROUPS, bk, d), (stages, bq, d), dtype, stages)
     grads = jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.kv_len, d), dtype)

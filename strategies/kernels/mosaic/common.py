@@ -6,6 +6,8 @@ CPU interpreter for Mosaic GPU (layout casts, iotas, loads and matrix products).
 Mosaic GPU is imported inside the functions, so this module imports anywhere.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -18,6 +20,32 @@ LOG2E = 1.4426950408889634
 #: Registers a thread of a compute / the memory warpgroup holds (3 warpgroups fit 64 K).
 COMPUTE_REGISTERS = 232
 MEMORY_REGISTERS = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """What every launch knows statically: shapes (lengths padded to the tiles), the true key
+    length (keys past it are hidden), the softmax scale and the canonical mask terms."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    true_kv_len: int
+    head_dim: int
+    softmax_scale: float
+    terms: MaskTerms
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def log2_factor(self) -> float:
+        """``softmax_scale * log2(e)``: logits in base 2."""
+        return self.softmax_scale * LOG2E
 
 
 def visible(terms: MaskTerms, true_kv_len: int, q_index, k_index, q_seg=None, k_seg=None):
@@ -117,24 +145,35 @@ def list_entry(full_ref, partial_ref, prefix, it, n_full):
     return jnp.where(it < n_full, full_block, part_block)
 
 
-def stream_blocks(n_steps, block_of, streams, stages: int):
-    """The memory warpgroup's loop: for list entry ``it`` in ``[0, n_steps)``, copy each
-    stream's tile of block ``block_of(it)`` into slot ``it % stages`` of its ring with TMA,
-    first waiting (from the second lap on) for that slot's "free" barrier.
+def list_bounds(layout_axes, b, h, tile, full_count_ref, partial_count_ref):
+    """``(prefix, n_full, n_steps)`` of one tile's FULL-then-PARTIAL list: the index prefix
+    into the ``[1 or batch, 1 or heads, tiles, ...]`` list arrays (`layout_axes` their leading
+    sizes), the FULL count and the total count."""
+    prefix = (b if layout_axes[0] > 1 else 0, h if layout_axes[1] > 1 else 0, tile)
+    n_full = full_count_ref[prefix]
+    return prefix, n_full, n_full + partial_count_ref[prefix]
 
-    `streams` holds ``(source, ring, ready, free)``: ``source(block)`` the global-memory view
-    of one tile, `ring` the ``[stages, ...]`` shared-memory slots, `ready` / `free` their
-    barriers (the compute warpgroups wait on `ready` and arrive on `free`).
+
+def memory_warpgroup(n_steps, block_of, tile_of, streams, stages: int):
+    """The memory warpgroup: for list entry ``it`` in ``[0, n_steps)``, copy each stream's
+    tile ``tile_of(ref, block_of(it))`` into slot ``it % stages`` of its ring with TMA, first
+    waiting (from the second lap on) for that slot's "free" barrier.
+
+    `streams` holds ``(ref, ring, ready, free)``: the global-memory array, the ``[stages,
+    ...]`` shared-memory slots and their barriers (the compute warpgroups wait on `ready` and
+    arrive on `free`).
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
     def fetch(it, slot, wait):
         block = block_of(it)
-        for source, ring, ready, free in streams:
+        for ref, ring, ready, free in streams:
             if wait:
                 plgpu.barrier_wait(free.at[slot])
-            plgpu.copy_gmem_to_smem(source(block), ring.at[slot], ready.at[slot])
+            plgpu.copy_gmem_to_smem(tile_of(ref, block), ring.at[slot], ready.at[slot])
 
     for i in range(stages):
         pl.when(i < n_steps)(lambda i=i: fetch(i, i, False))

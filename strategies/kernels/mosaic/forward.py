@@ -24,10 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from eqx_bsattn.contract import MaskTerms
-
-from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, MEMORY_REGISTERS,
-                     ROWS_PER_WARPGROUP, Ops, list_entry, ring_stages, stream_blocks, swizzled,
+from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, AttentionShape,
+                     Ops, list_bounds, list_entry, memory_warpgroup, ring_stages, swizzled,
                      visible)
 
 #: Query rows per CTA (two compute warpgroups of 64).
@@ -35,21 +33,11 @@ BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardConfig:
+class ForwardConfig(AttentionShape):
     """Everything static about one forward launch (hashable)."""
 
-    batch: int
-    heads: int
-    kv_heads: int
-    #: Lengths after padding to the tiles, and the true key length (keys past it are hidden).
-    q_len: int
-    kv_len: int
-    true_kv_len: int
-    head_dim: int
     block_kv: int
     stages: int
-    softmax_scale: float
-    terms: MaskTerms
     #: Leading axes of the layout lists: 1 or the batch, 1 or the heads.
     layout_batch: int
     layout_heads: int
@@ -66,14 +54,14 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     bq, bk, d = ROWS_PER_WARPGROUP, cfg.block_kv, cfg.head_dim
     dtype = q.dtype
     stages = cfg.stages
-    group = cfg.heads // cfg.kv_heads
+    group = cfg.group
     num_q_tiles = cfg.q_len // BLOCK_Q
     cp = partial_index.shape[-1]
     has_segments = q_segment_ids is not None
     # s * scale * log2(e), kept in base 2; with a positive factor the row maximum of the raw
     # products scales to the row maximum of the logits, so full blocks fold the factor into
     # the exponent's operand.
-    factor = cfg.softmax_scale * LOG2E
+    factor = cfg.log2_factor
 
     def kernel(q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref, pidx_ref, qseg_ref,
                kseg_ref, out_ref, lse_ref, scoped):
@@ -83,10 +71,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         tile = num_q_tiles - 1 - lax.axis_index("q_tiles")  # heavy causal tiles first
         b = lax.axis_index("batch")
         wg = lax.axis_index("wg")
-        lb = b if cfg.layout_batch > 1 else 0
-        lh = h if cfg.layout_heads > 1 else 0
-        n_full = fcnt_ref[lb, lh, tile]
-        n_steps = n_full + pcnt_ref[lb, lh, tile]
+        prefix, n_full, n_steps = list_bounds((cfg.layout_batch, cfg.layout_heads), b, h, tile,
+                                              fcnt_ref, pcnt_ref)
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -131,7 +117,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     take_turn()
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
-                    block = pidx_ref[lb, lh, tile, jnp.minimum(it - n_full, cp - 1)]
+                    block = pidx_ref[(*prefix, jnp.minimum(it - n_full, cp - 1))]
                     k_base = block * bk
                     rows = q_base + ops.iota((bq, bk), 0)
                     cols = k_base + ops.iota((bq, bk), 1)
@@ -205,16 +191,10 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, bq)])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == COMPUTE_WARPGROUPS)
-        def _memory():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-            kv_h = lax.div(h, group)
-            streams = [(lambda block, ref=ref: ref.at[b, kv_h, pl.ds(block * bk, bk)], ring,
-                        ready, free)
-                       for ref, ring, ready, free in ((k_ref, k_smem, k_ready, k_free),
-                                                      (v_ref, v_smem, v_ready, v_free))]
-            stream_blocks(n_steps, lambda it: list_entry(fidx_ref, pidx_ref, (lb, lh, tile),
-                                                         it, n_full), streams, stages)
+        pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
+            n_steps, lambda it: list_entry(fidx_ref, pidx_ref, prefix, it, n_full),
+            lambda ref, block: ref.at[b, lax.div(h, group), pl.ds(block * bk, bk)],
+            ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)), stages))
 
     def entry(*refs):
         smem = (
