@@ -7,7 +7,6 @@ import functools
 from typing import ClassVar, Literal
 
 import equinox as eqx
-
 import jax
 import jax.numpy as jnp
 
@@ -170,20 +169,18 @@ class MosaicBlockSparse(AbstractKernel):
         if mask.terms.segment_ids:
             seg = (_pad(inputs.q_segment_ids.astype(jnp.int32), lq, -1),
                    _pad(inputs.kv_segment_ids.astype(jnp.int32), lk, -2))
-        fcfg = ForwardConfig(
-            batch=batch, heads=heads, kv_heads=kv_heads, q_len=lq, kv_len=lk,
-            true_kv_len=kv_len, head_dim=dim, block_kv=block_kv,
-            stages=tiling.num_stages or 2, softmax_scale=float(softmax_scale),
-            terms=mask.terms, layout_batch=fwd.full_count.shape[0],
-            layout_heads=fwd.full_count.shape[1])
+        shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, q_len=lq, kv_len=lk,
+                     true_kv_len=kv_len, head_dim=dim, softmax_scale=float(softmax_scale),
+                     terms=mask.terms)
+        fcfg = ForwardConfig(**shape, block_kv=block_kv, stages=tiling.num_stages or 2,
+                             layout_batch=fwd.full_count.shape[0],
+                             layout_heads=fwd.full_count.shape[1])
         lists = tuple(jnp.asarray(a, jnp.int32) for a in (
             fwd.full_count, fwd.full_index, fwd.partial_count, fwd.partial_index))
         if self.backward == "mosaic" and ((dq.block_q, dq.block_kv), (dkdv.block_q, dkdv.block_kv)
                                           ) == backward_blocks(dim):
             bcfg = BackwardConfig(
-                batch=batch, heads=heads, kv_heads=kv_heads, q_len=lq, kv_len=lk,
-                true_kv_len=kv_len, head_dim=dim, dq_block_kv=dq.block_kv,
-                dkv_block_q=dkdv.block_q, softmax_scale=float(softmax_scale), terms=mask.terms,
+                **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
                 dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2])
             bwd_lists = tuple(tuple(jnp.asarray(a, jnp.int32) for a in arrays) for arrays in (
                 (dq.full_count, dq.full_index, dq.partial_count, dq.partial_index),
