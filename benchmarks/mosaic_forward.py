@@ -103,7 +103,7 @@ def errors(cases=None, backwards=("triton", "mosaic")) -> list[dict]:
     return records
 
 
-def speed(lengths, batch, heads, dim, reps, backward):
+def speed(lengths, batch, heads, dim, reps, backward, only=None):
     dtype = jnp.bfloat16
     rows = []
     for length in lengths:
@@ -128,6 +128,8 @@ def speed(lengths, batch, heads, dim, reps, backward):
                     blhd)
             base = None
             for impl, (f, args) in impls.items():
+                if only and impl not in only:
+                    continue
                 row = {"pattern": name, "L": length, "impl": impl}
                 try:
                     cot = do if impl != "cudnn" else jnp.swapaxes(do, 1, 2)
@@ -181,6 +183,9 @@ def main():
     p.add_argument("--backwards", nargs="+", default=["triton", "mosaic"],
                    choices=["triton", "mosaic"], help="the error table's backward passes")
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--impls", nargs="+", default=None,
+                   choices=["mosaic", "mosaic+mosaic-bwd", "triton", "cudnn"],
+                   help="time only these (the first timed is the reference of the diffs)")
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--out", default=None, help="write the records as JSON here")
     args = p.parse_args()
@@ -191,7 +196,7 @@ def main():
         result["errors"] = errors(args.cases, args.backwards)
     if not args.skip_speed:
         result["speed"] = speed(args.lengths, args.batch, args.heads, args.dim, args.reps,
-                                not args.forward_only)
+                                not args.forward_only, args.impls)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
