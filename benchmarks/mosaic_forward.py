@@ -1,17 +1,21 @@
-"""`MosaicBlockSparse` on a Hopper GPU: its error against the float32 dense reference per mask,
-then forward (and forward+backward) TF/s against `TritonBlockSparse` and cuDNN in one process.
+"""`MosaicBlockSparse` on a Hopper GPU: its error against the float32 dense reference per mask
+and backward (Triton's or its own Mosaic one), then forward and forward+backward TF/s of
+Mosaic with either backward against `TritonBlockSparse` and cuDNN in one process.
 
 cuDNN runs `jax.nn.dot_product_attention(implementation="cudnn")` on inputs already in its own
 ``[B, L, H, D]`` layout, so no transpose is timed. TF/s count visible pairs only
-(`eqx_bsattn.bench`): ``4 B H D pairs`` forward, 3.5 times that forward+backward.
+(`eqx_bsattn.bench`): ``4 B H D pairs`` forward, 3.5 times that forward+backward. At the speed
+shapes each implementation's output and gradients are compared with the first's (Mosaic with
+Triton's backward) as a relative error in norm.
 
 ```
-python benchmarks/mosaic_forward.py                  # errors, then B=2 H=16 L=16384 D=128 bf16
+python benchmarks/mosaic_forward.py --out mosaic.json   # errors, then B=2 H=16 L=16384 D=128
 python benchmarks/mosaic_forward.py --skip-errors --lengths 16384
 ```
 """
 
 import argparse
+import json
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +49,12 @@ def _segments(batch, length, docs, pad=7, seed=0):
     return jnp.asarray(ids)
 
 
-def errors(cases=None):
-    print("| mask | shape | dtype | out max abs | out rel | dq rel | dk rel | dv rel |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, (mask, b, h, hkv, lq, lk, d, dtype, docs) in ERROR_CASES.items():
+def errors(cases=None, backwards=("triton", "mosaic")) -> list[dict]:
+    print("| mask | backward | shape | dtype | out max abs | out rel | dq rel | dk rel | dv rel |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    records = []
+    for (name, (mask, b, h, hkv, lq, lk, d, dtype, docs)), backward in (
+            (case, bwd) for case in ERROR_CASES.items() for bwd in backwards):
         if cases and name not in cases:
             continue
         ks = jax.random.split(jax.random.key(len(name)), 4)
@@ -71,24 +77,33 @@ def errors(cases=None):
 
             return [np.asarray(x, np.float32) for x in jax.jit(both)(q, k, v)]
 
+        record = {"mask": name, "backward": backward, "shape": [b, h, hkv, lq, lk, d],
+                  "dtype": jnp.dtype(dtype).name}
         try:
-            got = run(MosaicBlockSparse(), dtype)
+            got = run(MosaicBlockSparse(backward=backward), dtype)
             with jax.default_matmul_precision("highest"):
                 want = run(DenseReference(), jnp.float32)
-            rel = [np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30) for g, w in zip(got, want)]
+            rel = [float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+                   for g, w in zip(got, want)]
             finite = all(np.all(np.isfinite(g)) for g in got)
-            print(f"| {name} | B{b} H{h}/{hkv} {lq}x{lk} D{d} | {jnp.dtype(dtype).name} | "
-                  f"{np.abs(got[0] - want[0]).max():.2e} | " + " | ".join(f"{r:.2e}" for r in rel)
+            record.update(out_max_abs=float(np.abs(got[0] - want[0]).max()), finite=finite,
+                          **dict(zip(("out", "dq", "dk", "dv"), rel)))
+            print(f"| {name} | {backward} | B{b} H{h}/{hkv} {lq}x{lk} D{d} | "
+                  f"{jnp.dtype(dtype).name} | {record['out_max_abs']:.2e} | "
+                  + " | ".join(f"{r:.2e}" for r in rel)
                   + ("" if finite else " NON-FINITE") + " |", flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on
             import sys
             import traceback
 
             print(traceback.format_exc()[-4000:], file=sys.stderr)
-            print(f"| {name} | ERROR {type(e).__name__}: {str(e)[:600]} |", flush=True)
+            record["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+            print(f"| {name} | {backward} | ERROR {record['error']} |", flush=True)
+        records.append(record)
+    return records
 
 
-def speed(lengths, batch, heads, dim, reps, backward):
+def speed(lengths, batch, heads, dim, reps, backward, only=None):
     dtype = jnp.bfloat16
     rows = []
     for length in lengths:
@@ -100,9 +115,11 @@ def speed(lengths, batch, heads, dim, reps, backward):
             q, k, v, do = (jax.random.normal(kk, (batch, heads, length, dim), dtype) for kk in ks)
             call = {n: jnp.broadcast_to(jnp.asarray(x), (batch, length)) for n, x in data.items()}
             impls = {}
-            for kernel in (MosaicBlockSparse(), TritonBlockSparse()):
+            for impl, kernel in (("mosaic", MosaicBlockSparse()),
+                                 ("mosaic+mosaic-bwd", MosaicBlockSparse(backward="mosaic")),
+                                 ("triton", TritonBlockSparse())):
                 attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel)
-                impls[kernel.name] = (lambda q, k, v, attn=attn: attn(q, k, v, **call), (q, k, v))
+                impls[impl] = (lambda q, k, v, attn=attn: attn(q, k, v, **call), (q, k, v))
             if name != "document":
                 blhd = tuple(jnp.swapaxes(x, 1, 2) for x in (q, k, v))
                 window = (1024, 0) if name == "window" else None
@@ -111,38 +128,46 @@ def speed(lengths, batch, heads, dim, reps, backward):
                     blhd)
             base = None
             for impl, (f, args) in impls.items():
+                if only and impl not in only:
+                    continue
                 row = {"pattern": name, "L": length, "impl": impl}
                 try:
-                    fwd = jax.jit(f)
-                    out = fwd(*args)
+                    cot = do if impl != "cudnn" else jnp.swapaxes(do, 1, 2)
+
+                    def fb(*a, f=f, cot=cot):
+                        out, pull = jax.vjp(f, *a)
+                        return (out, *pull(cot))
+
+                    fwd, both = jax.jit(f), jax.jit(fb)
+                    # Output, then dq, dk, dv, compared with the first implementation's.
+                    got = both(*args) if backward else (fwd(*args),)
                     if impl == "cudnn":
-                        out = jnp.swapaxes(out, 1, 2)
-                    out = out.astype(jnp.float32)
+                        got = tuple(jnp.swapaxes(x, 1, 2) for x in got)
+                    got = tuple(x.astype(jnp.float32) for x in got)
                     if base is None:
-                        base = out
+                        base = got
                     else:
-                        row["diff"] = float(jnp.linalg.norm(out - base) / jnp.linalg.norm(base))
-                    row["fwd"] = flops / median_ms(fwd, args, reps, warmup=2) / 1e9
+                        row["diff"] = {n: float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w))
+                                       for n, g, w in zip(("out", "dq", "dk", "dv"), got, base)}
+                    del got
+                    if impl != "mosaic+mosaic-bwd":  # the same forward as "mosaic"
+                        row["fwd"] = flops / median_ms(fwd, args, reps, warmup=2) / 1e9
                     if backward:
-                        cot = do if impl != "cudnn" else jnp.swapaxes(do, 1, 2)
-
-                        def fb(*a, f=f, cot=cot):
-                            out, pull = jax.vjp(f, *a)
-                            return pull(cot)
-
-                        row["fwdbwd"] = 3.5 * flops / median_ms(jax.jit(fb), args, reps,
+                        row["fwdbwd"] = 3.5 * flops / median_ms(both, args, reps,
                                                                  warmup=2) / 1e9
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
                 print(row, flush=True)
     print(f"\nB={batch} H={heads} D={dim} bfloat16, effective TF/s (visible pairs)")
-    print("| pattern | L | impl | fwd TF/s | fwd+bwd TF/s | rel diff vs mosaic |")
+    print("| pattern | L | impl | fwd TF/s | fwd+bwd TF/s | max rel diff vs mosaic (out, dq, dk, dv) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        f = lambda key, spec=".1f": format(r[key], spec) if key in r else "-"  # noqa: E731
+        f = lambda key: format(r[key], ".1f") if key in r else "-"  # noqa: E731
+        diff = format(max(r["diff"].values()), ".1e") if "diff" in r else "-"
         print(f"| {r['pattern']} | {r['L']} | {r['impl']} | {f('fwd')} | {f('fwdbwd')} | "
-              f"{f('diff', '.1e')} |" + (f" {r['error']}" if "error" in r else ""))
+              f"{diff} |" + (f" {r['error']}" if "error" in r else ""))
+    return rows
 
 
 def main():
@@ -155,14 +180,26 @@ def main():
     p.add_argument("--skip-errors", action="store_true")
     p.add_argument("--cases", nargs="+", default=None, choices=sorted(ERROR_CASES),
                    help="only these error cases")
+    p.add_argument("--backwards", nargs="+", default=["triton", "mosaic"],
+                   choices=["triton", "mosaic"], help="the error table's backward passes")
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--impls", nargs="+", default=None,
+                   choices=["mosaic", "mosaic+mosaic-bwd", "triton", "cudnn"],
+                   help="time only these (the first timed is the reference of the diffs)")
     p.add_argument("--forward-only", action="store_true")
+    p.add_argument("--out", default=None, help="write the records as JSON here")
     args = p.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "jaxlib": jax.lib.__version__, "args": vars(args)}
     if not args.skip_errors:
-        errors(args.cases)
+        result["errors"] = errors(args.cases, args.backwards)
     if not args.skip_speed:
-        speed(args.lengths, args.batch, args.heads, args.dim, args.reps, not args.forward_only)
+        result["speed"] = speed(args.lengths, args.batch, args.heads, args.dim, args.reps,
+                                not args.forward_only, args.impls)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 
 - `forward`: the warp-specialised forward kernel (a TMA memory warpgroup, two compute
   warpgroups) over the compiled forward layout;
-- `kernel`: the kernel strategy; its backward pass is `TritonBlockSparse`'s dq and dk/dv
-  launches, which read the same base-2 log-sum-exp.
+- `backward`: the warp-specialised dq and dk/dv kernels over the compiled dq and transposed
+  dk/dv layouts;
+- `common`: the predicate, list walk, TMA ring loop and interpreter stand-ins they share;
+- `kernel`: the kernel strategy; its backward pass is `backward`'s kernels or
+  `TritonBlockSparse`'s dq and dk/dv launches, both reading the same base-2 log-sum-exp.
 
 Mosaic GPU is imported when a launch is traced, so this package imports anywhere; the kernel
 declines with a reason where it cannot run.

@@ -24,54 +24,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from eqx_bsattn.contract import MaskTerms
+from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, AttentionShape,
+                     Ops, list_bounds, list_entry, memory_warpgroup, ring_stages, swizzled,
+                     visible)
 
-#: Query rows per compute warpgroup (one wgmma M-tile of 64) and per CTA (two warpgroups).
-ROWS_PER_WARPGROUP = 64
-COMPUTE_WARPGROUPS = 2
+#: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
-_LOG2E = 1.4426950408889634
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardConfig:
+class ForwardConfig(AttentionShape):
     """Everything static about one forward launch (hashable)."""
 
-    batch: int
-    heads: int
-    kv_heads: int
-    #: Lengths after padding to the tiles, and the true key length (keys past it are hidden).
-    q_len: int
-    kv_len: int
-    true_kv_len: int
-    head_dim: int
     block_kv: int
     stages: int
-    softmax_scale: float
-    terms: MaskTerms
     #: Leading axes of the layout lists: 1 or the batch, 1 or the heads.
     layout_batch: int
     layout_heads: int
-
-
-def _visible(cfg: ForwardConfig, q_index, k_index, q_seg, k_seg):
-    """The canonical predicate on ``[64, block_kv]`` token indices (and segment ids)."""
-    t = cfg.terms
-    vis = k_index < cfg.true_kv_len
-    if t.causal_offset is not None:
-        vis = vis & (k_index <= q_index + t.causal_offset)
-    if t.window_left is not None:
-        vis = vis & (k_index >= q_index - t.window_left)
-    if t.window_right is not None:
-        vis = vis & (k_index <= q_index + t.window_right)
-    if t.chunk is not None:
-        # Indices are non-negative: truncating division is floor division here.
-        vis = vis & (lax.div(q_index, t.chunk) == lax.div(k_index, t.chunk))
-    if t.prefix is not None:
-        vis = vis & ((k_index < t.prefix) | (k_index <= q_index))
-    if q_seg is not None:
-        vis = vis & (q_seg == k_seg) & (q_seg >= 0)
-    return vis
 
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
@@ -80,32 +49,19 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    wgmma_layout = plgpu.Layout.WGMMA
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    col_layout = plgpu.Layout.WGMMA.reduce(0)
-    if interpret is None:
-        cast, iota, load = plgpu.layout_cast, plgpu.broadcasted_iota, plgpu.load
-    else:
-        # The CPU interpreter runs no layout casts: plain arrays there.
-        def cast(x, layout):
-            return x
-
-        def iota(dtype, shape, dim, layout):
-            return lax.broadcasted_iota(dtype, shape, dim)
-
-        def load(ref, idx, layout, optimized):
-            return ref[idx]
+    ops = Ops(interpreted=interpret is not None)
+    cast, wgmma_layout, row_layout = ops.cast, ops.wgmma_layout, ops.row_layout
     bq, bk, d = ROWS_PER_WARPGROUP, cfg.block_kv, cfg.head_dim
     dtype = q.dtype
     stages = cfg.stages
-    group = cfg.heads // cfg.kv_heads
+    group = cfg.group
     num_q_tiles = cfg.q_len // BLOCK_Q
-    cf, cp = full_index.shape[-1], partial_index.shape[-1]
+    cp = partial_index.shape[-1]
     has_segments = q_segment_ids is not None
     # s * scale * log2(e), kept in base 2; with a positive factor the row maximum of the raw
     # products scales to the row maximum of the logits, so full blocks fold the factor into
     # the exponent's operand.
-    factor = cfg.softmax_scale * _LOG2E
+    factor = cfg.log2_factor
 
     def kernel(q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref, pidx_ref, qseg_ref,
                kseg_ref, out_ref, lse_ref, scoped):
@@ -115,10 +71,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         tile = num_q_tiles - 1 - lax.axis_index("q_tiles")  # heavy causal tiles first
         b = lax.axis_index("batch")
         wg = lax.axis_index("wg")
-        lb = b if cfg.layout_batch > 1 else 0
-        lh = h if cfg.layout_heads > 1 else 0
-        n_full = fcnt_ref[lb, lh, tile]
-        n_steps = n_full + pcnt_ref[lb, lh, tile]
+        prefix, n_full, n_steps = list_bounds((cfg.layout_batch, cfg.layout_heads), b, h, tile,
+                                              fcnt_ref, pcnt_ref)
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -126,14 +80,13 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
 
         @pl.when(wg < COMPUTE_WARPGROUPS)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             q_smem = q_smem2.at[wg]
             q_base = tile * BLOCK_Q + wg * bq
             plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_base, bq)], q_smem,
                                     q_ready.at[wg])
             if has_segments:
-                q_seg = load(qseg_ref, (b, pl.ds(q_base, bq)), layout=row_layout,
-                             optimized=False)
+                q_seg = ops.load(qseg_ref, (b, pl.ds(q_base, bq)), row_layout)
                 q_seg = lax.broadcast_in_dim(q_seg, (bq, bk), [0])
             plgpu.barrier_wait(q_ready.at[wg])
 
@@ -164,16 +117,16 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     take_turn()
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
-                    block = pidx_ref[lb, lh, tile, jnp.minimum(it - n_full, cp - 1)]
+                    block = pidx_ref[(*prefix, jnp.minimum(it - n_full, cp - 1))]
                     k_base = block * bk
-                    rows = q_base + iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
-                    cols = k_base + iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
+                    rows = q_base + ops.iota((bq, bk), 0)
+                    cols = k_base + ops.iota((bq, bk), 1)
                     k_seg = None
                     if has_segments:
-                        k_seg = load(kseg_ref, (b, pl.ds(k_base, bk)), layout=col_layout,
-                                     optimized=False)
+                        k_seg = ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
                         k_seg = lax.broadcast_in_dim(k_seg, (bq, bk), [1])
-                    vis = _visible(cfg, rows, cols, q_seg if has_segments else None, k_seg)
+                    vis = visible(cfg.terms, cfg.true_kv_len, rows, cols,
+                                  q_seg if has_segments else None, k_seg)
                     s = jnp.where(vis, s * factor, -jnp.inf)
                     m_new = jnp.maximum(m_i, s.max(axis=1))
                     # A row with nothing visible yet keeps m = -inf: subtract 0 instead, so
@@ -238,43 +191,16 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, bq)])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == COMPUTE_WARPGROUPS)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-            kv_h = lax.div(h, group)
-
-            def block_of(it):
-                full_block = fidx_ref[lb, lh, tile, jnp.minimum(it, cf - 1)]
-                part_block = pidx_ref[lb, lh, tile, jnp.clip(it - n_full, 0, cp - 1)]
-                return jnp.where(it < n_full, full_block, part_block)
-
-            def fetch(it, slot):
-                rows = pl.ds(block_of(it) * bk, bk)
-                plgpu.copy_gmem_to_smem(k_ref.at[b, kv_h, rows], k_smem.at[slot],
-                                        k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[b, kv_h, rows], v_smem.at[slot],
-                                        v_ready.at[slot])
-
-            for i in range(stages):
-                pl.when(i < n_steps)(lambda i=i: fetch(i, i))
-
-            @pl.loop(0, jnp.maximum(n_steps - stages, 0))
-            def _(it):
-                slot = lax.rem(it, stages)
-                rows = pl.ds(block_of(it + stages) * bk, bk)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[b, kv_h, rows], k_smem.at[slot],
-                                        k_ready.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[b, kv_h, rows], v_smem.at[slot],
-                                        v_ready.at[slot])
+        pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
+            n_steps, lambda it: list_entry(fidx_ref, pidx_ref, prefix, it, n_full),
+            lambda ref, block: ref.at[b, lax.div(h, group), pl.ds(block * bk, bk)],
+            ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)), stages))
 
     def entry(*refs):
-        transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = (
-            plgpu.SMEM((COMPUTE_WARPGROUPS, bq, d), dtype, transforms=transforms),
-            plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
-            plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
+            swizzled((COMPUTE_WARPGROUPS, bq, d), dtype),
+            swizzled((stages, bk, d), dtype),
+            swizzled((stages, bk, d), dtype),
             plgpu.SMEM((COMPUTE_WARPGROUPS, bq), jnp.float32),
         )
         ready = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
@@ -306,7 +232,7 @@ def stages_for(head_dim: int, block_kv: int, itemsize: int = 2) -> int:
     """K/V ring depth that fits the 227 KiB of shared memory next to the Q tiles."""
     q_bytes = BLOCK_Q * head_dim * itemsize
     stage_bytes = 2 * block_kv * head_dim * itemsize
-    return max(2, min(4, (200 * 1024 - q_bytes) // stage_bytes))
+    return ring_stages(q_bytes, stage_bytes)
 
 
 def block_kv_for(head_dim: int) -> int:

@@ -1,10 +1,12 @@
 """`MosaicBlockSparse`: the kernel strategy; its forward is `forward.forward_call`, its
-backward `TritonBlockSparse`'s dq and dk/dv launches."""
+backward either `backward.dq_call` and `backward.dkv_call` or `TritonBlockSparse`'s dq and
+dk/dv launches (the `backward` field)."""
 
 import dataclasses
 import functools
-from typing import ClassVar
+from typing import ClassVar, Literal
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -15,6 +17,7 @@ from ..triton.heuristics import default_tiling as triton_default_tiling
 from ..triton.kernel import TritonBlockSparse
 from ..triton.launch import LaunchConfig, dkdv_launch, dq_launch, layout_arrays, list_mode
 from ..triton.vjp import _zero_cotangent
+from .backward import BackwardConfig, backward_blocks, dkv_call, dq_call
 from .forward import BLOCK_Q, ForwardConfig, block_kv_for, forward_call, rows_padded, stages_for
 
 _DTYPES = ("bfloat16", "float16")
@@ -38,11 +41,14 @@ def _mosaic_missing() -> str | None:
     return None
 
 
-def _with_forward_blocks(tiling: Tiling, features: Features) -> Tiling:
+def _with_forward_blocks(tiling: Tiling, features: Features, mosaic_backward: bool) -> Tiling:
     """`tiling` with the forward tile this kernel runs: 128 query rows (two warpgroups of
-    64) by `block_kv_for` keys; the backward fields (Triton's launches) are kept."""
+    64) by `block_kv_for` keys; the backward blocks are the Mosaic backward's
+    (`backward_blocks`) when `mosaic_backward`, else kept (Triton's launches)."""
     bq_bwd, bk_bwd = tiling.backward_blocks
     bq_dq, bk_dq = tiling.dq_blocks
+    if mosaic_backward:
+        (bq_dq, bk_dq), (bq_bwd, bk_bwd) = backward_blocks(features.head_dim)
     return dataclasses.replace(
         tiling, block_q=BLOCK_Q, block_kv=block_kv_for(features.head_dim),
         block_q_bwd=bq_bwd, block_kv_bwd=bk_bwd, block_q_dq=bq_dq, block_kv_dq=bk_dq,
@@ -62,9 +68,17 @@ class MosaicBlockSparse(AbstractKernel):
     FULL blocks run without masking; partial blocks evaluate the compiled mask's canonical
     terms (causal with an offset, a window, chunks, a prefix, segment ids) on token indices.
 
-    The backward pass is `TritonBlockSparse`'s (its dq and dk/dv kernels over the compiled
-    dq and dk/dv layouts): the forward stores the same base-2 log-sum-exp (+inf on rows that
-    see no key), so the two compose. Training calls therefore also need jax-triton.
+    The backward pass is chosen by `backward`:
+
+    - ``"triton"`` (the default): `TritonBlockSparse`'s dq and dk/dv kernels over the
+      compiled dq and dk/dv layouts. The forward stores the same base-2 log-sum-exp (+inf on
+      rows that see no key), so the two compose; training calls then need jax-triton.
+    - ``"mosaic"``: a dq kernel and a dk/dv kernel in Pallas Mosaic GPU, warp-specialised like
+      the forward, over the dq layout (128 q rows by 64 keys, 128 at D = 64) and the
+      transposed dk/dv layout (64 q rows by 128 keys); grouped heads' dk / dv are summed
+      after the kernel, so the result is deterministic. Where it cannot run (a mask whose
+      block tables do not align with those tiles, or a `Tiling` with other backward blocks)
+      Triton's backward runs instead.
 
     Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, D]`` in bfloat16 or
     float16, D in {64, 128}, ``Dv == D``, any lengths (padded to the tiles inside),
@@ -78,9 +92,25 @@ class MosaicBlockSparse(AbstractKernel):
     ```
     """
 
+    backward: Literal["triton", "mosaic"] = eqx.field(default="triton", static=True)
+
     name: ClassVar[str] = "mosaic"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
     reads: ClassVar[str] = "terms"
+
+    def __check_init__(self):
+        if self.backward not in ("triton", "mosaic"):
+            raise ValueError(f"`backward` must be 'triton' or 'mosaic'; got {self.backward!r}.")
+
+    def _mosaic_backward_reason(self, mask: ResolvedMask, features: Features) -> str | None:
+        """Why the Mosaic backward does not run for this mask (Triton's does), or ``None``."""
+        if self.backward != "mosaic":
+            return "backward='triton' was asked for."
+        terms = mask.terms
+        tiles = [(BLOCK_Q, block_kv_for(features.head_dim)), *backward_blocks(features.head_dim)]
+        if terms is None or (terms.tables and mask.kernel_terms(tiles) is None):
+            return "the mask's block tables do not align with the Mosaic backward's tiles."
+        return None
 
     @classmethod
     def priority(cls, platform):
@@ -107,18 +137,23 @@ class MosaicBlockSparse(AbstractKernel):
                     "chunk / prefix / document); this kernel reads no element bitmaps.")
         if features.positions and terms.uses_positions:
             return "per-call positions are not supported: partial blocks use token indices."
+        if self._mosaic_backward_reason(mask, features) is None:
+            return None
         backward = TritonBlockSparse().decline_reason(mask, features)
         if backward is not None:
             return f"its backward pass, TritonBlockSparse's, cannot run: {backward}"
         return None
 
     def default_tiling(self, features: Features, mask: ResolvedMask) -> Tiling:
-        return _with_forward_blocks(triton_default_tiling(features, mask), features)
+        mosaic_backward = self._mosaic_backward_reason(mask, features) is None
+        return _with_forward_blocks(triton_default_tiling(features, mask), features,
+                                    mosaic_backward)
 
     def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
         # The forward tile is fixed by the warpgroups (128 rows) and the head dim; the
-        # backward fields tile TritonBlockSparse's launches and keep their values.
-        return check_tiling(_with_forward_blocks(tiling, features))
+        # backward fields keep their values: the Mosaic backward runs where they are its
+        # tiles (and `backward="mosaic"`), Triton's launches elsewhere.
+        return check_tiling(_with_forward_blocks(tiling, features, False))
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
@@ -134,12 +169,24 @@ class MosaicBlockSparse(AbstractKernel):
         if mask.terms.segment_ids:
             seg = (_pad(inputs.q_segment_ids.astype(jnp.int32), lq, -1),
                    _pad(inputs.kv_segment_ids.astype(jnp.int32), lk, -2))
-        fcfg = ForwardConfig(
-            batch=batch, heads=heads, kv_heads=kv_heads, q_len=lq, kv_len=lk,
-            true_kv_len=kv_len, head_dim=dim, block_kv=block_kv,
-            stages=tiling.num_stages or 2, softmax_scale=float(softmax_scale),
-            terms=mask.terms, layout_batch=fwd.full_count.shape[0],
-            layout_heads=fwd.full_count.shape[1])
+        shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, q_len=lq, kv_len=lk,
+                     true_kv_len=kv_len, head_dim=dim, softmax_scale=float(softmax_scale),
+                     terms=mask.terms)
+        fcfg = ForwardConfig(**shape, block_kv=block_kv, stages=tiling.num_stages or 2,
+                             layout_batch=fwd.full_count.shape[0],
+                             layout_heads=fwd.full_count.shape[1])
+        lists = tuple(jnp.asarray(a, jnp.int32) for a in (
+            fwd.full_count, fwd.full_index, fwd.partial_count, fwd.partial_index))
+        if self.backward == "mosaic" and ((dq.block_q, dq.block_kv), (dkdv.block_q, dkdv.block_kv)
+                                          ) == backward_blocks(dim):
+            bcfg = BackwardConfig(
+                **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
+                dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2])
+            bwd_lists = tuple(tuple(jnp.asarray(a, jnp.int32) for a in arrays) for arrays in (
+                (dq.full_count, dq.full_index, dq.partial_count, dq.partial_index),
+                (dkdv.t_full_count, dkdv.t_full_index, dkdv.t_partial_count,
+                 dkdv.t_partial_index)))
+            return _attend(fcfg, bcfg, query, key, value, seg, (), lists, bwd_lists)
         dummy_int = jnp.zeros((1,), jnp.int32)
         data = tuple(dummy_int if x is None else x.astype(jnp.int32) for x in (
             inputs.q_positions, inputs.kv_positions, inputs.q_segment_ids,
@@ -158,8 +205,6 @@ class MosaicBlockSparse(AbstractKernel):
             dkdv_launch=bwd_launch,
             list_modes=("index", list_mode(dq, False), list_mode(dkdv, True)),
         )
-        lists = tuple(jnp.asarray(a, jnp.int32) for a in (
-            fwd.full_count, fwd.full_index, fwd.partial_count, fwd.partial_index))
         bwd_lists = (layout_arrays(dq, transposed=False), layout_arrays(dkdv, transposed=True))
         return _attend(fcfg, bcfg, query, key, value, seg, data, lists, bwd_lists)
 
@@ -196,12 +241,35 @@ def _attend_bwd(fcfg, bcfg, res, do):
     q, k, v, seg, data, lists, bwd_lists, out, lse = res
     do = do.astype(q.dtype)
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    no_bias = jnp.zeros((1,), jnp.float32)
     dq_lists, t_lists = bwd_lists
-    dq, _ = dq_launch(bcfg, q, k, v, no_bias, data, dq_lists, do, lse, delta)
-    dk, dv = dkdv_launch(bcfg, q, k, v, no_bias, data, t_lists, do, lse, delta)
+    if isinstance(bcfg, BackwardConfig):
+        dq, dk, dv = mosaic_backward(bcfg, q, k, v, do, lse, delta, seg, dq_lists, t_lists)
+    else:
+        no_bias = jnp.zeros((1,), jnp.float32)
+        dq, _ = dq_launch(bcfg, q, k, v, no_bias, data, dq_lists, do, lse, delta)
+        dk, dv = dkdv_launch(bcfg, q, k, v, no_bias, data, t_lists, do, lse, delta)
     zeros = jax.tree.map(_zero_cotangent, (seg, data, lists, bwd_lists))
     return (dq, dk, dv) + zeros
+
+
+def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists, t_lists, *,
+                    interpret=None):
+    """``(dq, dk, dv)`` of the Mosaic backward for unpadded inputs: pads to the tiles (dO
+    with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute nothing), runs
+    `dq_call` and `dkv_call` and sums each kv head's group of query-head dk / dv."""
+    q_len, kv_len = q.shape[2], k.shape[2]
+    pad_q = functools.partial(_pad, length=cfg.q_len)
+    pad_k = functools.partial(_pad, length=cfg.kv_len)
+    operands = (pad_q(q), pad_k(k), pad_k(v), pad_q(do), _pad(lse, cfg.q_len, jnp.inf),
+                pad_q(delta))
+    segments = () if seg[0] is None else seg
+    dq = dq_call(cfg, *operands, *dq_lists, *segments, interpret=interpret)
+    dk, dv = dkv_call(cfg, *operands, *t_lists, *segments, interpret=interpret)
+    group = cfg.heads // cfg.kv_heads
+    if group > 1:
+        shape = (cfg.batch, cfg.kv_heads, group, cfg.kv_len, cfg.head_dim)
+        dk, dv = (x.reshape(shape).astype(jnp.float32).sum(2).astype(x.dtype) for x in (dk, dv))
+    return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len]
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

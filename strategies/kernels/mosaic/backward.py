@@ -1,0 +1,276 @@
+"""The backward launches of `MosaicBlockSparse`: a dq kernel and a dk/dv kernel in Pallas Mosaic
+GPU, each warp-specialised like the forward (a TMA memory warpgroup, two compute warpgroups).
+
+- `dq_call`: one CTA per (head, q-tile of 128 rows, batch) walks the q-tile's kv-block list of
+  the dq layout (FULL, then PARTIAL). The memory warpgroup streams each block's K and V tiles
+  into a ring of shared-memory slots; each compute warpgroup (64 rows, its Q and dO tiles in
+  shared memory, its rows' log-sum-exp and delta in registers) recomputes
+  ``P = exp2(S * scale * log2 e - lse)``, forms ``dP = dO V^T`` and ``dS = P (dP - delta)``,
+  and accumulates ``dq += dS K``.
+- `dkv_call`: one CTA per (head, kv-tile of 128 keys, batch) walks the kv-tile's transposed
+  list of the dk/dv layout. The memory warpgroup streams each q-block's Q and dO tiles; each
+  compute warpgroup (64 keys, its K and V tiles in shared memory) forms ``S^T = K Q^T`` and
+  ``dP^T = V dO^T``, reads the block's log-sum-exp and delta, and accumulates
+  ``dv += P^T dO`` and ``dk += dS^T Q``. dk / dv come out per query head; the caller sums a
+  group's heads (deterministic, no atomics).
+
+Partial blocks evaluate the same predicate as the forward (`common.visible`); FULL blocks run
+none. Rows whose log-sum-exp is +inf (they see no key) get ``P = 0`` and contribute nothing.
+
+Arrays are batched ``[B, H, L, D]`` with lengths padded to 128 (the caller pads: Q, dO with
+zeros, the log-sum-exp with +inf, delta with zeros). Mosaic GPU is imported when a launch is
+traced, so this module imports anywhere.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, AttentionShape,
+                     Ops, list_bounds, list_entry, memory_warpgroup, ring_stages, swizzled,
+                     visible)
+
+#: Rows of a CTA's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
+BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
+
+
+def backward_blocks(head_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``(dq (block_q, block_kv), dk/dv (block_q, block_kv))``: the layouts' tiles, chosen so
+    the accumulators (S, dP and dq; or S^T, dP^T, dk and dv) of a 64-row warpgroup fit its
+    registers."""
+    return (BLOCK_OWN, 128 if head_dim <= 64 else 64), (64, BLOCK_OWN)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig(AttentionShape):
+    """Everything static about the two backward launches (hashable); lengths padded to 128."""
+
+    #: Keys per block of the dq layout, queries per block of the dk/dv layout (`backward_blocks`).
+    dq_block_kv: int
+    dkv_block_q: int
+    #: Leading axes (1 or the batch, 1 or the heads) of the dq and of the dk/dv lists.
+    dq_layout_axes: tuple[int, int]
+    dkv_layout_axes: tuple[int, int]
+
+    def stages(self, streamed_rows: int) -> int:
+        """Ring depth for two streamed tiles of `streamed_rows` next to four own 64-row tiles."""
+        d = self.head_dim
+        return ring_stages(4 * ROWS_PER_WARPGROUP * d * 2, 2 * streamed_rows * d * 2)
+
+
+def _launch(cfg, body, scratch, grid_name, num_tiles, out_type, operands, interpret):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    def entry(*refs):
+        pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
+
+    kwargs = {} if interpret is None else {"interpret": interpret}
+    return plgpu.kernel(
+        entry, out_type=out_type, grid=(cfg.heads, num_tiles, cfg.batch),
+        grid_names=("heads", grid_name, "batch"), num_threads=COMPUTE_WARPGROUPS + 1,
+        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs,
+    )(*operands)
+
+
+def _scratch(own_shape, ring_shape, dtype, stages):
+    """Two own tiles per compute warpgroup, two rings of streamed tiles, and their barriers."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    smem = (swizzled(own_shape, dtype), swizzled(own_shape, dtype),
+            swizzled(ring_shape, dtype), swizzled(ring_shape, dtype))
+    ready = (plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),) * 2 + \
+        (plgpu.Barrier(num_barriers=stages),) * 2
+    free = (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2
+    return smem, ready, free
+
+
+def _segments(q_segment_ids, kv_segment_ids):
+    dummy = jnp.zeros((1, 1), jnp.int32)
+    has = q_segment_ids is not None
+    return has, (q_segment_ids if has else dummy), (kv_segment_ids if has else dummy)
+
+
+def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index,
+            partial_count, partial_index, q_segment_ids=None, kv_segment_ids=None, *,
+            interpret=None):
+    """dq ``[B, H, Lq, D]`` (the query's dtype) for padded inputs; `lse` (base 2) and `delta`
+    are ``[B, H, Lq]`` float32; the lists are the dq layout's."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    ops = Ops(interpreted=interpret is not None)
+    bq, d, dtype = ROWS_PER_WARPGROUP, cfg.head_dim, q.dtype
+    bk = cfg.dq_block_kv
+    stages = cfg.stages(bk)
+    group = cfg.group
+    num_tiles = cfg.q_len // BLOCK_OWN
+    factor = cfg.log2_factor
+    has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref, fidx_ref, pcnt_ref,
+             pidx_ref, qseg_ref, kseg_ref, dq_ref, scoped):
+        (q_own, do_own, k_ring, v_ring), (q_ready, do_ready, k_ready, v_ready), \
+            (k_free, v_free) = scoped
+        h = lax.axis_index("heads")
+        tile = num_tiles - 1 - lax.axis_index("q_tiles")  # heavy causal tiles first
+        b = lax.axis_index("batch")
+        wg = lax.axis_index("wg")
+        prefix, n_full, n_steps = list_bounds(cfg.dq_layout_axes, b, h, tile, fcnt_ref, pcnt_ref)
+
+        @pl.when(wg < COMPUTE_WARPGROUPS)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            q_smem, do_smem = q_own.at[wg], do_own.at[wg]
+            q_base = tile * BLOCK_OWN + wg * bq
+            rows = pl.ds(q_base, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_ready.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, h, rows], do_smem, do_ready.at[wg])
+            lse = ops.load(lse_ref, (b, h, rows), ops.row_layout)
+            delta = ops.load(delta_ref, (b, h, rows), ops.row_layout)
+            q_seg = None
+            if has_segments:
+                q_seg = lax.broadcast_in_dim(
+                    ops.load(qseg_ref, (b, rows), ops.row_layout), (bq, bk), [0])
+            plgpu.barrier_wait(q_ready.at[wg])
+            plgpu.barrier_wait(do_ready.at[wg])
+
+            def step(it, acc, masked):
+                slot = lax.rem(it, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                s, dp = ops.products((bq, bk), [(q_smem, k_ring.at[slot], True),
+                                      (do_smem, v_ring.at[slot], True)])
+                plgpu.barrier_arrive(v_free.at[slot])
+                lse_b = lax.broadcast_in_dim(lse, (bq, bk), [0])
+                if masked:
+                    k_base = list_entry(fidx_ref, pidx_ref, prefix, it, n_full) * bk
+                    k_seg = None
+                    if has_segments:
+                        k_seg = lax.broadcast_in_dim(
+                            ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout),
+                            (bq, bk), [1])
+                    vis = visible(cfg.terms, cfg.true_kv_len, q_base + ops.iota((bq, bk), 0),
+                                  k_base + ops.iota((bq, bk), 1), q_seg, k_seg)
+                    p = jnp.exp2(jnp.where(vis, s * factor, -jnp.inf) - lse_b)
+                else:
+                    p = jnp.exp2(s * factor - lse_b)
+                ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bk), [0]))
+                (acc,) = ops.accumulate((acc,), [(ds.astype(dtype), k_ring.at[slot])])
+                plgpu.barrier_arrive(k_free.at[slot])
+                return acc
+
+            acc = ops.cast(jnp.zeros((bq, d), jnp.float32), ops.wgmma_layout)
+            acc = lax.fori_loop(0, n_full, lambda i, a: step(i, a, False), acc)
+            acc = lax.fori_loop(n_full, n_steps, lambda i, a: step(i, a, True), acc)
+            q_smem[...] = (acc * cfg.softmax_scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
+            n_steps, lambda it: list_entry(fidx_ref, pidx_ref, prefix, it, n_full),
+            lambda ref, block: ref.at[b, lax.div(h, group), pl.ds(block * bk, bk)],
+            ((k_ref, k_ring, k_ready, k_free), (v_ref, v_ring, v_ready, v_free)), stages))
+
+    scratch = _scratch((COMPUTE_WARPGROUPS, bq, d), (stages, bk, d), dtype, stages)
+    return _launch(cfg, body, scratch, "q_tiles", num_tiles, jax.ShapeDtypeStruct(q.shape, dtype),
+                   (q, k, v, do, lse, delta, full_count, full_index, partial_count, partial_index,
+                    qseg, kseg), interpret)
+
+
+def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_index,
+             t_partial_count, t_partial_index, q_segment_ids=None, kv_segment_ids=None, *,
+             interpret=None):
+    """``(dk, dv)``, each ``[B, H, Lk, D]`` per query head (the caller sums a group's heads),
+    for padded inputs; the lists are the dk/dv layout's transposed ones."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    ops = Ops(interpreted=interpret is not None)
+    bk, d, dtype = ROWS_PER_WARPGROUP, cfg.head_dim, q.dtype
+    bq = cfg.dkv_block_q
+    stages = cfg.stages(bq)
+    group = cfg.group
+    num_tiles = cfg.kv_len // BLOCK_OWN
+    factor = cfg.log2_factor
+    has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref, fidx_ref, pcnt_ref,
+             pidx_ref, qseg_ref, kseg_ref, dk_ref, dv_ref, scoped):
+        (k_own, v_own, q_ring, do_ring), (k_ready, v_ready, q_ready, do_ready), \
+            (q_free, do_free) = scoped
+        h = lax.axis_index("heads")
+        tile = lax.axis_index("kv_tiles")  # under causal masks the first tiles are heavy
+        b = lax.axis_index("batch")
+        wg = lax.axis_index("wg")
+        prefix, n_full, n_steps = list_bounds(cfg.dkv_layout_axes, b, h, tile, fcnt_ref,
+                                              pcnt_ref)
+
+        @pl.when(wg < COMPUTE_WARPGROUPS)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            k_smem, v_smem = k_own.at[wg], v_own.at[wg]
+            k_base = tile * BLOCK_OWN + wg * bk
+            keys = pl.ds(k_base, bk)
+            kv_h = lax.div(h, group)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, kv_h, keys], k_smem, k_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, kv_h, keys], v_smem, v_ready.at[wg])
+            k_seg = None
+            if has_segments:
+                k_seg = lax.broadcast_in_dim(
+                    ops.load(kseg_ref, (b, keys), ops.row_layout), (bk, bq), [0])
+            plgpu.barrier_wait(k_ready.at[wg])
+            plgpu.barrier_wait(v_ready.at[wg])
+
+            def step(it, carry, masked):
+                dk, dv = carry
+                slot = lax.rem(it, stages)
+                q_base = list_entry(fidx_ref, pidx_ref, prefix, it, n_full) * bq
+                cols = pl.ds(q_base, bq)
+                lse = ops.load(lse_ref, (b, h, cols), ops.col_layout)
+                delta = ops.load(delta_ref, (b, h, cols), ops.col_layout)
+                plgpu.barrier_wait(q_ready.at[slot])
+                plgpu.barrier_wait(do_ready.at[slot])
+                s_t, dp_t = ops.products((bk, bq), [(k_smem, q_ring.at[slot], True),
+                                          (v_smem, do_ring.at[slot], True)])
+                lse_b = lax.broadcast_in_dim(lse, (bk, bq), [1])
+                if masked:
+                    q_seg = None
+                    if has_segments:
+                        q_seg = lax.broadcast_in_dim(
+                            ops.load(qseg_ref, (b, cols), ops.col_layout), (bk, bq), [1])
+                    vis = visible(cfg.terms, cfg.true_kv_len, q_base + ops.iota((bk, bq), 1),
+                                  k_base + ops.iota((bk, bq), 0), q_seg, k_seg)
+                    p_t = jnp.exp2(jnp.where(vis, s_t * factor, -jnp.inf) - lse_b)
+                else:
+                    p_t = jnp.exp2(s_t * factor - lse_b)
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, (bk, bq), [1]))
+                dv, dk = ops.accumulate((dv, dk), [(p_t.astype(dtype), do_ring.at[slot]),
+                                                   (ds_t.astype(dtype), q_ring.at[slot])])
+                plgpu.barrier_arrive(q_free.at[slot])
+                plgpu.barrier_arrive(do_free.at[slot])
+                return dk, dv
+
+            zeros = ops.cast(jnp.zeros((bk, d), jnp.float32), ops.wgmma_layout)
+            carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), (zeros, zeros))
+            dk, dv = lax.fori_loop(n_full, n_steps, lambda i, c: step(i, c, True), carry)
+            k_smem[...] = (dk * cfg.softmax_scale).astype(dtype)
+            v_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, h, keys])
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h, keys])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
+            n_steps, lambda it: list_entry(fidx_ref, pidx_ref, prefix, it, n_full),
+            lambda ref, block: ref.at[b, h, pl.ds(block * bq, bq)],
+            ((q_ref, q_ring, q_ready, q_free), (do_ref, do_ring, do_ready, do_free)), stages))
+
+    scratch = _scratch((COMPUTE_WARPGROUPS, bk, d), (stages, bq, d), dtype, stages)
+    grads = jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.kv_len, d), dtype)
+    return _launch(cfg, body, scratch, "kv_tiles", num_tiles, (grads, grads),
+                   (q, k, v, do, lse, delta, t_full_count, t_full_index, t_partial_count,
+                    t_partial_index, qseg, kseg), interpret)

@@ -1,0 +1,197 @@
+"""What the forward and backward Mosaic GPU kernels share: the canonical predicate, the memory
+warpgroup that streams list entries through a ring of shared-memory slots, the walk of a
+FULL-then-PARTIAL block list, and the few operations that differ between the GPU and Pallas'
+CPU interpreter for Mosaic GPU (layout casts, iotas, loads and matrix products).
+
+Mosaic GPU is imported inside the functions, so this module imports anywhere.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+from eqx_bsattn.contract import MaskTerms
+
+#: Rows per compute warpgroup (one wgmma M-tile) and compute warpgroups per CTA.
+ROWS_PER_WARPGROUP = 64
+COMPUTE_WARPGROUPS = 2
+LOG2E = 1.4426950408889634
+#: Registers a thread of a compute / the memory warpgroup holds (3 warpgroups fit 64 K).
+COMPUTE_REGISTERS = 232
+MEMORY_REGISTERS = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """What every launch knows statically: shapes (lengths padded to the tiles), the true key
+    length (keys past it are hidden), the softmax scale and the canonical mask terms."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    true_kv_len: int
+    head_dim: int
+    softmax_scale: float
+    terms: MaskTerms
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def log2_factor(self) -> float:
+        """``softmax_scale * log2(e)``: logits in base 2."""
+        return self.softmax_scale * LOG2E
+
+
+def visible(terms: MaskTerms, true_kv_len: int, q_index, k_index, q_seg=None, k_seg=None):
+    """The canonical predicate on broadcast token indices (and segment ids, when given): the
+    switched-on terms of `terms`, and ``k_index < true_kv_len`` (padded keys are hidden)."""
+    vis = k_index < true_kv_len
+    if terms.causal_offset is not None:
+        vis = vis & (k_index <= q_index + terms.causal_offset)
+    if terms.window_left is not None:
+        vis = vis & (k_index >= q_index - terms.window_left)
+    if terms.window_right is not None:
+        vis = vis & (k_index <= q_index + terms.window_right)
+    if terms.chunk is not None:
+        # Indices are non-negative: truncating division is floor division here.
+        vis = vis & (lax.div(q_index, terms.chunk) == lax.div(k_index, terms.chunk))
+    if terms.prefix is not None:
+        vis = vis & ((k_index < terms.prefix) | (k_index <= q_index))
+    if q_seg is not None:
+        vis = vis & (q_seg == k_seg) & (q_seg >= 0)
+    return vis
+
+
+class Ops:
+    """Layout casts, iotas, loads and wgmma products on the GPU; plain arrays and `jnp.dot`
+    in the CPU interpreter (`interpreted=True`), which models neither layouts nor wgmma."""
+
+    def __init__(self, interpreted: bool):
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        self.interpreted = interpreted
+        self.wgmma_layout = plgpu.Layout.WGMMA
+        self.row_layout = plgpu.Layout.WGMMA.reduce(1)
+        self.col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    def cast(self, x, layout):
+        if self.interpreted:
+            return x
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        return plgpu.layout_cast(x, layout)
+
+    def iota(self, shape, dim):
+        """int32 indices along `dim` of `shape`, in the wgmma accumulator layout."""
+        if self.interpreted:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=self.wgmma_layout)
+
+    def load(self, ref, idx, layout):
+        """``ref[idx]`` from global memory in `layout` (a row or column vector)."""
+        if self.interpreted:
+            return ref[idx]
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        return plgpu.load(ref, idx, layout=layout, optimized=False)
+
+    def products(self, shape, pairs):
+        """Fresh float32 products ``a @ b`` (``a @ b.T`` where the pair says so), each of
+        `shape`, for `pairs` of ``(a smem ref, b smem ref, transpose_b)``, issued as one
+        wgmma group."""
+        if self.interpreted:
+            return tuple(jnp.dot(a[...], b[...].T if t else b[...],
+                                 preferred_element_type=jnp.float32) for a, b, t in pairs)
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        def issue(*accs):
+            for acc, (a, b, t) in zip(accs, pairs):
+                plgpu.wgmma(acc, a, plgpu.transpose_ref(b, (1, 0)) if t else b)
+            return tuple(acc[...] for acc in accs)
+
+        return pl.run_scoped(issue, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
+
+    def accumulate(self, accs, pairs):
+        """``acc + a @ b`` for each float32 accumulator and ``(a registers, b smem ref)``,
+        issued as one wgmma group."""
+        if self.interpreted:
+            return tuple(acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+                         for acc, (a, b) in zip(accs, pairs))
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        def issue(refs):
+            for ref, (a, b) in zip(refs, pairs):
+                plgpu.wgmma(ref, a, b)
+
+        return tuple(pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs)))
+
+
+def list_entry(full_ref, partial_ref, prefix, it, n_full):
+    """The block of entry `it` of a FULL-then-PARTIAL list: ``full_ref[*prefix, it]`` while
+    ``it < n_full``, else ``partial_ref[*prefix, it - n_full]`` (indices clamped in range)."""
+    cf, cp = full_ref.shape[-1], partial_ref.shape[-1]
+    full_block = full_ref[(*prefix, jnp.clip(it, 0, cf - 1))]
+    part_block = partial_ref[(*prefix, jnp.clip(it - n_full, 0, cp - 1))]
+    return jnp.where(it < n_full, full_block, part_block)
+
+
+def list_bounds(layout_axes, b, h, tile, full_count_ref, partial_count_ref):
+    """``(prefix, n_full, n_steps)`` of one tile's FULL-then-PARTIAL list: the index prefix
+    into the ``[1 or batch, 1 or heads, tiles, ...]`` list arrays (`layout_axes` their leading
+    sizes), the FULL count and the total count."""
+    prefix = (b if layout_axes[0] > 1 else 0, h if layout_axes[1] > 1 else 0, tile)
+    n_full = full_count_ref[prefix]
+    return prefix, n_full, n_full + partial_count_ref[prefix]
+
+
+def memory_warpgroup(n_steps, block_of, tile_of, streams, stages: int):
+    """The memory warpgroup: for list entry ``it`` in ``[0, n_steps)``, copy each stream's
+    tile ``tile_of(ref, block_of(it))`` into slot ``it % stages`` of its ring with TMA, first
+    waiting (from the second lap on) for that slot's "free" barrier.
+
+    `streams` holds ``(ref, ring, ready, free)``: the global-memory array, the ``[stages,
+    ...]`` shared-memory slots and their barriers (the compute warpgroups wait on `ready` and
+    arrive on `free`).
+    """
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+    def fetch(it, slot, wait):
+        block = block_of(it)
+        for ref, ring, ready, free in streams:
+            if wait:
+                plgpu.barrier_wait(free.at[slot])
+            plgpu.copy_gmem_to_smem(tile_of(ref, block), ring.at[slot], ready.at[slot])
+
+    for i in range(stages):
+        pl.when(i < n_steps)(lambda i=i: fetch(i, i, False))
+
+    @pl.loop(0, jnp.maximum(n_steps - stages, 0))
+    def _(it):
+        fetch(it + stages, lax.rem(it, stages), True)
+
+
+def ring_stages(fixed_bytes: int, stage_bytes: int) -> int:
+    """Slots of a ring (2 to 4) that fit the 227 KiB of shared memory next to `fixed_bytes`,
+    with a margin for barriers and small buffers."""
+    return max(2, min(4, (200 * 1024 - fixed_bytes) // stage_bytes))
+
+
+def swizzled(shape, dtype):
+    """A shared-memory buffer in the tiled, 128-byte swizzled form wgmma reads."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                                plgpu.SwizzleTransform(128)))
