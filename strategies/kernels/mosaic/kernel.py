@@ -83,8 +83,9 @@ class MosaicBlockSparse(AbstractKernel):
     Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, D]`` in bfloat16 or
     float16, D in {64, 128}, ``Dv == D``, any lengths (padded to the tiles inside),
     grouped-query heads. Declines bias, sinks, a soft cap, per-call positions and masks without
-    in-kernel terms, each with a reason. Never picked automatically (priority ``None``): pass
-    it as ``kernel=``.
+    in-kernel terms, each with a reason. Its priority on a GPU (20) is below
+    `TritonBlockSparse`'s (30), so the selector picks it only where Triton declines; pass it
+    as ``kernel=`` to run it (docs/mosaic.md has the measurements behind that order).
 
     ```python
     attn = BlockSparseAttention(mask=mask, kernel=kernels.MosaicBlockSparse())
@@ -114,8 +115,10 @@ class MosaicBlockSparse(AbstractKernel):
 
     @classmethod
     def priority(cls, platform):
-        # Below TritonBlockSparse (30): measured faster forward on long causal, window and
-        # document rows (docs/mosaic.md), not yet on short rows, D=64 or block tables.
+        # Below TritonBlockSparse (30): its forward is faster on long causal, window and
+        # document rows, but forward+backward is level with Triton's (+4 % causal and window,
+        # -2 % documents on the H200, docs/mosaic.md); short rows, D=64 and block tables are
+        # not measured.
         return 20 if platform == "gpu" else None
 
     def decline_reason(self, mask: ResolvedMask, features: Features) -> str | None:
