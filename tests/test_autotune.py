@@ -330,6 +330,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_two_processes_write_at_once_and_agree_on_keys(cache_dir):
     env = dict(os.environ, EQX_BSATTN_TYPECHECK="0")
     workers = [

@@ -240,6 +240,7 @@ def test_compile_adds_bitmaps_only_for_terms_kernels_without_terms():
     assert table.compile(TILING, "terms").forward.bitmaps is not None
 
 
+@pytest.mark.slow
 def test_compile_refuses_bitmaps_for_per_call_data():
     ids = jnp.asarray(sorted_segments(np.random.default_rng(0), 1, 64, 3))
     resolved = _resolve(masks.Dilated(2) & masks.Document(), 64, 64, segments=ids[0])

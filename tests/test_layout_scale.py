@@ -128,8 +128,15 @@ def _shapes(shapes):
             for n, s in enumerate(shapes)]
 
 
+# A few masks of each kind in every test run (the masks' own tests cover the catalogue); the
+# others carry the `slow` marker.
+QUICK_STATIC = ("block_layout_rect", "per_head_composed", "not_window")
+STATIC = [pytest.param(*m, id=m[0], marks=[] if m[0] in QUICK_STATIC else [pytest.mark.slow])
+          for m in ALL_MASKS]
+
+
 @pytest.mark.parametrize("shape", _shapes(SHAPES))
-@pytest.mark.parametrize("name,mask,tight", ALL_MASKS, ids=[m[0] for m in ALL_MASKS])
+@pytest.mark.parametrize("name,mask,tight", STATIC)
 def test_static_layout_is_the_dense_one(name, mask, tight, shape, monkeypatch):
     q_len, kv_len, block_q, block_kv = shape
     kw = dict(q_len=q_len, kv_len=kv_len, num_heads=HEADS, block_q=block_q, block_kv=block_kv)
@@ -149,15 +156,16 @@ def _call_data(rng, batch, q_len, kv_len):
         ("kv_segment_ids", ks))}
 
 
-# Eager builds with call data dispatch every operation of every chunk: a few masks in every
-# test run, the others (and the other shapes) marked `slow`.
-QUICK_DYNAMIC = ("per_head_composed", "causal_document", "document_or_global")
+# Eager builds with call data dispatch every operation of every chunk: they are all `slow`;
+# one mask is built under `jit` in every test run.
+QUICK_DYNAMIC = ("causal_document",)
 DYNAMIC = [pytest.param(*m, id=m[0], marks=[] if m[0] in QUICK_DYNAMIC else [pytest.mark.slow])
            for m in DYNAMIC_MASKS]
 
 
-@pytest.mark.parametrize("shape", _shapes(SHAPES[:5]))
-@pytest.mark.parametrize("name,mask,tight", DYNAMIC)
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES[:5], ids=["x".join(map(str, s)) for s in SHAPES[:5]])
+@pytest.mark.parametrize("name,mask,tight", DYNAMIC_MASKS, ids=[m[0] for m in DYNAMIC_MASKS])
 def test_dynamic_layout_is_the_dense_one(name, mask, tight, shape, monkeypatch):
     """Per-call positions and segment ids."""
     q_len, kv_len, block_q, block_kv = shape
@@ -179,8 +187,8 @@ def test_traced_layout_is_the_dense_one(name, mask, tight, monkeypatch):
 
 
 @pytest.mark.parametrize("shape", _shapes(SHAPES[:4]))
-@pytest.mark.parametrize("per_head", [pytest.param(False, marks=pytest.mark.slow), True],
-                         ids=["shared", "per_head"])
+@pytest.mark.slow
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
 def test_array_mask_layout_is_the_dense_one(shape, per_head, monkeypatch):
     """A mask array (per-call data in the mask itself), alone and under `Causal`."""
     q_len, kv_len, block_q, block_kv = shape
