@@ -30,6 +30,7 @@ from eqx_bsattn.contract import (
     typed_like,
 )
 
+from .padding import pad_axis
 from .reference import refuse_forward_mode
 
 _F32 = jnp.float32
@@ -78,20 +79,11 @@ def _map_levels(fn, sizes: tuple[int, ...], *args):
     return jax.vmap(inner, in_axes=axes)(*args)
 
 
-def _pad_axis(x, axis: int, size: int, value=0):
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, extra)
-    return jnp.pad(x, pad, constant_values=value)
-
-
 def _rows_to_units(x, block: int, group: int, per_head: bool, value=0):
     """``[B, H, L, *e]`` -> ``[B, Hkv, U, n, G, block, *e]`` (q-side arrays: q, dO, lse, delta)."""
     b, h, length = x.shape[:3]
     n = math.ceil(length / block)
-    x = _pad_axis(x, 2, n * block, value)
+    x = pad_axis(x, 2, n * block, value)
     x = x.reshape(b, h // group, group, n, block, *x.shape[3:])
     if per_head:
         return x[:, :, :, :, None]
@@ -109,7 +101,7 @@ def _kv_blocks(x, block: int):
     """``[B, Hkv, L, e]`` -> ``[B, Hkv, nk, block, e]``, zero-padded."""
     b, hkv, length, e = x.shape
     n = math.ceil(length / block)
-    return _pad_axis(x, 2, n * block).reshape(b, hkv, n, block, e)
+    return pad_axis(x, 2, n * block).reshape(b, hkv, n, block, e)
 
 
 def _lists_to_units(x, group: int, per_head: bool):
@@ -130,8 +122,8 @@ def _per_head_to_units(x, heads: int, group: int, per_head: bool):
 def _bias_to_units(bias, heads: int, group: int, per_head: bool, bq: int, bk: int):
     """``[bb, hb, Lq, Lk]`` -> ``[bb, Hkv|1, U|1, Gb, Lq', Lk']`` padded to whole blocks."""
     lq, lk = bias.shape[2:]
-    bias = _pad_axis(bias, 2, math.ceil(lq / bq) * bq)
-    bias = _pad_axis(bias, 3, math.ceil(lk / bk) * bk)
+    bias = pad_axis(bias, 2, math.ceil(lq / bq) * bq)
+    bias = pad_axis(bias, 3, math.ceil(lk / bk) * bk)
     return jax.vmap(lambda b: _per_head_to_units(b, heads, group, per_head))(bias)
 
 
@@ -257,7 +249,7 @@ def _by_chunks(run, n: int, width: int, blocked):
         return run(blocked, jnp.arange(n, dtype=jnp.int32))
     width = math.ceil(n / chunks)
     total = chunks * width
-    blocked = jax.tree.map(lambda x: _pad_axis(x, 3, total), blocked)
+    blocked = jax.tree.map(lambda x: pad_axis(x, 3, total), blocked)
 
     def one_chunk(c):
         part = jax.tree.map(

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling
 
+from ..padding import pad_axis
 from ..triton.heuristics import check_tiling
 from ..triton.heuristics import default_tiling as triton_default_tiling
 from ..triton.kernel import TritonBlockSparse
@@ -214,13 +215,7 @@ class MosaicBlockSparse(AbstractKernel):
 
 def _pad(x, length: int, fill=0):
     """Pad axis 2 (or the last axis of a ``[B, L]`` array) to `length`."""
-    axis = 2 if x.ndim == 4 else x.ndim - 1
-    extra = length - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=fill)
+    return pad_axis(x, 2 if x.ndim == 4 else x.ndim - 1, length, fill)
 
 
 def _forward(fcfg: ForwardConfig, q, k, v, seg, lists):

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling
 
 from .launch import block_sizes, never_matching, sink_logits, splash_attention, splash_missing
-from .mask_info import TermsPredicate, block_info, pad_axis, padded_length
+from ..padding import pad_axis
+from .mask_info import TermsPredicate, block_info, padded_length
 
 _LANES = 128  # Splash's key blocks (and query blocks with segment ids) are multiples of this
 _DTYPES = ("bfloat16", "float32")

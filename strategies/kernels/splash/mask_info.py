@@ -22,6 +22,8 @@ import numpy as np
 
 from eqx_bsattn.contract import BlockLayout, MaskTerms
 
+from ..padding import pad_axis
+
 _FULL, _PARTIAL = 2, 1
 
 
@@ -70,17 +72,6 @@ def _slots(full_count, full_index, partial_count, partial_index, bitmap_index, w
     block_mask = xp.where(in_full, _FULL, xp.where(slot < count, _PARTIAL, 0))
     mask_next = None if bitmap_index is None else take(bitmap_index, from_partial)
     return index, block_mask, mask_next
-
-
-def pad_axis(x, axis: int, size: int, value=0):
-    """`x` (NumPy or JAX) padded with `value` along `axis` to `size`."""
-    extra = size - x.shape[axis]
-    if extra <= 0:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, extra)
-    xp = np if isinstance(x, np.ndarray) else jnp
-    return xp.pad(x, pad, constant_values=np.asarray(value, x.dtype))
 
 
 def block_info(layout: BlockLayout, *, transposed: bool, num_q_blocks: int,
