@@ -126,6 +126,37 @@ def test_fully_masked_rows_are_zero():
     assert np.all(np.abs(out[:, :, 128:]).sum(-1) > 0)
 
 
+def _vmapped(kernel, mask, dtype, q, k, v, cot, ids):
+    """Forward and gradients of `jax.vmap` over unbatched calls (``[H, L, D]`` inputs and
+    ``[L]`` segment ids per example), as `eqx.filter_vmap` of a layer makes them."""
+    attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel)
+
+    def one(q, k, v, ids):
+        return attn(q.astype(dtype), k.astype(dtype), v.astype(dtype), q_segment_ids=ids,
+                    kv_segment_ids=ids)
+
+    def both(q, k, v):
+        out, pullback = jax.vjp(lambda q, k, v: jax.vmap(one)(q, k, v, ids), q, k, v)
+        return (out, *pullback(cot.astype(out.dtype)))
+
+    return jax.jit(both)(q, k, v)
+
+
+@on_gpu
+@pytest.mark.parametrize("backward", ["triton", "mosaic"])
+def test_vmap_over_examples(backward):
+    """Three examples of different documents under `jax.vmap`: each example's layout and
+    schedule are its own, forward and gradients match the reference."""
+    q, k, v, cot = _inputs(11, 3, 2, 2, 300, 300, 64)
+    ids = _segments(3, 300, 3, pad=5, seed=4)
+    mask = masks.Causal() & masks.Document()
+    got = _vmapped(MosaicBlockSparse(backward=backward), mask, jnp.bfloat16, q, k, v, cot, ids)
+    with jax.default_matmul_precision("highest"):
+        want = _vmapped(DenseReference(), mask, jnp.float32, q, k, v, cot, ids)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert _rel(g, w) < TOL[jnp.bfloat16], name
+
+
 @on_gpu
 def test_declines_with_reasons():
     resolved = bsa.ResolvedMask(masks.Causal(), q_len=128, kv_len=128, num_heads=2)
@@ -156,6 +187,44 @@ def test_backward_choice_and_its_tiles():
         assert (tiling.block_q, tiling.block_kv) == (128, 128)
 
 
+@pytest.mark.parametrize("batch,heads,tiles,ctas", [(1, 1, 1, 132), (1, 3, 7, 4),
+                                                     (2, 16, 128, 132), (32, 16, 8, 132)])
+@pytest.mark.parametrize("known", [True, False], ids=["host_counts", "device_counts"])
+def test_persistent_schedule(batch, heads, tiles, ctas, known):
+    """Every work item goes to exactly one CTA, every CTA gets one, no device work is
+    needed; with counts known on the host the CTAs' loads differ by at most one item's cost
+    (the first-free-CTA rule), heavy tiles first."""
+    from eqx_bsattn.strategies.kernels.mosaic.common import decode_item, persistent_schedule
+
+    full = np.broadcast_to(np.arange(tiles, dtype=np.int32), (1, 1, tiles))  # causal-like
+    partial = np.ones((batch, 1, tiles), np.int32)
+    if known:
+        items, counts = persistent_schedule(full, partial, batch, heads, ctas)
+    else:
+        seen = {}
+
+        def build(f, p):
+            seen["schedule"] = persistent_schedule(f, p, batch, heads, ctas)
+            return f
+
+        jax.jit(build)(full, partial)
+        items, counts = seen["schedule"]
+    assert isinstance(items, np.ndarray) and isinstance(counts, np.ndarray)
+    total = batch * heads * tiles
+    assert items.shape[0] == min(ctas, total) and counts.min() >= 1
+    taken = np.concatenate([items[c, :n] for c, n in enumerate(counts)])
+    assert sorted(taken.tolist()) == list(range(total))
+    cost = lambda i: full[0, 0, int(decode_item(jnp.int32(i), tiles, heads)[2])] + 2.5  # noqa: E731
+    loads = [sum(cost(i) for i in items[c, :n]) for c, n in enumerate(counts)]
+    if known:
+        assert max(loads) - min(loads) <= tiles - 1 + 2.5
+        first = [int(decode_item(jnp.int32(i), tiles, heads)[2]) for i in items[:, 0]]
+        assert max(first) == tiles - 1  # the heaviest tile starts first
+    else:
+        # Round-robin, alternately forwards and backwards: balanced over sorted costs.
+        assert max(loads) - min(loads) <= 2 * (tiles + 2.5)
+
+
 def _mosaic_interpreter():
     try:
         import jax.experimental.pallas.mosaic_gpu  # noqa: F401
@@ -166,8 +235,10 @@ def _mosaic_interpreter():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["prefix_gqa_ragged", "document"])
-def test_forward_in_cpu_interpreter(case):
+@pytest.mark.parametrize("case,ctas", [("prefix_gqa_ragged", 3), ("document", 1)])
+def test_forward_in_cpu_interpreter(case, ctas):
+    """The persistent forward in Pallas' CPU interpreter: 4 work items on 3 CTAs (one CTA
+    runs two) or all on one CTA (the Q buffers and the K / V ring carried across items)."""
     params = _mosaic_interpreter()
     if params is None or jax.default_backend() != "cpu":
         pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
@@ -188,7 +259,7 @@ def test_forward_in_cpu_interpreter(case):
     terms = resolved.kernel_terms([(BLOCK_Q, bk)])
     plq, plk = rows_padded(lq, BLOCK_Q), rows_padded(lk, bk)
     cfg = ForwardConfig(batch=1, heads=heads, kv_heads=kv_heads, q_len=plq, kv_len=plk,
-                        true_kv_len=lk, head_dim=d, block_kv=bk, stages=2,
+                        true_kv_len=lk, head_dim=d, block_kv=bk, stages=2, ctas=ctas,
                         softmax_scale=d ** -0.5, terms=terms,
                         layout_batch=layout.full_count.shape[0],
                         layout_heads=layout.full_count.shape[1])

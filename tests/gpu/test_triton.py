@@ -5,6 +5,7 @@ declines. Correctness on every mask family and feature is the conformance suite'
 GPU only: every test skips unless JAX's default backend is a GPU and jax-triton imports.
 """
 
+import dataclasses
 import importlib.util
 import warnings
 
@@ -99,9 +100,21 @@ def test_vmap_folds_segment_ids_bias_and_groups():
 
 
 def test_selected_on_gpu():
-    features = bsa.Features(platform="gpu", dtype="bfloat16", segment_ids=True)
-    choice = bsa.select_kernel(masks.Causal() & masks.Document(), "gpu", features)
+    """Triton where MosaicBlockSparse (priority 35, Hopper only) declines: float32 here,
+    and every dtype on GPUs other than Hopper."""
+    from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
+
+    mask = masks.Causal() & masks.Document()
+    half = bsa.Features(platform="gpu", dtype="bfloat16", segment_ids=True)
+    on_hopper = getattr(jax.devices()[0], "compute_capability", None) == "9.0"
+    choice = bsa.select_kernel(mask, "gpu", half)
+    expected = MosaicBlockSparse if on_hopper else TritonBlockSparse
+    assert isinstance(choice.kernel, expected), choice.explain()
+    single = dataclasses.replace(half, dtype="float32")
+    choice = bsa.select_kernel(mask, "gpu", single)
     assert isinstance(choice.kernel, TritonBlockSparse), choice.explain()
+    if on_hopper:
+        assert "mosaic (35)" in choice.explain() and "float32" in choice.explain()
 
 
 def test_declines_bitmap_mask_with_positions():

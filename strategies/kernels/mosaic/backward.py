@@ -170,9 +170,12 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows])
             plgpu.wait_smem_to_gmem(0)
 
+        def tile_of(ref, it):
+            block = list_entry(fidx_ref, pidx_ref, prefix, it, n_full)
+            return ref.at[b, lax.div(h, group), pl.ds(block * bk, bk)]
+
         pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
-            n_steps, lambda it: list_entry(fidx_ref, pidx_ref, prefix, it, n_full),
-            lambda ref, block: ref.at[b, lax.div(h, group), pl.ds(block * bk, bk)],
+            1, lambda _: (n_steps, tile_of),
             ((k_ref, k_ring, k_ready, k_free), (v_ref, v_ring, v_ready, v_free)), stages))
 
     scratch = _scratch((COMPUTE_WARPGROUPS, bq, d), (stages, bk, d), dtype, stages)
@@ -264,9 +267,12 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
             plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h, keys])
             plgpu.wait_smem_to_gmem(0)
 
+        def tile_of(ref, it):
+            block = list_entry(fidx_ref, pidx_ref, prefix, it, n_full)
+            return ref.at[b, h, pl.ds(block * bq, bq)]
+
         pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
-            n_steps, lambda it: list_entry(fidx_ref, pidx_ref, prefix, it, n_full),
-            lambda ref, block: ref.at[b, h, pl.ds(block * bq, bq)],
+            1, lambda _: (n_steps, tile_of),
             ((q_ref, q_ring, q_ready, q_free), (do_ref, do_ring, do_ready, do_free)), stages))
 
     scratch = _scratch((COMPUTE_WARPGROUPS, bk, d), (stages, bq, d), dtype, stages)

@@ -145,19 +145,28 @@ def list_entry(full_ref, partial_ref, prefix, it, n_full):
     return jnp.where(it < n_full, full_block, part_block)
 
 
+def layout_prefix(layout_axes, b, h, tile):
+    """The index prefix of one tile's lists in the ``[1 or batch, 1 or heads, tiles, ...]``
+    list arrays (`layout_axes` their leading sizes)."""
+    return (b if layout_axes[0] > 1 else 0, h if layout_axes[1] > 1 else 0, tile)
+
+
 def list_bounds(layout_axes, b, h, tile, full_count_ref, partial_count_ref):
-    """``(prefix, n_full, n_steps)`` of one tile's FULL-then-PARTIAL list: the index prefix
-    into the ``[1 or batch, 1 or heads, tiles, ...]`` list arrays (`layout_axes` their leading
-    sizes), the FULL count and the total count."""
-    prefix = (b if layout_axes[0] > 1 else 0, h if layout_axes[1] > 1 else 0, tile)
+    """``(prefix, n_full, n_steps)`` of one tile's FULL-then-PARTIAL list: its
+    `layout_prefix`, the FULL count and the total count."""
+    prefix = layout_prefix(layout_axes, b, h, tile)
     n_full = full_count_ref[prefix]
     return prefix, n_full, n_full + partial_count_ref[prefix]
 
 
-def memory_warpgroup(n_steps, block_of, tile_of, streams, stages: int):
-    """The memory warpgroup: for list entry ``it`` in ``[0, n_steps)``, copy each stream's
-    tile ``tile_of(ref, block_of(it))`` into slot ``it % stages`` of its ring with TMA, first
-    waiting (from the second lap on) for that slot's "free" barrier.
+def memory_warpgroup(num_items, walk, streams, stages: int):
+    """The memory warpgroup: for each of the CTA's `num_items` work items ``i`` in turn, and
+    each entry ``it`` of its list, copy each stream's tile ``tile_of(ref, it)`` into the next
+    slot of its ring with TMA, where ``(n_steps, tile_of) = walk(i)``. The slots are used
+    round-robin over all items together (step ``g`` of the CTA uses slot ``g % stages``), so
+    the ring fills with the next item's tiles while the compute warpgroups finish this one;
+    from the second lap on, a slot is refilled after its "free" barrier, and the last lap's
+    releases are awaited at the end.
 
     `streams` holds ``(ref, ring, ready, free)``: the global-memory array, the ``[stages,
     ...]`` shared-memory slots and their barriers (the compute warpgroups wait on `ready` and
@@ -168,19 +177,96 @@ def memory_warpgroup(n_steps, block_of, tile_of, streams, stages: int):
 
     plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-    def fetch(it, slot, wait):
-        block = block_of(it)
-        for ref, ring, ready, free in streams:
-            if wait:
-                plgpu.barrier_wait(free.at[slot])
-            plgpu.copy_gmem_to_smem(tile_of(ref, block), ring.at[slot], ready.at[slot])
+    def item(i, first_step):
+        n_steps, tile_of = walk(i)
 
+        @pl.loop(0, n_steps)
+        def _(it):
+            step = first_step + it
+            slot = lax.rem(step, stages)
+            for ref, ring, ready, free in streams:
+                pl.when(step >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                plgpu.copy_gmem_to_smem(tile_of(ref, it), ring.at[slot], ready.at[slot])
+
+        return first_step + n_steps
+
+    steps = lax.fori_loop(0, num_items, item, jnp.int32(0))
+    # Observe the last lap's releases too, so that no barrier phase goes unwaited.
     for i in range(stages):
-        pl.when(i < n_steps)(lambda i=i: fetch(i, i, False))
+        step = steps - stages + i
+        for _, _, _, free in streams:
+            pl.when(step >= 0)(
+                lambda free=free, step=step: plgpu.barrier_wait(free.at[lax.rem(step, stages)]))
 
-    @pl.loop(0, jnp.maximum(n_steps - stages, 0))
-    def _(it):
-        fetch(it + stages, lax.rem(it, stages), True)
+
+def persistent_schedule(full_count, partial_count, batch: int, heads: int, ctas: int):
+    """``(items [ctas, n] int32, counts [ctas] int32)``: the work items CTA ``c`` of a
+    persistent launch runs, in order, ``items[c, :counts[c]]``; an item is ``(b * heads + h)
+    * tiles + tile``. Built on the host, so the launch needs no extra device work.
+
+    The items are taken batch row by batch row, heavy (last) tiles first, the heads of a
+    tile together (so that the tiles in flight share their K / V in L2), and each goes to
+    the CTA that becomes free first (`first_free`): FULL blocks cost 1, PARTIAL ones 1.5
+    (the mask), and an item 1 more (its prologue and epilogue). When the counts are known
+    only on the device (a layout built per call), the items are dealt round-robin instead
+    (`dealt`), heavy tiles first.
+    """
+    import jax
+    import numpy as np
+
+    tiles = full_count.shape[-1]
+    grid = np.arange(batch * heads * tiles, dtype=np.int32).reshape(batch, heads, tiles)
+    try:
+        cost = np.asarray(full_count) + 1.5 * np.asarray(partial_count) + 1.0
+    except jax.errors.TracerArrayConversionError:  # a layout built per call
+        return dealt(grid[:, :, ::-1].transpose(2, 0, 1).reshape(-1), ctas)
+    cost = np.broadcast_to(cost, (batch, heads, tiles)).reshape(-1)
+    return first_free(grid[:, :, ::-1].transpose(0, 2, 1).reshape(-1), cost, ctas)
+
+
+def first_free(order, cost, ctas: int):
+    """`persistent_schedule`'s lists when each item of `order` goes to the CTA whose items
+    so far cost least (`cost` is indexed by item)."""
+    import heapq
+
+    ctas = min(ctas, len(order))
+    free_at = [(0.0, c) for c in range(ctas)]
+    lists = [[] for _ in range(ctas)]
+    for item in order:
+        load, c = heapq.heappop(free_at)
+        lists[c].append(int(item))
+        heapq.heappush(free_at, (load + float(cost[item]), c))
+    return _padded(lists)
+
+
+def dealt(order, ctas: int):
+    """`persistent_schedule`'s lists when the items of `order` are dealt one per CTA per
+    round, alternately forwards and backwards (balanced when `order` is heavy first)."""
+    import numpy as np
+
+    ctas = min(ctas, len(order))
+    rounds = -(-len(order) // ctas)
+    table = np.full(rounds * ctas, -1, np.int64)
+    table[:len(order)] = order
+    table = table.reshape(rounds, ctas)
+    table[1::2] = table[1::2, ::-1]
+    return _padded([[int(i) for i in table[:, c] if i >= 0] for c in range(ctas)])
+
+
+def _padded(lists):
+    import numpy as np
+
+    counts = np.array([len(x) for x in lists], np.int32)
+    items = np.zeros((len(lists), counts.max()), np.int32)
+    for c, x in enumerate(lists):
+        items[c, :len(x)] = x
+    return items, counts
+
+
+def decode_item(item, tiles: int, heads: int):
+    """``(b, h, tile)`` of a work item ``(b * heads + h) * tiles + tile``."""
+    rows = lax.div(item, tiles)
+    return lax.div(rows, heads), lax.rem(rows, heads), lax.rem(item, tiles)
 
 
 def ring_stages(fixed_bytes: int, stage_bytes: int) -> int:

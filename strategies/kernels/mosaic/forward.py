@@ -1,13 +1,18 @@
-"""The forward launch of `MosaicBlockSparse`: a warp-specialised Pallas Mosaic GPU kernel.
+"""The forward launch of `MosaicBlockSparse`: a persistent, warp-specialised Pallas Mosaic GPU
+kernel.
 
-One CTA per (head, q-tile of 128 rows, batch) runs three warpgroups:
+The work items are (batch row, head, q-tile of 128 rows). One CTA per SM runs the items
+`persistent_schedule` gives it, one after another, with three warpgroups:
 
-- a memory warpgroup walks the q-tile's kv-block list (full blocks, then partial ones) and
+- a memory warpgroup walks each item's kv-block list (full blocks, then partial ones) and
   copies each block's K and V tile into a ring of shared-memory slots with TMA, waiting for a
-  slot to be released before refilling it;
-- two compute warpgroups each own 64 of the tile's query rows: S = Q K^T with wgmma, an online
+  slot to be released before refilling it; the ring runs on across items, so the next item's
+  first tiles arrive while this one finishes;
+- two compute warpgroups each own 64 of the item's query rows: S = Q K^T with wgmma, an online
   softmax in base 2, O += P V with wgmma (P from registers). A shared barrier staggers them, so
-  one warpgroup's softmax overlaps the other's matrix products.
+  one warpgroup's softmax overlaps the other's matrix products. Q has two buffers: the next
+  item's rows are copied in during this item's epilogue, and the output leaves through the
+  buffer of the item it belongs to.
 
 FULL blocks skip every mask; partial blocks evaluate the compiled mask's canonical terms
 (`MaskTerms`) on token indices, and segment ids when the mask has them. Rows that see no key
@@ -25,8 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, AttentionShape,
-                     Ops, list_bounds, list_entry, memory_warpgroup, ring_stages, swizzled,
-                     visible)
+                     Ops, decode_item, layout_prefix, list_bounds, list_entry, memory_warpgroup,
+                     persistent_schedule, ring_stages, swizzled, visible)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -41,11 +46,16 @@ class ForwardConfig(AttentionShape):
     #: Leading axes of the layout lists: 1 or the batch, 1 or the heads.
     layout_batch: int
     layout_heads: int
+    #: CTAs of the persistent launch (one per SM); ``None``: one per work item.
+    ctas: int | None = None
 
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
-                 partial_index, q_segment_ids=None, kv_segment_ids=None, *, interpret=None):
-    """``(out [B, H, Lq, D], lse [B, H, Lq] float32, base 2)`` for padded inputs."""
+                 partial_index, q_segment_ids=None, kv_segment_ids=None, *, schedule=None,
+                 interpret=None):
+    """``(out [B, H, Lq, D], lse [B, H, Lq] float32, base 2)`` for padded inputs.
+    `schedule` is the launch's ``(items, counts)`` (`persistent_schedule` of the counts on
+    ``cfg.ctas`` CTAs when ``None``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -56,6 +66,10 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     stages = cfg.stages
     group = cfg.group
     num_q_tiles = cfg.q_len // BLOCK_Q
+    if schedule is None:
+        schedule = persistent_schedule(full_count, partial_count, cfg.batch, cfg.heads,
+                                       cfg.ctas or cfg.batch * cfg.heads * num_q_tiles)
+    items, counts = schedule
     cp = partial_index.shape[-1]
     has_segments = q_segment_ids is not None
     # s * scale * log2(e), kept in base 2; with a positive factor the row maximum of the raw
@@ -63,16 +77,20 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     # the exponent's operand.
     factor = cfg.log2_factor
 
-    def kernel(q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref, pidx_ref, qseg_ref,
+    def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref, pidx_ref, qseg_ref,
                kseg_ref, out_ref, lse_ref, scoped):
-        (q_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
+        (q_smem4, k_smem, v_smem, lse_smem4), (k_ready, v_ready, q_ready), \
             (k_free, v_free), turn = scoped
-        h = lax.axis_index("heads")
-        tile = num_q_tiles - 1 - lax.axis_index("q_tiles")  # heavy causal tiles first
-        b = lax.axis_index("batch")
+        cta = lax.axis_index("ctas")
+        count = counts_ref[cta]  # at least one
         wg = lax.axis_index("wg")
-        prefix, n_full, n_steps = list_bounds((cfg.layout_batch, cfg.layout_heads), b, h, tile,
-                                              fcnt_ref, pcnt_ref)
+        layout_axes = (cfg.layout_batch, cfg.layout_heads)
+
+        def item(j):
+            """``(b, h, tile, n_full, n_steps)`` of the CTA's item j."""
+            b, h, tile = decode_item(items_ref[cta, j], num_q_tiles, cfg.heads)
+            _, n_full, n_steps = list_bounds(layout_axes, b, h, tile, fcnt_ref, pcnt_ref)
+            return b, h, tile, n_full, n_steps
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -81,130 +99,166 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         @pl.when(wg < COMPUTE_WARPGROUPS)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            q_smem = q_smem2.at[wg]
-            q_base = tile * BLOCK_Q + wg * bq
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_base, bq)], q_smem,
-                                    q_ready.at[wg])
-            if has_segments:
-                q_seg = ops.load(qseg_ref, (b, pl.ds(q_base, bq)), row_layout)
-                q_seg = lax.broadcast_in_dim(q_seg, (bq, bk), [0])
-            plgpu.barrier_wait(q_ready.at[wg])
 
-            m_i = cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
-            l_i = cast(jnp.zeros((bq,), jnp.float32), row_layout)
-            acc = cast(jnp.zeros((bq, d), jnp.float32), wgmma_layout)
+            def load_q(j, decoded):
+                """Start copying item j's Q rows into buffer ``j % 2`` of this warpgroup."""
+                b, h, tile = decoded[:3]
+                buffer = lax.rem(j, 2)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(tile * BLOCK_Q + wg * bq, bq)],
+                                        q_smem4.at[buffer, wg],
+                                        q_ready.at[buffer * COMPUTE_WARPGROUPS + wg])
 
-            @pl.when(n_steps > 0)
-            def _():
-                plgpu.barrier_wait(k_ready.at[0])
+            first_item = item(0)
+            load_q(0, first_item)
 
-            pl.when(wg == 1)(take_turn)
+            def run_item(j, carry):
+                first_step, decoded = carry
+                # Read the next item's entry now; it is used at the end of this one.
+                upcoming = item(jnp.minimum(j + 1, count - 1))
+                b, h, tile, n_full, n_steps = decoded
+                prefix = layout_prefix(layout_axes, b, h, tile)
+                buffer = lax.rem(j, 2)
+                q_smem = q_smem4.at[buffer, wg]
+                q_base = tile * BLOCK_Q + wg * bq
+                if has_segments:
+                    q_seg = ops.load(qseg_ref, (b, pl.ds(q_base, bq)), row_layout)
+                    q_seg = lax.broadcast_in_dim(q_seg, (bq, bk), [0])
+                plgpu.barrier_wait(q_ready.at[buffer * COMPUTE_WARPGROUPS + wg])
 
-            def step(it, carry, masked):
-                acc, m_i, l_i = carry
-                slot = lax.rem(it, stages)
+                m_i = cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+                l_i = cast(jnp.zeros((bq,), jnp.float32), row_layout)
+                acc = cast(jnp.zeros((bq, d), jnp.float32), wgmma_layout)
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    take_turn()
-                    return acc_ref[...]
+                @pl.when(n_steps > 0)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)])
 
-                if interpret is None:
-                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                else:
-                    # The CPU interpreter has no transposed refs: a plain product there.
-                    s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
-                    take_turn()
-                plgpu.barrier_arrive(k_free.at[slot])
-                if masked:
-                    block = pidx_ref[(*prefix, jnp.minimum(it - n_full, cp - 1))]
-                    k_base = block * bk
-                    rows = q_base + ops.iota((bq, bk), 0)
-                    cols = k_base + ops.iota((bq, bk), 1)
-                    k_seg = None
-                    if has_segments:
-                        k_seg = ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
-                        k_seg = lax.broadcast_in_dim(k_seg, (bq, bk), [1])
-                    vis = visible(cfg.terms, cfg.true_kv_len, rows, cols,
-                                  q_seg if has_segments else None, k_seg)
-                    s = jnp.where(vis, s * factor, -jnp.inf)
-                    m_new = jnp.maximum(m_i, s.max(axis=1))
-                    # A row with nothing visible yet keeps m = -inf: subtract 0 instead, so
-                    # its p and alpha are exp2(-inf) = 0, never NaN.
-                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                    alpha = jnp.exp2(m_i - m_use)
-                elif factor > 0:
-                    m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
-                    p = jnp.exp2(s * factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    alpha = jnp.exp2(m_i - m_new)
-                else:
-                    s = s * factor
-                    m_new = jnp.maximum(m_i, s.max(axis=1))
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    alpha = jnp.exp2(m_i - m_new)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                # Finish the row sums before the barriers (measured faster in JAX's own
-                # Mosaic GPU attention for D <= 128).
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(turn)
+                pl.when(wg == 1)(take_turn)
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    nxt = it + 1
-
-                    @pl.when(nxt < n_steps)
+                def wait_next_k(it):
+                    @pl.when(it + 1 < n_steps)
                     def _():
-                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
+                        plgpu.barrier_wait(k_ready.at[lax.rem(first_step + it + 1, stages)])
 
-                if interpret is None:
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                else:
-                    acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-                    nxt = it + 1
+                def step(it, carry, masked):
+                    acc, m_i, l_i = carry
+                    slot = lax.rem(first_step + it, stages)
 
-                    @pl.when(nxt < n_steps)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem,
+                                    plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        take_turn()
+                        return acc_ref[...]
 
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l_i
+                    if interpret is None:
+                        s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                    else:
+                        # The CPU interpreter has no transposed refs: a plain product there.
+                        s = jnp.dot(q_smem[...], k_smem[slot].T,
+                                    preferred_element_type=jnp.float32)
+                        take_turn()
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    if masked:
+                        block = pidx_ref[(*prefix, jnp.minimum(it - n_full, cp - 1))]
+                        k_base = block * bk
+                        rows = q_base + ops.iota((bq, bk), 0)
+                        cols = k_base + ops.iota((bq, bk), 1)
+                        k_seg = None
+                        if has_segments:
+                            k_seg = ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
+                            k_seg = lax.broadcast_in_dim(k_seg, (bq, bk), [1])
+                        vis = visible(cfg.terms, cfg.true_kv_len, rows, cols,
+                                      q_seg if has_segments else None, k_seg)
+                        s = jnp.where(vis, s * factor, -jnp.inf)
+                        m_new = jnp.maximum(m_i, s.max(axis=1))
+                        # A row with nothing visible yet keeps m = -inf: subtract 0 instead,
+                        # so its p and alpha are exp2(-inf) = 0, never NaN.
+                        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                        alpha = jnp.exp2(m_i - m_use)
+                    elif factor > 0:
+                        m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
+                        p = jnp.exp2(s * factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                        alpha = jnp.exp2(m_i - m_new)
+                    else:
+                        s = s * factor
+                        m_new = jnp.maximum(m_i, s.max(axis=1))
+                        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                        alpha = jnp.exp2(m_i - m_new)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
+                    # Finish the row sums before the barriers (measured faster in JAX's own
+                    # Mosaic GPU attention for D <= 128).
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(turn)
 
-            carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), carry)
-            acc, m_i, l_i = lax.fori_loop(n_full, n_steps, lambda i, c: step(i, c, True), carry)
-            pl.when(wg == 0)(take_turn)
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        wait_next_k(it)
 
-            empty = l_i == 0.0
-            inv = 1.0 / jnp.where(empty, 1.0, l_i)
-            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            lse = jnp.where(empty, jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
-            q_smem[...] = acc.astype(dtype)
-            lse_smem = lse_smem2.at[wg]
-            lse_smem[...] = lse
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, h, pl.ds(q_base, bq)])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, bq)])
+                    if interpret is None:
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    else:
+                        acc = acc + jnp.dot(p16, v_smem[slot],
+                                            preferred_element_type=jnp.float32)
+                        wait_next_k(it)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, l_i
+
+                carry = (acc, m_i, l_i)
+                carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), carry)
+                acc, m_i, l_i = lax.fori_loop(n_full, n_steps, lambda i, c: step(i, c, True),
+                                              carry)
+                pl.when(wg == 0)(take_turn)
+
+                # The next item's Q goes into the other buffer, whose output (item j - 1)
+                # has long been copied out: the copy overlaps this epilogue.
+                @pl.when(j + 1 < count)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    load_q(j + 1, upcoming)
+
+                empty = l_i == 0.0
+                inv = 1.0 / jnp.where(empty, 1.0, l_i)
+                acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+                lse = jnp.where(empty, jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
+                q_smem[...] = acc.astype(dtype)
+                lse_smem = lse_smem4.at[buffer, wg]
+                lse_smem[...] = lse
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, h, pl.ds(q_base, bq)])
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, bq)])
+                return first_step + n_steps, upcoming
+
+            lax.fori_loop(0, count, run_item, (jnp.int32(0), first_item))
             plgpu.wait_smem_to_gmem(0)
 
+        def walk(j):
+            b, h, tile, n_full, n_steps = item(j)
+            prefix = layout_prefix(layout_axes, b, h, tile)
+
+            def tile_of(ref, it):
+                block = list_entry(fidx_ref, pidx_ref, prefix, it, n_full)
+                return ref.at[b, lax.div(h, group), pl.ds(block * bk, bk)]
+
+            return n_steps, tile_of
+
         pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
-            n_steps, lambda it: list_entry(fidx_ref, pidx_ref, prefix, it, n_full),
-            lambda ref, block: ref.at[b, lax.div(h, group), pl.ds(block * bk, bk)],
-            ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)), stages))
+            count, walk, ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)),
+            stages))
 
     def entry(*refs):
         smem = (
-            swizzled((COMPUTE_WARPGROUPS, bq, d), dtype),
+            swizzled((2, COMPUTE_WARPGROUPS, bq, d), dtype),
             swizzled((stages, bk, d), dtype),
             swizzled((stages, bk, d), dtype),
-            plgpu.SMEM((COMPUTE_WARPGROUPS, bq), jnp.float32),
+            plgpu.SMEM((2, COMPUTE_WARPGROUPS, bq), jnp.float32),
         )
         ready = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-                 plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS))
+                 plgpu.Barrier(num_barriers=2 * COMPUTE_WARPGROUPS))
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2
         turn = plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, ready, free, turn,
@@ -218,19 +272,19 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         entry,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                    jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
-        grid=(cfg.heads, num_q_tiles, cfg.batch),
-        grid_names=("heads", "q_tiles", "batch"),
+        grid=(items.shape[0],),
+        grid_names=("ctas",),
         num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
-    )(q, k, v, full_count, full_index, partial_count, partial_index, qseg, kseg)
+    )(items, counts, q, k, v, full_count, full_index, partial_count, partial_index, qseg, kseg)
     return out, lse
 
 
 def stages_for(head_dim: int, block_kv: int, itemsize: int = 2) -> int:
     """K/V ring depth that fits the 227 KiB of shared memory next to the Q tiles."""
-    q_bytes = BLOCK_Q * head_dim * itemsize
+    q_bytes = 2 * BLOCK_Q * head_dim * itemsize  # two Q buffers: this item's, the next's
     stage_bytes = 2 * block_kv * head_dim * itemsize
     return ring_stages(q_bytes, stage_bytes)
 

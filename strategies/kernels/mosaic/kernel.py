@@ -19,6 +19,7 @@ from ..triton.kernel import TritonBlockSparse
 from ..triton.launch import LaunchConfig, dkdv_launch, dq_launch, layout_arrays, list_mode
 from ..triton.vjp import _zero_cotangent
 from .backward import BackwardConfig, backward_blocks, dkv_call, dq_call
+from .common import persistent_schedule
 from .forward import BLOCK_Q, ForwardConfig, block_kv_for, forward_call, rows_padded, stages_for
 
 _DTYPES = ("bfloat16", "float16")
@@ -40,6 +41,14 @@ def _mosaic_missing() -> str | None:
     if capability is not None and str(capability) not in ("9.0",):
         return f"needs a Hopper GPU (compute capability 9.0); found {capability}."
     return None
+
+
+@functools.cache
+def _multiprocessors() -> int | None:
+    """Streaming multiprocessors of the first GPU (the persistent forward runs one CTA on
+    each), or ``None`` where JAX does not say."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    return getattr(gpus[0], "core_count", None) if gpus else None
 
 
 def _with_forward_blocks(tiling: Tiling, features: Features, mosaic_backward: bool) -> Tiling:
@@ -83,10 +92,10 @@ class MosaicBlockSparse(AbstractKernel):
 
     Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, D]`` in bfloat16 or
     float16, D in {64, 128}, ``Dv == D``, any lengths (padded to the tiles inside),
-    grouped-query heads. Declines bias, sinks, a soft cap, per-call positions and masks without
-    in-kernel terms, each with a reason. Its priority on a GPU (20) is below
-    `TritonBlockSparse`'s (30), so the selector picks it only where Triton declines; pass it
-    as ``kernel=`` to run it (docs/mosaic.md has the measurements behind that order).
+    grouped-query heads, `jax.vmap`. Declines bias, sinks, a soft cap, per-call positions and
+    masks without in-kernel terms, each with a reason; `TritonBlockSparse` then runs. Its
+    priority on a GPU (35) is above Triton's (30) and below cuDNN's (40) (docs/mosaic.md
+    has the measurements behind that order).
 
     ```python
     attn = BlockSparseAttention(mask=mask, kernel=kernels.MosaicBlockSparse())
@@ -116,11 +125,13 @@ class MosaicBlockSparse(AbstractKernel):
 
     @classmethod
     def priority(cls, platform):
-        # Below TritonBlockSparse (30): its forward is faster on long causal, window and
-        # document rows, but forward+backward is level with Triton's (+4 % causal and window,
-        # -2 % documents on the H200, docs/mosaic.md); short rows, D=64 and block tables are
-        # not measured.
-        return 20 if platform == "gpu" else None
+        # Above TritonBlockSparse (30), below cuDNN (40). On the H200 its forward beat
+        # Triton's in 9 of 10 measured cells (long and short rows, causal, window,
+        # documents, D = 64 and 128, grouped heads), and with the same (Triton) backward
+        # forward+backward was level or ahead in 8; documents at D = 64 and on short rows
+        # were a few per cent behind. cuDNN is faster forward+backward where it can express
+        # the mask (docs/mosaic.md).
+        return 35 if platform == "gpu" else None
 
     def decline_reason(self, mask: ResolvedMask, features: Features) -> str | None:
         missing = _mosaic_missing()
@@ -178,9 +189,12 @@ class MosaicBlockSparse(AbstractKernel):
                      terms=mask.terms)
         fcfg = ForwardConfig(**shape, block_kv=block_kv, stages=tiling.num_stages or 2,
                              layout_batch=fwd.full_count.shape[0],
-                             layout_heads=fwd.full_count.shape[1])
+                             layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors())
+        # The persistent forward's work items per CTA, built on the host.
+        schedule = persistent_schedule(fwd.full_count, fwd.partial_count, batch, heads,
+                                       fcfg.ctas or batch * heads * (lq // BLOCK_Q))
         lists = tuple(jnp.asarray(a, jnp.int32) for a in (
-            fwd.full_count, fwd.full_index, fwd.partial_count, fwd.partial_index))
+            fwd.full_count, fwd.full_index, fwd.partial_count, fwd.partial_index, *schedule))
         if self.backward == "mosaic" and ((dq.block_q, dq.block_kv), (dkdv.block_q, dkdv.block_kv)
                                           ) == backward_blocks(dim):
             bcfg = BackwardConfig(
@@ -220,8 +234,9 @@ def _pad(x, length: int, fill=0):
 
 def _forward(fcfg: ForwardConfig, q, k, v, seg, lists):
     q_len = q.shape[2]
+    *layout_lists, items, counts = lists
     out, lse = forward_call(fcfg, _pad(q, fcfg.q_len), _pad(k, fcfg.kv_len),
-                            _pad(v, fcfg.kv_len), *lists, *seg)
+                            _pad(v, fcfg.kv_len), *layout_lists, *seg, schedule=(items, counts))
     return out[:, :, :q_len], lse[:, :, :q_len]
 
 
