@@ -7,8 +7,11 @@ Mosaic GPU is imported inside the functions, so this module imports anywhere.
 """
 
 import dataclasses
+import heapq
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from eqx_bsattn.contract import MaskTerms
@@ -211,9 +214,6 @@ def persistent_schedule(full_count, partial_count, batch: int, heads: int, ctas:
     only on the device (a layout built per call), the items are dealt round-robin instead
     (`dealt`), heavy tiles first.
     """
-    import jax
-    import numpy as np
-
     tiles = full_count.shape[-1]
     grid = np.arange(batch * heads * tiles, dtype=np.int32).reshape(batch, heads, tiles)
     try:
@@ -227,8 +227,6 @@ def persistent_schedule(full_count, partial_count, batch: int, heads: int, ctas:
 def first_free(order, cost, ctas: int):
     """`persistent_schedule`'s lists when each item of `order` goes to the CTA whose items
     so far cost least (`cost` is indexed by item)."""
-    import heapq
-
     ctas = min(ctas, len(order))
     free_at = [(0.0, c) for c in range(ctas)]
     lists = [[] for _ in range(ctas)]
@@ -242,8 +240,6 @@ def first_free(order, cost, ctas: int):
 def dealt(order, ctas: int):
     """`persistent_schedule`'s lists when the items of `order` are dealt one per CTA per
     round, alternately forwards and backwards (balanced when `order` is heavy first)."""
-    import numpy as np
-
     ctas = min(ctas, len(order))
     rounds = -(-len(order) // ctas)
     table = np.full(rounds * ctas, -1, np.int64)
@@ -254,8 +250,6 @@ def dealt(order, ctas: int):
 
 
 def _padded(lists):
-    import numpy as np
-
     counts = np.array([len(x) for x in lists], np.int32)
     items = np.zeros((len(lists), counts.max()), np.int32)
     for c, x in enumerate(lists):
