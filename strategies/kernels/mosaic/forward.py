@@ -77,9 +77,9 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     # the exponent's operand.
     factor = cfg.log2_factor
 
-    def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref, pidx_ref, qseg_ref,
-               kseg_ref, out_ref, lse_ref, scoped):
-        (q_smem4, k_smem, v_smem, lse_smem4), (k_ready, v_ready, q_ready), \
+    def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref,
+               pidx_ref, qseg_ref, kseg_ref, out_ref, lse_ref, scoped):
+        (q_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), \
             (k_free, v_free), turn = scoped
         cta = lax.axis_index("ctas")
         count = counts_ref[cta]  # at least one
@@ -105,7 +105,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                 b, h, tile = decoded[:3]
                 buffer = lax.rem(j, 2)
                 plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(tile * BLOCK_Q + wg * bq, bq)],
-                                        q_smem4.at[buffer, wg],
+                                        q_buffers.at[buffer, wg],
                                         q_ready.at[buffer * COMPUTE_WARPGROUPS + wg])
 
             first_item = item(0)
@@ -118,7 +118,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                 b, h, tile, n_full, n_steps = decoded
                 prefix = layout_prefix(layout_axes, b, h, tile)
                 buffer = lax.rem(j, 2)
-                q_smem = q_smem4.at[buffer, wg]
+                q_smem = q_buffers.at[buffer, wg]
                 q_base = tile * BLOCK_Q + wg * bq
                 if has_segments:
                     q_seg = ops.load(qseg_ref, (b, pl.ds(q_base, bq)), row_layout)
@@ -226,7 +226,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                 acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
                 lse = jnp.where(empty, jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
                 q_smem[...] = acc.astype(dtype)
-                lse_smem = lse_smem4.at[buffer, wg]
+                lse_smem = lse_buffers.at[buffer, wg]
                 lse_smem[...] = lse
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, h, pl.ds(q_base, bq)])
