@@ -232,12 +232,14 @@ def test_xla_bfloat16_gradients_stay_near_the_reference(dim):
 
 
 @pytest.mark.slow
-def test_chunked_slots_match_one_chunk(monkeypatch):
-    """With a tiny slot budget every pass runs block by block, ragged chunks included; the
-    results equal the one-chunk run (per-block arithmetic is the same)."""
-    case = Case(mask=masks.Causal() & masks.SlidingWindow(20, 2), q_len=53, documents=2, pad=3,
-                bias="1hqk", tiling=bsa.Tiling(block_q=8, block_kv=8, block_q_bwd=16,
-                                               block_kv_bwd=8))
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_chunked_slots_match_one_chunk(monkeypatch, kv_heads):
+    """With a tiny slot budget every pass runs block by block, ragged chunks included, with
+    and without grouped query heads; the results equal the one-chunk run (per-block arithmetic
+    is the same)."""
+    case = Case(mask=masks.Causal() & masks.SlidingWindow(20, 2), kv_heads=kv_heads, q_len=53,
+                documents=2, pad=3, bias="1hqk",
+                tiling=bsa.Tiling(block_q=8, block_kv=8, block_q_bwd=16, block_kv_bwd=8))
     built = build(case, "float32")
     attn = _module(case, kernels.XlaBlockSparse())
     xla_kernel._attention_fn.cache_clear()
