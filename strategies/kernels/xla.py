@@ -347,6 +347,12 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
 
         return _slot_loop(trips, count, index, body, carry)
 
+    sinks_lse = None
+    if sinks is not None:
+        sinks_u = _per_head_to_units(sinks.astype(_F32), heads, group, arr.per_head)
+        sinks_u = sinks_u[None, :, :, None]  # [1, Hkv, U|1, 1, G|1, S]
+        sinks_lse = jax.nn.logsumexp(sinks_u, axis=-1)[..., None]
+
     def run_chunk(lists, rows, block_ids):
         (fc, fi, pc, pi), (q_c,) = lists, rows
         arr_c = _in_chunk(arr, block_ids)
@@ -355,18 +361,18 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
                  jnp.zeros(lead + (value_dim,), _F32))
         carry = typed_like(carry, q, k, v, bias, aux)
         carry = run_list(arr_c, q_c, cfg.fwd_trips[0], fc, fi, False, carry)
-        return run_list(arr_c, q_c, cfg.fwd_trips[1], pc, pi, True, carry)
+        m, l, acc = run_list(arr_c, q_c, cfg.fwd_trips[1], pc, pi, True, carry)
+        # Each chunk normalises its own rows: the output leaves the loop as a plain array, not
+        # an expression XLA would fuse into the backward's full-length reduction for delta.
+        seen = l > 0
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        if sinks_lse is not None:
+            lse = jnp.logaddexp(lse, sinks_lse)
+        out = acc * jnp.where(seen, jnp.exp(m - lse), 0.0)[..., None]
+        return out, jnp.where(seen, lse, jnp.inf)
 
     width = _chunk_width(arr.sizes, g * bq * bk)
-    m, l, acc = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), (q_r,), g * bq)
-    seen = l > 0
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    if sinks is not None:
-        sinks_u = _per_head_to_units(sinks.astype(_F32), heads, group, arr.per_head)
-        sinks_u = sinks_u[None, :, :, None]  # [1, Hkv, U|1, 1, G|1, S]
-        lse = jnp.logaddexp(lse, jax.nn.logsumexp(sinks_u, axis=-1)[..., None])
-    out = acc * jnp.where(seen, jnp.exp(m - lse), 0.0)[..., None]
-    lse = jnp.where(seen, lse, jnp.inf)
+    out, lse = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), (q_r,), g * bq)
     out = _units_to_rows(out, q_len, arr.per_head)
     return out, _units_to_rows(lse, q_len, arr.per_head)
 
