@@ -591,9 +591,9 @@ def _attention_fn(cfg: _Config, with_lse: bool = False):
         d_out, d_lse = cotangent if with_lse else (cotangent, None)
         # delta = rowsum(dO * O): the softmax Jacobian's diagonal correction, per row; the
         # log-sum-exp's own cotangent enters the same correction (d lse / d s = p).
-        # A contraction rather than sum(dO * O): on the CPU, XLA hands that reduction (with
-        # the forward's normalisation of O fused into it) to a fusion that allocates several
-        # full-size temporaries outside its buffer assignment (1.6 GB at L = 2^20).
+        # A contraction rather than sum(dO * O): on the CPU, XLA runs that reduction in a
+        # fusion that allocates full-length temporaries outside its buffer assignment (1.3 GB
+        # at L = 2^20).
         delta = jnp.einsum("bhqe,bhqe->bhq", d_out.astype(_F32), out.astype(_F32),
                            precision=jax.lax.Precision.HIGHEST)
         if d_lse is not None:
