@@ -252,6 +252,26 @@ def test_chunked_slots_match_one_chunk(monkeypatch, kv_heads):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_temporaries_hold_no_copy_of_an_input(monkeypatch):
+    """Forward+backward, L = 2^14 in small chunks: XLA's temporaries are the float32 output
+    (kept for delta, then dq's accumulator) and the chunks, about 1.3 arrays of q's size. Inputs
+    viewed in levels outside the loops were copied into them (5.3 arrays)."""
+    length, dim = 1 << 14, 64
+    monkeypatch.setattr(xla_kernel, "_SLOT_ELEMENTS", 1 << 16)
+    xla_kernel._attention_fn.cache_clear()
+    attn = bsa.BlockSparseAttention(mask=masks.Causal() & masks.SlidingWindow(256, 0),
+                                    kernel=kernels.XlaBlockSparse())
+
+    def grads(q, k, v, w):
+        return jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+
+    spec = jax.ShapeDtypeStruct((1, 1, length, dim), jnp.float32)
+    analysis = jax.jit(grads).lower(spec, spec, spec, spec).compile().memory_analysis()
+    xla_kernel._attention_fn.cache_clear()
+    array_bytes = length * dim * 4
+    assert analysis.temp_size_in_bytes <= 2 * array_bytes, analysis.temp_size_in_bytes / array_bytes
+
+
 # ---------------------------------------------------------------------------------------------
 # Determinism.
 
