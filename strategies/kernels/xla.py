@@ -356,7 +356,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
     def run_chunk(lists, rows, block_ids):
         (fc, fi, pc, pi), (q_c,) = lists, rows
         arr_c = _in_chunk(arr, block_ids)
-        lead = (batch, kv_heads, arr.sizes[2], block_ids.shape[0], g, bq)
+        lead = (batch, kv_heads, units, block_ids.shape[0], g, bq)
         carry = (jnp.full(lead, -jnp.inf, _F32), jnp.zeros(lead, _F32),
                  jnp.zeros(lead + (value_dim,), _F32))
         carry = typed_like(carry, q, k, v, bias, aux)
