@@ -232,12 +232,14 @@ def test_xla_bfloat16_gradients_stay_near_the_reference(dim):
 
 
 @pytest.mark.slow
-def test_chunked_slots_match_one_chunk(monkeypatch):
-    """With a tiny slot budget every pass runs block by block, ragged chunks included; the
-    results equal the one-chunk run (per-block arithmetic is the same)."""
-    case = Case(mask=masks.Causal() & masks.SlidingWindow(20, 2), q_len=53, documents=2, pad=3,
-                bias="1hqk", tiling=bsa.Tiling(block_q=8, block_kv=8, block_q_bwd=16,
-                                               block_kv_bwd=8))
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_chunked_slots_match_one_chunk(monkeypatch, kv_heads):
+    """With a tiny slot budget every pass runs block by block, ragged chunks included, with
+    and without grouped query heads; the results equal the one-chunk run (per-block arithmetic
+    is the same)."""
+    case = Case(mask=masks.Causal() & masks.SlidingWindow(20, 2), kv_heads=kv_heads, q_len=53,
+                documents=2, pad=3, bias="1hqk",
+                tiling=bsa.Tiling(block_q=8, block_kv=8, block_q_bwd=16, block_kv_bwd=8))
     built = build(case, "float32")
     attn = _module(case, kernels.XlaBlockSparse())
     xla_kernel._attention_fn.cache_clear()
@@ -248,6 +250,26 @@ def test_chunked_slots_match_one_chunk(monkeypatch):
     xla_kernel._attention_fn.cache_clear()
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_temporaries_hold_no_copy_of_an_input(monkeypatch):
+    """Forward+backward, L = 2^14 in small chunks: XLA's temporaries are the float32 output
+    (kept for delta, then dq's accumulator) and the chunks, about 1.3 arrays of q's size. Inputs
+    viewed in levels outside the loops were copied into them (5.3 arrays)."""
+    length, dim = 1 << 14, 64
+    monkeypatch.setattr(xla_kernel, "_SLOT_ELEMENTS", 1 << 16)
+    xla_kernel._attention_fn.cache_clear()
+    attn = bsa.BlockSparseAttention(mask=masks.Causal() & masks.SlidingWindow(256, 0),
+                                    kernel=kernels.XlaBlockSparse())
+
+    def grads(q, k, v, w):
+        return jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+
+    spec = jax.ShapeDtypeStruct((1, 1, length, dim), jnp.float32)
+    analysis = jax.jit(grads).lower(spec, spec, spec, spec).compile().memory_analysis()
+    xla_kernel._attention_fn.cache_clear()
+    array_bytes = length * dim * 4
+    assert analysis.temp_size_in_bytes <= 2 * array_bytes, analysis.temp_size_in_bytes / array_bytes
 
 
 # ---------------------------------------------------------------------------------------------

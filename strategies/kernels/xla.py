@@ -79,29 +79,47 @@ def _map_levels(fn, sizes: tuple[int, ...], *args):
     return jax.vmap(inner, in_axes=axes)(*args)
 
 
-def _rows_to_units(x, block: int, group: int, per_head: bool, value=0):
-    """``[B, H, L, *e]`` -> ``[B, Hkv, U, n, G, block, *e]`` (q-side arrays: q, dO, lse, delta)."""
+# The large inputs reach the loops *in rows*, ``[B, A, R, *e]`` with the rows of each block
+# together on axis 2 and no axis of size 1 added, and each loop body views them in levels with a
+# reshape. Viewed before the loop, an input would enter it with axes of size 1 between larger
+# ones: XLA's CPU layout assignment gives such a view a permuted layout and copies the whole
+# array into the loop in the standard one (256 MB for each of q and dO at L = 2^20).
+
+
+def _q_rows(x, block: int, group: int, per_head: bool, value=0):
+    """q-side arrays (q, dO, lse, delta) ``[B, H, L, *e]`` in rows, padded to whole blocks with
+    `value`: ``[B, H, n * block, *e]``, or ``[B, Hkv, n * G * block, *e]`` (the G query heads
+    of a block together) when the heads of a kv head share one list."""
     b, h, length = x.shape[:3]
     n = math.ceil(length / block)
     x = pad_axis(x, 2, n * block, value)
+    if per_head or group == 1:
+        return x
     x = x.reshape(b, h // group, group, n, block, *x.shape[3:])
-    if per_head:
-        return x[:, :, :, :, None]
-    return jnp.moveaxis(x, 2, 3)[:, :, None]
+    return jnp.moveaxis(x, 2, 3).reshape(b, h // group, n * group * block, *x.shape[5:])
+
+
+def _q_units(x, kv_heads: int, units: int, group: int, block: int):
+    """`_q_rows` arrays -> ``[B, Hkv, U, n, G, block, *e]`` (a reshape)."""
+    return x.reshape(x.shape[0], kv_heads, units, -1, group, block, *x.shape[3:])
 
 
 def _units_to_rows(x, length: int, per_head: bool):
-    """Inverse of `_rows_to_units`: ``[B, Hkv, U, n, G, block, *e]`` -> ``[B, H, L, *e]``."""
+    """Results in levels ``[B, Hkv, U, n, G, block, *e]`` -> ``[B, H, L, *e]`` (the inverse of
+    `_q_rows` and `_q_units`)."""
     x = x[:, :, :, :, 0] if per_head else jnp.moveaxis(x[:, :, 0], 3, 2)
     b, hkv, group, n, block = x.shape[:5]
     return x.reshape(b, hkv * group, n * block, *x.shape[5:])[:, :, :length]
 
 
-def _kv_blocks(x, block: int):
-    """``[B, Hkv, L, e]`` -> ``[B, Hkv, nk, block, e]``, zero-padded."""
-    b, hkv, length, e = x.shape
-    n = math.ceil(length / block)
-    return pad_axis(x, 2, n * block).reshape(b, hkv, n, block, e)
+def _kv_rows(x, block: int):
+    """``[B, Hkv, L, e]`` zero-padded to whole blocks (in rows, see `_q_rows`)."""
+    return pad_axis(x, 2, math.ceil(x.shape[2] / block) * block)
+
+
+def _kv_units(x, block: int):
+    """`_kv_rows` arrays -> ``[B, Hkv, nk, block, e]`` (a reshape)."""
+    return x.reshape(*x.shape[:2], -1, block, x.shape[3])
 
 
 def _lists_to_units(x, group: int, per_head: bool):
@@ -239,22 +257,29 @@ def _chunk_width(sizes: tuple[int, ...], block_elements: int) -> int:
     return max(1, _SLOT_ELEMENTS // per_block)
 
 
-def _by_chunks(run, n: int, width: int, blocked):
-    """``run(blocked, block_ids)`` on chunks of at most `width` blocks of axis 3 (the block
-    level) of every array in `blocked`, one chunk after another; outputs are joined along axis
-    3. Each chunk is sliced out of the inputs and written into the outputs in place, so no
-    input is copied (unless padded to whole chunks: padding blocks are computed and dropped)."""
+def _by_chunks(run, n: int, width: int, lists, rows, block_rows: int):
+    """``run(lists, rows, block_ids)`` on chunks of at most `width` of the `n` blocks, one
+    chunk after another; outputs (in levels) are joined along axis 3, the block level.
+
+    `lists` are arrays in levels, sliced along axis 3; `rows` are arrays in rows (`_q_rows`,
+    `_kv_rows`) with `block_rows` rows per block, sliced along axis 2. Each chunk is sliced out
+    of the inputs and written into the outputs in place, so no input is copied (unless padded
+    to whole chunks: padding blocks are computed and dropped)."""
     chunks = math.ceil(n / width)
     if chunks <= 1:
-        return run(blocked, jnp.arange(n, dtype=jnp.int32))
+        return run(lists, rows, jnp.arange(n, dtype=jnp.int32))
     width = math.ceil(n / chunks)
     total = chunks * width
-    blocked = jax.tree.map(lambda x: pad_axis(x, 3, total), blocked)
+    lists = jax.tree.map(lambda x: pad_axis(x, 3, total), lists)
+    rows = jax.tree.map(lambda x: pad_axis(x, 2, total * block_rows), rows)
 
     def one_chunk(c):
-        part = jax.tree.map(
-            lambda x: jax.lax.dynamic_slice_in_dim(x, c * width, width, axis=3), blocked)
-        return run(part, c * width + jnp.arange(width, dtype=jnp.int32))
+        def part(axis, size):
+            return lambda x: jax.lax.dynamic_slice_in_dim(x, c * size, size, axis=axis)
+
+        return run(jax.tree.map(part(3, width), lists),
+                   jax.tree.map(part(2, width * block_rows), rows),
+                   c * width + jnp.arange(width, dtype=jnp.int32))
 
     def step(c, out):
         return jax.tree.map(
@@ -291,11 +316,11 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
     fc, fi, pc, pi = (_lists_to_units(getattr(layout, name), group, per_head) for name in _FWD_LISTS)
     nq = fc.shape[3]
     arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq)
-    q_u = _rows_to_units(q, bq, group, arr.per_head)
-    k_b = _kv_blocks(k, bk)[:, :, None, None]
-    v_b = _kv_blocks(v, bk)[:, :, None, None]
+    units, g = arr.sizes[2], (1 if per_head else group)
+    q_r = _q_rows(q, bq, group, per_head)
+    k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
 
-    def run_list(arr, q_u, trips, count, index, masked, carry):
+    def run_list(arr, q_r, trips, count, index, masked, carry):
         def body(t, j, live, carry):
             def unit(carry, j, live, q_blk, k_blocks, v_blocks, bias_u, head, i, qp, kp, qs, ks):
                 m, l, acc = carry
@@ -313,6 +338,8 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
                                 preferred_element_type=_F32)
                 return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
+            q_u = _q_units(q_r, kv_heads, units, g, bq)
+            k_b, v_b = (_kv_units(x, bk)[:, :, None, None] for x in (k_r, v_r))
             return _map_levels(
                 unit, arr.sizes, carry, j, live, q_u, k_b, v_b, arr.bias,
                 arr.heads, arr.blocks, *arr.data,
@@ -320,28 +347,32 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
 
         return _slot_loop(trips, count, index, body, carry)
 
-    g = q_u.shape[4]
+    sinks_lse = None
+    if sinks is not None:
+        sinks_u = _per_head_to_units(sinks.astype(_F32), heads, group, arr.per_head)
+        sinks_u = sinks_u[None, :, :, None]  # [1, Hkv, U|1, 1, G|1, S]
+        sinks_lse = jax.nn.logsumexp(sinks_u, axis=-1)[..., None]
 
-    def run_chunk(blocked, block_ids):
-        q_c, fc, fi, pc, pi = blocked
+    def run_chunk(lists, rows, block_ids):
+        (fc, fi, pc, pi), (q_c,) = lists, rows
         arr_c = _in_chunk(arr, block_ids)
-        lead = (batch, kv_heads, arr.sizes[2], block_ids.shape[0], g, bq)
+        lead = (batch, kv_heads, units, block_ids.shape[0], g, bq)
         carry = (jnp.full(lead, -jnp.inf, _F32), jnp.zeros(lead, _F32),
                  jnp.zeros(lead + (value_dim,), _F32))
         carry = typed_like(carry, q, k, v, bias, aux)
         carry = run_list(arr_c, q_c, cfg.fwd_trips[0], fc, fi, False, carry)
-        return run_list(arr_c, q_c, cfg.fwd_trips[1], pc, pi, True, carry)
+        m, l, acc = run_list(arr_c, q_c, cfg.fwd_trips[1], pc, pi, True, carry)
+        # Each chunk normalises its own rows: the output leaves the loop as a plain array, not
+        # an expression XLA would fuse into the backward's full-length reduction for delta.
+        seen = l > 0
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        if sinks_lse is not None:
+            lse = jnp.logaddexp(lse, sinks_lse)
+        out = acc * jnp.where(seen, jnp.exp(m - lse), 0.0)[..., None]
+        return out, jnp.where(seen, lse, jnp.inf)
 
     width = _chunk_width(arr.sizes, g * bq * bk)
-    m, l, acc = _by_chunks(run_chunk, nq, width, (q_u, fc, fi, pc, pi))
-    seen = l > 0
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    if sinks is not None:
-        sinks_u = _per_head_to_units(sinks.astype(_F32), heads, group, arr.per_head)
-        sinks_u = sinks_u[None, :, :, None]  # [1, Hkv, U|1, 1, G|1, S]
-        lse = jnp.logaddexp(lse, jax.nn.logsumexp(sinks_u, axis=-1)[..., None])
-    out = acc * jnp.where(seen, jnp.exp(m - lse), 0.0)[..., None]
-    lse = jnp.where(seen, lse, jnp.inf)
+    out, lse = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), (q_r,), g * bq)
     out = _units_to_rows(out, q_len, arr.per_head)
     return out, _units_to_rows(lse, q_len, arr.per_head)
 
@@ -359,13 +390,13 @@ def _ds(p, dp, delta, t):
     return ds
 
 
-def _q_side_units(q, d_out, lse, delta, block: int, group: int, per_head: bool):
-    """The backward's q-side arrays in units; padded rows get ``lse = inf`` (so ``p = 0``)."""
+def _q_side_rows(q, d_out, lse, delta, block: int, group: int, per_head: bool):
+    """The backward's q-side arrays in rows; padded rows get ``lse = inf`` (so ``p = 0``)."""
     return (
-        _rows_to_units(q, block, group, per_head),
-        _rows_to_units(d_out, block, group, per_head),
-        _rows_to_units(lse, block, group, per_head, value=jnp.inf),
-        _rows_to_units(delta, block, group, per_head),
+        _q_rows(q, block, group, per_head),
+        _q_rows(d_out, block, group, per_head),
+        _q_rows(lse, block, group, per_head, value=jnp.inf),
+        _q_rows(delta, block, group, per_head),
     )
 
 
@@ -383,11 +414,11 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     nk = layout.num_kv_blocks
     cf, cp = fi.shape[-1], pi.shape[-1]
     arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq)
-    q_u, do_u, lse_u, delta_u = _q_side_units(q, d_out, lse, delta, bq, group, per_head)
-    k_b = _kv_blocks(k, bk)[:, :, None, None]
-    v_b = _kv_blocks(v, bk)[:, :, None, None]
+    units, g = arr.sizes[2], (1 if per_head else group)
+    q_side = _q_side_rows(q, d_out, lse, delta, bq, group, per_head)
+    k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
 
-    def run_list(arr, q_u, do_u, lse_u, delta_u, trips, count, index, masked, offset, carry):
+    def run_list(arr, q_side, trips, count, index, masked, offset, carry):
         def body(t, j, live, carry):
             dq, ds_buf = carry
 
@@ -405,6 +436,8 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
                                      preferred_element_type=_F32)
                 return dq, (ds if ds_buf is not None else None)
 
+            q_u, do_u, lse_u, delta_u = (_q_units(x, kv_heads, units, g, bq) for x in q_side)
+            k_b, v_b = (_kv_units(x, bk)[:, :, None, None] for x in (k_r, v_r))
             dq, ds = _map_levels(
                 unit, arr.sizes, dq, j, live, q_u, do_u, lse_u, delta_u, k_b, v_b, arr.bias,
                 arr.heads, arr.blocks, *arr.data,
@@ -415,13 +448,11 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 
         return _slot_loop(trips, count, index, body, carry)
 
-    g = q_u.shape[4]
-
-    def run_chunk(blocked, block_ids):
-        q_c, do_c, lse_c, delta_c, fc, fi, pc, pi = blocked
+    def run_chunk(lists, q_side, block_ids):
+        fc, fi, pc, pi = lists
         arr_c = _in_chunk(arr, block_ids)
-        sides = (arr_c, q_c, do_c, lse_c, delta_c)
-        lead = (batch, kv_heads, arr.sizes[2], block_ids.shape[0], g, bq)
+        sides = (arr_c, q_side)
+        lead = (batch, kv_heads, units, block_ids.shape[0], g, bq)
         ds_buf = None
         if bias is not None:
             ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32)
@@ -433,8 +464,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
         return dq, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1))
 
     width = _chunk_width(arr.sizes, g * bq * bk)
-    dq, ds_buf = _by_chunks(run_chunk, nq, width,
-                            (q_u, do_u, lse_u, delta_u, fc, fi, pc, pi))
+    dq, ds_buf = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), q_side, g * bq)
     if ds_buf is not None:
         ds_buf = jnp.moveaxis(ds_buf, -1, 0)
     dq = _units_to_rows(dq * cfg.scale, q_len, per_head)
@@ -473,14 +503,10 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     fc, fi, pc, pi = (_lists_to_units(getattr(layout, name), group, per_head) for name in _T_LISTS)
     nk = fc.shape[3]
     arr = _arrange(aux, per_head, bias, q, k, bq, bk, nk)
-    # Every q-side array is shared by all kv-blocks of a unit: a size-1 level, never copied.
-    q_u, do_u, lse_u, delta_u = (
-        x[:, :, :, None] for x in _q_side_units(q, d_out, lse, delta, bq, group, per_head)
-    )
-    k_b = _kv_blocks(k, bk)[:, :, None]
-    v_b = _kv_blocks(v, bk)[:, :, None]
+    units, g = arr.sizes[2], (1 if per_head else group)
+    q_side = _q_side_rows(q, d_out, lse, delta, bq, group, per_head)
 
-    def run_list(arr, k_b, v_b, trips, count, index, masked, carry):
+    def run_list(arr, k_c, v_c, trips, count, index, masked, carry):
         def body(t, i, live, carry):
             def unit(carry, i, live, k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_u,
                      head, j, qp, kp, qs, ks):
@@ -498,6 +524,10 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
                                      preferred_element_type=_F32)
                 return dk, dv
 
+            # Every q-side array is shared by all kv-blocks of a unit: a size-1 level.
+            q_u, do_u, lse_u, delta_u = (
+                _q_units(x, kv_heads, units, g, bq)[:, :, :, None] for x in q_side)
+            k_b, v_b = (_kv_units(x, bk)[:, :, None] for x in (k_c, v_c))
             return _map_levels(
                 unit, arr.sizes, carry, i, live, k_b, v_b, q_u, do_u, lse_u, delta_u, arr.bias,
                 arr.heads, arr.blocks, *arr.data,
@@ -505,18 +535,18 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 
         return _slot_loop(trips, count, index, body, carry)
 
-    def run_chunk(blocked, block_ids):
-        k_c, v_c, fc, fi, pc, pi = blocked
+    def run_chunk(lists, rows, block_ids):
+        (fc, fi, pc, pi), (k_c, v_c) = lists, rows
         arr_c = _in_chunk(arr, block_ids)
-        lead = (batch, kv_heads, arr.sizes[2], block_ids.shape[0], bk)
+        lead = (batch, kv_heads, units, block_ids.shape[0], bk)
         carry = (jnp.zeros(lead + (k.shape[-1],), _F32), jnp.zeros(lead + (v.shape[-1],), _F32))
         carry = typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
         carry = run_list(arr_c, k_c, v_c, cfg.dkv_trips[0], fc, fi, False, carry)
         return run_list(arr_c, k_c, v_c, cfg.dkv_trips[1], pc, pi, True, carry)
 
-    group_rows = q_u.shape[5] * bq  # G query heads of bq rows each
-    width = _chunk_width(arr.sizes, group_rows * bk)
-    dk, dv = _by_chunks(run_chunk, nk, width, (k_b, v_b, fc, fi, pc, pi))
+    width = _chunk_width(arr.sizes, g * bq * bk)  # G query heads of bq rows each
+    k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
+    dk, dv = _by_chunks(run_chunk, nk, width, (fc, fi, pc, pi), (k_r, v_r), bk)
     # Sum the units (query heads with their own masks) of each kv head.
     dk = (dk.sum(axis=2) * cfg.scale).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
     dv = dv.sum(axis=2).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
@@ -561,7 +591,11 @@ def _attention_fn(cfg: _Config, with_lse: bool = False):
         d_out, d_lse = cotangent if with_lse else (cotangent, None)
         # delta = rowsum(dO * O): the softmax Jacobian's diagonal correction, per row; the
         # log-sum-exp's own cotangent enters the same correction (d lse / d s = p).
-        delta = jnp.sum(d_out.astype(_F32) * out.astype(_F32), axis=-1)
+        # A contraction rather than sum(dO * O): on the CPU, XLA runs that reduction in a
+        # fusion that allocates full-length temporaries outside its buffer assignment (1.3 GB
+        # at L = 2^20).
+        delta = jnp.einsum("bhqe,bhqe->bhq", d_out.astype(_F32), out.astype(_F32),
+                           precision=jax.lax.Precision.HIGHEST)
         if d_lse is not None:
             # Rows that see no key have p = 0 everywhere: their cotangent goes nowhere.
             delta = delta - jnp.where(lse == jnp.inf, 0.0, d_lse.astype(_F32))
