@@ -202,10 +202,12 @@ def memory_warpgroup(num_items, walk, streams, stages: int):
                 lambda free=free, step=step: plgpu.barrier_wait(free.at[lax.rem(step, stages)]))
 
 
-def persistent_schedule(full_count, partial_count, batch: int, heads: int, ctas: int):
+def persistent_schedule(full_count, partial_count, batch: int, heads: int,
+                        ctas: int | None):
     """``(items [ctas, n] int32, counts [ctas] int32)``: the work items CTA ``c`` of a
     persistent launch runs, in order, ``items[c, :counts[c]]``; an item is ``(b * heads + h)
-    * tiles + tile``. Built on the host, so the launch needs no extra device work.
+    * tiles + tile``; ``ctas=None`` gives one CTA per item. Built on the host, so the launch
+    needs no extra device work.
 
     The items are taken batch row by batch row, heavy (last) tiles first, the heads of a
     tile together (so that the tiles in flight share their K / V in L2), and each goes to
@@ -216,6 +218,7 @@ def persistent_schedule(full_count, partial_count, batch: int, heads: int, ctas:
     """
     tiles = full_count.shape[-1]
     grid = np.arange(batch * heads * tiles, dtype=np.int32).reshape(batch, heads, tiles)
+    ctas = ctas or grid.size
     try:
         cost = np.asarray(full_count) + 1.5 * np.asarray(partial_count) + 1.0
     except jax.errors.TracerArrayConversionError:  # a layout built per call

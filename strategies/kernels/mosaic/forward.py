@@ -68,7 +68,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     num_q_tiles = cfg.q_len // BLOCK_Q
     if schedule is None:
         schedule = persistent_schedule(full_count, partial_count, cfg.batch, cfg.heads,
-                                       cfg.ctas or cfg.batch * cfg.heads * num_q_tiles)
+                                       cfg.ctas)
     items, counts = schedule
     cp = partial_index.shape[-1]
     has_segments = q_segment_ids is not None

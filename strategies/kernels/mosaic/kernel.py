@@ -28,27 +28,31 @@ _HEAD_DIMS = (64, 128)
 
 
 @functools.cache
+def _first_gpu():
+    """The first GPU JAX sees, or ``None``."""
+    return next((d for d in jax.devices() if d.platform == "gpu"), None)
+
+
+@functools.cache
 def _mosaic_missing() -> str | None:
     """Why Pallas Mosaic GPU cannot run here, or ``None``."""
     try:
         import jax.experimental.pallas.mosaic_gpu  # noqa: F401
     except Exception as e:  # ImportError, or a jaxlib built without it
         return f"Pallas Mosaic GPU cannot be imported ({type(e).__name__}: {e})."
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if not gpus:
+    gpu = _first_gpu()
+    if gpu is None:
         return "no GPU is visible to JAX."
-    capability = getattr(gpus[0], "compute_capability", None)
+    capability = getattr(gpu, "compute_capability", None)
     if capability is not None and str(capability) not in ("9.0",):
         return f"needs a Hopper GPU (compute capability 9.0); found {capability}."
     return None
 
 
-@functools.cache
 def _multiprocessors() -> int | None:
     """Streaming multiprocessors of the first GPU (the persistent forward runs one CTA on
     each), or ``None`` where JAX does not say."""
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    return getattr(gpus[0], "core_count", None) if gpus else None
+    return getattr(_first_gpu(), "core_count", None)
 
 
 def _with_forward_blocks(tiling: Tiling, features: Features, mosaic_backward: bool) -> Tiling:
@@ -192,7 +196,7 @@ class MosaicBlockSparse(AbstractKernel):
                              layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors())
         # The persistent forward's work items per CTA, built on the host.
         schedule = persistent_schedule(fwd.full_count, fwd.partial_count, batch, heads,
-                                       fcfg.ctas or batch * heads * (lq // BLOCK_Q))
+                                       fcfg.ctas)
         lists = tuple(jnp.asarray(a, jnp.int32) for a in (
             fwd.full_count, fwd.full_index, fwd.partial_count, fwd.partial_index, *schedule))
         if self.backward == "mosaic" and ((dq.block_q, dq.block_kv), (dkdv.block_q, dkdv.block_kv)
