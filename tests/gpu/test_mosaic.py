@@ -328,7 +328,9 @@ def test_backward_in_cpu_interpreter(case):
                          true_kv_len=lk, head_dim=d, block_kv=128, stages=2,
                          softmax_scale=d ** -0.5, terms=terms,
                          layout_batch=fwd.full_count.shape[0],
-                         layout_heads=fwd.full_count.shape[1])
+                         layout_heads=fwd.full_count.shape[1],
+                         # Persistent on 2 CTAs: items follow one another, some empty.
+                         ctas=2)
     bcfg = BackwardConfig(batch=1, heads=heads, kv_heads=kv_heads, q_len=plq, kv_len=plk,
                           true_kv_len=lk, head_dim=d, dq_block_kv=dq_tile[1],
                           dkv_block_q=dkv_tile[0], softmax_scale=d ** -0.5, terms=terms,

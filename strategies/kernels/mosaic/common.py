@@ -188,8 +188,10 @@ def memory_warpgroup(num_items, walk, streams, stages: int):
             step = first_step + it
             slot = lax.rem(step, stages)
             for ref, ring, ready, free in streams:
-                pl.when(step >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
-                plgpu.copy_gmem_to_smem(tile_of(ref, it), ring.at[slot], ready.at[slot])
+                with jax.named_scope("wait_free"):
+                    pl.when(step >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                with jax.named_scope("copy"):
+                    plgpu.copy_gmem_to_smem(tile_of(ref, it), ring.at[slot], ready.at[slot])
 
         return first_step + n_steps
 

@@ -11,8 +11,13 @@ The work items are (batch row, head, q-tile of 128 rows). One CTA per SM runs th
 - two compute warpgroups each own 64 of the item's query rows: S = Q K^T with wgmma, an online
   softmax in base 2, O += P V with wgmma (P from registers). A shared barrier staggers them, so
   one warpgroup's softmax overlaps the other's matrix products. Q has two buffers: the next
-  item's rows are copied in during this item's epilogue, and the output leaves through the
+  item's rows are copied in from the start of this item, and the output leaves through the
   buffer of the item it belongs to.
+
+A partial block's first key and key segment ids are read before its products are issued, so
+their latency is hidden. The phases of both kinds of warpgroup are named scopes, so Mosaic
+GPU's on-device profiler (``CompilerParams(profile_space=..., profile_dir=...)``) times each
+of them per warpgroup.
 
 FULL blocks skip every mask; partial blocks evaluate the compiled mask's canonical terms
 (`MaskTerms`) on token indices, and segment ids when the mask has them. Rows that see no key
@@ -86,11 +91,15 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         wg = lax.axis_index("wg")
         layout_axes = (cfg.layout_batch, cfg.layout_heads)
 
-        def item(j):
-            """``(b, h, tile, n_full, n_steps)`` of the CTA's item j."""
-            b, h, tile = decode_item(items_ref[cta, j], num_q_tiles, cfg.heads)
+        def decoded(raw):
+            """``(b, h, tile, n_full, n_steps)`` of the work item numbered `raw`."""
+            b, h, tile = decode_item(raw, num_q_tiles, cfg.heads)
             _, n_full, n_steps = list_bounds(layout_axes, b, h, tile, fcnt_ref, pcnt_ref)
             return b, h, tile, n_full, n_steps
+
+        def raw_item(j):
+            """The number of the CTA's item j (its last item past the end)."""
+            return items_ref[cta, jnp.minimum(j, count - 1)]
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -108,22 +117,33 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                                         q_buffers.at[buffer, wg],
                                         q_ready.at[buffer * COMPUTE_WARPGROUPS + wg])
 
-            first_item = item(0)
+            first_item = decoded(raw_item(0))
             load_q(0, first_item)
 
             def run_item(j, carry):
-                first_step, decoded = carry
-                # Read the next item's entry now; it is used at the end of this one.
-                upcoming = item(jnp.minimum(j + 1, count - 1))
-                b, h, tile, n_full, n_steps = decoded
-                prefix = layout_prefix(layout_axes, b, h, tile)
-                buffer = lax.rem(j, 2)
-                q_smem = q_buffers.at[buffer, wg]
-                q_base = tile * BLOCK_Q + wg * bq
-                if has_segments:
-                    q_seg = ops.load(qseg_ref, (b, pl.ds(q_base, bq)), row_layout)
-                    q_seg = lax.broadcast_in_dim(q_seg, (bq, bk), [0])
-                plgpu.barrier_wait(q_ready.at[buffer * COMPUTE_WARPGROUPS + wg])
+                first_step, this_item, next_raw = carry
+                with jax.named_scope("entry"):
+                    # Item j + 1's number was read during item j - 1, and its list bounds
+                    # are read now; they are used at the end of this item. Item j + 2's
+                    # number is read for the next one.
+                    upcoming = decoded(next_raw)
+                    after_next_raw = raw_item(j + 2)
+                    b, h, tile, n_full, n_steps = this_item
+                    prefix = layout_prefix(layout_axes, b, h, tile)
+                    buffer = lax.rem(j, 2)
+                    q_smem = q_buffers.at[buffer, wg]
+                    q_base = tile * BLOCK_Q + wg * bq
+                    if has_segments:
+                        q_seg = ops.load(qseg_ref, (b, pl.ds(q_base, bq)), row_layout)
+                with jax.named_scope("wait_q"):
+                    plgpu.barrier_wait(q_ready.at[buffer * COMPUTE_WARPGROUPS + wg])
+                # The next item's Q is copied while this one runs, into the other buffer
+                # once the output of item j - 1 has been read out of it.
+                with jax.named_scope("load_next_q"):
+                    @pl.when(j + 1 < count)
+                    def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        load_q(j + 1, upcoming)
 
                 m_i = cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
                 l_i = cast(jnp.zeros((bq,), jnp.float32), row_layout)
@@ -140,35 +160,27 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     def _():
                         plgpu.barrier_wait(k_ready.at[lax.rem(first_step + it + 1, stages)])
 
-                def step(it, carry, masked):
-                    acc, m_i, l_i = carry
-                    slot = lax.rem(first_step + it, stages)
+                def partial_block(it):
+                    """``(first key, key segment ids or None)`` of partial step `it`, read
+                    before the step's products so that the loads' latency is hidden."""
+                    k_base = pidx_ref[(*prefix, jnp.minimum(it - n_full, cp - 1))] * bk
+                    if not has_segments:
+                        return k_base, None
+                    return k_base, ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
 
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem,
-                                    plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                        take_turn()
-                        return acc_ref[...]
-
-                    if interpret is None:
-                        s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                    else:
-                        # The CPU interpreter has no transposed refs: a plain product there.
-                        s = jnp.dot(q_smem[...], k_smem[slot].T,
-                                    preferred_element_type=jnp.float32)
-                        take_turn()
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    if masked:
-                        block = pidx_ref[(*prefix, jnp.minimum(it - n_full, cp - 1))]
-                        k_base = block * bk
+                def online_softmax(s, acc, m_i, l_i, partial):
+                    """``(acc, m, l, p)`` after one block's raw products `s`: the block's
+                    mask (`partial_block`'s, or None for a full block), base-2 exponentials
+                    and the rescaled sums."""
+                    if partial is not None:
+                        k_base, k_seg = partial
                         rows = q_base + ops.iota((bq, bk), 0)
                         cols = k_base + ops.iota((bq, bk), 1)
-                        k_seg = None
+                        segs = (None, None)
                         if has_segments:
-                            k_seg = ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
-                            k_seg = lax.broadcast_in_dim(k_seg, (bq, bk), [1])
-                        vis = visible(cfg.terms, cfg.true_kv_len, rows, cols,
-                                      q_seg if has_segments else None, k_seg)
+                            segs = (lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
+                                    lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
+                        vis = visible(cfg.terms, cfg.true_kv_len, rows, cols, *segs)
                         s = jnp.where(vis, s * factor, -jnp.inf)
                         m_new = jnp.maximum(m_i, s.max(axis=1))
                         # A row with nothing visible yet keeps m = -inf: subtract 0 instead,
@@ -190,21 +202,47 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     p16 = p.astype(dtype)
                     # Finish the row sums before the barriers (measured faster in JAX's own
                     # Mosaic GPU attention for D <= 128).
-                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                    plgpu.barrier_arrive(turn)
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_wait(turn)
+                    return lax.optimization_barrier((acc, m_new, l_i, p16))
+
+                def step(it, carry, masked):
+                    acc, m_i, l_i = carry
+                    slot = lax.rem(first_step + it, stages)
+                    partial = partial_block(it) if masked else None
+
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem,
+                                    plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        with jax.named_scope("turn_qk"):
+                            take_turn()
+                        with jax.named_scope("wait_qk"):
+                            return acc_ref[...]
+
+                    if interpret is None:
+                        s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                    else:
+                        # The CPU interpreter has no transposed refs: a plain product there.
+                        s = jnp.dot(q_smem[...], k_smem[slot].T,
+                                    preferred_element_type=jnp.float32)
+                        take_turn()
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    with jax.named_scope("softmax_partial" if masked else "softmax_full"):
+                        acc, m_new, l_i, p16 = online_softmax(s, acc, m_i, l_i, partial)
+                    with jax.named_scope("turn_pv"):
+                        plgpu.barrier_arrive(turn)
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        plgpu.barrier_wait(turn)
 
                     def pv(acc_ref):
                         plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
                         wait_next_k(it)
 
-                    if interpret is None:
-                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                    else:
-                        acc = acc + jnp.dot(p16, v_smem[slot],
-                                            preferred_element_type=jnp.float32)
-                        wait_next_k(it)
+                    with jax.named_scope("pv"):
+                        if interpret is None:
+                            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                        else:
+                            acc = acc + jnp.dot(p16, v_smem[slot],
+                                                preferred_element_type=jnp.float32)
+                            wait_next_k(it)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
@@ -212,32 +250,27 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                 carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), carry)
                 acc, m_i, l_i = lax.fori_loop(n_full, n_steps, lambda i, c: step(i, c, True),
                                               carry)
-                pl.when(wg == 0)(take_turn)
+                with jax.named_scope("turn_end"):
+                    pl.when(wg == 0)(take_turn)
 
-                # The next item's Q goes into the other buffer, whose output (item j - 1)
-                # has long been copied out: the copy overlaps this epilogue.
-                @pl.when(j + 1 < count)
-                def _():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    load_q(j + 1, upcoming)
+                with jax.named_scope("epilogue"):
+                    empty = l_i == 0.0
+                    inv = 1.0 / jnp.where(empty, 1.0, l_i)
+                    acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+                    lse = jnp.where(empty, jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
+                    q_smem[...] = acc.astype(dtype)
+                    lse_smem = lse_buffers.at[buffer, wg]
+                    lse_smem[...] = lse
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, h, pl.ds(q_base, bq)])
+                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, bq)])
+                return first_step + n_steps, upcoming, after_next_raw
 
-                empty = l_i == 0.0
-                inv = 1.0 / jnp.where(empty, 1.0, l_i)
-                acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-                lse = jnp.where(empty, jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
-                q_smem[...] = acc.astype(dtype)
-                lse_smem = lse_buffers.at[buffer, wg]
-                lse_smem[...] = lse
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, h, pl.ds(q_base, bq)])
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, bq)])
-                return first_step + n_steps, upcoming
-
-            lax.fori_loop(0, count, run_item, (jnp.int32(0), first_item))
+            lax.fori_loop(0, count, run_item, (jnp.int32(0), first_item, raw_item(1)))
             plgpu.wait_smem_to_gmem(0)
 
         def walk(j):
-            b, h, tile, n_full, n_steps = item(j)
+            b, h, tile, n_full, n_steps = decoded(raw_item(j))
             prefix = layout_prefix(layout_axes, b, h, tile)
 
             def tile_of(ref, it):
