@@ -104,7 +104,7 @@ class Ops:
             return ref[idx]
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
-        return plgpu.load(ref, idx, layout=layout, optimized=False)
+        return plgpu.load(ref.at[idx], (), layout=layout, optimized=False)
 
     def products(self, shape, pairs):
         """Fresh float32 products ``a @ b`` (``a @ b.T`` where the pair says so), each of
@@ -118,7 +118,7 @@ class Ops:
 
         def issue(*accs):
             for acc, (a, b, t) in zip(accs, pairs):
-                plgpu.wgmma(acc, a, plgpu.transpose_ref(b, (1, 0)) if t else b)
+                plgpu.wgmma(acc, a, b.transpose((1, 0)) if t else b)
             return tuple(acc[...] for acc in accs)
 
         return pl.run_scoped(issue, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))

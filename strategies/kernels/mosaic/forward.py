@@ -210,8 +210,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     partial = partial_block(it) if masked else None
 
                     def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem,
-                                    plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                         with jax.named_scope("turn_qk"):
                             take_turn()
                         with jax.named_scope("wait_qk"):
