@@ -134,8 +134,8 @@ def profile(name: str, space: int, out: str, reps: int) -> dict:
         print(f"\n| {role} phase | share | count | mean cycles |\n| --- | --- | --- | --- |")
         for phase, cycles in table["totals"][role].most_common():
             count = table["counts"][role][phase]
-            print(f"| {phase} | {100 * cycles / table['spans'][role]:.1f} % | {count} | "
-                  f"{cycles / max(count, 1):.0f} |")
+            mean = f"{cycles / count:.0f}" if count else "-"
+            print(f"| {phase} | {100 * cycles / table['spans'][role]:.1f} % | {count} | {mean} |")
     return {"case": name, "ms": ms, "tflops": flops / ms / 1e9,
             **{key: table[key] for key in ("totals", "counts", "spans")}}
 
