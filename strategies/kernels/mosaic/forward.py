@@ -98,7 +98,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
             return b, h, tile, n_full, n_steps
 
         def raw_item(j):
-            """The number of the CTA's item j (its last item past the end)."""
+            """The number of the CTA's item j (j clamped to its last item)."""
             return items_ref[cta, jnp.minimum(j, count - 1)]
 
         def take_turn():
@@ -109,9 +109,10 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
-            def load_q(j, decoded):
-                """Start copying item j's Q rows into buffer ``j % 2`` of this warpgroup."""
-                b, h, tile = decoded[:3]
+            def load_q(j, item):
+                """Start copying item j's Q rows into buffer ``j % 2`` of this warpgroup
+                (`item` is its `decoded` tuple)."""
+                b, h, tile = item[:3]
                 buffer = lax.rem(j, 2)
                 plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(tile * BLOCK_Q + wg * bq, bq)],
                                         q_buffers.at[buffer, wg],
