@@ -130,11 +130,10 @@ class MosaicBlockSparse(AbstractKernel):
     @classmethod
     def priority(cls, platform):
         # Above TritonBlockSparse (30), below cuDNN (40). On the H200 its forward beat
-        # Triton's in 9 of 10 measured cells (long and short rows, causal, window,
-        # documents, D = 64 and 128, grouped heads), and with the same (Triton) backward
-        # forward+backward was level or ahead in 8; documents at D = 64 and on short rows
-        # were a few per cent behind. cuDNN is faster forward+backward where it can express
-        # the mask (docs/mosaic.md).
+        # Triton's in every measured cell (long and short rows, causal, window, documents,
+        # BigBird, D = 64 and 128, grouped heads), and with the same (Triton) backward
+        # forward+backward was level or ahead in all but documents at D = 64 (-3 %). cuDNN
+        # is faster forward+backward where it can express the mask (docs/mosaic.md).
         return 35 if platform == "gpu" else None
 
     def decline_reason(self, mask: ResolvedMask, features: Features) -> str | None:
