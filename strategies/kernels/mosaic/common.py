@@ -8,6 +8,7 @@ Mosaic GPU is imported inside the functions, so this module imports anywhere.
 
 import dataclasses
 import heapq
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +105,12 @@ class Ops:
             return ref[idx]
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
-        return plgpu.load(ref.at[idx], (), layout=layout, optimized=False)
+        index = inspect.signature(plgpu.load).parameters.get("idx")
+        if index is not None and index.default is inspect.Parameter.empty:
+            # Before jax 0.11 `load` takes the index as a required argument (since then it is
+            # optional and deprecated).
+            return plgpu.load(ref.at[idx], (), layout=layout, optimized=False)
+        return plgpu.load(ref.at[idx], layout=layout, optimized=False)
 
     def products(self, shape, pairs):
         """Fresh float32 products ``a @ b`` (``a @ b.T`` where the pair says so), each of
