@@ -1,7 +1,8 @@
 """`MosaicBlockSparse` on a Hopper GPU: forward and gradients (through Triton's backward and
 through its own Mosaic backward) against the float32 dense reference for each mask family it
 expresses, the edges (ragged lengths, Lq != Lk, one query, fully masked rows, grouped-query
-heads, head dims 64 / 128, float16) and what it declines.
+heads, head dims 64 / 128, float16), sinks, a soft cap and the log-sum-exp, and what it
+declines.
 
 The GPU tests skip unless JAX's default backend is a GPU and jax-triton imports. Slow tests run
 the forward kernel, and the forward then the dq and dk/dv kernels, in Pallas' CPU interpreter
@@ -112,6 +113,63 @@ def test_matches_reference(case, backward):
             assert float(jnp.max(jnp.abs(g.astype(jnp.float32)))) < 1e-3, name
             continue
         assert _rel(g, w) < TOL[dtype], name
+
+
+def _with_lse(kernel, mask, dtype, q, k, v, sinks, soft_cap, weights):
+    """Output, log-sum-exp and the gradients in q, k, v and the sinks of a loss on both
+    (rows that see no key weigh nothing in the log-sum-exp, which is -inf there)."""
+    attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, logits_soft_cap=soft_cap)
+    w_out, w_lse = weights
+
+    def run(q, k, v, sinks):
+        q, k, v = (x.astype(dtype) for x in (q, k, v))
+        plan = attn.plan(q, k, v, sinks=sinks)
+        return plan.kernel.attention_with_lse(
+            q, k, v, mask=plan.mask, inputs=plan.inputs, features=plan.features,
+            tiling=plan.tiling, softmax_scale=plan.softmax_scale, logits_soft_cap=soft_cap)
+
+    def loss(*args):
+        out, lse = run(*args)
+        return (jnp.sum(out.astype(jnp.float32) * w_out)
+                + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse))
+
+    out, lse = jax.jit(run)(q, k, v, sinks)
+    grads = jax.jit(jax.grad(loss, argnums=range(4)))(q, k, v, sinks)
+    return out, lse, grads
+
+
+@on_gpu
+@pytest.mark.parametrize("backward,soft_cap,dim", [("mosaic", None, 128), ("mosaic", 5.0, 64),
+                                                   ("triton", 5.0, 128)])
+@pytest.mark.parametrize("rows", ["window", "empty_rows"])
+def test_sinks_soft_cap_and_lse(backward, soft_cap, dim, rows):
+    """Sinks (joined by the log-sum-exp), a soft cap (in the forward kernel; the Mosaic
+    backward hands it to Triton's) and `attention_with_lse`: output, log-sum-exp and the
+    gradients in q, k, v and the sinks through both, against the float32 reference. With
+    ``empty_rows`` rows 0..139 see no key: zeros and a log-sum-exp of -inf."""
+    mask = (masks.Causal() & masks.SlidingWindow(100, 0) if rows == "window"
+            else masks.Causal(offset=-140))
+    q, k, v, _ = _inputs(21, 1, 4, 2, 300, 300, dim)
+    q = q * 2.0  # logits beyond the cap
+    sinks = jax.random.normal(jax.random.key(22), (4, 2), jnp.float32)
+    ks = jax.random.split(jax.random.key(23), 2)
+    weights = (jax.random.normal(ks[0], (1, 4, 300, dim)), jax.random.normal(ks[1], (1, 4, 300)))
+    kernel = MosaicBlockSparse(backward=backward)
+    assert kernel.decline_reason(
+        bsa.ResolvedMask(mask, q_len=300, kv_len=300, num_heads=4),
+        bsa.Features(platform="gpu", dtype="bfloat16", head_dim=dim, value_dim=dim,
+                     sinks=True, soft_cap=soft_cap is not None, lse=True)) is None
+    out, lse, grads = _with_lse(kernel, mask, jnp.bfloat16, q, k, v, sinks, soft_cap, weights)
+    with jax.default_matmul_precision("highest"):
+        w_out, w_lse, w_grads = _with_lse(DenseReference(), mask, jnp.float32, q, k, v, sinks,
+                                          soft_cap, weights)
+    seen = np.isfinite(np.asarray(w_lse))
+    assert np.array_equal(np.isfinite(np.asarray(lse)), seen)
+    assert (~seen).any() == (rows == "empty_rows")
+    assert _rel(np.asarray(lse)[seen], np.asarray(w_lse)[seen]) < 1e-2
+    assert _rel(out, w_out) < TOL[jnp.bfloat16], "out"
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), grads, w_grads):
+        assert _rel(g, w) < TOL[jnp.bfloat16], name
 
 
 @on_gpu
@@ -238,7 +296,8 @@ def _mosaic_interpreter():
 @pytest.mark.parametrize("case,ctas", [("prefix_gqa_ragged", 3), ("document", 1)])
 def test_forward_in_cpu_interpreter(case, ctas):
     """The persistent forward in Pallas' CPU interpreter: 4 work items on 3 CTAs (one CTA
-    runs two) or all on one CTA (the Q buffers and the K / V ring carried across items)."""
+    runs two) or all on one CTA (the Q buffers and the K / V ring carried across items).
+    The prefix case has a soft cap."""
     params = _mosaic_interpreter()
     if params is None or jax.default_backend() != "cpu":
         pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
@@ -258,13 +317,14 @@ def test_forward_in_cpu_interpreter(case, ctas):
     layout = resolved.layout(BLOCK_Q, bk)
     terms = resolved.kernel_terms([(BLOCK_Q, bk)])
     plq, plk = rows_padded(lq, BLOCK_Q), rows_padded(lk, bk)
+    soft_cap = 3.0 if case == "prefix_gqa_ragged" else None
     cfg = ForwardConfig(batch=1, heads=heads, kv_heads=kv_heads, q_len=plq, kv_len=plk,
                         true_kv_len=lk, head_dim=d, block_kv=bk, stages=2, ctas=ctas,
-                        softmax_scale=d ** -0.5, terms=terms,
+                        softmax_scale=d ** -0.5, terms=terms, soft_cap=soft_cap or 0.0,
                         layout_batch=layout.full_count.shape[0],
                         layout_heads=layout.full_count.shape[1])
     q, k, v, _ = _inputs(7, 1, heads, kv_heads, lq, lk, d)
-    q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
+    q, k, v = (x.astype(jnp.float16) for x in (q * 3.0, k, v))  # logits beyond the cap
 
     def pad(x, length, fill=0.0):
         widths = [(0, 0)] * (x.ndim - 1) + [(0, length - x.shape[-1])]
@@ -278,7 +338,7 @@ def test_forward_in_cpu_interpreter(case, ctas):
                                    pad(data["kv_segment_ids"], plk, -2)]
     out, lse = forward_call(cfg, pad(q, plq), pad(k, plk), pad(v, plk), *lists, *segs,
                             interpret=params())
-    ref = bsa.BlockSparseAttention(mask=mask, kernel=DenseReference())
+    ref = bsa.BlockSparseAttention(mask=mask, kernel=DenseReference(), logits_soft_cap=soft_cap)
     want = ref(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **data)
     assert _rel(out[:, :, :lq], want) < TOL[jnp.float16]
     lse = np.asarray(lse[:, :, :lq])

@@ -20,8 +20,9 @@ GPU's on-device profiler (``CompilerParams(profile_space=..., profile_dir=...)``
 of them per warpgroup.
 
 FULL blocks skip every mask; partial blocks evaluate the compiled mask's canonical terms
-(`MaskTerms`) on token indices, and segment ids when the mask has them. Rows that see no key
-give zeros and a log-sum-exp of +inf (the convention of the backward kernels).
+(`MaskTerms`) on token indices, and segment ids when the mask has them. A soft cap turns the
+products into capped logits before either. Rows that see no key give zeros and a log-sum-exp
+of +inf (the convention of the backward kernels).
 
 Arrays are batched ``[B, H, L, D]``; lengths must be multiples of the tiles (the caller pads).
 Mosaic GPU is imported when a launch is traced, so this module imports anywhere.
@@ -34,8 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, AttentionShape,
-                     Ops, decode_item, layout_prefix, list_bounds, list_entry, memory_warpgroup,
+from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
+                     AttentionShape, Ops, decode_item, layout_prefix, list_bounds, list_entry, memory_warpgroup,
                      persistent_schedule, ring_stages, swizzled, visible)
 
 #: Query rows per CTA (two compute warpgroups of 64).
@@ -53,6 +54,8 @@ class ForwardConfig(AttentionShape):
     layout_heads: int
     #: CTAs of the persistent launch (one per SM); ``None``: one per work item.
     ctas: int | None = None
+    #: Logits soft cap ``c`` (``c * tanh(scaled logit / c)``); 0: none.
+    soft_cap: float = 0.0
 
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
@@ -79,8 +82,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     has_segments = q_segment_ids is not None
     # s * scale * log2(e), kept in base 2; with a positive factor the row maximum of the raw
     # products scales to the row maximum of the logits, so full blocks fold the factor into
-    # the exponent's operand.
-    factor = cfg.log2_factor
+    # the exponent's operand. A soft cap turns the products into base-2 logits first.
+    factor = 1.0 if cfg.soft_cap else cfg.log2_factor
 
     def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref,
                pidx_ref, qseg_ref, kseg_ref, out_ref, lse_ref, scoped):
@@ -173,6 +176,11 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     """``(acc, m, l, p)`` after one block's raw products `s`: the block's
                     mask (`partial_block`'s, or None for a full block), base-2 exponentials
                     and the rescaled sums."""
+                    if cfg.soft_cap:
+                        # c log2(e) tanh(s scale / c), tanh(x) = 1 - 2 / (exp(2x) + 1): an
+                        # exponential overflowing to inf gives 1, never NaN.
+                        e = jnp.exp2(s * (2.0 * cfg.log2_factor / cfg.soft_cap))
+                        s = (1.0 - 2.0 / (e + 1.0)) * (cfg.soft_cap * LOG2E)
                     if partial is not None:
                         k_base, k_seg = partial
                         rows = q_base + ops.iota((bq, bk), 0)
@@ -189,6 +197,10 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                         p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
                         alpha = jnp.exp2(m_i - m_use)
+                    elif factor == 1.0:
+                        m_new = jnp.maximum(m_i, s.max(axis=1))
+                        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                        alpha = jnp.exp2(m_i - m_new)
                     elif factor > 0:
                         m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
                         p = jnp.exp2(s * factor - lax.broadcast_in_dim(m_new, s.shape, [0]))

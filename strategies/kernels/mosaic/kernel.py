@@ -10,14 +10,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling
+from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling, add_sinks
 
 from ..padding import pad_axis
 from ..triton.heuristics import check_tiling
 from ..triton.heuristics import default_tiling as triton_default_tiling
 from ..triton.kernel import TritonBlockSparse
 from ..triton.launch import LaunchConfig, dkdv_launch, dq_launch, layout_arrays, list_mode
-from ..triton.vjp import _zero_cotangent
+from ..triton.vjp import _public_lse, _zero_cotangent
 from .backward import BackwardConfig, backward_blocks, dkv_call, dq_call
 from .common import persistent_schedule
 from .forward import BLOCK_Q, ForwardConfig, block_kv_for, forward_call, rows_padded, stages_for
@@ -91,13 +91,16 @@ class MosaicBlockSparse(AbstractKernel):
       the forward, over the dq layout (128 q rows by 64 keys, 128 at D = 64) and the
       transposed dk/dv layout (64 q rows by 128 keys); grouped heads' dk / dv are summed
       after the kernel, so the result is deterministic. Where it cannot run (a mask whose
-      block tables do not align with those tiles, or a `Tiling` with other backward blocks)
-      Triton's backward runs instead.
+      block tables do not align with those tiles, a `Tiling` with other backward blocks, a
+      soft cap) Triton's backward runs instead.
 
     Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, D]`` in bfloat16 or
     float16, D in {64, 128}, ``Dv == D``, any lengths (padded to the tiles inside),
-    grouped-query heads, `jax.vmap`. Declines bias, sinks, a soft cap, per-call positions and
-    masks without in-kernel terms, each with a reason; `TritonBlockSparse` then runs. Its
+    grouped-query heads, `jax.vmap`, a logits soft cap (in the forward kernel), attention
+    sinks (joined to the kernel's output by its log-sum-exp, `add_sinks`, so their gradients
+    flow) and `attention_with_lse` (the log-sum-exp differentiable too, as sequence sharding
+    needs). Declines bias, per-call positions and masks without in-kernel terms, each with a
+    reason; `TritonBlockSparse` then runs. Its
     priority on a GPU (35) is above Triton's (30) and below cuDNN's (40) (docs/mosaic.md
     has the measurements behind that order).
 
@@ -112,6 +115,7 @@ class MosaicBlockSparse(AbstractKernel):
     name: ClassVar[str] = "mosaic"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
     reads: ClassVar[str] = "terms"
+    returns_lse: ClassVar[bool] = True
 
     def __check_init__(self):
         if self.backward not in ("triton", "mosaic"):
@@ -121,6 +125,8 @@ class MosaicBlockSparse(AbstractKernel):
         """Why the Mosaic backward does not run for this mask (Triton's does), or ``None``."""
         if self.backward != "mosaic":
             return "backward='triton' was asked for."
+        if features.soft_cap:
+            return "the Mosaic backward has no soft cap."
         terms = mask.terms
         tiles = [(BLOCK_Q, block_kv_for(features.head_dim)), *backward_blocks(features.head_dim)]
         if terms is None or (terms.tables and mask.kernel_terms(tiles) is None):
@@ -145,9 +151,8 @@ class MosaicBlockSparse(AbstractKernel):
         if features.head_dim not in _HEAD_DIMS or features.value_dim != features.head_dim:
             return (f"head dims {features.head_dim} / {features.value_dim} are not supported "
                     f"(equal q / v head dims in {_HEAD_DIMS} are).")
-        for name in ("bias", "sinks", "soft_cap"):
-            if getattr(features, name):
-                return f"{name.replace('_', ' ')} is not supported by the forward kernel."
+        if features.bias:
+            return "bias is not supported by the forward kernel."
         terms = mask.terms
         forward_tile = (BLOCK_Q, block_kv_for(features.head_dim))
         if terms is None or (terms.tables and mask.kernel_terms([forward_tile]) is None):
@@ -175,6 +180,21 @@ class MosaicBlockSparse(AbstractKernel):
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
+        return self.attention_with_lse(
+            query, key, value, mask=mask, inputs=inputs, features=features, tiling=tiling,
+            softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap)[0]
+
+    def attention_with_lse(self, query, key, value, *, mask, inputs, features, tiling,
+                           softmax_scale, logits_soft_cap):
+        out, lse = self._attention(query, key, value, mask, inputs, tiling, softmax_scale,
+                                   logits_soft_cap)
+        if inputs.sinks is not None:
+            out, lse = add_sinks(out, lse, inputs.sinks)
+        return out.astype(query.dtype), lse
+
+    def _attention(self, query, key, value, mask, inputs, tiling, softmax_scale,
+                   logits_soft_cap):
+        """``(out, lse)`` without sinks, differentiable in both (`_attend`)."""
         if mask.terms is None:
             raise ValueError("MosaicBlockSparse needs in-kernel mask terms at these tiles; "
                              "the compiled mask has none.")
@@ -190,16 +210,18 @@ class MosaicBlockSparse(AbstractKernel):
         shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, q_len=lq, kv_len=lk,
                      true_kv_len=kv_len, head_dim=dim, softmax_scale=float(softmax_scale),
                      terms=mask.terms)
+        soft_cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
         fcfg = ForwardConfig(**shape, block_kv=block_kv, stages=tiling.num_stages or 2,
                              layout_batch=fwd.full_count.shape[0],
-                             layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors())
+                             layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors(),
+                             soft_cap=soft_cap)
         # The persistent forward's work items per CTA, built on the host.
         schedule = persistent_schedule(fwd.full_count, fwd.partial_count, batch, heads,
                                        fcfg.ctas)
         lists = tuple(jnp.asarray(a, jnp.int32) for a in (
             fwd.full_count, fwd.full_index, fwd.partial_count, fwd.partial_index, *schedule))
-        if self.backward == "mosaic" and ((dq.block_q, dq.block_kv), (dkdv.block_q, dkdv.block_kv)
-                                          ) == backward_blocks(dim):
+        if self.backward == "mosaic" and not soft_cap and (
+                (dq.block_q, dq.block_kv), (dkdv.block_q, dkdv.block_kv)) == backward_blocks(dim):
             bcfg = BackwardConfig(
                 **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
                 dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2])
@@ -216,7 +238,7 @@ class MosaicBlockSparse(AbstractKernel):
         bcfg = LaunchConfig(
             batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
             head_dim=dim, value_dim=dim, dtype=jnp.dtype(query.dtype).name,
-            bias_shape=None, num_sinks=0, softmax_scale=float(softmax_scale), soft_cap=0.0,
+            bias_shape=None, num_sinks=0, softmax_scale=float(softmax_scale), soft_cap=soft_cap,
             terms=mask.terms, has_q_positions=inputs.q_positions is not None,
             has_kv_positions=inputs.kv_positions is not None,
             fwd_blocks=(fwd.block_q, fwd.block_kv), dq_blocks=(dq.block_q, dq.block_kv),
@@ -245,18 +267,25 @@ def _forward(fcfg: ForwardConfig, q, k, v, seg, lists):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(fcfg, bcfg, q, k, v, seg, data, lists, bwd_lists):
-    return _forward(fcfg, q, k, v, seg, lists)[0]
+    """``(out [B, H, Lq, D], lse [B, H, Lq])``, the log-sum-exp natural (``-inf`` on rows
+    that see no key); differentiable in both."""
+    out, lse = _forward(fcfg, q, k, v, seg, lists)
+    return out, _public_lse(lse)
 
 
 def _attend_fwd(fcfg, bcfg, q, k, v, seg, data, lists, bwd_lists):
     out, lse = _forward(fcfg, q, k, v, seg, lists)
-    return out, (q, k, v, seg, data, lists, bwd_lists, out, lse)
+    return (out, _public_lse(lse)), (q, k, v, seg, data, lists, bwd_lists, out, lse)
 
 
-def _attend_bwd(fcfg, bcfg, res, do):
+def _attend_bwd(fcfg, bcfg, res, cotangents):
     q, k, v, seg, data, lists, bwd_lists, out, lse = res
+    do, dlse = cotangents
     do = do.astype(q.dtype)
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    # The log-sum-exp's cotangent (d lse / d s = p) joins the same correction; rows that see
+    # no key (lse = +inf here) have p = 0 everywhere.
+    delta = delta - jnp.where(lse == jnp.inf, 0.0, dlse.astype(jnp.float32))
     dq_lists, t_lists = bwd_lists
     if isinstance(bcfg, BackwardConfig):
         dq, dk, dv = mosaic_backward(bcfg, q, k, v, do, lse, delta, seg, dq_lists, t_lists)
