@@ -11,6 +11,7 @@ Triton's backward) as a relative error in norm.
 ```
 python benchmarks/mosaic_forward.py --out mosaic.json   # errors, then B=2 H=16 L=16384 D=128
 python benchmarks/mosaic_forward.py --skip-errors --lengths 16384
+python benchmarks/mosaic_forward.py --skip-errors --soft-cap 50 --sinks 1  # no cuDNN row
 ```
 """
 
@@ -103,8 +104,11 @@ def errors(cases=None, backwards=("triton", "mosaic")) -> list[dict]:
     return records
 
 
-def speed(lengths, batch, heads, dim, reps, backward, only=None):
+def speed(lengths, batch, heads, dim, reps, backward, only=None, soft_cap=None, sinks=0):
     dtype = jnp.bfloat16
+    extras = {}
+    if sinks:
+        extras["sinks"] = jax.random.normal(jax.random.key(1), (heads, sinks), jnp.float32)
     rows = []
     for length in lengths:
         for name in ("causal", "window", "document"):
@@ -114,13 +118,15 @@ def speed(lengths, batch, heads, dim, reps, backward, only=None):
             ks = jax.random.split(jax.random.key(length), 4)
             q, k, v, do = (jax.random.normal(kk, (batch, heads, length, dim), dtype) for kk in ks)
             call = {n: jnp.broadcast_to(jnp.asarray(x), (batch, length)) for n, x in data.items()}
+            call.update(extras)
             impls = {}
             for impl, kernel in (("mosaic", MosaicBlockSparse()),
                                  ("mosaic+mosaic-bwd", MosaicBlockSparse(backward="mosaic")),
                                  ("triton", TritonBlockSparse())):
-                attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel)
+                attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel,
+                                                logits_soft_cap=soft_cap)
                 impls[impl] = (lambda q, k, v, attn=attn: attn(q, k, v, **call), (q, k, v))
-            if name != "document":
+            if name != "document" and not extras and soft_cap is None:
                 blhd = tuple(jnp.swapaxes(x, 1, 2) for x in (q, k, v))
                 window = (1024, 0) if name == "window" else None
                 impls["cudnn"] = (lambda q, k, v, window=window: jax.nn.dot_product_attention(
@@ -159,7 +165,8 @@ def speed(lengths, batch, heads, dim, reps, backward, only=None):
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
                 print(row, flush=True)
-    print(f"\nB={batch} H={heads} D={dim} bfloat16, effective TF/s (visible pairs)")
+    print(f"\nB={batch} H={heads} D={dim} bfloat16, soft cap {soft_cap}, {sinks} sinks a head, "
+          "effective TF/s (visible pairs)")
     print("| pattern | L | impl | fwd TF/s | fwd+bwd TF/s | max rel diff vs mosaic (out, dq, dk, dv) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -187,6 +194,8 @@ def main():
                    choices=["mosaic", "mosaic+mosaic-bwd", "triton", "cudnn"],
                    help="time only these (the first timed is the reference of the diffs)")
     p.add_argument("--forward-only", action="store_true")
+    p.add_argument("--soft-cap", type=float, default=None, help="logits soft cap (no cuDNN)")
+    p.add_argument("--sinks", type=int, default=0, help="sinks a head (no cuDNN)")
     p.add_argument("--out", default=None, help="write the records as JSON here")
     args = p.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
@@ -196,7 +205,7 @@ def main():
         result["errors"] = errors(args.cases, args.backwards)
     if not args.skip_speed:
         result["speed"] = speed(args.lengths, args.batch, args.heads, args.dim, args.reps,
-                                not args.forward_only, args.impls)
+                                not args.forward_only, args.impls, args.soft_cap, args.sinks)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
