@@ -7,8 +7,10 @@ Mosaic GPU is imported inside the functions, so this module imports anywhere.
 """
 
 import dataclasses
+import functools
 import heapq
 import inspect
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -52,24 +54,41 @@ class AttentionShape:
         return self.softmax_scale * LOG2E
 
 
-def visible(terms: MaskTerms, true_kv_len: int, q_index, k_index, q_seg=None, k_seg=None):
+def visible(terms: MaskTerms, true_kv_len: int | None, q_index, k_index, q_seg=None,
+            k_seg=None, *, ids_apart: bool = False):
     """The canonical predicate on broadcast token indices (and segment ids, when given): the
-    switched-on terms of `terms`, and ``k_index < true_kv_len`` (padded keys are hidden)."""
-    vis = k_index < true_kv_len
+    switched-on terms of `terms`, and ``k_index < true_kv_len`` (padded keys are hidden;
+    ``None`` when no key is padded). With `ids_apart` the segment ids went through
+    `segment_ids_apart`, so equal ids are never padding and equality alone decides."""
+    terms_on = []
+    if true_kv_len is not None:
+        terms_on.append(k_index < true_kv_len)
     if terms.causal_offset is not None:
-        vis = vis & (k_index <= q_index + terms.causal_offset)
+        terms_on.append(k_index <= q_index + terms.causal_offset)
     if terms.window_left is not None:
-        vis = vis & (k_index >= q_index - terms.window_left)
+        terms_on.append(k_index >= q_index - terms.window_left)
     if terms.window_right is not None:
-        vis = vis & (k_index <= q_index + terms.window_right)
+        terms_on.append(k_index <= q_index + terms.window_right)
     if terms.chunk is not None:
         # Indices are non-negative: truncating division is floor division here.
-        vis = vis & (lax.div(q_index, terms.chunk) == lax.div(k_index, terms.chunk))
+        terms_on.append(lax.div(q_index, terms.chunk) == lax.div(k_index, terms.chunk))
     if terms.prefix is not None:
-        vis = vis & ((k_index < terms.prefix) | (k_index <= q_index))
+        terms_on.append((k_index < terms.prefix) | (k_index <= q_index))
     if q_seg is not None:
-        vis = vis & (q_seg == k_seg) & (q_seg >= 0)
-    return vis
+        terms_on.append(q_seg == k_seg)
+        if not ids_apart:
+            terms_on.append(q_seg >= 0)
+    if not terms_on:
+        return k_index >= 0
+    return functools.reduce(operator.and_, terms_on)
+
+
+def segment_ids_apart(q_segment_ids, kv_segment_ids):
+    """Segment ids whose negatives (padding: such a query sees nothing, such a key is seen
+    by none) are -1 on the query side and -2 on the key side, so that ``q == k`` alone is
+    the segment term of `visible` (``ids_apart=True``)."""
+    return (jnp.where(q_segment_ids >= 0, q_segment_ids, -1),
+            jnp.where(kv_segment_ids >= 0, kv_segment_ids, -2))
 
 
 class Ops:

@@ -37,7 +37,7 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AttentionShape, Ops, decode_item, layout_prefix, list_bounds, list_entry, memory_warpgroup,
-                     persistent_schedule, ring_stages, swizzled, visible)
+                     persistent_schedule, ring_stages, segment_ids_apart, swizzled, visible)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -84,6 +84,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     # products scales to the row maximum of the logits, so full blocks fold the factor into
     # the exponent's operand. A soft cap turns the products into base-2 logits first.
     factor = 1.0 if cfg.soft_cap else cfg.log2_factor
+    # Partial blocks test k < true_kv_len only where keys were padded.
+    padded_keys = cfg.true_kv_len if cfg.true_kv_len < cfg.kv_len else None
 
     def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref,
                pidx_ref, qseg_ref, kseg_ref, out_ref, lse_ref, scoped):
@@ -189,7 +191,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         if has_segments:
                             segs = (lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
                                     lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
-                        vis = visible(cfg.terms, cfg.true_kv_len, rows, cols, *segs)
+                        vis = visible(cfg.terms, padded_keys, rows, cols, *segs, ids_apart=True)
                         s = jnp.where(vis, s * factor, -jnp.inf)
                         m_new = jnp.maximum(m_i, s.max(axis=1))
                         # A row with nothing visible yet keeps m = -inf: subtract 0 instead,
@@ -310,8 +312,9 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                       collective_axes="wg")
 
     dummy = jnp.zeros((1, 1), jnp.int32)
-    qseg = dummy if q_segment_ids is None else q_segment_ids
-    kseg = dummy if kv_segment_ids is None else kv_segment_ids
+    qseg, kseg = dummy, dummy
+    if has_segments:
+        qseg, kseg = segment_ids_apart(q_segment_ids, kv_segment_ids)
     kwargs = {} if interpret is None else {"interpret": interpret}
     out, lse = plgpu.kernel(
         entry,
