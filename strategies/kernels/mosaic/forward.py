@@ -36,8 +36,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     AttentionShape, Ops, decode_item, layout_prefix, list_bounds, list_entry, memory_warpgroup,
-                     persistent_schedule, ring_stages, segment_ids_apart, swizzled, visible)
+                     AttentionShape, Ops, decode_item, layout_prefix, list_bounds, list_entry,
+                     memory_warpgroup, persistent_schedule, ring_stages, segment_ids_apart,
+                     swizzled, visible)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
