@@ -36,6 +36,7 @@ class Features:
     sinks: bool = False
     soft_cap: bool = False
     segment_ids: bool = False
+    #: Per-call positions: the caller's, or those a sharding passes to each shard's call.
     positions: bool = False
     fused_backward: bool = False
     lse: bool = False

@@ -216,7 +216,8 @@ class BlockSparseAttention(eqx.Module):
             sinks=inputs.sinks is not None,
             soft_cap=self.logits_soft_cap is not None,
             segment_ids=inputs.q_segment_ids is not None,
-            positions=inputs.q_positions is not None or inputs.kv_positions is not None,
+            positions=(inputs.q_positions is not None or inputs.kv_positions is not None
+                       or self.sharding.passes_positions),
             fused_backward=fused_backward,
             lse=self.sharding.needs_lse,
         )

@@ -25,9 +25,14 @@ class AbstractSharding(eqx.Module):
     `needs_lse` (class variable, default ``False``): the sharding merges partial results by
     their log-sum-exp, so the selector declines kernels that do not return it
     (`AbstractKernel.returns_lse`).
+
+    `passes_positions` (class variable, default ``False``): the sharding hands each shard's
+    call its tokens' global positions, so the call's `Features.positions` is set and kernels
+    that cannot read per-call positions decline.
     """
 
     needs_lse: ClassVar[bool] = False
+    passes_positions: ClassVar[bool] = False
 
     @abc.abstractmethod
     def wrap(self, fn: Callable) -> Callable:

@@ -345,6 +345,37 @@ else:
         with pytest.raises(ValueError, match="key/value heads"):
             module(masks.Causal(), "DenseReference", sharding.ShardMap(mesh, None, "h"))(q, k, v)
 
+    def test_ring_calls_carry_positions():
+        """A ring hands each shard's call its tokens' global positions, so the plan's features
+        say so and a kernel that cannot read per-call positions is declined, saying why."""
+        class NoPositions(bsa.AbstractKernel):
+            name: ClassVar[str] = "no-positions-test"
+            platforms: ClassVar[tuple[str, ...]] = ("cpu",)
+            reads: ClassVar[str] = "dense"
+            returns_lse: ClassVar[bool] = True
+
+            def decline_reason(self, mask, features):
+                return "per-call positions are not read." if features.positions else None
+
+            def __call__(self, query, key, value, **kw):
+                return kernels.DenseReference()(query, key, value, **kw)
+
+            def attention_with_lse(self, query, key, value, **kw):
+                return kernels.DenseReference().attention_with_lse(query, key, value, **kw)
+
+        mesh = make_mesh((8,), ("s",))
+        q, k, v = random_inputs(7, batch=2, heads=4, kv_heads=2, q_len=64)
+        ring = sharding.RingAttention(mesh, "s")
+        assert bsa.BlockSparseAttention(mask=masks.Causal(), sharding=ring).plan(
+            q, k, v).features.positions
+        unsharded = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=NoPositions())
+        assert not unsharded.plan(q, k, v).features.positions
+        dense = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.DenseReference())
+        assert_close(unsharded(q, k, v), dense(q, k, v), what="unsharded")
+        attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=NoPositions(), sharding=ring)
+        with pytest.raises(ValueError, match="no-positions-test cannot run this call.*positions"):
+            attn(q, k, v)
+
     def test_ring_declines_kernels_without_lse():
         class NoLse(bsa.AbstractKernel):
             name: ClassVar[str] = "no-lse-test"

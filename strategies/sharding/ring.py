@@ -145,6 +145,7 @@ class RingAttention(AbstractSharding):
     order: Literal["auto", "contiguous", "zigzag"] = eqx.field(default="auto", static=True)
 
     needs_lse: ClassVar[bool] = True
+    passes_positions: ClassVar[bool] = True
 
     def __check_init__(self):
         if not isinstance(self.seq_axis, str):
