@@ -446,8 +446,9 @@ _CUDNN_RUNS = {"tiled_full", "tiled_causal", "tiled_causal_window",
                "tiled_explicit_dq"}
 #: MosaicBlockSparse: 16-bit, D = Dv in {64, 128}, masks with shared in-kernel terms, no
 #: positions or bias.
-_MOSAIC_RUNS = {"tiled_sinks_soft_cap", "tiled_fully_masked_rows_sinks", "tiled_full", "tiled_causal", "tiled_causal_window", "tiled_causal_open_window",
-                "tiled_gqa_long", "tiled_symmetric_window", "tiled_chunked", "tiled_prefix",
+_MOSAIC_RUNS = {"tiled_full", "tiled_causal", "tiled_causal_window", "tiled_causal_open_window",
+                "tiled_sinks_soft_cap", "tiled_fully_masked_rows_sinks", "tiled_gqa_long",
+                "tiled_symmetric_window", "tiled_chunked", "tiled_prefix",
                 "tiled_block_layout", "tiled_offset_window_chunk", "tiled_documents_window",
                 "tiled_documents", "tiled_interleaved_documents",
                 "tiled_interleaved_documents_causal", "tiled_head_dim_128", "tiled_decode_mqa",
