@@ -99,6 +99,10 @@ class Ops:
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         self.interpreted = interpreted
+        # Before jax 0.11 `load` takes the index as a required argument (since then it is
+        # optional and deprecated).
+        index = inspect.signature(plgpu.load).parameters.get("idx")
+        self.load_takes_index = index is not None and index.default is inspect.Parameter.empty
         self.wgmma_layout = plgpu.Layout.WGMMA
         self.row_layout = plgpu.Layout.WGMMA.reduce(1)
         self.col_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -124,10 +128,7 @@ class Ops:
             return ref[idx]
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
-        index = inspect.signature(plgpu.load).parameters.get("idx")
-        if index is not None and index.default is inspect.Parameter.empty:
-            # Before jax 0.11 `load` takes the index as a required argument (since then it is
-            # optional and deprecated).
+        if self.load_takes_index:
             return plgpu.load(ref.at[idx], (), layout=layout, optimized=False)
         return plgpu.load(ref.at[idx], layout=layout, optimized=False)
 

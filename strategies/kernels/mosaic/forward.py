@@ -83,7 +83,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     has_segments = q_segment_ids is not None
     # s * scale * log2(e), kept in base 2; with a positive factor the row maximum of the raw
     # products scales to the row maximum of the logits, so full blocks fold the factor into
-    # the exponent's operand. A soft cap turns the products into base-2 logits first.
+    # the exponent's operand. A soft cap turns the products into base-2 logits first (factor
+    # 1, an exact product).
     factor = 1.0 if cfg.soft_cap else cfg.log2_factor
     # Partial blocks test k < true_kv_len only where keys were padded.
     padded_keys = cfg.true_kv_len if cfg.true_kv_len < cfg.kv_len else None
@@ -200,10 +201,6 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                         p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
                         alpha = jnp.exp2(m_i - m_use)
-                    elif factor == 1.0:
-                        m_new = jnp.maximum(m_i, s.max(axis=1))
-                        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                        alpha = jnp.exp2(m_i - m_new)
                     elif factor > 0:
                         m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
                         p = jnp.exp2(s * factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
