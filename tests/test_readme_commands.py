@@ -1,0 +1,108 @@
+"""The README's first screen gives two set-up commands; these tests run them as a user types
+them, not just check that they are mentioned. The demo runs through its real module entry
+point in a subprocess and its table is read back. `.ci/run` executes both commands verbatim,
+read from the README, so CI runs exactly what a newcomer runs."""
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIRST_SCREEN_LINES = 30
+MASKS = ("causal", "window", "document", "bigbird")
+
+
+def first_screen_commands() -> list[str]:
+    """The shell commands of the README's first screen, in order (comment lines dropped)."""
+    head = "\n".join((ROOT / "README.md").read_text().splitlines()[:FIRST_SCREEN_LINES])
+    blocks = re.findall(r"```bash\n(.*?)```", head, re.S)
+    assert blocks, "the README's first screen has no bash block"
+    return [line.strip() for block in blocks for line in block.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def demo_rows(output: str) -> dict[str, list[str]]:
+    """The demo's table, ``{mask: [density, kernel, ours ms, dense ms, speed-up, max err]}``."""
+    rows = {}
+    for line in output.splitlines():
+        fields = line.split()
+        if fields and fields[0] in MASKS and len(fields) == 7:
+            rows[fields[0]] = fields[1:]
+    return rows
+
+
+def check_demo_table(output: str, platform: str = "cpu") -> None:
+    rows = demo_rows(output)
+    assert set(rows) == set(MASKS), f"the demo's table lacks rows: {output[-3000:]}"
+    for name, (density, kernel, ours_ms, dense_ms, speed_up, max_err) in rows.items():
+        assert 0.0 < float(density) <= 1.0, (name, density)
+        assert kernel == ("xla" if platform == "cpu" else kernel), (name, kernel)
+        assert float(ours_ms) > 0 and float(dense_ms) > 0, (name, ours_ms, dense_ms)
+        assert speed_up.endswith("x") and float(speed_up[:-1]) > 0, (name, speed_up)
+        assert float(max_err) < 1e-4, (name, max_err)  # float32 against the float32 reference
+    assert "Why these kernels, and what they skip:" in output
+
+
+def test_first_screen_has_exactly_the_two_commands():
+    commands = first_screen_commands()
+    assert len(commands) == 2, commands
+    demo, tests = commands
+    assert demo.endswith("python -m eqx_bsattn"), demo
+    assert "pip install -e ." in demo
+    assert "python -m pytest" in tests and 'pip install -e ".[dev]"' in tests, tests
+
+
+def test_ci_runs_the_readme_commands_verbatim():
+    """`.ci/run` reads both commands from the README and runs them, so the two cannot drift."""
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "README.md" in script and "eval" in script
+    # No second, hand-written copy of the test command.
+    assert "python -m pytest" not in script
+
+
+def test_demo_entry_point_prints_its_table():
+    """`python -m eqx_bsattn` in a subprocess, at a short length so it takes seconds."""
+    result = subprocess.run(
+        [sys.executable, "-m", "eqx_bsattn", "--length", "512", "--reps", "1"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_demo_table(result.stdout)
+
+
+def _copy_checkout(dest: pathlib.Path) -> None:
+    """The files a fresh clone has: tracked and untracked-not-ignored, no virtual environment."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                            capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("needs the repository's git metadata to copy a checkout")
+    for name in filter(None, listed.stdout.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+
+
+@pytest.mark.slow
+def test_demo_command_as_typed_in_a_fresh_checkout(tmp_path):
+    """The first command, word for word, in a copy of the checkout with no virtual environment:
+    it creates one, installs the package from pyproject.toml and runs the demo."""
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    _copy_checkout(checkout)
+    demo = first_screen_commands()[0]
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if not p.startswith(os.environ.get("VIRTUAL_ENV", "\0")))
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(["bash", "-c", f"set -e; {demo}"], cwd=checkout, env=env,
+                            capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    check_demo_table(result.stdout)
