@@ -257,14 +257,16 @@ def _chunk_width(sizes: tuple[int, ...], block_elements: int) -> int:
     return max(1, _SLOT_ELEMENTS // per_block)
 
 
-def _by_chunks(run, n: int, width: int, lists, rows, block_rows: int):
+def _by_chunks(run, n: int, width: int, lists, rows, block_rows: int, like):
     """``run(lists, rows, block_ids)`` on chunks of at most `width` of the `n` blocks, one
     chunk after another; outputs (in levels) are joined along axis 3, the block level.
 
     `lists` are arrays in levels, sliced along axis 3; `rows` are arrays in rows (`_q_rows`,
     `_kv_rows`) with `block_rows` rows per block, sliced along axis 2. Each chunk is sliced out
     of the inputs and written into the outputs in place, so no input is copied (unless padded
-    to whole chunks: padding blocks are computed and dropped)."""
+    to whole chunks: padding blocks are computed and dropped). `like`: every input `run`
+    reads, closed over or not; the loop's output buffers take their type inside `shard_map`
+    (`typed_like`), since each chunk's output varies over the mesh axes they vary over."""
     chunks = math.ceil(n / width)
     if chunks <= 1:
         return run(lists, rows, jnp.arange(n, dtype=jnp.int32))
@@ -289,6 +291,7 @@ def _by_chunks(run, n: int, width: int, lists, rows, block_rows: int):
     shapes = jax.eval_shape(one_chunk, 0)
     out = jax.tree.map(
         lambda x: jnp.zeros(x.shape[:3] + (total,) + x.shape[4:], x.dtype), shapes)
+    out = typed_like(out, lists, rows, like)
     out = jax.lax.fori_loop(0, chunks, step, out)
     return jax.tree.map(lambda x: x[:, :, :, :n], out)
 
@@ -372,7 +375,8 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
         return out, jnp.where(seen, lse, jnp.inf)
 
     width = _chunk_width(arr.sizes, g * bq * bk)
-    out, lse = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), (q_r,), g * bq)
+    out, lse = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), (q_r,), g * bq,
+                          (q, k, v, bias, sinks, aux))
     out = _units_to_rows(out, q_len, arr.per_head)
     return out, _units_to_rows(lse, q_len, arr.per_head)
 
@@ -464,7 +468,8 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
         return dq, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1))
 
     width = _chunk_width(arr.sizes, g * bq * bk)
-    dq, ds_buf = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), q_side, g * bq)
+    dq, ds_buf = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), q_side, g * bq,
+                            (q, k, v, bias, aux, d_out, lse, delta))
     if ds_buf is not None:
         ds_buf = jnp.moveaxis(ds_buf, -1, 0)
     dq = _units_to_rows(dq * cfg.scale, q_len, per_head)
@@ -546,7 +551,8 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 
     width = _chunk_width(arr.sizes, g * bq * bk)  # G query heads of bq rows each
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
-    dk, dv = _by_chunks(run_chunk, nk, width, (fc, fi, pc, pi), (k_r, v_r), bk)
+    dk, dv = _by_chunks(run_chunk, nk, width, (fc, fi, pc, pi), (k_r, v_r), bk,
+                        (q, k, v, bias, aux, d_out, lse, delta))
     # Sum the units (query heads with their own masks) of each kv head.
     dk = (dk.sum(axis=2) * cfg.scale).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
     dv = dv.sum(axis=2).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]

@@ -2,9 +2,10 @@
 travel around the ring of devices, skipping the (query shard, kv shard) steps the mask leaves
 empty."""
 
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -33,7 +34,6 @@ from ._local import (
     lead_spec,
     local_head_offset,
     local_mask,
-    take_along,
 )
 from .shard_map import kv_head_plan, local_kv, split_inputs
 
@@ -76,6 +76,39 @@ def _block_order(order: str, n: int, length: int, block: int) -> np.ndarray:
     return _token_order(order, n, length)[::block] // block
 
 
+def _zigzag_target(c: int, n: int) -> int:
+    """The device that holds slice `c` of ``2n`` in zig-zag order."""
+    return c if c < n else 2 * n - 1 - c
+
+
+def _to_zigzag(x, axis: int, n: int, axis_name: str):
+    """Inside `jax.shard_map`: this device's contiguous slice (slices ``2e, 2e + 1`` of
+    ``2n`` along `axis`) -> its zig-zag slices ``d, 2n - 1 - d``, by two ``ppermute``s of half
+    a shard (a gather of the whole array outside would collect the sequence on every
+    device). Device ``d``'s first slice is even when ``d`` is."""
+    even, odd = jnp.split(x, 2, axis=axis)
+    from_even = jax.lax.ppermute(even, axis_name,
+                                 [(e, _zigzag_target(2 * e, n)) for e in range(n)])
+    from_odd = jax.lax.ppermute(odd, axis_name,
+                                [(e, _zigzag_target(2 * e + 1, n)) for e in range(n)])
+    first_even = jax.lax.axis_index(axis_name) % 2 == 0
+    first = jnp.where(first_even, from_even, from_odd)
+    second = jnp.where(first_even, from_odd, from_even)
+    return jnp.concatenate([first, second], axis=axis)
+
+
+def _from_zigzag(x, axis: int, n: int, axis_name: str):
+    """The inverse of `_to_zigzag`."""
+    first, second = jnp.split(x, 2, axis=axis)
+    first_even = jax.lax.axis_index(axis_name) % 2 == 0
+    even = jnp.where(first_even, first, second)
+    odd = jnp.where(first_even, second, first)
+    even = jax.lax.ppermute(even, axis_name, [(_zigzag_target(2 * e, n), e) for e in range(n)])
+    odd = jax.lax.ppermute(odd, axis_name,
+                           [(_zigzag_target(2 * e + 1, n), e) for e in range(n)])
+    return jnp.concatenate([even, odd], axis=axis)
+
+
 def _signed(t: int, n: int) -> int:
     """Ring step `t` as the shortest signed distance: 1 forward hop or ``n - 1`` = 1 back."""
     return t if t <= n // 2 else t - n
@@ -93,6 +126,292 @@ def _merge(out_a, lse_a, out_b, lse_b):
     lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
     out = (wa[..., None] * out_a + wb[..., None] * out_b) / safe[..., None]
     return out, lse
+
+
+def _add(acc, part, combine):
+    return part if acc is None else acc if part is None else combine(acc, part)
+
+
+def _sum(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _after(shard, result):
+    """`shard` (its float arrays), made to depend on `result`, so that sending it waits for
+    the step that produced `result`.
+
+    XLA issues a collective as soon as its operand exists: every ``ppermute`` of the ring
+    would run first and each device would keep every shard (memory growing with the
+    number of devices); an ``optimization_barrier`` does not hold them back on the CPU. The
+    zero added is ``min(|r|, 0)`` of one element of `result` (NaN only where `result` is),
+    which XLA cannot fold away; it costs one elementwise pass over the shard.
+    """
+    if result is None:
+        return shard
+    first = jax.tree.leaves(result)[0]
+    r = jax.lax.index_in_dim(first.reshape(-1), 0, keepdims=False).astype(_F32)
+    zero = jnp.minimum(jnp.abs(r), 0.0)
+    return jax.tree.map(
+        lambda x: x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        shard)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DeviceRing:
+    """One device's part of a `RingAttention` call, inside `jax.shard_map`: the forward ring
+    and the backward ring of its `jax.custom_vjp`.
+
+    Static context only (the schedule, the slots of the operands, the kernel's function); the
+    arrays come in as arguments. The shards of the kv sequence travel as ``(k, v, kv segment
+    ids, kv positions)`` tuples (``None`` where absent).
+    """
+
+    fn: Callable
+    ops: Operands
+    sched: RingSchedule
+    n: int
+    seq_axis: str
+    data: dict
+    step_layouts: dict
+    layout_slots: dict
+    flags_slot: int | None
+    partial_steps: frozenset
+    pred_slots: list
+    arrays: Any
+    rest: Any
+    mask: CompiledMask
+    q_len: int  # per device
+    kv_len: int
+    local_heads: int
+    head_offset: Callable
+
+    # --------------------------------------------------------------------------------------
+    # One step: the kernel's problem for (this device's queries, the kv shard it holds).
+
+    def _problems(self, aux):
+        """``problem(t, kv_seg, kv_pos) -> (inputs without bias, mask, work)`` for this device,
+        where `work` is ``None`` (every device works at step `t`) or a boolean scalar."""
+        read = self.ops.reader(aux)
+        here = {name: read(slot) for name, slot in self.data.items()}
+        pred = jax.tree.unflatten(jax.tree.structure(self.arrays),
+                                  [read(s) for s in self.pred_slots])
+        call_mask = eqx.tree_at(lambda m: m.predicate, self.mask,
+                                eqx.combine(pred, self.rest))
+        head_offset = self.head_offset()
+        flags = None if self.flags_slot is None else read(self.flags_slot)[0]
+
+        def problem(t, kv_seg, kv_pos):
+            layouts = {}
+            for name in ("forward", "dq", "dkv"):
+                slots = self.layout_slots.get((t, name))
+                if slots is None:
+                    layouts[name] = None
+                    continue
+                like = self.step_layouts[(t, name)]
+                layouts[name] = BlockLayout(
+                    **{f: read(slot)[0] for f, slot in slots.items()},
+                    bitmaps=None, bitmap_index=None, t_bitmap_index=None,
+                    q_len=like.q_len, kv_len=like.kv_len, block_q=like.block_q,
+                    block_kv=like.block_kv, is_static=like.is_static,
+                )
+            inputs = dict(q_segment_ids=here.get("q_segment_ids"), kv_segment_ids=kv_seg,
+                          q_positions=here.get("q_positions"), kv_positions=kv_pos)
+            step_mask = local_mask(call_mask, layouts, q_len=self.q_len, kv_len=self.kv_len,
+                                   num_heads=self.local_heads, head_offset=head_offset)
+            work = None
+            if self.sched.pairs is None and layouts["forward"] is not None:
+                # Known on the device only: skip a pair this device's layout leaves empty.
+                work = jnp.any(layouts["forward"].classes != EMPTY)
+            elif flags is not None and t in self.partial_steps:
+                work = flags[self.sched.steps.index(t)]
+            return inputs, step_mask, work
+
+        return here, problem
+
+    def _bias_at(self, bias, t):
+        """The bias columns of the kv shard this device holds at step `t`."""
+        if bias is None:
+            return None
+        src = (jax.lax.axis_index(self.seq_axis) - t) % self.n
+        return jax.lax.dynamic_slice_in_dim(bias, src * self.kv_len, self.kv_len, axis=3)
+
+    def _kernel(self, inputs, step_mask):
+        def call(q, k, v, bias):
+            return self.fn(q, k, v, AttentionInputs(bias=bias, **inputs), step_mask,
+                           return_lse=True)
+
+        return call
+
+    def _send(self, tree, shift: int):
+        perm = [(d, (d + shift) % self.n) for d in range(self.n)]
+        return jax.tree.map(lambda x: jax.lax.ppermute(x, self.seq_axis, perm), tree)
+
+    @staticmethod
+    def _when(work, compute, skipped, refs):
+        """`compute()` where this device works at the step, else `skipped` (zeros); both
+        typed alike (`typed_like` of `refs`), as `jax.lax.cond` wants."""
+        if work is None:
+            return compute()
+        return jax.lax.cond(work, lambda: typed_like(compute(), *refs),
+                            lambda: typed_like(skipped, *refs))
+
+    # --------------------------------------------------------------------------------------
+    # The forward ring.
+
+    def _forward(self, q, k, v, bias, aux):
+        """``(out, lse)`` float32 merged over every step, and the kv shards held at the last
+        hop forward and backward (the backward ring starts from them)."""
+        here, problem = self._problems(aux)
+
+        def compute(t, shard):
+            k_t, v_t, kv_seg, kv_pos = shard
+            inputs, step_mask, work = problem(t, kv_seg, kv_pos)
+            bias_t = self._bias_at(bias, t)
+
+            def attend():
+                out, lse = self._kernel(inputs, step_mask)(q, k_t, v_t, bias_t)
+                return out.astype(_F32), lse.astype(_F32)
+
+            shape = q.shape[:3]
+            skipped = (jnp.zeros(shape + (v_t.shape[-1],), _F32),
+                       jnp.full(shape, -jnp.inf, _F32))
+            return self._when(work, attend, skipped, (q, k_t, v_t, bias_t, inputs, work))
+
+        n, steps = self.n, set(self.sched.steps)
+        fwd_hops, back_hops = self.sched.hops
+        shard0 = (k, v, here.get("kv_segment_ids"), here.get("kv_positions"))
+        merge = lambda a, b: _merge(*a, *b)  # noqa: E731
+        # The hops in order: forward along the ring (step t = hop), then backward (n - hop).
+        walk = [(hop, 1) for hop in range(1, fwd_hops + 1)]
+        walk += [(hop, -1) for hop in range(1, back_hops + 1)]
+
+        held = shard0
+        incoming = self._send(shard0, walk[0][1]) if walk else None
+        acc = compute(0, shard0) if 0 in steps else None
+        far = [shard0, shard0]
+        for i, (hop, shift) in enumerate(walk):
+            # This step starts, and the next shard leaves, once the previous step is done:
+            # one transfer overlaps one compute, and at most two shards are held at a time.
+            held = _after(incoming, acc)
+            far[shift < 0] = held
+            if i + 1 < len(walk):
+                following = walk[i + 1]
+                source = _after(shard0, acc) if following[0] == 1 else held
+                incoming = self._send(source, following[1])
+            t = hop if shift > 0 else n - hop
+            if t in steps:
+                acc = _add(acc, compute(t, held), merge)
+        return acc, tuple(far)
+
+    # --------------------------------------------------------------------------------------
+    # The backward ring.
+
+    def _backward(self, residuals, cotangents):
+        """Cotangents of ``(q, k, v, bias)`` from a second ring pass.
+
+        Each step recomputes its partial result with the kernel and pulls back through it
+        (`jax.vjp`): with the step's log-sum-exp ``lse_t`` and the merged ``lse``, its weight
+        in the merged output is ``w = exp(lse_t - lse)``; the cotangents ``w * dO`` for its
+        output and ``w * (rowsum(dO * O_t) - rowsum(dO * O) + dlse)`` for its log-sum-exp
+        make the kernel's backward see ``p = exp(s - lse)`` and ``delta = w * (rowsum(dO *
+        O) - dlse)``, the terms of the merged softmax. The kv shards walk the ring again from
+        the farthest hop inward, each with its dk/dv accumulator, so that the accumulators
+        arrive home with the last hop; steps skipped by the forward are skipped here.
+        """
+        q, k, v, bias, aux, out, lse, far = residuals
+        d_out, d_lse = cotangents
+        here, problem = self._problems(aux)
+        seen = jnp.isfinite(lse)
+        # rowsum(dO * O) - dlse: the merged softmax's diagonal term, per row.
+        delta = (jnp.einsum("bhqe,bhqe->bhq", d_out, out, precision=jax.lax.Precision.HIGHEST)
+                 - jnp.where(seen, d_lse, 0.0))
+
+        def grads(t, shard):
+            k_t, v_t, kv_seg, kv_pos = shard
+            inputs, step_mask, work = problem(t, kv_seg, kv_pos)
+            bias_t = self._bias_at(bias, t)
+
+            def pull():
+                (out_t, lse_t), pullback = jax.vjp(self._kernel(inputs, step_mask),
+                                                   q, k_t, v_t, bias_t)
+                w = jnp.where(seen, jnp.exp(lse_t.astype(_F32) - jnp.where(seen, lse, 0.0)),
+                              0.0)
+                own = jnp.einsum("bhqe,bhqe->bhq", d_out, out_t.astype(_F32),
+                                 precision=jax.lax.Precision.HIGHEST)
+                dq, dk, dv, dbias = pullback(((w[..., None] * d_out).astype(out_t.dtype),
+                                              w * (own - delta)))
+                dbias = None if dbias is None else dbias.astype(_F32)
+                return dq.astype(_F32), (dk.astype(_F32), dv.astype(_F32)), dbias
+
+            zeros = lambda x: None if x is None else jnp.zeros(x.shape, _F32)  # noqa: E731
+            skipped = (zeros(q), (zeros(k_t), zeros(v_t)), zeros(bias_t))
+            return self._when(work, pull, skipped, (q, k_t, v_t, bias_t, inputs, work, d_out,
+                                                    lse))
+
+        n, steps = self.n, set(self.sched.steps)
+        fwd_hops, back_hops = self.sched.hops
+        shard0 = (k, v, here.get("kv_segment_ids"), here.get("kv_positions"))
+        # dq and dbias stay on the device, summed step by step.
+        local = typed_like((jnp.zeros(q.shape, _F32),
+                            None if bias is None else jnp.zeros(bias.shape, _F32)),
+                           q, k, v, bias, d_out)
+
+        def walk(start, hops, shift, step_of, local):
+            """Hops `hops` down to 1 (0: the own shard, when `shift` is -1). K/V and the
+            accumulator of the shard a device holds move one device by `shift` per hop, so
+            after the walk each accumulator is on the device that held its shard at hop 1
+            (0). Returns that accumulator (``None`` if no step contributed) and `local`."""
+            shard, acc = start, None
+            for hop in range(hops, -1 if shift < 0 else 0, -1):
+                # The accumulator of the shard held now comes from the neighbour while this
+                # step computes.
+                incoming = None if acc is None else self._send(acc, shift)
+                # This step starts, and the next shard leaves, once the previous step is
+                # done (as in the forward).
+                shard = _after(shard0 if hop == 0 else shard, local[0])
+                following = self._send(shard, shift) if hop >= 2 else None
+                part = None
+                t = step_of(hop)
+                if t in steps:
+                    dq, part, dbias = grads(t, shard)
+                    dq_sum, dbias_sum = local
+                    if dbias_sum is not None:  # the columns of the shard held at step t
+                        src = (jax.lax.axis_index(self.seq_axis) - t) % n
+                        dbias_sum = jax.lax.dynamic_update_slice_in_dim(
+                            dbias_sum, dbias, src * self.kv_len, axis=3)
+                    local = (dq_sum + dq, dbias_sum)
+                acc = _add(incoming, part, _sum)
+                shard = following
+            return acc, local
+
+        # The backward-hop steps first: their accumulators' last hop home overlaps the
+        # forward-hop steps' compute.
+        home = None
+        if back_hops:
+            last, local = walk(far[1], back_hops, 1, lambda hop: n - hop, local)
+            home = None if last is None else self._send(last, 1)
+        dkv, (dq, dbias) = walk(far[0], fwd_hops, -1, lambda hop: hop, local)
+        dkv = _add(dkv, home, _sum)
+        if dkv is None:
+            dkv = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
+        cts = (dq, *dkv, dbias)
+        cts = typed_like(cts, q, k, v, bias)
+        return (*(None if c is None else c.astype(x.dtype)
+                  for c, x in zip(cts, (q, k, v, bias))), None)
+
+    def attend(self, q, k, v, bias, aux):
+        """``(out, lse)`` float32 of this device's queries over the whole kv sequence."""
+
+        @jax.custom_vjp
+        def ring(q, k, v, bias, aux):
+            return self._forward(q, k, v, bias, aux)[0]
+
+        def ring_fwd(q, k, v, bias, aux):
+            (out, lse), far = self._forward(q, k, v, bias, aux)
+            return (out, lse), (q, k, v, bias, aux, out, lse, far)
+
+        ring.defvjp(ring_fwd, self._backward)
+        return ring(q, k, v, bias, aux)
 
 
 class RingAttention(AbstractSharding):
@@ -288,12 +607,8 @@ class RingAttention(AbstractSharding):
             local_heads = heads // axis_size(mesh, h_axis)
             sched = self.schedule(mask, inputs)
             order = sched.order
-            q_order = _token_order(order, n, q_len)
             k_order = _token_order(order, n, kv_len)
             permute = order != "contiguous"
-
-            def along(x, axis, idx):
-                return x if not permute or x is None else jnp.take(x, idx, axis=axis)
 
             # Global positions travel with the tokens, so every shard's mask is the call's.
             q_pos, kv_pos = inputs.q_positions, inputs.kv_positions
@@ -305,18 +620,18 @@ class RingAttention(AbstractSharding):
                                           (batch, kv_len))
             bias = inputs.bias
             if bias is not None:
-                bias = along(along(bias, 2, q_order), 3, k_order)
+                # Every device keeps all key columns: their order is a local gather. The
+                # sequence axes are reordered inside the shard_map (`_to_zigzag`).
+                bias = bias if not permute else jnp.take(bias, k_order, axis=3)
             sharded = AttentionInputs(
-                bias=bias, sinks=inputs.sinks,
-                q_segment_ids=along(inputs.q_segment_ids, 1, q_order),
-                kv_segment_ids=along(inputs.kv_segment_ids, 1, k_order),
-                q_positions=along(q_pos, 1, q_order), kv_positions=along(kv_pos, 1, k_order),
+                bias=bias, sinks=inputs.sinks, q_segment_ids=inputs.q_segment_ids,
+                kv_segment_ids=inputs.kv_segment_ids, q_positions=q_pos, kv_positions=kv_pos,
             )
             ops = Operands(mesh)
-            q_slot = ops.add(along(query, 2, q_order), P(b_axis, h_axis, s_axis, None))
+            q_slot = ops.add(query, P(b_axis, h_axis, s_axis, None))
             kv_spec = P(b_axis, h_axis if split_kv else None, s_axis, None)
-            k_slot = ops.add(along(key, 2, k_order), kv_spec)
-            v_slot = ops.add(along(value, 2, k_order), kv_spec)
+            k_slot = ops.add(key, kv_spec)
+            v_slot = ops.add(value, kv_spec)
             data = split_inputs(ops, sharded, batch=batch, heads=heads, batch_axis=b_axis,
                                 head_axis=h_axis, q_axis=s_axis, kv_axis=s_axis)
             step_layouts = self._step_layouts(mask, order, sched.steps)
@@ -342,107 +657,49 @@ class RingAttention(AbstractSharding):
             pred_slots = [ops.add(x, P(), constant_ok=True) for x in jax.tree.leaves(arrays)]
             q_local, kv_local = q_len // n, kv_len // n
 
+            device_ring = _DeviceRing(
+                fn=fn, ops=ops, sched=sched, n=n, seq_axis=s_axis, data=data,
+                step_layouts=step_layouts, layout_slots=layout_slots, flags_slot=flags_slot,
+                partial_steps=frozenset(partial_steps), pred_slots=pred_slots, arrays=arrays,
+                rest=rest, mask=mask, q_len=q_len // n, kv_len=kv_len // n,
+                local_heads=local_heads, head_offset=lambda: local_head_offset(h_axis,
+                                                                               local_heads),
+            )
+            diff_slots = {q_slot, k_slot, v_slot, data.get("bias")}
+
+            # The operands split along the sequence, and that axis.
+            seq_dims = {q_slot: 2, k_slot: 2, v_slot: 2, data.get("bias"): 2}
+            seq_dims.update({data.get(name): 1 for name in (
+                "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")})
+
             def body(*local):
+                if permute:  # contiguous slices in, zig-zag slices on the devices
+                    local = [_to_zigzag(x, seq_dims[slot], n, s_axis) if slot in seq_dims else x
+                             for (slot, _), x in zip(ops.arrays, local)]
                 read = ops.reader(list(local))
                 q, k, v = read(q_slot), read(k_slot), read(v_slot)
                 k, v = local_kv(k, v, split=split_kv, head_axis=h_axis, heads=heads,
                                 kv_heads=kv_heads, local_heads=local_heads)
-                here = {name: read(slot) for name, slot in data.items()}
-                pred = jax.tree.unflatten(jax.tree.structure(arrays),
-                                          [read(s) for s in pred_slots])
-                call_mask = eqx.tree_at(lambda m: m.predicate, mask, eqx.combine(pred, rest))
-                head_offset = local_head_offset(h_axis, local_heads)
-                me = jax.lax.axis_index(s_axis)
-                flags = None if flags_slot is None else read(flags_slot)[0]
-
-                def compute(t, shard):
-                    k_t, v_t, kv_seg, kv_pos = shard
-                    layouts = {}
-                    for name in ("forward", "dq", "dkv"):
-                        slots = layout_slots.get((t, name))
-                        if slots is None:
-                            layouts[name] = None
-                            continue
-                        like = step_layouts[(t, name)]
-                        layouts[name] = BlockLayout(
-                            **{f: read(slot)[0] for f, slot in slots.items()},
-                            bitmaps=None, bitmap_index=None, t_bitmap_index=None,
-                            q_len=like.q_len, kv_len=like.kv_len, block_q=like.block_q,
-                            block_kv=like.block_kv, is_static=like.is_static,
-                        )
-                    bias_t = here.get("bias")
-                    if bias_t is not None:
-                        src = (me - t) % n
-                        bias_t = jax.lax.dynamic_slice_in_dim(bias_t, src * kv_local, kv_local,
-                                                              axis=3)
-                    step_inputs = AttentionInputs(
-                        bias=bias_t, q_segment_ids=here.get("q_segment_ids"),
-                        kv_segment_ids=kv_seg, q_positions=here.get("q_positions"),
-                        kv_positions=kv_pos,
-                    )
-                    step_mask = local_mask(call_mask, layouts, q_len=q_local, kv_len=kv_local,
-                                           num_heads=local_heads, head_offset=head_offset)
-
-                    def attend():
-                        out, lse = fn(q, k_t, v_t, step_inputs, step_mask, return_lse=True)
-                        return out.astype(_F32), lse.astype(_F32)
-
-                    if sched.pairs is None and layouts["forward"] is not None:
-                        # Known on the device only: skip a pair this device's layout leaves empty.
-                        work = jnp.any(layouts["forward"].classes != EMPTY)
-                    elif flags is not None and t in partial_steps:
-                        work = flags[sched.steps.index(t)]
-                    else:
-                        return attend()
-
-                    def skip():
-                        shape = q.shape[:3]
-                        out = jnp.zeros(shape + (v_t.shape[-1],), _F32)
-                        lse = jnp.full(shape, -jnp.inf, _F32)
-                        return typed_like((out, lse), q, k_t, v_t, step_inputs, flags)
-
-                    return jax.lax.cond(work, attend, skip)
-
-                shard0 = (k, v, here.get("kv_segment_ids"), here.get("kv_positions"))
-                steps = set(sched.steps)
-                fwd_hops, back_hops = sched.hops
-
-                def send(shard, shift):
-                    perm = [(d, (d + shift) % n) for d in range(n)]
-                    return jax.tree.map(lambda x: jax.lax.ppermute(x, s_axis, perm), shard)
-
-                # Issue each transfer before the compute it overlaps with.
-                ahead = send(shard0, 1) if fwd_hops else None
-                behind = send(shard0, -1) if back_hops else None
-                acc = compute(0, shard0) if 0 in steps else None
-
-                def add(acc, part):
-                    return part if acc is None else _merge(*acc, *part)
-
-                for hop in range(1, fwd_hops + 1):
-                    current = ahead
-                    ahead = send(current, 1) if hop < fwd_hops else None
-                    if hop in steps:
-                        acc = add(acc, compute(hop, current))
-                for hop in range(1, back_hops + 1):
-                    current = behind
-                    behind = send(current, -1) if hop < back_hops else None
-                    if (n - hop) in steps:
-                        acc = add(acc, compute(n - hop, current))
-                if acc is None:  # nothing visible anywhere
-                    out = jnp.zeros(q.shape[:3] + (v.shape[-1],), _F32)
-                    return typed_like(out, q, k, v).astype(q.dtype)
-                out, lse = acc
-                if here.get("sinks") is not None:
+                bias, sinks = read(data.get("bias")), read(data.get("sinks"))
+                if not sched.steps:  # nothing visible anywhere
+                    out = jnp.zeros(q.shape[:3] + (v.shape[-1],), q.dtype)
+                    return typed_like(out, q, k, v, bias)
+                # The rest of the operands (never differentiated), with the four above left out.
+                aux = [None if slot in diff_slots else x
+                       for (slot, _), x in zip(ops.arrays, local)]
+                # One type for the differentiated operands: the ring's backward gives each
+                # cotangent that type, and autodiff sums where an input is shared by devices.
+                diff = typed_like((q, k, v, bias), q, k, v, bias)
+                out, lse = device_ring.attend(*diff, aux)
+                if sinks is not None:
                     # Sinks join each row's denominator once, after every shard is merged.
-                    out, _ = add_sinks(out, lse, here["sinks"])
-                return out.astype(q.dtype)
+                    out, _ = add_sinks(out, lse, sinks)
+                out = out.astype(q.dtype)
+                return _from_zigzag(out, 2, n, s_axis) if permute else out
 
             out_spec = P(b_axis, h_axis, s_axis, None)
             out = jax.shard_map(body, mesh=mesh, in_specs=tuple(ops.specs),
                                 out_specs=out_spec)(*ops.inputs())
-            if permute:
-                out = take_along(out, np.argsort(q_order), 2, mesh, out_spec)
             return out
 
         return run
