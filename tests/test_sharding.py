@@ -399,3 +399,64 @@ else:
         assert choice.kernel.name == "xla"
         assert [(name, "log-sum-exp" in why) for name, why in choice.declined] == [
             ("no-lse-test", True)]
+
+    # ---------------------------------------------------------------------------------------
+    # Long shards: the kernel's chunked loops inside the ring, and memory set by the shard.
+
+    def test_ring_through_chunked_kernel_loops(monkeypatch):
+        """With a small chunk bound every kernel loop of the ring runs in chunks (as a shard of
+        32768 tokens does at the default bound): outputs and gradients match unsharded."""
+        from eqx_bsattn.strategies.kernels import xla
+
+        monkeypatch.setattr(xla, "_SLOT_ELEMENTS", 1 << 9)
+        xla._attention_fn.cache_clear()
+        try:
+            mask, extra = ring_case("document")
+            q, k, v = random_inputs(11, batch=2, heads=4, kv_heads=2, q_len=L)
+            compare(module(mask, "XlaBlockSparse"),
+                    module(mask, "XlaBlockSparse", ring("1d")), (q, k, v), extra)
+        finally:
+            xla._attention_fn.cache_clear()
+
+    def ring_grad_compiled(devices, length, case, *, grad=True):
+        """`jit(grad)` (or `jit` of the call) of `XlaBlockSparse` in a ring over the first
+        `devices` devices, B=1, H=2, D=64, float32, inputs sharded P(None, None, 'seq',
+        None); compiled, never run."""
+        mesh = jax.make_mesh((devices,), ("seq",), axis_types=(AxisType.Auto,),
+                             devices=jax.devices()[:devices])
+        mask = {"causal": masks.Causal(), "window": masks.Causal() & masks.SlidingWindow(4096),
+                "documents": masks.Causal()}[case]
+        attn = bsa.BlockSparseAttention(mask=mask, kernel=kernels.XlaBlockSparse(),
+                                        sharding=sharding.RingAttention(mesh, "seq"))
+        x = jax.ShapeDtypeStruct((1, 2, length, 64), jnp.float32,
+                                 sharding=NamedSharding(mesh, P(None, None, "seq", None)))
+        seg = jax.ShapeDtypeStruct((1, length), jnp.int32,
+                                   sharding=NamedSharding(mesh, P(None, "seq")))
+
+        def loss(q, k, v, seg):
+            kw = dict(q_segment_ids=seg, kv_segment_ids=seg) if case == "documents" else {}
+            return jnp.sum(attn(q, k, v, **kw))
+
+        fn = jax.grad(loss, argnums=(0, 1, 2)) if grad else loss
+        return jax.jit(fn).lower(x, x, x, seg).compile()
+
+    @pytest.mark.slow
+    def test_ring_compiles_with_long_shards():
+        """Two devices, 65536 tokens: shards of 32768 take the kernel's chunked loops, whose
+        carries must be typed like their inputs inside shard_map."""
+        assert ring_grad_compiled(2, 65536, "causal").memory_analysis() is not None
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("case", ["causal", "window", pytest.param("documents", marks=(
+        pytest.mark.xfail(strict=True, reason="a layout built from segment ids is built for "
+                          "the whole call before the ring cuts it: its block lists grow with "
+                          "(L / tile)^2 on every device (docs/sharding.md, Limits)")))])
+    def test_ring_memory_is_set_by_the_shard(case):
+        """Per-device temporaries of jit(grad) at a shard of 16384 tokens: within 1.25x from 2
+        to 8 devices, and within 8x one shard's q, k, v and output (docs/sharding.md)."""
+        shard = 16384
+        temps = {n: ring_grad_compiled(n, n * shard, case).memory_analysis().temp_size_in_bytes
+                 for n in (2, 8)}
+        qkvo = 4 * 2 * shard * 64 * 4
+        assert temps[8] <= 1.25 * temps[2], temps
+        assert max(temps.values()) <= 8 * qkvo, (temps, qkvo)

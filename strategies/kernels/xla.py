@@ -257,6 +257,19 @@ def _chunk_width(sizes: tuple[int, ...], block_elements: int) -> int:
     return max(1, _SLOT_ELEMENTS // per_block)
 
 
+def _carry_like(value, *refs):
+    """A loop's initial carry (fresh zeros or ``-inf``) typed like `refs` (`typed_like`: inside
+    `jax.shard_map` a carry must vary over the mesh axes its inputs vary over) and computed
+    from their data: a zero made from one element of each (``0 * (x != x)``: never NaN, and
+    not foldable), so that XLA builds it when this call runs. A constant carry would be one
+    buffer that XLA copies up front for every call of the program (a ring's steps then each
+    hold one for the whole ring)."""
+    leaves = [x for x in jax.tree.leaves(refs) if x is not None and x.size]
+    zero = sum(((x.reshape(-1)[0] != x.reshape(-1)[0]).astype(_F32) * 0.0 for x in leaves),
+               jnp.zeros((), _F32))
+    return jax.tree.map(lambda c: c + zero.astype(c.dtype), typed_like(value, *refs))
+
+
 def _by_chunks(run, n: int, width: int, lists, rows, block_rows: int, like):
     """``run(lists, rows, block_ids)`` on chunks of at most `width` of the `n` blocks, one
     chunk after another; outputs (in levels) are joined along axis 3, the block level.
@@ -265,8 +278,8 @@ def _by_chunks(run, n: int, width: int, lists, rows, block_rows: int, like):
     `_kv_rows`) with `block_rows` rows per block, sliced along axis 2. Each chunk is sliced out
     of the inputs and written into the outputs in place, so no input is copied (unless padded
     to whole chunks: padding blocks are computed and dropped). `like`: every input `run`
-    reads, closed over or not; the loop's output buffers take their type inside `shard_map`
-    (`typed_like`), since each chunk's output varies over the mesh axes they vary over."""
+    reads, closed over or not; the loop's output buffers are built from them (`_carry_like`),
+    since each chunk's output varies over the mesh axes they vary over."""
     chunks = math.ceil(n / width)
     if chunks <= 1:
         return run(lists, rows, jnp.arange(n, dtype=jnp.int32))
@@ -291,7 +304,7 @@ def _by_chunks(run, n: int, width: int, lists, rows, block_rows: int, like):
     shapes = jax.eval_shape(one_chunk, 0)
     out = jax.tree.map(
         lambda x: jnp.zeros(x.shape[:3] + (total,) + x.shape[4:], x.dtype), shapes)
-    out = typed_like(out, lists, rows, like)
+    out = _carry_like(out, lists, rows, like)
     out = jax.lax.fori_loop(0, chunks, step, out)
     return jax.tree.map(lambda x: x[:, :, :, :n], out)
 
@@ -362,7 +375,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
         lead = (batch, kv_heads, units, block_ids.shape[0], g, bq)
         carry = (jnp.full(lead, -jnp.inf, _F32), jnp.zeros(lead, _F32),
                  jnp.zeros(lead + (value_dim,), _F32))
-        carry = typed_like(carry, q, k, v, bias, aux)
+        carry = _carry_like(carry, q, k, v, bias, aux)
         carry = run_list(arr_c, q_c, cfg.fwd_trips[0], fc, fi, False, carry)
         m, l, acc = run_list(arr_c, q_c, cfg.fwd_trips[1], pc, pi, True, carry)
         # Each chunk normalises its own rows: the output leaves the loop as a plain array, not
@@ -461,7 +474,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
         if bias is not None:
             ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32)
         carry = (jnp.zeros(lead + (q.shape[-1],), _F32), ds_buf)
-        carry = typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
+        carry = _carry_like(carry, q, k, v, bias, aux, d_out, lse, delta)
         carry = run_list(*sides, cfg.dq_trips[0], fc, fi, False, 0, carry)
         dq, ds_buf = run_list(*sides, cfg.dq_trips[1], pc, pi, True, cf, carry)
         # The slot axis last, so that the block level is axis 3 as `_by_chunks` joins it.
@@ -545,7 +558,7 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
         arr_c = _in_chunk(arr, block_ids)
         lead = (batch, kv_heads, units, block_ids.shape[0], bk)
         carry = (jnp.zeros(lead + (k.shape[-1],), _F32), jnp.zeros(lead + (v.shape[-1],), _F32))
-        carry = typed_like(carry, q, k, v, bias, aux, d_out, lse, delta)
+        carry = _carry_like(carry, q, k, v, bias, aux, d_out, lse, delta)
         carry = run_list(arr_c, k_c, v_c, cfg.dkv_trips[0], fc, fi, False, carry)
         return run_list(arr_c, k_c, v_c, cfg.dkv_trips[1], pc, pi, True, carry)
 
