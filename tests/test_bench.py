@@ -36,3 +36,32 @@ def test_bench_times_every_kernel_and_records_the_environment(tmp_path, capsys):
 def test_unknown_kernel_is_refused():
     with pytest.raises(SystemExit, match="unknown kernel 'Nope'"):
         bench.main(["--kernels", "Nope", "--lengths", "128"])
+
+
+def _ring_scaling():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ring_scaling.py"
+    spec = importlib.util.spec_from_file_location("ring_scaling", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ring_scaling_script_prints_its_table(tmp_path, capsys):
+    """benchmarks/ring_scaling.py runs, reads rates from a JSON, and its numbers follow the
+    model: sent bytes and hop times from the shard, compute from the rates."""
+    scaling = _ring_scaling()
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps({"forward_tflops": 100.0, "forward_backward_tflops": 50.0}))
+    scaling.main(["--rates", str(rates), "--lengths", "1048576", "--devices", "8", "1024"])
+    out = capsys.readouterr().out
+    assert "| 1,048,576 | 8 | 131,072 |" in out and "| 1,048,576 | 1024 | 1,024 |" in out
+    assert str(rates) in out and "Head sharding" in out
+    step = scaling.ring_step(2**20, 8, heads=32, kv_heads=32, dim=128,
+                             rates={"forward_tflops": 100.0, "forward_backward_tflops": 50.0})
+    assert step["sent_fwd"] == 2 * 32 * 131072 * 128 * 2
+    assert step["fwd_s"] == pytest.approx(4 * 32 * 131072**2 * 128 * 0.5 / 100e12)
+    assert step["bwd_s"] == pytest.approx(3.5 * 4 * 32 * 131072**2 * 128 * 0.5 / 50e12)
+    assert step["hop_fwd_IB"] == pytest.approx(step["sent_fwd"] / 50e9)
