@@ -421,8 +421,12 @@ class RingAttention(AbstractSharding):
     At ring step ``t`` device ``d`` attends with its queries to the keys and values of device
     ``(d - t) mod n`` and merges the partial result into its own by log-sum-exp (so the
     kernel must return it: `AbstractKernel.returns_lse`); the transfer for the next step is
-    issued before the current step's compute, so the two can overlap. The backward pass is
-    the same ring run backwards by autodiff: dk/dv travel home by the inverse `ppermute`.
+    issued before the current step's compute, so the two can overlap, and after the step
+    before it, so a device holds two kv shards at a time. The backward pass is a ring of its
+    own (a `jax.custom_vjp`): the forward saves the device's shards, the merged output and
+    log-sum-exp; the kv shards walk the ring again with their dk/dv accumulators, which
+    arrive home with the last hop, and each step pulls back through the kernel. Memory per
+    device is set by the shard, not by the number of devices.
 
     Sparsity: a step that is empty for every device (no visible pair, decided at trace time
     from a block layout of the mask) is neither computed nor sent; a step empty for some
