@@ -446,17 +446,27 @@ else:
         carries must be typed like their inputs inside shard_map."""
         assert ring_grad_compiled(2, 65536, "causal").memory_analysis() is not None
 
+    _LAYOUT_GATHERED = pytest.mark.xfail(strict=True, reason=(
+        "the class matrix of a layout built from segment ids is built for the whole call "
+        "before the ring cuts it, and gathered on every device: (L / tile)^2 bytes"))
+    _PACKING = pytest.mark.xfail(strict=True, reason=(
+        "XLA packs the buffers of the 8-device forward less tightly: the largest set live at "
+        "once grows 1.2x, the allocation 1.7x (docs/sharding.md)"))
+
     @pytest.mark.slow
-    @pytest.mark.parametrize("case", ["causal", "window", pytest.param("documents", marks=(
-        pytest.mark.xfail(strict=True, reason="a layout built from segment ids is built for "
-                          "the whole call before the ring cuts it: its block lists grow with "
-                          "(L / tile)^2 on every device (docs/sharding.md, Limits)")))])
-    def test_ring_memory_is_set_by_the_shard(case):
-        """Per-device temporaries of jit(grad) at a shard of 16384 tokens: within 1.25x from 2
-        to 8 devices, and within 8x one shard's q, k, v and output (docs/sharding.md)."""
+    @pytest.mark.parametrize("case, grad", [
+        ("causal", True), ("window", True), ("window", False),
+        pytest.param("causal", False, marks=_PACKING),
+        pytest.param("documents", True, marks=_LAYOUT_GATHERED),
+        pytest.param("documents", False, marks=_LAYOUT_GATHERED),
+    ])
+    def test_ring_memory_is_set_by_the_shard(case, grad):
+        """Per-device temporaries of jit(grad) (forward and backward) and of the forward alone
+        at a shard of 16384 tokens: within 1.25x from 2 to 8 devices, and within 8x one
+        shard's q, k, v and output (docs/sharding.md)."""
         shard = 16384
-        temps = {n: ring_grad_compiled(n, n * shard, case).memory_analysis().temp_size_in_bytes
-                 for n in (2, 8)}
+        temps = {n: ring_grad_compiled(n, n * shard, case, grad=grad)
+                 .memory_analysis().temp_size_in_bytes for n in (2, 8)}
         qkvo = 4 * 2 * shard * 64 * 4
         assert temps[8] <= 1.25 * temps[2], temps
         assert max(temps.values()) <= 8 * qkvo, (temps, qkvo)
