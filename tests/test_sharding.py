@@ -283,6 +283,18 @@ else:
         reorder = 0 if sched.order == "contiguous" else 2 * (2 * sent - 1 + 1)  # + output
         assert str(jaxpr).count("ppermute") == sent * sum(sched.hops) + reorder
 
+        # The backward ring: the same steps once more, and along the same hops the shards
+        # (from the farthest inward: one fewer hop each way) and their dk/dv accumulators
+        # (every hop, the last one home); the reorder's transpose for q, k, v and the output.
+        calls.clear()
+        grad_jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v: strategy.wrap(counting)(
+            q, k, v, plan.inputs, plan.mask).sum(), argnums=(0, 1, 2)))(q, k, v)
+        assert len(calls) == 2 * len(sched.steps)
+        fwd, back = sched.hops
+        backward = (sent * (max(fwd - 1, 0) + max(back - 1, 0)) + 2 * (fwd + back)
+                    + (0 if sched.order == "contiguous" else 2 * 4))
+        assert str(grad_jaxpr).count("ppermute") == str(jaxpr).count("ppermute") + backward
+
     # ---------------------------------------------------------------------------------------
     # The seed-style door and errors.
 
