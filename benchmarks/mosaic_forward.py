@@ -108,14 +108,15 @@ def errors(cases=None, backwards=tuple(MODES)) -> list[dict]:
     return records
 
 
-def speed(lengths, batch, heads, dim, reps, backward, only=None, soft_cap=None, sinks=0):
+def speed(lengths, batch, heads, dim, reps, backward, only=None, soft_cap=None, sinks=0,
+          patterns=("causal", "window", "document")):
     dtype = jnp.bfloat16
     extras = {}
     if sinks:
         extras["sinks"] = jax.random.normal(jax.random.key(1), (heads, sinks), jnp.float32)
     rows = []
     for length in lengths:
-        for name in ("causal", "window", "document"):
+        for name in patterns:
             mask, data = pattern(name, length, window=1024)
             pairs = visible_pairs(mask, length, length, data.get("q_segment_ids"))
             flops = 4.0 * batch * heads * dim * pairs
@@ -200,6 +201,8 @@ def main():
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--soft-cap", type=float, default=None, help="logits soft cap (no cuDNN)")
     p.add_argument("--sinks", type=int, default=0, help="sinks a head (no cuDNN)")
+    p.add_argument("--patterns", nargs="+", default=["causal", "window", "document"],
+                   choices=["causal", "window", "document"])
     p.add_argument("--out", default=None, help="write the records as JSON here")
     args = p.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
@@ -209,7 +212,8 @@ def main():
         result["errors"] = errors(args.cases, args.backwards)
     if not args.skip_speed:
         result["speed"] = speed(args.lengths, args.batch, args.heads, args.dim, args.reps,
-                                not args.forward_only, args.impls, args.soft_cap, args.sinks)
+                                not args.forward_only, args.impls, args.soft_cap, args.sinks,
+                                args.patterns)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

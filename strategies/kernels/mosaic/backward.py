@@ -59,13 +59,22 @@ class BackwardConfig(AttentionShape):
     #: bit-identical from run to run, the dq kernel and the dk/dv kernel apart.
     single_pass: bool = True
 
+    @property
+    def dq_columns(self) -> int:
+        """Head-dim columns of dq each compute warpgroup of the single pass adds per block: at
+        D >= 128 the two split the columns (each over both warpgroups' keys, so a block's dq
+        partial is added once); below, each adds all columns over its own keys (a 32-column
+        half would not be a whole 128-byte swizzle row)."""
+        return self.head_dim // COMPUTE_WARPGROUPS if self.head_dim >= 128 else self.head_dim
+
     def stages(self, streamed_rows: int, fused: bool = False) -> int:
         """Ring depth for two streamed tiles of `streamed_rows` next to four own 64-row tiles
-        (and, `fused`, each compute warpgroup's dS tile and float32 dq stage)."""
+        (and, `fused`, the double-buffered dS tiles and each warpgroup's float32 dq stage)."""
         d = self.head_dim
         fixed = 4 * ROWS_PER_WARPGROUP * d * 2
         if fused:
-            fixed += COMPUTE_WARPGROUPS * streamed_rows * (ROWS_PER_WARPGROUP * 2 + d * 4)
+            fixed += COMPUTE_WARPGROUPS * streamed_rows * (
+                2 * ROWS_PER_WARPGROUP * 2 + self.dq_columns * 4)
         return ring_stages(fixed, 2 * streamed_rows * d * 2)
 
     def probabilities(self, s, dp, lse, delta, vis=None):
@@ -228,8 +237,9 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
 
     With `dq_accumulator` (a zeroed float32 `jax.Ref` of `dq_accumulator_shape`) the pass is the
     whole backward: each block's dS also goes to shared memory (16-bit) for a fifth product,
-    the block's dq partial ``dS K`` (unscaled), which is staged in shared memory in float32
-    and added into the accumulator by TMA's bulk reduce-add. The order of those additions
+    the block's dq partial ``dS K`` (unscaled; `BackwardConfig.dq_columns` says how the two
+    compute warpgroups share it), which is staged in shared memory in float32 and added into
+    the accumulator by TMA's bulk reduce-add. The order of those additions
     varies between runs, so the sum does too, in its last bits."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -239,6 +249,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     bq = cfg.dkv_block_q
     fused = dq_accumulator is not None
     stages = cfg.stages(bq, fused)
+    dq_cols = cfg.dq_columns
+    split = dq_cols < d
     group = cfg.group
     num_tiles = cfg.kv_len // BLOCK_OWN
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
@@ -246,7 +258,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref, fidx_ref, pcnt_ref,
              pidx_ref, qseg_ref, kseg_ref, *refs):
         if fused:
-            dq_ref, dk_ref, dv_ref, (*scoped, (ds_own, dq_stage)) = refs
+            dq_ref, dk_ref, dv_ref, (*scoped, (ds_own, dq_stage, ds_ready)) = refs
         else:
             dk_ref, dv_ref, scoped = refs
         (k_own, v_own, q_ring, do_ring), (k_ready, v_ready, q_ready, do_ready), \
@@ -274,20 +286,34 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
             plgpu.barrier_wait(k_ready.at[wg])
             plgpu.barrier_wait(v_ready.at[wg])
 
-            def add_dq_partial(ds_t, cols):
-                """dq[cols] += dS K for this warpgroup's keys (its fifth product)."""
-                ds_smem, stage = ds_own.at[wg], dq_stage.at[wg]
-                ds_smem[...] = ds_t
+            def add_dq_partial(ds_t, it, cols):
+                """dq[cols] += dS K, the fifth product: at D >= 128 this warpgroup's half of
+                the columns over both warpgroups' keys (their dS tiles meet in shared
+                memory, double-buffered: a tile is rewritten two blocks on, after both
+                warpgroups passed the next block's barrier), else all columns over its own
+                keys."""
+                slot = lax.rem(it, 2)
+                ds_own.at[slot, wg][...] = ds_t
                 plgpu.commit_smem()
-                dq_part = ops.product_transposed_a((bq, d), ds_smem, k_smem)
-                # The previous block's reduce-add has read its stage before it is rewritten.
+                if split:
+                    plgpu.barrier_arrive(ds_ready.at[slot])
+                    plgpu.barrier_wait(ds_ready.at[slot])
+                    columns = pl.ds(wg * dq_cols, dq_cols)
+                    pairs = [(ds_own.at[slot, w], k_own.at[w, :, columns])
+                             for w in range(COMPUTE_WARPGROUPS)]
+                else:
+                    columns = pl.ds(0, d)
+                    pairs = [(ds_own.at[slot, wg], k_smem)]
+                dq_part = ops.sum_of_products_transposed_a((bq, dq_cols), pairs)
+                # The previous block's reduce-add has read the stage before it is rewritten.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                stage = dq_stage.at[wg]
                 stage[...] = dq_part
                 plgpu.commit_smem()
                 # In the interpreter each (kv tile, warpgroup) has its own slice of the
                 # accumulator (`dq_accumulator_shape`): it has no atomic reduce-add.
                 target = dq_ref.at[tile * COMPUTE_WARPGROUPS + wg] if ops.interpreted else dq_ref
-                ops.add_to_gmem(stage, target.at[b, h, cols])
+                ops.add_to_gmem(stage, target.at[b, h, cols, columns])
 
             def step(it, carry, masked):
                 dk, dv = carry
@@ -316,7 +342,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 plgpu.barrier_arrive(q_free.at[slot])
                 plgpu.barrier_arrive(do_free.at[slot])
                 if fused:
-                    add_dq_partial(ds_t, cols)
+                    add_dq_partial(ds_t, it, cols)
                 return dk, dv
 
             zeros = ops.cast(jnp.zeros((bk, d), jnp.float32), ops.wgmma_layout)
@@ -341,8 +367,9 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     operands = (q, k, v, do, lse, delta, t_full_count, t_full_index, t_partial_count,
                 t_partial_index, qseg, kseg)
     if fused:
-        scratch = (*scratch, (swizzled((COMPUTE_WARPGROUPS, bk, bq), dtype),
-                              swizzled((COMPUTE_WARPGROUPS, bq, d), jnp.float32)))
+        scratch = (*scratch, (swizzled((2, COMPUTE_WARPGROUPS, bk, bq), dtype),
+                              swizzled((COMPUTE_WARPGROUPS, bq, dq_cols), jnp.float32),
+                              plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2)))
         operands = (*operands, dq_accumulator)
     grads = jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.kv_len, d), dtype)
     return _launch(cfg, body, scratch, "kv_tiles", num_tiles, (grads, grads), operands,

@@ -149,16 +149,18 @@ class Ops:
 
         return pl.run_scoped(issue, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
 
-    def product_transposed_a(self, shape, a, b):
-        """A fresh float32 product ``a.T @ b`` of `shape` for smem refs `a` ``[K, M]`` and `b`
-        ``[K, N]``."""
+    def sum_of_products_transposed_a(self, shape, pairs):
+        """A fresh float32 sum ``sum a.T @ b`` of `shape` over `pairs` of smem refs `a`
+        ``[K, M]`` and `b` ``[K, N]``, issued as one wgmma group into one accumulator."""
         if self.interpreted:
-            return jnp.dot(a[...].T, b[...], preferred_element_type=jnp.float32)
+            return sum(jnp.dot(a[...].T, b[...], preferred_element_type=jnp.float32)
+                       for a, b in pairs)
         import jax.experimental.pallas as pl
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         def issue(acc):
-            plgpu.wgmma(acc, a.transpose((1, 0)), b)
+            for a, b in pairs:
+                plgpu.wgmma(acc, a.transpose((1, 0)), b)
             return acc[...]
 
         return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32))
