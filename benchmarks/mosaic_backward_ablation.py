@@ -1,6 +1,7 @@
 """Where the single-pass Mosaic backward's time goes, by ablation: forward+backward TF/s of
-`MosaicBlockSparse` as it is, then with parts of its dq path left out (their results are
-wrong: timing only), next to the deterministic two-kernel backward and cuDNN, in one process.
+`MosaicBlockSparse(deterministic=False)` as it is, then with parts of its dq path left out
+(their results are wrong: timing only), next to the default deterministic two-kernel backward
+and cuDNN, in one process.
 
 - ``no reduce-add``: each block's dq partial is computed and staged, but not added to dq.
 - ``no dq product``: neither the fifth product nor its stage and reduce-add (dS still goes
@@ -51,12 +52,12 @@ def main():
     common_args = dict(lengths=args.lengths, batch=args.batch, heads=args.heads, dim=args.dim,
                        reps=args.reps, backward=True, patterns=args.patterns)
     table = []
-    table += [("as is", r) for r in speed(**common_args, only=["mosaic", "mosaic-deterministic",
+    table += [("as is", r) for r in speed(**common_args, only=["mosaic", "mosaic-single-pass",
                                                                   "cudnn"])]
     with patched("add_to_gmem", _no_add):
-        table += [("no reduce-add", r) for r in speed(**common_args, only=["mosaic"])]
+        table += [("no reduce-add", r) for r in speed(**common_args, only=["mosaic-single-pass"])]
     with patched("add_to_gmem", _no_add), patched("sum_of_products_transposed_a", _zeros):
-        table += [("no dq product", r) for r in speed(**common_args, only=["mosaic"])]
+        table += [("no dq product", r) for r in speed(**common_args, only=["mosaic-single-pass"])]
     print("\n| variant | pattern | L | impl | fwd+bwd TF/s |")
     print("| --- | --- | --- | --- | --- |")
     for variant, r in table:

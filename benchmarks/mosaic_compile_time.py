@@ -26,8 +26,8 @@ jax.block_until_ready(loss(q, k, v))
 print(f"{{time.perf_counter() - start:.2f}}")
 """
 
-KERNELS = {"mosaic (single pass)": "MosaicBlockSparse()",
-           "mosaic (deterministic)": "MosaicBlockSparse(deterministic=True)",
+KERNELS = {"mosaic (deterministic, the default)": "MosaicBlockSparse()",
+           "mosaic (single pass)": "MosaicBlockSparse(deterministic=False)",
            "triton": "TritonBlockSparse()"}
 
 

@@ -55,9 +55,9 @@ class BackwardConfig(AttentionShape):
     dkv_layout_axes: tuple[int, int]
     #: Logits soft cap ``c`` of the forward (``c * tanh(scaled logit / c)``); 0: none.
     soft_cap: float = 0.0
-    #: One pass (`dkv_call` with a dq accumulator; the default) or, for results that are
-    #: bit-identical from run to run, the dq kernel and the dk/dv kernel apart.
-    single_pass: bool = True
+    #: One pass (`dkv_call` with a dq accumulator) or the dq kernel and the dk/dv kernel
+    #: apart (bit-identical from run to run).
+    single_pass: bool = False
 
     @property
     def dq_columns(self) -> int:

@@ -1,6 +1,6 @@
 """`MosaicBlockSparse`: the kernel strategy; its forward is `forward.forward_call`, its
-backward `backward.dkv_call` in one pass (dq summed across kv tiles by TMA reduce-add) or, when
-asked to be deterministic, `backward.dq_call` and `backward.dkv_call` apart."""
+backward `backward.dq_call` and `backward.dkv_call` apart (deterministic; the default) or
+`backward.dkv_call` alone in one pass (dq summed across kv tiles by TMA reduce-add)."""
 
 import functools
 import os
@@ -89,16 +89,19 @@ class MosaicBlockSparse(AbstractKernel):
 
     The backward pass is its own, in one of two modes:
 
-    - single pass (the default): per (head, 128 keys, batch) it walks the kv tile's visible
-      q blocks once (the transposed dk/dv lists), recomputing ``S^T`` and ``dP^T`` and
-      accumulating dV and dK in registers; each block's dS also goes to shared memory for
-      its dq partial ``dS K``, which TMA's bulk reduce-add sums into a zeroed float32 dq in
-      global memory. 5 block products per visible block. The order of those additions
-      varies, so dq varies from run to run in its last bits.
-    - deterministic (``deterministic=True``, or ``--xla_gpu_deterministic_ops=true`` in
-      ``XLA_FLAGS``, or a JAX before 0.11, which cannot hand the kernel its accumulator): a
-      dq kernel over the dq layout and the dk/dv kernel, each gradient written by one CTA
-      in a fixed order, so results are bit-identical from run to run; 7 block products.
+    - deterministic (the default, ``deterministic=True``): a dq kernel over the dq layout and
+      a dk/dv kernel over the transposed dk/dv lists, each gradient block written by one CTA
+      in a fixed order, so results are bit-identical from run to run; 7 block products per
+      visible block. On the H200 it is the faster of the two today (docs/mosaic.md).
+    - single pass (``deterministic=False``): per (head, 128 keys, batch) it walks the kv
+      tile's visible q blocks once, recomputing ``S^T`` and ``dP^T`` and accumulating dV and
+      dK in registers; each block's dS also goes to shared memory for its dq partial
+      ``dS K``, which TMA's bulk reduce-add sums into a zeroed float32 dq in global memory.
+      5 block products per visible block; the order of the additions varies, so dq varies
+      from run to run in its last bits. It runs only where JAX can hand the kernel its
+      accumulator (0.11 and later) and XLA is not asked for deterministic ops
+      (``--xla_gpu_deterministic_ops=true`` in ``XLA_FLAGS``); elsewhere the deterministic
+      backward runs.
 
     Grouped heads' dk / dv are summed after the kernel, in a fixed order. A logits soft cap
     runs in both passes; sinks join the kernel's output through its log-sum-exp
@@ -117,7 +120,7 @@ class MosaicBlockSparse(AbstractKernel):
     ```
     """
 
-    deterministic: bool = eqx.field(default=False, static=True)
+    deterministic: bool = eqx.field(default=True, static=True)
 
     name: ClassVar[str] = "mosaic"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
@@ -129,7 +132,8 @@ class MosaicBlockSparse(AbstractKernel):
             raise TypeError(f"`deterministic` must be a bool; got {self.deterministic!r}.")
 
     def single_pass(self) -> bool:
-        """Whether the backward runs in one pass (see the class docstring for when not)."""
+        """Whether the backward runs in one pass: ``deterministic=False``, JAX >= 0.11 and
+        XLA not asked for deterministic ops."""
         return not (self.deterministic or xla_asks_for_determinism()) and refs_reach_kernels()
 
     @classmethod
