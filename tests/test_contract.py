@@ -149,5 +149,7 @@ def test_contract_exports_what_a_plug_in_needs():
 
     for name in ("AbstractMask", "AbstractKernel", "AbstractSharding", "CompiledMask",
                  "ResolvedMask", "MaskTerms", "BlockLayout", "TokenCoords", "BlockCoords",
-                 "AttentionInputs", "Features", "Tiling", "classify", "EMPTY", "PARTIAL", "FULL"):
+                 "AttentionInputs", "Features", "Tiling", "classify", "EMPTY", "PARTIAL", "FULL",
+                 "public_lse", "backward_delta", "zero_cotangent", "pad_axis",
+                 "refuse_forward_mode", "add_sinks"):
         assert hasattr(contract, name), name

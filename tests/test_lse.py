@@ -79,3 +79,23 @@ def test_attention_with_lse_against_float64(kernel, mask):
     assert_close(out, want_out, what="output")
     for name, g, w in zip("q k v bias sinks".split(), grads, want_grads):
         assert_close(g, w, what=f"d{name}")
+
+
+def test_the_contract_log_sum_exp_convention():
+    """`public_lse` turns a kernel's internal log-sum-exp (base 2 or natural, +inf on empty
+    rows) into the contract's (natural, -inf there); `backward_delta` drops the log-sum-exp's
+    cotangent on rows that see no key, in either convention."""
+    from eqx_bsattn.contract import LN2, backward_delta, public_lse
+
+    internal = jnp.array([[[3.0, jnp.inf, -1.5]]])
+    np.testing.assert_allclose(public_lse(internal, base2=True),
+                               [[[3.0 * LN2, -jnp.inf, -1.5 * LN2]]])
+    np.testing.assert_allclose(public_lse(internal, base2=False), [[[3.0, -jnp.inf, -1.5]]])
+    d_out = jnp.arange(6.0).reshape(1, 1, 3, 2) - 2.0
+    out = jnp.ones((1, 1, 3, 2)) * 0.5
+    d_lse = jnp.array([[[0.25, 7.0, -1.0]]])
+    rows = jnp.array([[[-1.5, 0.5, 2.5]]])  # rowsum(dO * O): 0.5 * (-2 - 1, 0 + 1, 2 + 3)
+    want = rows - jnp.array([[[0.25, 0.0, -1.0]]])
+    for lse in (internal, public_lse(internal, base2=True)):
+        np.testing.assert_allclose(backward_delta(d_out, out, d_lse, lse), want)
+    np.testing.assert_allclose(backward_delta(d_out, out), rows)
