@@ -51,9 +51,11 @@ class MaskInfo:
     attention_mask: Array | None = None
 
 
-#: Positions lie in ``[-POSITION_LIMIT, POSITION_LIMIT]``. Masks compare positions in int32
-#: with sums such as ``q + window`` or ``q + offset``; inside this range (and with mask sizes up
-#: to it) those sums are exact.
+#: Positions lie in ``[-POSITION_LIMIT, POSITION_LIMIT - 1]`` and mask sizes (causal offsets,
+#: windows, chunks, prefixes, ...) are at most ``POSITION_LIMIT`` in magnitude. Masks and
+#: kernels compare positions in int32 through one sum of a position and a size (``q + window``,
+#: ``q - left``) or one difference of two positions (``q - k``); inside these ranges every such
+#: sum and difference lies in ``[-2**31, 2**31 - 1]``, so it is exact.
 POSITION_LIMIT = 2**30
 
 
@@ -76,8 +78,9 @@ def _check_positions(name: str, x):
     if not jnp.issubdtype(x.dtype, jnp.integer):
         return x  # `_token_data` says what it accepts
     return _within(
-        name, x, lambda p: (p < -POSITION_LIMIT) | (p > POSITION_LIMIT),
-        "must lie in [-2**30, 2**30] (masks compare positions in int32); got values outside.",
+        name, x, lambda p: (p < -POSITION_LIMIT) | (p >= POSITION_LIMIT),
+        "must lie in [-2**30, 2**30 - 1] (masks compare positions in int32); got values "
+        "outside.",
     )
 
 

@@ -31,7 +31,7 @@ from ._compile import (
     MaskReads as MaskReads,
     ResolvedMask as ResolvedMask,
 )
-from ._inputs import AttentionInputs as AttentionInputs
+from ._inputs import AttentionInputs as AttentionInputs, POSITION_LIMIT as POSITION_LIMIT
 from ._kernel import (
     AbstractKernel as AbstractKernel,
     Features as Features,

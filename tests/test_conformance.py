@@ -77,7 +77,7 @@ class Case:
     documents: int = 0  # sorted segment ids with this many documents
     pad: int = 0  # the last `pad` tokens are padding (segment id -1)
     interleaved: bool = False  # documents that resume after another one
-    positions: str | None = None  # "sorted" (random, sorted) or "shifted"
+    positions: str | None = None  # "sorted" (random, sorted), "shifted" or "edges"
     input_scale: float = 1.0
     tiling: object = "small"
     dtypes: tuple[str, ...] | None = None  # default: the kernel's own (see `_dtypes`)
@@ -134,6 +134,13 @@ CASES = {
     "segments_padded_lq_ne_lk": Case(masks.Full(), documents=3, pad=5, q_len=40, kv_len=57),
     "positions": Case(masks.Causal() & masks.SlidingWindow(12, 0), positions="sorted",
                       q_len=30, kv_len=66),
+    # Positions at the ends of the accepted range with mask sizes at theirs (2**30).
+    "positions_edges_window": Case(masks.SlidingWindow(2**30), positions="edges", q_len=40,
+                                   kv_len=48),
+    "positions_edges_offsets": Case(masks.Causal(offset=-(2**30))
+                                    | (masks.Causal(offset=2**30) & masks.Dilated(3))
+                                    | masks.ChunkedCausal(2**30), positions="edges", q_len=40,
+                                    kv_len=48),
     "mqa_window": Case(masks.SlidingWindow(7, 2), heads=4, kv_heads=1, **R),
     "value_dim": Case(masks.PrefixLM(9), dim=8, value_dim=12, **R),
     "one_query": Case(masks.Causal(bottom_right=True), q_len=1, kv_len=50),
@@ -320,6 +327,18 @@ def build(case: Case, dtype: str) -> Built:
     elif case.positions == "shifted":
         qp = np.stack([np.arange(lq) + 1000, np.arange(lq)[::-1] * 2])[:b].astype(np.int32)
         kp = np.stack([np.arange(lk) + 950, np.arange(lk) * 2])[:b].astype(np.int32)
+    elif case.positions == "edges":
+        # The ends of the accepted range [-2**30, 2**30 - 1] and the middle, shuffled: with
+        # mask sizes of 2**30, sums and differences reach the ends of int32.
+        top, bottom = 2**30 - 1, -(2**30)
+
+        def edges(length, salt):
+            pieces = np.concatenate([top - np.arange(length), bottom + np.arange(length),
+                                     np.arange(length) - length // 2])
+            return np.stack([np.random.default_rng(salt + r).permutation(pieces)[:length]
+                             for r in range(b)]).astype(np.int32)
+
+        qp, kp = edges(lq, 10), edges(lk, 20)
     if case.positions is not None:
         truth.update(q_pos=qp, kv_pos=kp)
         data.update(q_positions=qp, kv_positions=kp)

@@ -147,16 +147,45 @@ def test_positions_at_the_limit_are_exact(shift):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("bad", [2**30 + 1, -(2**30) - 1, 2**31 - 1])
+@pytest.mark.parametrize("bad", [2**30, 2**30 + 1, -(2**30) - 1, 2**31 - 1])
 def test_positions_outside_the_range_are_refused(bad):
+    """2**30 is the first position refused: with a window of 2**30 its sum overflows int32
+    (every query saw nothing when it was accepted)."""
     q = jnp.ones((2, 16, 4))
     attn = bsa.BlockSparseAttention(mask=_WINDOW, kernel=kernels.XlaBlockSparse())
     pos = jnp.arange(16, dtype=jnp.int32).at[3].set(bad)
-    with pytest.raises(ValueError, match=r"`q_positions` must lie in \[-2\*\*30, 2\*\*30\]"):
+    with pytest.raises(ValueError,
+                       match=r"`q_positions` must lie in \[-2\*\*30, 2\*\*30 - 1\]"):
         attn(q, q, q, q_positions=pos, kv_positions=jnp.arange(16))
     # Inside jit the check runs with the computation.
     with pytest.raises(Exception, match=r"`kv_positions` must lie in"):
         jax.jit(lambda p: attn(q, q, q, q_positions=jnp.arange(16), kv_positions=p))(pos)
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: masks.SlidingWindow(2**30 + 1), "SlidingWindow.left"),
+    (lambda: masks.SlidingWindow(3, 2**31), "SlidingWindow.right"),
+    (lambda: masks.Causal(offset=2**31), "Causal.offset"),
+    (lambda: masks.Causal(offset=-(2**30) - 1), "Causal.offset"),
+    (lambda: masks.ChunkedCausal(2**31), "chunk_size"),
+    (lambda: masks.PrefixLM(2**30 + 1), "prefix_length"),
+    (lambda: masks.GlobalTokens(2**31), "num_global"),
+    (lambda: masks.Dilated(2**31), "stride"),
+])
+def test_mask_sizes_past_the_range_are_refused(make, name):
+    """Sizes up to 2**30 keep every position-plus-size sum inside int32; larger ones are
+    refused when the mask is made, naming the field and the accepted range."""
+    with pytest.raises(ValueError, match=rf"^`{name}` must be an int in \[-?\d.*2\*\*30\]; got"):
+        make()
+
+
+def test_bottom_right_offset_past_the_range_is_refused():
+    q, k = jnp.ones((2, 8, 4)), jnp.ones((2, 24, 4))
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(offset=2**30 - 8, bottom_right=True))
+    with pytest.raises(ValueError, match=r"`Causal.offset` with bottom_right=True becomes "
+                                         r"offset \+ kv_len - q_len = 1073741832; it must lie in"):
+        attn(q, k, k)
+    masks.Causal(offset=2**30, bottom_right=True).resolve(8, 8)  # exactly 2**30 is accepted
 
 
 def test_int64_positions_are_checked_before_narrowing():
