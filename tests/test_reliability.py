@@ -188,6 +188,33 @@ def test_bottom_right_offset_past_the_range_is_refused():
     masks.Causal(offset=2**30, bottom_right=True).resolve(8, 8)  # exactly 2**30 is accepted
 
 
+@pytest.mark.parametrize("cap", [1e37, 3e30, 1e-31, 0.0, -2.0, float("inf"), float("nan"),
+                                 True])
+def test_soft_caps_where_float32_loses_the_logits_are_refused(cap):
+    """At 1e37 ``s / cap`` flushed to zero and every kernel was silently wrong."""
+    with pytest.raises(ValueError, match=r"^`logits_soft_cap` must be a number in "
+                                         r"\[1e-30, 1e30\] or None; got"):
+        bsa.BlockSparseAttention(logits_soft_cap=cap)
+    q = jnp.ones((1, 2, 8, 4))
+    with pytest.raises(ValueError, match="`logits_soft_cap` must be a number in"):
+        bsa.blocksparse_attention(q, q, q, logits_soft_cap=cap)
+
+
+@pytest.mark.parametrize("cap", [1e-30, 1e30])
+@pytest.mark.parametrize("kernel", [kernels.DenseReference(), kernels.XlaBlockSparse()],
+                         ids=["reference", "xla"])
+def test_soft_caps_at_the_ends_of_the_range_are_exact(cap, kernel):
+    q, k, v = (jax.random.normal(key, (2, 24, 8)) for key in jax.random.split(jax.random.key(5), 3))
+    q = q * 0.01  # small logits: the ones a large cap would lose
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel, logits_soft_cap=cap)
+    s = np.einsum("hid,hjd->hij", np.asarray(q, np.float64), np.asarray(k, np.float64))
+    s = cap * np.tanh(s / np.sqrt(8) / cap)
+    s = np.where(np.tril(np.ones((24, 24), bool)), s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    want = (w / w.sum(-1, keepdims=True)) @ np.asarray(v, np.float64)
+    np.testing.assert_allclose(attn(q, k, v), want, rtol=0, atol=2e-6)
+
+
 def test_int64_positions_are_checked_before_narrowing():
     with jax.enable_x64(True):
         q = jnp.ones((2, 16, 4), jnp.float32)
