@@ -233,7 +233,13 @@ def _check_sinks(sinks, heads: int, name: str):
 
 def _sinks(sinks, heads: int, name: str) -> Array | None:
     sinks = _check_sinks(sinks, heads, name)
-    if sinks is None or sinks.ndim == 2:
+    if sinks is None:
+        return None
+    # -inf is a sink that never weighs (no sink); +inf would take every row's whole weight
+    # (inf / inf) and NaN has no weight at all: refuse both, as for the bias.
+    sinks = _within(name, sinks, lambda s: jnp.isnan(s) | (s == jnp.inf),
+                    "must be finite or -inf (no sink); got +inf or NaN.")
+    if sinks.ndim == 2:
         return sinks
     if sinks.shape[0] == heads:
         return sinks[:, None]

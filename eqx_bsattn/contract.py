@@ -36,6 +36,7 @@ from ._kernel import (
     AbstractKernel as AbstractKernel,
     Features as Features,
     add_sinks as add_sinks,
+    sink_logsumexp as sink_logsumexp,
 )
 from ._layout import BlockLayout as BlockLayout, build_layout as build_layout
 from ._mask import (

@@ -171,7 +171,9 @@ else:
             "document": (masks.Causal(), dict(q_segment_ids=seg, kv_segment_ids=seg)),
             "block_table": (masks.BlockLayoutMask(table, 16), {}),
             "bias_sinks": (masks.Causal(), dict(bias=random_array(8, (2, 1, L, L)),
-                                                sinks=random_array(9, (4, 2)))),
+                                                # head 0 has no sink (-inf)
+                                                sinks=random_array(9, (4, 2)).at[0].set(
+                                                    -jnp.inf))),
             "array": (array_mask(1), {}),
             # Positions that are not the token indices: an ArrayMask reads indices, Causal
             # positions, and a shard must see both as the whole call does.
