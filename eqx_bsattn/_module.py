@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Integer
 
 from ._autotune import choose_tiling
 from ._compile import CompiledMask, ResolvedMask, describe_terms
@@ -258,10 +258,10 @@ class BlockSparseAttention(eqx.Module):
         *,
         bias: Float[ArrayOrNumpy, "..."] | None = None,
         sinks: Float[ArrayOrNumpy, "..."] | None = None,
-        q_segment_ids: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
-        kv_segment_ids: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
-        q_positions: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
-        kv_positions: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
+        q_segment_ids: Integer[ArrayOrNumpy, "*_ q_len"] | None = None,
+        kv_segment_ids: Integer[ArrayOrNumpy, "*_ kv_len"] | None = None,
+        q_positions: Integer[ArrayOrNumpy, "*_ q_len"] | None = None,
+        kv_positions: Integer[ArrayOrNumpy, "*_ kv_len"] | None = None,
         purify: bool = False,
     ) -> Float[Array, "*batch heads q_len value_dim"]:
         """Attend.

@@ -224,6 +224,43 @@ def test_int64_positions_are_checked_before_narrowing():
             attn(q, q, q, q_positions=pos, kv_positions=pos)
 
 
+@pytest.mark.parametrize("dtype", [np.uint32] + [pytest.param(d, marks=pytest.mark.slow)
+                                                 for d in (np.uint8, np.uint16, np.int8)])
+def test_segment_ids_and_positions_of_any_integer_dtype(dtype):
+    """Unsigned ids and positions are integers like any other (the type check refused them)."""
+    q, k, v = (jax.random.normal(key, (1, 2, 16, 4)) for key in jax.random.split(jax.random.key(6), 3))
+    ids = np.repeat(np.arange(4), 4)[None]
+    pos = (np.arange(16) * 3)[None]
+    attn = bsa.BlockSparseAttention(mask=_WINDOW, kernel=kernels.XlaBlockSparse(),
+                                    tiling=bsa.Tiling(block_q=8, block_kv=8))
+    want = attn(q, k, v, q_segment_ids=ids.astype(np.int32), kv_segment_ids=ids.astype(np.int32),
+                q_positions=pos.astype(np.int32), kv_positions=pos.astype(np.int32))
+    typed = dict(q_segment_ids=ids.astype(dtype), kv_segment_ids=ids.astype(dtype),
+                 q_positions=pos.astype(dtype), kv_positions=pos.astype(dtype))
+    np.testing.assert_array_equal(attn(q, k, v, **typed), want)
+    got = bsa.blocksparse_attention(q, k, v, causal=True, sliding_window=(5, 0), platform="xla",
+                                    cfg=bsa.Tiling(block_q=8, block_kv=8), **typed)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("ids", [
+    pytest.param(lambda: np.zeros(16, np.uint32) + np.uint32(2**31), id="uint32"),
+    pytest.param(lambda: np.zeros(16, np.int64) + 2**32, id="int64"),  # aliased 0 in int32
+    pytest.param(lambda: np.zeros(16, np.int64) - 2**31 - 1, id="int64_low"),
+])
+def test_segment_ids_beyond_int32_are_refused(ids):
+    message = r"`kv_segment_ids` must lie in \[-2\*\*31, 2\*\*31 - 1\] \(segment ids"
+    with jax.enable_x64(True):
+        q = jnp.ones((2, 16, 4), jnp.float32)
+        attn = bsa.BlockSparseAttention(mask=_WINDOW, kernel=kernels.XlaBlockSparse())
+        good = np.zeros(16, np.int32)
+        with pytest.raises(ValueError, match=message):
+            attn(q, q, q, q_segment_ids=good, kv_segment_ids=ids())
+        with pytest.raises(Exception, match=message):
+            jax.block_until_ready(jax.jit(
+                lambda s: attn(q, q, q, q_segment_ids=good, kv_segment_ids=s))(ids()))
+
+
 def test_plus_inf_bias_is_refused_minus_inf_hides():
     q, k, v = (jax.random.normal(key, (2, 8, 4)) for key in jax.random.split(jax.random.key(1), 3))
     attn = bsa.BlockSparseAttention(kernel=kernels.XlaBlockSparse())
