@@ -205,7 +205,8 @@ def _parse(path: pathlib.Path) -> tuple[dict, str | None]:
         data = json.loads(text)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply to parse
         why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        return {}, f"{path} is not valid JSON ({why}); it is ignored and replaced on the next write."
+        return {}, (f"{path} is not valid JSON ({why}); it is ignored and replaced on the next "
+                    "write.")
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(
         data.get("entries"), dict
     ):

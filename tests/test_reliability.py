@@ -204,7 +204,8 @@ def test_soft_caps_where_float32_loses_the_logits_are_refused(cap):
 @pytest.mark.parametrize("kernel", [kernels.DenseReference(), kernels.XlaBlockSparse()],
                          ids=["reference", "xla"])
 def test_soft_caps_at_the_ends_of_the_range_are_exact(cap, kernel):
-    q, k, v = (jax.random.normal(key, (2, 24, 8)) for key in jax.random.split(jax.random.key(5), 3))
+    keys = jax.random.split(jax.random.key(5), 3)
+    q, k, v = (jax.random.normal(key, (2, 24, 8)) for key in keys)
     q = q * 0.01  # small logits: the ones a large cap would lose
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel, logits_soft_cap=cap)
     s = np.einsum("hid,hjd->hij", np.asarray(q, np.float64), np.asarray(k, np.float64))
@@ -228,7 +229,8 @@ def test_int64_positions_are_checked_before_narrowing():
                                                  for d in (np.uint8, np.uint16, np.int8)])
 def test_segment_ids_and_positions_of_any_integer_dtype(dtype):
     """Unsigned ids and positions are integers like any other (the type check refused them)."""
-    q, k, v = (jax.random.normal(key, (1, 2, 16, 4)) for key in jax.random.split(jax.random.key(6), 3))
+    keys = jax.random.split(jax.random.key(6), 3)
+    q, k, v = (jax.random.normal(key, (1, 2, 16, 4)) for key in keys)
     ids = np.repeat(np.arange(4), 4)[None]
     pos = (np.arange(16) * 3)[None]
     attn = bsa.BlockSparseAttention(mask=_WINDOW, kernel=kernels.XlaBlockSparse(),
