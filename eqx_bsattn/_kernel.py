@@ -6,7 +6,9 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax
+import jax.interpreters.ad  # noqa: F401  (JVPTracer)
 import jax.numpy as jnp
+import numpy as np
 from equinox import AbstractClassVar
 from jaxtyping import Array, Float
 
@@ -65,6 +67,39 @@ def add_sinks(out, lse, sinks):
     total = jnp.logaddexp(row, jnp.where(joined, sink_lse, 0.0))
     scale = jnp.where(joined, jnp.exp(row - total), jnp.where(jnp.isfinite(lse), 1.0, 0.0))
     return out.astype(jnp.float32) * scale[..., None], jnp.where(joined, total, lse)
+
+
+def pad_axis(x, axis: int, size: int, value=0):
+    """`x` (NumPy or JAX) padded with `value` along `axis` to `size` (unchanged if it is
+    already that long)."""
+    extra = size - x.shape[axis]
+    if extra <= 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, extra)
+    xp = np if isinstance(x, np.ndarray) else jnp
+    return xp.pad(x, pad, constant_values=np.asarray(value, x.dtype))
+
+
+def refuse_forward_mode(kernel_name: str, *arrays) -> None:
+    """Raise a `TypeError` naming the way out if `arrays` are being differentiated in forward
+    mode (`jax.jvp`, `jax.jacfwd`, `jax.hessian`).
+
+    For kernels that define only a reverse-mode rule (`jax.custom_vjp`): JAX refuses forward
+    mode through them, and under `jit` it says so only when lowering, without naming the
+    kernel. Reverse mode (`jax.grad`, `jax.vjp`) traces with linearize tracers and passes.
+    """
+    jvp_tracer = getattr(jax.interpreters.ad, "JVPTracer", None)
+    # With direct linearization off, reverse mode traces with JVP tracers too: say nothing.
+    if jvp_tracer is None or not getattr(jax.config, "jax_use_direct_linearize", True):
+        return
+    if any(isinstance(x, jvp_tracer) for x in arrays if x is not None):
+        raise TypeError(
+            f"kernel {kernel_name} has no forward-mode rule (`jax.jvp`, `jax.jacfwd`, "
+            "`jax.hessian`): XlaBlockSparse, TritonBlockSparse and CudnnDense define only a "
+            "reverse-mode gradient (`jax.custom_vjp`). For forward-mode AD pass "
+            "`kernel=kernels.DenseReference()` (plain JAX; memory grows with Lq x Lk)."
+        )
 
 
 _REGISTRY: list[type["AbstractKernel"]] = []

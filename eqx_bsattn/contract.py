@@ -36,9 +36,17 @@ from ._kernel import (
     AbstractKernel as AbstractKernel,
     Features as Features,
     add_sinks as add_sinks,
+    pad_axis as pad_axis,
+    refuse_forward_mode as refuse_forward_mode,
     sink_logsumexp as sink_logsumexp,
 )
 from ._layout import BlockLayout as BlockLayout, build_layout as build_layout
+from ._lse import (
+    LN2 as LN2,
+    backward_delta as backward_delta,
+    public_lse as public_lse,
+    zero_cotangent as zero_cotangent,
+)
 from ._mask import (
     EMPTY as EMPTY,
     FULL as FULL,
