@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Integer
 
 from ._inputs import MaskInfo, as_array, check_call, check_qkv, python_scalar
 from ._kernel import AbstractKernel, registered_kernels
@@ -421,10 +421,10 @@ def blocksparse_attention(
     bias: Float[Array, "..."] | None = None,
     /,
     *,
-    q_segment_ids: Int[Array, "*_ q_len"] | None = None,
-    kv_segment_ids: Int[Array, "*_ kv_len"] | None = None,
-    q_positions: Int[Array, "*_ q_len"] | None = None,
-    kv_positions: Int[Array, "*_ kv_len"] | None = None,
+    q_segment_ids: Integer[Array, "*_ q_len"] | None = None,
+    kv_segment_ids: Integer[Array, "*_ kv_len"] | None = None,
+    q_positions: Integer[Array, "*_ q_len"] | None = None,
+    kv_positions: Integer[Array, "*_ kv_len"] | None = None,
     attention_mask: Array | None = None,
     mask_info: MaskInfo | None = None,
     logits_soft_cap: float | int | None = None,

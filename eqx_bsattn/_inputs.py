@@ -15,6 +15,7 @@ class AttentionInputs(eqx.Module):
     - `bias`: ``[bb, hb, q_len, kv_len]`` with ``bb`` in ``{1, batch}``, ``hb`` in ``{1, heads}``.
     - `sinks`: ``[heads, num_sinks]``: extra logits joining every row's softmax denominator.
     - `q_segment_ids`/`kv_segment_ids`: ``[batch, len]`` int32; ``-1`` (any negative) is padding.
+      Callers may pass any integer dtype, signed or unsigned, whose values fit in int32.
     - `q_positions`/`kv_positions`: ``[batch, len]`` int32.
     """
 
@@ -51,9 +52,11 @@ class MaskInfo:
     attention_mask: Array | None = None
 
 
-#: Positions lie in ``[-POSITION_LIMIT, POSITION_LIMIT]``. Masks compare positions in int32
-#: with sums such as ``q + window`` or ``q + offset``; inside this range (and with mask sizes up
-#: to it) those sums are exact.
+#: Positions lie in ``[-POSITION_LIMIT, POSITION_LIMIT - 1]`` and mask sizes (causal offsets,
+#: windows, chunks, prefixes, ...) are at most ``POSITION_LIMIT`` in magnitude. Masks and
+#: kernels compare positions in int32 through one sum of a position and a size (``q + window``,
+#: ``q - left``) or one difference of two positions (``q - k``); inside these ranges every such
+#: sum and difference lies in ``[-2**31, 2**31 - 1]``, so it is exact.
 POSITION_LIMIT = 2**30
 
 
@@ -69,16 +72,39 @@ def _within(name: str, x, bad, message: str):
     return x
 
 
-def _check_positions(name: str, x):
+def _check_range(name: str, x, low: int, high: int, accepted: str):
+    """`x` (any integer dtype, signed or not) checked to lie in ``[low, high]`` before it is
+    narrowed to int32; bounds its dtype cannot pass are not compared (nothing to check for
+    int32 segment ids, no negative bound for unsigned ids)."""
     if x is None:
         return None
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         return x  # `_token_data` says what it accepts
-    return _within(
-        name, x, lambda p: (p < -POSITION_LIMIT) | (p > POSITION_LIMIT),
-        "must lie in [-2**30, 2**30] (masks compare positions in int32); got values outside.",
-    )
+    info = jnp.iinfo(x.dtype)
+    below, above = low > int(info.min), high < int(info.max)
+    if not (below or above):
+        return x
+
+    def bad(v):
+        out = jnp.zeros(v.shape, bool)
+        if below:
+            out = out | (v < low)
+        if above:
+            out = out | (v > high)
+        return out
+
+    return _within(name, x, bad, f"must lie in {accepted}; got values outside.")
+
+
+def _check_positions(name: str, x):
+    return _check_range(name, x, -POSITION_LIMIT, POSITION_LIMIT - 1,
+                        "[-2**30, 2**30 - 1] (masks compare positions in int32)")
+
+
+def _check_segment_ids(name: str, x):
+    return _check_range(name, x, -(2**31), 2**31 - 1,
+                        "[-2**31, 2**31 - 1] (segment ids are compared in int32)")
 
 
 def _shape(x) -> tuple:
@@ -230,7 +256,13 @@ def _check_sinks(sinks, heads: int, name: str):
 
 def _sinks(sinks, heads: int, name: str) -> Array | None:
     sinks = _check_sinks(sinks, heads, name)
-    if sinks is None or sinks.ndim == 2:
+    if sinks is None:
+        return None
+    # -inf is a sink that never weighs (no sink); +inf would take every row's whole weight
+    # (inf / inf) and NaN has no weight at all: refuse both, as for the bias.
+    sinks = _within(name, sinks, lambda s: jnp.isnan(s) | (s == jnp.inf),
+                    "must be finite or -inf (no sink); got +inf or NaN.")
+    if sinks.ndim == 2:
         return sinks
     if sinks.shape[0] == heads:
         return sinks[:, None]
@@ -292,8 +324,12 @@ def prepare_inputs(
     return AttentionInputs(
         bias=_bias(bias, batch, heads, q_len, kv_len, batched),
         sinks=_sinks(sinks, heads, sinks_name),
-        q_segment_ids=_token_data("q_segment_ids", q_segment_ids, batch, q_len, batched),
-        kv_segment_ids=_token_data("kv_segment_ids", kv_segment_ids, batch, kv_len, batched),
+        q_segment_ids=_token_data("q_segment_ids",
+                                  _check_segment_ids("q_segment_ids", q_segment_ids),
+                                  batch, q_len, batched),
+        kv_segment_ids=_token_data("kv_segment_ids",
+                                   _check_segment_ids("kv_segment_ids", kv_segment_ids),
+                                   batch, kv_len, batched),
         q_positions=_token_data("q_positions", _check_positions("q_positions", q_positions),
                                 batch, q_len, batched),
         kv_positions=_token_data("kv_positions", _check_positions("kv_positions", kv_positions),

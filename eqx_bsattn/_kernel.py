@@ -44,17 +44,29 @@ class Features:
     lse: bool = False
 
 
+def sink_logsumexp(sinks):
+    """Each head's sinks ``[H, S]`` as one float32 logit ``[H]``: their log-sum-exp, ``-inf``
+    for a head whose sinks are all ``-inf`` (it has none). The gradient of a ``-inf`` sink is
+    zero, never NaN. The plan refuses ``+inf`` and NaN sinks."""
+    sinks = sinks.astype(jnp.float32)
+    present = jnp.any(sinks > -jnp.inf, axis=-1)
+    lse = jax.nn.logsumexp(jnp.where(present[:, None], sinks, 0.0), axis=-1)
+    return jnp.where(present, lse, -jnp.inf)
+
+
 def add_sinks(out, lse, sinks):
     """Join attention sinks to a result computed without them: ``(out, lse)`` as
     `AbstractKernel.attention_with_lse` returns them (``[B, H, Lq, Dv]``, ``[B, H, Lq]``)
     and `sinks` ``[H, S]``. Returns the float32 output and log-sum-exp with the sinks in each
-    row's denominator; a row that sees no key keeps zeros and ``-inf``. Differentiable.
+    row's denominator; a row that sees no key keeps zeros and ``-inf``, a head whose sinks are
+    all ``-inf`` keeps its result. Differentiable (never NaN on those rows).
     """
-    sink_lse = jax.nn.logsumexp(sinks.astype(jnp.float32), axis=-1)[None, :, None]
-    total = jnp.logaddexp(lse, sink_lse)
-    seen = jnp.isfinite(lse)
-    scale = jnp.where(seen, jnp.exp(lse - total), 0.0)
-    return out.astype(jnp.float32) * scale[..., None], jnp.where(seen, total, -jnp.inf)
+    sink_lse = sink_logsumexp(sinks)[None, :, None]
+    joined = jnp.isfinite(lse) & jnp.isfinite(sink_lse)
+    row = jnp.where(joined, lse, 0.0)
+    total = jnp.logaddexp(row, jnp.where(joined, sink_lse, 0.0))
+    scale = jnp.where(joined, jnp.exp(row - total), jnp.where(jnp.isfinite(lse), 1.0, 0.0))
+    return out.astype(jnp.float32) * scale[..., None], jnp.where(joined, total, lse)
 
 
 def pad_axis(x, axis: int, size: int, value=0):

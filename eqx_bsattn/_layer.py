@@ -4,7 +4,7 @@ grouped-query heads, rotary embedding and a block-sparse mask."""
 import jax
 import jax.numpy as jnp
 import equinox as eqx
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Integer, PRNGKeyArray
 
 from ._kernel import AbstractKernel
 from ._mask import AbstractMask, Full
@@ -182,10 +182,10 @@ class MultiheadBlockSparseAttention(eqx.Module):
         key_: Float[Array, "kv_len key_size"],
         value: Float[Array, "kv_len value_size"],
         *,
-        q_positions: Int[ArrayOrNumpy, " q_len"] | None = None,
-        kv_positions: Int[ArrayOrNumpy, " kv_len"] | None = None,
-        q_segment_ids: Int[ArrayOrNumpy, " q_len"] | None = None,
-        kv_segment_ids: Int[ArrayOrNumpy, " kv_len"] | None = None,
+        q_positions: Integer[ArrayOrNumpy, " q_len"] | None = None,
+        kv_positions: Integer[ArrayOrNumpy, " kv_len"] | None = None,
+        q_segment_ids: Integer[ArrayOrNumpy, " q_len"] | None = None,
+        kv_segment_ids: Integer[ArrayOrNumpy, " kv_len"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
     ) -> Float[Array, "q_len output_size"]:

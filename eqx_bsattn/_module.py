@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Integer
 
 from ._autotune import choose_tiling
 from ._compile import CompiledMask, ResolvedMask, describe_terms
@@ -103,6 +103,14 @@ def _validate_call(arguments: dict) -> None:
     arguments.update(query=q, key=k, value=v, **data)
 
 
+#: The accepted `logits_soft_cap` values. Kernels compute ``c * tanh(s / c)`` in float32,
+#: which flushes ``|s / c| < 2**-126`` to zero: a cap ``c`` loses the logits below
+#: ``c * 2**-126``, 1.2e-8 at ``c = 1e30`` (under float32's rounding of logits near one; at
+#: 1e37 whole logits vanish and the output is wrong). Caps below 1e-30 approach the float32
+#: numbers that are themselves flushed to zero.
+SOFT_CAP_RANGE = (1e-30, 1e30)
+
+
 class BlockSparseAttention(eqx.Module):
     """Exact attention that skips the blocks its mask leaves empty.
 
@@ -120,7 +128,8 @@ class BlockSparseAttention(eqx.Module):
       same).
     - `sharding`: an `AbstractSharding`; default `Unsharded()`.
     - `softmax_scale`: multiplies ``q . k``; default ``1 / sqrt(head_dim)``.
-    - `logits_soft_cap`: if set to ``c``, logits become ``c * tanh(logits / c)``.
+    - `logits_soft_cap`: if set to ``c``, logits become ``c * tanh(logits / c)``; ``c`` in
+      ``[1e-30, 1e30]`` (beyond that float32 loses the logits).
 
     ```python
     import eqx_bsattn as bsa
@@ -151,13 +160,13 @@ class BlockSparseAttention(eqx.Module):
             isinstance(self.softmax_scale, (int, float)) and math.isfinite(self.softmax_scale)
         ):
             raise ValueError(f"`softmax_scale` must be a finite number; got {self.softmax_scale!r}.")
-        if self.logits_soft_cap is not None and not (
-            isinstance(self.logits_soft_cap, (int, float))
-            and math.isfinite(self.logits_soft_cap)
-            and self.logits_soft_cap > 0
+        cap = self.logits_soft_cap
+        if cap is not None and not (
+            isinstance(cap, (int, float)) and not isinstance(cap, bool)
+            and SOFT_CAP_RANGE[0] <= cap <= SOFT_CAP_RANGE[1]
         ):
             raise ValueError(
-                f"`logits_soft_cap` must be a positive finite number or None; got {self.logits_soft_cap!r}."
+                f"`logits_soft_cap` must be a number in [1e-30, 1e30] or None; got {cap!r}."
             )
 
     def plan(
@@ -249,10 +258,10 @@ class BlockSparseAttention(eqx.Module):
         *,
         bias: Float[ArrayOrNumpy, "..."] | None = None,
         sinks: Float[ArrayOrNumpy, "..."] | None = None,
-        q_segment_ids: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
-        kv_segment_ids: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
-        q_positions: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
-        kv_positions: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
+        q_segment_ids: Integer[ArrayOrNumpy, "*_ q_len"] | None = None,
+        kv_segment_ids: Integer[ArrayOrNumpy, "*_ kv_len"] | None = None,
+        q_positions: Integer[ArrayOrNumpy, "*_ q_len"] | None = None,
+        kv_positions: Integer[ArrayOrNumpy, "*_ kv_len"] | None = None,
         purify: bool = False,
     ) -> Float[Array, "*batch heads q_len value_dim"]:
         """Attend.

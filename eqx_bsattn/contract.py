@@ -31,13 +31,14 @@ from ._compile import (
     MaskReads as MaskReads,
     ResolvedMask as ResolvedMask,
 )
-from ._inputs import AttentionInputs as AttentionInputs
+from ._inputs import AttentionInputs as AttentionInputs, POSITION_LIMIT as POSITION_LIMIT
 from ._kernel import (
     AbstractKernel as AbstractKernel,
     Features as Features,
     add_sinks as add_sinks,
     pad_axis as pad_axis,
     refuse_forward_mode as refuse_forward_mode,
+    sink_logsumexp as sink_logsumexp,
 )
 from ._layout import BlockLayout as BlockLayout, build_layout as build_layout
 from ._lse import (

@@ -99,3 +99,24 @@ def test_the_contract_log_sum_exp_convention():
     for lse in (internal, public_lse(internal, base2=True)):
         np.testing.assert_allclose(backward_delta(d_out, out, d_lse, lse), want)
     np.testing.assert_allclose(backward_delta(d_out, out), rows)
+
+
+def test_add_sinks_with_minus_inf_sinks():
+    """`add_sinks` (the ring's, Triton's and Mosaic's way to join sinks): a head whose sinks
+    are all -inf keeps its result, rows that see no key keep zeros, and every gradient is
+    finite (zero for a -inf sink)."""
+    from eqx_bsattn.contract import add_sinks
+
+    lse = jnp.asarray([[[0.3, -jnp.inf, 1.0, 2.0]] * 3])
+    out = random_array(1, (1, 3, 4, 2)).at[:, :, 1].set(0.0)  # row 1 sees no key
+    sinks = jnp.asarray([[-jnp.inf, -jnp.inf], [0.5, -jnp.inf], [0.1, 0.2]])
+    got, got_lse = add_sinks(out, lse, sinks)
+    np.testing.assert_array_equal(got[:, 0], out[:, 0])
+    np.testing.assert_array_equal(got_lse[:, 0], lse[:, 0])
+    np.testing.assert_allclose(got[:, 1], out[:, 1] * jnp.exp(lse[:, 1] - jnp.logaddexp(
+        lse[:, 1], 0.5))[..., None])
+    assert (got[:, :, 1] == 0).all() and (got_lse[:, :, 1] == -jnp.inf).all()
+    grads = jax.grad(lambda o, l, s: add_sinks(o, l, s)[0].sum(), argnums=(0, 1, 2))(
+        out, lse, sinks)
+    assert all(bool(jnp.isfinite(g).all()) for g in grads)
+    assert (grads[2][0] == 0).all() and grads[2][1, 1] == 0 and grads[2][1, 0] != 0

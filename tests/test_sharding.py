@@ -162,6 +162,8 @@ else:
 
     def ring_case(name):
         table = np.random.default_rng(3).random((L // 16, L // 16)) < 0.4
+        shuffled = jnp.asarray(np.stack([np.random.default_rng(b).permutation(L)
+                                         for b in range(2)]).astype(np.int32))
         seg = jnp.asarray(sorted_segments(np.random.default_rng(2), 2, L, 5, pad=5))
         return {
             "causal": (masks.Causal(), {}),
@@ -169,8 +171,18 @@ else:
             "document": (masks.Causal(), dict(q_segment_ids=seg, kv_segment_ids=seg)),
             "block_table": (masks.BlockLayoutMask(table, 16), {}),
             "bias_sinks": (masks.Causal(), dict(bias=random_array(8, (2, 1, L, L)),
-                                                sinks=random_array(9, (4, 2)))),
+                                                # head 0 has no sink (-inf)
+                                                sinks=random_array(9, (4, 2)).at[0].set(
+                                                    -jnp.inf))),
+            "array": (array_mask(1), {}),
+            # Positions that are not the token indices: an ArrayMask reads indices, Causal
+            # positions, and a shard must see both as the whole call does.
+            "array_heads_positions": (masks.Causal() & array_mask(4),
+                                      dict(q_positions=shuffled, kv_positions=shuffled)),
         }[name]
+
+    def array_mask(heads, seed=4):
+        return masks.ArrayMask(np.random.default_rng(seed).random((heads, L, L)) < 0.3)
 
     RING_MESHES = {
         "1d": (((8,), ("s",)), dict(seq_axis="s")),
@@ -207,6 +219,64 @@ else:
     @pytest.mark.parametrize("mesh_name", ["1d", "2d_heads"])
     def test_ring_xla_slow(case, mesh_name):
         check_ring(case, "XlaBlockSparse", mesh_name)
+
+    @pytest.mark.parametrize("kernel, case, order", [
+        ("XlaBlockSparse", "array", "contiguous"),
+        pytest.param("XlaBlockSparse", "array_heads_positions", "zigzag", marks=slow),
+        pytest.param("DenseReference", "array", "zigzag", marks=slow),
+        pytest.param("DenseReference", "array_heads_positions", "contiguous", marks=slow),
+    ])
+    def test_ring_array_mask(kernel, case, order):
+        """Each shard looks the array up at its tokens' global indices (and positions)."""
+        check_ring(case, kernel, "1d", order=order)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("kernel", ["XlaBlockSparse", "DenseReference"])
+    def test_ring_array_mask_traced(kernel):
+        """The mask array as a traced argument of `jit`: the ring's schedule is then known on
+        the device only, like that of segment ids."""
+        keep = array_mask(4, seed=5).mask
+        q, k, v = random_inputs(10, batch=2, heads=4, kv_heads=2, q_len=L)
+        proj = random_array(7, q.shape)
+
+        def run(shard):
+            def both(keep, q, k, v):
+                attn = module(masks.Causal() & masks.ArrayMask(keep), kernel, shard)
+                out, pullback = jax.vjp(attn, q, k, v)
+                return out, pullback(proj)
+
+            return jax.jit(both)(keep, q, k, v)
+
+        (out, grads), (ref, want) = run(ring("2d_heads")), run(None)
+        assert_close(out, ref, what="output")
+        for name, g, w in zip("qkv", grads, want):
+            assert_close(g, w, what=f"d{name}")
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("kernel", ["DenseReference", "XlaBlockSparse"])
+    def test_shard_map_per_head_array_mask(kernel):
+        mesh = make_mesh((2, 4), ("b", "h"))
+        q, k, v = random_inputs(11, batch=2, heads=8, kv_heads=4, q_len=32)
+        keep = np.random.default_rng(6).random((8, 32, 32)) < 0.3
+        mask = masks.Causal() & masks.ArrayMask(keep)
+        compare(module(mask, kernel), module(mask, kernel, sharding.ShardMap(mesh, "b", "h")),
+                (q, k, v), {})
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("per_example", [False, True])
+    def test_function_style_ring_attention_mask(per_example):
+        """`blocksparse_attention(attention_mask=...)` over a sequence axis, shared by the
+        batch or one mask per example (the call is then mapped over the batch)."""
+        mesh = make_mesh((8,), ("s",))
+        q, k, v = random_inputs(12, batch=2, heads=4, kv_heads=2, q_len=L)
+        keep = np.random.default_rng(7).random((2 if per_example else 1, 4, L, L)) < 0.3
+        spec = P(None, None, "s", None)
+        opts = dict(attention_mask=jnp.asarray(keep), causal=False, platform="xla",
+                    cfg=bsa.Tiling(8, 8))
+        compare(lambda q, k, v: bsa.blocksparse_attention(q, k, v, **opts),
+                lambda q, k, v: bsa.blocksparse_attention(
+                    q, k, v, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, **opts),
+                (q, k, v), {})
 
     @pytest.mark.slow
     @pytest.mark.parametrize("order", ["contiguous", "zigzag"])

@@ -27,6 +27,7 @@ from eqx_bsattn.contract import (
 from ._local import (
     LAYOUT_LISTS,
     Operands,
+    ShardTokens,
     axis_size,
     check_divides,
     check_mesh,
@@ -62,6 +63,13 @@ class RingSchedule(NamedTuple):
 
 def _chunks(order: str, n: int, device: int) -> tuple[int, ...]:
     return (device,) if order == "contiguous" else (device, 2 * n - 1 - device)
+
+
+def _shard_tokens(order: str, n: int, device, length: int) -> ShardTokens:
+    """Where device `device`'s (traced) shard of a `length`-token sequence sits in it."""
+    piece = length // (n if order == "contiguous" else 2 * n)
+    starts = jnp.stack([jnp.asarray(c, jnp.int32) * piece for c in _chunks(order, n, device)])
+    return ShardTokens(starts, piece)
 
 
 def _token_order(order: str, n: int, length: int) -> np.ndarray:
@@ -195,8 +203,8 @@ class RingAttention(AbstractSharding):
         if inputs is not None and (
             inputs.q_positions is not None or inputs.kv_positions is not None
             or (mask.uses_segment_ids and inputs.q_segment_ids is not None)
-        ):
-            return None, bq, bk  # known on the device only
+        ) or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask.predicate)):
+            return None, bq, bk  # known on the device only (also a mask array traced by jit)
         with jax.ensure_compile_time_eval():
             layout = build_layout(mask.predicate, q_len=mask.q_len, kv_len=mask.kv_len,
                                   num_heads=mask.num_heads, block_q=bq, block_kv=bk)
@@ -380,8 +388,11 @@ class RingAttention(AbstractSharding):
                         kv_segment_ids=kv_seg, q_positions=here.get("q_positions"),
                         kv_positions=kv_pos,
                     )
-                    step_mask = local_mask(call_mask, layouts, q_len=q_local, kv_len=kv_local,
-                                           num_heads=local_heads, head_offset=head_offset)
+                    step_mask = local_mask(
+                        call_mask, layouts, q_len=q_local, kv_len=kv_local,
+                        num_heads=local_heads, head_offset=head_offset,
+                        q_tokens=_shard_tokens(order, n, me, q_len),
+                        kv_tokens=_shard_tokens(order, n, (me - t) % n, kv_len))
 
                     def attend():
                         out, lse = fn(q, k_t, v_t, step_inputs, step_mask, return_lse=True)
