@@ -12,14 +12,13 @@ python benchmarks/mosaic_backward_ablation.py --lengths 16384 --patterns causal 
 ```
 """
 
-import argparse
 import contextlib
 
 import jax.numpy as jnp
 
 from eqx_bsattn.strategies.kernels.mosaic import common
 
-from mosaic_forward import speed
+from mosaic_forward import shape_arguments, speed
 
 
 @contextlib.contextmanager
@@ -41,12 +40,7 @@ def _zeros(self, shape, pairs):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[16384])
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--reps", type=int, default=10)
+    p = shape_arguments(__doc__.split("\n\n")[0], reps=10)
     p.add_argument("--patterns", nargs="+", default=["causal"])
     args = p.parse_args()
     common_args = dict(lengths=args.lengths, batch=args.batch, heads=args.heads, dim=args.dim,

@@ -183,13 +183,19 @@ def speed(lengths, batch, heads, dim, reps, backward, only=None, soft_cap=None, 
     return rows
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def shape_arguments(description: str, reps: int) -> argparse.ArgumentParser:
+    """A parser with the speed runs' shape options (lengths, batch, heads, dim, reps)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--lengths", type=int, nargs="+", default=[16384])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=reps)
+    return p
+
+
+def main():
+    p = shape_arguments(__doc__.split("\n\n")[0], reps=20)
     p.add_argument("--skip-errors", action="store_true")
     p.add_argument("--cases", nargs="+", default=None, choices=sorted(ERROR_CASES),
                    help="only these error cases")
