@@ -14,8 +14,8 @@ GPU, each warp-specialised like the forward (a TMA memory warpgroup, two compute
   ``dv += P^T dO`` and ``dk += dS^T Q``. dk / dv come out per query head; the caller sums a
   group's heads (deterministic, no atomics).
 
-Partial blocks evaluate the same predicate as the forward (`common.visible`); FULL blocks run
-none. Rows whose log-sum-exp is +inf (they see no key) get ``P = 0`` and contribute nothing.
+Partial blocks evaluate the same predicate as the forward (`common.visible`, the segment ids
+apart and the key length tested only where keys were padded); FULL blocks run none. Rows whose log-sum-exp is +inf (they see no key) get ``P = 0`` and contribute nothing.
 
 Arrays are batched ``[B, H, L, D]`` with lengths padded to 128 (the caller pads: Q, dO with
 zeros, the log-sum-exp with +inf, delta with zeros). Mosaic GPU is imported when a launch is
@@ -30,7 +30,7 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AttentionShape, Ops, list_bounds, list_entry, memory_warpgroup, ring_stages,
-                     swizzled, visible)
+                     segment_ids_apart, swizzled, visible)
 
 #: Rows of a CTA's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -126,9 +126,12 @@ def _scratch(own_shape, ring_shape, dtype, stages):
 
 
 def _segments(q_segment_ids, kv_segment_ids):
+    """``(has ids, query ids, key ids)``, the ids apart (`segment_ids_apart`) so that the
+    partial blocks' segment term is equality alone, as in the forward."""
     dummy = jnp.zeros((1, 1), jnp.int32)
-    has = q_segment_ids is not None
-    return has, (q_segment_ids if has else dummy), (kv_segment_ids if has else dummy)
+    if q_segment_ids is None:
+        return False, dummy, dummy
+    return True, *segment_ids_apart(q_segment_ids, kv_segment_ids)
 
 
 def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index,
@@ -189,8 +192,8 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                         k_seg = lax.broadcast_in_dim(
                             ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout),
                             (bq, bk), [1])
-                    vis = visible(cfg.terms, cfg.true_kv_len, q_base + ops.iota((bq, bk), 0),
-                                  k_base + ops.iota((bq, bk), 1), q_seg, k_seg)
+                    vis = visible(cfg.terms, cfg.padded_kv_len, q_base + ops.iota((bq, bk), 0),
+                                  k_base + ops.iota((bq, bk), 1), q_seg, k_seg, ids_apart=True)
                 _, ds = cfg.probabilities(s, dp, lax.broadcast_in_dim(lse, (bq, bk), [0]),
                                           lax.broadcast_in_dim(delta, (bq, bk), [0]), vis)
                 (acc,) = ops.accumulate((acc,), [(ds.astype(dtype), k_ring.at[slot])])
@@ -332,8 +335,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                     if has_segments:
                         q_seg = lax.broadcast_in_dim(
                             ops.load(qseg_ref, (b, cols), ops.col_layout), (bk, bq), [1])
-                    vis = visible(cfg.terms, cfg.true_kv_len, q_base + ops.iota((bk, bq), 1),
-                                  k_base + ops.iota((bk, bq), 0), q_seg, k_seg)
+                    vis = visible(cfg.terms, cfg.padded_kv_len, q_base + ops.iota((bk, bq), 1),
+                                  k_base + ops.iota((bk, bq), 0), q_seg, k_seg, ids_apart=True)
                 p_t, ds_t = cfg.probabilities(s_t, dp_t, lax.broadcast_in_dim(lse, (bk, bq), [1]),
                                               lax.broadcast_in_dim(delta, (bk, bq), [1]), vis)
                 ds_t = ds_t.astype(dtype)

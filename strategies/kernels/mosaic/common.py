@@ -49,6 +49,12 @@ class AttentionShape:
         return self.heads // self.kv_heads
 
     @property
+    def padded_kv_len(self) -> int | None:
+        """The true key length where keys were padded (partial blocks then hide the keys past
+        it), else ``None``: `visible`'s `true_kv_len`."""
+        return self.true_kv_len if self.true_kv_len < self.kv_len else None
+
+    @property
     def log2_factor(self) -> float:
         """``softmax_scale * log2(e)``: logits in base 2."""
         return self.softmax_scale * LOG2E
