@@ -129,6 +129,18 @@ def test_docs_pages_exist_and_link_to_each_other():
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
 
 
+def test_docs_name_the_module_defaults_the_code_has():
+    """The module's defaults are strategy objects (`AutoKernel()`, `AutoTiling()`), not None:
+    the pages that describe them say what the code holds."""
+    attn = bsa.BlockSparseAttention()
+    autotune = (ROOT / "docs" / "autotune.md").read_text()
+    assert f"`tiling` defaults to `{attn.tiling!r}`" in " ".join(autotune.split())
+    for page in [*DOCS, ROOT / "README.md"]:
+        text = " ".join(page.read_text().split())
+        for name in ("tiling", "kernel"):
+            assert f"whose `{name}` is `None`" not in text, page.name
+
+
 #: Pages whose blocks take seconds (they compile many calls): `slow`, the rest quick. (The
 #: worked kernel of custom_kernel.md is still in the quick conformance cases.)
 _SLOW_PAGES = {"seed_api.md", "autotune.md", "custom_kernel.md"}
