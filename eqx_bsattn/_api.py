@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, Int
 
 from ._inputs import MaskInfo, as_array, check_call, check_qkv, hide_keys, python_scalar
 from ._kernel import AbstractKernel, registered_kernels
-from ._mask import AbstractMask, Full
+from ._mask import AbstractMask, Full, and_masks
 from ._module import BlockSparseAttention, run_plan
 from ._selector import DEVICE_PLATFORMS
 from ._tiling import Tiling
@@ -38,10 +38,6 @@ _BUILDER_FORMS = (
     "a mask, a zero-argument callable returning one, or a callable "
     "`(q_len, kv_len, num_heads, head_idx, num_reps) -> mask` called once per query head"
 )
-
-
-def _and(mask: AbstractMask, other: AbstractMask) -> AbstractMask:
-    return other if isinstance(mask, Full) else mask & other
 
 
 def _positional_arity(fn) -> tuple[int, int] | None:
@@ -101,7 +97,7 @@ def _mask_from_options(mask, causal, sliding_window, chunk_size) -> AbstractMask
     from .strategies import masks
 
     if causal:
-        mask = _and(mask, masks.Causal())
+        mask = and_masks(mask, masks.Causal())
     if sliding_window is not None:
         try:
             if isinstance(sliding_window, int) and not isinstance(sliding_window, bool):
@@ -116,9 +112,9 @@ def _mask_from_options(mask, causal, sliding_window, chunk_size) -> AbstractMask
                 "`sliding_window` must be an int >= 0 (symmetric) or a pair (left, right) of "
                 f"ints >= 0 or None, not both None; got {sliding_window!r}: {e}"
             ) from None
-        mask = _and(mask, window)
+        mask = and_masks(mask, window)
     if chunk_size is not None:
-        mask = _and(mask, masks.ChunkedCausal(chunk_size))
+        mask = and_masks(mask, masks.ChunkedCausal(chunk_size))
     return mask
 
 
@@ -423,7 +419,7 @@ def _attend(attn, platform, fused_backward, purify, query, key, value, mask_arra
     from .strategies import masks
 
     if mask_array is not None:
-        attn = eqx.tree_at(lambda m: m.mask, attn, _and(attn.mask, masks.ArrayMask(mask_array)))
+        attn = eqx.tree_at(lambda m: m.mask, attn, and_masks(attn.mask, masks.ArrayMask(mask_array)))
     plan = attn.plan(query, key, value, platform=platform, fused_backward=fused_backward, **data)
     if fused_backward and not getattr(plan.kernel, "fused_backward", False):
         warnings.warn(
