@@ -16,6 +16,7 @@ from ._kernel import AbstractKernel, registered_kernels
 from ._mask import AbstractMask, Full, and_masks
 from ._module import BlockSparseAttention, run_plan
 from ._selector import DEVICE_PLATFORMS
+from ._sharding import on_auto_axes
 from ._tiling import Tiling
 from ._typing import typechecked
 
@@ -420,14 +421,20 @@ def _attend(attn, platform, fused_backward, purify, query, key, value, mask_arra
 
     if mask_array is not None:
         attn = eqx.tree_at(lambda m: m.mask, attn, and_masks(attn.mask, masks.ArrayMask(mask_array)))
-    plan = attn.plan(query, key, value, platform=platform, fused_backward=fused_backward, **data)
-    if fused_backward and not getattr(plan.kernel, "fused_backward", False):
-        warnings.warn(
-            f"fused_backward=True: kernel {plan.kernel.name!r} has no fused backward pass; "
-            "it uses its split backward.",
-            stacklevel=4,
-        )
-    return run_plan(plan, query, key, value, attn.sharding, attn.logits_soft_cap, purify)
+
+    def plan_and_run(query, key, value, data):
+        plan = attn.plan(query, key, value, platform=platform, fused_backward=fused_backward,
+                         **data)
+        if fused_backward and not getattr(plan.kernel, "fused_backward", False):
+            warnings.warn(
+                f"fused_backward=True: kernel {plan.kernel.name!r} has no fused backward pass; "
+                "it uses its split backward.",
+                stacklevel=6,
+            )
+        return run_plan(plan, query, key, value, attn.sharding, attn.logits_soft_cap, purify)
+
+    leaves = jax.tree.leaves((mask_array, data))
+    return on_auto_axes(plan_and_run, query, key, value, *leaves)(query, key, value, data)
 
 
 def _attend_per_example(attend, query, key, value, mask, data):

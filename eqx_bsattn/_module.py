@@ -17,7 +17,7 @@ from ._inputs import (AttentionInputs, check_call, check_kv_seq_lengths, hide_ke
 from ._kernel import AbstractKernel, Features
 from ._mask import EMPTY, AbstractMask, And, Document, Full
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
-from ._sharding import AbstractSharding, Unsharded
+from ._sharding import AbstractSharding, Unsharded, on_auto_axes
 from ._swap import AutoKernel, AutoTiling, _kernel_or_auto, _tiling_or_auto, is_auto
 from ._tiling import Tiling
 from ._typing import ArrayOrNumpy, typechecked
@@ -330,12 +330,16 @@ class BlockSparseAttention(eqx.Module):
         **Returns:** ``[B, H, Lq, Dv]`` (or ``[H, Lq, Dv]``) in the query dtype; a query that
         sees no key gets zeros.
         """
-        plan = self._plan(
-            query, key, value, bias=bias, sinks=sinks, q_segment_ids=q_segment_ids,
-            kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_positions=kv_positions,
-            kv_seq_lengths=kv_seq_lengths,
-        )
-        return run_plan(plan, query, key, value, self.sharding, self.logits_soft_cap, purify)
+        data = dict(bias=bias, sinks=sinks, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                    kv_positions=kv_positions, kv_seq_lengths=kv_seq_lengths)
+
+        def attend(query, key, value, data):
+            plan = self._plan(query, key, value, **data)
+            return run_plan(plan, query, key, value, self.sharding, self.logits_soft_cap, purify)
+
+        return on_auto_axes(attend, query, key, value, *jax.tree.leaves(data))(
+            query, key, value, data)
 
 
 def _needs_equal_segments(mask: AbstractMask) -> bool:
