@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._layout import BlockLayout, _lists_from_classes
+from ._strategy import AbstractStrategy
 
 
-class AbstractSharding(eqx.Module):
+class AbstractSharding(AbstractStrategy):
     """How a kernel call spreads over devices.
 
     `wrap(fn)` takes the kernel's function

@@ -181,7 +181,8 @@ def test_small_model_trains_and_a_kernel_swap_keeps_the_optimizer_state():
     assert isinstance(model.attention.attention.kernel, bsa.AutoKernel)  # the old one untouched
     # The swap changes no array: parameters and moments carry over as they are.
     for before, after in ((model, swapped), (opt_state, swapped_state)):
-        old, new = jax.tree.leaves(before), jax.tree.leaves(after)
+        old = jax.tree.leaves(eqx.filter(before, eqx.is_array))
+        new = jax.tree.leaves(eqx.filter(after, eqx.is_array))
         assert len(old) == len(new) > 0
         assert all(a is b for a, b in zip(old, new))
     # The reference kernel computes the same loss, and training goes on from the same state.
@@ -192,6 +193,48 @@ def test_small_model_trains_and_a_kernel_swap_keeps_the_optimizer_state():
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.5, losses
     assert all(np.isfinite(losses))
+
+
+@pytest.mark.slow
+def test_plain_tree_at_swap_keeps_the_optimizer_state_and_retraces():
+    """Kernels and tilings are leaves of the model that are not arrays, so a swap with plain
+    `eqx.tree_at` leaves the structure of the gradients and of the optimizer state as it was:
+    `optim.update` goes on, `jax.tree.map` pairs the gradients of a model and its swapped twin,
+    and `eqx.filter_jit` retraces for the new kernel."""
+    model = TinyTransformer(8, 16, masks.Causal() & masks.SlidingWindow(4, 0),
+                            key=jax.random.key(9))
+    tokens, targets = _copy_task(batch=2, length=16)
+    optim = optax.adam(3e-2)
+    opt_state = optim.init(eqx.filter(model, eqx.is_array))
+    traces = []
+
+    @eqx.filter_jit
+    def step(model, opt_state):
+        traces.append(model.attention.attention.kernel.name
+                      if hasattr(model.attention.attention.kernel, "name") else "auto")
+        loss, grads = eqx.filter_value_and_grad(_loss)(model, tokens, targets)
+        updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss, grads
+
+    model, opt_state, _, grads = step(model, opt_state)
+    where = lambda m: m.attention.attention.kernel  # noqa: E731
+    swapped = eqx.tree_at(where, model, kernels.DenseReference())
+    twin_grads = eqx.filter_grad(_loss)(swapped, tokens, targets)
+    same_grads = eqx.filter_grad(_loss)(model, tokens, targets)
+    gaps = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), twin_grads, same_grads)
+    assert max(jax.tree.leaves(gaps)) < 1e-5
+    swapped, opt_state, loss, _ = step(swapped, opt_state)   # no structure error
+    tiled = eqx.tree_at(lambda m: m.attention.attention.tiling, swapped,
+                        bsa.Tiling(block_q=16, block_kv=16))
+    tiled, opt_state, _, _ = step(tiled, opt_state)
+    tiled, opt_state, _, _ = step(tiled, opt_state)          # same strategies: no retrace
+    assert traces == ["auto", "reference", "reference"], traces
+    assert np.isfinite(float(loss))
+    # swap_strategy gives the same model and state as the plain swap.
+    via, via_state = bsa.swap_strategy(where, tiled, kernels.XlaBlockSparse(), opt_state)
+    plain = eqx.tree_at(where, tiled, kernels.XlaBlockSparse())
+    assert jax.tree.structure(via) == jax.tree.structure(plain)
+    assert jax.tree.structure(via_state) == jax.tree.structure(opt_state)
 
 
 @pytest.mark.slow

@@ -104,8 +104,10 @@ def test_grad_and_checkpoint_agree(qkv):
 
 def test_module_is_a_pytree_of_strategies():
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.5)
-    leaves = jax.tree_util.tree_leaves(attn)
-    assert leaves == []  # only static hyperparameters
+    # The kernel, tiling and sharding are leaves that are not arrays; no parameters.
+    assert jax.tree_util.tree_leaves(attn) == [bsa.AutoKernel(), bsa.AutoTiling(),
+                                               bsa.sharding.Unsharded()]
+    assert jax.tree_util.tree_leaves(eqx.filter(attn, eqx.is_array)) == []
     assert attn == bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.5)
     assert attn != bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.25)
 
