@@ -143,7 +143,7 @@ def test_docs_name_the_module_defaults_the_code_has():
 
 #: Pages whose blocks take seconds (they compile many calls): `slow`, the rest quick. (The
 #: worked kernel of custom_kernel.md is still in the quick conformance cases.)
-_SLOW_PAGES = {"seed_api.md", "autotune.md", "custom_kernel.md"}
+_SLOW_PAGES = {"seed_api.md", "autotune.md", "custom_kernel.md", "custom_mask.md"}
 
 
 @pytest.mark.parametrize("path", [

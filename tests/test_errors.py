@@ -234,6 +234,7 @@ def test_numpy_and_python_scalars_are_accepted():
     assert float(layout.density()) == 1.0
 
 
+@pytest.mark.slow
 def test_checks_run_with_type_checking_off():
     # The same messages with jaxtyping/beartype switched off (they are the library's own).
     script = (

@@ -558,6 +558,7 @@ def test_no_warnings_on_a_plain_call(qkv):
         ref_attn(masks.Causal())(q, k, v)
 
 
+@pytest.mark.slow
 def test_bshd_layout_matches_the_oracle_and_jax_attention():
     """`qkv_layout="bshd"` takes and returns jax.nn.dot_product_attention's [B, L, H, D]
     arrays (GQA, Dv != D, Lq != Lk); the default layout would read them as other shapes."""

@@ -168,6 +168,7 @@ def test_int64_positions_are_checked_before_narrowing():
             attn(q, q, q, q_positions=pos, kv_positions=pos)
 
 
+@pytest.mark.slow
 def test_plus_inf_bias_is_refused_minus_inf_hides():
     q, k, v = (jax.random.normal(key, (2, 8, 4)) for key in jax.random.split(jax.random.key(1), 3))
     attn = bsa.BlockSparseAttention(kernel=kernels.XlaBlockSparse())
@@ -252,6 +253,7 @@ def test_chunked_slots_match_one_chunk(monkeypatch, kv_heads):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_temporaries_hold_no_copy_of_an_input(monkeypatch):
     """Forward+backward, L = 2^14 in small chunks: XLA's temporaries are the float32 output
     (kept for delta, then dq's accumulator) and the chunks, about 1.3 arrays of q's size. Inputs

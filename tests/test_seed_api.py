@@ -260,6 +260,7 @@ def test_mask_info_carries_everything(qkv):
     assert_close(via_info, np_attention(q, k, v, vis & data["attention_mask"]), 2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spelled", ["[B, Lk]", "[B, 1, 1, Lk]"])
 def test_key_padding_attention_mask(qkv, spelled):
     """ejKernel reads a 2-D `attention_mask` as key padding ``[B, Lk]``; so does this door

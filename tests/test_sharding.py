@@ -268,7 +268,8 @@ else:
             assert_close(g, w, 2e-5, name)
 
     @pytest.mark.parametrize("kernel, axis_type", [
-        (None, "default"),
+        ("DenseReference", "default"),  # the quick case: the XLA kernel compiles for seconds
+        pytest.param(None, "default", marks=slow),
         pytest.param(None, "Auto", marks=slow),
         pytest.param("XlaBlockSparse", "Explicit", marks=slow),
         pytest.param("DenseReference", "Explicit", marks=slow),
