@@ -211,6 +211,21 @@ def test_notebooks_exist():
     assert {"quickstart.ipynb", "training.ipynb", "mask_gallery.ipynb"} <= {p.name for p in NOTEBOOKS}
 
 
+def test_readme_says_how_to_run_the_notebooks_with_an_extra():
+    """The README's command runs with what an extra installs: `jupyter execute` comes from
+    nbclient, which the `notebooks` extra (and `dev`) holds, with a Python kernel."""
+    import tomllib
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert 'pip install -e ".[notebooks]"' in text
+    assert "jupyter execute --inplace notebooks/" in text
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for extra in ("notebooks", "dev"):
+        names = {re.split(r"[<>=\[ ]", req)[0] for req in extras[extra]}
+        assert {"nbclient", "ipykernel", "matplotlib"} <= names, (extra, names)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_committed_executed_with_its_pictures(path):
     """Read on GitHub as committed: every code cell ran, in order, without error, and the
