@@ -420,7 +420,8 @@ def _attend(attn, platform, fused_backward, purify, query, key, value, mask_arra
     from .strategies import masks
 
     if mask_array is not None:
-        attn = eqx.tree_at(lambda m: m.mask, attn, and_masks(attn.mask, masks.ArrayMask(mask_array)))
+        mask = and_masks(attn.mask, masks.ArrayMask(mask_array))
+        attn = eqx.tree_at(lambda m: m.mask, attn, mask)
 
     def plan_and_run(query, key, value, data):
         plan = attn.plan(query, key, value, platform=platform, fused_backward=fused_backward,

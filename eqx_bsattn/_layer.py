@@ -35,8 +35,9 @@ def _validate_layer_call(arguments: dict) -> None:
     argument, the shape given and the shape accepted."""
     layer = arguments["self"]
     arrays = {}
-    for name, size in (("query", layer.query_size), ("key_", layer.key_size),
-                       ("value", layer.value_size)):
+    for name, field, size in (("query", "query_size", layer.query_size),
+                              ("key_", "key_size", layer.key_size),
+                              ("value", "value_size", layer.value_size)):
         x = as_array(name, arguments[name])
         if x.ndim != 2:
             batch_hint = " (the layer is unbatched: jax.vmap it over a batch)" if x.ndim == 3 \
@@ -47,8 +48,7 @@ def _validate_layer_call(arguments: dict) -> None:
         if x.shape[1] != size:
             raise ValueError(
                 f"`{name}` must have {size} channels ([seq_len, {size}]: the layer's "
-                f"`{'query_size' if name == 'query' else name.rstrip('_') + '_size'}`); got "
-                f"shape {tuple(x.shape)}."
+                f"`{field}`); got shape {tuple(x.shape)}."
             )
         if x.shape[0] == 0:
             raise ValueError(f"`{name}` must hold at least one token; got shape {tuple(x.shape)}.")

@@ -101,7 +101,7 @@ def _with_document(mask: AbstractMask, has_segments: bool) -> AbstractMask:
 QKV_LAYOUTS = {"bhsd": False, "bshd": True}
 
 
-def _to_bhsd(layout: str, *arrays):
+def _layout_to_bhsd(layout: str, *arrays):
     """`arrays` from the module's `qkv_layout` to ``[B, H, L, D]`` (and back: it is its own
     inverse)."""
     if not QKV_LAYOUTS[layout]:
@@ -117,7 +117,7 @@ def _to_bhsd(layout: str, *arrays):
 
 def _validate_call(arguments: dict):
     layout = arguments["self"].qkv_layout
-    q, k, v = _to_bhsd(layout, arguments["query"], arguments["key"], arguments["value"])
+    q, k, v = _layout_to_bhsd(layout, arguments["query"], arguments["key"], arguments["value"])
     names = ("bias", "sinks", "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
     q, k, v, data = check_call(q, k, v, **{name: arguments[name] for name in names})
     lengths = arguments["kv_seq_lengths"]
@@ -125,7 +125,7 @@ def _validate_call(arguments: dict):
         batched = q.ndim == 4
         check_kv_seq_lengths(lengths, q.shape[0] if batched else 1, k.shape[-2], batched)
     arguments.update(query=q, key=k, value=v, **data)
-    return (lambda out: _to_bhsd(layout, out)[0]) if QKV_LAYOUTS[layout] else None
+    return (lambda out: _layout_to_bhsd(layout, out)[0]) if QKV_LAYOUTS[layout] else None
 
 
 class BlockSparseAttention(eqx.Module):
@@ -218,7 +218,7 @@ class BlockSparseAttention(eqx.Module):
         would run and why, with which tiling, and how dense each pass's layout is. Runs no
         attention.
         """
-        query, key, value = _to_bhsd(self.qkv_layout, query, key, value)
+        query, key, value = _layout_to_bhsd(self.qkv_layout, query, key, value)
         return self._plan(
             query, key, value, bias=bias, sinks=sinks, q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_positions=kv_positions,

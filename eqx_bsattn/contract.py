@@ -61,4 +61,5 @@ from ._sharding import (
     mesh_in_context as mesh_in_context,
     typed_like as typed_like,
 )
+from ._strategy import AbstractStrategy as AbstractStrategy
 from ._tiling import Tiling as Tiling
