@@ -1,6 +1,7 @@
 """Per-call data (bias, sinks, segment ids, positions), checked and brought to kernel shapes."""
 
 import dataclasses
+import warnings
 
 import equinox as eqx
 import jax
@@ -239,7 +240,7 @@ def _bias(bias, batch: int, heads: int, q_len: int, kv_len: int, batched: bool) 
     return jnp.broadcast_to(bias, (bb, hb, q_len, kv_len))
 
 
-def _check_sinks(sinks, heads: int, name: str):
+def _check_sinks(sinks, heads: int, name: str, kv_heads: int | None = None):
     if sinks is None:
         return None
     sinks = as_array(name, sinks)
@@ -250,6 +251,14 @@ def _check_sinks(sinks, heads: int, name: str):
         raise ValueError(
             f"{label} must have shape [num_sinks] (shared by all heads), "
             f"[{heads}] (one per head) or [{heads}, num_sinks]; got {_shape(sinks)}."
+        )
+    if sinks.ndim == 1 and kv_heads is not None and sinks.shape[0] == kv_heads != heads:
+        # ejKernel reads this length as one sink per kv head: say which reading this is.
+        warnings.warn(
+            f"{label} of shape {_shape(sinks)} has one entry per kv head ({kv_heads}): it is "
+            f"read as {kv_heads} sinks shared by all {heads} heads. For one sink per kv head "
+            f"pass jnp.repeat(sinks, {heads // kv_heads})[:, None] ([{heads}, 1]).",
+            stacklevel=4,
         )
     return sinks
 
@@ -277,6 +286,41 @@ def _check_segment_pair(q_segment_ids, kv_segment_ids) -> None:
         )
 
 
+def hide_keys(keep, q_segment_ids, kv_segment_ids, *, q_len: int):
+    """Segment ids that hide the keys where `keep` (``[B, Lk]`` booleans) is False.
+
+    Key padding rides on the segment ids (a hidden key gets id ``-1``, which no query
+    matches), so its layout is built on the device like theirs: new padding never recompiles,
+    and blocks of padding are skipped. Without segment ids every query gets id 0. Returns
+    ``(q_segment_ids, kv_segment_ids)``, ``[B, Lq]`` and ``[B, Lk]``.
+    """
+    batch, kv_len = keep.shape
+    if q_segment_ids is None:
+        q_segment_ids = jnp.zeros((batch, q_len), jnp.int32)
+        kv_segment_ids = jnp.zeros((batch, kv_len), jnp.int32)
+    q_segment_ids = jnp.broadcast_to(q_segment_ids, (batch, q_len))
+    kv_segment_ids = jnp.broadcast_to(kv_segment_ids, (batch, kv_len))
+    hidden = jnp.full((), -1, kv_segment_ids.dtype)
+    return q_segment_ids, jnp.where(keep, kv_segment_ids, hidden)
+
+
+def check_kv_seq_lengths(lengths, batch: int, kv_len: int, batched: bool):
+    """`kv_seq_lengths` (``[B]`` or a scalar: the number of real keys, the rest is padding)
+    as the ``[B, Lk]`` booleans of the keys it keeps, or the error saying why not."""
+    if lengths is None:
+        return None
+    lengths = as_array("kv_seq_lengths", lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"`kv_seq_lengths` must hold integers; got dtype {_dtype_name(lengths)}.")
+    accepted = f"[{batch}] or a scalar" if batched else "a scalar"
+    if not (lengths.ndim == 0 or (batched and lengths.shape == (batch,))):
+        raise ValueError(f"`kv_seq_lengths` must have shape {accepted}; got {_shape(lengths)}.")
+    lengths = _within("kv_seq_lengths", lengths, lambda n: (n < 0) | (n > kv_len),
+                      f"must lie in [0, {kv_len}] (kv_len); got values outside.")
+    lengths = jnp.broadcast_to(lengths, (batch,))
+    return jnp.arange(kv_len)[None, :] < lengths[:, None]
+
+
 def check_call(query, key, value, *, sinks_name: str = "sinks", **data) -> tuple:
     """Check one call's arguments before anything else looks at them.
 
@@ -299,7 +343,7 @@ def check_call(query, key, value, *, sinks_name: str = "sinks", **data) -> tuple
     if "bias" in out:
         out["bias"] = _check_bias(out["bias"], batch, heads, q_len, kv_len, batched)
     if "sinks" in out:
-        out["sinks"] = _check_sinks(out["sinks"], heads, sinks_name)
+        out["sinks"] = _check_sinks(out["sinks"], heads, sinks_name, key.shape[-3])
     _check_segment_pair(out.get("q_segment_ids"), out.get("kv_segment_ids"))
     return query, key, value, out
 

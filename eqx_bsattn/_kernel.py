@@ -4,16 +4,15 @@ import abc
 import dataclasses
 from typing import ClassVar
 
-import equinox as eqx
 import jax
 import jax.interpreters.ad  # noqa: F401  (JVPTracer)
 import jax.numpy as jnp
 import numpy as np
-from equinox import AbstractClassVar
 from jaxtyping import Array, Float
 
 from ._compile import CompiledMask, MaskReads, ResolvedMask
 from ._inputs import AttentionInputs
+from ._strategy import AbstractStrategy
 from ._tiling import Tiling
 
 
@@ -110,7 +109,7 @@ def registered_kernels() -> tuple[type["AbstractKernel"], ...]:
     return tuple(_REGISTRY)
 
 
-class AbstractKernel(eqx.Module):
+class AbstractKernel(AbstractStrategy):
     """How attention is computed: a reference, an XLA loop, a Triton or cuDNN launch.
 
     A concrete subclass registers itself with the selector when it is defined. It declares:
@@ -150,9 +149,9 @@ class AbstractKernel(eqx.Module):
       (``Features.lse``, set by `RingAttention`).
     """
 
-    name: AbstractClassVar[str]
-    platforms: AbstractClassVar[tuple[str, ...]]
-    reads: AbstractClassVar[MaskReads]
+    name: ClassVar[str]
+    platforms: ClassVar[tuple[str, ...]]
+    reads: ClassVar[MaskReads]
     returns_lse: ClassVar[bool] = False
     #: Part of the autotune cache key: change it when a change to the kernel makes tilings
     #: tuned before it stale.
@@ -160,7 +159,6 @@ class AbstractKernel(eqx.Module):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # Equinox checks abstract class variables after this hook runs: look at them here.
         declared = all(hasattr(cls, name) for name in ("name", "platforms", "reads"))
         if declared and not cls.__name__.startswith("Abstract"):
             _REGISTRY.append(cls)

@@ -67,6 +67,8 @@ from ._sharding import (
     AbstractSharding as AbstractSharding,
     Unsharded as Unsharded,
     layout_from_classes as layout_from_classes,
+    mesh_in_context as mesh_in_context,
     typed_like as typed_like,
 )
+from ._strategy import AbstractStrategy as AbstractStrategy
 from ._tiling import Tiling as Tiling

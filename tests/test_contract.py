@@ -21,7 +21,7 @@ KERNEL_FILES = sorted((ROOT / "strategies" / "kernels").rglob("*.py")) + sorted(
 #: doors that compose built-in strategies (the seed-style call, the demo, the benchmark with its
 #: patterns) and the package's `__init__` (which registers the built-ins) may import them.
 CORE = [p for p in sorted((ROOT / "eqx_bsattn").glob("*.py"))
-        if p.name not in ("__init__.py", "__main__.py", "_api.py", "bench.py")]
+        if p.name not in ("__init__.py", "__main__.py", "_api.py", "_layer.py", "bench.py")]
 
 
 def _imports(path: pathlib.Path):

@@ -263,6 +263,7 @@ def test_segment_ids_beyond_int32_are_refused(ids):
                 lambda s: attn(q, q, q, q_segment_ids=good, kv_segment_ids=s))(ids()))
 
 
+@pytest.mark.slow
 def test_plus_inf_bias_is_refused_minus_inf_hides():
     q, k, v = (jax.random.normal(key, (2, 8, 4)) for key in jax.random.split(jax.random.key(1), 3))
     attn = bsa.BlockSparseAttention(kernel=kernels.XlaBlockSparse())
@@ -347,6 +348,7 @@ def test_chunked_slots_match_one_chunk(monkeypatch, kv_heads):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_temporaries_hold_no_copy_of_an_input(monkeypatch):
     """Forward+backward, L = 2^14 in small chunks: XLA's temporaries are the float32 output
     (kept for delta, then dq's accumulator) and the chunks, about 1.3 arrays of q's size. Inputs

@@ -302,6 +302,59 @@ else:
                 module(masks.Causal(), "DenseReference", ring), (q, k, v), {})
 
     # ---------------------------------------------------------------------------------------
+    # Inputs placed on a mesh (Explicit axes, jax.make_mesh's default, or Auto), passed to a
+    # module without a sharding strategy, under jit: every CPU kernel, forward and gradients.
+
+    def check_placed(kernel, axis_type, *, segments=True, strategy=None):
+        shape, names = (2, 4), ("data", "model")
+        mesh = (jax.make_mesh(shape, names) if axis_type == "default"
+                else make_mesh(shape, names) if axis_type == "Auto"
+                else jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * 2))
+        q, k, v = random_inputs(10, batch=4, heads=8, kv_heads=4, q_len=48, kv_len=40,
+                                value_dim=6)
+        seg = np.stack([sorted_segments(np.random.default_rng(s), 1, 48, 3)[0] for s in range(4)])
+        kv_seg = seg[:, :40]
+        extra = dict(q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(kv_seg)) \
+            if segments else {}
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+        placed = [put(x, P("data", "model")) for x in (q, k, v)]
+        placed_extra = {n: put(x, P("data")) for n, x in extra.items()}
+        attn = bsa.BlockSparseAttention(
+            mask=masks.Causal(), **({} if kernel is None else dict(kernel=make_kernel(kernel))),
+            **({} if strategy is None else dict(sharding=strategy(mesh))))
+        ref = module(masks.Causal(), "DenseReference")
+        proj = random_array(11, (4, 8, 48, 6))
+
+        def loss(fn):
+            return lambda q, k, v, e: jnp.sum(fn(q, k, v, **e) * proj)
+
+        out = jax.jit(lambda q, k, v, e: attn(q, k, v, **e))(*placed, placed_extra)
+        if axis_type != "Auto":
+            assert out.sharding.spec[:2] == ("data", "model"), out.sharding
+        assert_close(out, ref(q, k, v, **extra), 2e-5, "output")
+        got = jax.jit(jax.grad(loss(attn), argnums=(0, 1, 2)))(*placed, placed_extra)
+        want = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v, extra)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert_close(g, w, 2e-5, name)
+
+    @pytest.mark.parametrize("kernel, axis_type", [
+        ("DenseReference", "default"),  # the quick case: the XLA kernel compiles for seconds
+        pytest.param(None, "default", marks=slow),
+        pytest.param(None, "Auto", marks=slow),
+        pytest.param("XlaBlockSparse", "Explicit", marks=slow),
+        pytest.param("DenseReference", "Explicit", marks=slow),
+        pytest.param("SplashBlockSparse", "Explicit", marks=slow),
+        pytest.param("SplashBlockSparse", "Auto", marks=slow),
+    ])
+    def test_inputs_placed_on_a_mesh(kernel, axis_type):
+        check_placed(kernel, axis_type)
+
+    @pytest.mark.slow
+    def test_shard_map_with_segment_ids_placed_on_an_explicit_mesh():
+        check_placed("XlaBlockSparse", "Explicit",
+                     strategy=lambda mesh: sharding.ShardMap(mesh, "data", "model"))
+
+    # ---------------------------------------------------------------------------------------
     # What the ring computes and sends.
 
     def oracle_pairs(mask, order, n=_DEVICES, seg=None):

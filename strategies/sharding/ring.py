@@ -14,6 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from eqx_bsattn.contract import (
     EMPTY,
+    mesh_in_context,
     AbstractSharding,
     add_sinks,
     AttentionInputs,
@@ -288,6 +289,7 @@ class RingAttention(AbstractSharding):
         n = axis_size(mesh, s_axis)
 
         def run(query, key, value, inputs, mask):
+            mesh = mesh_in_context(self.mesh)
             batch, heads, q_len = query.shape[:3]
             kv_heads, kv_len = key.shape[1:3]
             check_divides("the batch", batch, mesh, b_axis, "batch_axis")
