@@ -13,9 +13,13 @@ GPU, each warp-specialised like the forward (a TMA memory warpgroup, two compute
   ``dP^T = V dO^T``, reads the block's log-sum-exp and delta, and accumulates
   ``dv += P^T dO`` and ``dk += dS^T Q``. dk / dv come out per query head; the caller sums a
   group's heads (deterministic, no atomics).
+- `dkv_call` with a dq accumulator is the single pass: it also forms each block's dq partial
+  ``dS K`` and adds it into a float32 dq in global memory by TMA reduce-add (5 block products
+  a block instead of the two kernels' 7; dq then varies from run to run in its last bits).
 
 Partial blocks evaluate the same predicate as the forward (`common.visible`, the segment ids
-apart and the key length tested only where keys were padded); FULL blocks run none. Rows whose log-sum-exp is +inf (they see no key) get ``P = 0`` and contribute nothing.
+apart and the key length tested only where keys were padded); FULL blocks run none. Rows
+whose log-sum-exp is +inf (they see no key) get ``P = 0`` and contribute nothing.
 
 Arrays are batched ``[B, H, L, D]`` with lengths padded to 128 (the caller pads: Q, dO with
 zeros, the log-sum-exp with +inf, delta with zeros). Mosaic GPU is imported when a launch is
@@ -238,8 +242,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     """``(dk, dv)``, each ``[B, H, Lk, D]`` per query head (the caller sums a group's heads),
     for padded inputs; the lists are the dk/dv layout's transposed ones.
 
-    With `dq_accumulator` (a zeroed float32 `jax.Ref` of `dq_accumulator_shape`) the pass is the
-    whole backward: each block's dS also goes to shared memory (16-bit) for a fifth product,
+    With `dq_accumulator` (a zeroed float32 `jax.Ref` of `dq_accumulator_shape`) the pass is
+    the whole backward: each block's dS also goes to shared memory (16-bit) for a fifth product,
     the block's dq partial ``dS K`` (unscaled; `BackwardConfig.dq_columns` says how the two
     compute warpgroups share it), which is staged in shared memory in float32 and added into
     the accumulator by TMA's bulk reduce-add. The order of those additions
