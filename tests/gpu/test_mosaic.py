@@ -256,8 +256,9 @@ def test_deterministic_mode_is_bit_identical(case):
 
 def test_backward_mode_and_its_tiles(monkeypatch):
     """Deterministic by default; the single pass with ``deterministic=False`` unless XLA's
-    deterministic-ops flag is set (or JAX cannot pass the kernel a `jax.Ref`); the plan's tiles are the kernel's own (128 x 64
-    dq, 64 x 128 dk/dv at D = 128) whatever `Tiling` it is given; a bad value is refused."""
+    deterministic-ops flag is set (or JAX cannot pass the kernel a `jax.Ref`); the plan's
+    tiles are the kernel's own (128 x 64 dq, 64 x 128 dk/dv at D = 128) whatever `Tiling` it
+    is given; a bad value is refused."""
     from eqx_bsattn.strategies.kernels.mosaic.kernel import refs_reach_kernels
 
     with pytest.raises(TypeError, match="deterministic"):
