@@ -1,12 +1,12 @@
 """`MosaicBlockSparse` on a Hopper GPU: its error against the float32 dense reference per mask
-and backward (Triton's or its own Mosaic one), then forward and forward+backward TF/s of
-Mosaic with either backward against `TritonBlockSparse` and cuDNN in one process.
+and backward mode (single pass or deterministic), then forward and forward+backward TF/s of
+Mosaic in both modes against `TritonBlockSparse` and cuDNN in one process.
 
 cuDNN runs `jax.nn.dot_product_attention(implementation="cudnn")` on inputs already in its own
 ``[B, L, H, D]`` layout, so no transpose is timed. TF/s count visible pairs only
 (`eqx_bsattn.bench`): ``4 B H D pairs`` forward, 3.5 times that forward+backward. At the speed
-shapes each implementation's output and gradients are compared with the first's (Mosaic with
-Triton's backward) as a relative error in norm.
+shapes each implementation's output and gradients are compared with the first's (Mosaic with its
+default, deterministic backward) as a relative error in norm.
 
 ```
 python benchmarks/mosaic_forward.py --out mosaic.json   # errors, then B=2 H=16 L=16384 D=128
@@ -50,7 +50,12 @@ def _segments(batch, length, docs, pad=7, seed=0):
     return jnp.asarray(ids)
 
 
-def errors(cases=None, backwards=("triton", "mosaic")) -> list[dict]:
+#: The backward modes, as `MosaicBlockSparse` builds them.
+MODES = {"deterministic": MosaicBlockSparse(),
+         "single_pass": MosaicBlockSparse(deterministic=False)}
+
+
+def errors(cases=None, backwards=tuple(MODES)) -> list[dict]:
     print("| mask | backward | shape | dtype | out max abs | out rel | dq rel | dk rel | dv rel |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     records = []
@@ -81,7 +86,7 @@ def errors(cases=None, backwards=("triton", "mosaic")) -> list[dict]:
         record = {"mask": name, "backward": backward, "shape": [b, h, hkv, lq, lk, d],
                   "dtype": jnp.dtype(dtype).name}
         try:
-            got = run(MosaicBlockSparse(backward=backward), dtype)
+            got = run(MODES[backward], dtype)
             with jax.default_matmul_precision("highest"):
                 want = run(DenseReference(), jnp.float32)
             rel = [float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
@@ -104,14 +109,15 @@ def errors(cases=None, backwards=("triton", "mosaic")) -> list[dict]:
     return records
 
 
-def speed(lengths, batch, heads, dim, reps, backward, only=None, soft_cap=None, sinks=0):
+def speed(lengths, batch, heads, dim, reps, backward, only=None, soft_cap=None, sinks=0,
+          patterns=("causal", "window", "document")):
     dtype = jnp.bfloat16
     extras = {}
     if sinks:
         extras["sinks"] = jax.random.normal(jax.random.key(1), (heads, sinks), jnp.float32)
     rows = []
     for length in lengths:
-        for name in ("causal", "window", "document"):
+        for name in patterns:
             mask, data = pattern(name, length, window=1024)
             pairs = visible_pairs(mask, length, length, data.get("q_segment_ids"))
             flops = 4.0 * batch * heads * dim * pairs
@@ -120,8 +126,8 @@ def speed(lengths, batch, heads, dim, reps, backward, only=None, soft_cap=None, 
             call = {n: jnp.broadcast_to(jnp.asarray(x), (batch, length)) for n, x in data.items()}
             call.update(extras)
             impls = {}
-            for impl, kernel in (("mosaic", MosaicBlockSparse()),
-                                 ("mosaic+mosaic-bwd", MosaicBlockSparse(backward="mosaic")),
+            for impl, kernel in (("mosaic", MODES["deterministic"]),
+                                 ("mosaic-single-pass", MODES["single_pass"]),
                                  ("triton", TritonBlockSparse())):
                 attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel,
                                                 logits_soft_cap=soft_cap)
@@ -156,7 +162,7 @@ def speed(lengths, batch, heads, dim, reps, backward, only=None, soft_cap=None, 
                         row["diff"] = {n: float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w))
                                        for n, g, w in zip(("out", "dq", "dk", "dv"), got, base)}
                     del got
-                    if impl != "mosaic+mosaic-bwd":  # the same forward as "mosaic"
+                    if impl != "mosaic-single-pass":  # the same forward as "mosaic"
                         row["fwd"] = flops / median_ms(fwd, args, reps, warmup=2) / 1e9
                     if backward:
                         row["fwdbwd"] = 3.5 * flops / median_ms(both, args, reps,
@@ -177,25 +183,33 @@ def speed(lengths, batch, heads, dim, reps, backward, only=None, soft_cap=None, 
     return rows
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def shape_arguments(description: str, reps: int) -> argparse.ArgumentParser:
+    """A parser with the speed runs' shape options (lengths, batch, heads, dim, reps)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--lengths", type=int, nargs="+", default=[16384])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=reps)
+    return p
+
+
+def main():
+    p = shape_arguments(__doc__.split("\n\n")[0], reps=20)
     p.add_argument("--skip-errors", action="store_true")
     p.add_argument("--cases", nargs="+", default=None, choices=sorted(ERROR_CASES),
                    help="only these error cases")
-    p.add_argument("--backwards", nargs="+", default=["triton", "mosaic"],
-                   choices=["triton", "mosaic"], help="the error table's backward passes")
+    p.add_argument("--backwards", nargs="+", default=list(MODES), choices=list(MODES),
+                   help="the error table's backward modes")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--impls", nargs="+", default=None,
-                   choices=["mosaic", "mosaic+mosaic-bwd", "triton", "cudnn"],
+                   choices=["mosaic", "mosaic-single-pass", "triton", "cudnn"],
                    help="time only these (the first timed is the reference of the diffs)")
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--soft-cap", type=float, default=None, help="logits soft cap (no cuDNN)")
     p.add_argument("--sinks", type=int, default=0, help="sinks a head (no cuDNN)")
+    p.add_argument("--patterns", nargs="+", default=["causal", "window", "document"],
+                   choices=["causal", "window", "document"])
     p.add_argument("--out", default=None, help="write the records as JSON here")
     args = p.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
@@ -205,7 +219,8 @@ def main():
         result["errors"] = errors(args.cases, args.backwards)
     if not args.skip_speed:
         result["speed"] = speed(args.lengths, args.batch, args.heads, args.dim, args.reps,
-                                not args.forward_only, args.impls, args.soft_cap, args.sinks)
+                                not args.forward_only, args.impls, args.soft_cap, args.sinks,
+                                args.patterns)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -33,6 +33,7 @@ from ._selector import (
     select_kernel as select_kernel,
 )
 from ._sharding import AbstractSharding as AbstractSharding, Unsharded as Unsharded
+from ._strategy import AbstractStrategy as AbstractStrategy
 from ._swap import (
     AutoKernel as AutoKernel,
     AutoTiling as AutoTiling,

@@ -8,15 +8,15 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Integer
 
-from ._inputs import MaskInfo, as_array, check_call, check_qkv, python_scalar
+from ._inputs import MaskInfo, as_array, check_call, check_qkv, hide_keys, python_scalar
 from ._kernel import AbstractKernel, registered_kernels
-from ._mask import AbstractMask, Full
+from ._mask import AbstractMask, Full, and_masks
 from ._module import BlockSparseAttention, run_plan
 from ._selector import DEVICE_PLATFORMS
+from ._sharding import on_auto_axes
 from ._tiling import Tiling
 from ._typing import typechecked
 
@@ -39,10 +39,6 @@ _BUILDER_FORMS = (
     "a mask, a zero-argument callable returning one, or a callable "
     "`(q_len, kv_len, num_heads, head_idx, num_reps) -> mask` called once per query head"
 )
-
-
-def _and(mask: AbstractMask, other: AbstractMask) -> AbstractMask:
-    return other if isinstance(mask, Full) else mask & other
 
 
 def _positional_arity(fn) -> tuple[int, int] | None:
@@ -102,7 +98,7 @@ def _mask_from_options(mask, causal, sliding_window, chunk_size) -> AbstractMask
     from .strategies import masks
 
     if causal:
-        mask = _and(mask, masks.Causal())
+        mask = and_masks(mask, masks.Causal())
     if sliding_window is not None:
         try:
             if isinstance(sliding_window, int) and not isinstance(sliding_window, bool):
@@ -117,9 +113,9 @@ def _mask_from_options(mask, causal, sliding_window, chunk_size) -> AbstractMask
                 "`sliding_window` must be an int >= 0 (symmetric) or a pair (left, right) of "
                 f"ints >= 0 or None, not both None; got {sliding_window!r}: {e}"
             ) from None
-        mask = _and(mask, window)
+        mask = and_masks(mask, window)
     if chunk_size is not None:
-        mask = _and(mask, masks.ChunkedCausal(chunk_size))
+        mask = and_masks(mask, masks.ChunkedCausal(chunk_size))
     return mask
 
 
@@ -295,29 +291,65 @@ def _to_bhsd(x, seq_first: bool):
     return jnp.swapaxes(x, -2, -3) if seq_first else x
 
 
+def _seed_sinks(sinks, heads: int, kv_heads: int):
+    """`softmax_aux` as ejKernel reads it: a 1-D array of length ``Hkv`` (``!= H``) is one sink
+    per kv head and ``[Hkv, S]`` sinks per kv head, each shared by that kv head's query heads;
+    every other shape is read as `BlockSparseAttention` reads `sinks`."""
+    if sinks is None or kv_heads == heads:
+        return sinks
+    sinks = as_array("softmax_aux", sinks)
+    if sinks.ndim == 1 and sinks.shape[0] == kv_heads:
+        return jnp.repeat(sinks, heads // kv_heads)[:, None]
+    if sinks.ndim == 2 and sinks.shape[0] == kv_heads:
+        return jnp.repeat(sinks, heads // kv_heads, axis=0)
+    if sinks.ndim == 2 and sinks.shape[0] != heads:
+        raise ValueError(
+            f"`softmax_aux` (sinks) must have shape [num_sinks] (shared by all heads), "
+            f"[{heads}] (one per head), [{kv_heads}] (one per kv head), [{heads}, num_sinks] or "
+            f"[{kv_heads}, num_sinks]; got {tuple(sinks.shape)}."
+        )
+    return sinks
+
+
 def _attention_mask(mask, batch: int, heads: int, q_len: int, kv_len: int, batched: bool):
-    """`attention_mask` as ``[B or 1, H or 1, Lq, Lk]`` booleans, or the error saying why not."""
+    """`attention_mask` as ``[B or 1, H or 1, Lq, Lk]`` booleans, or ``[B, Lk]`` key padding
+    (``(mask, is_key_padding)``), or the error saying why not, quoting the shape given."""
     if mask is None:
-        return None
+        return None, False
     mask = as_array("attention_mask", mask)
+    given = tuple(mask.shape)
     if mask.dtype != jnp.bool_ and not jnp.issubdtype(mask.dtype, jnp.integer):
         raise TypeError(
             "`attention_mask` must hold booleans (or integers, nonzero = attend); got dtype "
             f"{jnp.dtype(mask.dtype).name}."
         )
+    mask = mask if mask.dtype == jnp.bool_ else mask != 0
+    if batched and given == (batch, kv_len):
+        # ejKernel's reading of a 2-D mask: key padding. Refused where [Lq, Lk] would differ.
+        if given == (q_len, kv_len) and batch > 1:
+            raise ValueError(
+                f"`attention_mask` of shape {given} is ambiguous: it is both [batch, kv_len] "
+                f"(key padding, ejKernel's reading) and [q_len, kv_len]; pass mask[:, None, "
+                "None, :] for key padding ([B, 1, 1, Lk]) or mask[None] for one [Lq, Lk] mask."
+            )
+        return mask, True
     if batched:
-        accepted = (f"[{batch} or 1, {heads} or 1, {q_len}, {kv_len}], "
-                    f"[{batch} or 1, {q_len}, {kv_len}] or [{q_len}, {kv_len}]")
+        accepted = (f"[{batch} or 1, {heads} or 1, {q_len} or 1, {kv_len}], "
+                    f"[{batch} or 1, {q_len}, {kv_len}], [{batch}, {kv_len}] (key padding) or "
+                    f"[{q_len}, {kv_len}]")
         lead = {4: (), 3: (1,), 2: (0, 1)}.get(mask.ndim)
     else:
         accepted = f"[{heads} or 1, {q_len}, {kv_len}] or [{q_len}, {kv_len}]"
         lead = {3: (0,), 2: (0, 1)}.get(mask.ndim)
     if lead is not None:
         mask = jnp.expand_dims(mask, lead) if lead else mask
+        if batched and mask.ndim == 4 and mask.shape[0] == batch and mask.shape[1:3] == (1, 1) \
+                and mask.shape[3] == kv_len:
+            return mask[:, 0, 0], True  # [B, 1, 1, Lk]: key padding, spelled out
         if (mask.shape[0] in (1, batch) and mask.shape[1] in (1, heads)
-                and mask.shape[2:] == (q_len, kv_len)):
-            return mask if mask.dtype == jnp.bool_ else mask != 0
-    raise ValueError(f"`attention_mask` must have shape {accepted}; got {tuple(np.shape(mask))}.")
+                and mask.shape[2] in (1, q_len) and mask.shape[3:] == (kv_len,)):
+            return jnp.broadcast_to(mask, (*mask.shape[:2], q_len, kv_len)), False
+    raise ValueError(f"`attention_mask` must have shape {accepted}; got {given}.")
 
 
 def _merge_mask_info(mask_info, **explicit):
@@ -364,14 +396,20 @@ def _validate(arguments: dict):
             )
         a["kv_segment_ids"] = a["q_segment_ids"]
     names = ("bias", "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
-    _, _, _, data = check_call(q, k, v, sinks_name="softmax_aux", sinks=a["softmax_aux"],
+    sinks = _seed_sinks(a["softmax_aux"], q.shape[-3], k.shape[-3])
+    _, _, _, data = check_call(q, k, v, sinks_name="softmax_aux", sinks=sinks,
                                **{name: a[name] for name in names})
     a.update({name: data[name] for name in names}, softmax_aux=data["sinks"])
     batched = q.ndim == 4
-    a["attention_mask"] = _attention_mask(
+    mask, key_padding = _attention_mask(
         a["attention_mask"], q.shape[0] if batched else 1, q.shape[-3], q.shape[-2], k.shape[-2],
         batched,
     )
+    if key_padding:
+        a["q_segment_ids"], a["kv_segment_ids"] = hide_keys(
+            mask, a["q_segment_ids"], a["kv_segment_ids"], q_len=q.shape[-2])
+        mask = None
+    a["attention_mask"] = mask
     a.update(softmax_scale=python_scalar(a["softmax_scale"]),
              logits_soft_cap=python_scalar(a["logits_soft_cap"]))
     return (lambda out: _to_bhsd(out, True)) if seq_first[0] else None
@@ -382,15 +420,22 @@ def _attend(attn, platform, fused_backward, purify, query, key, value, mask_arra
     from .strategies import masks
 
     if mask_array is not None:
-        attn = eqx.tree_at(lambda m: m.mask, attn, _and(attn.mask, masks.ArrayMask(mask_array)))
-    plan = attn.plan(query, key, value, platform=platform, fused_backward=fused_backward, **data)
-    if fused_backward and not getattr(plan.kernel, "fused_backward", False):
-        warnings.warn(
-            f"fused_backward=True: kernel {plan.kernel.name!r} has no fused backward pass; "
-            "it uses its split backward.",
-            stacklevel=4,
-        )
-    return run_plan(plan, query, key, value, attn.sharding, attn.logits_soft_cap, purify)
+        mask = and_masks(attn.mask, masks.ArrayMask(mask_array))
+        attn = eqx.tree_at(lambda m: m.mask, attn, mask)
+
+    def plan_and_run(query, key, value, data):
+        plan = attn.plan(query, key, value, platform=platform, fused_backward=fused_backward,
+                         **data)
+        if fused_backward and not getattr(plan.kernel, "fused_backward", False):
+            warnings.warn(
+                f"fused_backward=True: kernel {plan.kernel.name!r} has no fused backward pass; "
+                "it uses its split backward.",
+                stacklevel=6,
+            )
+        return run_plan(plan, query, key, value, attn.sharding, attn.logits_soft_cap, purify)
+
+    leaves = jax.tree.leaves((mask_array, data))
+    return on_auto_axes(plan_and_run, query, key, value, *leaves)(query, key, value, data)
 
 
 def _attend_per_example(attend, query, key, value, mask, data):
@@ -421,10 +466,10 @@ def blocksparse_attention(
     bias: Float[Array, "..."] | None = None,
     /,
     *,
-    q_segment_ids: Int[Array, "*_ q_len"] | None = None,
-    kv_segment_ids: Int[Array, "*_ kv_len"] | None = None,
-    q_positions: Int[Array, "*_ q_len"] | None = None,
-    kv_positions: Int[Array, "*_ kv_len"] | None = None,
+    q_segment_ids: Integer[Array, "*_ q_len"] | None = None,
+    kv_segment_ids: Integer[Array, "*_ kv_len"] | None = None,
+    q_positions: Integer[Array, "*_ q_len"] | None = None,
+    kv_positions: Integer[Array, "*_ kv_len"] | None = None,
     attention_mask: Array | None = None,
     mask_info: MaskInfo | None = None,
     logits_soft_cap: float | int | None = None,

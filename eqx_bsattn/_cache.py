@@ -190,22 +190,38 @@ def _warn(message: str) -> None:
 
 def _parse(path: pathlib.Path) -> tuple[dict, str | None]:
     """``(entries, problem)``: the file's entries, or ``{}`` and why they cannot be used
-    (``None`` when the file is absent)."""
+    (``None`` when the file is absent). Entries that are not ``{mask key: dict}`` are dropped,
+    and `problem` says so."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}, None
     except OSError as e:
         return {}, f"cannot read {path} ({e}); it is ignored."
+    except UnicodeDecodeError as e:
+        return {}, (f"{path} is not UTF-8 text ({e}); it is ignored and replaced on the next "
+                    "write.")
     try:
         data = json.loads(text)
-    except ValueError as e:
-        return {}, f"{path} is not valid JSON ({e}); it is ignored and replaced on the next write."
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply to parse
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        return {}, (f"{path} is not valid JSON ({why}); it is ignored and replaced on the next "
+                    "write.")
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(
         data.get("entries"), dict
     ):
         return {}, f"{path} is not an eqx_bsattn autotune cache ({FORMAT}); it is ignored."
-    return data["entries"], None
+    entries, dropped = {}, 0
+    for call, by_mask in data["entries"].items():
+        if not isinstance(by_mask, dict):
+            dropped += 1
+            continue
+        entries[call] = {mask: entry for mask, entry in by_mask.items() if isinstance(entry, dict)}
+        dropped += len(by_mask) - len(entries[call])
+    if dropped:
+        return entries, (f"{path} holds {dropped} malformed entr{'y' if dropped == 1 else 'ies'} "
+                         "(not a dict); ignored, and dropped on the next write.")
+    return entries, None
 
 
 _read_memo: dict[str, tuple[tuple, dict]] = {}

@@ -1,6 +1,7 @@
 """Per-call data (bias, sinks, segment ids, positions), checked and brought to kernel shapes."""
 
 import dataclasses
+import warnings
 
 import equinox as eqx
 import jax
@@ -15,6 +16,7 @@ class AttentionInputs(eqx.Module):
     - `bias`: ``[bb, hb, q_len, kv_len]`` with ``bb`` in ``{1, batch}``, ``hb`` in ``{1, heads}``.
     - `sinks`: ``[heads, num_sinks]``: extra logits joining every row's softmax denominator.
     - `q_segment_ids`/`kv_segment_ids`: ``[batch, len]`` int32; ``-1`` (any negative) is padding.
+      Callers may pass any integer dtype, signed or unsigned, whose values fit in int32.
     - `q_positions`/`kv_positions`: ``[batch, len]`` int32.
     """
 
@@ -51,9 +53,11 @@ class MaskInfo:
     attention_mask: Array | None = None
 
 
-#: Positions lie in ``[-POSITION_LIMIT, POSITION_LIMIT]``. Masks compare positions in int32
-#: with sums such as ``q + window`` or ``q + offset``; inside this range (and with mask sizes up
-#: to it) those sums are exact.
+#: Positions lie in ``[-POSITION_LIMIT, POSITION_LIMIT - 1]`` and mask sizes (causal offsets,
+#: windows, chunks, prefixes, ...) are at most ``POSITION_LIMIT`` in magnitude. Masks and
+#: kernels compare positions in int32 through one sum of a position and a size (``q + window``,
+#: ``q - left``) or one difference of two positions (``q - k``); inside these ranges every such
+#: sum and difference lies in ``[-2**31, 2**31 - 1]``, so it is exact.
 POSITION_LIMIT = 2**30
 
 
@@ -69,16 +73,39 @@ def _within(name: str, x, bad, message: str):
     return x
 
 
-def _check_positions(name: str, x):
+def _check_range(name: str, x, low: int, high: int, accepted: str):
+    """`x` (any integer dtype, signed or not) checked to lie in ``[low, high]`` before it is
+    narrowed to int32; bounds its dtype cannot pass are not compared (nothing to check for
+    int32 segment ids, no negative bound for unsigned ids)."""
     if x is None:
         return None
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         return x  # `_token_data` says what it accepts
-    return _within(
-        name, x, lambda p: (p < -POSITION_LIMIT) | (p > POSITION_LIMIT),
-        "must lie in [-2**30, 2**30] (masks compare positions in int32); got values outside.",
-    )
+    info = jnp.iinfo(x.dtype)
+    below, above = low > int(info.min), high < int(info.max)
+    if not (below or above):
+        return x
+
+    def bad(v):
+        out = jnp.zeros(v.shape, bool)
+        if below:
+            out = out | (v < low)
+        if above:
+            out = out | (v > high)
+        return out
+
+    return _within(name, x, bad, f"must lie in {accepted}; got values outside.")
+
+
+def _check_positions(name: str, x):
+    return _check_range(name, x, -POSITION_LIMIT, POSITION_LIMIT - 1,
+                        "[-2**30, 2**30 - 1] (masks compare positions in int32)")
+
+
+def _check_segment_ids(name: str, x):
+    return _check_range(name, x, -(2**31), 2**31 - 1,
+                        "[-2**31, 2**31 - 1] (segment ids are compared in int32)")
 
 
 def _shape(x) -> tuple:
@@ -213,7 +240,7 @@ def _bias(bias, batch: int, heads: int, q_len: int, kv_len: int, batched: bool) 
     return jnp.broadcast_to(bias, (bb, hb, q_len, kv_len))
 
 
-def _check_sinks(sinks, heads: int, name: str):
+def _check_sinks(sinks, heads: int, name: str, kv_heads: int | None = None):
     if sinks is None:
         return None
     sinks = as_array(name, sinks)
@@ -225,12 +252,26 @@ def _check_sinks(sinks, heads: int, name: str):
             f"{label} must have shape [num_sinks] (shared by all heads), "
             f"[{heads}] (one per head) or [{heads}, num_sinks]; got {_shape(sinks)}."
         )
+    if sinks.ndim == 1 and kv_heads is not None and sinks.shape[0] == kv_heads != heads:
+        # ejKernel reads this length as one sink per kv head: say which reading this is.
+        warnings.warn(
+            f"{label} of shape {_shape(sinks)} has one entry per kv head ({kv_heads}): it is "
+            f"read as {kv_heads} sinks shared by all {heads} heads. For one sink per kv head "
+            f"pass jnp.repeat(sinks, {heads // kv_heads})[:, None] ([{heads}, 1]).",
+            stacklevel=4,
+        )
     return sinks
 
 
 def _sinks(sinks, heads: int, name: str) -> Array | None:
     sinks = _check_sinks(sinks, heads, name)
-    if sinks is None or sinks.ndim == 2:
+    if sinks is None:
+        return None
+    # -inf is a sink that never weighs (no sink); +inf would take every row's whole weight
+    # (inf / inf) and NaN has no weight at all: refuse both, as for the bias.
+    sinks = _within(name, sinks, lambda s: jnp.isnan(s) | (s == jnp.inf),
+                    "must be finite or -inf (no sink); got +inf or NaN.")
+    if sinks.ndim == 2:
         return sinks
     if sinks.shape[0] == heads:
         return sinks[:, None]
@@ -243,6 +284,41 @@ def _check_segment_pair(q_segment_ids, kv_segment_ids) -> None:
             "pass both `q_segment_ids` and `kv_segment_ids`, or neither; got only "
             + ("`q_segment_ids`." if kv_segment_ids is None else "`kv_segment_ids`.")
         )
+
+
+def hide_keys(keep, q_segment_ids, kv_segment_ids, *, q_len: int):
+    """Segment ids that hide the keys where `keep` (``[B, Lk]`` booleans) is False.
+
+    Key padding rides on the segment ids (a hidden key gets id ``-1``, which no query
+    matches), so its layout is built on the device like theirs: new padding never recompiles,
+    and blocks of padding are skipped. Without segment ids every query gets id 0. Returns
+    ``(q_segment_ids, kv_segment_ids)``, ``[B, Lq]`` and ``[B, Lk]``.
+    """
+    batch, kv_len = keep.shape
+    if q_segment_ids is None:
+        q_segment_ids = jnp.zeros((batch, q_len), jnp.int32)
+        kv_segment_ids = jnp.zeros((batch, kv_len), jnp.int32)
+    q_segment_ids = jnp.broadcast_to(q_segment_ids, (batch, q_len))
+    kv_segment_ids = jnp.broadcast_to(kv_segment_ids, (batch, kv_len))
+    hidden = jnp.full((), -1, kv_segment_ids.dtype)
+    return q_segment_ids, jnp.where(keep, kv_segment_ids, hidden)
+
+
+def check_kv_seq_lengths(lengths, batch: int, kv_len: int, batched: bool):
+    """`kv_seq_lengths` (``[B]`` or a scalar: the number of real keys, the rest is padding)
+    as the ``[B, Lk]`` booleans of the keys it keeps, or the error saying why not."""
+    if lengths is None:
+        return None
+    lengths = as_array("kv_seq_lengths", lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"`kv_seq_lengths` must hold integers; got dtype {_dtype_name(lengths)}.")
+    accepted = f"[{batch}] or a scalar" if batched else "a scalar"
+    if not (lengths.ndim == 0 or (batched and lengths.shape == (batch,))):
+        raise ValueError(f"`kv_seq_lengths` must have shape {accepted}; got {_shape(lengths)}.")
+    lengths = _within("kv_seq_lengths", lengths, lambda n: (n < 0) | (n > kv_len),
+                      f"must lie in [0, {kv_len}] (kv_len); got values outside.")
+    lengths = jnp.broadcast_to(lengths, (batch,))
+    return jnp.arange(kv_len)[None, :] < lengths[:, None]
 
 
 def check_call(query, key, value, *, sinks_name: str = "sinks", **data) -> tuple:
@@ -267,7 +343,7 @@ def check_call(query, key, value, *, sinks_name: str = "sinks", **data) -> tuple
     if "bias" in out:
         out["bias"] = _check_bias(out["bias"], batch, heads, q_len, kv_len, batched)
     if "sinks" in out:
-        out["sinks"] = _check_sinks(out["sinks"], heads, sinks_name)
+        out["sinks"] = _check_sinks(out["sinks"], heads, sinks_name, key.shape[-3])
     _check_segment_pair(out.get("q_segment_ids"), out.get("kv_segment_ids"))
     return query, key, value, out
 
@@ -292,8 +368,12 @@ def prepare_inputs(
     return AttentionInputs(
         bias=_bias(bias, batch, heads, q_len, kv_len, batched),
         sinks=_sinks(sinks, heads, sinks_name),
-        q_segment_ids=_token_data("q_segment_ids", q_segment_ids, batch, q_len, batched),
-        kv_segment_ids=_token_data("kv_segment_ids", kv_segment_ids, batch, kv_len, batched),
+        q_segment_ids=_token_data("q_segment_ids",
+                                  _check_segment_ids("q_segment_ids", q_segment_ids),
+                                  batch, q_len, batched),
+        kv_segment_ids=_token_data("kv_segment_ids",
+                                   _check_segment_ids("kv_segment_ids", kv_segment_ids),
+                                   batch, kv_len, batched),
         q_positions=_token_data("q_positions", _check_positions("q_positions", q_positions),
                                 batch, q_len, batched),
         kv_positions=_token_data("kv_positions", _check_positions("kv_positions", kv_positions),

@@ -4,14 +4,15 @@ import abc
 import dataclasses
 from typing import ClassVar
 
-import equinox as eqx
 import jax
+import jax.interpreters.ad  # noqa: F401  (JVPTracer)
 import jax.numpy as jnp
-from equinox import AbstractClassVar
+import numpy as np
 from jaxtyping import Array, Float
 
 from ._compile import CompiledMask, MaskReads, ResolvedMask
 from ._inputs import AttentionInputs
+from ._strategy import AbstractStrategy
 from ._tiling import Tiling
 
 
@@ -42,17 +43,62 @@ class Features:
     lse: bool = False
 
 
+def sink_logsumexp(sinks):
+    """Each head's sinks ``[H, S]`` as one float32 logit ``[H]``: their log-sum-exp, ``-inf``
+    for a head whose sinks are all ``-inf`` (it has none). The gradient of a ``-inf`` sink is
+    zero, never NaN. The plan refuses ``+inf`` and NaN sinks."""
+    sinks = sinks.astype(jnp.float32)
+    present = jnp.any(sinks > -jnp.inf, axis=-1)
+    lse = jax.nn.logsumexp(jnp.where(present[:, None], sinks, 0.0), axis=-1)
+    return jnp.where(present, lse, -jnp.inf)
+
+
 def add_sinks(out, lse, sinks):
     """Join attention sinks to a result computed without them: ``(out, lse)`` as
     `AbstractKernel.attention_with_lse` returns them (``[B, H, Lq, Dv]``, ``[B, H, Lq]``)
     and `sinks` ``[H, S]``. Returns the float32 output and log-sum-exp with the sinks in each
-    row's denominator; a row that sees no key keeps zeros and ``-inf``. Differentiable.
+    row's denominator; a row that sees no key keeps zeros and ``-inf``, a head whose sinks are
+    all ``-inf`` keeps its result. Differentiable (never NaN on those rows).
     """
-    sink_lse = jax.nn.logsumexp(sinks.astype(jnp.float32), axis=-1)[None, :, None]
-    total = jnp.logaddexp(lse, sink_lse)
-    seen = jnp.isfinite(lse)
-    scale = jnp.where(seen, jnp.exp(lse - total), 0.0)
-    return out.astype(jnp.float32) * scale[..., None], jnp.where(seen, total, -jnp.inf)
+    sink_lse = sink_logsumexp(sinks)[None, :, None]
+    joined = jnp.isfinite(lse) & jnp.isfinite(sink_lse)
+    row = jnp.where(joined, lse, 0.0)
+    total = jnp.logaddexp(row, jnp.where(joined, sink_lse, 0.0))
+    scale = jnp.where(joined, jnp.exp(row - total), jnp.where(jnp.isfinite(lse), 1.0, 0.0))
+    return out.astype(jnp.float32) * scale[..., None], jnp.where(joined, total, lse)
+
+
+def pad_axis(x, axis: int, size: int, value=0):
+    """`x` (NumPy or JAX) padded with `value` along `axis` to `size` (unchanged if it is
+    already that long)."""
+    extra = size - x.shape[axis]
+    if extra <= 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, extra)
+    xp = np if isinstance(x, np.ndarray) else jnp
+    return xp.pad(x, pad, constant_values=np.asarray(value, x.dtype))
+
+
+def refuse_forward_mode(kernel_name: str, *arrays) -> None:
+    """Raise a `TypeError` naming the way out if `arrays` are being differentiated in forward
+    mode (`jax.jvp`, `jax.jacfwd`, `jax.hessian`).
+
+    For kernels that define only a reverse-mode rule (`jax.custom_vjp`): JAX refuses forward
+    mode through them, and under `jit` it says so only when lowering, without naming the
+    kernel. Reverse mode (`jax.grad`, `jax.vjp`) traces with linearize tracers and passes.
+    """
+    jvp_tracer = getattr(jax.interpreters.ad, "JVPTracer", None)
+    # With direct linearization off, reverse mode traces with JVP tracers too: say nothing.
+    if jvp_tracer is None or not getattr(jax.config, "jax_use_direct_linearize", True):
+        return
+    if any(isinstance(x, jvp_tracer) for x in arrays if x is not None):
+        raise TypeError(
+            f"kernel {kernel_name} has no forward-mode rule (`jax.jvp`, `jax.jacfwd`, "
+            "`jax.hessian`): XlaBlockSparse, TritonBlockSparse and CudnnDense define only a "
+            "reverse-mode gradient (`jax.custom_vjp`). For forward-mode AD pass "
+            "`kernel=kernels.DenseReference()` (plain JAX; memory grows with Lq x Lk)."
+        )
 
 
 _REGISTRY: list[type["AbstractKernel"]] = []
@@ -63,7 +109,7 @@ def registered_kernels() -> tuple[type["AbstractKernel"], ...]:
     return tuple(_REGISTRY)
 
 
-class AbstractKernel(eqx.Module):
+class AbstractKernel(AbstractStrategy):
     """How attention is computed: a reference, an XLA loop, a Triton or cuDNN launch.
 
     A concrete subclass registers itself with the selector when it is defined. It declares:
@@ -103,9 +149,9 @@ class AbstractKernel(eqx.Module):
       (``Features.lse``, set by `RingAttention`).
     """
 
-    name: AbstractClassVar[str]
-    platforms: AbstractClassVar[tuple[str, ...]]
-    reads: AbstractClassVar[MaskReads]
+    name: ClassVar[str]
+    platforms: ClassVar[tuple[str, ...]]
+    reads: ClassVar[MaskReads]
     returns_lse: ClassVar[bool] = False
     #: Part of the autotune cache key: change it when a change to the kernel makes tilings
     #: tuned before it stale.
@@ -113,7 +159,6 @@ class AbstractKernel(eqx.Module):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # Equinox checks abstract class variables after this hook runs: look at them here.
         declared = all(hasattr(cls, name) for name in ("name", "platforms", "reads"))
         if declared and not cls.__name__.startswith("Abstract"):
             _REGISTRY.append(cls)

@@ -4,10 +4,11 @@ grouped-query heads, rotary embedding and a block-sparse mask."""
 import jax
 import jax.numpy as jnp
 import equinox as eqx
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, Integer, PRNGKeyArray
 
+from ._inputs import as_array
 from ._kernel import AbstractKernel
-from ._mask import AbstractMask, Full
+from ._mask import AbstractMask, Full, and_masks
 from ._module import BlockSparseAttention
 from ._tiling import Tiling
 from ._typing import ArrayOrNumpy, typechecked
@@ -27,6 +28,49 @@ def apply_rotary(
     first, second = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-second, first], axis=-1)
     return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _validate_layer_call(arguments: dict) -> None:
+    """The layer's own checks, before jaxtyping sees the arguments: one line each, naming the
+    argument, the shape given and the shape accepted."""
+    layer = arguments["self"]
+    arrays = {}
+    for name, field, size in (("query", "query_size", layer.query_size),
+                              ("key_", "key_size", layer.key_size),
+                              ("value", "value_size", layer.value_size)):
+        x = as_array(name, arguments[name])
+        if x.ndim != 2:
+            batch_hint = " (the layer is unbatched: jax.vmap it over a batch)" if x.ndim == 3 \
+                else ""
+            raise ValueError(
+                f"`{name}` must be [seq_len, {size}]{batch_hint}; got shape {tuple(x.shape)}."
+            )
+        if x.shape[1] != size:
+            raise ValueError(
+                f"`{name}` must have {size} channels ([seq_len, {size}]: the layer's "
+                f"`{field}`); got shape {tuple(x.shape)}."
+            )
+        if x.shape[0] == 0:
+            raise ValueError(f"`{name}` must hold at least one token; got shape {tuple(x.shape)}.")
+        arrays[name] = x
+    q_len, kv_len = arrays["query"].shape[0], arrays["key_"].shape[0]
+    if arrays["value"].shape[0] != kv_len:
+        raise ValueError(
+            f"`key_` and `value` must have the same length; got shapes "
+            f"{tuple(arrays['key_'].shape)} and {tuple(arrays['value'].shape)}."
+        )
+    mask = arguments["mask"]
+    if mask is not None:
+        mask = as_array("mask", mask)
+        if mask.dtype != jnp.bool_:
+            raise TypeError(f"`mask` must hold booleans; got dtype {jnp.dtype(mask.dtype).name}.")
+        if mask.shape not in ((q_len, kv_len), (layer.num_heads, q_len, kv_len)):
+            raise ValueError(
+                f"`mask` must have shape [{q_len}, {kv_len}] or [{layer.num_heads}, {q_len}, "
+                f"{kv_len}] ([num_heads,] q_len, kv_len); got {tuple(mask.shape)}."
+            )
+        arguments["mask"] = mask
+    arguments.update(arrays)
 
 
 class MultiheadBlockSparseAttention(eqx.Module):
@@ -175,17 +219,21 @@ class MultiheadBlockSparseAttention(eqx.Module):
         self.vo_size = vo_size
         self.rotary_theta = None if rotary_theta is None else float(rotary_theta)
 
-    @typechecked
+    @typechecked(validate=_validate_layer_call)
     def __call__(
         self,
         query: Float[Array, "q_len query_size"],
         key_: Float[Array, "kv_len key_size"],
         value: Float[Array, "kv_len value_size"],
+        mask: Bool[Array, "*heads q_len kv_len"] | None = None,
         *,
-        q_positions: Int[ArrayOrNumpy, " q_len"] | None = None,
-        kv_positions: Int[ArrayOrNumpy, " kv_len"] | None = None,
-        q_segment_ids: Int[ArrayOrNumpy, " q_len"] | None = None,
-        kv_segment_ids: Int[ArrayOrNumpy, " kv_len"] | None = None,
+        bias: Float[ArrayOrNumpy, "..."] | None = None,
+        sinks: Float[ArrayOrNumpy, "..."] | None = None,
+        kv_seq_lengths: Integer[ArrayOrNumpy, ""] | int | None = None,
+        q_positions: Integer[ArrayOrNumpy, " q_len"] | None = None,
+        kv_positions: Integer[ArrayOrNumpy, " kv_len"] | None = None,
+        q_segment_ids: Integer[ArrayOrNumpy, " q_len"] | None = None,
+        kv_segment_ids: Integer[ArrayOrNumpy, " kv_len"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
     ) -> Float[Array, "q_len output_size"]:
@@ -194,6 +242,15 @@ class MultiheadBlockSparseAttention(eqx.Module):
         - `query`: ``[Lq, query_size]``.
         - `key_`: ``[Lk, key_size]``.
         - `value`: ``[Lk, value_size]``.
+        - `mask`: booleans ``[Lq, Lk]`` or ``[num_heads, Lq, Lk]`` (True: attend), as in
+          `eqx.nn.MultiheadAttention`; and'ed with the layer's mask. It is per-call data (a
+          `masks.ArrayMask`): its block layout is built on the device, so a new mask never
+          recompiles, and blocks it leaves empty are skipped.
+        - `bias`: additive logits bias broadcasting to ``[num_heads, Lq, Lk]``.
+        - `sinks`: attention sinks, ``[S]`` shared, ``[num_heads]`` one per head or
+          ``[num_heads, S]`` (as `BlockSparseAttention`'s `sinks`).
+        - `kv_seq_lengths`: an int (or a scalar array): only the first `kv_seq_lengths` keys
+          are seen, the rest is padding (per example under `jax.vmap`).
         - `q_positions`, `kv_positions`: ``[Lq]``, ``[Lk]`` ints; the rotary embedding and
           the positional masks read them. Default: the token indices.
         - `q_segment_ids`, `kv_segment_ids`: ``[Lq]``, ``[Lk]`` ints for packed documents (a
@@ -204,10 +261,6 @@ class MultiheadBlockSparseAttention(eqx.Module):
         **Returns:** ``[Lq, output_size]``.
         """
         q_len, kv_len = query.shape[0], key_.shape[0]
-        if value.shape[0] != kv_len:
-            raise ValueError(
-                f"`key_` and `value` must have the same length; got {kv_len} and {value.shape[0]}."
-            )
         q = self._heads(self.query_proj, query, self.num_heads)        # [H, Lq, qk]
         k = self._heads(self.key_proj, key_, self.num_kv_heads)        # [Hkv, Lk, qk]
         v = self._heads(self.value_proj, value, self.num_kv_heads)     # [Hkv, Lk, vo]
@@ -216,8 +269,15 @@ class MultiheadBlockSparseAttention(eqx.Module):
             kv_pos = jnp.arange(kv_len) if kv_positions is None else jnp.asarray(kv_positions)
             q = apply_rotary(q, q_pos, self.rotary_theta)
             k = apply_rotary(k, kv_pos, self.rotary_theta)
-        out = self.attention(
-            q, k, v, q_positions=q_positions, kv_positions=kv_positions,
+        attention = self.attention
+        if mask is not None:
+            from .strategies.masks import ArrayMask
+
+            attention = eqx.tree_at(lambda a: a.mask, attention,
+                                    and_masks(attention.mask, ArrayMask(mask)))
+        out = attention(
+            q, k, v, bias=bias, sinks=sinks, kv_seq_lengths=kv_seq_lengths,
+            q_positions=q_positions, kv_positions=kv_positions,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         )                                                              # [H, Lq, vo]
         out = self.dropout(out, key=key, inference=inference)

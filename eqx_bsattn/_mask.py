@@ -262,6 +262,11 @@ class Full(AbstractMask):
         return MaskTerms()
 
 
+def and_masks(mask: AbstractMask, other: AbstractMask) -> AbstractMask:
+    """``mask & other``, or `other` alone where `mask` is `Full` (nothing to combine with)."""
+    return other if isinstance(mask, Full) else mask & other
+
+
 class Document(AbstractMask):
     """A query sees a key only inside its own document: equal segment ids, both ``>= 0``.
 

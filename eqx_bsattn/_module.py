@@ -8,15 +8,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Integer
 
 from ._autotune import choose_tiling
 from ._compile import CompiledMask, ResolvedMask, describe_terms
-from ._inputs import AttentionInputs, check_call, prepare_inputs, python_scalar
+from ._inputs import (AttentionInputs, check_call, check_kv_seq_lengths, hide_keys,
+                      prepare_inputs, python_scalar)
 from ._kernel import AbstractKernel, Features
 from ._mask import EMPTY, AbstractMask, And, Document, Full
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
-from ._sharding import AbstractSharding, Unsharded
+from ._sharding import AbstractSharding, Unsharded, on_auto_axes
 from ._swap import AutoKernel, AutoTiling, _kernel_or_auto, _tiling_or_auto, is_auto
 from ._tiling import Tiling
 from ._typing import ArrayOrNumpy, typechecked
@@ -96,11 +97,43 @@ def _with_document(mask: AbstractMask, has_segments: bool) -> AbstractMask:
     return mask
 
 
-def _validate_call(arguments: dict) -> None:
+#: `qkv_layout` names: whether the sequence axis comes before the heads.
+QKV_LAYOUTS = {"bhsd": False, "bshd": True}
+
+
+def _layout_to_bhsd(layout: str, *arrays):
+    """`arrays` from the module's `qkv_layout` to ``[B, H, L, D]`` (and back: it is its own
+    inverse)."""
+    if not QKV_LAYOUTS[layout]:
+        return arrays
+    for name, x in zip(("query", "key", "value"), arrays):
+        if np.ndim(x) not in (3, 4):
+            raise ValueError(
+                f"`{name}` must be [batch, seq, heads, dim] or [seq, heads, dim] "
+                f"(qkv_layout='bshd'); got shape {tuple(np.shape(x))}."
+            )
+    return tuple(jnp.swapaxes(jnp.asarray(x), -2, -3) for x in arrays)
+
+
+def _validate_call(arguments: dict):
+    layout = arguments["self"].qkv_layout
+    q, k, v = _layout_to_bhsd(layout, arguments["query"], arguments["key"], arguments["value"])
     names = ("bias", "sinks", "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
-    q, k, v, data = check_call(arguments["query"], arguments["key"], arguments["value"],
-                               **{name: arguments[name] for name in names})
+    q, k, v, data = check_call(q, k, v, **{name: arguments[name] for name in names})
+    lengths = arguments["kv_seq_lengths"]
+    if lengths is not None:
+        batched = q.ndim == 4
+        check_kv_seq_lengths(lengths, q.shape[0] if batched else 1, k.shape[-2], batched)
     arguments.update(query=q, key=k, value=v, **data)
+    return (lambda out: _layout_to_bhsd(layout, out)[0]) if QKV_LAYOUTS[layout] else None
+
+
+#: The accepted `logits_soft_cap` values. Kernels compute ``c * tanh(s / c)`` in float32,
+#: which flushes ``|s / c| < 2**-126`` to zero: a cap ``c`` loses the logits below
+#: ``c * 2**-126``, 1.2e-8 at ``c = 1e30`` (under float32's rounding of logits near one; at
+#: 1e37 whole logits vanish and the output is wrong). Caps below 1e-30 approach the float32
+#: numbers that are themselves flushed to zero.
+SOFT_CAP_RANGE = (1e-30, 1e30)
 
 
 class BlockSparseAttention(eqx.Module):
@@ -120,7 +153,11 @@ class BlockSparseAttention(eqx.Module):
       same).
     - `sharding`: an `AbstractSharding`; default `Unsharded()`.
     - `softmax_scale`: multiplies ``q . k``; default ``1 / sqrt(head_dim)``.
-    - `logits_soft_cap`: if set to ``c``, logits become ``c * tanh(logits / c)``.
+    - `logits_soft_cap`: if set to ``c``, logits become ``c * tanh(logits / c)``; ``c`` in
+      ``[1e-30, 1e30]`` (beyond that float32 loses the logits).
+    - `qkv_layout`: ``"bhsd"`` (default: ``[B, H, L, D]``) or ``"bshd"`` (``[B, L, H, D]``,
+      the layout of `jax.nn.dot_product_attention`, for query, key, value and the output;
+      unbatched ``[L, H, D]``). The arrays are transposed; no kernel reads ``bshd`` in place.
 
     ```python
     import eqx_bsattn as bsa
@@ -135,8 +172,15 @@ class BlockSparseAttention(eqx.Module):
     sharding: AbstractSharding = Unsharded()
     softmax_scale: float | None = eqx.field(default=None, static=True, converter=python_scalar)
     logits_soft_cap: float | None = eqx.field(default=None, static=True, converter=python_scalar)
+    qkv_layout: str = eqx.field(default="bhsd", static=True)
 
     def __check_init__(self):
+        if self.qkv_layout not in QKV_LAYOUTS:
+            raise ValueError(
+                "`qkv_layout` must be 'bhsd' ([batch, heads, seq, dim], the default) or 'bshd' "
+                f"([batch, seq, heads, dim], jax.nn.dot_product_attention's); got "
+                f"{self.qkv_layout!r}."
+            )
         if not isinstance(self.mask, AbstractMask):
             raise TypeError(f"`mask` must be an AbstractMask; got {type(self.mask).__name__}.")
         if not isinstance(self.kernel, (AbstractKernel, AutoKernel)):
@@ -151,13 +195,13 @@ class BlockSparseAttention(eqx.Module):
             isinstance(self.softmax_scale, (int, float)) and math.isfinite(self.softmax_scale)
         ):
             raise ValueError(f"`softmax_scale` must be a finite number; got {self.softmax_scale!r}.")
-        if self.logits_soft_cap is not None and not (
-            isinstance(self.logits_soft_cap, (int, float))
-            and math.isfinite(self.logits_soft_cap)
-            and self.logits_soft_cap > 0
+        cap = self.logits_soft_cap
+        if cap is not None and not (
+            isinstance(cap, (int, float)) and not isinstance(cap, bool)
+            and SOFT_CAP_RANGE[0] <= cap <= SOFT_CAP_RANGE[1]
         ):
             raise ValueError(
-                f"`logits_soft_cap` must be a positive finite number or None; got {self.logits_soft_cap!r}."
+                f"`logits_soft_cap` must be a number in [1e-30, 1e30] or None; got {cap!r}."
             )
 
     def plan(
@@ -172,6 +216,7 @@ class BlockSparseAttention(eqx.Module):
         kv_segment_ids=None,
         q_positions=None,
         kv_positions=None,
+        kv_seq_lengths=None,
         platform: str | None = None,
         fused_backward: bool = False,
     ) -> CallPlan:
@@ -182,15 +227,28 @@ class BlockSparseAttention(eqx.Module):
         would run and why, with which tiling, and how dense each pass's layout is. Runs no
         attention.
         """
-        query, key, value, data = check_call(
+        query, key, value = _layout_to_bhsd(self.qkv_layout, query, key, value)
+        return self._plan(
             query, key, value, bias=bias, sinks=sinks, q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_positions=kv_positions,
+            kv_seq_lengths=kv_seq_lengths, platform=platform, fused_backward=fused_backward,
         )
+
+    def _plan(self, query, key, value, *, kv_seq_lengths=None, platform=None,
+              fused_backward=False, **data) -> CallPlan:
+        """`plan` for ``[B, H, L, D]`` (or ``[H, L, D]``) arrays, whatever the module's layout."""
+        query, key, value, data = check_call(query, key, value, **data)
         platform = check_platform(platform)
         batched = query.ndim == 4
         batch = query.shape[0] if batched else 1
         heads, q_len, dim = query.shape[-3:]
         kv_heads, kv_len, value_dim = value.shape[-3:]
+        keep = check_kv_seq_lengths(kv_seq_lengths, batch, kv_len, batched)
+        if keep is not None:
+            q_seg, kv_seg = hide_keys(keep, data["q_segment_ids"], data["kv_segment_ids"],
+                                      q_len=q_len)
+            data.update(q_segment_ids=q_seg if batched else q_seg[0],
+                        kv_segment_ids=kv_seg if batched else kv_seg[0])
         inputs = prepare_inputs(
             batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, batched=batched, **data
         )
@@ -249,15 +307,17 @@ class BlockSparseAttention(eqx.Module):
         *,
         bias: Float[ArrayOrNumpy, "..."] | None = None,
         sinks: Float[ArrayOrNumpy, "..."] | None = None,
-        q_segment_ids: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
-        kv_segment_ids: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
-        q_positions: Int[ArrayOrNumpy, "*_ q_len"] | None = None,
-        kv_positions: Int[ArrayOrNumpy, "*_ kv_len"] | None = None,
+        q_segment_ids: Integer[ArrayOrNumpy, "*_ q_len"] | None = None,
+        kv_segment_ids: Integer[ArrayOrNumpy, "*_ kv_len"] | None = None,
+        q_positions: Integer[ArrayOrNumpy, "*_ q_len"] | None = None,
+        kv_positions: Integer[ArrayOrNumpy, "*_ kv_len"] | None = None,
+        kv_seq_lengths: Integer[ArrayOrNumpy, "*_"] | int | None = None,
         purify: bool = False,
     ) -> Float[Array, "*batch heads q_len value_dim"]:
         """Attend.
 
-        **Arguments:**
+        **Arguments** (in the default `qkv_layout`, ``"bhsd"``; with ``"bshd"`` query, key,
+        value and the output are ``[B, L, H, D]``):
 
         - `query`: ``[B, H, Lq, D]`` or unbatched ``[H, Lq, D]``.
         - `key`: ``[B, Hkv, Lk, D]`` (``H % Hkv == 0``: query head ``h`` reads kv head
@@ -270,16 +330,25 @@ class BlockSparseAttention(eqx.Module):
           only when their ids are equal and non-negative (``-1`` marks padding).
         - `q_positions`, `kv_positions`: ``[B, L]`` (or ``[L]``) ints; positional masks act on
           these instead of the token indices.
+        - `kv_seq_lengths`: ``[B]`` ints (or a scalar): only the first ``kv_seq_lengths[b]``
+          keys of example ``b`` are seen, the rest is padding (as `key_value_seq_lengths` of
+          `jax.nn.dot_product_attention`). It rides on the segment ids, so new lengths never
+          recompile and padding blocks are skipped.
         - `purify`: zero the output rows of padded queries (``q_segment_ids < 0``).
 
         **Returns:** ``[B, H, Lq, Dv]`` (or ``[H, Lq, Dv]``) in the query dtype; a query that
         sees no key gets zeros.
         """
-        plan = self.plan(
-            query, key, value, bias=bias, sinks=sinks, q_segment_ids=q_segment_ids,
-            kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_positions=kv_positions,
-        )
-        return run_plan(plan, query, key, value, self.sharding, self.logits_soft_cap, purify)
+        data = dict(bias=bias, sinks=sinks, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                    kv_positions=kv_positions, kv_seq_lengths=kv_seq_lengths)
+
+        def attend(query, key, value, data):
+            plan = self._plan(query, key, value, **data)
+            return run_plan(plan, query, key, value, self.sharding, self.logits_soft_cap, purify)
+
+        return on_auto_axes(attend, query, key, value, *jax.tree.leaves(data))(
+            query, key, value, data)
 
 
 def _needs_equal_segments(mask: AbstractMask) -> bool:

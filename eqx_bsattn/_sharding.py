@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._layout import BlockLayout, _lists_from_classes
+from ._strategy import AbstractStrategy
 
 
-class AbstractSharding(eqx.Module):
+class AbstractSharding(AbstractStrategy):
     """How a kernel call spreads over devices.
 
     `wrap(fn)` takes the kernel's function
@@ -44,6 +45,54 @@ class Unsharded(AbstractSharding):
 
     def wrap(self, fn: Callable) -> Callable:
         return fn
+
+
+def _explicit_sharding(x):
+    """The `NamedSharding` of `x`'s type when it splits `x` over Explicit mesh axes, else None."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except (AttributeError, TypeError):
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not getattr(mesh, "axis_types", ()):
+        return None
+    explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                if kind == jax.sharding.AxisType.Explicit}
+    used = {a for entry in sharding.spec if entry is not None
+            for a in ((entry,) if isinstance(entry, str) else entry)}
+    return sharding if explicit & used else None
+
+
+def on_auto_axes(fn: Callable, query, *others) -> Callable:
+    """`fn` run with the mesh's Explicit axes made Auto, when an input is split over them.
+
+    Arrays on a mesh with Explicit axes (the default of `jax.make_mesh`) carry their sharding
+    in their type, and reshapes, gathers and `vmap`s that would move a split axis are refused
+    at trace time. Kernels index blocks freely, so they run on Auto axes, where XLA places the
+    work (as it does for arrays on an Auto mesh); the output ``[B, H, Lq, Dv]`` comes back split
+    like the query's ``[B, H, Lq]`` axes. Without Explicit axes, `fn` itself.
+    """
+    found = [s for s in map(_explicit_sharding, (query, *others)) if s is not None]
+    if not found:
+        return fn
+    q_sharding = _explicit_sharding(query)
+    spec = () if q_sharding is None else tuple(q_sharding.spec)
+    spec = spec + (None,) * (query.ndim - len(spec))
+    out_sharding = found[0].update(spec=jax.sharding.PartitionSpec(*spec[:-1], None))
+    return jax.sharding.auto_axes(fn, out_sharding=out_sharding)
+
+
+def mesh_in_context(mesh):
+    """`mesh`, or the context's abstract mesh where that is `mesh` with other axis types.
+
+    Inside `on_auto_axes` the context mesh has Auto axes where `mesh` (a sharding strategy's)
+    has Explicit ones; `jax.shard_map` must be given the context's.
+    """
+    context = jax.sharding.get_abstract_mesh()
+    if (context is None or context.empty or context.axis_names != mesh.axis_names
+            or tuple(context.axis_sizes) != tuple(mesh.axis_sizes)):
+        return mesh
+    return context if tuple(context.axis_types) != tuple(mesh.axis_types) else mesh
 
 
 def typed_like(value, *refs):

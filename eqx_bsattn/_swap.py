@@ -6,8 +6,10 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 
+from ._strategy import AbstractStrategy
 
-class AutoKernel(eqx.Module):
+
+class AutoKernel(AbstractStrategy):
     """The default `kernel` of `BlockSparseAttention`: let `select_kernel` pick one per call.
 
     A strategy object rather than ``None``, so ``eqx.tree_at(lambda m: m.kernel, attn, k)``
@@ -15,7 +17,7 @@ class AutoKernel(eqx.Module):
     """
 
 
-class AutoTiling(eqx.Module):
+class AutoTiling(AbstractStrategy):
     """The default `tiling` of `BlockSparseAttention`: take the kernel's heuristic per call.
 
     ``BlockSparseAttention(tiling=None)`` still works and means this.
@@ -56,13 +58,15 @@ def swap_strategy(
 ) -> tuple[Model, State]:
     """Swap a strategy in the middle of training, keeping the optimizer state.
 
-    Strategies (masks, kernels, tilings, shardings) hold no arrays, so a swap changes only
-    the static structure of the model, not its parameters. An optimizer state built from the
-    model (for example ``optim.init(eqx.filter(model, eqx.is_array))``) holds copies of that
-    structure (Adam's moments, say), and after an `eqx.tree_at` alone the next
-    ``optim.update`` fails with "different types at key path ...". This swaps the strategy in
-    the model and in every copy of the model's structure inside `opt_state`; the arrays (the
-    parameters and the moments) are untouched.
+    Kernels, tilings and shardings are leaves of the model that are not arrays: an
+    optimizer state holds ``None`` there, so `eqx.tree_at` alone swaps them and the state stays
+    valid. A mask is a pytree node (it may hold per-call arrays): a new mask changes the
+    model's structure, not its parameters, and an optimizer state built from the model (for
+    example ``optim.init(eqx.filter(model, eqx.is_array))``) holds copies of that structure
+    (Adam's moments, say), so after an `eqx.tree_at` alone the next ``optim.update`` fails
+    with "different types at key path ...". This swaps the strategy in the model and in
+    every copy of the model's structure inside `opt_state`; the arrays (the parameters and
+    the moments) are untouched. It takes any strategy, so one call works for all of them.
 
     **Arguments:**
 
@@ -81,7 +85,7 @@ def swap_strategy(
 
     ```python
     model, opt_state = bsa.swap_strategy(
-        lambda m: m.attention.attention.kernel, model, bsa.kernels.DenseReference(), opt_state)
+        lambda m: m.attention.attention.mask, model, bsa.masks.Causal(), opt_state)
     ```
     """
     old = where(model)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 import equinox as eqx
 
 from ._inputs import python_scalar
+from ._strategy import AbstractStrategy
 
 
 def _field(**kwargs):
@@ -17,7 +18,7 @@ def _check_positive(name: str, value: int | None) -> None:
         raise ValueError(f"`Tiling.{name}` must be a positive int or None; got {value!r}.")
 
 
-class Tiling(eqx.Module):
+class Tiling(AbstractStrategy):
     """Block sizes and launch parameters of a kernel, forward and backward apart.
 
     Backward fields left at ``None`` take the forward value; ``*_dq`` fields left at ``None``

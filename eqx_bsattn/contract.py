@@ -31,13 +31,22 @@ from ._compile import (
     MaskReads as MaskReads,
     ResolvedMask as ResolvedMask,
 )
-from ._inputs import AttentionInputs as AttentionInputs
+from ._inputs import AttentionInputs as AttentionInputs, POSITION_LIMIT as POSITION_LIMIT
 from ._kernel import (
     AbstractKernel as AbstractKernel,
     Features as Features,
     add_sinks as add_sinks,
+    pad_axis as pad_axis,
+    refuse_forward_mode as refuse_forward_mode,
+    sink_logsumexp as sink_logsumexp,
 )
 from ._layout import BlockLayout as BlockLayout, build_layout as build_layout
+from ._lse import (
+    LN2 as LN2,
+    backward_delta as backward_delta,
+    public_lse as public_lse,
+    zero_cotangent as zero_cotangent,
+)
 from ._mask import (
     EMPTY as EMPTY,
     FULL as FULL,
@@ -58,6 +67,8 @@ from ._sharding import (
     AbstractSharding as AbstractSharding,
     Unsharded as Unsharded,
     layout_from_classes as layout_from_classes,
+    mesh_in_context as mesh_in_context,
     typed_like as typed_like,
 )
+from ._strategy import AbstractStrategy as AbstractStrategy
 from ._tiling import Tiling as Tiling

@@ -299,6 +299,56 @@ def test_corrupt_or_foreign_cache_files_warn_and_never_fail(cache_dir, monkeypat
     assert report.cache_file is None
 
 
+def _plan_warnings(attn, q, k, v) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert attn.plan(q, k, v).tiling_source in ("heuristic", "cache")
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b'{"format": "eqx_bsattn.autotune/1", "entries": {"\xff\xfe": {}}}', "not UTF-8 text"),
+    (b"[" * 200_000 + b"]" * 200_000, "not valid JSON (nested too deeply)"),
+], ids=["not_utf8", "deeply_nested"])
+def test_unreadable_cache_files_warn_once_and_never_fail(cache_dir, content, problem):
+    q, k, v = _qkv(6)
+    attn = bsa.BlockSparseAttention(mask=bsa.masks.Causal(), kernel=_Flawed())
+    path = cache_dir / "autotune.json"
+    cache_dir.mkdir()
+    path.write_bytes(content)
+    warned = _plan_warnings(attn, q, k, v)
+    assert len(warned) == 1 and problem in warned[0] and "ignored" in warned[0], warned
+    assert _plan_warnings(attn, q, k, v) == []  # once per version of the file
+    assert np.isfinite(np.asarray(attn(q, k, v))).all()  # an untiled call runs
+    with pytest.warns(RuntimeWarning, match=problem.split(" (")[0]):
+        _, report = bsa.autotune(attn, q, k, v, candidates=[], reps=1, progress=False)
+    assert report.cache_file == str(path) and attn.plan(q, k, v).tiling_source == "cache"
+
+
+def test_malformed_cache_entries_warn_once_and_are_dropped(cache_dir):
+    q, k, v = _qkv(7)
+    attn = bsa.BlockSparseAttention(mask=bsa.masks.Causal(), kernel=_Flawed())
+    path = cache_dir / "autotune.json"
+    _, report = bsa.autotune(attn, q, k, v, candidates=[], reps=1, progress=False)
+    data = json.loads(path.read_text())
+    (call,) = data["entries"]
+    (mask,) = data["entries"][call]
+    data["entries"]["another call"] = ["not", "a", "dict"]
+    data["entries"][call] = {mask: "not a dict"}
+    path.write_text(json.dumps(data))
+    warned = _plan_warnings(attn, q, k, v)
+    assert len(warned) == 1 and "2 malformed entries" in warned[0], warned
+    assert attn.plan(q, k, v).tiling_source == "heuristic"
+    assert _plan_warnings(attn, q, k, v) == []
+    with pytest.warns(RuntimeWarning, match="malformed"):  # autotune(cache=True) went TypeError
+        _, report = bsa.autotune(attn, q, k, v, candidates=[], reps=1, progress=False)
+    kept = json.loads(path.read_text())["entries"]
+    assert list(kept) == [call] and isinstance(kept[call][mask], dict)
+    assert _plan_warnings(attn, q, k, v) == [] and attn.plan(q, k, v).tiling_source == "cache"
+
+
 _WORKER = r"""
 import json, sys
 import jax, numpy as np

@@ -73,11 +73,11 @@ class Case:
     softmax_scale: float | None = None
     soft_cap: float | None = None
     bias: str | None = None  # "qk", "hqk", "b1qk", "1hqk", "bhqk"
-    sinks: str | None = None  # "s", "h", "hs"
+    sinks: str | None = None  # "s", "h", "hs"; "hs_inf": [H, 2] with -inf sinks (no sink)
     documents: int = 0  # sorted segment ids with this many documents
     pad: int = 0  # the last `pad` tokens are padding (segment id -1)
     interleaved: bool = False  # documents that resume after another one
-    positions: str | None = None  # "sorted" (random, sorted) or "shifted"
+    positions: str | None = None  # "sorted" (random, sorted), "shifted" or "edges"
     input_scale: float = 1.0
     tiling: object = "small"
     dtypes: tuple[str, ...] | None = None  # default: the kernel's own (see `_dtypes`)
@@ -129,11 +129,22 @@ CASES = {
     "bias_b1qk_chunked": Case(masks.ChunkedCausal(16), bias="b1qk", q_len=33, kv_len=50),
     "gqa_causal_sinks_s": Case(masks.Causal(), sinks="s", heads=6, kv_heads=2, **R),
     "sinks_hs_window": Case(masks.SlidingWindow(8, 0), sinks="hs", **R),
+    # -inf sinks are no sinks, also on rows that see no key (zeros, zero gradients).
+    "sinks_minus_inf": Case(masks.Causal(offset=-20), sinks="hs_inf", **R),
+    # Half-precision inputs with float32 sinks (Splash returned the sinks' gradient in bfloat16).
+    "sinks_bfloat16": Case(masks.Causal(), sinks="hs", dtypes=("bfloat16",), q_len=64),
     "soft_cap": Case(masks.Causal(), soft_cap=2.0, input_scale=1.5, **R),
     "segments": Case(masks.Causal(), documents=3, q_len=64),
     "segments_padded_lq_ne_lk": Case(masks.Full(), documents=3, pad=5, q_len=40, kv_len=57),
     "positions": Case(masks.Causal() & masks.SlidingWindow(12, 0), positions="sorted",
                       q_len=30, kv_len=66),
+    # Positions at the ends of the accepted range with mask sizes at theirs (2**30).
+    "positions_edges_window": Case(masks.SlidingWindow(2**30), positions="edges", q_len=40,
+                                   kv_len=48),
+    "positions_edges_offsets": Case(masks.Causal(offset=-(2**30))
+                                    | (masks.Causal(offset=2**30) & masks.Dilated(3))
+                                    | masks.ChunkedCausal(2**30), positions="edges", q_len=40,
+                                    kv_len=48),
     "mqa_window": Case(masks.SlidingWindow(7, 2), heads=4, kv_heads=1, **R),
     "value_dim": Case(masks.PrefixLM(9), dim=8, value_dim=12, **R),
     "one_query": Case(masks.Causal(bottom_right=True), q_len=1, kv_len=50),
@@ -242,7 +253,7 @@ def _marks(kernel_cls, runs: bool) -> list:
 #: cuDNN, which declines both, runs causal; Splash (interpreted on the CPU, seconds a case) a
 #: few of the features it takes. The rest are marked `slow`.
 QUICK_CASES = {"xla": {"everything", "predicate"}, "cudnn": {"tiled_causal"},
-               "splash": {"window", "gqa_causal_sinks_s"}}
+               "splash": {"window", "gqa_causal_sinks_s", "sinks_minus_inf"}}
 
 
 def _quick(cls, name: str) -> list:
@@ -301,8 +312,10 @@ def build(case: Case, dtype: str) -> Built:
                  "1hqk": (1, h, lq, lk), "bhqk": lead + (h, lq, lk)}[case.bias]
         args["bias"] = _normal(rng, shape, jnp.float32)
     if case.sinks is not None:
-        args["sinks"] = _normal(rng, {"s": (3,), "h": (h,), "hs": (h, 2)}[case.sinks],
-                                jnp.float32)
+        args["sinks"] = _normal(rng, {"s": (3,), "h": (h,), "hs": (h, 2), "hs_inf": (h, 2)}[
+            case.sinks], jnp.float32)
+        if case.sinks == "hs_inf":  # head 0 has no sink, head 1 one of two
+            args["sinks"] = args["sinks"].at[0].set(-jnp.inf).at[1, 0].set(-jnp.inf)
     data, truth = {}, {}
     if case.documents or case.interleaved:
         if case.interleaved:
@@ -320,6 +333,18 @@ def build(case: Case, dtype: str) -> Built:
     elif case.positions == "shifted":
         qp = np.stack([np.arange(lq) + 1000, np.arange(lq)[::-1] * 2])[:b].astype(np.int32)
         kp = np.stack([np.arange(lk) + 950, np.arange(lk) * 2])[:b].astype(np.int32)
+    elif case.positions == "edges":
+        # The ends of the accepted range [-2**30, 2**30 - 1] and the middle, shuffled: with
+        # mask sizes of 2**30, sums and differences reach the ends of int32.
+        top, bottom = 2**30 - 1, -(2**30)
+
+        def edges(length, salt):
+            pieces = np.concatenate([top - np.arange(length), bottom + np.arange(length),
+                                     np.arange(length) - length // 2])
+            return np.stack([np.random.default_rng(salt + r).permutation(pieces)[:length]
+                             for r in range(b)]).astype(np.int32)
+
+        qp, kp = edges(lq, 10), edges(lk, 20)
     if case.positions is not None:
         truth.update(q_pos=qp, kv_pos=kp)
         data.update(q_positions=qp, kv_positions=kp)
@@ -491,6 +516,25 @@ def test_declined_cases_are_the_expected_ones(kernel_cls):
             if declined != ((name, dtype) in EXPECTED_DECLINES.get(kernel.name, set())):
                 wrong.append((name, dtype, "declined" if declined else "ran"))
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize("kernel_cls", [
+    pytest.param(cls, id=cls.name, marks=_marks(cls, runs=False)) for cls in KERNELS])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["plus_inf", "nan"])
+def test_plus_inf_and_nan_sinks_are_refused(kernel_cls, bad):
+    """One rule for every kernel: sinks are finite or -inf (no sink); +inf and NaN are
+    refused before any kernel runs, eagerly and inside `jit`."""
+    case = Case(masks.Causal(), sinks="hs", q_len=32)
+    built = build(case, "float32")
+    sinks = built.args["sinks"].at[1, 0].set(bad)
+    attn = _module(case, kernel_cls())
+    q, k, v = built.args["q"], built.args["k"], built.args["v"]
+    message = r"`sinks` must be finite or -inf \(no sink\); got \+inf or NaN\."
+    with pytest.raises(ValueError, match="^" + message + "$"):
+        attn.plan(q, k, v, sinks=sinks, platform=kernel_cls.platforms[0])
+    if "cpu" in kernel_cls.platforms and _unavailable(kernel_cls) is None:
+        with pytest.raises(Exception, match=message):
+            jax.block_until_ready(jax.jit(lambda s: attn(q, k, v, sinks=s))(sinks))
 
 
 def test_every_built_in_kernel_is_in_the_suite():

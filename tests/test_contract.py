@@ -21,7 +21,7 @@ KERNEL_FILES = sorted((ROOT / "strategies" / "kernels").rglob("*.py")) + sorted(
 #: doors that compose built-in strategies (the seed-style call, the demo, the benchmark with its
 #: patterns) and the package's `__init__` (which registers the built-ins) may import them.
 CORE = [p for p in sorted((ROOT / "eqx_bsattn").glob("*.py"))
-        if p.name not in ("__init__.py", "__main__.py", "_api.py", "bench.py")]
+        if p.name not in ("__init__.py", "__main__.py", "_api.py", "_layer.py", "bench.py")]
 
 
 def _imports(path: pathlib.Path):
@@ -55,6 +55,43 @@ def test_plug_ins_and_scripts_import_no_private_name(path):
             parts = module.split(".")
             assert not any(part.startswith("_") for part in parts), (path, module)
             assert not any(name.startswith("_") for name in names), (path, module, names)
+
+
+def _unit(module: str) -> str:
+    """The plug-in a module of ``eqx_bsattn.strategies`` belongs to: a kernel's folder or
+    file (``kernels.triton``, ``kernels.xla``); the masks, the tilings and the shardings are
+    each one family (they share private helpers within it)."""
+    parts = module.split(".")[2:]
+    return ".".join(parts[:2] if parts[:1] == ["kernels"] else parts[:1])
+
+
+def _strategy_imports(path):
+    module = "eqx_bsattn." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    module = module.replace("eqx_bsattn.strategies.kernels.__init__", "eqx_bsattn.strategies")
+    for imported, names in _imports(path):
+        if imported.startswith("eqx_bsattn.strategies."):
+            yield module, imported, names
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "strategies" / "kernels").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_kernel_imports_no_other_kernel(path):
+    """Kernels are independent plug-ins: a kernel's files import the contract and their own
+    folder, never another kernel (what two share lives in `eqx_bsattn.contract`). The
+    package's `__init__`, which gathers them, is the one exception."""
+    if path.name == "__init__.py" and path.parent.name == "kernels":
+        return
+    for module, imported, _ in _strategy_imports(path):
+        assert _unit(imported) == _unit(module), (path.name, imported)
+
+
+@pytest.mark.parametrize("path", STRATEGIES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_plug_ins_import_no_private_name_of_another(path):
+    """No strategy reaches into another strategy's private names."""
+    for module, imported, names in _strategy_imports(path):
+        if _unit(imported) != _unit(module):
+            assert not any(part.startswith("_") for part in imported.split(".")), (path, imported)
+            assert not any(name.startswith("_") for name in names), (path, imported, names)
 
 
 def _mask_class_names() -> set[str]:
@@ -112,5 +149,7 @@ def test_contract_exports_what_a_plug_in_needs():
 
     for name in ("AbstractMask", "AbstractKernel", "AbstractSharding", "CompiledMask",
                  "ResolvedMask", "MaskTerms", "BlockLayout", "TokenCoords", "BlockCoords",
-                 "AttentionInputs", "Features", "Tiling", "classify", "EMPTY", "PARTIAL", "FULL"):
+                 "AttentionInputs", "Features", "Tiling", "classify", "EMPTY", "PARTIAL", "FULL",
+                 "public_lse", "backward_delta", "zero_cotangent", "pad_axis",
+                 "refuse_forward_mode", "add_sinks"):
         assert hasattr(contract, name), name

@@ -129,9 +129,21 @@ def test_docs_pages_exist_and_link_to_each_other():
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
 
 
+def test_docs_name_the_module_defaults_the_code_has():
+    """The module's defaults are strategy objects (`AutoKernel()`, `AutoTiling()`), not None:
+    the pages that describe them say what the code holds."""
+    attn = bsa.BlockSparseAttention()
+    autotune = (ROOT / "docs" / "autotune.md").read_text()
+    assert f"`tiling` defaults to `{attn.tiling!r}`" in " ".join(autotune.split())
+    for page in [*DOCS, ROOT / "README.md"]:
+        text = " ".join(page.read_text().split())
+        for name in ("tiling", "kernel"):
+            assert f"whose `{name}` is `None`" not in text, page.name
+
+
 #: Pages whose blocks take seconds (they compile many calls): `slow`, the rest quick. (The
 #: worked kernel of custom_kernel.md is still in the quick conformance cases.)
-_SLOW_PAGES = {"seed_api.md", "autotune.md", "custom_kernel.md"}
+_SLOW_PAGES = {"seed_api.md", "autotune.md", "custom_kernel.md", "custom_mask.md"}
 
 
 @pytest.mark.parametrize("path", [
@@ -197,6 +209,21 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 def test_notebooks_exist():
     assert {"quickstart.ipynb", "training.ipynb", "mask_gallery.ipynb"} <= {p.name for p in NOTEBOOKS}
+
+
+def test_readme_says_how_to_run_the_notebooks_with_an_extra():
+    """The README's command runs with what an extra installs: `jupyter execute` comes from
+    nbclient, which the `notebooks` extra (and `dev`) holds, with a Python kernel."""
+    import tomllib
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert 'pip install -e ".[notebooks]"' in text
+    assert "jupyter execute --inplace notebooks/" in text
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for extra in ("notebooks", "dev"):
+        names = {re.split(r"[<>=\[ ]", req)[0] for req in extras[extra]}
+        assert {"nbclient", "ipykernel", "matplotlib"} <= names, (extra, names)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

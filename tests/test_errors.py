@@ -157,8 +157,16 @@ CASES = [
     ("attention_mask dtype", _fn(attention_mask=np.ones((L, L), np.float32)), TypeError,
      "`attention_mask` must hold booleans (or integers, nonzero = attend); got dtype float32."),
     ("attention_mask shape", _fn(attention_mask=np.ones((B, 3, L, L), bool)), ValueError,
-     "`attention_mask` must have shape [2 or 1, 4 or 1, 16, 16], [2 or 1, 16, 16] or [16, 16]; "
-     "got (2, 3, 16, 16)."),
+     "`attention_mask` must have shape [2 or 1, 4 or 1, 16 or 1, 16], [2 or 1, 16, 16], "
+     "[2, 16] (key padding) or [16, 16]; got (2, 3, 16, 16)."),
+    ("attention_mask 2-D shape", _fn(attention_mask=np.ones((B, 192), bool)), ValueError,
+     "[2, 16] (key padding) or [16, 16]; got (2, 192)."),
+    ("attention_mask ambiguous", lambda: bsa.blocksparse_attention(
+        Q[:, :, :2], K, V, attention_mask=np.ones((B, L), bool)), ValueError,
+     "`attention_mask` of shape (2, 16) is ambiguous: it is both [batch, kv_len] (key padding"),
+    ("softmax_aux kv heads 2-D",
+     lambda: bsa.blocksparse_attention(Q, K, V, np.zeros((3, 2), np.float32)), ValueError,
+     "[4, num_sinks] or [2, num_sinks]; got (3, 2)."),
     ("mask_info twice", _fn(q_segment_ids=IDS, mask_info=bsa.MaskInfo(q_segment_ids=IDS)),
      ValueError, "`q_segment_ids` is given both directly and in `mask_info`; give it once."),
     ("mask_info type", _fn(mask_info={"q_segment_ids": IDS}), TypeError,
@@ -226,6 +234,7 @@ def test_numpy_and_python_scalars_are_accepted():
     assert float(layout.density()) == 1.0
 
 
+@pytest.mark.slow
 def test_checks_run_with_type_checking_off():
     # The same messages with jaxtyping/beartype switched off (they are the library's own).
     script = (

@@ -10,6 +10,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks
+from tests.conftest import np_attention, np_visibility
 
 SIZE, HEADS, Q_LEN, KV_LEN = 32, 4, 40, 56
 
@@ -180,7 +181,8 @@ def test_small_model_trains_and_a_kernel_swap_keeps_the_optimizer_state():
     assert isinstance(model.attention.attention.kernel, bsa.AutoKernel)  # the old one untouched
     # The swap changes no array: parameters and moments carry over as they are.
     for before, after in ((model, swapped), (opt_state, swapped_state)):
-        old, new = jax.tree.leaves(before), jax.tree.leaves(after)
+        old = jax.tree.leaves(eqx.filter(before, eqx.is_array))
+        new = jax.tree.leaves(eqx.filter(after, eqx.is_array))
         assert len(old) == len(new) > 0
         assert all(a is b for a, b in zip(old, new))
     # The reference kernel computes the same loss, and training goes on from the same state.
@@ -191,6 +193,48 @@ def test_small_model_trains_and_a_kernel_swap_keeps_the_optimizer_state():
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.5, losses
     assert all(np.isfinite(losses))
+
+
+@pytest.mark.slow
+def test_plain_tree_at_swap_keeps_the_optimizer_state_and_retraces():
+    """Kernels and tilings are leaves of the model that are not arrays, so a swap with plain
+    `eqx.tree_at` leaves the structure of the gradients and of the optimizer state as it was:
+    `optim.update` goes on, `jax.tree.map` pairs the gradients of a model and its swapped twin,
+    and `eqx.filter_jit` retraces for the new kernel."""
+    model = TinyTransformer(8, 16, masks.Causal() & masks.SlidingWindow(4, 0),
+                            key=jax.random.key(9))
+    tokens, targets = _copy_task(batch=2, length=16)
+    optim = optax.adam(3e-2)
+    opt_state = optim.init(eqx.filter(model, eqx.is_array))
+    traces = []
+
+    @eqx.filter_jit
+    def step(model, opt_state):
+        traces.append(model.attention.attention.kernel.name
+                      if hasattr(model.attention.attention.kernel, "name") else "auto")
+        loss, grads = eqx.filter_value_and_grad(_loss)(model, tokens, targets)
+        updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss, grads
+
+    model, opt_state, _, grads = step(model, opt_state)
+    where = lambda m: m.attention.attention.kernel  # noqa: E731
+    swapped = eqx.tree_at(where, model, kernels.DenseReference())
+    twin_grads = eqx.filter_grad(_loss)(swapped, tokens, targets)
+    same_grads = eqx.filter_grad(_loss)(model, tokens, targets)
+    gaps = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), twin_grads, same_grads)
+    assert max(jax.tree.leaves(gaps)) < 1e-5
+    swapped, opt_state, loss, _ = step(swapped, opt_state)   # no structure error
+    tiled = eqx.tree_at(lambda m: m.attention.attention.tiling, swapped,
+                        bsa.Tiling(block_q=16, block_kv=16))
+    tiled, opt_state, _, _ = step(tiled, opt_state)
+    tiled, opt_state, _, _ = step(tiled, opt_state)          # same strategies: no retrace
+    assert traces == ["auto", "reference", "reference"], traces
+    assert np.isfinite(float(loss))
+    # swap_strategy gives the same model and state as the plain swap.
+    via, via_state = bsa.swap_strategy(where, tiled, kernels.XlaBlockSparse(), opt_state)
+    plain = eqx.tree_at(where, tiled, kernels.XlaBlockSparse())
+    assert jax.tree.structure(via) == jax.tree.structure(plain)
+    assert jax.tree.structure(via_state) == jax.tree.structure(opt_state)
 
 
 @pytest.mark.slow
@@ -213,3 +257,70 @@ def test_tree_at_needs_no_is_leaf_and_swap_strategy_reaches_the_tiling():
     assert jax.tree.structure(updates) == jax.tree.structure(grads)
     with pytest.raises(ValueError, match="holds arrays"):
         bsa.swap_strategy(lambda m: m.query_proj, layer, layer.key_proj, state)
+
+
+@pytest.mark.parametrize("args, message", [
+    (lambda q, k, v: (q[:0], k, v), "`query` must hold at least one token; got shape (0, 32)."),
+    (lambda q, k, v: (q, k[:0], v[:0]), "`key_` must hold at least one token; got shape (0, 32)."),
+    (lambda q, k, v: (q[None], k, v), "`query` must be [seq_len, 32] (the layer is unbatched: "
+     "jax.vmap it over a batch); got shape (1, 40, 32)."),
+    (lambda q, k, v: (q, k, v[:, :8]), "`value` must have 32 channels ([seq_len, 32]: the "
+     "layer's `value_size`); got shape (56, 8)."),
+    (lambda q, k, v: (q[:, :16], k, v), "`query` must have 32 channels"),
+    (lambda q, k, v: (q, k, v[:3]), "`key_` and `value` must have the same length; got shapes "
+     "(56, 32) and (3, 32)."),
+    (lambda q, k, v: (q, k, v, np.ones((3, 56), bool)), "`mask` must have shape [40, 56] or "
+     "[4, 40, 56] ([num_heads,] q_len, kv_len); got (3, 56)."),
+], ids=["no queries", "no keys", "batched", "value channels", "query channels", "lengths",
+        "mask shape"])
+def test_layer_errors_are_one_line(args, message):
+    layer = bsa.MultiheadBlockSparseAttention(HEADS, SIZE, key=jax.random.key(0))
+    with pytest.raises(ValueError) as info:
+        layer(*args(*_inputs()))
+    assert message in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def _oracle_layer(layer, q, k, v, visible, **kw):
+    """The layer's projections around the float64 oracle: [Lq, output_size]."""
+    heads = [layer._heads(proj, x, n)[None] for proj, x, n in (
+        (layer.query_proj, q, HEADS), (layer.key_proj, k, layer.num_kv_heads),
+        (layer.value_proj, v, layer.num_kv_heads))]
+    out = np_attention(*heads, visible, **kw)[0]          # [H, Lq, vo]
+    out = np.transpose(out, (1, 0, 2)).reshape(q.shape[0], -1)
+    return out @ np.asarray(layer.output_proj.weight, np.float64).T
+
+
+@pytest.mark.slow
+def test_per_call_mask_bias_sinks_and_kv_lengths_against_the_oracle():
+    """`layer(q, k, v, mask)` takes eqx.nn.MultiheadAttention's boolean mask (and'ed with the
+    layer's), per-call `bias`, `sinks` and `kv_seq_lengths`; a new mask reuses the compiled
+    call."""
+    layer = bsa.MultiheadBlockSparseAttention(
+        HEADS, SIZE, num_kv_heads=2, mask=masks.SlidingWindow(20), kernel=kernels.XlaBlockSparse(),
+        tiling=bsa.Tiling(block_q=8, block_kv=8), key=jax.random.key(4))
+    q, k, v = _inputs(seed=3)
+    rng = np.random.default_rng(1)
+    window = np_visibility(masks.SlidingWindow(20), batch=1, heads=HEADS, q_len=Q_LEN,
+                           kv_len=KV_LEN)[0]
+    bias = jnp.asarray(rng.normal(size=(HEADS, 1, KV_LEN)), jnp.float32)
+    sinks = jnp.asarray(rng.normal(size=(HEADS,)), jnp.float32)
+    traces = []
+
+    @eqx.filter_jit
+    def run(layer, mask, bias, sinks):
+        traces.append(1)
+        return layer(q, k, v, mask, bias=bias, sinks=sinks, kv_seq_lengths=50)
+
+    keep = np.arange(KV_LEN) < 50
+    for seed in (5, 6):
+        mask = np.random.default_rng(seed).random((HEADS, Q_LEN, KV_LEN)) < 0.6
+        want = _oracle_layer(layer, q, k, v, window & mask & keep, bias=bias, sinks=sinks)
+        np.testing.assert_allclose(run(layer, mask, bias, sinks), want, rtol=2e-5, atol=2e-5)
+    assert len(traces) == 1
+    twin = _equinox_twin(layer.__class__(HEADS, SIZE, key=jax.random.key(4)))
+    mask = jnp.asarray(rng.random((Q_LEN, KV_LEN)) < 0.5)
+    full = bsa.MultiheadBlockSparseAttention(HEADS, SIZE, kernel=kernels.XlaBlockSparse(),
+                                             key=jax.random.key(4))
+    np.testing.assert_allclose(full(q, k, v, mask), twin(q, k, v, mask=mask), rtol=1e-5,
+                               atol=1e-5)

@@ -79,3 +79,44 @@ def test_attention_with_lse_against_float64(kernel, mask):
     assert_close(out, want_out, what="output")
     for name, g, w in zip("q k v bias sinks".split(), grads, want_grads):
         assert_close(g, w, what=f"d{name}")
+
+
+def test_the_contract_log_sum_exp_convention():
+    """`public_lse` turns a kernel's internal log-sum-exp (base 2 or natural, +inf on empty
+    rows) into the contract's (natural, -inf there); `backward_delta` drops the log-sum-exp's
+    cotangent on rows that see no key, in either convention."""
+    from eqx_bsattn.contract import LN2, backward_delta, public_lse
+
+    internal = jnp.array([[[3.0, jnp.inf, -1.5]]])
+    np.testing.assert_allclose(public_lse(internal, base2=True),
+                               [[[3.0 * LN2, -jnp.inf, -1.5 * LN2]]])
+    np.testing.assert_allclose(public_lse(internal, base2=False), [[[3.0, -jnp.inf, -1.5]]])
+    d_out = jnp.arange(6.0).reshape(1, 1, 3, 2) - 2.0
+    out = jnp.ones((1, 1, 3, 2)) * 0.5
+    d_lse = jnp.array([[[0.25, 7.0, -1.0]]])
+    rows = jnp.array([[[-1.5, 0.5, 2.5]]])  # rowsum(dO * O): 0.5 * (-2 - 1, 0 + 1, 2 + 3)
+    want = rows - jnp.array([[[0.25, 0.0, -1.0]]])
+    for lse in (internal, public_lse(internal, base2=True)):
+        np.testing.assert_allclose(backward_delta(d_out, out, d_lse, lse), want)
+    np.testing.assert_allclose(backward_delta(d_out, out), rows)
+
+
+def test_add_sinks_with_minus_inf_sinks():
+    """`add_sinks` (the ring's, Triton's and Mosaic's way to join sinks): a head whose sinks
+    are all -inf keeps its result, rows that see no key keep zeros, and every gradient is
+    finite (zero for a -inf sink)."""
+    from eqx_bsattn.contract import add_sinks
+
+    lse = jnp.asarray([[[0.3, -jnp.inf, 1.0, 2.0]] * 3])
+    out = random_array(1, (1, 3, 4, 2)).at[:, :, 1].set(0.0)  # row 1 sees no key
+    sinks = jnp.asarray([[-jnp.inf, -jnp.inf], [0.5, -jnp.inf], [0.1, 0.2]])
+    got, got_lse = add_sinks(out, lse, sinks)
+    np.testing.assert_array_equal(got[:, 0], out[:, 0])
+    np.testing.assert_array_equal(got_lse[:, 0], lse[:, 0])
+    np.testing.assert_allclose(got[:, 1], out[:, 1] * jnp.exp(lse[:, 1] - jnp.logaddexp(
+        lse[:, 1], 0.5))[..., None])
+    assert (got[:, :, 1] == 0).all() and (got_lse[:, :, 1] == -jnp.inf).all()
+    grads = jax.grad(lambda o, l, s: add_sinks(o, l, s)[0].sum(), argnums=(0, 1, 2))(
+        out, lse, sinks)
+    assert all(bool(jnp.isfinite(g).all()) for g in grads)
+    assert (grads[2][0] == 0).all() and grads[2][1, 1] == 0 and grads[2][1, 0] != 0

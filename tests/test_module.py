@@ -104,8 +104,10 @@ def test_grad_and_checkpoint_agree(qkv):
 
 def test_module_is_a_pytree_of_strategies():
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.5)
-    leaves = jax.tree_util.tree_leaves(attn)
-    assert leaves == []  # only static hyperparameters
+    # The kernel, tiling and sharding are leaves that are not arrays; no parameters.
+    assert jax.tree_util.tree_leaves(attn) == [bsa.AutoKernel(), bsa.AutoTiling(),
+                                               bsa.sharding.Unsharded()]
+    assert jax.tree_util.tree_leaves(eqx.filter(attn, eqx.is_array)) == []
     assert attn == bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.5)
     assert attn != bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.25)
 
@@ -554,3 +556,51 @@ def test_no_warnings_on_a_plain_call(qkv):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ref_attn(masks.Causal())(q, k, v)
+
+
+@pytest.mark.slow
+def test_bshd_layout_matches_the_oracle_and_jax_attention():
+    """`qkv_layout="bshd"` takes and returns jax.nn.dot_product_attention's [B, L, H, D]
+    arrays (GQA, Dv != D, Lq != Lk); the default layout would read them as other shapes."""
+    q, k, v = random_inputs(21, heads=4, kv_heads=2, q_len=24, kv_len=40, dim=8, value_dim=6)
+    to_bshd = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), qkv_layout="bshd",
+                                    tiling=bsa.Tiling(block_q=8, block_kv=8))
+    out = attn(to_bshd(q), to_bshd(k), to_bshd(v))
+    assert out.shape == (2, 24, 4, 6)
+    vis = np_visibility(masks.Causal(), batch=2, heads=4, q_len=24, kv_len=40)
+    assert_close(jnp.swapaxes(out, 1, 2), np_attention(q, k, v, vis), 2e-5)
+    full = bsa.BlockSparseAttention(qkv_layout="bshd", kernel=REF)
+    want = jax.nn.dot_product_attention(to_bshd(q), to_bshd(k), to_bshd(k))
+    assert_close(full(to_bshd(q), to_bshd(k), to_bshd(k)), want, 2e-5)
+    unbatched = attn(to_bshd(q)[0], to_bshd(k)[0], to_bshd(v)[0])
+    assert_close(unbatched, out[0], 1e-6)
+    with pytest.raises(ValueError, match="`qkv_layout` must be 'bhsd'"):
+        bsa.BlockSparseAttention(qkv_layout="BTNH")
+
+
+@pytest.mark.slow
+def test_kv_seq_lengths_hide_padding_without_recompiling():
+    """`kv_seq_lengths` (jax.nn's `key_value_seq_lengths`): keys past each example's length
+    are unseen, whatever they hold, and new lengths reuse the compiled call."""
+    q, k, v = random_inputs(22, heads=4, kv_heads=2, q_len=24, kv_len=40, dim=8)
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(bottom_right=True),
+                                    tiling=bsa.Tiling(block_q=8, block_kv=8))
+    traces = []
+
+    @jax.jit
+    def run(k, v, lengths):
+        traces.append(1)
+        return attn(q, k, v, kv_seq_lengths=lengths)
+
+    base = np_visibility(masks.Causal(bottom_right=True), batch=2, heads=4, q_len=24, kv_len=40)
+    for lengths in ([40, 13], [0, 29]):
+        keep = np.arange(40)[None, :] < np.asarray(lengths)[:, None]
+        garbage = lambda x: jnp.where(keep[:, None, :, None], x, jnp.nan)  # noqa: E731
+        out = run(garbage(k), garbage(v), jnp.asarray(lengths))
+        assert_close(out, np_attention(q, k, v, base & keep[:, None, None, :]), 2e-5)
+    assert len(traces) == 1
+    want = np_attention(q[:1], k[:1], v[:1], base[:1] & (np.arange(40) < 13))
+    assert_close(attn(q[0], k[0], v[0], kv_seq_lengths=13), want[0], 2e-5)
+    with pytest.raises(ValueError, match=r"`kv_seq_lengths` must have shape \[2\] or a scalar"):
+        attn(q, k, v, kv_seq_lengths=np.array([1, 2, 3]))

@@ -65,6 +65,7 @@ def test_ci_runs_the_readme_commands_verbatim():
     assert "python -m pytest" not in script
 
 
+@pytest.mark.slow  # the demo takes about 30 s: the full suite and .ci/run run it
 def test_demo_entry_point_prints_its_table():
     """`python -m eqx_bsattn` in a subprocess, at a short length so it takes seconds."""
     result = subprocess.run(

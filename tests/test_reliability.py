@@ -147,16 +147,73 @@ def test_positions_at_the_limit_are_exact(shift):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("bad", [2**30 + 1, -(2**30) - 1, 2**31 - 1])
+@pytest.mark.parametrize("bad", [2**30, 2**30 + 1, -(2**30) - 1, 2**31 - 1])
 def test_positions_outside_the_range_are_refused(bad):
+    """2**30 is the first position refused: with a window of 2**30 its sum overflows int32
+    (every query saw nothing when it was accepted)."""
     q = jnp.ones((2, 16, 4))
     attn = bsa.BlockSparseAttention(mask=_WINDOW, kernel=kernels.XlaBlockSparse())
     pos = jnp.arange(16, dtype=jnp.int32).at[3].set(bad)
-    with pytest.raises(ValueError, match=r"`q_positions` must lie in \[-2\*\*30, 2\*\*30\]"):
+    with pytest.raises(ValueError,
+                       match=r"`q_positions` must lie in \[-2\*\*30, 2\*\*30 - 1\]"):
         attn(q, q, q, q_positions=pos, kv_positions=jnp.arange(16))
     # Inside jit the check runs with the computation.
     with pytest.raises(Exception, match=r"`kv_positions` must lie in"):
         jax.jit(lambda p: attn(q, q, q, q_positions=jnp.arange(16), kv_positions=p))(pos)
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: masks.SlidingWindow(2**30 + 1), "SlidingWindow.left"),
+    (lambda: masks.SlidingWindow(3, 2**31), "SlidingWindow.right"),
+    (lambda: masks.Causal(offset=2**31), "Causal.offset"),
+    (lambda: masks.Causal(offset=-(2**30) - 1), "Causal.offset"),
+    (lambda: masks.ChunkedCausal(2**31), "chunk_size"),
+    (lambda: masks.PrefixLM(2**30 + 1), "prefix_length"),
+    (lambda: masks.GlobalTokens(2**31), "num_global"),
+    (lambda: masks.Dilated(2**31), "stride"),
+])
+def test_mask_sizes_past_the_range_are_refused(make, name):
+    """Sizes up to 2**30 keep every position-plus-size sum inside int32; larger ones are
+    refused when the mask is made, naming the field and the accepted range."""
+    with pytest.raises(ValueError, match=rf"^`{name}` must be an int in \[-?\d.*2\*\*30\]; got"):
+        make()
+
+
+def test_bottom_right_offset_past_the_range_is_refused():
+    q, k = jnp.ones((2, 8, 4)), jnp.ones((2, 24, 4))
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(offset=2**30 - 8, bottom_right=True))
+    with pytest.raises(ValueError, match=r"`Causal.offset` with bottom_right=True becomes "
+                                         r"offset \+ kv_len - q_len = 1073741832; it must lie in"):
+        attn(q, k, k)
+    masks.Causal(offset=2**30, bottom_right=True).resolve(8, 8)  # exactly 2**30 is accepted
+
+
+@pytest.mark.parametrize("cap", [1e37, 3e30, 1e-31, 0.0, -2.0, float("inf"), float("nan"),
+                                 True])
+def test_soft_caps_where_float32_loses_the_logits_are_refused(cap):
+    """At 1e37 ``s / cap`` flushed to zero and every kernel was silently wrong."""
+    with pytest.raises(ValueError, match=r"^`logits_soft_cap` must be a number in "
+                                         r"\[1e-30, 1e30\] or None; got"):
+        bsa.BlockSparseAttention(logits_soft_cap=cap)
+    q = jnp.ones((1, 2, 8, 4))
+    with pytest.raises(ValueError, match="`logits_soft_cap` must be a number in"):
+        bsa.blocksparse_attention(q, q, q, logits_soft_cap=cap)
+
+
+@pytest.mark.parametrize("cap", [1e-30, 1e30])
+@pytest.mark.parametrize("kernel", [kernels.DenseReference(), kernels.XlaBlockSparse()],
+                         ids=["reference", "xla"])
+def test_soft_caps_at_the_ends_of_the_range_are_exact(cap, kernel):
+    keys = jax.random.split(jax.random.key(5), 3)
+    q, k, v = (jax.random.normal(key, (2, 24, 8)) for key in keys)
+    q = q * 0.01  # small logits: the ones a large cap would lose
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel, logits_soft_cap=cap)
+    s = np.einsum("hid,hjd->hij", np.asarray(q, np.float64), np.asarray(k, np.float64))
+    s = cap * np.tanh(s / np.sqrt(8) / cap)
+    s = np.where(np.tril(np.ones((24, 24), bool)), s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    want = (w / w.sum(-1, keepdims=True)) @ np.asarray(v, np.float64)
+    np.testing.assert_allclose(attn(q, k, v), want, rtol=0, atol=2e-6)
 
 
 def test_int64_positions_are_checked_before_narrowing():
@@ -168,6 +225,45 @@ def test_int64_positions_are_checked_before_narrowing():
             attn(q, q, q, q_positions=pos, kv_positions=pos)
 
 
+@pytest.mark.parametrize("dtype", [np.uint32] + [pytest.param(d, marks=pytest.mark.slow)
+                                                 for d in (np.uint8, np.uint16, np.int8)])
+def test_segment_ids_and_positions_of_any_integer_dtype(dtype):
+    """Unsigned ids and positions are integers like any other (the type check refused them)."""
+    keys = jax.random.split(jax.random.key(6), 3)
+    q, k, v = (jax.random.normal(key, (1, 2, 16, 4)) for key in keys)
+    ids = np.repeat(np.arange(4), 4)[None]
+    pos = (np.arange(16) * 3)[None]
+    attn = bsa.BlockSparseAttention(mask=_WINDOW, kernel=kernels.XlaBlockSparse(),
+                                    tiling=bsa.Tiling(block_q=8, block_kv=8))
+    want = attn(q, k, v, q_segment_ids=ids.astype(np.int32), kv_segment_ids=ids.astype(np.int32),
+                q_positions=pos.astype(np.int32), kv_positions=pos.astype(np.int32))
+    typed = dict(q_segment_ids=ids.astype(dtype), kv_segment_ids=ids.astype(dtype),
+                 q_positions=pos.astype(dtype), kv_positions=pos.astype(dtype))
+    np.testing.assert_array_equal(attn(q, k, v, **typed), want)
+    got = bsa.blocksparse_attention(q, k, v, causal=True, sliding_window=(5, 0), platform="xla",
+                                    cfg=bsa.Tiling(block_q=8, block_kv=8), **typed)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("ids", [
+    pytest.param(lambda: np.zeros(16, np.uint32) + np.uint32(2**31), id="uint32"),
+    pytest.param(lambda: np.zeros(16, np.int64) + 2**32, id="int64"),  # aliased 0 in int32
+    pytest.param(lambda: np.zeros(16, np.int64) - 2**31 - 1, id="int64_low"),
+])
+def test_segment_ids_beyond_int32_are_refused(ids):
+    message = r"`kv_segment_ids` must lie in \[-2\*\*31, 2\*\*31 - 1\] \(segment ids"
+    with jax.enable_x64(True):
+        q = jnp.ones((2, 16, 4), jnp.float32)
+        attn = bsa.BlockSparseAttention(mask=_WINDOW, kernel=kernels.XlaBlockSparse())
+        good = np.zeros(16, np.int32)
+        with pytest.raises(ValueError, match=message):
+            attn(q, q, q, q_segment_ids=good, kv_segment_ids=ids())
+        with pytest.raises(Exception, match=message):
+            jax.block_until_ready(jax.jit(
+                lambda s: attn(q, q, q, q_segment_ids=good, kv_segment_ids=s))(ids()))
+
+
+@pytest.mark.slow
 def test_plus_inf_bias_is_refused_minus_inf_hides():
     q, k, v = (jax.random.normal(key, (2, 8, 4)) for key in jax.random.split(jax.random.key(1), 3))
     attn = bsa.BlockSparseAttention(kernel=kernels.XlaBlockSparse())
@@ -252,6 +348,7 @@ def test_chunked_slots_match_one_chunk(monkeypatch, kv_heads):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_temporaries_hold_no_copy_of_an_input(monkeypatch):
     """Forward+backward, L = 2^14 in small chunks: XLA's temporaries are the float32 output
     (kept for delta, then dq's accumulator) and the chunks, about 1.3 arrays of q's size. Inputs

@@ -258,3 +258,44 @@ def test_mask_info_carries_everything(qkv):
                         q_pos=data["q_positions"], kv_pos=data["kv_positions"],
                         q_seg=data["q_segment_ids"], kv_seg=data["kv_segment_ids"])
     assert_close(via_info, np_attention(q, k, v, vis & data["attention_mask"]), 2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spelled", ["[B, Lk]", "[B, 1, 1, Lk]"])
+def test_key_padding_attention_mask(qkv, spelled):
+    """ejKernel reads a 2-D `attention_mask` as key padding ``[B, Lk]``; so does this door
+    (also spelled ``[B, 1, 1, Lk]``), with segment ids or without, and padding garbage in the
+    hidden keys changes nothing."""
+    q, k, v = qkv
+    rng = np.random.default_rng(4)
+    keep = rng.random((B, LK)) < 0.7
+    keep[1] = False  # an example that sees no key at all gives zeros
+    given = keep if spelled == "[B, Lk]" else keep[:, None, None, :]
+    k_bad = jnp.where(keep[:, None, :, None], k, jnp.nan)
+    out = bsa.blocksparse_attention(q, k_bad, v, attention_mask=given, platform="xla", cfg=CFG)
+    assert_close(out, np_attention(q, k, v, _causal() & keep[:, None, None, :]), 2e-5)
+    q_seg = sorted_segments(rng, B, LQ, 3)
+    kv_seg = sorted_segments(rng, B, LK, 3)
+    out = bsa.blocksparse_attention(q, k, v, attention_mask=given, q_segment_ids=q_seg,
+                                    kv_segment_ids=kv_seg, platform="reference")
+    vis = np_visibility(DOC, batch=B, heads=H, q_len=LQ, kv_len=LK, q_seg=q_seg, kv_seg=kv_seg)
+    assert_close(out, np_attention(q, k, v, vis & keep[:, None, None, :]), 2e-5)
+
+
+def test_softmax_aux_of_kv_head_length_is_one_sink_per_kv_head(qkv):
+    """ejKernel's XLA backend reads `softmax_aux` of length ``Hkv`` (``!= H``) as one sink per
+    kv head, repeated over its query heads (and ``[Hkv, S]`` likewise); this door does too.
+    The module, whose `sinks` of any length but ``H`` are shared, warns at that length."""
+    q, k, v = qkv
+    aux = random_array(5, (HKV,)) * 3.0
+    out = bsa.blocksparse_attention(q, k, v, aux, platform="reference")
+    per_head = np.repeat(np.asarray(aux), H // HKV)
+    assert_close(out, np_attention(q, k, v, _causal(), sinks=per_head), 2e-5)
+    aux2 = random_array(6, (HKV, 3))
+    out2 = bsa.blocksparse_attention(q, k, v, aux2, platform="reference")
+    want2 = np_attention(q, k, v, _causal(), sinks=np.repeat(np.asarray(aux2), H // HKV, 0))
+    assert_close(out2, want2, 2e-5)
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=bsa.kernels.DenseReference())
+    with pytest.warns(UserWarning, match=r"read as 2 sinks shared by all 4 heads"):
+        shared = attn(q, k, v, sinks=aux)
+    assert_close(shared, np_attention(q, k, v, _causal(), sinks=np.asarray(aux)), 2e-5)

@@ -162,6 +162,8 @@ else:
 
     def ring_case(name):
         table = np.random.default_rng(3).random((L // 16, L // 16)) < 0.4
+        shuffled = jnp.asarray(np.stack([np.random.default_rng(b).permutation(L)
+                                         for b in range(2)]).astype(np.int32))
         seg = jnp.asarray(sorted_segments(np.random.default_rng(2), 2, L, 5, pad=5))
         return {
             "causal": (masks.Causal(), {}),
@@ -169,8 +171,18 @@ else:
             "document": (masks.Causal(), dict(q_segment_ids=seg, kv_segment_ids=seg)),
             "block_table": (masks.BlockLayoutMask(table, 16), {}),
             "bias_sinks": (masks.Causal(), dict(bias=random_array(8, (2, 1, L, L)),
-                                                sinks=random_array(9, (4, 2)))),
+                                                # head 0 has no sink (-inf)
+                                                sinks=random_array(9, (4, 2)).at[0].set(
+                                                    -jnp.inf))),
+            "array": (array_mask(1), {}),
+            # Positions that are not the token indices: an ArrayMask reads indices, Causal
+            # positions, and a shard must see both as the whole call does.
+            "array_heads_positions": (masks.Causal() & array_mask(4),
+                                      dict(q_positions=shuffled, kv_positions=shuffled)),
         }[name]
+
+    def array_mask(heads, seed=4):
+        return masks.ArrayMask(np.random.default_rng(seed).random((heads, L, L)) < 0.3)
 
     RING_MESHES = {
         "1d": (((8,), ("s",)), dict(seq_axis="s")),
@@ -208,6 +220,64 @@ else:
     def test_ring_xla_slow(case, mesh_name):
         check_ring(case, "XlaBlockSparse", mesh_name)
 
+    @pytest.mark.parametrize("kernel, case, order", [
+        ("XlaBlockSparse", "array", "contiguous"),
+        pytest.param("XlaBlockSparse", "array_heads_positions", "zigzag", marks=slow),
+        pytest.param("DenseReference", "array", "zigzag", marks=slow),
+        pytest.param("DenseReference", "array_heads_positions", "contiguous", marks=slow),
+    ])
+    def test_ring_array_mask(kernel, case, order):
+        """Each shard looks the array up at its tokens' global indices (and positions)."""
+        check_ring(case, kernel, "1d", order=order)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("kernel", ["XlaBlockSparse", "DenseReference"])
+    def test_ring_array_mask_traced(kernel):
+        """The mask array as a traced argument of `jit`: the ring's schedule is then known on
+        the device only, like that of segment ids."""
+        keep = array_mask(4, seed=5).mask
+        q, k, v = random_inputs(10, batch=2, heads=4, kv_heads=2, q_len=L)
+        proj = random_array(7, q.shape)
+
+        def run(shard):
+            def both(keep, q, k, v):
+                attn = module(masks.Causal() & masks.ArrayMask(keep), kernel, shard)
+                out, pullback = jax.vjp(attn, q, k, v)
+                return out, pullback(proj)
+
+            return jax.jit(both)(keep, q, k, v)
+
+        (out, grads), (ref, want) = run(ring("2d_heads")), run(None)
+        assert_close(out, ref, what="output")
+        for name, g, w in zip("qkv", grads, want):
+            assert_close(g, w, what=f"d{name}")
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("kernel", ["DenseReference", "XlaBlockSparse"])
+    def test_shard_map_per_head_array_mask(kernel):
+        mesh = make_mesh((2, 4), ("b", "h"))
+        q, k, v = random_inputs(11, batch=2, heads=8, kv_heads=4, q_len=32)
+        keep = np.random.default_rng(6).random((8, 32, 32)) < 0.3
+        mask = masks.Causal() & masks.ArrayMask(keep)
+        compare(module(mask, kernel), module(mask, kernel, sharding.ShardMap(mesh, "b", "h")),
+                (q, k, v), {})
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("per_example", [False, True])
+    def test_function_style_ring_attention_mask(per_example):
+        """`blocksparse_attention(attention_mask=...)` over a sequence axis, shared by the
+        batch or one mask per example (the call is then mapped over the batch)."""
+        mesh = make_mesh((8,), ("s",))
+        q, k, v = random_inputs(12, batch=2, heads=4, kv_heads=2, q_len=L)
+        keep = np.random.default_rng(7).random((2 if per_example else 1, 4, L, L)) < 0.3
+        spec = P(None, None, "s", None)
+        opts = dict(attention_mask=jnp.asarray(keep), causal=False, platform="xla",
+                    cfg=bsa.Tiling(8, 8))
+        compare(lambda q, k, v: bsa.blocksparse_attention(q, k, v, **opts),
+                lambda q, k, v: bsa.blocksparse_attention(
+                    q, k, v, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, **opts),
+                (q, k, v), {})
+
     @pytest.mark.slow
     @pytest.mark.parametrize("order", ["contiguous", "zigzag"])
     def test_ring_orders(order):
@@ -230,6 +300,59 @@ else:
         ring = sharding.RingAttention(mesh, "s", head_axis="h", order="zigzag")
         compare(module(masks.Causal(), "DenseReference"),
                 module(masks.Causal(), "DenseReference", ring), (q, k, v), {})
+
+    # ---------------------------------------------------------------------------------------
+    # Inputs placed on a mesh (Explicit axes, jax.make_mesh's default, or Auto), passed to a
+    # module without a sharding strategy, under jit: every CPU kernel, forward and gradients.
+
+    def check_placed(kernel, axis_type, *, segments=True, strategy=None):
+        shape, names = (2, 4), ("data", "model")
+        mesh = (jax.make_mesh(shape, names) if axis_type == "default"
+                else make_mesh(shape, names) if axis_type == "Auto"
+                else jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * 2))
+        q, k, v = random_inputs(10, batch=4, heads=8, kv_heads=4, q_len=48, kv_len=40,
+                                value_dim=6)
+        seg = np.stack([sorted_segments(np.random.default_rng(s), 1, 48, 3)[0] for s in range(4)])
+        kv_seg = seg[:, :40]
+        extra = dict(q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(kv_seg)) \
+            if segments else {}
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+        placed = [put(x, P("data", "model")) for x in (q, k, v)]
+        placed_extra = {n: put(x, P("data")) for n, x in extra.items()}
+        attn = bsa.BlockSparseAttention(
+            mask=masks.Causal(), **({} if kernel is None else dict(kernel=make_kernel(kernel))),
+            **({} if strategy is None else dict(sharding=strategy(mesh))))
+        ref = module(masks.Causal(), "DenseReference")
+        proj = random_array(11, (4, 8, 48, 6))
+
+        def loss(fn):
+            return lambda q, k, v, e: jnp.sum(fn(q, k, v, **e) * proj)
+
+        out = jax.jit(lambda q, k, v, e: attn(q, k, v, **e))(*placed, placed_extra)
+        if axis_type != "Auto":
+            assert out.sharding.spec[:2] == ("data", "model"), out.sharding
+        assert_close(out, ref(q, k, v, **extra), 2e-5, "output")
+        got = jax.jit(jax.grad(loss(attn), argnums=(0, 1, 2)))(*placed, placed_extra)
+        want = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v, extra)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert_close(g, w, 2e-5, name)
+
+    @pytest.mark.parametrize("kernel, axis_type", [
+        ("DenseReference", "default"),  # the quick case: the XLA kernel compiles for seconds
+        pytest.param(None, "default", marks=slow),
+        pytest.param(None, "Auto", marks=slow),
+        pytest.param("XlaBlockSparse", "Explicit", marks=slow),
+        pytest.param("DenseReference", "Explicit", marks=slow),
+        pytest.param("SplashBlockSparse", "Explicit", marks=slow),
+        pytest.param("SplashBlockSparse", "Auto", marks=slow),
+    ])
+    def test_inputs_placed_on_a_mesh(kernel, axis_type):
+        check_placed(kernel, axis_type)
+
+    @pytest.mark.slow
+    def test_shard_map_with_segment_ids_placed_on_an_explicit_mesh():
+        check_placed("XlaBlockSparse", "Explicit",
+                     strategy=lambda mesh: sharding.ShardMap(mesh, "data", "model"))
 
     # ---------------------------------------------------------------------------------------
     # What the ring computes and sends.

@@ -148,6 +148,7 @@ def test_tpu_head_dims_are_padded_and_exact():
         np.testing.assert_allclose(g, w, atol=3e-5, rtol=3e-5)
 
 
+@pytest.mark.slow
 def test_pallas_platform_runs_splash():
     keys = jax.random.split(jax.random.key(4), 3)
     q, k, v = (jax.random.normal(key, (1, 2, 64, 16)) for key in keys)

@@ -2,14 +2,14 @@
 
 Needs an environment with torch and triton 3.6 beside this project's, for example::
 
-    python3 -m venv /work/tvenv
-    /work/tvenv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
-    /work/tvenv/bin/pip install triton==3.6.0 numpy
+    python3 -m venv ../tvenv
+    ../tvenv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
+    ../tvenv/bin/pip install triton==3.6.0 numpy
 
 Name its site-packages in ``EQX_BSATTN_TRITON_INTERPRET`` and `tests/conftest.py` installs this
 before the tests import anything else::
 
-    EQX_BSATTN_TRITON_INTERPRET=/work/tvenv/lib/python3.11/site-packages \
+    EQX_BSATTN_TRITON_INTERPRET=$(../tvenv/bin/python -c "import site; print(site.getsitepackages()[0])") \
         python -m pytest tests/test_conformance.py -k "triton and not bfloat16"
 
 The launches then go through a `jax.pure_callback` into the interpreter (outputs poisoned with

@@ -6,9 +6,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractKernel, MaskTerms
-
-from .reference import refuse_forward_mode
+from eqx_bsattn.contract import AbstractKernel, MaskTerms, refuse_forward_mode
 
 
 def nn_attention(q, k, v, **options):

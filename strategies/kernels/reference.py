@@ -3,31 +3,9 @@
 from typing import ClassVar
 
 import jax
-import jax.interpreters.ad  # noqa: F401  (JVPTracer)
 import jax.numpy as jnp
 
 from eqx_bsattn.contract import AbstractKernel, AttentionInputs, CompiledMask
-
-
-def refuse_forward_mode(kernel_name: str, *arrays) -> None:
-    """Raise a `TypeError` naming the way out if `arrays` are being differentiated in forward
-    mode (`jax.jvp`, `jax.jacfwd`, `jax.hessian`).
-
-    For kernels that define only a reverse-mode rule (`jax.custom_vjp`): JAX refuses forward
-    mode through them, and under `jit` it says so only when lowering, without naming the
-    kernel. Reverse mode (`jax.grad`, `jax.vjp`) traces with linearize tracers and passes.
-    """
-    jvp_tracer = getattr(jax.interpreters.ad, "JVPTracer", None)
-    # With direct linearization off, reverse mode traces with JVP tracers too: say nothing.
-    if jvp_tracer is None or not getattr(jax.config, "jax_use_direct_linearize", True):
-        return
-    if any(isinstance(x, jvp_tracer) for x in arrays if x is not None):
-        raise TypeError(
-            f"kernel {kernel_name} has no forward-mode rule (`jax.jvp`, `jax.jacfwd`, "
-            "`jax.hessian`): XlaBlockSparse, TritonBlockSparse and CudnnDense define only a "
-            "reverse-mode gradient (`jax.custom_vjp`). For forward-mode AD pass "
-            "`kernel=kernels.DenseReference()` (plain JAX; memory grows with Lq x Lk)."
-        )
 
 
 def dense_visibility(mask: CompiledMask, inputs: AttentionInputs):

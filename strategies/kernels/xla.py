@@ -27,11 +27,12 @@ from eqx_bsattn.contract import (
     CompiledMask,
     Features,
     Tiling,
+    backward_delta,
+    pad_axis,
+    public_lse,
+    refuse_forward_mode,
     typed_like,
 )
-
-from .padding import pad_axis
-from .reference import refuse_forward_mode
 
 _F32 = jnp.float32
 _FWD_LISTS = ("full_count", "full_index", "partial_count", "partial_index")
@@ -576,12 +577,6 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 # The differentiable function, one per static configuration.
 
 
-def _public_lse(lse):
-    """The kernel's log-sum-exp (``+inf`` on rows that see no key) as the contract has it
-    (``-inf`` there)."""
-    return jnp.where(lse == jnp.inf, -jnp.inf, lse)
-
-
 @functools.lru_cache(maxsize=128)
 def _attention_fn(cfg: _Config, with_lse: bool = False):
     """A jitted `custom_vjp` function ``(q, k, v, bias, sinks, aux) -> out`` for `cfg`
@@ -595,29 +590,22 @@ def _attention_fn(cfg: _Config, with_lse: bool = False):
     def attend(q, k, v, bias, sinks, aux):
         out, lse = _forward(cfg, q, k, v, bias, sinks, aux)
         out = out.astype(q.dtype)
-        return (out, _public_lse(lse)) if with_lse else out
+        return (out, public_lse(lse, base2=False)) if with_lse else out
 
     def attend_fwd(q, k, v, bias, sinks, aux):
         out, lse = _forward(cfg, q, k, v, bias, sinks, aux)
         # The backward's delta = rowsum(dO * O) reads the float32 output: with O rounded to a
         # half type, dp - delta loses the small differences (head dims of a few elements).
         result = out.astype(q.dtype)
-        result = (result, _public_lse(lse)) if with_lse else result
+        result = (result, public_lse(lse, base2=False)) if with_lse else result
         return result, (q, k, v, bias, sinks, aux, out, lse)
 
     def attend_bwd(residuals, cotangent):
         q, k, v, bias, sinks, aux, out, lse = residuals
         d_out, d_lse = cotangent if with_lse else (cotangent, None)
-        # delta = rowsum(dO * O): the softmax Jacobian's diagonal correction, per row; the
-        # log-sum-exp's own cotangent enters the same correction (d lse / d s = p).
-        # A contraction rather than sum(dO * O): on the CPU, XLA runs that reduction in a
-        # fusion that allocates full-length temporaries outside its buffer assignment (1.3 GB
-        # at L = 2^20).
-        delta = jnp.einsum("bhqe,bhqe->bhq", d_out.astype(_F32), out.astype(_F32),
-                           precision=jax.lax.Precision.HIGHEST)
-        if d_lse is not None:
-            # Rows that see no key have p = 0 everywhere: their cotangent goes nowhere.
-            delta = delta - jnp.where(lse == jnp.inf, 0.0, d_lse.astype(_F32))
+        # delta = rowsum(dO * O) - dlse, the contract's contraction (a sum(dO * O) runs, on
+        # the CPU, in a fusion with full-length temporaries outside XLA's buffer assignment).
+        delta = backward_delta(d_out, out, d_lse, lse)
         d_out = d_out.astype(v.dtype)
         dq, dbias = _backward_dq(cfg, q, k, v, bias, aux, d_out, lse, delta)
         dk, dv = _backward_dkv(cfg, q, k, v, bias, aux, d_out, lse, delta)

@@ -75,7 +75,10 @@ class ArrayMask(AbstractMask):
             )
 
     def _table(self, head):
-        return self.mask[0] if self.mask.shape[0] == 1 else self.mask[head]
+        # A sharding may hand the array over as a NumPy constant: index it as a JAX array
+        # (the indices are traced).
+        mask = jnp.asarray(self.mask)
+        return mask[0] if mask.shape[0] == 1 else mask[head]
 
     def elements(self, q, k, head):
         table = self._table(head)

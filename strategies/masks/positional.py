@@ -5,12 +5,21 @@ from typing import ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractMask, MaskTerms, classify
+from eqx_bsattn.contract import POSITION_LIMIT, AbstractMask, MaskTerms, classify
 
 
-def _check_int(name: str, value, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}; got {value!r}.")
+def _check_int(name: str, value, *, minimum: int, maximum: int | None = POSITION_LIMIT) -> None:
+    """A mask size: an int in ``[minimum, maximum]``; by default at most ``2**30``, so that a
+    position plus a size stays exact in int32 (`POSITION_LIMIT`)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    if ok and (maximum is None or value <= maximum):
+        return
+
+    def show(x):
+        return {POSITION_LIMIT: "2**30", -POSITION_LIMIT: "-2**30"}.get(x, str(x))
+
+    accepted = f">= {minimum}" if maximum is None else f"in [{show(minimum)}, {show(maximum)}]"
+    raise ValueError(f"`{name}` must be an int {accepted}; got {value!r}.")
 
 
 class Causal(AbstractMask):
@@ -35,12 +44,17 @@ class Causal(AbstractMask):
     varies_by_head: ClassVar[bool] = False
 
     def __check_init__(self):
-        if not isinstance(self.offset, int) or isinstance(self.offset, bool):
-            raise ValueError(f"`offset` must be an int; got {self.offset!r}.")
+        _check_int("Causal.offset", self.offset, minimum=-POSITION_LIMIT)
 
     def resolve(self, q_len, kv_len):
         if self.bottom_right:
-            return Causal(offset=self.offset + kv_len - q_len)
+            offset = self.offset + kv_len - q_len
+            if abs(offset) > POSITION_LIMIT:
+                raise ValueError(
+                    f"`Causal.offset` with bottom_right=True becomes offset + kv_len - q_len = "
+                    f"{offset}; it must lie in [-2**30, 2**30]."
+                )
+            return Causal(offset=offset)
         return self
 
     def elements(self, q, k, head):

@@ -221,7 +221,7 @@ class BigBirdRandom(AbstractMask):
     def __check_init__(self):
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("num_random", self.num_random, minimum=0)
-        _check_int("seed", self.seed, minimum=0)
+        _check_int("seed", self.seed, minimum=0, maximum=None)
 
     def table(self, q_len: int, kv_len: int) -> np.ndarray:
         """The ``[ceil(q_len / bs), ceil(kv_len / bs)]`` boolean table of random blocks."""

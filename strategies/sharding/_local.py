@@ -66,15 +66,36 @@ def lead_spec(size_b: int, size_h: int, batch: int, heads: int, batch_axis, head
             head_axis if size_h == heads and size_h > 1 else None)
 
 
+class ShardTokens(eqx.Module):
+    """Where one shard's tokens sit in the call's sequence: the shard is ``len(starts)``
+    slices of `piece` tokens, slice ``c`` starting at global token ``starts[c]``.
+
+    A ring's contiguous order gives one slice per shard, the zig-zag order two.
+    """
+
+    starts: Any  # int32 [slices], traced per device
+    piece: int = eqx.field(static=True)
+
+    def global_index(self, index):
+        """The call's token index of local token `index` (any shape, int32)."""
+        starts = jnp.asarray(self.starts, jnp.int32)
+        slot = jnp.clip(index // self.piece, 0, starts.shape[0] - 1)
+        return starts[slot] + (index - slot * self.piece)
+
+
 class ShardPredicate(AbstractMask):
     """A call's resolved mask as one shard sees it: token coordinates keep the call's global
-    lengths (a mask may read them) and positions (the caller passes each shard's global
-    positions), and local head ``h`` is global head ``h + head_offset``."""
+    lengths (a mask may read them), token indices (`q_tokens`, `kv_tokens` map a shard's
+    local indices to the call's; ``None``: the shard holds the whole sequence) and positions
+    (the caller passes each shard's global positions), and local head ``h`` is global head
+    ``h + head_offset``. So every mask, `ArrayMask` included, means the same as unsharded."""
 
     inner: AbstractMask
     q_len: int = eqx.field(static=True)
     kv_len: int = eqx.field(static=True)
     head_offset: Any = None  # int32 scalar, traced per device; None: heads are not split
+    q_tokens: ShardTokens | None = None
+    kv_tokens: ShardTokens | None = None
 
     reads_segment_ids: ClassVar[bool] = False
     varies_by_head: ClassVar[bool] = False
@@ -89,8 +110,10 @@ class ShardPredicate(AbstractMask):
             # The head differs by device: so do the coordinates (a per-head choice between
             # masks then sees operands of one type).
             zero = jnp.zeros_like(self.head_offset)
-        q = TokenCoords(q.index + zero, q.position + zero, q.segment, self.q_len)
-        k = TokenCoords(k.index + zero, k.position + zero, k.segment, self.kv_len)
+        q_index = q.index if self.q_tokens is None else self.q_tokens.global_index(q.index)
+        k_index = k.index if self.kv_tokens is None else self.kv_tokens.global_index(k.index)
+        q = TokenCoords(q_index + zero, q.position + zero, q.segment, self.q_len)
+        k = TokenCoords(k_index + zero, k.position + zero, k.segment, self.kv_len)
         return self.inner.elements(q, k, head)
 
     def terms(self, head):
@@ -98,14 +121,21 @@ class ShardPredicate(AbstractMask):
 
 
 def local_mask(mask: CompiledMask, layouts: dict[str, BlockLayout | None], *, q_len: int,
-               kv_len: int, num_heads: int, head_offset=None) -> CompiledMask:
+               kv_len: int, num_heads: int, head_offset=None,
+               q_tokens: ShardTokens | None = None,
+               kv_tokens: ShardTokens | None = None) -> CompiledMask:
     """The `CompiledMask` one shard's kernel call reads: its layouts, its lengths and heads,
-    the call's predicate in global coordinates."""
+    the call's predicate in global coordinates (`q_tokens`, `kv_tokens`: where the shard's
+    tokens sit in the call's sequence, for a shard of the sequence)."""
     predicate = mask.predicate
     split_heads = head_offset is not None and mask.head_dependent
-    if (q_len, kv_len) != (mask.q_len, mask.kv_len) or split_heads:
+    cut = (q_len, kv_len) != (mask.q_len, mask.kv_len)
+    if cut and (q_tokens is None or kv_tokens is None):
+        raise ValueError("a shard of the sequence must say where its tokens sit in the call's "
+                         "(`q_tokens`, `kv_tokens`), or index-reading masks would misread it.")
+    if cut or split_heads:
         predicate = ShardPredicate(predicate, mask.q_len, mask.kv_len,
-                                   head_offset if split_heads else None)
+                                   head_offset if split_heads else None, q_tokens, kv_tokens)
     head_terms = mask.head_terms
     if split_heads:
         shared = all(t == head_terms[0] for t in head_terms)

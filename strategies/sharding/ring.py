@@ -15,9 +15,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from eqx_bsattn.contract import (
     EMPTY,
+    mesh_in_context,
     AbstractSharding,
     add_sinks,
     AttentionInputs,
+    backward_delta,
     BlockLayout,
     CompiledMask,
     build_layout,
@@ -28,6 +30,7 @@ from eqx_bsattn.contract import (
 from ._local import (
     LAYOUT_LISTS,
     Operands,
+    ShardTokens,
     axis_size,
     check_divides,
     check_mesh,
@@ -62,6 +65,13 @@ class RingSchedule(NamedTuple):
 
 def _chunks(order: str, n: int, device: int) -> tuple[int, ...]:
     return (device,) if order == "contiguous" else (device, 2 * n - 1 - device)
+
+
+def _shard_tokens(order: str, n: int, device, length: int) -> ShardTokens:
+    """Where device `device`'s (traced) shard of a `length`-token sequence sits in it."""
+    piece = length // (n if order == "contiguous" else 2 * n)
+    starts = jnp.stack([jnp.asarray(c, jnp.int32) * piece for c in _chunks(order, n, device)])
+    return ShardTokens(starts, piece)
 
 
 def _token_order(order: str, n: int, length: int) -> np.ndarray:
@@ -180,6 +190,7 @@ class _DeviceRing:
     arrays: Any
     rest: Any
     mask: CompiledMask
+    order: str
     q_len: int  # per device
     kv_len: int
     local_heads: int
@@ -216,8 +227,12 @@ class _DeviceRing:
                 )
             inputs = dict(q_segment_ids=here.get("q_segment_ids"), kv_segment_ids=kv_seg,
                           q_positions=here.get("q_positions"), kv_positions=kv_pos)
-            step_mask = local_mask(call_mask, layouts, q_len=self.q_len, kv_len=self.kv_len,
-                                   num_heads=self.local_heads, head_offset=head_offset)
+            n, me = self.n, jax.lax.axis_index(self.seq_axis)
+            step_mask = local_mask(
+                call_mask, layouts, q_len=self.q_len, kv_len=self.kv_len,
+                num_heads=self.local_heads, head_offset=head_offset,
+                q_tokens=_shard_tokens(self.order, n, me, n * self.q_len),
+                kv_tokens=_shard_tokens(self.order, n, (me - t) % n, n * self.kv_len))
             work = None
             if self.sched.pairs is None and layouts["forward"] is not None:
                 # Known on the device only: skip a pair this device's layout leaves empty.
@@ -323,8 +338,7 @@ class _DeviceRing:
         here, problem = self._problems(aux)
         seen = jnp.isfinite(lse)
         # rowsum(dO * O) - dlse: the merged softmax's diagonal term, per row.
-        delta = (jnp.einsum("bhqe,bhqe->bhq", d_out, out, precision=jax.lax.Precision.HIGHEST)
-                 - jnp.where(seen, d_lse, 0.0))
+        delta = backward_delta(d_out, out, d_lse, lse)
 
         def grads(t, shard):
             k_t, v_t, kv_seg, kv_pos = shard
@@ -336,8 +350,7 @@ class _DeviceRing:
                                                    q, k_t, v_t, bias_t)
                 w = jnp.where(seen, jnp.exp(lse_t.astype(_F32) - jnp.where(seen, lse, 0.0)),
                               0.0)
-                own = jnp.einsum("bhqe,bhqe->bhq", d_out, out_t.astype(_F32),
-                                 precision=jax.lax.Precision.HIGHEST)
+                own = backward_delta(d_out, out_t)
                 dq, dk, dv, dbias = pullback(((w[..., None] * d_out).astype(out_t.dtype),
                                               w * (own - delta)))
                 dbias = None if dbias is None else dbias.astype(_F32)
@@ -518,8 +531,8 @@ class RingAttention(AbstractSharding):
         if inputs is not None and (
             inputs.q_positions is not None or inputs.kv_positions is not None
             or (mask.uses_segment_ids and inputs.q_segment_ids is not None)
-        ):
-            return None, bq, bk  # known on the device only
+        ) or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask.predicate)):
+            return None, bq, bk  # known on the device only (also a mask array traced by jit)
         with jax.ensure_compile_time_eval():
             layout = build_layout(mask.predicate, q_len=mask.q_len, kv_len=mask.kv_len,
                                   num_heads=mask.num_heads, block_q=bq, block_kv=bk)
@@ -603,6 +616,7 @@ class RingAttention(AbstractSharding):
         n = axis_size(mesh, s_axis)
 
         def run(query, key, value, inputs, mask):
+            mesh = mesh_in_context(self.mesh)
             batch, heads, q_len = query.shape[:3]
             kv_heads, kv_len = key.shape[1:3]
             check_divides("the batch", batch, mesh, b_axis, "batch_axis")
@@ -665,7 +679,7 @@ class RingAttention(AbstractSharding):
                 fn=fn, ops=ops, sched=sched, n=n, seq_axis=s_axis, data=data,
                 step_layouts=step_layouts, layout_slots=layout_slots, flags_slot=flags_slot,
                 partial_steps=frozenset(partial_steps), pred_slots=pred_slots, arrays=arrays,
-                rest=rest, mask=mask, q_len=q_len // n, kv_len=kv_len // n,
+                rest=rest, mask=mask, order=order, q_len=q_local, kv_len=kv_local,
                 local_heads=local_heads, head_offset=lambda: local_head_offset(h_axis,
                                                                                local_heads),
             )

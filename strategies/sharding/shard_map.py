@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from eqx_bsattn.contract import AbstractSharding, AttentionInputs
+from eqx_bsattn.contract import AbstractSharding, AttentionInputs, mesh_in_context
 
 from ._local import (
     Operands,
@@ -100,6 +100,7 @@ class ShardMap(AbstractSharding):
         mesh, b_axis, h_axis = self.mesh, self.batch_axis, self.head_axis
 
         def run(query, key, value, inputs, mask):
+            mesh = mesh_in_context(self.mesh)
             batch, heads = query.shape[:2]
             kv_heads = key.shape[1]
             check_divides("the batch", batch, mesh, b_axis, "batch_axis")

@@ -1,15 +1,13 @@
-"""`MosaicBlockSparse` on a Hopper GPU: forward and gradients (through Triton's backward and
-through its own Mosaic backward) against the float32 dense reference for each mask family it
-expresses, the edges (ragged lengths, Lq != Lk, one query, fully masked rows, grouped-query
-heads, head dims 64 / 128, float16), sinks, a soft cap and the log-sum-exp, and what it
-declines.
+"""`MosaicBlockSparse` on a Hopper GPU: forward and gradients (its single-pass backward and
+its deterministic one) against the float32 dense reference for each mask family it expresses,
+the edges (ragged lengths, Lq != Lk, one query, fully masked rows, grouped-query heads, head
+dims 64 / 128, float16), sinks, a soft cap and the log-sum-exp, run-to-run identical results
+in the deterministic mode, and what it declines.
 
-The GPU tests skip unless JAX's default backend is a GPU and jax-triton imports. Slow tests run
-the forward kernel, and the forward then the dq and dk/dv kernels, in Pallas' CPU interpreter
-for Mosaic GPU (plain products in place of wgmma there).
+The GPU tests skip unless JAX's default backend is a GPU. Slow tests run the forward kernel,
+and the forward then each backward, in Pallas' CPU interpreter for Mosaic GPU (plain products
+in place of wgmma there).
 """
-
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +22,10 @@ from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 gpu_only = [
     pytest.mark.gpu,
     pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
-    pytest.mark.skipif(importlib.util.find_spec("jax_triton") is None, reason="needs jax-triton"),
 ]
+#: The two backward modes, as `MosaicBlockSparse(deterministic=...)`.
+MODES = pytest.mark.parametrize("deterministic", [False, True],
+                                ids=["single_pass", "deterministic"])
 
 
 def on_gpu(test):
@@ -92,18 +92,18 @@ CASES = {
 
 
 @on_gpu
-@pytest.mark.parametrize("backward", ["triton", "mosaic"])
+@MODES
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_reference(case, backward):
+def test_matches_reference(case, deterministic):
     mask, b, h, hkv, lq, lk, d, dtype, seg, grads = CASES[case]
-    if backward == "mosaic":
-        grads = True  # every case's gradients through the Mosaic backward
+    grads = grads or not deterministic  # every case's gradients through the single pass
     q, k, v, cot = _inputs(hash(case) % 1000, b, h, hkv, lq, lk, d)
     data = {}
     if seg:
         ids = _segments(b, lq, 4, pad=7)
         data = {"q_segment_ids": ids, "kv_segment_ids": ids}
-    got = _run(MosaicBlockSparse(backward=backward), mask, dtype, q, k, v, cot, data, grads)
+    got = _run(MosaicBlockSparse(deterministic=deterministic), mask, dtype, q, k, v, cot, data,
+               grads)
     with jax.default_matmul_precision("highest"):
         want = _run(DenseReference(), mask, jnp.float32, q, k, v, cot, data, grads)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
@@ -139,13 +139,13 @@ def _with_lse(kernel, mask, dtype, q, k, v, sinks, soft_cap, weights):
 
 
 @on_gpu
-@pytest.mark.parametrize("backward,soft_cap,dim", [("mosaic", None, 128), ("mosaic", 5.0, 64),
-                                                   ("triton", 5.0, 128)])
+@pytest.mark.parametrize("deterministic,soft_cap,dim", [(False, None, 128), (False, 5.0, 64),
+                                                        (True, 5.0, 128)])
 @pytest.mark.parametrize("rows", ["window", "empty_rows"])
-def test_sinks_soft_cap_and_lse(backward, soft_cap, dim, rows):
-    """Sinks (joined by the log-sum-exp), a soft cap (in the forward kernel; the Mosaic
-    backward hands it to Triton's) and `attention_with_lse`: output, log-sum-exp and the
-    gradients in q, k, v and the sinks through both, against the float32 reference. With
+def test_sinks_soft_cap_and_lse(deterministic, soft_cap, dim, rows):
+    """Sinks (joined by the log-sum-exp), a soft cap (in the forward and in both backwards)
+    and `attention_with_lse`: output, log-sum-exp and the gradients in q, k, v and the sinks
+    through both, against the float32 reference. With
     ``empty_rows`` rows 0..139 see no key: zeros and a log-sum-exp of -inf."""
     mask = (masks.Causal() & masks.SlidingWindow(100, 0) if rows == "window"
             else masks.Causal(offset=-140))
@@ -154,7 +154,7 @@ def test_sinks_soft_cap_and_lse(backward, soft_cap, dim, rows):
     sinks = jax.random.normal(jax.random.key(22), (4, 2), jnp.float32)
     ks = jax.random.split(jax.random.key(23), 2)
     weights = (jax.random.normal(ks[0], (1, 4, 300, dim)), jax.random.normal(ks[1], (1, 4, 300)))
-    kernel = MosaicBlockSparse(backward=backward)
+    kernel = MosaicBlockSparse(deterministic=deterministic)
     assert kernel.decline_reason(
         bsa.ResolvedMask(mask, q_len=300, kv_len=300, num_heads=4),
         bsa.Features(platform="gpu", dtype="bfloat16", head_dim=dim, value_dim=dim,
@@ -201,14 +201,15 @@ def _vmapped(kernel, mask, dtype, q, k, v, cot, ids):
 
 
 @on_gpu
-@pytest.mark.parametrize("backward", ["triton", "mosaic"])
-def test_vmap_over_examples(backward):
+@MODES
+def test_vmap_over_examples(deterministic):
     """Three examples of different documents under `jax.vmap`: each example's layout and
     schedule are its own, forward and gradients match the reference."""
     q, k, v, cot = _inputs(11, 3, 2, 2, 300, 300, 64)
     ids = _segments(3, 300, 3, pad=5, seed=4)
     mask = masks.Causal() & masks.Document()
-    got = _vmapped(MosaicBlockSparse(backward=backward), mask, jnp.bfloat16, q, k, v, cot, ids)
+    got = _vmapped(MosaicBlockSparse(deterministic=deterministic), mask, jnp.bfloat16, q, k, v,
+                   cot, ids)
     with jax.default_matmul_precision("highest"):
         want = _vmapped(DenseReference(), mask, jnp.float32, q, k, v, cot, ids)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
@@ -232,17 +233,51 @@ def test_declines_with_reasons():
     assert why is not None and "terms" in why
 
 
-def test_backward_choice_and_its_tiles():
-    """``backward="mosaic"`` gives the plan the Mosaic backward's tiles (128 x 64 dq, 64 x 128
-    dk/dv at D = 128); a bad value is refused naming the field."""
-    with pytest.raises(ValueError, match="backward"):
-        MosaicBlockSparse(backward="cuda")
+@on_gpu
+@pytest.mark.parametrize("case", ["causal", "document"])
+def test_deterministic_mode_is_bit_identical(case):
+    """Five runs of forward+backward in the deterministic mode give bit-identical outputs and
+    gradients; the single pass gives the same gradients to rounding."""
+    mask, b, h, hkv, lq, lk, d, dtype, seg, _ = CASES[case]
+    q, k, v, cot = _inputs(3, b, h, hkv, lq, lk, d)
+    data = {}
+    if seg:
+        ids = _segments(b, lq, 4, pad=7)
+        data = {"q_segment_ids": ids, "kv_segment_ids": ids}
+    runs = [[np.asarray(x) for x in _run(MosaicBlockSparse(deterministic=True), mask, dtype,
+                                         q, k, v, cot, data, True)] for _ in range(5)]
+    for later in runs[1:]:
+        for name, a, c in zip(("out", "dq", "dk", "dv"), runs[0], later):
+            assert np.array_equal(a, c), name
+    single = _run(MosaicBlockSparse(deterministic=False), mask, dtype, q, k, v, cot, data, True)
+    for name, a, c in zip(("out", "dq", "dk", "dv"), runs[0], single):
+        assert _rel(c, a) < TOL[dtype], name
+
+
+def test_backward_mode_and_its_tiles(monkeypatch):
+    """Deterministic by default; the single pass with ``deterministic=False`` unless XLA's
+    deterministic-ops flag is set (or JAX cannot pass the kernel a `jax.Ref`); the plan's
+    tiles are the kernel's own (128 x 64 dq, 64 x 128 dk/dv at D = 128) whatever `Tiling` it
+    is given; a bad value is refused."""
+    from eqx_bsattn.strategies.kernels.mosaic.kernel import refs_reach_kernels
+
+    with pytest.raises(TypeError, match="deterministic"):
+        MosaicBlockSparse(deterministic="yes")
+    single = MosaicBlockSparse(deterministic=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
+    assert single.single_pass() == refs_reach_kernels()
+    assert not MosaicBlockSparse().single_pass()  # deterministic by default
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true")
+    assert not single.single_pass()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+    assert single.single_pass() == refs_reach_kernels()
     resolved = bsa.ResolvedMask(masks.Causal(), q_len=512, kv_len=512, num_heads=2)
     for dim, dq_blocks in ((128, (128, 64)), (64, (128, 128))):
         features = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=dim, value_dim=dim)
-        tiling = MosaicBlockSparse(backward="mosaic").default_tiling(features, resolved)
-        assert (tiling.dq_blocks, tiling.backward_blocks) == (dq_blocks, (64, 128))
-        assert (tiling.block_q, tiling.block_kv) == (128, 128)
+        for tiling in (MosaicBlockSparse().default_tiling(features, resolved),
+                       MosaicBlockSparse().adapt_tiling(bsa.Tiling(64, 64), features)):
+            assert (tiling.dq_blocks, tiling.backward_blocks) == (dq_blocks, (64, 128))
+            assert (tiling.block_q, tiling.block_kv) == (128, 128)
 
 
 @pytest.mark.parametrize("batch,heads,tiles,ctas", [(1, 1, 1, 132), (1, 3, 7, 4),
@@ -347,30 +382,38 @@ def test_forward_in_cpu_interpreter(case, ctas):
 
 
 BACKWARD_INTERPRETER_CASES = {
-    # name: (mask, heads, kv_heads, q_len, kv_len, head_dim, documents)
-    "causal_gqa_ragged": (masks.Causal(bottom_right=True), 2, 1, 130, 200, 64, False),
-    "window": (masks.Causal() & masks.SlidingWindow(50, 0), 1, 1, 256, 256, 128, False),
-    "documents_padded": (masks.Causal() & masks.Document(), 1, 1, 200, 200, 64, True),
+    # name: (mask, heads, kv_heads, q_len, kv_len, head_dim, documents, soft cap)
+    "causal_gqa_ragged": (masks.Causal(bottom_right=True), 2, 1, 130, 200, 64, False, None),
+    "window": (masks.Causal() & masks.SlidingWindow(50, 0), 1, 1, 256, 256, 128, False, None),
+    "documents_padded": (masks.Causal() & masks.Document(), 1, 1, 200, 200, 64, True, None),
     # A negative offset: rows 0..139 see no key (lse = +inf), whole q-tiles are empty.
-    "empty_rows": (masks.Causal(offset=-140), 1, 1, 256, 130, 64, False),
+    "empty_rows": (masks.Causal(offset=-140), 1, 1, 256, 130, 64, False, None),
+    # Logits well beyond the cap (inputs scaled by 3 below), so its derivative matters.
+    "soft_cap": (masks.PrefixLM(70), 2, 2, 200, 256, 64, False, 2.0),
 }
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("single_pass", [True, False], ids=["single_pass", "deterministic"])
 @pytest.mark.parametrize("case", sorted(BACKWARD_INTERPRETER_CASES))
-def test_backward_in_cpu_interpreter(case):
-    """The Mosaic backward (dq and dk/dv kernels over the compiled dq and transposed dk/dv
-    lists) after the Mosaic forward, both in Pallas' CPU interpreter, against the gradients
-    of the float32 dense reference."""
+def test_backward_in_cpu_interpreter(case, single_pass):
+    """The Mosaic backward after the Mosaic forward, both in Pallas' CPU interpreter, against
+    the gradients of the float32 dense reference: the single pass (the dk/dv kernel with its
+    dq partials added into a float32 accumulator; the interpreter has no TMA reduce-add, so
+    there each addition is a read-modify-write) and the deterministic dq and dk/dv kernels."""
     params = _mosaic_interpreter()
     if params is None or jax.default_backend() != "cpu":
         pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
     from eqx_bsattn.strategies.kernels.mosaic.backward import BackwardConfig, backward_blocks
     from eqx_bsattn.strategies.kernels.mosaic.forward import (
         BLOCK_Q, ForwardConfig, forward_call, rows_padded)
-    from eqx_bsattn.strategies.kernels.mosaic.kernel import _pad, mosaic_backward
+    from eqx_bsattn.strategies.kernels.mosaic.kernel import (
+        _pad, mosaic_backward, refs_reach_kernels)
 
-    mask, heads, kv_heads, lq, lk, d, documents = BACKWARD_INTERPRETER_CASES[case]
+    if single_pass and not refs_reach_kernels():
+        pytest.skip(f"the single pass needs JAX >= 0.11 (jax.Ref operands); this is "
+                    f"{jax.__version__}")
+    mask, heads, kv_heads, lq, lk, d, documents, soft_cap = BACKWARD_INTERPRETER_CASES[case]
     data, seg = {}, (None, None)
     if documents:
         ids = np.repeat(np.arange(3, dtype=np.int32), [60, 90, 50])
@@ -386,7 +429,7 @@ def test_backward_in_cpu_interpreter(case):
                                   for tile in ((BLOCK_Q, 128), dq_tile, dkv_tile))
     fcfg = ForwardConfig(batch=1, heads=heads, kv_heads=kv_heads, q_len=plq, kv_len=plk,
                          true_kv_len=lk, head_dim=d, block_kv=128, stages=2,
-                         softmax_scale=d ** -0.5, terms=terms,
+                         softmax_scale=d ** -0.5, terms=terms, soft_cap=soft_cap or 0.0,
                          layout_batch=fwd.full_count.shape[0],
                          layout_heads=fwd.full_count.shape[1],
                          # Persistent on 2 CTAs: items follow one another, some empty.
@@ -395,12 +438,15 @@ def test_backward_in_cpu_interpreter(case):
                           true_kv_len=lk, head_dim=d, dq_block_kv=dq_tile[1],
                           dkv_block_q=dkv_tile[0], softmax_scale=d ** -0.5, terms=terms,
                           dq_layout_axes=dq_layout.full_count.shape[:2],
-                          dkv_layout_axes=dkv_layout.full_count.shape[:2])
+                          dkv_layout_axes=dkv_layout.full_count.shape[:2],
+                          soft_cap=soft_cap or 0.0, single_pass=single_pass)
 
     def arrays(*xs):
         return tuple(jnp.asarray(x, jnp.int32) for x in xs)
 
     q, k, v, cot = _inputs(11, 1, heads, kv_heads, lq, lk, d)
+    if soft_cap:
+        q = q * 3.0
     q, k, v, cot = (x.astype(jnp.float16) for x in (q, k, v, cot))
     segments = () if seg[0] is None else seg
     out, lse = forward_call(fcfg, _pad(q, plq), _pad(k, plk), _pad(v, plk),
@@ -415,7 +461,7 @@ def test_backward_in_cpu_interpreter(case):
         arrays(dkv_layout.t_full_count, dkv_layout.t_full_index, dkv_layout.t_partial_count,
                dkv_layout.t_partial_index), interpret=params())
 
-    ref = bsa.BlockSparseAttention(mask=mask, kernel=DenseReference())
+    ref = bsa.BlockSparseAttention(mask=mask, kernel=DenseReference(), logits_soft_cap=soft_cap)
     with jax.default_matmul_precision("highest"):
         want_out, pullback = jax.vjp(lambda q, k, v: ref(q, k, v, **data),
                                      *(x.astype(jnp.float32) for x in (q, k, v)))

@@ -13,9 +13,13 @@ GPU, each warp-specialised like the forward (a TMA memory warpgroup, two compute
   ``dP^T = V dO^T``, reads the block's log-sum-exp and delta, and accumulates
   ``dv += P^T dO`` and ``dk += dS^T Q``. dk / dv come out per query head; the caller sums a
   group's heads (deterministic, no atomics).
+- `dkv_call` with a dq accumulator is the single pass: it also forms each block's dq partial
+  ``dS K`` and adds it into a float32 dq in global memory by TMA reduce-add (5 block products
+  a block instead of the two kernels' 7; dq then varies from run to run in its last bits).
 
-Partial blocks evaluate the same predicate as the forward (`common.visible`); FULL blocks run
-none. Rows whose log-sum-exp is +inf (they see no key) get ``P = 0`` and contribute nothing.
+Partial blocks evaluate the same predicate as the forward (`common.visible`, the segment ids
+apart and the key length tested only where keys were padded); FULL blocks run none. Rows
+whose log-sum-exp is +inf (they see no key) get ``P = 0`` and contribute nothing.
 
 Arrays are batched ``[B, H, L, D]`` with lengths padded to 128 (the caller pads: Q, dO with
 zeros, the log-sum-exp with +inf, delta with zeros). Mosaic GPU is imported when a launch is
@@ -28,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, AttentionShape,
-                     Ops, list_bounds, list_entry, memory_warpgroup, ring_stages, swizzled,
-                     visible)
+from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
+                     AttentionShape, Ops, list_bounds, list_entry, memory_warpgroup, ring_stages,
+                     segment_ids_apart, swizzled, visible)
 
 #: Rows of a CTA's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -53,11 +57,49 @@ class BackwardConfig(AttentionShape):
     #: Leading axes (1 or the batch, 1 or the heads) of the dq and of the dk/dv lists.
     dq_layout_axes: tuple[int, int]
     dkv_layout_axes: tuple[int, int]
+    #: Logits soft cap ``c`` of the forward (``c * tanh(scaled logit / c)``); 0: none.
+    soft_cap: float = 0.0
+    #: One pass (`dkv_call` with a dq accumulator) or the dq kernel and the dk/dv kernel
+    #: apart (bit-identical from run to run).
+    single_pass: bool = False
 
-    def stages(self, streamed_rows: int) -> int:
-        """Ring depth for two streamed tiles of `streamed_rows` next to four own 64-row tiles."""
+    @property
+    def dq_columns(self) -> int:
+        """Head-dim columns of dq each compute warpgroup of the single pass adds per block: at
+        D >= 128 the two split the columns (each over both warpgroups' keys, so a block's dq
+        partial is added once); below, each adds all columns over its own keys (a 32-column
+        half would not be a whole 128-byte swizzle row)."""
+        return self.head_dim // COMPUTE_WARPGROUPS if self.head_dim >= 128 else self.head_dim
+
+    def stages(self, streamed_rows: int, fused: bool = False) -> int:
+        """Ring depth for two streamed tiles of `streamed_rows` next to four own 64-row tiles
+        (and, `fused`, the double-buffered dS tiles and each warpgroup's float32 dq stage)."""
         d = self.head_dim
-        return ring_stages(4 * ROWS_PER_WARPGROUP * d * 2, 2 * streamed_rows * d * 2)
+        fixed = 4 * ROWS_PER_WARPGROUP * d * 2
+        if fused:
+            fixed += COMPUTE_WARPGROUPS * streamed_rows * (
+                2 * ROWS_PER_WARPGROUP * 2 + self.dq_columns * 4)
+        return ring_stages(fixed, 2 * streamed_rows * d * 2)
+
+    def probabilities(self, s, dp, lse, delta, vis=None):
+        """``(P, dS)`` of one block from its raw products ``s = q . k`` and ``dp = dO . v``
+        (either orientation; `lse` (base 2) and `delta` broadcast to it, `vis` the partial
+        block's predicate): ``P = exp2(logit - lse)`` and ``dS = P (dp - delta)``, times the
+        soft cap's derivative ``1 - tanh^2`` where there is one. dS is the gradient of the
+        logits before the softmax scale: dq and dk take the scale afterwards."""
+        if self.soft_cap:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1), as in the forward: no NaN at any logit.
+            t = 1.0 - 2.0 / (jnp.exp2(s * (2.0 * self.log2_factor / self.soft_cap)) + 1.0)
+            logits = t * (self.soft_cap * LOG2E)
+        else:
+            logits = s * self.log2_factor
+        if vis is not None:
+            logits = jnp.where(vis, logits, -jnp.inf)
+        p = jnp.exp2(logits - lse)
+        ds = p * (dp - delta)
+        if self.soft_cap:
+            ds = ds * (1.0 - t * t)
+        return p, ds
 
 
 def _launch(cfg, body, scratch, grid_name, num_tiles, out_type, operands, interpret):
@@ -88,9 +130,12 @@ def _scratch(own_shape, ring_shape, dtype, stages):
 
 
 def _segments(q_segment_ids, kv_segment_ids):
+    """``(has ids, query ids, key ids)``, the ids apart (`segment_ids_apart`) so that the
+    partial blocks' segment term is equality alone, as in the forward."""
     dummy = jnp.zeros((1, 1), jnp.int32)
-    has = q_segment_ids is not None
-    return has, (q_segment_ids if has else dummy), (kv_segment_ids if has else dummy)
+    if q_segment_ids is None:
+        return False, dummy, dummy
+    return True, *segment_ids_apart(q_segment_ids, kv_segment_ids)
 
 
 def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index,
@@ -107,7 +152,6 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     stages = cfg.stages(bk)
     group = cfg.group
     num_tiles = cfg.q_len // BLOCK_OWN
-    factor = cfg.log2_factor
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref, fidx_ref, pcnt_ref,
@@ -144,7 +188,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                 s, dp = ops.products((bq, bk), [(q_smem, k_ring.at[slot], True),
                                       (do_smem, v_ring.at[slot], True)])
                 plgpu.barrier_arrive(v_free.at[slot])
-                lse_b = lax.broadcast_in_dim(lse, (bq, bk), [0])
+                vis = None
                 if masked:
                     k_base = list_entry(fidx_ref, pidx_ref, prefix, it, n_full) * bk
                     k_seg = None
@@ -152,12 +196,10 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                         k_seg = lax.broadcast_in_dim(
                             ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout),
                             (bq, bk), [1])
-                    vis = visible(cfg.terms, cfg.true_kv_len, q_base + ops.iota((bq, bk), 0),
-                                  k_base + ops.iota((bq, bk), 1), q_seg, k_seg)
-                    p = jnp.exp2(jnp.where(vis, s * factor, -jnp.inf) - lse_b)
-                else:
-                    p = jnp.exp2(s * factor - lse_b)
-                ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bk), [0]))
+                    vis = visible(cfg.terms, cfg.padded_kv_len, q_base + ops.iota((bq, bk), 0),
+                                  k_base + ops.iota((bq, bk), 1), q_seg, k_seg, ids_apart=True)
+                _, ds = cfg.probabilities(s, dp, lax.broadcast_in_dim(lse, (bq, bk), [0]),
+                                          lax.broadcast_in_dim(delta, (bq, bk), [0]), vis)
                 (acc,) = ops.accumulate((acc,), [(ds.astype(dtype), k_ring.at[slot])])
                 plgpu.barrier_arrive(k_free.at[slot])
                 return acc
@@ -184,25 +226,48 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                     qseg, kseg), interpret)
 
 
+def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, ...]:
+    """The float32 dq accumulator of the single pass: ``[B, H, Lq, D]`` (padded lengths); in
+    Pallas' CPU interpreter, which has no atomic reduce-add, one such slice per kv tile and
+    compute warpgroup in front (summed after the kernel)."""
+    shape = (cfg.batch, cfg.heads, cfg.q_len, cfg.head_dim)
+    if interpreted:
+        shape = (cfg.kv_len // BLOCK_OWN * COMPUTE_WARPGROUPS, *shape)
+    return shape
+
+
 def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_index,
              t_partial_count, t_partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-             interpret=None):
+             dq_accumulator=None, interpret=None):
     """``(dk, dv)``, each ``[B, H, Lk, D]`` per query head (the caller sums a group's heads),
-    for padded inputs; the lists are the dk/dv layout's transposed ones."""
+    for padded inputs; the lists are the dk/dv layout's transposed ones.
+
+    With `dq_accumulator` (a zeroed float32 `jax.Ref` of `dq_accumulator_shape`) the pass is
+    the whole backward: each block's dS also goes to shared memory (16-bit) for a fifth product,
+    the block's dq partial ``dS K`` (unscaled; `BackwardConfig.dq_columns` says how the two
+    compute warpgroups share it), which is staged in shared memory in float32 and added into
+    the accumulator by TMA's bulk reduce-add. The order of those additions
+    varies between runs, so the sum does too, in its last bits."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     ops = Ops(interpreted=interpret is not None)
     bk, d, dtype = ROWS_PER_WARPGROUP, cfg.head_dim, q.dtype
     bq = cfg.dkv_block_q
-    stages = cfg.stages(bq)
+    fused = dq_accumulator is not None
+    stages = cfg.stages(bq, fused)
+    dq_cols = cfg.dq_columns
+    split = dq_cols < d
     group = cfg.group
     num_tiles = cfg.kv_len // BLOCK_OWN
-    factor = cfg.log2_factor
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref, fidx_ref, pcnt_ref,
-             pidx_ref, qseg_ref, kseg_ref, dk_ref, dv_ref, scoped):
+             pidx_ref, qseg_ref, kseg_ref, *refs):
+        if fused:
+            dq_ref, dk_ref, dv_ref, (*scoped, (ds_own, dq_stage, ds_ready)) = refs
+        else:
+            dk_ref, dv_ref, scoped = refs
         (k_own, v_own, q_ring, do_ring), (k_ready, v_ready, q_ready, do_ready), \
             (q_free, do_free) = scoped
         h = lax.axis_index("heads")
@@ -228,6 +293,35 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
             plgpu.barrier_wait(k_ready.at[wg])
             plgpu.barrier_wait(v_ready.at[wg])
 
+            def add_dq_partial(ds_t, it, cols):
+                """dq[cols] += dS K, the fifth product: at D >= 128 this warpgroup's half of
+                the columns over both warpgroups' keys (their dS tiles meet in shared
+                memory, double-buffered: a tile is rewritten two blocks on, after both
+                warpgroups passed the next block's barrier), else all columns over its own
+                keys."""
+                slot = lax.rem(it, 2)
+                ds_own.at[slot, wg][...] = ds_t
+                plgpu.commit_smem()
+                if split:
+                    plgpu.barrier_arrive(ds_ready.at[slot])
+                    plgpu.barrier_wait(ds_ready.at[slot])
+                    columns = pl.ds(wg * dq_cols, dq_cols)
+                    pairs = [(ds_own.at[slot, w], k_own.at[w, :, columns])
+                             for w in range(COMPUTE_WARPGROUPS)]
+                else:
+                    columns = pl.ds(0, d)
+                    pairs = [(ds_own.at[slot, wg], k_smem)]
+                dq_part = ops.sum_of_products_transposed_a((bq, dq_cols), pairs)
+                # The previous block's reduce-add has read the stage before it is rewritten.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                stage = dq_stage.at[wg]
+                stage[...] = dq_part
+                plgpu.commit_smem()
+                # In the interpreter each (kv tile, warpgroup) has its own slice of the
+                # accumulator (`dq_accumulator_shape`): it has no atomic reduce-add.
+                target = dq_ref.at[tile * COMPUTE_WARPGROUPS + wg] if ops.interpreted else dq_ref
+                ops.add_to_gmem(stage, target.at[b, h, cols, columns])
+
             def step(it, carry, masked):
                 dk, dv = carry
                 slot = lax.rem(it, stages)
@@ -239,22 +333,23 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 plgpu.barrier_wait(do_ready.at[slot])
                 s_t, dp_t = ops.products((bk, bq), [(k_smem, q_ring.at[slot], True),
                                           (v_smem, do_ring.at[slot], True)])
-                lse_b = lax.broadcast_in_dim(lse, (bk, bq), [1])
+                vis = None
                 if masked:
                     q_seg = None
                     if has_segments:
                         q_seg = lax.broadcast_in_dim(
                             ops.load(qseg_ref, (b, cols), ops.col_layout), (bk, bq), [1])
-                    vis = visible(cfg.terms, cfg.true_kv_len, q_base + ops.iota((bk, bq), 1),
-                                  k_base + ops.iota((bk, bq), 0), q_seg, k_seg)
-                    p_t = jnp.exp2(jnp.where(vis, s_t * factor, -jnp.inf) - lse_b)
-                else:
-                    p_t = jnp.exp2(s_t * factor - lse_b)
-                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, (bk, bq), [1]))
+                    vis = visible(cfg.terms, cfg.padded_kv_len, q_base + ops.iota((bk, bq), 1),
+                                  k_base + ops.iota((bk, bq), 0), q_seg, k_seg, ids_apart=True)
+                p_t, ds_t = cfg.probabilities(s_t, dp_t, lax.broadcast_in_dim(lse, (bk, bq), [1]),
+                                              lax.broadcast_in_dim(delta, (bk, bq), [1]), vis)
+                ds_t = ds_t.astype(dtype)
                 dv, dk = ops.accumulate((dv, dk), [(p_t.astype(dtype), do_ring.at[slot]),
-                                                   (ds_t.astype(dtype), q_ring.at[slot])])
+                                                   (ds_t, q_ring.at[slot])])
                 plgpu.barrier_arrive(q_free.at[slot])
                 plgpu.barrier_arrive(do_free.at[slot])
+                if fused:
+                    add_dq_partial(ds_t, it, cols)
                 return dk, dv
 
             zeros = ops.cast(jnp.zeros((bk, d), jnp.float32), ops.wgmma_layout)
@@ -276,7 +371,13 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
             ((q_ref, q_ring, q_ready, q_free), (do_ref, do_ring, do_ready, do_free)), stages))
 
     scratch = _scratch((COMPUTE_WARPGROUPS, bk, d), (stages, bq, d), dtype, stages)
+    operands = (q, k, v, do, lse, delta, t_full_count, t_full_index, t_partial_count,
+                t_partial_index, qseg, kseg)
+    if fused:
+        scratch = (*scratch, (swizzled((2, COMPUTE_WARPGROUPS, bk, bq), dtype),
+                              swizzled((COMPUTE_WARPGROUPS, bq, dq_cols), jnp.float32),
+                              plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2)))
+        operands = (*operands, dq_accumulator)
     grads = jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.kv_len, d), dtype)
-    return _launch(cfg, body, scratch, "kv_tiles", num_tiles, (grads, grads),
-                   (q, k, v, do, lse, delta, t_full_count, t_full_index, t_partial_count,
-                    t_partial_index, qseg, kseg), interpret)
+    return _launch(cfg, body, scratch, "kv_tiles", num_tiles, (grads, grads), operands,
+                   interpret)

@@ -49,6 +49,12 @@ class AttentionShape:
         return self.heads // self.kv_heads
 
     @property
+    def padded_kv_len(self) -> int | None:
+        """The true key length where keys were padded (partial blocks then hide the keys past
+        it), else ``None``: `visible`'s `true_kv_len`."""
+        return self.true_kv_len if self.true_kv_len < self.kv_len else None
+
+    @property
     def log2_factor(self) -> float:
         """``softmax_scale * log2(e)``: logits in base 2."""
         return self.softmax_scale * LOG2E
@@ -148,6 +154,33 @@ class Ops:
             return tuple(acc[...] for acc in accs)
 
         return pl.run_scoped(issue, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
+
+    def sum_of_products_transposed_a(self, shape, pairs):
+        """A fresh float32 sum ``sum a.T @ b`` of `shape` over `pairs` of smem refs `a`
+        ``[K, M]`` and `b` ``[K, N]``, issued as one wgmma group into one accumulator."""
+        if self.interpreted:
+            return sum(jnp.dot(a[...].T, b[...], preferred_element_type=jnp.float32)
+                       for a, b in pairs)
+        import jax.experimental.pallas as pl
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        def issue(acc):
+            for a, b in pairs:
+                plgpu.wgmma(acc, a.transpose((1, 0)), b)
+            return acc[...]
+
+        return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32))
+
+    def add_to_gmem(self, smem, gmem):
+        """``gmem += smem``, atomically per element: TMA's bulk reduce-add on the GPU (issued
+        asynchronously; `plgpu.wait_smem_to_gmem` before `smem` is written again). The CPU
+        interpreter has no reduce-add: a read-modify-write there."""
+        if self.interpreted:
+            gmem[...] = gmem[...] + smem[...]
+            return
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        plgpu.copy_smem_to_gmem(smem, gmem, reduction_op="add")
 
     def accumulate(self, accs, pairs):
         """``acc + a @ b`` for each float32 accumulator and ``(a registers, b smem ref)``,
@@ -301,8 +334,10 @@ def ring_stages(fixed_bytes: int, stage_bytes: int) -> int:
 
 
 def swizzled(shape, dtype):
-    """A shared-memory buffer in the tiled, 128-byte swizzled form wgmma reads."""
+    """A shared-memory buffer in the tiled, 128-byte swizzled form wgmma reads (rows of 128
+    bytes: 64 16-bit or 32 float32 elements)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+    columns = 128 // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, columns)),
                                                 plgpu.SwizzleTransform(128)))

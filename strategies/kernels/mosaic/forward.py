@@ -87,7 +87,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     # 1, an exact product).
     factor = 1.0 if cfg.soft_cap else cfg.log2_factor
     # Partial blocks test k < true_kv_len only where keys were padded.
-    padded_keys = cfg.true_kv_len if cfg.true_kv_len < cfg.kv_len else None
+    padded_keys = cfg.padded_kv_len
 
     def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref,
                pidx_ref, qseg_ref, kseg_ref, out_ref, lse_ref, scoped):

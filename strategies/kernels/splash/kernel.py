@@ -6,10 +6,9 @@ from typing import ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling
+from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling, pad_axis
 
 from .launch import block_sizes, never_matching, sink_logits, splash_attention, splash_missing
-from ..padding import pad_axis
 from .mask_info import TermsPredicate, block_info, padded_length
 
 _LANES = 128  # Splash's key blocks (and query blocks with segment ids) are multiples of this

@@ -14,6 +14,8 @@ import inspect
 import jax
 import jax.numpy as jnp
 
+from eqx_bsattn.contract import sink_logsumexp
+
 from .mask_info import BlockInfo
 
 #: A sink logit far below any attention logit, yet far above Splash's masked-logit value
@@ -124,12 +126,25 @@ def splash_attention(q, k, v, *, infos, bitmaps, segment_ids, sinks, sizes, pred
     return jax.vmap(one, in_axes=in_axes)(q, k, v, segment_ids, *squeeze)
 
 
+@jax.custom_vjp
+def _float32_cotangent(x):
+    """The identity on float32 `x`, whose cotangent leaves as float32: Splash returns the
+    sinks' gradient in the inputs' dtype (bfloat16), which float32 sink logits cannot take."""
+    return x
+
+
+_float32_cotangent.defvjp(lambda x: (x, None), lambda _, g: (g.astype(jnp.float32),))
+
+
 def sink_logits(sinks, num_heads: int):
     """Splash's one sink logit per head: the log-sum-exp of the call's sinks ``[H, S]``
-    (differentiable), or `EMPTY_ROW_SINK` without sinks."""
+    (`sink_logsumexp`, differentiable), at least `EMPTY_ROW_SINK`, which stands in for a head
+    without sinks (all ``-inf``, or none passed)."""
     if sinks is None:
         return jnp.full((num_heads,), EMPTY_ROW_SINK, jnp.float32)
-    return jax.nn.logsumexp(sinks.astype(jnp.float32), axis=-1)
+    # exp(EMPTY_ROW_SINK - s) is zero for every real logit s: raising a lower sink to it
+    # changes no output, and gives a fully masked row zeros.
+    return _float32_cotangent(jnp.maximum(sink_logsumexp(sinks), EMPTY_ROW_SINK))
 
 
 def never_matching(q_ids, kv_ids):

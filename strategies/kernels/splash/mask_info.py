@@ -20,9 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_bsattn.contract import BlockLayout, MaskTerms
-
-from ..padding import pad_axis
+from eqx_bsattn.contract import BlockLayout, MaskTerms, pad_axis
 
 _FULL, _PARTIAL = 2, 1
 

@@ -7,9 +7,9 @@ from typing import ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling, add_sinks
+from eqx_bsattn.contract import (AbstractKernel, Features, ResolvedMask, Tiling, add_sinks,
+                                  refuse_forward_mode)
 
-from ..reference import refuse_forward_mode
 from .heuristics import check_tiling, default_tiling, tiling_candidates
 from .launch import LaunchConfig, layout_arrays, list_mode
 from .vjp import attend, attend_with_lse

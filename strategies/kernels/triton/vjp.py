@@ -2,21 +2,13 @@
 `jax.custom_vjp`."""
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from eqx_bsattn.contract import LN2, backward_delta, public_lse, zero_cotangent
 
 from .launch import LaunchConfig, dkdv_launch, dq_launch, forward_launch
-
-_LN2 = math.log(2.0)
-
-
-def _zero_cotangent(x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -39,12 +31,8 @@ def _attend_fwd(cfg, q, k, v, bias, sinks, data, lists, bwd_lists):
 def _attend_bwd(cfg, res, do, dlse=None):
     q, k, v, bias, sinks, data, lists, bwd_lists, out, lse = res
     do = do.astype(q.dtype)
-    # delta = rowsum(dO * O): one fused elementwise pass in XLA, memory-bound and cheap.
-    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    if dlse is not None:
-        # The log-sum-exp's cotangent (d lse / d s = p) joins the same correction; rows that
-        # see no key (lse = +inf) have p = 0 everywhere.
-        delta = delta - jnp.where(lse == jnp.inf, 0.0, dlse.astype(jnp.float32))
+    # delta = rowsum(dO * O) - dlse: one fused elementwise pass in XLA, memory-bound.
+    delta = backward_delta(do, out, dlse, lse)
     dq_lists, t_lists = bwd_lists
     dq, dbias_full = dq_launch(cfg, q, k, v, bias, data, dq_lists, do, lse, delta)
     dk, dv = dkdv_launch(cfg, q, k, v, bias, data, t_lists, do, lse, delta)
@@ -56,22 +44,16 @@ def _attend_bwd(cfg, res, do, dlse=None):
         dbias = jnp.zeros_like(bias)
     if cfg.num_sinks > 0:
         # d sink[h, s] = -sum over rows of exp(sink - lse) * delta (lse stored in base 2).
-        lse_nat = lse * _LN2
+        lse_nat = lse * LN2
         weight = jnp.exp(sinks[None, :, None, :] - lse_nat[..., None])  # [B, H, LQ, S]
         dsinks = -jnp.sum(weight * delta[..., None], axis=(0, 2)).astype(sinks.dtype)
     else:
         dsinks = jnp.zeros_like(sinks)
-    zeros = jax.tree.map(_zero_cotangent, (data, lists, bwd_lists))
+    zeros = jax.tree.map(zero_cotangent, (data, lists, bwd_lists))
     return (dq, dk, dv, dbias, dsinks) + zeros
 
 
 attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-def _public_lse(lse):
-    """The kernel's base-2 log-sum-exp (``+inf`` on empty rows) in natural units, ``-inf``
-    on empty rows, as `AbstractKernel.attention_with_lse` returns it."""
-    return jnp.where(lse == jnp.inf, -jnp.inf, lse * _LN2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -79,12 +61,12 @@ def attend_with_lse(cfg: LaunchConfig, q, k, v, bias, sinks, data, lists, bwd_li
     """`attend` and each row's float32 log-sum-exp ``[B, H, Lq]`` (natural log; ``-inf`` on
     rows that see no key); differentiable in both."""
     out, lse = forward_launch(cfg, q, k, v, bias, sinks, data, lists)
-    return out, _public_lse(lse)
+    return out, public_lse(lse, base2=True)
 
 
 def _attend_with_lse_fwd(cfg, *args):
     out, res = _attend_fwd(cfg, *args)
-    return (out, _public_lse(res[-1])), res
+    return (out, public_lse(res[-1], base2=True)), res
 
 
 def _attend_with_lse_bwd(cfg, res, cotangents):
