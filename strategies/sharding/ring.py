@@ -263,12 +263,12 @@ class _DeviceRing:
 
     @staticmethod
     def _when(work, compute, skipped, refs):
-        """`compute()` where this device works at the step, else `skipped` (zeros); both
+        """`compute()` where this device works at the step, else `skipped()` (zeros); both
         typed alike (`typed_like` of `refs`), as `jax.lax.cond` wants."""
         if work is None:
             return compute()
         return jax.lax.cond(work, lambda: typed_like(compute(), *refs),
-                            lambda: typed_like(skipped, *refs))
+                            lambda: typed_like(skipped(), *refs))
 
     # --------------------------------------------------------------------------------------
     # The forward ring.
@@ -287,9 +287,11 @@ class _DeviceRing:
                 out, lse = self._kernel(inputs, step_mask)(q, k_t, v_t, bias_t)
                 return out.astype(_F32), lse.astype(_F32)
 
-            shape = q.shape[:3]
-            skipped = (jnp.zeros(shape + (v_t.shape[-1],), _F32),
-                       jnp.full(shape, -jnp.inf, _F32))
+            def skipped():
+                shape = q.shape[:3]
+                return (jnp.zeros(shape + (v_t.shape[-1],), _F32),
+                        jnp.full(shape, -jnp.inf, _F32))
+
             return self._when(work, attend, skipped, (q, k_t, v_t, bias_t, inputs, work))
 
         n, steps = self.n, set(self.sched.steps)
@@ -356,8 +358,10 @@ class _DeviceRing:
                 dbias = None if dbias is None else dbias.astype(_F32)
                 return dq.astype(_F32), (dk.astype(_F32), dv.astype(_F32)), dbias
 
-            zeros = lambda x: None if x is None else jnp.zeros(x.shape, _F32)  # noqa: E731
-            skipped = (zeros(q), (zeros(k_t), zeros(v_t)), zeros(bias_t))
+            def skipped():
+                zeros = lambda x: None if x is None else jnp.zeros(x.shape, _F32)  # noqa: E731
+                return zeros(q), (zeros(k_t), zeros(v_t)), zeros(bias_t)
+
             return self._when(work, pull, skipped, (q, k_t, v_t, bias_t, inputs, work, d_out,
                                                     lse))
 
