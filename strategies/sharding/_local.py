@@ -50,16 +50,6 @@ def place(x, mesh: Mesh, spec: P):
     return x
 
 
-def take_along(x, indices, axis: int, mesh: Mesh, spec: P):
-    """``jnp.take(x, indices, axis=axis)`` whose result is sharded as `spec`. On a mesh with
-    explicit axes the gather must be told its output sharding (it moves tokens between
-    devices); elsewhere XLA chooses."""
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-        where = (slice(None),) * axis + (jnp.asarray(indices),)
-        return x.at[where].get(out_sharding=NamedSharding(mesh, spec))
-    return jnp.take(x, indices, axis=axis)
-
-
 def lead_spec(size_b: int, size_h: int, batch: int, heads: int, batch_axis, head_axis):
     """Spec entries for leading ``[b, h]`` axes of size 1 (shared) or the call's size (split)."""
     return (batch_axis if size_b == batch and size_b > 1 else None,
