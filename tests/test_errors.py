@@ -252,3 +252,18 @@ def test_checks_run_with_type_checking_off():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert out == ["`query` and `key` must have the same head dim; got 4 and 2."] * 2
+
+
+def test_jax_jit_of_a_module_holding_an_array_mask_says_what_to_use():
+    """`jax.jit(attn)` hashes the module; with an `ArrayMask` it failed with JAX's bare
+    'unhashable type'. Now the error names the forms that work, and they do."""
+    import equinox as eqx
+
+    q = random_array(3, (1, 2, L, 4))
+    keep = masks.ArrayMask(np.tril(np.ones((L, L), bool)))
+    attn = bsa.BlockSparseAttention(mask=masks.SlidingWindow(4) & keep)
+    with pytest.raises(TypeError, match=r"ArrayMask cannot be hashed.*eqx\.filter_jit\(attn\)"):
+        jax.jit(attn)(q, q, q)
+    want = attn(q, q, q)
+    assert_close(eqx.filter_jit(attn)(q, q, q), want)
+    assert_close(jax.jit(lambda a, q: a(q, q, q))(attn, q), want)

@@ -1,13 +1,19 @@
 """Differential fuzzing: every kernel that runs on this machine against the float64 oracle,
 forward and every gradient, over calls drawn by `tests/test_properties.py` (random shapes, GQA,
-mask algebra, per-head masks, documents with padding, positions, bias, sinks, soft cap, scale)
-and random dtypes and tilings (forward and backward tiles apart).
+mask algebra, per-head masks, documents with padding, positions (also at both ends of the
+documented range), bias, sinks, soft cap, scale) and random dtypes and tilings (forward and
+backward tiles apart); and `ArrayMask` calls under `ShardMap` and `RingAttention` on eight CPU
+devices (in a child process, as `tests/test_sharding.py` runs).
 
 Derandomized with a fixed example budget sized to add about a minute to CI on two cores; for a
 longer randomized search run ``HYPOTHESIS_PROFILE=thorough python -m pytest tests/test_fuzz.py``.
 On a GPU machine the GPU kernels join (their cases carry the `gpu` marker); on the CPU the
 Triton kernel runs through its interpreter when ``EQX_BSATTN_TRITON_INTERPRET`` is set.
 """
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -124,3 +130,95 @@ pytestmark = pytest.mark.slow
 def test_kernel_matches_the_oracle(kernel_cls, call, tiling, data):
     dtype = data.draw(st.sampled_from(_DTYPES.get(kernel_cls.name, _DEFAULT_DTYPES)), "dtype")
     check_call(kernel_cls(), call, dtype, tiling)
+
+
+@pytest.mark.parametrize("kernel_cls", RUNS)
+@examples(3)
+@given(call=attention_calls(max_len=40, positions="limits"), tiling=tilings, data=st.data())
+def test_kernel_matches_the_oracle_at_the_position_limits(kernel_cls, call, tiling, data):
+    """Positions at either end of `contract.POSITION_LIMIT` (the main draw reaches them too)."""
+    dtype = data.draw(st.sampled_from(_DTYPES.get(kernel_cls.name, _DEFAULT_DTYPES)), "dtype")
+    check_call(kernel_cls(), call, dtype, tiling)
+
+
+# ---------------------------------------------------------------------------------------------
+# ArrayMask under both shardings, on 8 CPU devices (a child process: JAX fixes the device count
+# when its backend starts).
+
+_CHILD = "EQX_BSATTN_FUZZ_SHARDED_CHILD"
+_IN_CHILD = os.environ.get(_CHILD) == "1"
+
+
+@pytest.mark.skipif(_IN_CHILD, reason="the child runs the draw itself")
+def test_array_masks_under_both_shardings_on_eight_devices():
+    env = dict(os.environ, **{_CHILD: "1"})
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=8").strip()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+           os.path.abspath(__file__), "-k", "sharded_array_mask"]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
+
+
+@st.composite
+def sharded_array_calls(draw):
+    """``(sharding, mask, (q, k, v), visibility, tiling)``: a random `ArrayMask` (shared or per
+    head, alone or with a causal or window term) under `ShardMap` over batch and heads or
+    `RingAttention` over the sequence in either order."""
+    from jax.sharding import AxisType
+
+    from eqx_bsattn import masks, sharding
+    from tests.conftest import np_mask, random_inputs
+
+    def mesh(shape, names):
+        return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+    how = draw(st.sampled_from(["shard_map", "ring_contiguous", "ring_zigzag"]), "sharding")
+    heads, kv_heads = draw(st.sampled_from([(4, 4), (4, 2), (4, 1)]), "heads")
+    if how == "shard_map":
+        shard = sharding.ShardMap(mesh((2, 4), ("b", "h")), "b", "h")
+        length, tiling = draw(st.integers(1, 40), "length"), draw(tilings, "tiling")
+    else:
+        order = how.split("_")[1]
+        shard = sharding.RingAttention(mesh((8,), ("s",)), "s", order=order)
+        length, tiling = 64, bsa.Tiling(block_q=4, block_kv=4)
+    seed = draw(st.integers(0, 1000), "seed")
+    keep = np.random.default_rng(seed).random((draw(st.sampled_from([1, heads])), length,
+                                               length)) < draw(st.sampled_from([0.1, 0.5, 0.9]))
+    term = draw(st.sampled_from([None, masks.Causal(), masks.SlidingWindow(5, 2)]), "term")
+    mask = masks.ArrayMask(keep) if term is None else term & masks.ArrayMask(keep)
+    vis = np.broadcast_to(keep, (heads, length, length))
+    if term is not None:
+        vis = vis & np_mask(term, q_len=length, kv_len=length, heads=heads)
+    qkv = random_inputs(seed, batch=2, heads=heads, kv_heads=kv_heads, q_len=length, dim=8)
+    return shard, mask, qkv, np.broadcast_to(vis, (2, heads, length, length)), tiling
+
+
+@pytest.mark.skipif(not _IN_CHILD, reason="runs in the 8-device child process")
+@pytest.mark.parametrize("kernel_name", ["DenseReference", "XlaBlockSparse"])
+@examples(4)
+@given(call=sharded_array_calls())
+def test_sharded_array_mask_matches_the_oracle(kernel_name, call):
+    from eqx_bsattn import kernels
+
+    shard, mask, (q, k, v), vis, tiling = call
+    attn = bsa.BlockSparseAttention(mask=mask, kernel=getattr(kernels, kernel_name)(),
+                                    tiling=tiling, sharding=shard)
+    cotangent = jnp.asarray(np.random.default_rng(vis.size).standard_normal(q.shape), q.dtype)
+
+    @jax.jit
+    def run(a):
+        out, pullback = jax.vjp(lambda a: attn(*a), a)
+        return out, pullback(cotangent)[0]
+
+    out, grads = run((q, k, v))
+    with jax.enable_x64(True):
+        a64 = tuple(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
+        want, pullback = jax.vjp(lambda *a: jnp_attention_f64(*a, jnp.asarray(vis)), *a64)
+        want_grads = pullback(jnp.asarray(np.asarray(cotangent, np.float64)))
+    (max_out, max_grad) = TOL["float32"]["max"]
+    errors = {"out": _errors(out, np.asarray(want))}
+    errors.update({n: _errors(g, np.asarray(w)) for n, g, w in zip("qkv", grads, want_grads)})
+    bad = {n: e for n, e in errors.items() if e[0] > (max_out if n == "out" else max_grad)}
+    assert not bad, f"{kernel_name} {type(shard).__name__}: (max, norm) errors {errors}"

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks
+from eqx_bsattn.contract import POSITION_LIMIT
 from tests.conftest import (
     assert_close,
     np_attention,
@@ -126,11 +127,14 @@ def _gappy_positions(rng, batch, length, start):
 
 
 @st.composite
-def call_data(draw, mask, batch: int, q_len: int, kv_len: int, positions: bool = True):
+def call_data(draw, mask, batch: int, q_len: int, kv_len: int,
+              positions: bool | str = True):
     """NumPy per-call arrays ``{q_pos, kv_pos, q_seg, kv_seg}`` (``[batch, L]`` or absent).
 
     Segment ids whenever `mask` reads them: sorted documents, -1 padding at either end.
-    Positions (if asked) are token indices, a shifted range, or sorted with repeats and gaps.
+    Positions (if asked; a kind's name asks for that kind) are token indices (``"indices"``), a
+    shifted range (``"shift"``), sorted with repeats and gaps (``"gaps"``), or a range at
+    either end of the documented limits (``"limits"``).
     """
     data = {}
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
@@ -141,8 +145,19 @@ def call_data(draw, mask, batch: int, q_len: int, kv_len: int, positions: bool =
             docs = draw(st.integers(1, 4))
             body = sorted_segments(rng, batch, length - lead, docs, pad=trail)
             data[name] = np.concatenate([np.full((batch, lead), -1, np.int32), body], axis=1)
-    kind = draw(st.sampled_from(["indices", "shift", "gaps"])) if positions else "indices"
-    if kind == "shift":
+    if isinstance(positions, str):  # one kind asked for
+        kind = positions
+    else:
+        kinds = ["indices", "shift", "gaps", "limits"] if positions else ["indices"]
+        kind = draw(st.sampled_from(kinds))
+    if kind == "limits":
+        # Both ends of the documented range (`contract.POSITION_LIMIT`), queries a little off
+        # the keys: every sum of a position and a mask size here stays inside int32.
+        top = POSITION_LIMIT - 2 * max(q_len, kv_len) - 20
+        base = draw(st.sampled_from([-POSITION_LIMIT, top]))
+        data["q_pos"] = np.tile(np.arange(q_len) + base + draw(st.integers(0, 10)), (batch, 1))
+        data["kv_pos"] = np.tile(np.arange(kv_len) + base, (batch, 1))
+    elif kind == "shift":
         shift = draw(st.integers(-10, 30))
         data["q_pos"] = np.tile(np.arange(q_len) + shift, (batch, 1))
         data["kv_pos"] = np.tile(np.arange(kv_len), (batch, 1))
@@ -195,16 +210,16 @@ def test_dynamic_layout_consistent_with_dense_mask(data, q_len, kv_len, block_q,
 
 
 @st.composite
-def attention_calls(draw, max_len: int = 96):
-    """A whole call: shapes (GQA), mask, per-call arrays, and sometimes bias, sinks, soft cap
-    and scale. Returns ``(mask, (q, k, v), call keyword arguments, oracle keyword arguments,
+def attention_calls(draw, max_len: int = 96, positions: bool | str = True):
+    """A whole call: shapes (GQA), mask, per-call arrays (`positions` as for `call_data`), and
+    sometimes bias, sinks, soft cap and scale. Returns ``(mask, (q, k, v), call keyword arguments, oracle keyword arguments,
     visibility)``."""
     batch = draw(st.integers(1, 2))
     kv_heads, group = draw(st.integers(1, 2)), draw(st.integers(1, 3))
     heads = kv_heads * group
     q_len, kv_len = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
     mask, _ = draw(mask_strategy(heads))
-    arrays = draw(call_data(mask, batch, q_len, kv_len))
+    arrays = draw(call_data(mask, batch, q_len, kv_len, positions))
     seed = draw(st.integers(0, 1000))
     qkv = random_inputs(seed, batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len,
                         kv_len=kv_len, dim=8, value_dim=draw(st.sampled_from([4, 8])))

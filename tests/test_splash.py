@@ -109,6 +109,17 @@ def test_selector_picks_splash_on_tpu_only():
     assert isinstance(_kernel_for("pallas", False)[0], kernels.SplashBlockSparse)
 
 
+def test_selector_declines_a_mask_array_on_tpu():
+    """An `ArrayMask` has no in-kernel terms and its bitmaps would come from per-call data:
+    Splash declines it at selection (it raised when called), with or without other terms."""
+    features = bsa.Features(platform="tpu", q_len=256, kv_len=256, dtype="bfloat16")
+    array = masks.ArrayMask(jnp.asarray(np.tril(np.ones((256, 256), bool))))
+    for mask in (array, array & masks.Causal()):
+        choice = bsa.select_kernel(mask, "tpu", features)
+        assert choice.kernel.name == "xla", choice.explain()
+        assert any(name == "splash" and "mask arrays" in why for name, why in choice.declined)
+
+
 def test_adapt_tiling_rounds_blocks_to_lanes():
     kernel = kernels.SplashBlockSparse()
     features = bsa.Features(platform="tpu", q_len=300, kv_len=1000)

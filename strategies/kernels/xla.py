@@ -603,6 +603,11 @@ def _attention_fn(cfg: _Config, with_lse: bool = False):
     def attend_bwd(residuals, cotangent):
         q, k, v, bias, sinks, aux, out, lse = residuals
         d_out, d_lse = cotangent if with_lse else (cotangent, None)
+        # The cotangent of a loss such as sum(out ** 2) or mean(out) is a fusion of the output
+        # (or a broadcast): fused into the contraction below and the loops, XLA's CPU runtime
+        # allocated full-length temporaries outside its buffer assignment (1.7 GB at 2^20).
+        # The barrier makes it one buffer, as a cotangent passed in is.
+        d_out = jax.lax.optimization_barrier(d_out)
         # delta = rowsum(dO * O) - dlse, the contract's contraction (a sum(dO * O) runs, on
         # the CPU, in a fusion with full-length temporaries outside XLA's buffer assignment).
         delta = backward_delta(d_out, out, d_lse, lse)

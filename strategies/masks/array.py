@@ -5,6 +5,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool
 
 from eqx_bsattn.contract import AbstractMask, classify
@@ -60,6 +61,17 @@ class ArrayMask(AbstractMask):
                 f"`mask` must have shape [Lq, Lk] or [H or 1, Lq, Lk]; got {tuple(mask.shape)}."
             )
         self.mask = mask if mask.dtype == jnp.bool_ else mask != 0
+
+    def __hash__(self):
+        # `jax.jit(attn)` hashes the module it is given; an array has no hash. Its static part
+        # (the array partitioned out, as `eqx.filter_jit` and the kernels' caches see it) does.
+        if isinstance(self.mask, jax.Array | np.ndarray):
+            raise TypeError(
+                "a module holding an ArrayMask cannot be hashed, so `jax.jit(attn)` cannot take "
+                "it: use `eqx.filter_jit(attn)`, or pass the module to the jitted function as an "
+                "argument."
+            )
+        return hash((type(self), self.mask))
 
     @property
     def varies_by_head(self) -> bool:

@@ -42,10 +42,30 @@ def check_divides(what: str, size: int, mesh: Mesh, axis: str | None, arg: str) 
         )
 
 
+def _differentiated_eagerly(x) -> bool:
+    """Whether `x` is being differentiated outside any `jit` (the value under its autodiff
+    tracers is a concrete array)."""
+    if not isinstance(x, jax.core.Tracer) or not hasattr(x, "primal"):
+        return False
+    while isinstance(x, jax.core.Tracer) and hasattr(x, "primal"):
+        x = x.primal
+    return not isinstance(x, jax.core.Tracer)
+
+
 def place(x, mesh: Mesh, spec: P):
     """`x` resharded to `spec` where the mesh has explicit axes (`jax.shard_map` then needs
-    its inputs sharded as it reads them); unchanged otherwise (it reshards them itself)."""
+    its inputs sharded as it reads them); unchanged otherwise (it reshards them itself).
+
+    Gradients taken eagerly on such a mesh fail in JAX outside the call (the loss's scalar
+    carries the mesh, and eager ops run on one device) unless a mesh is set: refused here
+    with the way out, before any work."""
     if any(t == AxisType.Explicit for t in mesh.axis_types):
+        if jax.sharding.get_abstract_mesh().empty and _differentiated_eagerly(x):
+            raise ValueError(
+                "gradients of a sharded call on a mesh with Explicit axes (jax.make_mesh's "
+                "default) cannot be taken eagerly: jit the function that takes them (`jax.jit`, "
+                "`eqx.filter_jit`), or run it inside `with jax.set_mesh(mesh):`."
+            )
         return jax.reshard(x, NamedSharding(mesh, spec))
     return x
 

@@ -42,8 +42,8 @@ class SplashBlockSparse(AbstractKernel):
     Features: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths (padded to whole blocks),
     soft cap, sinks (several per head join as their log-sum-exp; differentiable), segment ids,
     per-head masks, fully masked rows (zeros). Declines: an additive bias, positions, float16,
-    and masks without terms together with segment ids. Block sizes are rounded up to
-    multiples of 128.
+    and masks without terms together with segment ids or a mask array (`ArrayMask`). Block
+    sizes are rounded up to multiples of 128.
 
     Runs on a TPU, and anywhere in Splash's interpret mode (`interpret`): the conformance suite
     runs it that way on the CPU. The selector picks it on TPU only. It has not yet run on a
@@ -81,10 +81,11 @@ class SplashBlockSparse(AbstractKernel):
             return "Splash evaluates masks on token indices; it cannot take per-call positions."
         if features.dtype not in _DTYPES:
             return f"Splash attention runs bfloat16 or float32 inputs; got {features.dtype}."
-        if features.segment_ids and (mask.terms is None or mask.terms.tables):
+        per_call = features.segment_ids or not mask.is_static  # not static: a mask array
+        if per_call and (mask.terms is None or mask.terms.tables):
             return ("the mask has no in-kernel terms (causal / window / chunk / prefix / "
-                    "document), so it needs element bitmaps, which cannot be built with "
-                    "per-call segment ids.")
+                    "document), so it needs element bitmaps, which cannot be built from "
+                    "per-call data (segment ids, mask arrays).")
         return None
 
     def default_tiling(self, features: Features, mask: ResolvedMask) -> Tiling:
