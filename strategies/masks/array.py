@@ -68,8 +68,8 @@ class ArrayMask(AbstractMask):
         if isinstance(self.mask, jax.Array | np.ndarray):
             raise TypeError(
                 "a module holding an ArrayMask cannot be hashed, so `jax.jit(attn)` cannot take "
-                "it: use `eqx.filter_jit(attn)`, or pass the module to the jitted function as an "
-                "argument."
+                "it: use `eqx.filter_jit(attn)`, or `eqx.filter_jit` of a function that takes "
+                "the module as an argument."
             )
         return hash((type(self), self.mask))
 

@@ -42,7 +42,7 @@ class SplashBlockSparse(AbstractKernel):
     Features: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths (padded to whole blocks),
     soft cap, sinks (several per head join as their log-sum-exp; differentiable), segment ids,
     per-head masks, fully masked rows (zeros). Declines: an additive bias, positions, float16,
-    and masks without terms together with segment ids or a mask array (`ArrayMask`). Block
+    and masks without terms together with segment ids or per-call mask arrays. Block
     sizes are rounded up to multiples of 128.
 
     Runs on a TPU, and anywhere in Splash's interpret mode (`interpret`): the conformance suite
