@@ -221,7 +221,7 @@ else:
         check_ring(case, "XlaBlockSparse", mesh_name)
 
     @pytest.mark.parametrize("kernel, case, order", [
-        ("XlaBlockSparse", "array", "contiguous"),
+        pytest.param("XlaBlockSparse", "array", "contiguous", marks=slow),
         pytest.param("XlaBlockSparse", "array_heads_positions", "zigzag", marks=slow),
         pytest.param("DenseReference", "array", "zigzag", marks=slow),
         pytest.param("DenseReference", "array_heads_positions", "contiguous", marks=slow),
@@ -557,6 +557,7 @@ else:
     # ---------------------------------------------------------------------------------------
     # Long shards: the kernel's chunked loops inside the ring, and memory set by the shard.
 
+    @pytest.mark.slow
     def test_ring_through_chunked_kernel_loops(monkeypatch):
         """With a small chunk bound every kernel loop of the ring runs in chunks (as a shard of
         32768 tokens does at the default bound): outputs and gradients match unsharded."""
