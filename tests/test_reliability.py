@@ -425,7 +425,9 @@ def test_a_run_allocates_only_what_xla_assigns(loss):
                           capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
     added, assigned = map(int, done.stdout.split()[-2:])
-    assert added <= assigned + 24 * 2**20, (added / 2**20, assigned / 2**20)
+    # A tenth and 24 MiB of slack for the allocator (inside the full suite a run added 427 MiB
+    # to 402 assigned); the excess this guards against was 335 MiB (757 added to 422).
+    assert added <= 1.1 * assigned + 24 * 2**20, (added / 2**20, assigned / 2**20)
 
 
 # ---------------------------------------------------------------------------------------------
