@@ -29,7 +29,7 @@ import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks
 
 # ---------------------------------------------------------------------------------------------
-# Kernels under the conformance suite: CPU kernels only (GPU kernels are tested in tests/gpu/).
+# Kernels under the conformance suite: CPU kernels only (each GPU kernel has its own tests in tests/kernels/<kernel>/).
 
 _CPU_KERNEL_NAMES = ("DenseReference", "XlaBlockSparse")
 KERNELS = [name for name in _CPU_KERNEL_NAMES if hasattr(kernels, name)]

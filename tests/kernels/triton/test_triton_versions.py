@@ -12,7 +12,7 @@ import eqx_bsattn as bsa
 from eqx_bsattn import masks
 from eqx_bsattn.strategies.kernels.triton import kernel as triton_kernel
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _gpu_extra() -> dict[str, Requirement]:

@@ -2,7 +2,7 @@
 
 GPU only: every test skips unless JAX's default backend is a GPU. The launch itself is checked
 against the float64 oracle by the conformance suite (`tests/test_conformance.py`); the mask
-translation and the decline reasons by `tests/test_cudnn.py` on the CPU.
+translation and the decline reasons by `tests/kernels/cudnn/test_cudnn.py` on the CPU.
 """
 
 import jax
