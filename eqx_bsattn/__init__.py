@@ -46,5 +46,6 @@ from ._typing import TYPECHECK_ENABLED as TYPECHECK_ENABLED
 from . import strategies as strategies  # noqa: E402  isort: skip
 from .strategies import kernels as kernels, masks as masks  # noqa: E402  isort: skip
 from .strategies import sharding as sharding, tiling as tiling  # noqa: E402  isort: skip
+from .strategies import scores as scores  # noqa: E402  isort: skip
 
 __version__ = "0.1.0"
