@@ -24,7 +24,7 @@ from ._kernel import (
 from ._layer import MultiheadBlockSparseAttention as MultiheadBlockSparseAttention
 from ._layout import BlockLayout as BlockLayout, build_layout as build_layout
 from ._mask import AbstractMask as AbstractMask, MaskTerms as MaskTerms
-from ._plot import plot_layout as plot_layout
+from ._plot import plot_layout as plot_layout, plot_score as plot_score
 from ._module import BlockSparseAttention as BlockSparseAttention, CallPlan as CallPlan
 from ._selector import (
     KernelChoice as KernelChoice,
