@@ -8,20 +8,17 @@ logits of each block it visits, so no ``[Lq, Lk]`` array is formed.
 Where a term sits in a logit: ``s = softmax_scale * q . k + bias``, then
 ``s = terms.apply(s, head, q_pos, k_pos)``, then the soft cap ``c * tanh(s / c)``, then the
 mask. Positions are the call's ``q_positions`` / ``kv_positions`` (the token indices when none
-are passed; the global positions under a sequence sharding).
+are passed).
 """
 
 import abc
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import ClassVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ._sharding import Unsharded

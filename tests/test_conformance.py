@@ -303,11 +303,11 @@ def _marks(kernel_cls, runs: bool) -> list:
 
 
 #: The cases each kernel runs in the quick subset (``-m "not slow"``): the one that combines
-#: every feature, and a single query (the default CPU kernel: an element predicate instead);
+#: every feature, and a single query (the default CPU kernel: an element predicate instead,
+#: and a learned score term with GQA, sinks and a soft cap);
 #: cuDNN, which declines both, runs causal; Splash (interpreted on the CPU, seconds a case) a
 #: few of the features it takes. The rest are marked `slow`.
-QUICK_CASES = {"xla": {"everything", "predicate", "score_everything"},
-               "reference": {"everything", "one_query", "score_alibi_learned_gqa"},
+QUICK_CASES = {"xla": {"everything", "predicate", "score_alibi_learned_gqa"},
                "cudnn": {"tiled_causal"},
                "splash": {"window", "gqa_causal_sinks_s", "sinks_minus_inf"}}
 

@@ -188,6 +188,7 @@ def test_xla_forms_no_lq_by_lk_array(score):
     assert with_score <= 2 * length * 128
 
 
+@pytest.mark.slow
 def test_layer_learns_the_table():
     """The table is a parameter of the layer: its gradient matches the oracle's."""
     heads, size, length = 4, 32, 40
@@ -219,6 +220,7 @@ def test_layer_learns_the_table():
     assert np.abs(want).max() > 0
 
 
+@pytest.mark.slow
 def test_seed_style_call_takes_a_score():
     q = jax.random.normal(jax.random.key(0), (1, 4, 33, 8))
     k = jax.random.normal(jax.random.key(1), (1, 2, 33, 8))
@@ -231,6 +233,7 @@ def test_seed_style_call_takes_a_score():
     assert not np.allclose(got, plain, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_fixed_slopes_have_no_gradient_and_learned_ones_do():
     q = jax.random.normal(jax.random.key(0), (2, 24, 8))
     slopes = jnp.asarray(scores.alibi_slopes(2))

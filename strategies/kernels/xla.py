@@ -26,12 +26,12 @@ from eqx_bsattn.contract import (
     BlockLayout,
     CompiledMask,
     Features,
+    ScoreTerms,
     Tiling,
     backward_delta,
     pad_axis,
     public_lse,
     refuse_forward_mode,
-    ScoreTerms,
     typed_like,
 )
 
