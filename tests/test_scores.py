@@ -125,19 +125,34 @@ def test_score_under_a_sharding_is_refused():
 # Which kernels take them.
 
 
-@pytest.mark.parametrize("kernel", ["triton", "cudnn", "splash", "mosaic"])
-@pytest.mark.parametrize("score", [scores.ALiBi(), scores.RelativePositionBias(TABLE),
-                                   scores.ScoreFunction(lambda s, h, q, k: s)])
-def test_gpu_and_tpu_kernels_decline_score_terms(kernel, score):
+_FUNCTION = scores.ScoreFunction(lambda s, h, q, k: s)
+
+
+@pytest.mark.parametrize("kernel,score,declared", [
+    *((k, s, r"\(\)") for k in ("cudnn", "splash", "mosaic")
+      for s in (scores.ALiBi(), scores.RelativePositionBias(TABLE), _FUNCTION)),
+    # Triton evaluates ALiBi and the table in its kernels; a jnp function cannot be traced in.
+    ("triton", _FUNCTION, r"\('alibi', 'relative_bias'\)")])
+def test_gpu_and_tpu_kernels_decline_score_terms(kernel, score, declared):
     kind = score.compile(4).kinds[0]
     kernel_cls = next(c for c in bsa.registered_kernels() if c.name == kernel)
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel_cls(), score=score)
     platform = kernel_cls.platforms[0]
     with pytest.raises(ValueError, match=rf"^kernel {kernel} cannot run this call: does not "
                                          rf"evaluate the score terms {kind} \(it declares "
-                                         rf"score_kinds=\(\)\)\.$"):
+                                         rf"score_kinds={declared}\)\.$"):
         attn.plan(Q.astype(jnp.bfloat16), K.astype(jnp.bfloat16), K.astype(jnp.bfloat16),
                   platform=platform)
+
+
+def test_triton_is_not_declined_for_alibi_or_relative_bias():
+    """The selector passes ALiBi and a table to Triton (here it declines only where jax-triton
+    is missing, for that reason); cuDNN and Mosaic decline them."""
+    features = bsa.Features(platform="gpu", dtype="bfloat16", score=("alibi", "relative_bias"))
+    explain = bsa.select_kernel(masks.Causal(), "gpu", features).explain()
+    lines = {line.split(":")[0].strip(): line for line in explain.splitlines()[1:]}
+    assert "score terms" in lines["declined cudnn"] and "score terms" in lines["declined mosaic"]
+    assert "score terms" not in lines.get("declined triton", "")
 
 
 def test_selector_explains_the_decline_and_plan_names_the_terms():

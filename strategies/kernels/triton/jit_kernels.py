@@ -2,7 +2,9 @@
 
 Every array is contiguous and batched: q ``[B, H, LQ, D]``, k ``[B, HKV, LK, D]``,
 v ``[B, HKV, LK, DV]``, o ``[B, H, LQ, DV]``, lse ``[B, H, LQ]`` (base 2: ``log2 sum exp2``),
-bias ``[BB, HB, LQ, LK]``, sinks ``[H, S]`` (float32), positions / segment ids ``[B, L]``.
+bias ``[BB, HB, LQ, LK]``, sinks ``[H, S]`` (float32), positions / segment ids ``[B, L]``,
+ALiBi slopes ``[H]`` and the relative-bias table ``[H, NB]`` (float32, query heads) with its
+bucket thresholds ``[NT]`` (int32, `RelativeBuckets.thresholds`).
 Layout lists are ``[MB, MH, n, capacity]`` int32 as in `eqx_bsattn.BlockLayout`.
 
 Every shape, flag and scalar is a `tl.constexpr`: jax-triton passes Python floats as fp64,
@@ -75,6 +77,53 @@ def _visible(qp, kp, qs, ks, k_in,
     if HAS_SEG:
         vis = vis & (qs == ks) & (qs >= 0)
     return vis
+
+
+@triton.jit
+def _bucket(d, THRESH, BIDIR: tl.constexpr, HALF: tl.constexpr, NT: tl.constexpr):
+    """T5 bucket ids (`RelativeBuckets.bucket`) of int32 distances ``d = q_pos - k_pos``."""
+    if BIDIR:
+        offset = tl.where(d < 0, HALF, 0)
+        n = tl.abs(d)
+    else:
+        offset = 0
+        n = tl.maximum(d, 0)
+    ME: tl.constexpr = HALF // 2
+    far = n * 0 + ME
+    # The logarithmic buckets by their integer thresholds: no float log, so no rounding.
+    for f in tl.static_range(NT):
+        far += (n >= tl.load(THRESH + f)).to(tl.int32)
+    return offset + tl.where(n < ME, n, far)
+
+
+@triton.jit
+def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, HAS_ALIBI: tl.constexpr,
+                HAS_REL: tl.constexpr, NB: tl.constexpr, BIDIR: tl.constexpr,
+                HALF: tl.constexpr, NT: tl.constexpr):
+    """``(term, distance, bucket)`` on broadcastable query / key positions of query head `h`:
+    the float32 score terms (`ScoreTerms.apply`), ``k_pos - q_pos`` as float32 (the slope's
+    derivative) and the table's bucket ids (0 without a table)."""
+    delta = kp - qp
+    dist = delta.to(tl.float32)
+    term = dist * 0.0
+    if HAS_ALIBI:
+        term += tl.load(SLOPES + h) * dist
+    bucket = delta * 0
+    if HAS_REL:
+        bucket = _bucket(qp - kp, THRESH, BIDIR, HALF, NT)
+        term += tl.load(TABLE + h * NB + bucket)
+    return term, dist, bucket
+
+
+@triton.jit
+def _table_grad(dtab, ds, bucket, NBP: tl.constexpr):
+    """`dtab` ``[NBP]`` plus the per-bucket sums of `ds` over one tile. Only the buckets the
+    tile holds are visited: off the diagonal a tile holds one or two."""
+    offs_nb = tl.arange(0, NBP)
+    for bb in range(tl.min(bucket), tl.max(bucket) + 1):
+        part = tl.sum(tl.where(bucket == bb, ds, 0.0))
+        dtab += tl.where(offs_nb == bb, part, 0.0)
+    return dtab
 
 
 @triton.jit
@@ -214,7 +263,7 @@ def _partial_visible(bm_ptr, it, BMAPS, b, offs_n, offs_bn, qp, qs, KPOS, KSEG,
 
 @triton.jit
 def forward_kernel(
-    Q, K, V, BIAS, SINKS, QPOS, KPOS, QSEG, KSEG,
+    Q, K, V, BIAS, SINKS, SLOPES, TABLE, THRESH, QPOS, KPOS, QSEG, KSEG,
     FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
     O, LSE,
     H: tl.constexpr, HKV: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr,
@@ -227,6 +276,8 @@ def forward_kernel(
     CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
     CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
     FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+    REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
@@ -283,7 +334,13 @@ def forward_kernel(
                                mask=row_ok & (offs_n < LK)[None, :], other=0.0).to(tl.float32)
             else:
                 bias = 0.0
-            s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS)
+            if HAS_ALIBI or HAS_REL:
+                kp_n, ks_n = _coords(KPOS, KSEG, b, offs_n, LK, HAS_KPOS, False, 0)
+                term, dist, bucket = _score_tile(SLOPES, TABLE, THRESH, h, qp[:, None],
+                                                 kp_n[None, :], HAS_ALIBI, HAS_REL, NB,
+                                                 REL_BIDIR, REL_HALF, NT)
+                bias = bias + term
+            s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
             if phase == 1:
                 vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp, qs,
                                        KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL, CAUSAL_OFF,
@@ -312,9 +369,9 @@ def forward_kernel(
 
 @triton.jit
 def dq_kernel(
-    Q, K, V, BIAS, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
+    Q, K, V, BIAS, SLOPES, TABLE, THRESH, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
     FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
-    DQ, DBIAS,
+    DQ, DBIAS, DSLOPES, DTABLE,
     H: tl.constexpr, HKV: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
     NQB: tl.constexpr, CF: tl.constexpr, CP: tl.constexpr, MB: tl.constexpr, MH: tl.constexpr,
@@ -325,6 +382,8 @@ def dq_kernel(
     CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
     CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
     FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+    REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
@@ -358,6 +417,8 @@ def dq_kernel(
 
     lrow = ((b if MB > 1 else 0) * MH + (h if MH > 1 else 0)) * NQB + pid_m
     dq = tl.zeros([BLOCK_M, DP], tl.float32)
+    dslope = tl.sum(tl.zeros([BLOCK_M], tl.float32))
+    dtab = tl.zeros([NBP], tl.float32)
     for phase in tl.static_range(2):
         idx_ptr, lo, hi, first, is_range = _phase_list(phase, lrow, FCNT, FIDX, PCNT, PIDX,
                                                        CF, CP, FULL_CONTIG, FULL_CHECK)
@@ -379,7 +440,13 @@ def dq_kernel(
                                mask=row_ok & (offs_n < LK)[None, :], other=0.0).to(tl.float32)
             else:
                 bias = 0.0
-            s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS)
+            if HAS_ALIBI or HAS_REL:
+                kp_n, ks_n = _coords(KPOS, KSEG, b, offs_n, LK, HAS_KPOS, False, 0)
+                term, dist, bucket = _score_tile(SLOPES, TABLE, THRESH, h, qp[:, None],
+                                                 kp_n[None, :], HAS_ALIBI, HAS_REL, NB,
+                                                 REL_BIDIR, REL_HALF, NT)
+                bias = bias + term
+            s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
             if phase == 1:
                 vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp, qs,
                                        KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL, CAUSAL_OFF,
@@ -393,15 +460,27 @@ def dq_kernel(
             if HAS_BIAS:
                 tl.store(dbias_base + offs_m[:, None] * LK + offs_n[None, :], ds,
                          mask=row_ok & (offs_n < LK)[None, :])
+            # dS is the gradient of each term too: invisible pairs hold dS = 0 (p = 0).
+            if HAS_ALIBI:
+                dslope += tl.sum(ds * dist)
+            if HAS_REL:
+                dtab = _table_grad(dtab, ds, bucket, NBP)
             dq = _dot(ds.to(k.dtype), k, dq, IEEE)
     dq = dq * SCALE
+    # Each program writes its own row of partial sums; XLA adds the rows (deterministic).
+    prog = bh * NQB + pid_m
+    if HAS_ALIBI:
+        tl.store(DSLOPES + prog, dslope)
+    if HAS_REL:
+        offs_nb = tl.arange(0, NBP)
+        tl.store(DTABLE + prog * NB + offs_nb, dtab, mask=offs_nb < NB)
     tl.store(DQ + bh * (LQ * D) + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok & d_ok)
 
 
 @triton.jit
 def dkdv_kernel(
-    Q, K, V, BIAS, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
+    Q, K, V, BIAS, SLOPES, TABLE, THRESH, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
     FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
     DK, DV_OUT,
     H: tl.constexpr, HKV: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr,
@@ -414,6 +493,8 @@ def dkdv_kernel(
     CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
     CHUNK: tl.constexpr, PREFIX: tl.constexpr, USE_BITMAP: tl.constexpr,
     FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+    REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One program per (kv-block, kv head, batch); it walks the q heads of its group too, so
@@ -482,7 +563,13 @@ def dkdv_kernel(
                                    mask=(offs_m < LQ)[None, :] & n_ok, other=0.0).to(tl.float32)
                 else:
                     bias = 0.0
-                s, t_cap = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS)
+                if HAS_ALIBI or HAS_REL:
+                    qp_m, qs_m = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, False, 0)
+                    term, dist, bucket = _score_tile(SLOPES, TABLE, THRESH, h, qp_m[None, :],
+                                                     kp[:, None], HAS_ALIBI, HAS_REL, NB,
+                                                     REL_BIDIR, REL_HALF, NT)
+                    bias = bias + term
+                s, t_cap = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
                 if phase == 1:
                     if USE_BITMAP:
                         bid = tl.load(BMIDX + lrow * CP + it).to(tl.int64)

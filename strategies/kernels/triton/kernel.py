@@ -60,6 +60,10 @@ class TritonBlockSparse(AbstractKernel):
     blocks are walked without index loads: known on the host for static layouts, checked per
     row in the kernel for layouts built from per-call data.
 
+    Score terms (`ScoreTerms`: ALiBi slopes, a T5 relative-bias table) are evaluated on
+    positions in every visited block, forward and backward; the dq launch sums their
+    gradients per program (one row each, added in XLA: deterministic, no atomics).
+
     Partial blocks evaluate the compiled mask's canonical terms (causal with an offset, a
     window, chunks, a prefix, segment ids) on positions; block tables whose cells are
     multiples of the tiles need no term (the layouts hold them). A mask without terms uses the
@@ -93,6 +97,9 @@ class TritonBlockSparse(AbstractKernel):
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
     reads: ClassVar[str] = "terms"
     returns_lse: ClassVar[bool] = True
+    #: ALiBi and the relative-position bias run inside the kernels; a `ScoreFunction` is a
+    #: jnp function, which cannot be traced into Triton, so the selector declines it.
+    score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "relative_bias")
 
     @classmethod
     def priority(cls, platform):
@@ -148,7 +155,12 @@ class TritonBlockSparse(AbstractKernel):
         dummy_int = jnp.zeros((1,), jnp.int32)
         data = tuple(dummy_int if x is None else x.astype(jnp.int32) for x in (
             inputs.q_positions, inputs.kv_positions, inputs.q_segment_ids, inputs.kv_segment_ids))
-        bias, sinks = inputs.bias, inputs.sinks
+        bias, sinks, terms = inputs.bias, inputs.sinks, inputs.score
+        slopes = None if terms is None else terms.slopes
+        table = None if terms is None else terms.table
+        placeholder = jnp.zeros((1,), jnp.float32)
+        score_args = tuple(placeholder if x is None else x.astype(jnp.float32)
+                           for x in (slopes, table))
         # With the log-sum-exp, sinks join after the launch (`add_sinks`), so that a row that
         # sees no key keeps lse = -inf.
         kernel_sinks = None if with_lse else sinks
@@ -168,6 +180,7 @@ class TritonBlockSparse(AbstractKernel):
             terms=mask.terms,
             has_q_positions=inputs.q_positions is not None,
             has_kv_positions=inputs.kv_positions is not None,
+            alibi=slopes is not None, relative=None if table is None else terms.buckets,
             fwd_blocks=(fwd.block_q, fwd.block_kv), dq_blocks=(dq.block_q, dq.block_kv),
             dkdv_blocks=(dkdv.block_q, dkdv.block_kv),
             fwd_launch=(fwd_warps, fwd_stages),
@@ -177,7 +190,7 @@ class TritonBlockSparse(AbstractKernel):
         )
         lists = layout_arrays(fwd, transposed=False)
         bwd_lists = (layout_arrays(dq, transposed=False), layout_arrays(dkdv, transposed=True))
-        args = (cfg, query, key, value, bias_arg, sinks_arg, data, lists, bwd_lists)
+        args = (cfg, query, key, value, bias_arg, sinks_arg, score_args, data, lists, bwd_lists)
         if with_lse:
             out, lse = attend_with_lse(*args)
             if sinks is not None:

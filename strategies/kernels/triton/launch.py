@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import BlockLayout, MaskTerms
+from eqx_bsattn.contract import BlockLayout, MaskTerms, RelativeBuckets
 
 from .heuristics import lists_are_ranges, pow2
 
@@ -65,6 +65,10 @@ class LaunchConfig:
     terms: MaskTerms | None
     has_q_positions: bool
     has_kv_positions: bool
+    #: Score terms evaluated in every block: ALiBi slopes ``[H]``; a relative-bias table
+    #: ``[H, num_buckets]`` bucketed by `relative` (``None``: no table).
+    alibi: bool
+    relative: RelativeBuckets | None
     #: ``(block_q, block_kv)`` and ``(num_warps, num_stages)`` of the forward, dq and dk/dv
     #: launches; each launch reads a layout built at its own blocks.
     fwd_blocks: tuple[int, int]
@@ -76,22 +80,42 @@ class LaunchConfig:
     #: How the forward, dq and dk/dv launches walk their full lists (`list_mode`).
     list_modes: tuple[str, str, str]
 
+    @property
+    def has_score(self) -> bool:
+        return self.alibi or self.relative is not None
+
     def common(self) -> dict:
         t = self.terms
         bb, hb = self.bias_shape or (1, 1)
+        # Score terms read positions in every block, whatever the mask reads.
+        positions = self.has_score or (t is not None and t.uses_positions)
         return dict(
             H=self.heads, HKV=self.kv_heads, LQ=self.q_len, LK=self.kv_len,
             D=self.head_dim, DV=self.value_dim, DP=pow2(self.head_dim),
             DVP=pow2(self.value_dim), BB=bb, HB=hb,
             SCALE=float(self.softmax_scale), SOFTCAP=float(self.soft_cap),
             HAS_BIAS=self.bias_shape is not None,
-            HAS_QPOS=self.has_q_positions and t is not None and t.uses_positions,
-            HAS_KPOS=self.has_kv_positions and t is not None and t.uses_positions,
+            HAS_QPOS=self.has_q_positions and positions,
+            HAS_KPOS=self.has_kv_positions and positions,
             HAS_SEG=t is not None and t.segment_ids,
             USE_BITMAP=t is None,
             IEEE=self.dtype == "float32",
-            **term_constexprs(t),
+            **term_constexprs(t), **score_constexprs(self.alibi, self.relative),
         )
+
+    def thresholds(self) -> jax.Array:
+        """The table's bucket thresholds, int32 ``[NT]`` (a placeholder without a table)."""
+        values = self.relative.thresholds if self.relative is not None else ()
+        return jnp.asarray(values or (0,), jnp.int32)
+
+
+def score_constexprs(alibi: bool, relative: RelativeBuckets | None) -> dict:
+    """The kernels' constexpr switches for the score terms."""
+    nb = 1 if relative is None else relative.num_buckets
+    return dict(HAS_ALIBI=alibi, HAS_REL=relative is not None, NB=nb, NBP=max(2, pow2(nb)),
+                REL_BIDIR=relative is not None and relative.bidirectional,
+                REL_HALF=2 if relative is None else relative.half,
+                NT=0 if relative is None else len(relative.thresholds))
 
 
 def list_mode(layout: BlockLayout, transposed: bool) -> str:
@@ -185,24 +209,25 @@ def batched_launch(run, cfg: LaunchConfig, roles: tuple[str, ...], out_roles: tu
 
 
 #: Roles (`batched_launch`) of each launch's arrays: q, k, v, bias (every launch's first
-#: "bcast" array), [sinks,] the data (q / kv positions, q / kv segment ids), [dO, lse, delta,]
-#: then the layout lists (`layout_arrays`: counts, indices, bitmap indices, bitmaps).
+#: "bcast" array), [sinks,] the score arrays (slopes, table), the data (q / kv positions,
+#: q / kv segment ids), [dO, lse, delta,] then the layout lists (`layout_arrays`: counts, indices, bitmap indices, bitmaps).
 _DATA_ROLES = (BATCH,) * 4
 _LIST_ROLES = (BCAST,) * 5 + (SHARED,)
-FORWARD_ROLES = (BATCH,) * 3 + (BCAST, SHARED) + _DATA_ROLES + _LIST_ROLES
-BACKWARD_ROLES = (BATCH,) * 3 + (BCAST,) + _DATA_ROLES + (BATCH,) * 3 + _LIST_ROLES
+FORWARD_ROLES = (BATCH,) * 3 + (BCAST,) + (SHARED,) * 3 + _DATA_ROLES + _LIST_ROLES
+BACKWARD_ROLES = (BATCH,) * 3 + (BCAST,) + (SHARED,) * 2 + _DATA_ROLES + (BATCH,) * 3 + _LIST_ROLES
 
 
-def forward_launch(cfg: LaunchConfig, q, k, v, bias, sinks, data, lists):
-    """``(out [B, H, Lq, Dv], lse [B, H, Lq] float32, base 2)``."""
+def forward_launch(cfg: LaunchConfig, q, k, v, bias, sinks, score, data, lists):
+    """``(out [B, H, Lq, Dv], lse [B, H, Lq] float32, base 2)``; `score` is ``(slopes,
+    table)`` (float32, placeholders where off)."""
 
-    def run(cfg, q, k, v, bias, sinks, *rest):
+    def run(cfg, q, k, v, bias, sinks, slopes, table, *rest):
         lists = rest[4:]
         bq, bk = cfg.fwd_blocks
         nq = math.ceil(cfg.q_len / bq)
         warps, stages = cfg.fwd_launch
         return tuple(triton_call(
-            q, k, v, bias, sinks, *rest,
+            q, k, v, bias, sinks, slopes, table, cfg.thresholds(), *rest,
             kernel=jit_kernels().forward_kernel,
             out_shape=(
                 jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.q_len, cfg.value_dim), q.dtype),
@@ -216,25 +241,34 @@ def forward_launch(cfg: LaunchConfig, q, k, v, bias, sinks, data, lists):
         ))
 
     return batched_launch(run, cfg, FORWARD_ROLES, (BATCH, BATCH))(
-        q, k, v, bias, sinks, *data, *lists)
+        q, k, v, bias, sinks, *score, *data, *lists)
 
 
-def dq_launch(cfg: LaunchConfig, q, k, v, bias, data, lists, do, lse, delta):
-    """dq (and the full-size float32 dS, which is the bias gradient, when there is a bias)."""
+def dq_launch(cfg: LaunchConfig, q, k, v, bias, score, data, lists, do, lse, delta):
+    """``(dq, dbias, dslopes, dtable)``: dq; the full-size float32 dS, which is the bias
+    gradient, when there is a bias; with score terms, each program's partial sums of the
+    slopes' gradient ``[B, H, NQB]`` and the table's ``[B, H, NQB, num_buckets]`` (float32,
+    one row per program, summed by the caller). Placeholders where off."""
 
-    def run(cfg, q, k, v, bias, *rest):
+    def run(cfg, q, k, v, bias, slopes, table, *rest):
         lists = rest[7:]
         bq, bk = cfg.dq_blocks
         nq = math.ceil(cfg.q_len / bq)
         warps, stages = cfg.dq_launch
         has_bias = cfg.bias_shape is not None
         dbias_shape = (cfg.batch, cfg.heads, cfg.q_len, cfg.kv_len) if has_bias else (1,)
+        programs = (cfg.batch, cfg.heads, nq)
+        dslopes_shape = programs if cfg.alibi else (1,)
+        dtable_shape = (programs + (cfg.relative.num_buckets,) if cfg.relative is not None
+                        else (1,))
         return tuple(triton_call(
-            q, k, v, bias, *rest,
+            q, k, v, bias, slopes, table, cfg.thresholds(), *rest,
             kernel=jit_kernels().dq_kernel,
             out_shape=(
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+                jax.ShapeDtypeStruct(dslopes_shape, jnp.float32),
+                jax.ShapeDtypeStruct(dtable_shape, jnp.float32),
             ),
             # Blocks no program visits keep the zero gradient they have.
             zeroed_outputs=(1,) if has_bias else (),
@@ -243,20 +277,20 @@ def dq_launch(cfg: LaunchConfig, q, k, v, bias, data, lists, do, lse, delta):
             **cfg.common(),
         ))
 
-    return batched_launch(run, cfg, BACKWARD_ROLES, (BATCH, BATCH))(
-        q, k, v, bias, *data, do, lse, delta, *lists)
+    return batched_launch(run, cfg, BACKWARD_ROLES, (BATCH,) * 4)(
+        q, k, v, bias, *score, *data, do, lse, delta, *lists)
 
 
-def dkdv_launch(cfg: LaunchConfig, q, k, v, bias, data, t_lists, do, lse, delta):
+def dkdv_launch(cfg: LaunchConfig, q, k, v, bias, score, data, t_lists, do, lse, delta):
     """dk and dv, one program per (kv-block, kv head, batch), over the transposed lists."""
 
-    def run(cfg, q, k, v, bias, *rest):
+    def run(cfg, q, k, v, bias, slopes, table, *rest):
         t_lists = rest[7:]
         bq, bk = cfg.dkdv_blocks
         nk = math.ceil(cfg.kv_len / bk)
         warps, stages = cfg.dkdv_launch
         return tuple(triton_call(
-            q, k, v, bias, *rest,
+            q, k, v, bias, slopes, table, cfg.thresholds(), *rest,
             kernel=jit_kernels().dkdv_kernel,
             out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
                        jax.ShapeDtypeStruct(v.shape, v.dtype)),
@@ -267,5 +301,5 @@ def dkdv_launch(cfg: LaunchConfig, q, k, v, bias, data, t_lists, do, lse, delta)
         ))
 
     return batched_launch(run, cfg, BACKWARD_ROLES, (BATCH, BATCH))(
-        q, k, v, bias, *data, do, lse, delta, *t_lists)
+        q, k, v, bias, *score, *data, do, lse, delta, *t_lists)
 

@@ -12,30 +12,38 @@ from .launch import LaunchConfig, dkdv_launch, dq_launch, forward_launch
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attend(cfg: LaunchConfig, q, k, v, bias, sinks, data, lists, bwd_lists):
-    """Attention output ``[B, H, Lq, Dv]``; differentiable in q, k, v, bias and sinks.
+def attend(cfg: LaunchConfig, q, k, v, bias, sinks, score, data, lists, bwd_lists):
+    """Attention output ``[B, H, Lq, Dv]``; differentiable in q, k, v, bias, sinks and the
+    score arrays.
 
-    `bias` and `sinks` are one-element placeholders when absent; `data` the positions and
+    `bias` and `sinks` are one-element placeholders when absent; `score` the ALiBi slopes
+    ``[H]`` and the relative-bias table ``[H, num_buckets]`` (float32, placeholders when off); `data` the positions and
     segment ids (placeholders when absent); `lists` the forward layout's arrays and
     `bwd_lists` the dq layout's and the dk/dv layout's (`launch.layout_arrays`).
     """
-    out, _ = forward_launch(cfg, q, k, v, bias, sinks, data, lists)
+    out, _ = forward_launch(cfg, q, k, v, bias, sinks, score, data, lists)
     return out
 
 
-def _attend_fwd(cfg, q, k, v, bias, sinks, data, lists, bwd_lists):
-    out, lse = forward_launch(cfg, q, k, v, bias, sinks, data, lists)
-    return out, (q, k, v, bias, sinks, data, lists, bwd_lists, out, lse)
+def _attend_fwd(cfg, q, k, v, bias, sinks, score, data, lists, bwd_lists):
+    out, lse = forward_launch(cfg, q, k, v, bias, sinks, score, data, lists)
+    return out, (q, k, v, bias, sinks, score, data, lists, bwd_lists, out, lse)
 
 
 def _attend_bwd(cfg, res, do, dlse=None):
-    q, k, v, bias, sinks, data, lists, bwd_lists, out, lse = res
+    q, k, v, bias, sinks, score, data, lists, bwd_lists, out, lse = res
     do = do.astype(q.dtype)
     # delta = rowsum(dO * O) - dlse: one fused elementwise pass in XLA, memory-bound.
     delta = backward_delta(do, out, dlse, lse)
     dq_lists, t_lists = bwd_lists
-    dq, dbias_full = dq_launch(cfg, q, k, v, bias, data, dq_lists, do, lse, delta)
-    dk, dv = dkdv_launch(cfg, q, k, v, bias, data, t_lists, do, lse, delta)
+    dq, dbias_full, dslopes, dtable = dq_launch(cfg, q, k, v, bias, score, data, dq_lists, do,
+                                                lse, delta)
+    dk, dv = dkdv_launch(cfg, q, k, v, bias, score, data, t_lists, do, lse, delta)
+    # The dq programs' partial sums, one row each ([B, H, NQB, ...]), added per query head.
+    slopes, table = score
+    dscore = (jnp.sum(dslopes, axis=(0, 2)) if cfg.alibi else jnp.zeros_like(slopes),
+              jnp.sum(dtable, axis=(0, 2)) if cfg.relative is not None
+              else jnp.zeros_like(table))
     if cfg.bias_shape is not None:
         bb, hb = cfg.bias_shape
         axes = tuple(a for a, n in ((0, bb), (1, hb)) if n == 1)
@@ -50,17 +58,17 @@ def _attend_bwd(cfg, res, do, dlse=None):
     else:
         dsinks = jnp.zeros_like(sinks)
     zeros = jax.tree.map(zero_cotangent, (data, lists, bwd_lists))
-    return (dq, dk, dv, dbias, dsinks) + zeros
+    return (dq, dk, dv, dbias, dsinks, dscore) + zeros
 
 
 attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attend_with_lse(cfg: LaunchConfig, q, k, v, bias, sinks, data, lists, bwd_lists):
+def attend_with_lse(cfg: LaunchConfig, q, k, v, bias, sinks, score, data, lists, bwd_lists):
     """`attend` and each row's float32 log-sum-exp ``[B, H, Lq]`` (natural log; ``-inf`` on
     rows that see no key); differentiable in both."""
-    out, lse = forward_launch(cfg, q, k, v, bias, sinks, data, lists)
+    out, lse = forward_launch(cfg, q, k, v, bias, sinks, score, data, lists)
     return out, public_lse(lse, base2=True)
 
 

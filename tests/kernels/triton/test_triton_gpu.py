@@ -17,6 +17,7 @@ import pytest
 import eqx_bsattn as bsa
 from eqx_bsattn import masks
 from eqx_bsattn.strategies.kernels import DenseReference, TritonBlockSparse
+from tests import test_conformance as conformance
 
 pytestmark = [
     pytest.mark.gpu,
@@ -133,3 +134,73 @@ def test_fused_backward_warns():
         warnings.simplefilter("always")
         attn(q, q, q)
     assert any("split backward" in str(w.message) for w in caught)
+
+
+# ---------------------------------------------------------------------------------------------
+# Score terms in the kernels.
+
+#: The conformance suite's score cases that Triton evaluates (ALiBi, relative bias), and the
+#: ones it declines (a jnp score function).
+_SCORE_CASES = sorted(n for n, c in conformance.CASES.items() if c.score not in (None, "function"))
+_FUNCTION_CASES = sorted(n for n, c in conformance.CASES.items() if c.score == "function")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("case_name", _SCORE_CASES)
+def test_score_terms_against_the_oracle(case_name, dtype):
+    """Forward and every gradient (q, k, v, bias, sinks, slopes, table) of each score case, in
+    each dtype, against the float64 oracle with the conformance suite's tolerances."""
+    conformance.check_conforms(TritonBlockSparse(), case_name, dtype)
+
+
+@pytest.mark.parametrize("case_name", _FUNCTION_CASES)
+def test_score_function_declines(case_name):
+    case = conformance.CASES[case_name]
+    built = conformance.build(case, "bfloat16")
+    why = conformance._decline(case, TritonBlockSparse(), built)
+    assert why is not None and "score terms function" in why
+
+
+def test_score_terms_vmap_folds_and_maps_learned_arrays():
+    """A shared learned table under `jax.vmap` over q, k, v (the launches fold the mapped
+    axis), and ALiBi slopes mapped with the inputs (one launch per element): outputs and every
+    gradient against the reference."""
+    ks = jax.random.split(jax.random.key(7), 5)
+    n, heads, length = 3, 4, 200
+    q = jax.random.normal(ks[0], (n, heads, length, 64), jnp.float32)
+    k = jax.random.normal(ks[1], (n, 2, length, 64), jnp.float32)
+    v = jax.random.normal(ks[2], (n, 2, length, 64), jnp.float32)
+    table = 0.3 * jax.random.normal(ks[3], (heads, 32), jnp.float32)
+    slopes = 0.1 * jax.random.normal(ks[4], (n, heads), jnp.float32)
+    mask = masks.Causal() & masks.SlidingWindow(90, 0)
+
+    def run(kernel, dtype):
+        def attn(score):
+            return bsa.BlockSparseAttention(mask=mask, kernel=kernel, score=score)
+
+        def loss(q, k, v, table, slopes):
+            cast = lambda x: x.astype(dtype)  # noqa: E731
+            relative = attn(bsa.scores.RelativePositionBias(table, bidirectional=False))
+            shared = jax.vmap(lambda q, k, v: relative(cast(q), cast(k), cast(v)))(q, k, v)
+            each = jax.vmap(lambda q, k, v, s: attn(bsa.scores.ALiBi(s, learned=True))(
+                cast(q), cast(k), cast(v)))(q, k, v, slopes)
+            out = shared.astype(jnp.float32) + each.astype(jnp.float32)
+            return jnp.sum(out * jnp.cos(out)), out
+
+        return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(
+            q, k, v, table, slopes)
+
+    (_, out), grads = run(TritonBlockSparse(), jnp.float16)
+    with jax.default_matmul_precision("highest"):
+        (_, want), want_grads = run(DenseReference(), jnp.float32)
+    assert _rel(out, want) < TOL[jnp.float16]
+    for name, g, w in zip(("q", "k", "v", "table", "slopes"), grads, want_grads):
+        assert np.abs(np.asarray(w)).max() > 0, name
+        assert _rel(g, w) < TOL[jnp.float16], name
+
+
+def test_selected_for_alibi_and_relative_bias_on_gpu():
+    for kinds in (("alibi",), ("relative_bias",), ("alibi", "relative_bias")):
+        features = bsa.Features(platform="gpu", dtype="bfloat16", score=kinds)
+        choice = bsa.select_kernel(masks.Causal(), "gpu", features)
+        assert isinstance(choice.kernel, TritonBlockSparse), choice.explain()
