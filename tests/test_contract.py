@@ -264,9 +264,9 @@ def test_kernels_satisfy_the_declared_contract(cls):
     """Each kernel sets the contract's class variables with the declared types (`reads` a
     `MaskReads`, not any string), defines every abstract method, and says that it returns the
     log-sum-exp by its type alone: `attention_with_lse` exactly on `AbstractLseKernel`s."""
+    _check_class_variables(cls, bsa.AbstractKernel)
     from eqx_bsattn.contract import AbstractLseKernel, is_abstract
 
-    _check_class_variables(cls, bsa.AbstractKernel)
     assert not is_abstract(cls), cls.__abstractmethods__
     assert cls in bsa.registered_kernels() or cls in EXAMPLE_CLASSES
     assert hasattr(cls, "attention_with_lse") == issubclass(cls, AbstractLseKernel), cls
@@ -277,9 +277,9 @@ def test_kernels_satisfy_the_declared_contract(cls):
 def test_masks_satisfy_the_declared_contract(cls):
     """Each mask sets `reads_segment_ids` as a ``ClassVar[bool]``, defines `elements`, and has
     `blocks` exactly when it is an `AbstractBlockMask` (the type `classifies_blocks` tests)."""
+    _check_class_variables(cls, bsa.AbstractMask)
     from eqx_bsattn.contract import AbstractBlockMask, is_abstract
 
-    _check_class_variables(cls, bsa.AbstractMask)
     assert not is_abstract(cls), cls.__abstractmethods__
     assert hasattr(cls, "blocks") == issubclass(cls, AbstractBlockMask), cls
 
