@@ -543,12 +543,12 @@ else:
             platforms: ClassVar[tuple[str, ...]] = ("cpu",)
             reads: ClassVar[MaskReads] = "dense"
 
-        @classmethod
-        def priority(cls, platform):
-            return None
+            @classmethod
+            def priority(cls, platform):
+                return None
 
-        def decline_reason(self, mask, features):
-            return None
+            def decline_reason(self, mask, features):
+                return None
 
             def __call__(self, query, key, value, **kw):
                 return kernels.DenseReference()(query, key, value, **kw)
