@@ -100,12 +100,9 @@ def test_plug_ins_import_no_private_name_of_another(path):
 
 
 def _mask_class_names() -> set[str]:
-    names = set()
-    for obj in vars(masks).values():
-        if inspect.isclass(obj) and issubclass(obj, bsa.AbstractMask):
-            if not obj.__name__.startswith("Abstract"):
-                names.add(obj.__name__)
-    return names
+    return {obj.__name__ for obj in vars(masks).values()
+            if inspect.isclass(obj) and issubclass(obj, bsa.AbstractMask)
+            and not bsa.is_abstract(obj)}
 
 
 def test_the_mask_catalogue_is_found():
@@ -297,6 +294,23 @@ def test_a_blocks_method_outside_the_block_mask_type_is_refused():
 
             def blocks(self, q, k, head):
                 return masks.classify(k.pos_hi <= q.pos_lo, k.pos_lo > q.pos_hi)
+
+
+def test_a_strategy_says_it_is_abstract_as_an_equinox_module_does():
+    """``is_abstract=True`` marks a strategy abstract although it leaves nothing undefined
+    (equinox's class keyword); its subclasses are concrete unless they say so too."""
+    from eqx_bsattn.contract import is_abstract
+
+    class AbstractFamily(bsa.AbstractStrategy, is_abstract=True):
+        size: int = 1
+
+    class Member(AbstractFamily):
+        pass
+
+    assert is_abstract(bsa.AbstractStrategy) and is_abstract(AbstractFamily)
+    assert not is_abstract(Member) and Member(size=2) == Member(2)
+    with pytest.raises(TypeError, match="abstract class AbstractFamily"):
+        AbstractFamily()
 
 
 def _kernel_class(base, class_name, **namespace):
