@@ -148,8 +148,8 @@ class AbstractMask(eqx.Module):
     Every concrete mask declares two attributes (abstract here): `reads_segment_ids` (a class
     variable: its `elements` reads the segment ids, so a call must pass them) and
     `varies_by_head` (it gives different heads different masks; a class variable, or a property
-    where it depends on the mask's data). Masks compose: ``a & b`` (both), ``a | b`` (either), ``~a`` (not).
-    Every mask acts in position space; positions default to token indices.
+    where it depends on the mask's data). Masks compose: ``a & b`` (both), ``a | b`` (either),
+    ``~a`` (not). Every mask acts in position space; positions default to token indices.
 
     ```python
     class EveryOther(AbstractMask):

@@ -7,8 +7,9 @@ and TPU kernels evaluate in place). A mask that classifies blocks from their ran
 
 A **kernel** subclasses `AbstractKernel`: it declares `name`, `platforms` and `reads` (a
 `MaskReads`), implements `priority` and `decline_reason`, and its ``__call__`` receives the
-`CompiledMask` the plan built for it (a `BlockLayout` per pass, the canonical `MaskTerms`, element bitmaps where the mask has no terms, and the element predicate
-`CompiledMask.visible`), the call's `AttentionInputs`, its `Features` and its `Tiling`. Its
+`CompiledMask` the plan built for it (a `BlockLayout` per pass, the canonical `MaskTerms`,
+element bitmaps where the mask has no terms, and the element predicate `CompiledMask.visible`),
+the call's `AttentionInputs`, its `Features` and its `Tiling`. Its
 `decline_reason` and `default_tiling` see the `ResolvedMask` (the terms, and layouts on demand)
 before the tiling is fixed. It never imports a mask class. A kernel that also returns each
 row's log-sum-exp (what sequence sharding merges by) subclasses `AbstractLseKernel`.
