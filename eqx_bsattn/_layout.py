@@ -430,7 +430,8 @@ def build_layout(
                               **data)
 
 
-def resolve_mask(mask: AbstractMask, q_len: int, kv_len: int, **data) -> tuple[AbstractMask, dict]:
+def resolve_mask(mask: AbstractMask, q_len: int, kv_len: int,
+                 **data) -> tuple[AbstractMask, dict]:
     """`mask` resolved against the lengths (e.g. bottom-right causal needs them), and the
     per-call `data` (``q_positions``, ..., ``kv_segment_ids``) without the segment ids when
     the mask does not read them (its layouts are then static). `ResolvedMask` and
@@ -441,22 +442,12 @@ def resolve_mask(mask: AbstractMask, q_len: int, kv_len: int, **data) -> tuple[A
     return mask, data
 
 
-def layout_of_resolved(
-    mask: AbstractMask,
-    *,
-    q_len: int,
-    kv_len: int,
-    num_heads: int,
-    block_q: int,
-    block_kv: int,
-    q_positions: Int[Array, "b lq"] | None = None,
-    kv_positions: Int[Array, "b lk"] | None = None,
-    q_segment_ids: Int[Array, "b lq"] | None = None,
-    kv_segment_ids: Int[Array, "b lk"] | None = None,
-    with_bitmaps: bool = False,
-) -> BlockLayout:
+def layout_of_resolved(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads: int,
+                       block_q: int, block_kv: int, q_positions=None, kv_positions=None,
+                       q_segment_ids=None, kv_segment_ids=None,
+                       with_bitmaps: bool = False) -> BlockLayout:
     """`build_layout` of a mask that `resolve_mask` resolved, with checked per-call data
-    (``[B or 1, L]`` int32): nothing is checked or resolved again."""
+    (``[B or 1, L]`` int32 or ``None``): nothing is checked or resolved again."""
     dynamic = carries_arrays(mask) or any(
         x is not None for x in (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     )
