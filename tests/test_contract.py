@@ -8,6 +8,7 @@ import importlib.util
 import inspect
 import pathlib
 import re
+import subprocess
 import sys
 import typing
 from typing import ClassVar
@@ -83,14 +84,27 @@ def test_the_demo_and_the_benchmark_import_only_public_names(name):
             assert hasattr(importlib.import_module(module), imported_name), (module, imported_name)
 
 
+def _repository_files() -> list[pathlib.Path]:
+    """The repository's files: git's tracked and untracked-but-not-ignored ones where the
+    checkout is a git work tree (a user's ignored scratch files are not the repository's),
+    else every file outside the virtual environment and caches."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+            capture_output=True, text=True, check=True).stdout.split("\n")
+        return [ROOT / name for name in listed if name and (ROOT / name).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", ".venv", "__pycache__", ".pytest_cache"}
+        return [p for p in ROOT.rglob("*") if p.is_file()
+                and not skip.intersection(p.relative_to(ROOT).parts)
+                and not any(part.endswith(".egg-info") for part in p.parts)]
+
+
 def test_the_repository_names_no_machine_path():
     """No file points into one machine's folders (home, scratch or temporary directories)."""
     machine_path = re.compile(r"(?<![\w.~])/(?:home|work|tmp|root|Users|scratch)/")
-    skip = {".git", ".venv", "__pycache__", ".pytest_cache"}
-    files = [p for p in ROOT.rglob("*") if p.is_file()
-             and not skip.intersection(p.relative_to(ROOT).parts)
-             and not any(part.endswith(".egg-info") for part in p.parts)
-             and p.suffix in (".py", ".md", ".toml", ".ipynb", ".json", ".txt", ".cfg", ".sh")]
+    files = [p for p in _repository_files()
+             if p.suffix in (".py", ".md", ".toml", ".ipynb", ".json", ".txt", ".cfg", ".sh")]
     assert len(files) > 50
     found = [f"{p.relative_to(ROOT)}: {m.group()}" for p in files
              for m in machine_path.finditer(p.read_text(errors="replace"))]
