@@ -15,7 +15,7 @@ from ._compile import CompiledMask, ResolvedMask, describe_terms
 from ._inputs import AttentionInputs, check_call, hide_keys, prepare_inputs, python_scalar
 from ._kernel import AbstractKernel, Features
 from ._mask import EMPTY, AbstractMask, And, Document, Full
-from ._score import AbstractScore, attach_score, describe_score
+from ._score import AbstractScore, attach_score, check_score, describe_score
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
 from ._sharding import AbstractSharding, Unsharded, on_auto_axes
 from ._swap import AutoKernel, AutoTiling, _kernel_or_auto, _tiling_or_auto, is_auto
@@ -200,10 +200,7 @@ class BlockSparseAttention(eqx.Module):
             raise TypeError(f"`kernel` must be an AbstractKernel or None; got {type(self.kernel).__name__}.")
         if not isinstance(self.tiling, (Tiling, AutoTiling)):
             raise TypeError(f"`tiling` must be a Tiling or None; got {type(self.tiling).__name__}.")
-        if self.score is not None and not isinstance(self.score, AbstractScore):
-            raise TypeError(f"`score` must be an AbstractScore (scores.ALiBi, "
-                            f"scores.RelativePositionBias, scores.ScoreFunction) or None; got "
-                            f"{type(self.score).__name__}.")
+        check_score(self.score)
         if not isinstance(self.sharding, AbstractSharding):
             raise TypeError(
                 f"`sharding` must be an AbstractSharding; got {type(self.sharding).__name__}."
