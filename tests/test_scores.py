@@ -88,6 +88,7 @@ K = jnp.ones((1, 2, 16, 8))
     (lambda: scores.ALiBi(jnp.arange(4)), TypeError,
      r"^`slopes` must be a float array \[heads\]; got dtype int32\.$"),
     (lambda: scores.ALiBi(learned=True), ValueError, r"^`slopes` must be given when "),
+    (lambda: scores.ALiBi(learned=1), TypeError, r"^`learned` must be a bool; got int\.$"),
     (lambda: scores.ScoreFunction(3), TypeError, r"^`fn` must be callable; got int\.$"),
     (lambda: bsa.BlockSparseAttention(score=masks.Causal()), TypeError,
      r"^`score` must be an AbstractScore .* or None; got Causal\.$"),
