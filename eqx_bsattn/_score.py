@@ -206,15 +206,18 @@ class AbstractScore(eqx.Module):
         """The `ScoreTerms` a kernel reads, for a call with `num_heads` query heads."""
 
 
-def compile_score(score: AbstractScore | None, num_heads: int) -> ScoreTerms | None:
-    """The `ScoreTerms` of a module's `score` for a call with `num_heads` query heads."""
-    if score is None:
-        return None
-    if not isinstance(score, AbstractScore):
+def check_score(score) -> None:
+    """Raise the `TypeError` that names `score` unless it is an `AbstractScore` or ``None``."""
+    if score is not None and not isinstance(score, AbstractScore):
         raise TypeError(f"`score` must be an AbstractScore (scores.ALiBi, "
                         f"scores.RelativePositionBias, scores.ScoreFunction) or None; got "
                         f"{type(score).__name__}.")
-    return score.compile(num_heads)
+
+
+def compile_score(score: AbstractScore | None, num_heads: int) -> ScoreTerms | None:
+    """The `ScoreTerms` of a module's `score` for a call with `num_heads` query heads."""
+    check_score(score)
+    return None if score is None else score.compile(num_heads)
 
 
 def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding):
@@ -227,4 +230,15 @@ def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding):
         raise ValueError(
             f"`score` terms run unsharded only for now; this module's sharding is "
             f"{type(sharding).__name__}. Drop the sharding or the score.")
-    return dataclasses.replace(inputs, score=terms)
+    from ._inputs import _within  # _inputs imports this module
+
+    # An infinite slope times a zero distance, or a +inf / NaN logit, has no softmax weight.
+    slopes, table = terms.arrays
+    if slopes is not None:
+        slopes = _within("slopes", slopes, lambda x: ~jnp.isfinite(x),
+                         "must be finite; got inf or NaN.")
+    if table is not None:
+        table = _within("table", table, lambda x: jnp.isnan(x) | (x == jnp.inf),
+                        "must be finite or -inf (which hides the pairs of that bucket); got "
+                        "+inf or NaN.")
+    return dataclasses.replace(inputs, score=terms.with_arrays(slopes, table))

@@ -88,6 +88,7 @@ K = jnp.ones((1, 2, 16, 8))
     (lambda: scores.ALiBi(jnp.arange(4)), TypeError,
      r"^`slopes` must be a float array \[heads\]; got dtype int32\.$"),
     (lambda: scores.ALiBi(learned=True), ValueError, r"^`slopes` must be given when "),
+    (lambda: scores.ALiBi(learned=1), TypeError, r"^`learned` must be a bool; got int\.$"),
     (lambda: scores.ScoreFunction(3), TypeError, r"^`fn` must be callable; got int\.$"),
     (lambda: bsa.BlockSparseAttention(score=masks.Causal()), TypeError,
      r"^`score` must be an AbstractScore .* or None; got Causal\.$"),
@@ -110,6 +111,34 @@ def test_head_count_is_checked_per_call(score, message):
         attn.plan(Q, K, K)
     with pytest.raises(ValueError, match=message):
         bsa.MultiheadBlockSparseAttention(4, 32, score=score, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("score,message", [
+    (scores.ALiBi(jnp.array([0.5, jnp.inf, 0.1, 0.2]), learned=True),
+     r"^`slopes` must be finite; got inf or NaN\.$"),
+    (scores.RelativePositionBias(TABLE.at[1, 3].set(jnp.nan)),
+     r"^`table` must be finite or -inf \(which hides the pairs of that bucket\); got \+inf "
+     r"or NaN\.$"),
+])
+def test_non_finite_score_arrays_are_refused(score, message):
+    """Eagerly, and inside `jit` at run time (`eqx.error_if`); a -inf table entry hides."""
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), score=score)
+    with pytest.raises(ValueError, match=message):
+        attn.plan(Q, K, K)
+    with pytest.raises(Exception, match=message[1:-1]):
+        jax.block_until_ready(eqx.filter_jit(lambda m: m(Q, K, K))(attn))
+
+
+def test_minus_inf_in_the_table_hides_its_bucket():
+    table = jnp.zeros((4, 8)).at[:, 0].set(-jnp.inf)  # distance 0: the diagonal
+    q = jax.random.normal(jax.random.key(0), (1, 4, 16, 8))
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.XlaBlockSparse(),
+                                    score=scores.RelativePositionBias(table, bidirectional=False))
+    out = np.asarray(attn(q, q, q))
+    strict = bsa.BlockSparseAttention(mask=masks.Causal(offset=-1),
+                                      kernel=kernels.DenseReference())(q, q, q)
+    np.testing.assert_allclose(out, strict, rtol=1e-5, atol=1e-6)
+    assert np.all(out[:, :, 0] == 0)  # the first query saw only itself
 
 
 def test_score_under_a_sharding_is_refused():

@@ -70,17 +70,12 @@ class ALiBi(AbstractScore):
     slopes: Float[Array, " h"] | None = None
     learned: bool = eqx.field(default=False, static=True)
 
-    def __check_init__(self):
-        if not isinstance(self.learned, bool):
-            raise TypeError(f"`learned` must be a bool; got {type(self.learned).__name__}.")
-        if self.slopes is None:
-            if self.learned:
-                raise ValueError("`slopes` must be given when `learned=True` (they are trained "
-                                 "from them), e.g. ALiBi(alibi_slopes(num_heads), learned=True).")
-            return
-        _float_array("slopes", self.slopes, "[heads]", 1)
-
     def __init__(self, slopes=None, learned: bool = False):
+        if not isinstance(learned, bool):
+            raise TypeError(f"`learned` must be a bool; got {type(learned).__name__}.")
+        if slopes is None and learned:
+            raise ValueError("`slopes` must be given when `learned=True` (they are trained "
+                             "from them), e.g. ALiBi(alibi_slopes(num_heads), learned=True).")
         self.slopes = None if slopes is None else _float_array("slopes", slopes, "[heads]", 1)
         self.learned = learned
 
