@@ -1,0 +1,96 @@
+"""`TritonBlockSparse`'s score terms on the CPU, through Triton's interpreter.
+
+These run only where `tests/conftest.py` installed the interpreter
+(``EQX_BSATTN_TRITON_INTERPRET``, see benchmarks/triton_interpret.py); elsewhere they skip.
+The kernels against the float64 oracle are the conformance suite's ``score_*`` cases.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+from eqx_bsattn import masks, scores
+from eqx_bsattn.strategies.kernels import DenseReference, TritonBlockSparse
+from tests.conftest import t5_bucket
+
+pytestmark = pytest.mark.skipif(
+    "cpu" not in TritonBlockSparse.platforms,
+    reason="needs Triton's interpreter (EQX_BSATTN_TRITON_INTERPRET)")
+
+if "cpu" in TritonBlockSparse.platforms:  # Triton imports: the interpreter is installed
+    import triton
+    import triton.language as tl
+
+    from eqx_bsattn.strategies.kernels.triton.jit_kernels import _bucket
+
+    @triton.jit
+    def _bucket_kernel(D, THRESH, OUT, N: tl.constexpr, BIDIR: tl.constexpr,
+                       HALF: tl.constexpr, NT: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(OUT + offs, _bucket(tl.load(D + offs), THRESH, BIDIR, HALF, NT))
+
+
+@pytest.mark.parametrize("num_buckets,bidirectional,max_distance",
+                         [(32, True, 128), (32, False, 128), (8, True, 20), (12, False, 40),
+                          (4, True, 3)])
+def test_kernel_buckets_follow_t5(num_buckets, bidirectional, max_distance):
+    """The kernels' `_bucket` on distances near zero, at every threshold and at the ends of
+    the position range (+-2**30 apart and more), against T5's formula."""
+    from eqx_bsattn.strategies.kernels.triton import launch
+
+    buckets = scores.RelativeBuckets(num_buckets, bidirectional, max_distance)
+    cfg = launch.score_constexprs(False, buckets)
+
+    near = np.arange(-3 * max_distance - 50, 3 * max_distance + 50)
+    edges = np.array([2**31 - 1, -(2**31 - 1), 2**30, -(2**30), 2**30 - 1])
+    at = np.array(buckets.thresholds + (max_distance,))
+    d = np.concatenate([near, edges, at - 1, at, -at, 1 - at]).astype(np.int32)
+    n = 1 << (len(d) - 1).bit_length()
+    d = np.pad(d, (0, n - len(d)))
+    got = launch.triton_call(
+        jnp.asarray(d), jnp.asarray(buckets.thresholds or (0,), jnp.int32),
+        kernel=_bucket_kernel, out_shape=(jax.ShapeDtypeStruct((n,), jnp.int32),), grid=(1,),
+        N=n, BIDIR=cfg["REL_BIDIR"], HALF=cfg["REL_HALF"], NT=cfg["NT"])
+    np.testing.assert_array_equal(np.asarray(got[0]), t5_bucket(d, num_buckets, bidirectional,
+                                                             max_distance))
+
+
+def test_minus_inf_in_the_table_hides_its_bucket():
+    """A -inf entry hides its bucket's pairs: here the diagonal, so the first query sees no key
+    (zero output, zero gradients) and the rest attend strictly before themselves."""
+    table = jnp.zeros((4, 8)).at[:, 0].set(-jnp.inf)
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (1, 4, 40, 8)) for kk in ks)
+    score = scores.RelativePositionBias(table, bidirectional=False)
+
+    def run(attn):
+        out, pullback = jax.vjp(lambda q, k, v: attn(q, k, v), q, k, v)
+        return (out,) + pullback(jnp.cos(out))
+
+    got = run(bsa.BlockSparseAttention(mask=masks.Causal(), kernel=TritonBlockSparse(),
+                                       tiling=bsa.Tiling(block_q=16, block_kv=16), score=score))
+    want = run(bsa.BlockSparseAttention(mask=masks.Causal(offset=-1), kernel=DenseReference()))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
+    assert np.all(np.asarray(got[0])[:, :, 0] == 0) and np.all(np.asarray(got[1])[:, :, 0] == 0)
+
+
+@pytest.mark.parametrize("score", [scores.ALiBi(), scores.RelativePositionBias(jnp.ones((2, 32)))])
+def test_no_lq_by_lk_array(score):
+    """Forward and backward with a score term: no value of the traced call (the launches'
+    outputs included) is larger than the same call without it forms, far below Lq x Lk."""
+    from tests.test_scores import _largest_intermediate
+
+    length = 1024
+    q = jnp.ones((1, 2, length, 16))
+
+    def largest(score):
+        attn = bsa.BlockSparseAttention(mask=masks.Causal() & masks.SlidingWindow(128, 0),
+                                        kernel=TritonBlockSparse(), score=score)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda q: attn(q, q, q).sum()))(q).jaxpr
+        return _largest_intermediate(jaxpr)
+
+    with_score = largest(score)
+    assert with_score <= largest(None) < length * length // 8
