@@ -65,3 +65,43 @@ def test_ring_scaling_script_prints_its_table(tmp_path, capsys):
     assert step["fwd_s"] == pytest.approx(4 * 32 * 131072**2 * 128 * 0.5 / 100e12)
     assert step["bwd_s"] == pytest.approx(3.5 * 4 * 32 * 131072**2 * 128 * 0.5 / 50e12)
     assert step["hop_fwd_IB"] == pytest.approx(step["sent_fwd"] / 50e9)
+
+
+def _score_terms_script():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "score_terms_gpu.py"
+    spec = importlib.util.spec_from_file_location("score_terms_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_score_terms_benchmark_parses_its_arguments():
+    """benchmarks/score_terms_gpu.py imports on a CPU; its defaults are issue 27's target
+    (16k tokens, window 1024, a 32-bucket table, Triton) and bad arguments are refused."""
+    script = _score_terms_script()
+    args = script.parse_args([])
+    assert (args.length, args.window, args.buckets, args.kernel) == (
+        16384, 1024, 32, "TritonBlockSparse")
+    assert args.masks == ["causal", "window"] and args.kv_heads == args.heads
+    with pytest.raises(SystemExit):
+        script.parse_args(["--kernel", "Nope"])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--heads", "6", "--kv-heads", "4"])
+
+
+@pytest.mark.slow
+def test_score_terms_benchmark_runs_on_cpu(tmp_path, capsys):
+    """The same code on the XLA kernel at a small size: every row timed, ratios to `none`."""
+    out = tmp_path / "scores.json"
+    _score_terms_script().main(["--kernel", "XlaBlockSparse", "--length", "128", "--window",
+                                "32", "--batch", "1", "--heads", "2", "--dim", "16", "--reps",
+                                "1", "--buckets", "8", "--max-distance", "20", "--masks",
+                                "window", "--scores", "none", "both", "--no-flex", "--out",
+                                str(out)])
+    records = json.loads(out.read_text())["records"]
+    assert [(r["mask"], r["score"]) for r in records] == [("window", "none"), ("window", "both")]
+    assert all("error" not in r and r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 for r in records)
+    assert records[0]["fwd_vs_none"] == 1.0 and "fwd+bwd / none" in capsys.readouterr().out

@@ -94,3 +94,44 @@ def test_no_lq_by_lk_array(score):
 
     with_score = largest(score)
     assert with_score <= largest(None) < length * length // 8
+
+
+class _SlopesAndTable(scores.AbstractScore):
+    """Learned ALiBi slopes and a relative table in one call."""
+
+    slopes: jax.Array
+    table: jax.Array
+
+    def compile(self, num_heads):
+        buckets = scores.RelativeBuckets(self.table.shape[1], bidirectional=True, max_distance=30)
+        return bsa.contract.ScoreTerms(slopes=self.slopes, table=self.table, buckets=buckets)
+
+
+def test_slopes_and_table_together_with_gqa_and_vmap():
+    """Both terms in one call (GQA, Lq != Lk, ragged tiles), under `jax.vmap` with the arrays
+    shared: output and the gradients of q, k, v, slopes and table against the reference."""
+    ks = jax.random.split(jax.random.key(3), 6)
+    q = jax.random.normal(ks[0], (2, 4, 37, 16))
+    k = jax.random.normal(ks[1], (2, 2, 53, 16))
+    v = jax.random.normal(ks[2], (2, 2, 53, 8))
+    slopes = 0.2 * jax.random.normal(ks[3], (4,))
+    table = jax.random.normal(ks[4], (4, 16))
+    cot = jax.random.normal(ks[5], (2, 4, 37, 8))
+    mask = masks.Causal(bottom_right=True) & masks.SlidingWindow(40, 3)
+
+    def run(kernel):
+        def f(q, k, v, slopes, table):
+            attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, score=_SlopesAndTable(
+                slopes, table), tiling=bsa.Tiling(block_q=16, block_kv=16))
+            return jax.vmap(lambda q, k, v: attn(q, k, v))(q, k, v)
+
+        out, pullback = jax.vjp(f, q, k, v, slopes, table)
+        return (out,) + pullback(cot)
+
+    got = run(TritonBlockSparse())
+    with jax.default_matmul_precision("highest"):
+        want = run(DenseReference())
+    for name, g, w in zip(("out", "q", "k", "v", "slopes", "table"), got, want):
+        assert np.abs(np.asarray(w)).max() > 0, name
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4,
+                                   atol=1e-4 * np.abs(np.asarray(w)).max(), err_msg=name)

@@ -1,0 +1,265 @@
+"""What ALiBi and a relative-position table cost inside the kernel, against the same call
+without them, on a GPU (issue 27's speed target: at most 10 % of the forward and 15 % of
+forward+backward at 16k tokens, causal and causal window 1024).
+
+    python benchmarks/score_terms_gpu.py [--length 16384] [--batch 2] [--heads 16] [--dim 128]
+        [--window 1024] [--buckets 32] [--reps 20] [--kernel TritonBlockSparse] [--no-flex]
+        [--out score_terms.json]
+
+For each mask (``causal``, ``window``: causal and a window of `--window` keys) and each score
+(``none``, ``alibi``: learned slopes, ``relative``: a learned `--buckets`-bucket causal T5
+table, ``both``: slopes and table together), the median wall time of a jitted forward and of a
+forward+backward (gradients of q, k, v and the learned arrays), and the ratio to ``none``.
+FlexAttention runs the same masks and score_mods as a peer when torch with CUDA imports
+(`torch.compile`d `flex_attention`; gradients of q, k, v and the captured slopes / table).
+Not a test: numbers depend on the machine. On a CPU, ``--kernel XlaBlockSparse`` with small
+sizes runs the same code (tests/test_bench.py does).
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqx_bsattn as bsa
+from eqx_bsattn import kernels, masks, scores
+from eqx_bsattn.bench import environment
+from eqx_bsattn.contract import AbstractScore, ScoreTerms
+
+MASKS = ("causal", "window")
+SCORES = ("none", "alibi", "relative", "both")
+#: Issue 27's bounds on the ratio to the same call without score terms.
+TARGET = {"fwd": 1.10, "fwdbwd": 1.15}
+
+
+class SlopesAndTable(AbstractScore):
+    """ALiBi slopes and a relative-position table in one call (both learned)."""
+
+    slopes: jax.Array
+    relative: scores.RelativePositionBias
+
+    def compile(self, num_heads: int) -> ScoreTerms:
+        table = self.relative.compile(num_heads)
+        return ScoreTerms(slopes=self.slopes, table=table.table, buckets=table.buckets)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--length", type=int, default=16384, help="tokens (queries = keys)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--heads", type=int, default=16, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--dim", type=int, default=128, help="head dim")
+    p.add_argument("--window", type=int, default=1024, help="the window mask's keys")
+    p.add_argument("--buckets", type=int, default=32, help="the relative table's buckets")
+    p.add_argument("--max-distance", type=int, default=128, help="the table's max_distance")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--reps", type=int, default=20, help="timed calls per measurement")
+    p.add_argument("--kernel", default="TritonBlockSparse", help="a class of eqx_bsattn.kernels")
+    p.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
+    p.add_argument("--scores", nargs="+", default=list(SCORES), choices=SCORES)
+    p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer")
+    p.add_argument("--out", default=None, help="write the records to this JSON file")
+    args = p.parse_args(argv)
+    if getattr(kernels, args.kernel, None) is None:
+        p.error(f"--kernel: unknown kernel {args.kernel!r}.")
+    if args.kv_heads is None:
+        args.kv_heads = args.heads
+    if args.heads % args.kv_heads:
+        p.error(f"--kv-heads must divide --heads ({args.heads}); got {args.kv_heads}.")
+    return args
+
+
+def _mask(name: str, window: int):
+    return masks.Causal() if name == "causal" else masks.Causal() & masks.SlidingWindow(window, 0)
+
+
+def _arrays(args) -> dict:
+    """The learned arrays: standard slopes, a small random table (float32)."""
+    rng = np.random.default_rng(0)
+    return {"slopes": jnp.asarray(scores.alibi_slopes(args.heads), jnp.float32),
+            "table": jnp.asarray(0.3 * rng.standard_normal((args.heads, args.buckets)),
+                                 jnp.float32)}
+
+
+def _score(name: str, arrays: dict, args):
+    relative = scores.RelativePositionBias(arrays["table"], bidirectional=False,
+                                           max_distance=args.max_distance)
+    return {"none": None, "alibi": scores.ALiBi(arrays["slopes"], learned=True),
+            "relative": relative, "both": SlopesAndTable(arrays["slopes"], relative)}[name]
+
+
+def median_ms(fn, *xs, reps: int, sync=jax.block_until_ready) -> float:
+    """Median wall time of ``fn(*xs)`` in ms, after two warm-up calls (the first compiles)."""
+    for _ in range(2):
+        sync(fn(*xs))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        sync(fn(*xs))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def time_ours(args, mask_name: str, score_name: str, inputs) -> dict:
+    q, k, v, do = inputs
+    arrays = _arrays(args)
+    kernel = getattr(kernels, args.kernel)()
+
+    def attend(q, k, v, arrays):
+        attn = bsa.BlockSparseAttention(mask=_mask(mask_name, args.window), kernel=kernel,
+                                        score=_score(score_name, arrays, args))
+        return attn(q, k, v)
+
+    fwd = jax.jit(attend)
+    fwdbwd = jax.jit(lambda q, k, v, arrays, do: jax.vjp(attend, q, k, v, arrays)[1](do))
+    return {"fwd_ms": median_ms(fwd, q, k, v, arrays, reps=args.reps),
+            "fwdbwd_ms": median_ms(fwdbwd, q, k, v, arrays, do, reps=args.reps)}
+
+
+def _t5_bucket_torch(torch, distance, buckets: scores.RelativeBuckets):
+    """`RelativeBuckets.bucket` in torch (integer thresholds: the same buckets)."""
+    nb, me = buckets.half, buckets.half // 2
+    if buckets.bidirectional:
+        offset, n = torch.where(distance < 0, nb, 0), distance.abs()
+    else:
+        offset, n = 0, distance.clamp(min=0)
+    far = me + sum((n >= t).int() for t in buckets.thresholds)
+    return offset + torch.where(n < me, n, far)
+
+
+def flex_peer(args):
+    """``f(mask_name, score_name) -> record`` timing FlexAttention, or ``None`` without torch
+    and CUDA."""
+    try:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except Exception:  # noqa: BLE001 - the peer is optional
+        return None
+    if not torch.cuda.is_available():
+        return None
+    dev = "cuda"
+    dtype = getattr(torch, args.dtype)
+    compiled = torch.compile(flex_attention)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shape = (args.batch, args.heads, args.length, args.dim)
+    kv_shape = (args.batch, args.kv_heads, args.length, args.dim)
+    arrays = _arrays(args)
+    buckets = scores.RelativeBuckets(args.buckets, False, args.max_distance)
+
+    def sync(x):
+        torch.cuda.synchronize()
+        return x
+
+    def run(mask_name, score_name):
+        window = args.window
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            visible = kv_idx <= q_idx
+            return visible & (q_idx - kv_idx <= window) if mask_name == "window" else visible
+
+        block_mask = create_block_mask(mask_mod, None, None, args.length, args.length,
+                                       device=dev)
+        slopes = torch.tensor(np.asarray(arrays["slopes"]), device=dev, requires_grad=True)
+        table = torch.tensor(np.asarray(arrays["table"]), device=dev, requires_grad=True)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            if score_name in ("alibi", "both"):
+                score = score + slopes[h] * (kv_idx - q_idx)
+            if score_name in ("relative", "both"):
+                score = score + table[h, _t5_bucket_torch(torch, q_idx - kv_idx, buckets)]
+            return score
+
+        q, k, v = (torch.randn(s, device=dev, dtype=dtype, generator=gen, requires_grad=True)
+                   for s in (shape, kv_shape, kv_shape))
+        do = torch.randn(shape, device=dev, dtype=dtype, generator=gen)
+        mod = None if score_name == "none" else score_mod
+        gqa = args.kv_heads != args.heads
+
+        def fwd():
+            with torch.no_grad():
+                return compiled(q, k, v, score_mod=mod, block_mask=block_mask, enable_gqa=gqa)
+
+        def fwdbwd():
+            out = compiled(q, k, v, score_mod=mod, block_mask=block_mask, enable_gqa=gqa)
+            wrt = [q, k, v] + ([slopes] if score_name in ("alibi", "both") else []) + (
+                [table] if score_name in ("relative", "both") else [])
+            return torch.autograd.grad(out, wrt, do)
+
+        return {"fwd_ms": median_ms(fwd, reps=args.reps, sync=sync),
+                "fwdbwd_ms": median_ms(fwdbwd, reps=args.reps, sync=sync)}
+
+    return run
+
+
+def _add_ratios(records: list[dict]) -> None:
+    base = {(r["impl"], r["mask"]): r for r in records if r["score"] == "none"}
+    for r in records:
+        none = base.get((r["impl"], r["mask"]))
+        if none is None or "error" in r or "error" in none:
+            continue
+        for key in ("fwd", "fwdbwd"):
+            r[f"{key}_vs_none"] = r[f"{key}_ms"] / none[f"{key}_ms"]
+        r["within_target"] = all(r[f"{key}_vs_none"] <= TARGET[key] for key in TARGET)
+
+
+def _table(records: list[dict]) -> str:
+    lines = ["| impl | mask | score | fwd ms | fwd+bwd ms | fwd / none | fwd+bwd / none | "
+             f"within {TARGET['fwd']:.2f} / {TARGET['fwdbwd']:.2f} |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | {r['mask']} | {r['score']} | {r['error']} |")
+            continue
+        ratios = (f"{r['fwd_vs_none']:.3f} | {r['fwdbwd_vs_none']:.3f} | "
+                  f"{'yes' if r['within_target'] else 'no'}" if "fwd_vs_none" in r else "| |")
+        lines.append(f"| {r['impl']} | {r['mask']} | {r['score']} | {r['fwd_ms']:.3f} | "
+                     f"{r['fwdbwd_ms']:.3f} | {ratios} |")
+    return "\n".join(lines)
+
+
+def run(args) -> list[dict]:
+    dtype = jnp.dtype(args.dtype)
+    keys = jax.random.split(jax.random.key(0), 4)
+    shape = (args.batch, args.heads, args.length, args.dim)
+    kv_shape = (args.batch, args.kv_heads, args.length, args.dim)
+    inputs = tuple(jax.random.normal(kk, s, dtype)
+                   for kk, s in zip(keys, (shape, kv_shape, kv_shape, shape)))
+    peers = {f"ours:{args.kernel}": lambda m, s: time_ours(args, m, s, inputs)}
+    flex = None if args.no_flex else flex_peer(args)
+    if flex is not None:
+        peers["flex_attention"] = flex
+    records = []
+    for mask_name in args.masks:
+        for impl, timer in peers.items():
+            for score_name in args.scores:
+                record = {"impl": impl, "mask": mask_name, "score": score_name}
+                try:
+                    record.update(timer(mask_name, score_name))
+                except Exception as e:  # noqa: BLE001 - one failed call is a row, not a crash
+                    record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                records.append(record)
+                print(record, flush=True)
+    _add_ratios(records)
+    return records
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    records = run(args)
+    print(f"\nB={args.batch} H={args.heads} Hkv={args.kv_heads} L={args.length} D={args.dim} "
+          f"{args.dtype}, window {args.window}, {args.buckets} buckets "
+          f"(max_distance {args.max_distance}); median of {args.reps} calls\n")
+    print(_table(records))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "environment": environment(), "records": records}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
