@@ -38,15 +38,20 @@ def test_unknown_kernel_is_refused():
         bench.main(["--kernels", "Nope", "--lengths", "128"])
 
 
-def _ring_scaling():
+def _benchmark_script(name: str):
+    """benchmarks/<name>.py, imported as a module (benchmarks/ is no package)."""
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ring_scaling.py"
-    spec = importlib.util.spec_from_file_location("ring_scaling", path)
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _ring_scaling():
+    return _benchmark_script("ring_scaling")
 
 
 def test_ring_scaling_script_prints_its_table(tmp_path, capsys):
@@ -68,14 +73,7 @@ def test_ring_scaling_script_prints_its_table(tmp_path, capsys):
 
 
 def _score_terms_script():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "score_terms_gpu.py"
-    spec = importlib.util.spec_from_file_location("score_terms_gpu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark_script("score_terms_gpu")
 
 
 def test_score_terms_benchmark_parses_its_arguments():

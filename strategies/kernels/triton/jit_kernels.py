@@ -116,6 +116,18 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, HAS_ALIBI: tl.constexpr,
 
 
 @triton.jit
+def _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, offs_n, LK: tl.constexpr,
+                HAS_KPOS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr,
+                NB: tl.constexpr, BIDIR: tl.constexpr, HALF: tl.constexpr, NT: tl.constexpr):
+    """`_score_tile` of queries at positions `qp` (rows) and keys `offs_n` (columns) of batch
+    `b`, its terms added to `bias`: ``(bias + term, distance, bucket)``."""
+    kp, ks = _coords(KPOS, KPOS, b, offs_n, LK, HAS_KPOS, False, 0)
+    term, dist, bucket = _score_tile(SLOPES, TABLE, THRESH, h, qp[:, None], kp[None, :],
+                                     HAS_ALIBI, HAS_REL, NB, BIDIR, HALF, NT)
+    return bias + term, dist, bucket
+
+
+@triton.jit
 def _table_grad(dtab, ds, bucket, NBP: tl.constexpr):
     """`dtab` ``[NBP]`` plus the per-bucket sums of `ds` over one tile. Only the buckets the
     tile holds are visited: off the diagonal a tile holds one or two."""
@@ -335,11 +347,9 @@ def forward_kernel(
             else:
                 bias = 0.0
             if HAS_ALIBI or HAS_REL:
-                kp_n, ks_n = _coords(KPOS, KSEG, b, offs_n, LK, HAS_KPOS, False, 0)
-                term, dist, bucket = _score_tile(SLOPES, TABLE, THRESH, h, qp[:, None],
-                                                 kp_n[None, :], HAS_ALIBI, HAS_REL, NB,
+                bias, dist, bucket = _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp,
+                                                 offs_n, LK, HAS_KPOS, HAS_ALIBI, HAS_REL, NB,
                                                  REL_BIDIR, REL_HALF, NT)
-                bias = bias + term
             s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
             if phase == 1:
                 vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp, qs,
@@ -441,11 +451,9 @@ def dq_kernel(
             else:
                 bias = 0.0
             if HAS_ALIBI or HAS_REL:
-                kp_n, ks_n = _coords(KPOS, KSEG, b, offs_n, LK, HAS_KPOS, False, 0)
-                term, dist, bucket = _score_tile(SLOPES, TABLE, THRESH, h, qp[:, None],
-                                                 kp_n[None, :], HAS_ALIBI, HAS_REL, NB,
+                bias, dist, bucket = _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp,
+                                                 offs_n, LK, HAS_KPOS, HAS_ALIBI, HAS_REL, NB,
                                                  REL_BIDIR, REL_HALF, NT)
-                bias = bias + term
             s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
             if phase == 1:
                 vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp, qs,
