@@ -7,9 +7,11 @@ implements `elements` (on `TokenCoords`), and for speed `blocks` (on `BlockCoord
 A **kernel** subclasses `AbstractKernel`: it declares `name`, `platforms` and `reads`, and its
 ``__call__`` receives the `CompiledMask` the plan built for it (a `BlockLayout` per pass, the
 canonical `MaskTerms`, element bitmaps where the mask has no terms, and the element predicate
-`CompiledMask.visible`), the call's `AttentionInputs`, its `Features` and its `Tiling`. Its
-`decline_reason` and `default_tiling` see the `ResolvedMask` (the terms, and layouts on demand)
-before the tiling is fixed. It never imports a mask class.
+`CompiledMask.visible`), the call's `AttentionInputs`, its `Features` and its config. Its
+config subclasses `AbstractKernelConfig` (the tiles of each pass, `PassBlocks`, and what else
+it tunes); `Tiling` is the kernel-independent one. Its `decline_reason` and `default_tiling`
+see the `ResolvedMask` (the terms, and layouts on demand) before the config is fixed. It never
+imports a mask class.
 
 A **sharding** subclasses `AbstractSharding`; `layout_from_classes` rebuilds the block
 lists of the part of a layout one device sees.
@@ -71,4 +73,9 @@ from ._sharding import (
     typed_like as typed_like,
 )
 from ._strategy import AbstractStrategy as AbstractStrategy
-from ._tiling import Tiling as Tiling
+from ._tiling import (
+    AbstractKernelConfig as AbstractKernelConfig,
+    AbstractTiling as AbstractTiling,
+    PassBlocks as PassBlocks,
+    Tiling as Tiling,
+)

@@ -64,15 +64,13 @@ def _default(kernel, platform, name):
 
 
 def _blocks(config):
-    if hasattr(config, "blocks"):
-        b = config.blocks
-        return (b.forward, b.dq, b.dkv)
-    return ((config.block_q, config.block_kv), config.dq_blocks, config.backward_blocks)
+    return tuple(config.blocks)
 
 
 @pytest.mark.parametrize("name", SHAPES)
 def test_triton_default_tiles(name):
     config = _default(bsa.kernels.TritonBlockSparse(), "gpu", name).explicit()
+    assert isinstance(config, bsa.kernels.TritonConfig)
     launches = ((config.num_warps, config.num_stages),
                 (config.num_warps_dq, config.num_stages_dq),
                 (config.num_warps_bwd, config.num_stages_bwd))
@@ -93,8 +91,8 @@ def test_splash_default_tiles(name):
 @pytest.mark.parametrize("name", SHAPES)
 def test_mosaic_default_tiles(name):
     config = _default(bsa.kernels.MosaicBlockSparse(), "gpu", name)
-    stages = getattr(config, "stages", None) or config.num_stages
-    assert (_blocks(config), stages) == MOSAIC[name]
+    assert isinstance(config, bsa.kernels.MosaicConfig)
+    assert (_blocks(config), config.stages) == MOSAIC[name]
 
 
 def test_triton_bigbird_default_tiles():

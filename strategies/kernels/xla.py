@@ -23,10 +23,11 @@ import numpy as np
 
 from eqx_bsattn.contract import (
     AbstractKernel,
+    AbstractKernelConfig,
     BlockLayout,
     CompiledMask,
     Features,
-    Tiling,
+    PassBlocks,
     backward_delta,
     pad_axis,
     public_lse,
@@ -656,6 +657,75 @@ def _lists_only(mask: CompiledMask) -> CompiledMask:
                        tuple(shape_only(x) for x in (mask.forward, mask.dq, mask.dkv)))
 
 
+class XlaConfig(AbstractKernelConfig):
+    """`XlaBlockSparse`'s config: the block sizes of its forward, dq and dk/dv passes.
+
+    The dk/dv blocks default to the forward ones, the dq blocks to the dk/dv ones. Blocks
+    longer than a sequence shrink to it when the kernel runs (`XlaBlockSparse.adapt_tiling`).
+
+    ```python
+    tiling = kernels.XlaConfig(block_q=128, block_kv=64, block_q_dkv=128, block_kv_dkv=128)
+    ```
+    """
+
+    block_q: int = eqx.field(static=True)
+    block_kv: int = eqx.field(static=True)
+    block_q_dq: int | None = eqx.field(default=None, static=True)
+    block_kv_dq: int | None = eqx.field(default=None, static=True)
+    block_q_dkv: int | None = eqx.field(default=None, static=True)
+    block_kv_dkv: int | None = eqx.field(default=None, static=True)
+
+    def __check_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value <= 0):
+                raise ValueError(f"`XlaConfig.{f.name}` must be a positive int or None; got "
+                                 f"{value!r}.")
+
+    @property
+    def blocks(self) -> PassBlocks:
+        dkv = (self.block_q_dkv or self.block_q, self.block_kv_dkv or self.block_kv)
+        return PassBlocks((self.block_q, self.block_kv),
+                          (self.block_q_dq or dkv[0], self.block_kv_dq or dkv[1]), dkv)
+
+    def explicit(self) -> "XlaConfig":
+        """The same config with the dq and dk/dv blocks spelled out."""
+        return XlaConfig.of_blocks(self.blocks)
+
+    @classmethod
+    def of_blocks(cls, blocks: PassBlocks) -> "XlaConfig":
+        """The config that runs these `PassBlocks` (another config's `blocks`)."""
+        (bq, bk), (dq_q, dq_k), (kv_q, kv_k) = blocks
+        return cls(block_q=bq, block_kv=bk, block_q_dq=dq_q, block_kv_dq=dq_k, block_q_dkv=kv_q,
+                   block_kv_dkv=kv_k)
+
+    @classmethod
+    def heuristic(cls, features: Features) -> "XlaConfig":
+        """128 x 128 tiles; on a CPU 128 x 64 forward tiles, 128 x 128 backward ones."""
+        if features.platform == "cpu":
+            # Measured on a 2-core CPU (B=1, H=4, L=4096-8192, D=64; causal and a 256 window):
+            # 128 x 64 forward tiles waste the least of each partial block; the backward pass,
+            # which does more work per block, prefers 128 x 128.
+            return cls(block_q=128, block_kv=64, block_q_dkv=128, block_kv_dkv=128)
+        return cls(block_q=128, block_kv=128)
+
+    def clamped(self, features: Features) -> "XlaConfig":
+        """Every block shrunk to its sequence (a longer one only pads it), spelled out."""
+        lq, lk = features.q_len, features.kv_len
+        return XlaConfig.of_blocks(PassBlocks(*((min(q, lq), min(k, lk)) for q, k in self.blocks)))
+
+    def candidates(self, features: Features) -> tuple["XlaConfig", ...]:
+        """This config, then the forward, dk/dv and dq blocks in turn set to each of a few
+        options (64 to 256), shrunk to the sequence; those that run alike are dropped."""
+        options = ((128, 128), (128, 64), (64, 128), (256, 128), (64, 64), (128, 256))
+        base = self.explicit()
+        candidates = base.variants((("block_q", "block_kv"), options),
+                                   (("block_q_dkv", "block_kv_dkv"), options),
+                                   (("block_q_dq", "block_kv_dq"), options))
+        return tuple(dict.fromkeys(t.clamped(features) for t in candidates))
+
+
 class XlaBlockSparse(AbstractKernel):
     """Block-sparse flash attention in plain JAX: runs on every platform.
 
@@ -672,13 +742,13 @@ class XlaBlockSparse(AbstractKernel):
     CPU and TPU, and the fallback on GPU. Block sizes larger than a sequence shrink to it.
 
     Shapes: ``query [B, H, Lq, D]``, ``key [B, Hkv, Lk, D]``, ``value [B, Hkv, Lk, Dv]`` ->
-    ``[B, H, Lq, Dv]`` in the query dtype.
+    ``[B, H, Lq, Dv]`` in the query dtype. Its config is `XlaConfig` (block sizes per pass).
 
     ```python
     attn = BlockSparseAttention(
         mask=mask,
         kernel=kernels.XlaBlockSparse(),
-        tiling=Tiling(block_q=128, block_kv=128),
+        tiling=kernels.XlaConfig(block_q=128, block_kv=128),
     )
     out = attn(q, k, v)
     ```
@@ -688,41 +758,24 @@ class XlaBlockSparse(AbstractKernel):
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
     reads: ClassVar[str] = "elements"
     returns_lse: ClassVar[bool] = True
+    config_type: ClassVar[type[XlaConfig]] = XlaConfig
+    # 2: cache entries hold `XlaConfig` fields (``*_dkv``, not `Tiling`'s ``*_bwd``).
+    version: ClassVar[str] = "2"
 
     @classmethod
     def priority(cls, platform):
         # Below the dedicated GPU kernels (20 and up); the default where none exists.
         return 5 if platform == "gpu" else 10
 
-    def default_tiling(self, features: Features, mask) -> Tiling:
-        if features.platform == "cpu":
-            # Measured on a 2-core CPU (B=1, H=4, L=4096-8192, D=64; causal and a 256 window):
-            # 128 x 64 forward tiles waste the least of each partial block; the backward pass,
-            # which does more work per block, prefers 128 x 128.
-            return Tiling(block_q=128, block_kv=64, block_q_bwd=128, block_kv_bwd=128)
-        return Tiling(block_q=128, block_kv=128)
+    def default_tiling(self, features: Features, mask) -> XlaConfig:
+        return XlaConfig.heuristic(features)
 
-    def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
-        # Blocks longer than a sequence only pad it: shrink them to the sequence.
-        lq, lk = features.q_len, features.kv_len
-        bq_bwd, bk_bwd = tiling.backward_blocks
-        bq_dq, bk_dq = tiling.dq_blocks
-        return dataclasses.replace(
-            tiling, block_q=min(tiling.block_q, lq), block_kv=min(tiling.block_kv, lk),
-            block_q_bwd=min(bq_bwd, lq), block_kv_bwd=min(bk_bwd, lk),
-            block_q_dq=min(bq_dq, lq), block_kv_dq=min(bk_dq, lk),
-        )
+    def adapt_tiling(self, tiling: AbstractKernelConfig, features: Features) -> XlaConfig:
+        # Another kernel's config (or a `Tiling`) gives its blocks.
+        return XlaConfig.of_blocks(tiling.blocks).clamped(features)
 
     def tiling_candidates(self, features: Features, mask):
-        # Blocks of each pass in turn around the heuristic; blocks longer than the sequence
-        # shrink to it (`adapt_tiling`), so some options coincide and are dropped.
-        base = self.default_tiling(features, mask).explicit()
-        options = ((128, 128), (128, 64), (64, 128), (256, 128), (64, 64), (128, 256))
-        candidates = base.variants((("block_q", "block_kv"), options),
-                                   (("block_q_bwd", "block_kv_bwd"), options),
-                                   (("block_q_dq", "block_kv_dq"), options))
-        runs = dict.fromkeys(self.adapt_tiling(t, features) for t in candidates)
-        return tuple((t, None) for t in runs)
+        return tuple((t, None) for t in self.default_tiling(features, mask).candidates(features))
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
