@@ -76,6 +76,7 @@ from ._strategy import AbstractStrategy as AbstractStrategy
 from ._tiling import (
     AbstractKernelConfig as AbstractKernelConfig,
     AbstractTiling as AbstractTiling,
+    AutoTiling as AutoTiling,
     PassBlocks as PassBlocks,
     Tiling as Tiling,
 )
