@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from ._cache import cache_file, call_key, mask_key, policy, store
 from ._module import BlockSparseAttention
 from ._tiling import AbstractKernelConfig
-from ._timing import median_ms
+from .timing import median_ms
 
 #: Largest ``max |candidate - heuristic| / max |heuristic|`` over the output and the gradients
 #: that a candidate may show, by dtype: a few roundings of the largest value, since tilings

@@ -151,7 +151,7 @@ def device_kind(platform: str) -> str:
         return platform
 
 
-_FLAGS = ("bias", "sinks", "soft_cap", "segment_ids", "positions", "fused_backward")
+_FLAGS = ("bias", "sinks", "soft_cap", "segment_ids", "positions")
 
 
 def call_key(kernel, features) -> str:
@@ -161,7 +161,7 @@ def call_key(kernel, features) -> str:
     kernel_text = type(kernel).__qualname__ + describe(kernel)[len(describe(type(kernel))):]
     return " | ".join((
         device_kind(f.platform), f"eqx_bsattn {__version__}",
-        f"{kernel.name} v{kernel.version} {kernel_text}", f.dtype,
+        f"{kernel.name} v{kernel.version} {kernel_text} {kernel.config_type.__name__}", f.dtype,
         f"B{f.batch} H{f.num_heads} Hkv{f.num_kv_heads} Lq{f.q_len} Lk{f.kv_len} "
         f"D{f.head_dim} Dv{f.value_dim}",
         flags,

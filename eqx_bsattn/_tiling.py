@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
 import equinox as eqx
+from equinox import AbstractClassVar
 
 from ._cache import lookup, tiling_policy
 from ._inputs import python_scalar
@@ -54,22 +55,22 @@ class AbstractKernelConfig(AbstractTiling):
     """
 
     #: The fields of the forward pass, which `autotune` combines with the fastest backward.
-    forward_fields: ClassVar[tuple[str, ...]] = ("block_q", "block_kv")
+    forward_fields: AbstractClassVar[tuple[str, ...]]
 
     @property
     @abc.abstractmethod
     def blocks(self) -> PassBlocks:
         """The tiles of the forward, dq and dk/dv passes."""
 
+    @abc.abstractmethod
     def explicit(self) -> "AbstractKernelConfig":
         """The same config with every field that defaults to another spelled out (configs
         equal as run compare equal); a config without such fields returns itself."""
-        return self
 
+    @abc.abstractmethod
     def text(self) -> str:
-        """The config in one line: ``"fwd 128x128 | dq 128x64 | dk/dv 64x128"``."""
-        names = ("fwd", "dq", "dk/dv")
-        return " | ".join(f"{n} {q}x{k}" for n, (q, k) in zip(names, self.blocks, strict=True))
+        """The config in one line, e.g. ``"fwd 128x128 | dq 128x64 | dk/dv 64x128"``
+        (`blocks_text`)."""
 
     def variants(self, *groups: tuple[tuple[str, ...], Sequence[tuple]]) -> tuple:
         """This config, then this config with one group of fields set to each of its options,
@@ -93,6 +94,12 @@ class AbstractKernelConfig(AbstractTiling):
         return self, "module"
 
 
+def blocks_text(blocks: PassBlocks) -> str:
+    """``"fwd 128x128 | dq 128x64 | dk/dv 64x128"``: a config's `text` of its blocks."""
+    names = ("fwd", "dq", "dk/dv")
+    return " | ".join(f"{n} {q}x{k}" for n, (q, k) in zip(names, blocks, strict=True))
+
+
 def _field(**kwargs):
     return eqx.field(static=True, converter=python_scalar, **kwargs)
 
@@ -103,11 +110,23 @@ def check_positive(owner: str, name: str, value: int | None) -> None:
         raise ValueError(f"`{owner}.{name}` must be a positive int or None; got {value!r}.")
 
 
+def check_fields(config) -> None:
+    """`check_positive` on every field of a config (its `__check_init__`'s first step)."""
+    for f in dataclasses.fields(config):
+        check_positive(type(config).__name__, f.name, getattr(config, f.name))
+
+
+def chained_blocks(block_q: int, block_kv: int, dq: tuple, dkv: tuple) -> PassBlocks:
+    """`PassBlocks` of a config whose dk/dv blocks default to the forward ones and whose dq
+    blocks default to the dk/dv ones: `dq`, `dkv` are ``(block_q, block_kv)`` pairs with
+    ``None`` where unset."""
+    kv_q, kv_k = dkv[0] or block_q, dkv[1] or block_kv
+    return PassBlocks((block_q, block_kv), (dq[0] or kv_q, dq[1] or kv_k), (kv_q, kv_k))
+
+
 #: `Tiling`'s launch parameters, kept for one release: they are `TritonBlockSparse`'s.
 LAUNCH_FIELDS = ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd", "num_warps_dq",
                  "num_stages_dq")
-_BLOCK_FIELDS = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "block_q_dq",
-                 "block_kv_dq")
 
 
 class Tiling(AbstractKernelConfig):
@@ -152,8 +171,7 @@ class Tiling(AbstractKernelConfig):
                                                  "num_stages")
 
     def __check_init__(self):
-        for name in _BLOCK_FIELDS + LAUNCH_FIELDS:
-            check_positive("Tiling", name, getattr(self, name))
+        check_fields(self)
         launch = [name for name in LAUNCH_FIELDS if getattr(self, name) is not None]
         if launch:
             # __check_init__ <- AbstractStrategy.__post_init__ <- __init__ <- the caller.
@@ -166,17 +184,20 @@ class Tiling(AbstractKernelConfig):
     @property
     def backward_blocks(self) -> tuple[int, int]:
         """``(block_q, block_kv)`` of the dk/dv pass."""
-        return (self.block_q_bwd or self.block_q, self.block_kv_bwd or self.block_kv)
+        return self.blocks.dkv
 
     @property
     def dq_blocks(self) -> tuple[int, int]:
         """``(block_q, block_kv)`` of the dq pass."""
-        bq, bk = self.backward_blocks
-        return (self.block_q_dq or bq, self.block_kv_dq or bk)
+        return self.blocks.dq
 
     @property
     def blocks(self) -> PassBlocks:
-        return PassBlocks((self.block_q, self.block_kv), self.dq_blocks, self.backward_blocks)
+        return chained_blocks(self.block_q, self.block_kv, (self.block_q_dq, self.block_kv_dq),
+                              (self.block_q_bwd, self.block_kv_bwd))
+
+    def text(self) -> str:
+        return blocks_text(self.blocks)
 
     def explicit(self) -> "Tiling":
         """The same tiling with every backward and dq block spelled out."""

@@ -2,10 +2,14 @@
 kernel that tiles has its own config (`TritonConfig`, `XlaConfig`, `SplashConfig`,
 `MosaicConfig`)."""
 
-from eqx_bsattn.contract import AbstractKernel as AbstractKernel, Features as Features
+from eqx_bsattn.contract import (
+    AbstractKernel as AbstractKernel,
+    AbstractLseKernel as AbstractLseKernel,
+    Features as Features,
+)
 
 from .reference import DenseReference as DenseReference, reference_attention as reference_attention
-from .cudnn import CudnnDense as CudnnDense
+from .cudnn import CudnnDense as CudnnDense, cudnn_mask_options as cudnn_mask_options
 from .xla import XlaBlockSparse as XlaBlockSparse, XlaConfig as XlaConfig
 from .triton import TritonBlockSparse as TritonBlockSparse, TritonConfig as TritonConfig
 from .splash import SplashBlockSparse as SplashBlockSparse, SplashConfig as SplashConfig

@@ -11,7 +11,6 @@ chunks of blocks one after another past `_SLOT_ELEMENTS` scores, so memory stays
 scales with the number of visited blocks; no ``Lq x Lk`` array is built (a user-given bias
 already is that size: its blocks are sliced out of it)."""
 
-import dataclasses
 import functools
 import math
 from typing import Any, ClassVar, NamedTuple
@@ -22,13 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqx_bsattn.contract import (
-    AbstractKernel,
     AbstractKernelConfig,
+    AbstractLseKernel,
     BlockLayout,
     CompiledMask,
     Features,
+    MaskReads,
     PassBlocks,
     backward_delta,
+    blocks_text,
+    chained_blocks,
+    check_fields,
     pad_axis,
     public_lse,
     refuse_forward_mode,
@@ -675,23 +678,22 @@ class XlaConfig(AbstractKernelConfig):
     block_q_dkv: int | None = eqx.field(default=None, static=True)
     block_kv_dkv: int | None = eqx.field(default=None, static=True)
 
+    forward_fields: ClassVar[tuple[str, ...]] = ("block_q", "block_kv")
+
     def __check_init__(self):
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value <= 0):
-                raise ValueError(f"`XlaConfig.{f.name}` must be a positive int or None; got "
-                                 f"{value!r}.")
+        check_fields(self)
 
     @property
     def blocks(self) -> PassBlocks:
-        dkv = (self.block_q_dkv or self.block_q, self.block_kv_dkv or self.block_kv)
-        return PassBlocks((self.block_q, self.block_kv),
-                          (self.block_q_dq or dkv[0], self.block_kv_dq or dkv[1]), dkv)
+        return chained_blocks(self.block_q, self.block_kv, (self.block_q_dq, self.block_kv_dq),
+                              (self.block_q_dkv, self.block_kv_dkv))
 
     def explicit(self) -> "XlaConfig":
         """The same config with the dq and dk/dv blocks spelled out."""
         return XlaConfig.of_blocks(self.blocks)
+
+    def text(self) -> str:
+        return blocks_text(self.blocks)
 
     @classmethod
     def of_blocks(cls, blocks: PassBlocks) -> "XlaConfig":
@@ -726,7 +728,7 @@ class XlaConfig(AbstractKernelConfig):
         return tuple(dict.fromkeys(t.clamped(features) for t in candidates))
 
 
-class XlaBlockSparse(AbstractKernel):
+class XlaBlockSparse(AbstractLseKernel):
     """Block-sparse flash attention in plain JAX: runs on every platform.
 
     For each q-block it visits only the kv-blocks its `BlockLayout` lists, with an online
@@ -756,16 +758,16 @@ class XlaBlockSparse(AbstractKernel):
 
     name: ClassVar[str] = "xla"
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
-    reads: ClassVar[str] = "elements"
-    returns_lse: ClassVar[bool] = True
-    config_type: ClassVar[type[XlaConfig]] = XlaConfig
-    # 2: cache entries hold `XlaConfig` fields (``*_dkv``, not `Tiling`'s ``*_bwd``).
-    version: ClassVar[str] = "2"
+    reads: ClassVar[MaskReads] = "elements"
+    config_type: ClassVar[type[AbstractKernelConfig]] = XlaConfig
 
     @classmethod
     def priority(cls, platform):
         # Below the dedicated GPU kernels (20 and up); the default where none exists.
         return 5 if platform == "gpu" else 10
+
+    def decline_reason(self, mask, features):
+        return None  # every feature of DenseReference, every mask through `visible`
 
     def default_tiling(self, features: Features, mask) -> XlaConfig:
         return XlaConfig.heuristic(features)

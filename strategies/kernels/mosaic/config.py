@@ -2,10 +2,11 @@
 (`MosaicConfig.for_head_dim`, its heuristic and only candidate)."""
 
 import dataclasses
+from typing import ClassVar
 
 import equinox as eqx
 
-from eqx_bsattn.contract import AbstractKernelConfig, PassBlocks
+from eqx_bsattn.contract import AbstractKernelConfig, PassBlocks, blocks_text
 
 from .backward import backward_blocks
 from .forward import BLOCK_Q, block_kv_for, stages_for
@@ -35,6 +36,8 @@ class MosaicConfig(AbstractKernelConfig):
     block_kv_dkv: int = eqx.field(static=True)
     stages: int = eqx.field(static=True)
 
+    forward_fields: ClassVar[tuple[str, ...]] = ("block_q", "block_kv", "stages")
+
     def __check_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -47,8 +50,11 @@ class MosaicConfig(AbstractKernelConfig):
         return PassBlocks((self.block_q, self.block_kv), (self.block_q_dq, self.block_kv_dq),
                           (self.block_q_dkv, self.block_kv_dkv))
 
+    def explicit(self) -> "MosaicConfig":
+        return self  # every field is set
+
     def text(self) -> str:
-        return f"{super().text()} | s{self.stages}"
+        return f"{blocks_text(self.blocks)} | s{self.stages}"
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> "MosaicConfig":

@@ -10,8 +10,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (AbstractKernel, AbstractKernelConfig, Features, ResolvedMask,
-                                  add_sinks, backward_delta, pad_axis, public_lse, zero_cotangent)
+from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Features, MaskReads,
+                                  ResolvedMask, add_sinks, backward_delta, pad_axis, public_lse,
+                                  zero_cotangent)
 
 from .backward import BackwardConfig, backward_blocks, dkv_call, dq_accumulator_shape, dq_call
 from .common import persistent_schedule
@@ -19,7 +20,7 @@ from .config import MosaicConfig
 from .forward import BLOCK_Q, ForwardConfig, forward_call, rows_padded, stages_for
 
 _DTYPES = ("bfloat16", "float16")
-#: Head dims checked on the H200; D=256 (64-key tiles) gave no result there in 45 s, unverified.
+#: The head dims verified on the H200 (docs/mosaic.md says why D=256 is not among them).
 _HEAD_DIMS = (64, 128)
 
 
@@ -67,7 +68,7 @@ def refs_reach_kernels() -> bool:
     return tuple(jax.__version_info__[:2]) >= (0, 11)
 
 
-class MosaicBlockSparse(AbstractKernel):
+class MosaicBlockSparse(AbstractLseKernel):
     """Block-sparse flash attention for Hopper GPUs, written in Pallas Mosaic GPU, forward and
     backward.
 
@@ -82,7 +83,7 @@ class MosaicBlockSparse(AbstractKernel):
     - deterministic (the default, ``deterministic=True``): a dq kernel over the dq layout and
       a dk/dv kernel over the transposed dk/dv lists, each gradient block written by one CTA
       in a fixed order, so results are bit-identical from run to run; 7 block products per
-      visible block. On the H200 it is the faster of the two today (docs/mosaic.md).
+      visible block; docs/mosaic.md compares the two modes' speed.
     - single pass (``deterministic=False``): per (head, 128 keys, batch) it walks the kv
       tile's visible q blocks once, recomputing ``S^T`` and ``dP^T`` and accumulating dV and
       dK in registers; each block's dS also goes to shared memory for its dq partial
@@ -101,8 +102,9 @@ class MosaicBlockSparse(AbstractKernel):
     inside). Declines bias, per-call positions, masks without in-kernel terms and masks whose
     block tables do not align with its tiles, each with a reason, so the selector gives the
     whole call to another kernel. Its tiles are fixed (`MosaicConfig.for_head_dim`): another
-    kernel's config or a `Tiling` gives way to them, and a `MosaicConfig` must be that one. Its priority on a GPU (35) is above Triton's (30) and below cuDNN's
-    (40) (docs/mosaic.md has the measurements behind that order).
+    kernel's config or a `Tiling` gives way to them, and a `MosaicConfig` must be that one.
+    Its priority on a GPU (35) is above Triton's (30) and below cuDNN's (40) (docs/mosaic.md
+    has the measurements behind that order).
 
     ```python
     attn = BlockSparseAttention(mask=mask, kernel=kernels.MosaicBlockSparse())
@@ -114,10 +116,8 @@ class MosaicBlockSparse(AbstractKernel):
 
     name: ClassVar[str] = "mosaic"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
-    reads: ClassVar[str] = "terms"
-    returns_lse: ClassVar[bool] = True
-    config_type: ClassVar[type[MosaicConfig]] = MosaicConfig
-    version: ClassVar[str] = "2"  # cache entries hold `MosaicConfig` fields
+    reads: ClassVar[MaskReads] = "terms"
+    config_type: ClassVar[type[AbstractKernelConfig]] = MosaicConfig
 
     def __check_init__(self):
         if not isinstance(self.deterministic, bool):

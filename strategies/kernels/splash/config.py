@@ -1,11 +1,12 @@
 """`SplashConfig`: what `SplashBlockSparse` tunes, the block sizes of Splash's three passes (as
 Splash's own `BlockSizes` names them), its heuristic and how a config fits Splash's lanes."""
 
-import dataclasses
+from typing import ClassVar
 
 import equinox as eqx
 
-from eqx_bsattn.contract import AbstractKernelConfig, Features, PassBlocks
+from eqx_bsattn.contract import (AbstractKernelConfig, Features, PassBlocks, blocks_text,
+                                  chained_blocks, check_fields)
 
 LANES = 128  # Splash's key blocks (and query blocks with segment ids) are multiples of this
 
@@ -36,22 +37,21 @@ class SplashConfig(AbstractKernelConfig):
     block_q_dkv: int | None = eqx.field(default=None, static=True)
     block_kv_dkv: int | None = eqx.field(default=None, static=True)
 
+    forward_fields: ClassVar[tuple[str, ...]] = ("block_q", "block_kv")
+
     def __check_init__(self):
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value <= 0):
-                raise ValueError(f"`SplashConfig.{f.name}` must be a positive int or None; "
-                                 f"got {value!r}.")
+        check_fields(self)
 
     @property
     def blocks(self) -> PassBlocks:
-        dkv = (self.block_q_dkv or self.block_q, self.block_kv_dkv or self.block_kv)
-        return PassBlocks((self.block_q, self.block_kv),
-                          (self.block_q_dq or dkv[0], self.block_kv_dq or dkv[1]), dkv)
+        return chained_blocks(self.block_q, self.block_kv, (self.block_q_dq, self.block_kv_dq),
+                              (self.block_q_dkv, self.block_kv_dkv))
 
     def explicit(self) -> "SplashConfig":
         return SplashConfig.of_blocks(self.blocks)
+
+    def text(self) -> str:
+        return blocks_text(self.blocks)
 
     @classmethod
     def of_blocks(cls, blocks: PassBlocks) -> "SplashConfig":

@@ -5,8 +5,8 @@ from typing import ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (AbstractKernel, AbstractKernelConfig, Features, ResolvedMask,
-                                  pad_axis)
+from eqx_bsattn.contract import (AbstractKernel, AbstractKernelConfig, Features, MaskReads,
+                                  ResolvedMask, pad_axis)
 
 from .config import LANES, SplashConfig
 from .launch import block_sizes, never_matching, sink_logits, splash_attention, splash_missing
@@ -58,9 +58,8 @@ class SplashBlockSparse(AbstractKernel):
 
     name: ClassVar[str] = "splash"
     platforms: ClassVar[tuple[str, ...]] = ("tpu", "cpu")
-    reads: ClassVar[str] = "terms"
-    config_type: ClassVar[type[SplashConfig]] = SplashConfig
-    version: ClassVar[str] = "2"  # cache entries hold `SplashConfig` fields
+    reads: ClassVar[MaskReads] = "terms"
+    config_type: ClassVar[type[AbstractKernelConfig]] = SplashConfig
 
     @classmethod
     def priority(cls, platform):

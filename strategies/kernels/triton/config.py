@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import equinox as eqx
 
-from eqx_bsattn.contract import AbstractKernelConfig, PassBlocks, Tiling
+from eqx_bsattn.contract import (AbstractKernelConfig, PassBlocks, Tiling, chained_blocks,
+                                  check_fields)
 
 _BLOCKS = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "block_q_dq", "block_kv_dq")
 _LAUNCHES = ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd", "num_warps_dq",
@@ -57,12 +58,7 @@ class TritonConfig(AbstractKernelConfig):
                                                  "num_stages")
 
     def __check_init__(self):
-        for name in _BLOCKS + _LAUNCHES:
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value <= 0):
-                raise ValueError(
-                    f"`TritonConfig.{name}` must be a positive int or None; got {value!r}.")
+        check_fields(self)
         for name in _BLOCKS:
             value = getattr(self, name)
             if value is not None and (value < 16 or value & (value - 1)):
@@ -73,17 +69,17 @@ class TritonConfig(AbstractKernelConfig):
     @property
     def backward_blocks(self) -> tuple[int, int]:
         """``(block_q, block_kv)`` of the dk/dv launch."""
-        return (self.block_q_bwd or self.block_q, self.block_kv_bwd or self.block_kv)
+        return self.blocks.dkv
 
     @property
     def dq_blocks(self) -> tuple[int, int]:
         """``(block_q, block_kv)`` of the dq launch."""
-        bq, bk = self.backward_blocks
-        return (self.block_q_dq or bq, self.block_kv_dq or bk)
+        return self.blocks.dq
 
     @property
     def blocks(self) -> PassBlocks:
-        return PassBlocks((self.block_q, self.block_kv), self.dq_blocks, self.backward_blocks)
+        return chained_blocks(self.block_q, self.block_kv, (self.block_q_dq, self.block_kv_dq),
+                              (self.block_q_bwd, self.block_kv_bwd))
 
     def explicit(self) -> "TritonConfig":
         """The same config with every ``_bwd`` and ``_dq`` field spelled out (taken from the

@@ -1,14 +1,12 @@
 """`TritonBlockSparse`: the kernel strategy, reading the compiled mask into the launches."""
 
 import functools
-import warnings
 from typing import ClassVar
 
-import equinox as eqx
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (AbstractKernel, AbstractKernelConfig, Features, ResolvedMask,
-                                  add_sinks, refuse_forward_mode)
+from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Features, MaskReads,
+                                  ResolvedMask, add_sinks, refuse_forward_mode)
 
 from .config import TritonConfig
 from .heuristics import default_tiling, tiling_candidates
@@ -47,7 +45,7 @@ def _jax_triton_missing() -> str | None:
     return version_problem(jax_triton.__version__, triton.__version__)
 
 
-class TritonBlockSparse(AbstractKernel):
+class TritonBlockSparse(AbstractLseKernel):
     """Block-sparse flash attention written in Triton, launched from JAX with jax-triton.
 
     The forward pass runs one program per (q-block, head, batch) over that q-block's visited
@@ -57,9 +55,9 @@ class TritonBlockSparse(AbstractKernel):
     kernel over kv-blocks (the layout's transposed lists) that loops over the q heads of its
     group, so grouped-query gradients are reduced deterministically, without atomics. The
     forward, dq and dk/dv launches read the compiled mask's three layouts, each at its own
-    tiles (its `TritonConfig`'s forward, ``*_dq`` and ``*_bwd`` fields). FULL lists that are ranges of
-    blocks are walked without index loads: known on the host for static layouts, checked per
-    row in the kernel for layouts built from per-call data.
+    tiles (its `TritonConfig`'s forward, ``*_dq`` and ``*_bwd`` fields). FULL lists that are
+    ranges of blocks are walked without index loads: known on the host for static layouts,
+    checked per row in the kernel for layouts built from per-call data.
 
     Partial blocks evaluate the compiled mask's canonical terms (causal with an offset, a
     window, chunks, a prefix, segment ids) on positions; block tables whose cells are
@@ -77,24 +75,16 @@ class TritonBlockSparse(AbstractKernel):
     differentiable where they are floating. GPU only; needs ``jax-triton`` (the ``gpu``
     extra).
 
-    **Arguments:**
-
-    - `fused_backward`: accepted for symmetry with other kernels, but no fused backward is
-      built: when True, a warning says the split backward runs instead.
-
     ```python
     attn = BlockSparseAttention(mask=mask, kernel=kernels.TritonBlockSparse())
     out = attn(q, k, v)          # q [B, H, L, D] bfloat16 on a GPU
     ```
     """
 
-    fused_backward: bool = eqx.field(default=False, static=True)
-
     name: ClassVar[str] = "triton"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
-    reads: ClassVar[str] = "terms"
-    returns_lse: ClassVar[bool] = True
-    config_type: ClassVar[type[TritonConfig]] = TritonConfig
+    reads: ClassVar[MaskReads] = "terms"
+    config_type: ClassVar[type[AbstractKernelConfig]] = TritonConfig
 
     @classmethod
     def priority(cls, platform):
@@ -137,12 +127,6 @@ class TritonBlockSparse(AbstractKernel):
 
     def _run(self, query, key, value, mask, inputs, tiling, softmax_scale, logits_soft_cap,
              with_lse):
-        if self.fused_backward:
-            warnings.warn(
-                "TritonBlockSparse(fused_backward=True): no fused backward is built; the split "
-                "backward (dq kernel + dk/dv kernel) runs instead.",
-                stacklevel=2,
-            )
         refuse_forward_mode(type(self).__name__, query, key, value, inputs.bias, inputs.sinks)
         batch, heads, q_len, dim = query.shape
         kv_heads, kv_len, value_dim = value.shape[1:]
