@@ -40,7 +40,6 @@ class Features:
     segment_ids: bool = False
     #: Per-call positions: the caller's, or those a sharding passes to each shard's call.
     positions: bool = False
-    fused_backward: bool = False
     lse: bool = False
 
 

@@ -36,6 +36,7 @@ from ._compile import (
     CompiledMask as CompiledMask,
     MaskReads as MaskReads,
     ResolvedMask as ResolvedMask,
+    describe_terms as describe_terms,
 )
 from ._inputs import AttentionInputs as AttentionInputs, POSITION_LIMIT as POSITION_LIMIT
 from ._kernel import (

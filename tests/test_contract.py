@@ -3,6 +3,7 @@ kernels never name a mask class, the core never imports the strategies, and ever
 abstract or final."""
 
 import ast
+import importlib
 import importlib.util
 import inspect
 import pathlib
@@ -60,6 +61,40 @@ def test_plug_ins_and_scripts_import_no_private_name(path):
             parts = module.split(".")
             assert not any(part.startswith("_") for part in parts), (path, module)
             assert not any(name.startswith("_") for name in names), (path, module, names)
+
+
+#: The namespaces a user imports from; the demo and the benchmark import nothing else.
+PUBLIC_NAMESPACES = ("eqx_bsattn", "eqx_bsattn.contract", "eqx_bsattn.bench",
+                     "eqx_bsattn.timing")
+
+
+@pytest.mark.parametrize("name", ["bench.py", "__main__.py"])
+def test_the_demo_and_the_benchmark_import_only_public_names(name):
+    """`python -m eqx_bsattn` and `python -m eqx_bsattn.bench` are user-facing tools: they
+    import what a user can (`eqx_bsattn`, `eqx_bsattn.kernels`, `eqx_bsattn.masks`, the
+    contract), never a private module or name, nor a kernel's own module."""
+    path = ROOT / "eqx_bsattn" / name
+    imported = [(m, names) for m, names in _imports(path) if m.split(".")[0] == "eqx_bsattn"]
+    assert imported
+    for module, names in imported:
+        assert module in PUBLIC_NAMESPACES, (name, module)
+        for imported_name in names:
+            assert not imported_name.startswith("_"), (name, module, imported_name)
+            assert hasattr(importlib.import_module(module), imported_name), (module, imported_name)
+
+
+def test_the_repository_names_no_machine_path():
+    """No file points into one machine's folders (home, scratch or temporary directories)."""
+    machine_path = re.compile(r"(?<![\w.~])/(?:home|work|tmp|root|Users|scratch)/")
+    skip = {".git", ".venv", "__pycache__", ".pytest_cache"}
+    files = [p for p in ROOT.rglob("*") if p.is_file()
+             and not skip.intersection(p.relative_to(ROOT).parts)
+             and not any(part.endswith(".egg-info") for part in p.parts)
+             and p.suffix in (".py", ".md", ".toml", ".ipynb", ".json", ".txt", ".cfg", ".sh")]
+    assert len(files) > 50
+    found = [f"{p.relative_to(ROOT)}: {m.group()}" for p in files
+             for m in machine_path.finditer(p.read_text(errors="replace"))]
+    assert not found, found
 
 
 def _unit(module: str) -> str:

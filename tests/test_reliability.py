@@ -4,7 +4,7 @@ determinism and forward-mode AD; for every kernel that runs on this machine, aga
 oracle of `tests/conftest.py`. The rules tested here are written down in docs/reliability.md.
 
 With a GPU the GPU kernels join (the `gpu` marker); on the CPU the Triton kernel runs through
-its interpreter when ``EQX_BSATTN_TRITON_INTERPRET`` is set (see `tests/triton_interpret.py`).
+its interpreter when ``EQX_BSATTN_TRITON_INTERPRET`` is set (see `benchmarks/triton_interpret.py`).
 """
 
 import logging

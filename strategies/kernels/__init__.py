@@ -7,7 +7,7 @@ from eqx_bsattn.contract import (
 )
 
 from .reference import DenseReference as DenseReference, reference_attention as reference_attention
-from .cudnn import CudnnDense as CudnnDense
+from .cudnn import CudnnDense as CudnnDense, cudnn_mask_options as cudnn_mask_options
 from .xla import XlaBlockSparse as XlaBlockSparse
 from .triton import TritonBlockSparse as TritonBlockSparse
 from .splash import SplashBlockSparse as SplashBlockSparse

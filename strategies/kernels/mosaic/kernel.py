@@ -19,7 +19,7 @@ from .common import persistent_schedule
 from .forward import BLOCK_Q, ForwardConfig, block_kv_for, forward_call, rows_padded, stages_for
 
 _DTYPES = ("bfloat16", "float16")
-#: Head dims checked on the H200; D=256 (64-key tiles) gave no result there in 45 s, unverified.
+#: The head dims verified on the H200 (docs/mosaic.md says why D=256 is not among them).
 _HEAD_DIMS = (64, 128)
 
 
@@ -93,7 +93,7 @@ class MosaicBlockSparse(AbstractLseKernel):
     - deterministic (the default, ``deterministic=True``): a dq kernel over the dq layout and
       a dk/dv kernel over the transposed dk/dv lists, each gradient block written by one CTA
       in a fixed order, so results are bit-identical from run to run; 7 block products per
-      visible block. On the H200 it is the faster of the two today (docs/mosaic.md).
+      visible block; docs/mosaic.md compares the two modes' speed.
     - single pass (``deterministic=False``): per (head, 128 keys, batch) it walks the kv
       tile's visible q blocks once, recomputing ``S^T`` and ``dP^T`` and accumulating dV and
       dK in registers; each block's dS also goes to shared memory for its dq partial
