@@ -347,6 +347,8 @@ def test_a_strategy_says_it_is_abstract_as_an_equinox_module_does():
     assert not is_abstract(Member) and Member(size=2) == Member(2)
     with pytest.raises(TypeError, match="abstract class AbstractFamily"):
         AbstractFamily()
+    with pytest.raises(TypeError, match="`cls` must be a class; got Member"):
+        is_abstract(Member())
 
 
 def _kernel_class(base, class_name, **namespace):
