@@ -243,10 +243,11 @@ def _concrete_owner(cls, name):
 
 
 #: Concrete members that subclasses may still replace: the kernels' tiling defaults, which
-#: each kernel's own config takes over, and the masks' structural hooks (an atom has no
+#: each kernel's own config takes over, and their autotune cache `version` (bumped when a
+#: change makes tilings tuned before it stale); the masks' structural hooks (an atom has no
 #: children, fits every length, resolves to itself, has no in-kernel terms).
 REPLACEABLE = {
-    "AbstractKernel": {"default_tiling", "adapt_tiling", "tiling_candidates"},
+    "AbstractKernel": {"default_tiling", "adapt_tiling", "tiling_candidates", "version"},
     "AbstractMask": {"terms", "children", "check", "resolve"},
 }
 
@@ -360,6 +361,8 @@ def test_a_strategy_says_it_is_abstract_as_an_equinox_module_does():
     assert not is_abstract(Member) and Member(size=2) == Member(2)
     with pytest.raises(TypeError, match="abstract class AbstractFamily"):
         AbstractFamily()
+    with pytest.raises(TypeError, match="`cls` must be a class; got Member"):
+        is_abstract(Member())
 
 
 def _kernel_class(base, class_name, **namespace):
