@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
+from eqx_bsattn.contract import MaskReads
 from eqx_bsattn import kernels, masks
 from eqx_bsattn.strategies.kernels.reference import reference_attention
 from tests.conftest import (
@@ -157,7 +158,14 @@ class DoubledReference(bsa.AbstractKernel):
 
     name: ClassVar[str] = "test-doubled"
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
-    reads: ClassVar[str] = "dense"
+    reads: ClassVar[MaskReads] = "dense"
+
+    @classmethod
+    def priority(cls, platform):
+        return None
+
+    def decline_reason(self, mask, features):
+        return None
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
@@ -168,7 +176,7 @@ class DoubledReference(bsa.AbstractKernel):
 class _Declines(bsa.AbstractKernel):
     name: ClassVar[str] = "test-declines"
     platforms: ClassVar[tuple[str, ...]] = ("test-platform",)
-    reads: ClassVar[str] = "dense"
+    reads: ClassVar[MaskReads] = "dense"
     reason: str = eqx.field(default="it never runs anything", static=True)
 
     @classmethod
@@ -185,7 +193,7 @@ class _Declines(bsa.AbstractKernel):
 class _AcceptsNoBias(bsa.AbstractKernel):
     name: ClassVar[str] = "test-no-bias"
     platforms: ClassVar[tuple[str, ...]] = ("test-platform", "cpu")
-    reads: ClassVar[str] = "dense"
+    reads: ClassVar[MaskReads] = "dense"
 
     @classmethod
     def priority(cls, platform):

@@ -10,8 +10,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (AbstractKernel, Features, ResolvedMask, Tiling, add_sinks,
-                                  backward_delta, pad_axis, public_lse, zero_cotangent)
+from eqx_bsattn.contract import (AbstractLseKernel, Features, MaskReads, ResolvedMask, Tiling,
+                                  add_sinks, backward_delta, pad_axis, public_lse,
+                                  zero_cotangent)
 
 from .backward import BackwardConfig, backward_blocks, dkv_call, dq_accumulator_shape, dq_call
 from .common import persistent_schedule
@@ -77,7 +78,7 @@ def mosaic_tiling(head_dim: int) -> Tiling:
                   num_stages=stages_for(head_dim, block_kv))
 
 
-class MosaicBlockSparse(AbstractKernel):
+class MosaicBlockSparse(AbstractLseKernel):
     """Block-sparse flash attention for Hopper GPUs, written in Pallas Mosaic GPU, forward and
     backward.
 
@@ -124,8 +125,7 @@ class MosaicBlockSparse(AbstractKernel):
 
     name: ClassVar[str] = "mosaic"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
-    reads: ClassVar[str] = "terms"
-    returns_lse: ClassVar[bool] = True
+    reads: ClassVar[MaskReads] = "terms"
 
     def __check_init__(self):
         if not isinstance(self.deterministic, bool):

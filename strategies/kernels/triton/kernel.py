@@ -5,8 +5,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (AbstractKernel, Features, ResolvedMask, Tiling, add_sinks,
-                                  refuse_forward_mode)
+from eqx_bsattn.contract import (AbstractLseKernel, Features, MaskReads, ResolvedMask, Tiling,
+                                  add_sinks, refuse_forward_mode)
 
 from .heuristics import check_tiling, default_tiling, tiling_candidates
 from .launch import LaunchConfig, layout_arrays, list_mode
@@ -44,7 +44,7 @@ def _jax_triton_missing() -> str | None:
     return version_problem(jax_triton.__version__, triton.__version__)
 
 
-class TritonBlockSparse(AbstractKernel):
+class TritonBlockSparse(AbstractLseKernel):
     """Block-sparse flash attention written in Triton, launched from JAX with jax-triton.
 
     The forward pass runs one program per (q-block, head, batch) over that q-block's visited
@@ -82,8 +82,7 @@ class TritonBlockSparse(AbstractKernel):
 
     name: ClassVar[str] = "triton"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
-    reads: ClassVar[str] = "terms"
-    returns_lse: ClassVar[bool] = True
+    reads: ClassVar[MaskReads] = "terms"
 
     @classmethod
     def priority(cls, platform):
