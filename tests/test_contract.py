@@ -244,10 +244,12 @@ def _concrete_owner(cls, name):
 
 #: Concrete members that subclasses may still replace: the kernels' tiling defaults (their
 #: config type and its heuristic, adaptation and candidates), which each kernel's own config
-#: takes over, and the masks' structural hooks (an atom has no
-#: children, fits every length, resolves to itself, has no in-kernel terms).
+#: takes over, and their autotune cache `version` (bumped when a change makes configs tuned
+#: before it stale); the masks' structural hooks (an atom has no children, fits every length,
+#: resolves to itself, has no in-kernel terms).
 REPLACEABLE = {
-    "AbstractKernel": {"config_type", "default_tiling", "adapt_tiling", "tiling_candidates"},
+    "AbstractKernel": {"config_type", "default_tiling", "adapt_tiling", "tiling_candidates",
+                       "version"},
     "AbstractMask": {"terms", "children", "check", "resolve"},
 }
 
@@ -361,6 +363,8 @@ def test_a_strategy_says_it_is_abstract_as_an_equinox_module_does():
     assert not is_abstract(Member) and Member(size=2) == Member(2)
     with pytest.raises(TypeError, match="abstract class AbstractFamily"):
         AbstractFamily()
+    with pytest.raises(TypeError, match="`cls` must be a class; got Member"):
+        is_abstract(Member())
 
 
 def _kernel_class(base, class_name, **namespace):
