@@ -253,31 +253,72 @@ def _np_lists(flags: np.ndarray, capacity: int) -> np.ndarray:
     return out.reshape(flags.shape[:-1] + (capacity,))
 
 
-def _jnp_lists(flags: Array) -> tuple[Array, Array]:
-    """`_np_lists` with every entry's slot (capacity the row length), in `jax.numpy`: counts
-    ``[...]`` and indices ``[..., n]`` int32, by one scatter."""
-    n = flags.shape[-1]
-    count = jnp.sum(flags, axis=-1, dtype=jnp.int32)
-    rows = flags.reshape(-1, n)
-    slot = jnp.where(rows, jnp.cumsum(rows, axis=-1, dtype=jnp.int32) - 1, n)  # n: dropped
-    which = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
-    index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), rows.shape)
-    out = jnp.zeros(rows.shape, jnp.int32).at[which, slot].set(index, mode="drop",
-                                                               unique_indices=True)
-    return count, out.reshape(flags.shape)
+def _jnp_lists(classes: Array, flag: int, capacity: int, *, by_column: bool
+               ) -> tuple[Array, Array]:
+    """`_np_lists` of the `flag` entries of each row (each column, `by_column`) of a possibly
+    traced ``[..., nq, nk]`` class matrix, in `jax.numpy`: counts ``[..., n]`` and indices
+    ``[..., n, capacity]`` int32.
+
+    A loop over chunks of at most ``_CHUNK_PAIRS`` entries keeps the temporaries (a cumulative
+    count and a scatter per chunk) bounded. The counts are exact; a row with more entries than
+    `capacity` would lose blocks, so the call then stops with an error, never a wrong answer.
+    """
+    *lead, nq, nk = classes.shape
+    n, width = (nk, nq) if by_column else (nq, nk)
+    rows = min(n, max(1, _CHUNK_PAIRS // width))
+    # `zeros_like` keeps the mesh axes `classes` varies over (a loop carry inside shard_map).
+    count = jnp.zeros_like(classes, dtype=jnp.int32, shape=(*lead, n))
+    index = jnp.zeros_like(classes, dtype=jnp.int32, shape=(*lead, n, capacity))
+
+    def chunk(step, carry):
+        count, index = carry
+        start = jnp.minimum(step * rows, n - rows)  # the last chunk may overlap the one before
+        if by_column:
+            part = jnp.swapaxes(jax.lax.dynamic_slice_in_dim(classes, start, rows, -1), -1, -2)
+        else:
+            part = jax.lax.dynamic_slice_in_dim(classes, start, rows, -2)
+        hits = (part == flag).reshape(-1, width)
+        slot = jnp.where(hits, jnp.cumsum(hits, axis=-1, dtype=jnp.int32) - 1, capacity)
+        which = jnp.arange(hits.shape[0], dtype=jnp.int32)[:, None]
+        column = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), hits.shape)
+        lists = jnp.zeros((hits.shape[0], capacity), jnp.int32).at[which, slot].set(
+            column, mode="drop", unique_indices=True)  # slot `capacity`: not listed
+        counts = jnp.sum(hits, axis=-1, dtype=jnp.int32).reshape(*lead, rows)
+        count = jax.lax.dynamic_update_slice_in_dim(count, counts, start, -1)
+        index = jax.lax.dynamic_update_slice_in_dim(
+            index, lists.reshape(*lead, rows, capacity), start, -2)
+        return count, index
+
+    count, index = jax.lax.fori_loop(0, math.ceil(n / rows), chunk, (count, index))
+    if capacity < width:
+        index = eqx.error_if(
+            index, jnp.max(count) > capacity,
+            "eqx_bsattn: a block layout built on the device lists more blocks in one row than "
+            "the capacity its mask's static part allows (the mask's `blocks` is not "
+            "conservative for the widest segment ids); no block is dropped.")
+    return count, index
 
 
-def _lists_from_classes(classes, *, exact: bool) -> tuple:
+def _capacities(capacity: tuple[int, int] | None, nq: int, nk: int) -> tuple[int, int]:
+    """(per q-block row, per kv-block column) list capacities: `capacity` or every block."""
+    rows, cols = (nk, nq) if capacity is None else capacity
+    return max(1, min(rows, nk)), max(1, min(cols, nq))
+
+
+def _lists_from_classes(classes, *, exact: bool,
+                        capacity: tuple[int, int] | None = None) -> tuple:
     """The eight block lists of a ``[..., nq, nk]`` class matrix, in `BlockLayout` order.
 
     `exact` (a NumPy `classes`): capacities are the longest list (at least 1), computed in
     chunks of rows and columns so that no temporary is the size of `classes` (only the int8
-    matrix itself is). Otherwise (`jax.numpy`, possibly traced): capacities of every block.
+    matrix itself is). Otherwise (`jax.numpy`, possibly traced): `capacity` (visited blocks
+    per q-block row, per kv-block column; a run that needs more raises), else every block.
     """
     if not exact:
-        by_row = [_jnp_lists(classes == flag) for flag in (FULL, PARTIAL)]
-        by_col = [_jnp_lists(jnp.swapaxes(classes, -1, -2) == flag) for flag in (FULL, PARTIAL)]
-        return (*by_row[0], *by_row[1], *by_col[0], *by_col[1])
+        rows, cols = _capacities(capacity, *classes.shape[-2:])
+        return tuple(x for flag, cap, by_column in ((FULL, rows, False), (PARTIAL, rows, False),
+                                                   (FULL, cols, True), (PARTIAL, cols, True))
+                     for x in _jnp_lists(classes, flag, cap, by_column=by_column))
     *lead, nq, nk = classes.shape
     counts = {key: np.zeros((*lead, n), np.int32) for key, n in
               (("full", nq), ("partial", nq), ("t_full", nk), ("t_partial", nk))}
@@ -299,6 +340,49 @@ def _lists_from_classes(classes, *, exact: bool) -> tuple:
             lists[key] = index
     return tuple(x for name in ("full", "partial", "t_full", "t_partial")
                  for x in (counts[name], lists[name]))
+
+
+def _any_segments(coords: BlockCoords) -> BlockCoords:
+    """`coords` whose blocks may hold every segment id (``[-2**31, 2**31 - 1]``)."""
+    lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    return eqx.tree_at(lambda c: (c.seg_lo, c.seg_hi), coords,
+                       (np.full(coords.index_lo.shape, lo, np.int32),
+                        np.full(coords.index_lo.shape, hi, np.int32)),
+                       is_leaf=lambda x: x is None)
+
+
+def static_capacity(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads: int,
+                    block_q: int, block_kv: int) -> tuple[int, int] | None:
+    """The most blocks a q-block row and a kv-block column can visit whatever the segment ids:
+    the list capacities of a layout built on the device, from the mask's static part.
+
+    `mask` (resolved) is classified at trace time with every block's segment range widened to
+    all ids, so a term such as a window or causal offset bounds the lists and a `Document`
+    term leaves every block it meets possible. ``None`` (every block) where no such bound is
+    known at trace time: a mask array, or a mask that classifies only by elements. (Per-call
+    positions leave window and causal terms unbounded; `build_layout` then passes none.)
+
+    ```python
+    static_capacity(masks.Causal() & masks.SlidingWindow(256, 0) & masks.Document(),
+                    q_len=4096, kv_len=4096, num_heads=1, block_q=128, block_kv=64)  # (6, 3)
+    ```
+    """
+    if carries_arrays(mask) or not mask.classifies_blocks:
+        return None
+    nq, nk = math.ceil(q_len / block_q), math.ceil(kv_len / block_kv)
+    with jax.ensure_compile_time_eval():
+        qc = _any_segments(block_coords(q_len, block_q, None, None, axis=-2))
+        kc = _any_segments(block_coords(kv_len, block_kv, None, None, axis=-1))
+        rows, cols = 0, np.zeros((nk,), np.int64)
+        for h in range(num_heads if mask.head_dependent else 1):
+            per_col = np.zeros((nk,), np.int64)
+            for start, stop in _chunks(nq, nk):
+                seen = np.asarray(mask.blocks(_q_rows(qc, start, stop), kc, h)) != EMPTY
+                seen = np.broadcast_to(seen, (1, stop - start, nk))[0]
+                rows = max(rows, int(seen.sum(-1).max()))
+                per_col += seen.sum(0)
+            cols = np.maximum(cols, per_col)
+    return max(rows, 1), max(int(cols.max()), 1)
 
 
 def _bitmaps(mask, partial_index, partial_count, t_partial_index, t_partial_count,
@@ -392,12 +476,15 @@ def build_layout(
 
     Without per-call data the layout is computed at trace time (NumPy constants, exact
     capacities). With positions or segment ids it is computed on the device inside `jit` with a
-    fixed capacity (every block), so new data never recompiles.
+    fixed capacity, so new data never recompiles: with segment ids alone, the most blocks a
+    row (a column) can visit whatever the ids (`static_capacity`: a window or causal term
+    bounds it); with positions, a mask array or an element-only mask, every block. A run
+    whose lists would not fit stops with an error; no block is ever dropped.
 
     Memory: the int8 class matrix ``[mb, mh, nq, nk]`` (a field) is the only array of that
-    size: `blocks` runs on chunks of q-block rows, and static lists are gathered from the
-    matrix in chunks of rows and columns, so temporaries stay bounded. (Per-call lists have
-    every block's capacity, so they are that size themselves.)
+    size: `blocks` runs on chunks of q-block rows, and the lists are gathered from the matrix
+    in chunks of rows and columns, so temporaries stay bounded. (Per-call lists without a
+    static bound have every block's capacity, so they are that size themselves.)
 
     ```python
     layout = build_layout(masks.Causal(), q_len=4096, kv_len=4096, num_heads=8,
@@ -503,8 +590,13 @@ def layout_of_resolved(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads
         classes = jnp.concatenate([row_classes(*rows) for rows in _chunks(nq, nk)], axis=-2)
     else:
         classes = ragged(element_classes())
+    capacity = None
+    if dynamic and q_positions is None and kv_positions is None:
+        capacity = static_capacity(mask, q_len=q_len, kv_len=kv_len, num_heads=mh,
+                                   block_q=block_q, block_kv=block_kv)
     (full_count, full_index, partial_count, partial_index, t_full_count, t_full_index,
-     t_partial_count, t_partial_index) = _lists_from_classes(classes, exact=not dynamic)
+     t_partial_count, t_partial_index) = _lists_from_classes(classes, exact=not dynamic,
+                                                             capacity=capacity)
 
     bitmaps = bitmap_index = t_bitmap_index = None
     if with_bitmaps:

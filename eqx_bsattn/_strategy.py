@@ -6,7 +6,6 @@ import inspect
 import weakref
 from typing import ClassVar, get_origin
 
-import equinox as eqx
 from equinox import AbstractClassVar
 
 #: Strategies declared abstract with ``is_abstract=True`` (equinox's class keyword) although
@@ -28,9 +27,8 @@ def is_abstract(cls: type) -> bool:
         raise TypeError(f"`cls` must be a class; got {type(cls).__name__}.")
     if inspect.isabstract(cls) or cls in _DECLARED_ABSTRACT:
         return True
-    if issubclass(cls, eqx.Module):
-        return bool(cls.__abstractvars__ or cls.__abstractclassvars__)
-    return bool(getattr(cls, "__abstractclassvars__", ()))
+    # Modules carry both sets (equinox's metaclass); strategies the class variables alone.
+    return bool(getattr(cls, "__abstractvars__", ()) or getattr(cls, "__abstractclassvars__", ()))
 
 
 def _abstract_class_vars(cls: type) -> frozenset[str]:

@@ -242,12 +242,15 @@ def _concrete_owner(cls, name):
     return None
 
 
-#: Concrete members that subclasses may still replace: the kernels' tiling defaults, which
-#: each kernel's own config takes over, and the score terms they evaluate (none by default);
-#: and the masks' structural hooks (an atom has no children, fits every length, resolves to
-#: itself, has no in-kernel terms).
+#: Concrete members that subclasses may still replace: the kernels' tiling defaults (their
+#: config type and its heuristic, adaptation and candidates), which each kernel's own config
+#: takes over, their autotune cache `version` (bumped when a change makes configs tuned
+#: before it stale) and the score terms they evaluate (none by default); the masks'
+#: structural hooks (an atom has no children, fits every length, resolves to itself, has no
+#: in-kernel terms).
 REPLACEABLE = {
-    "AbstractKernel": {"default_tiling", "adapt_tiling", "tiling_candidates", "score_kinds"},
+    "AbstractKernel": {"config_type", "default_tiling", "adapt_tiling", "tiling_candidates",
+                       "version", "score_kinds"},
     "AbstractMask": {"terms", "children", "check", "resolve"},
 }
 
@@ -361,6 +364,8 @@ def test_a_strategy_says_it_is_abstract_as_an_equinox_module_does():
     assert not is_abstract(Member) and Member(size=2) == Member(2)
     with pytest.raises(TypeError, match="abstract class AbstractFamily"):
         AbstractFamily()
+    with pytest.raises(TypeError, match="`cls` must be a class; got Member"):
+        is_abstract(Member())
 
 
 def _kernel_class(base, class_name, **namespace):

@@ -20,6 +20,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks
+from eqx_bsattn.contract import FULL, PARTIAL, AbstractBlockMask, classify
 from eqx_bsattn.strategies.kernels import xla as xla_kernel
 from tests.test_conformance import (
     KERNELS,
@@ -448,6 +449,89 @@ def test_alibi_at_2_20_tokens_adds_no_memory():
     assert alibi <= plain + 0.2e9, (alibi / 2**20, plain / 2**20)
     assert alibi_assigned <= plain_assigned + 0.2e9, (alibi_assigned / 2**20,
                                                       plain_assigned / 2**20)
+
+
+def _documents(length: int, size: int) -> jax.Array:
+    """``[1, length]`` segment ids of documents of `size` tokens."""
+    return jnp.asarray(np.arange(length, dtype=np.int32)[None] // size)
+
+
+def test_layouts_from_segment_ids_are_sized_by_the_window():
+    """A layout built on the device from segment ids lists at most the blocks the mask's
+    window lets a row (a column) visit, not every block of the row."""
+    length, window = 1 << 14, 256
+    ids = _documents(length, 1000)
+    mask = masks.Causal() & masks.SlidingWindow(window, 0) & masks.Document()
+    layout = jax.jit(lambda s: bsa.build_layout(
+        mask, q_len=length, kv_len=length, num_heads=1, block_q=128, block_kv=64,
+        q_segment_ids=s, kv_segment_ids=s))(ids)
+    # Row i sees keys [128 i - 256, 128 i + 127]: 6 kv-blocks of 64; column j is seen by the
+    # q-blocks over keys [64 j, 64 j + 63 + 256]: 3 q-blocks of 128.
+    assert layout.full_index.shape[-1] == layout.partial_index.shape[-1] == 6
+    assert layout.t_full_index.shape[-1] == layout.t_partial_index.shape[-1] == 3
+    classes = np.asarray(layout.classes)[0, 0]
+    for name in ("full", "partial", "t_full", "t_partial"):
+        count = np.asarray(getattr(layout, name + "_count"))[0, 0]
+        index = np.asarray(getattr(layout, name + "_index"))[0, 0]
+        dense = (classes.T if name.startswith("t_") else classes) == (
+            FULL if name.endswith("full") else PARTIAL)
+        np.testing.assert_array_equal(count, dense.sum(-1))
+        for row in range(dense.shape[0]):
+            np.testing.assert_array_equal(index[row, :count[row]], np.flatnonzero(dense[row]))
+
+
+class _LaterSegments(AbstractBlockMask):
+    """Keys of the query's document or a later one, whose EMPTY test is a difference of ids:
+    exact for the ids of a call, but the difference wraps for the widest ranges, where it
+    calls every block EMPTY (a mask whose `blocks` is not conservative there)."""
+
+    reads_segment_ids = True
+    varies_by_head = False
+
+    def elements(self, q, k, head):
+        return k.segment >= q.segment
+
+    def blocks(self, q, k, head):
+        return classify(k.seg_lo >= q.seg_hi, k.seg_hi - q.seg_lo < 0)
+
+
+def test_a_layout_that_outgrows_its_static_capacity_stops_the_call():
+    """A device-built layout whose rows need more blocks than the capacity the mask's static
+    part gave stops with an error; it never drops the blocks and answers wrongly."""
+    length = 256
+    ids = _documents(length, 100)
+    attn = bsa.BlockSparseAttention(mask=_LaterSegments(), kernel=kernels.XlaBlockSparse(),
+                                    tiling=bsa.Tiling(block_q=16, block_kv=16))
+    q = jax.random.normal(jax.random.key(0), (1, 1, length, 8))
+    with pytest.raises(Exception, match="no block is dropped"):
+        jax.block_until_ready(jax.jit(
+            lambda q, s: attn(q, q, q, q_segment_ids=s, kv_segment_ids=s))(q, ids))
+
+
+@pytest.mark.slow
+def test_segment_ids_at_2_20_tokens_add_only_their_layouts():
+    """Forward+backward at L = 2^20 with segment ids (compiled, not run): XLA's temporaries
+    are those of the call without them plus one q-sized array (the inputs with padding rows
+    zeroed, kept for the backward) and twice each pass's int8 class matrix (built by rows,
+    then whole). Lists of every block of a row took 13.3 GB (0.34 GB without ids)."""
+    length = 1 << 20
+    spec = jax.ShapeDtypeStruct((1, 1, length, 64), jnp.float32)
+    ids = jax.ShapeDtypeStruct((1, length), jnp.int32)
+    attn = bsa.BlockSparseAttention(mask=_WINDOW_256, kernel=kernels.XlaBlockSparse())
+    classes = {}
+
+    def grads(q, k, v, w, s=None):
+        extra = {} if s is None else dict(q_segment_ids=s, kv_segment_ids=s)
+        if s is not None:
+            for layout in attn.plan(q, k, v, **extra).mask.layouts().values():
+                classes[id(layout)] = layout.classes.size
+        return jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v, **extra) * w),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    temps = [jax.jit(grads).lower(*[spec] * 4, *s).compile().memory_analysis()
+             .temp_size_in_bytes for s in ((), (ids,))]
+    bound = temps[0] + length * 64 * 4 + 2 * sum(classes.values())
+    assert temps[1] <= bound, (temps, bound)
 
 
 # ---------------------------------------------------------------------------------------------
