@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_bsattn.contract import MaskTerms
+from eqx_bsattn.contract import MaskTerms, RelativeBuckets
 from eqx_bsattn.strategies.kernels.triton import launch as tr
 
 B, H, HKV, LQ, LK, D, V = 2, 4, 2, 24, 40, 8, 3
@@ -32,12 +32,18 @@ def _stand_in(calls):
         batch = args[0].shape[0]
         calls.append((kernel, batch, grid))
         assert grid[-1] == batch
-        data_at = 5 if kernel == "fwd" else 4
-        lists = args[9:15] if kernel == "fwd" else args[11:17]
+        data_at = 8 if kernel == "fwd" else 7
+        lists = args[12:18] if kernel == "fwd" else args[14:20]
         seen = _per_element(args[0], batch) + 3 * _per_element(args[1], batch)
         if kernel == "fwd":
             assert args[4].ndim == 2  # sinks [H, S]: no batch axis
             seen = seen + 17 * args[4].sum()
+        # Score slopes [H] and table [H, NB], then the thresholds: no batch axis.
+        slopes, table, thresholds = args[data_at - 3:data_at]
+        if meta["HAS_ALIBI"]:
+            assert slopes.shape == (H,) and table.shape == (H, meta["NB"])
+            assert thresholds.shape == (meta["NT"],)
+            seen = seen + 19 * slopes.sum() + 23 * table.sum()
         if meta["HAS_BIAS"]:
             assert args[3].shape[0] == meta["BB"] and meta["BB"] in (1, batch)
             seen = seen + 5 * _per_element(args[3], batch)
@@ -74,7 +80,8 @@ def _cfg(bias_shape):
         batch=B, heads=H, kv_heads=HKV, q_len=LQ, kv_len=LK, head_dim=D, value_dim=D,
         dtype="float32", bias_shape=bias_shape, num_sinks=1, softmax_scale=0.3, soft_cap=0.0,
         terms=MaskTerms(causal_offset=0, segment_ids=True), has_q_positions=False,
-        has_kv_positions=False, fwd_blocks=(16, 16), dq_blocks=(16, 16), dkdv_blocks=(16, 16),
+        has_kv_positions=False, alibi=True, relative=RelativeBuckets(8, True, 20),
+        fwd_blocks=(16, 16), dq_blocks=(16, 16), dkdv_blocks=(16, 16),
         fwd_launch=(4, 2), dq_launch=(4, 2), dkdv_launch=(4, 2),
         list_modes=("check", "check", "check"))
 
@@ -102,38 +109,42 @@ def _inputs(seed, list_batch, bias_batch):
     delta = normal(V, B, H, LQ)
     bias = normal(V, bias_batch, H, LQ, LK)
     sinks = normal(H, 1)
+    score = (normal(H), normal(H, 8))
     seg = jnp.asarray(rng.integers(0, 3, (V, B, LQ)), jnp.int32)
     kseg = jnp.asarray(rng.integers(0, 3, (V, B, LK)), jnp.int32)
     dummy = jnp.zeros((1,), jnp.int32)
     data = (dummy, dummy, seg, kseg)
     lists = _stacked_lists(rng, list_batch, 2)
     t_lists = _stacked_lists(rng, list_batch, 3)
-    return dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta, bias=bias, sinks=sinks, data=data,
-                lists=lists, t_lists=t_lists)
+    return dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta, bias=bias, sinks=sinks,
+                score=score, data=data, lists=lists, t_lists=t_lists)
 
 
 def _launches(cfg):
-    def all_three(q, k, v, bias, sinks, data, lists, t_lists, do, lse, delta):
-        out, lse_out = tr.forward_launch(cfg, q, k, v, bias, sinks, data, lists)
-        dq, dbias = tr.dq_launch(cfg, q, k, v, bias, data, lists, do, lse, delta)
-        dk, dv = tr.dkdv_launch(cfg, q, k, v, bias, data, t_lists, do, lse, delta)
-        return out, lse_out, dq, dbias, dk, dv
+    def all_three(q, k, v, bias, sinks, score, data, lists, t_lists, do, lse, delta):
+        out, lse_out = tr.forward_launch(cfg, q, k, v, bias, sinks, score, data, lists)
+        dq, dbias, dslopes, dtable = tr.dq_launch(cfg, q, k, v, bias, score, data, lists, do,
+                                                  lse, delta)
+        dk, dv = tr.dkdv_launch(cfg, q, k, v, bias, score, data, t_lists, do, lse, delta)
+        return out, lse_out, dq, dbias, dslopes, dtable, dk, dv
 
     return all_three
 
 
-# in_axes of (q, k, v, bias, sinks, data, lists, t_lists, do, lse, delta) per case.
+# in_axes of (q, k, v, bias, sinks, score, data, lists, t_lists, do, lse, delta) per case.
 _DATA_MAPPED = (None, None, 0, 0)
 _LISTS_MAPPED = (0,) * 5 + (None,)
 _CASES = {
-    "everything_mapped": (0, 0, 0, 0, None, _DATA_MAPPED, _LISTS_MAPPED, _LISTS_MAPPED, 0, 0, 0),
-    "shared_kv_and_bias": (0, None, None, None, None, _DATA_MAPPED, _LISTS_MAPPED,
+    "everything_mapped": (0, 0, 0, 0, None, None, _DATA_MAPPED, _LISTS_MAPPED, _LISTS_MAPPED,
+                          0, 0, 0),
+    "shared_kv_and_bias": (0, None, None, None, None, None, _DATA_MAPPED, _LISTS_MAPPED,
                            _LISTS_MAPPED, 0, 0, 0),
-    "static_layout": (0, 0, 0, 0, None, (None,) * 4, None, None, 0, 0, 0),
+    "static_layout": (0, 0, 0, 0, None, None, (None,) * 4, None, None, 0, 0, 0),
 }
 
 
-_ORDER = ("q", "k", "v", "bias", "sinks", "data", "lists", "t_lists", "do", "lse", "delta")
+_ORDER = ("q", "k", "v", "bias", "sinks", "score", "data", "lists", "t_lists", "do", "lse",
+          "delta")
 
 
 def _zip_map(f, tree, axes):
@@ -144,8 +155,9 @@ def _zip_map(f, tree, axes):
 
 
 def _args(x, axes):
-    """The arguments for in_axes `axes`: unmapped ones are element 0 (sinks are never stacked)."""
-    return tuple(x[n] if n == "sinks" else _zip_map(
+    """The arguments for in_axes `axes`: unmapped ones are element 0 (sinks and the score
+    arrays are never stacked)."""
+    return tuple(x[n] if n in ("sinks", "score") else _zip_map(
         lambda a, ax: a if ax is not None or a.ndim <= 1 else a[0], x[n], ax)
         for n, ax in zip(_ORDER, axes))
 
@@ -205,7 +217,7 @@ def test_mapped_sinks_run_one_launch_per_element(calls):
     dummy = jnp.zeros((1,), jnp.int32)
 
     def fwd(q, k, v, s):
-        return tr.forward_launch(cfg, q, k, v, jnp.zeros((1,), jnp.float32), s,
+        return tr.forward_launch(cfg, q, k, v, jnp.zeros((1,), jnp.float32), s, x["score"],
                                   (dummy,) * 4, lists)
 
     out, lse = jax.vmap(fwd)(x["q"], x["k"], x["v"], sinks)
@@ -213,3 +225,28 @@ def test_mapped_sinks_run_one_launch_per_element(calls):
     for i in range(V):
         want, _ = fwd(x["q"][i], x["k"][i], x["v"][i], sinks[i])
         np.testing.assert_allclose(np.asarray(out[i]), np.asarray(want), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_mapped_score_arrays_run_one_launch_per_element(calls):
+    """Slopes and a table mapped with the inputs have no batch axis to fold into: one launch
+    per element, each reading its own arrays (forward and the dq launch's partial sums)."""
+    x = _inputs(3, 1, 1)
+    cfg = dataclasses.replace(_cfg(None), terms=MaskTerms(causal_offset=0))
+    slopes, table = (jnp.stack([a * (i + 1) for i in range(V)]) for a in x["score"])
+    lists = jax.tree.map(lambda a: a[0] if a.ndim > 1 else a, x["lists"])
+    dummy = jnp.zeros((1,), jnp.int32)
+    bias = jnp.zeros((1,), jnp.float32)
+
+    def both(q, k, v, do, s, t):
+        out, _ = tr.forward_launch(cfg, q, k, v, bias, x["sinks"], (s, t), (dummy,) * 4, lists)
+        grads = tr.dq_launch(cfg, q, k, v, bias, (s, t), (dummy,) * 4, lists, do, do[..., 0],
+                             do[..., 0])
+        return (out,) + grads[2:]
+
+    got = jax.vmap(both)(x["q"], x["k"], x["v"], x["do"], slopes, table)
+    assert {c[1] for c in calls} == {B}
+    for i in range(V):
+        want = both(x["q"][i], x["k"][i], x["v"][i], x["do"][i], slopes[i], table[i])
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.asarray(g[i]), np.asarray(w), rtol=1e-5)
