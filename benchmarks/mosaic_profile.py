@@ -11,8 +11,8 @@ arrivals, the profiler's own records). Shapes are kept small, because each warpg
 its events in shared memory (``--space`` phases at most).
 
 ```
-python benchmarks/mosaic_profile.py --out /tmp/mosaic-profile
-python benchmarks/mosaic_profile.py --cases documents --out /tmp/mosaic-profile
+python benchmarks/mosaic_profile.py --out mosaic-profile
+python benchmarks/mosaic_profile.py --cases documents --out mosaic-profile
 ```
 """
 

@@ -18,12 +18,17 @@ from ._compile import CompiledMask as CompiledMask, ResolvedMask as ResolvedMask
 from ._inputs import AttentionInputs as AttentionInputs, MaskInfo as MaskInfo
 from ._kernel import (
     AbstractKernel as AbstractKernel,
+    AbstractLseKernel as AbstractLseKernel,
     Features as Features,
     registered_kernels as registered_kernels,
 )
 from ._layer import MultiheadBlockSparseAttention as MultiheadBlockSparseAttention
 from ._layout import BlockLayout as BlockLayout, build_layout as build_layout
-from ._mask import AbstractMask as AbstractMask, MaskTerms as MaskTerms
+from ._mask import (
+    AbstractBlockMask as AbstractBlockMask,
+    AbstractMask as AbstractMask,
+    MaskTerms as MaskTerms,
+)
 from ._plot import plot_layout as plot_layout
 from ._module import BlockSparseAttention as BlockSparseAttention, CallPlan as CallPlan
 from ._selector import (
@@ -33,7 +38,7 @@ from ._selector import (
     select_kernel as select_kernel,
 )
 from ._sharding import AbstractSharding as AbstractSharding, Unsharded as Unsharded
-from ._strategy import AbstractStrategy as AbstractStrategy
+from ._strategy import AbstractStrategy as AbstractStrategy, is_abstract as is_abstract
 from ._swap import (
     AutoKernel as AutoKernel,
     AutoTiling as AutoTiling,

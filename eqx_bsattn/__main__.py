@@ -14,9 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import BlockSparseAttention, kernels, registered_kernels
-from ._compile import describe_terms
-from ._mask import EMPTY, FULL
 from .bench import dense_mask, median_ms, pattern
+from .contract import EMPTY, FULL, describe_terms
 
 DESCRIPTIONS = {
     "causal": "each query sees every earlier key (causal)",

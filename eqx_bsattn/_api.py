@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Integer
 
-from ._inputs import MaskInfo, as_array, check_call, check_qkv, hide_keys, python_scalar
+from ._inputs import (MaskInfo, as_array, check_call_data, check_qkv, hide_keys,
+                      python_scalar)
 from ._kernel import AbstractKernel, registered_kernels
 from ._mask import AbstractMask, Full, and_masks
 from ._module import BlockSparseAttention, run_plan
@@ -35,6 +36,12 @@ _SEED_FWD = {"q_blocksize": "block_q", "kv_blocksize": "block_kv", "num_warps": 
              "num_stages": "num_stages"}
 _SEED_BWD = {"q_blocksize": "block_q_bwd", "kv_blocksize": "block_kv_bwd",
              "num_warps": "num_warps_bwd", "num_stages": "num_stages_bwd"}
+#: What `fused_backward` (ejKernel's switch, accepted for its callers) now says.
+FUSED_BACKWARD_DEPRECATION = (
+    "`fused_backward` has no effect and will be removed: every kernel here runs its own "
+    "backward. For a single-pass backward use BlockSparseAttention(kernel="
+    "kernels.MosaicBlockSparse(deterministic=False)) on a Hopper GPU."
+)
 _BUILDER_FORMS = (
     "a mask, a zero-argument callable returning one, or a callable "
     "`(q_len, kv_len, num_heads, head_idx, num_reps) -> mask` called once per query head"
@@ -194,7 +201,7 @@ def _check_present(platform: str) -> None:
         ) from None
 
 
-def _kernel_for(platform, fused_backward: bool) -> tuple[AbstractKernel | None, str | None]:
+def _kernel_for(platform) -> tuple[AbstractKernel | None, str | None]:
     """An explicit kernel for `platform` when it names one, else (None, device platform)."""
     if platform is None or platform in _DEVICE_ALIASES or platform in DEVICE_PLATFORMS:
         device = _DEVICE_ALIASES.get(platform, platform)
@@ -204,8 +211,6 @@ def _kernel_for(platform, fused_backward: bool) -> tuple[AbstractKernel | None, 
     wanted = _KERNEL_ALIASES.get(platform, platform)
     for cls in registered_kernels():
         if cls.name == wanted:
-            if "fused_backward" in getattr(cls, "__dataclass_fields__", {}):
-                return cls(fused_backward=fused_backward), None
             return cls(), None
     if wanted in ("triton", "pallas", "cudnn"):
         raise NotImplementedError(
@@ -373,6 +378,8 @@ def _validate(arguments: dict):
     output back to the query's layout, or ``None``.
     """
     a = arguments
+    if a["fused_backward"] is not None:
+        warnings.warn(FUSED_BACKWARD_DEPRECATION, DeprecationWarning, stacklevel=3)
     seq_first = _seq_first(a["qkv_layouts"])
     qkv = [as_array(name, a[name]) for name in ("query", "key", "value")]
     if seq_first != (False, False, False) and not all(x.ndim == 4 for x in qkv):
@@ -397,8 +404,8 @@ def _validate(arguments: dict):
         a["kv_segment_ids"] = a["q_segment_ids"]
     names = ("bias", "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
     sinks = _seed_sinks(a["softmax_aux"], q.shape[-3], k.shape[-3])
-    _, _, _, data = check_call(q, k, v, sinks_name="softmax_aux", sinks=sinks,
-                               **{name: a[name] for name in names})
+    data = check_call_data(q, k, v, sinks_name="softmax_aux", sinks=sinks,
+                           **{name: a[name] for name in names})
     a.update({name: data[name] for name in names}, softmax_aux=data["sinks"])
     batched = q.ndim == 4
     mask, key_padding = _attention_mask(
@@ -415,8 +422,9 @@ def _validate(arguments: dict):
     return (lambda out: _to_bhsd(out, True)) if seq_first[0] else None
 
 
-def _attend(attn, platform, fused_backward, purify, query, key, value, mask_array, data):
-    """Plan and run one call of `attn` (its mask and'ed with `mask_array` when given)."""
+def _attend(attn, platform, purify, query, key, value, mask_array, data):
+    """Plan and run one call of `attn` (its mask and'ed with `mask_array` when given) on the
+    arguments `_validate` has checked."""
     from .strategies import masks
 
     if mask_array is not None:
@@ -424,14 +432,7 @@ def _attend(attn, platform, fused_backward, purify, query, key, value, mask_arra
         attn = eqx.tree_at(lambda m: m.mask, attn, mask)
 
     def plan_and_run(query, key, value, data):
-        plan = attn.plan(query, key, value, platform=platform, fused_backward=fused_backward,
-                         **data)
-        if fused_backward and not getattr(plan.kernel, "fused_backward", False):
-            warnings.warn(
-                f"fused_backward=True: kernel {plan.kernel.name!r} has no fused backward pass; "
-                "it uses its split backward.",
-                stacklevel=6,
-            )
+        plan = attn._plan(query, key, value, platform=platform, **data)
         return run_plan(plan, query, key, value, attn.sharding, attn.logits_soft_cap, purify)
 
     leaves = jax.tree.leaves((mask_array, data))
@@ -478,7 +479,7 @@ def blocksparse_attention(
     sliding_window: int | tuple[int | None, int | None] | list[int | None] | None = None,
     chunk_size: int | None = None,
     causal: bool = True,
-    fused_backward: bool = False,
+    fused_backward: bool | None = None,
     purify: bool = False,
     platform: str | None = None,
     cfg: Tiling | dict | object | None = None,
@@ -519,8 +520,10 @@ def blocksparse_attention(
     - `cfg`: a `Tiling`, a dict of its fields, or ejKernel's config (``fwd_params`` /
       ``bwd_params`` with ``q_blocksize``, ``kv_blocksize``, ``num_warps``, ``num_stages``;
       its ``platform`` applies when `platform` is ``None``).
-    - `fused_backward`: ask for the fused backward pass where the kernel has one; others warn
-      and use their split backward.
+    - `fused_backward`: deprecated and without effect (a `DeprecationWarning` says so); for
+      a single-pass backward run
+      ``BlockSparseAttention(kernel=kernels.MosaicBlockSparse(deterministic=False))`` on a
+      Hopper GPU.
     - `qkv_layouts`: ``"bhsd"`` (default) or ``"bshd"`` (``[B, L, H, D]`` in and out), or one
       name each for query, key, value; inputs are transposed (no kernel reads ``bshd``).
     - `mesh`: a `jax.sharding.Mesh` to spread the call over, with `in_specs` (the
@@ -534,9 +537,9 @@ def blocksparse_attention(
     """
     shard = _sharding_from_options(mesh, in_specs, out_specs, sequence_parallelism_mesh_axis_name)
     del qkv_layouts  # `_validate` brought the inputs to [B, H, L, D] and turns the output back
+    del fused_backward  # `_validate` warned that it has no effect
     tiling, cfg_platform = _tiling_from_cfg(cfg)
-    kernel, device = _kernel_for(platform if platform is not None else cfg_platform,
-                                 fused_backward)
+    kernel, device = _kernel_for(platform if platform is not None else cfg_platform)
     heads, q_len = query.shape[-3], query.shape[-2]
     kv_heads, kv_len = key.shape[-3], key.shape[-2]
     mask = _mask_from_builder(mask_builder, q_len, kv_len, heads, kv_heads)
@@ -550,7 +553,7 @@ def blocksparse_attention(
                 kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_positions=kv_positions)
 
     def attend(q, k, v, mask_array, data):
-        return _attend(attn, device, fused_backward, purify, q, k, v, mask_array, data)
+        return _attend(attn, device, purify, q, k, v, mask_array, data)
 
     if attention_mask is None or attention_mask.shape[0] == 1:
         mask_array = None if attention_mask is None else attention_mask[0]

@@ -15,7 +15,7 @@ import numpy as np
 from ._cache import cache_file, call_key, lookup, mask_key, policy, store, tiling_policy
 from ._swap import is_auto
 from ._tiling import Tiling
-from ._timing import median_ms
+from .timing import median_ms
 
 #: Largest ``max |candidate - heuristic| / max |heuristic|`` over the output and the gradients
 #: that a candidate may show, by dtype: a few roundings of the largest value, since tilings

@@ -145,7 +145,7 @@ def device_kind(platform: str) -> str:
         return platform
 
 
-_FLAGS = ("bias", "sinks", "soft_cap", "segment_ids", "positions", "fused_backward")
+_FLAGS = ("bias", "sinks", "soft_cap", "segment_ids", "positions")
 
 
 def call_key(kernel, features) -> str:

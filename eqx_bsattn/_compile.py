@@ -13,7 +13,8 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Bool, Int
 
-from ._layout import BlockLayout, build_layout, carries_arrays, token_coords
+from ._layout import (BlockLayout, carries_arrays, element_mask, layout_of_resolved,
+                      resolve_mask)
 from ._mask import AbstractMask, MaskTerms
 
 #: How a kernel reads the mask (`AbstractKernel.reads`).
@@ -95,12 +96,10 @@ class CompiledMask(eqx.Module):
         Per-call arrays are one batch element's ``[L]``; segment ids are read only when the
         mask uses them. Keys outside ``[0, kv_len)`` are hidden. `head` may be traced.
         """
-        if not self.uses_segment_ids:
-            q_segment_ids = kv_segment_ids = None
-        qc = token_coords(q_index, q_positions, q_segment_ids, self.q_len)
-        kc = token_coords(k_index, kv_positions, kv_segment_ids, self.kv_len)
-        in_bounds = (k_index < self.kv_len) & (k_index >= 0) & (q_index < self.q_len)
-        return self.predicate.elements(qc, kc, head) & in_bounds
+        return element_mask(self.predicate, head, q_index, k_index, q_len=self.q_len,
+                            kv_len=self.kv_len, q_positions=q_positions,
+                            kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+                            kv_segment_ids=kv_segment_ids)
 
 
 def _shared(head_terms: tuple[MaskTerms | None, ...]) -> MaskTerms | None:
@@ -133,13 +132,11 @@ class ResolvedMask:
 
     def __init__(self, mask: AbstractMask, *, q_len: int, kv_len: int, num_heads: int,
                  q_positions=None, kv_positions=None, q_segment_ids=None, kv_segment_ids=None):
-        mask = mask.resolve(q_len, kv_len)
-        if not mask.uses_segment_ids:
-            q_segment_ids = kv_segment_ids = None
+        mask, self.data = resolve_mask(mask, q_len, kv_len, q_positions=q_positions,
+                                       kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+                                       kv_segment_ids=kv_segment_ids)
         self.mask = mask
         self.q_len, self.kv_len, self.num_heads = q_len, kv_len, num_heads
-        self.data = dict(q_positions=q_positions, kv_positions=kv_positions,
-                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
         heads = num_heads if mask.head_dependent else 1
         #: Each head's `MaskTerms` (one entry when the mask is the same for every head).
         self.head_terms: tuple[MaskTerms | None, ...] = tuple(mask.terms(h) for h in range(heads))
@@ -164,10 +161,11 @@ class ResolvedMask:
             if (block_q, block_kv, True) in self._layouts:
                 self._layouts[key] = self._layouts[(block_q, block_kv, True)]
             else:
-                def build():
-                    return build_layout(self.mask, q_len=self.q_len, kv_len=self.kv_len,
-                                        num_heads=self.num_heads, block_q=block_q,
-                                        block_kv=block_kv, with_bitmaps=bitmaps, **self.data)
+                def build():  # the mask is checked (by the plan) and resolved (here) once
+                    return layout_of_resolved(self.mask, q_len=self.q_len, kv_len=self.kv_len,
+                                              num_heads=self.num_heads, block_q=block_q,
+                                              block_kv=block_kv, with_bitmaps=bitmaps,
+                                              **self.data)
 
                 if self.is_static:
                     # Concrete even under jit, so heuristics and kernels can read it on the host.

@@ -81,7 +81,7 @@ def _check_range(name: str, x, low: int, high: int, accepted: str):
         return None
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        return x  # `_token_data` says what it accepts
+        return x  # `check_call` says what it accepts
     info = jnp.iinfo(x.dtype)
     below, above = low > int(info.min), high < int(info.max)
     if not (below or above):
@@ -202,8 +202,8 @@ def _check_token_data(name: str, x, batch: int, length: int, batched: bool) -> A
     return x
 
 
-def _token_data(name: str, x, batch: int, length: int, batched: bool) -> Array | None:
-    x = _check_token_data(name, x, batch, length, batched)
+def _token_data(x, batch: int, length: int) -> Array | None:
+    """Checked token data (`_check_token_data`) as ``[batch, length]`` int32."""
     if x is None:
         return None
     return jnp.broadcast_to(x, (batch, length)).astype(jnp.int32)
@@ -228,8 +228,8 @@ def _check_bias(bias, batch: int, heads: int, q_len: int, kv_len: int, batched: 
     return bias
 
 
-def _bias(bias, batch: int, heads: int, q_len: int, kv_len: int, batched: bool) -> Array | None:
-    bias = _check_bias(bias, batch, heads, q_len, kv_len, batched)
+def _bias(bias, q_len: int, kv_len: int) -> Array | None:
+    """A checked bias (`_check_bias`) as ``[bb, hb, q_len, kv_len]``, refusing ``+inf``."""
     if bias is None:
         return None
     # -inf hides a pair; +inf has no meaning as a softmax weight (inf / inf): refuse it.
@@ -264,7 +264,7 @@ def _check_sinks(sinks, heads: int, name: str, kv_heads: int | None = None):
 
 
 def _sinks(sinks, heads: int, name: str) -> Array | None:
-    sinks = _check_sinks(sinks, heads, name)
+    """Checked sinks (`_check_sinks`) as ``[heads, num_sinks]``, refusing ``+inf`` and NaN."""
     if sinks is None:
         return None
     # -inf is a sink that never weighs (no sink); +inf would take every row's whole weight
@@ -306,7 +306,7 @@ def hide_keys(keep, q_segment_ids, kv_segment_ids, *, q_len: int):
 
 def check_kv_seq_lengths(lengths, batch: int, kv_len: int, batched: bool):
     """`kv_seq_lengths` (``[B]`` or a scalar: the number of real keys, the rest is padding)
-    as the ``[B, Lk]`` booleans of the keys it keeps, or the error saying why not."""
+    as ``[B]`` ints, or the error saying why not."""
     if lengths is None:
         return None
     lengths = as_array("kv_seq_lengths", lengths)
@@ -317,19 +317,25 @@ def check_kv_seq_lengths(lengths, batch: int, kv_len: int, batched: bool):
         raise ValueError(f"`kv_seq_lengths` must have shape {accepted}; got {_shape(lengths)}.")
     lengths = _within("kv_seq_lengths", lengths, lambda n: (n < 0) | (n > kv_len),
                       f"must lie in [0, {kv_len}] (kv_len); got values outside.")
-    lengths = jnp.broadcast_to(lengths, (batch,))
-    return jnp.arange(kv_len)[None, :] < lengths[:, None]
+    return jnp.broadcast_to(lengths, (batch,))
 
 
 def check_call(query, key, value, *, sinks_name: str = "sinks", **data) -> tuple:
-    """Check one call's arguments before anything else looks at them.
+    """Check one call's arguments before anything else looks at them, once per call.
 
     `data` holds the per-call arrays by their `__call__` names (``bias``, ``sinks``,
-    ``q_segment_ids``, ...). Returns ``(query, key, value, data)`` with every array-like turned
-    into a JAX array; raises `TypeError`/`ValueError` naming the argument, what was given and
-    what is accepted. `sinks_name` is the name the caller wrote for the sinks.
+    ``q_segment_ids``, ..., ``kv_seq_lengths``). Returns ``(query, key, value, data)`` with
+    every array-like turned into a JAX array; raises `TypeError`/`ValueError` naming the
+    argument, what was given and what is accepted. `sinks_name` is the name the caller wrote
+    for the sinks.
     """
     query, key, value = check_qkv(query, key, value)
+    return query, key, value, check_call_data(query, key, value, sinks_name=sinks_name, **data)
+
+
+def check_call_data(query, key, value, *, sinks_name: str = "sinks", **data) -> dict:
+    """`check_call` for a `query`, `key` and `value` that `check_qkv` has checked: the
+    per-call `data`, checked against their shapes."""
     batched = query.ndim == 4
     batch = query.shape[0] if batched else 1
     heads, q_len = query.shape[-3], query.shape[-2]
@@ -344,8 +350,11 @@ def check_call(query, key, value, *, sinks_name: str = "sinks", **data) -> tuple
         out["bias"] = _check_bias(out["bias"], batch, heads, q_len, kv_len, batched)
     if "sinks" in out:
         out["sinks"] = _check_sinks(out["sinks"], heads, sinks_name, key.shape[-3])
+    if out.get("kv_seq_lengths") is not None:
+        out["kv_seq_lengths"] = check_kv_seq_lengths(out["kv_seq_lengths"], batch, kv_len,
+                                                     batched)
     _check_segment_pair(out.get("q_segment_ids"), out.get("kv_segment_ids"))
-    return query, key, value, out
+    return out
 
 
 def prepare_inputs(
@@ -354,7 +363,6 @@ def prepare_inputs(
     heads: int,
     q_len: int,
     kv_len: int,
-    batched: bool,
     bias=None,
     sinks=None,
     q_segment_ids=None,
@@ -363,19 +371,15 @@ def prepare_inputs(
     kv_positions=None,
     sinks_name: str = "sinks",
 ) -> AttentionInputs:
-    """Check the per-call data against the attention shapes and bring it to kernel shapes."""
-    _check_segment_pair(q_segment_ids, kv_segment_ids)
+    """Bring per-call data that `check_call` has checked (shapes, dtypes) to kernel shapes,
+    with the checks of their values (ranges, ``+inf``), which need the arrays themselves."""
     return AttentionInputs(
-        bias=_bias(bias, batch, heads, q_len, kv_len, batched),
+        bias=_bias(bias, q_len, kv_len),
         sinks=_sinks(sinks, heads, sinks_name),
-        q_segment_ids=_token_data("q_segment_ids",
-                                  _check_segment_ids("q_segment_ids", q_segment_ids),
-                                  batch, q_len, batched),
-        kv_segment_ids=_token_data("kv_segment_ids",
-                                   _check_segment_ids("kv_segment_ids", kv_segment_ids),
-                                   batch, kv_len, batched),
-        q_positions=_token_data("q_positions", _check_positions("q_positions", q_positions),
-                                batch, q_len, batched),
-        kv_positions=_token_data("kv_positions", _check_positions("kv_positions", kv_positions),
-                                 batch, kv_len, batched),
+        q_segment_ids=_token_data(_check_segment_ids("q_segment_ids", q_segment_ids),
+                                  batch, q_len),
+        kv_segment_ids=_token_data(_check_segment_ids("kv_segment_ids", kv_segment_ids),
+                                   batch, kv_len),
+        q_positions=_token_data(_check_positions("q_positions", q_positions), batch, q_len),
+        kv_positions=_token_data(_check_positions("kv_positions", kv_positions), batch, kv_len),
     )

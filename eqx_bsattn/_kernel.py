@@ -8,11 +8,12 @@ import jax
 import jax.interpreters.ad  # noqa: F401  (JVPTracer)
 import jax.numpy as jnp
 import numpy as np
+from equinox import AbstractClassVar
 from jaxtyping import Array, Float
 
 from ._compile import CompiledMask, MaskReads, ResolvedMask
 from ._inputs import AttentionInputs
-from ._strategy import AbstractStrategy
+from ._strategy import AbstractStrategy, is_abstract
 from ._tiling import Tiling
 
 
@@ -39,7 +40,6 @@ class Features:
     segment_ids: bool = False
     #: Per-call positions: the caller's, or those a sharding passes to each shard's call.
     positions: bool = False
-    fused_backward: bool = False
     lse: bool = False
 
 
@@ -55,7 +55,7 @@ def sink_logsumexp(sinks):
 
 def add_sinks(out, lse, sinks):
     """Join attention sinks to a result computed without them: ``(out, lse)`` as
-    `AbstractKernel.attention_with_lse` returns them (``[B, H, Lq, Dv]``, ``[B, H, Lq]``)
+    `AbstractLseKernel.attention_with_lse` returns them (``[B, H, Lq, Dv]``, ``[B, H, Lq]``)
     and `sinks` ``[H, S]``. Returns the float32 output and log-sum-exp with the sinks in each
     row's denominator; a row that sees no key keeps zeros and ``-inf``, a head whose sinks are
     all ``-inf`` keeps its result. Differentiable (never NaN on those rows).
@@ -105,72 +105,94 @@ _REGISTRY: list[type["AbstractKernel"]] = []
 
 
 def registered_kernels() -> tuple[type["AbstractKernel"], ...]:
-    """Every concrete kernel class defined so far, built-in or user's, in definition order."""
-    return tuple(_REGISTRY)
+    """Every concrete kernel class defined so far, built-in or user's, in definition order.
+
+    Concrete means not abstract in equinox's sense (`is_abstract`): it defines every abstract
+    method and class variable of the contract.
+    """
+    return tuple(cls for cls in _REGISTRY if not is_abstract(cls))
 
 
 class AbstractKernel(AbstractStrategy):
     """How attention is computed: a reference, an XLA loop, a Triton or cuDNN launch.
 
-    A concrete subclass registers itself with the selector when it is defined. It declares:
+    A concrete subclass (one that is not `is_abstract`) is registered with the selector when it
+    is defined. It sets three class variables (abstract here, `eqx.AbstractClassVar`):
 
-    - `name` (class variable): the short name the selector, the plan and the benchmark show.
-    - `platforms` (class variable): where it runs, e.g. ``("gpu",)``; the selector declines it
-      elsewhere.
-    - `reads` (class variable): what it reads of the `CompiledMask`: ``"dense"`` (no layout:
+    - `name`: the short name the selector, the plan and the benchmark show.
+    - `platforms`: where it runs, e.g. ``("gpu",)``; the selector declines it elsewhere.
+    - `reads` (a `MaskReads`): what it reads of the `CompiledMask`: ``"dense"`` (no layout:
       it visits every pair, or expresses the terms itself), ``"elements"`` (a layout per pass;
       partial blocks through `CompiledMask.visible`) or ``"terms"`` (a layout per pass; partial
       blocks from `CompiledMask.terms` inside the kernel, or from element bitmaps the plan puts
       in the layouts where the mask has no terms).
 
-    and implements:
+    and implements three abstract methods:
 
     - `priority(platform)` (classmethod): higher is tried first by the selector on that
-      platform; ``None`` (the default) means "not a candidate there" (it can still be chosen
-      explicitly).
+      platform; ``None`` means "not a candidate there" (it can still be chosen explicitly).
     - `decline_reason(mask, features)`: ``None`` if it can run this call, else one sentence
       saying why not (the selector shows it to the user). `mask` is the `ResolvedMask`: its
       `terms` say what the mask is in kernel terms.
-    - `default_tiling(features, mask)`: the heuristic `Tiling` when the module has none.
-    - `adapt_tiling(tiling, features)`: the tiling it runs (e.g. blocks clamped to the
-      sequence), or a `ValueError` naming the field it cannot run.
-    - `tiling_candidates(features, mask)`: the tilings `eqx_bsattn.autotune` times, each with
-      ``None`` or the reason it cannot run; by default the heuristic alone.
     - `__call__(query, key, value, *, mask, inputs, features, tiling, softmax_scale,
       logits_soft_cap)`: batched ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, Dv]``
       in, ``[B, H, Lq, Dv]`` out, differentiable in query, key, value, bias and sinks; `mask`
       is the `CompiledMask`.
 
-    and, optionally (sequence sharding merges partial results by it):
+    Its tiling has defaults it may replace:
 
-    - `returns_lse` (class variable, default ``False``): whether it implements
-      `attention_with_lse`, which returns the output and the float32 log-sum-exp of each row,
-      both differentiable. The selector declines a kernel without it for a call that needs it
-      (``Features.lse``, set by `RingAttention`).
+    - `default_tiling(features, mask)`: the heuristic `Tiling` when the module has none.
+    - `adapt_tiling(tiling, features)`: the tiling it runs (e.g. blocks clamped to the
+      sequence), or a `ValueError` naming the field it cannot run.
+    - `tiling_candidates(features, mask)`: the tilings `eqx_bsattn.autotune` times, each with
+      ``None`` or the reason it cannot run; by default the heuristic alone.
+
+    A kernel that also returns each row's log-sum-exp (sequence sharding merges partial
+    results by it) subclasses `AbstractLseKernel` instead.
+
+    ```python
+    class MyKernel(AbstractKernel):
+        name: ClassVar[str] = "mine"
+        platforms: ClassVar[tuple[str, ...]] = ("cpu",)
+        reads: ClassVar[MaskReads] = "dense"
+
+        @classmethod
+        def priority(cls, platform):
+            return None                      # only when passed explicitly
+
+        def decline_reason(self, mask, features):
+            return None                      # runs every call
+
+        def __call__(self, query, key, value, *, mask, inputs, features, tiling,
+                     softmax_scale, logits_soft_cap):
+            ...
+    ```
     """
 
-    name: ClassVar[str]
-    platforms: ClassVar[tuple[str, ...]]
-    reads: ClassVar[MaskReads]
-    returns_lse: ClassVar[bool] = False
+    name: AbstractClassVar[str]
+    platforms: AbstractClassVar[tuple[str, ...]]
+    reads: AbstractClassVar[MaskReads]
     #: Part of the autotune cache key: change it when a change to the kernel makes tilings
     #: tuned before it stale.
     version: ClassVar[str] = "1"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        declared = all(hasattr(cls, name) for name in ("name", "platforms", "reads"))
-        if declared and not cls.__name__.startswith("Abstract"):
-            _REGISTRY.append(cls)
+        if "returns_lse" in vars(cls):
+            raise TypeError(
+                f"{cls.__name__}: `returns_lse` is no longer read; a kernel that returns the "
+                "log-sum-exp subclasses `AbstractLseKernel` (and implements `attention_with_lse`)."
+            )
+        _REGISTRY.append(cls)
 
     @classmethod
+    @abc.abstractmethod
     def priority(cls, platform: str) -> int | None:
         """Selector order on `platform`: higher first; ``None`` = not an automatic candidate."""
-        return None
 
+    @abc.abstractmethod
     def decline_reason(self, mask: ResolvedMask, features: Features) -> str | None:
         """``None`` if this kernel runs the call, else why it does not."""
-        return None
 
     def default_tiling(self, features: Features, mask: ResolvedMask) -> Tiling:
         """Heuristic block sizes and launch parameters for `features` and `mask`."""
@@ -212,6 +234,24 @@ class AbstractKernel(AbstractStrategy):
     ) -> Float[Array, "batch heads q_len value_dim"]:
         """Attention output ``[B, H, Lq, Dv]`` (rows that see no key are zeros)."""
 
+
+class AbstractLseKernel(AbstractKernel):
+    """A kernel that also returns each row's log-sum-exp: what `RingAttention` merges shards
+    by. The selector declines any other kernel for a call that needs it (``Features.lse``).
+
+    Besides the `AbstractKernel` contract it implements `attention_with_lse`, with the same
+    arguments as `__call__`: ``(out [B, H, Lq, Dv], lse [B, H, Lq] float32)``, both
+    differentiable. `public_lse`, `backward_delta` and `add_sinks` (in `eqx_bsattn.contract`)
+    hold the convention, so one kernel's backward can follow another's forward.
+
+    ```python
+    isinstance(kernels.XlaBlockSparse(), AbstractLseKernel)    # True
+    out, lse = kernel.attention_with_lse(q, k, v, mask=..., inputs=..., features=...,
+                                         tiling=..., softmax_scale=..., logits_soft_cap=None)
+    ```
+    """
+
+    @abc.abstractmethod
     def attention_with_lse(
         self,
         query: Float[Array, "batch heads q_len dim"],
@@ -230,9 +270,5 @@ class AbstractKernel(AbstractStrategy):
         The log-sum-exp is ``log(sum_k exp(s_k) + sum_sinks exp(sink))`` over the row's visible
         logits ``s_k`` (after bias and soft cap); ``-inf`` on a row that sees no key (whose
         output is zeros). Both are differentiable: a custom backward adds the log-sum-exp's
-        cotangent as ``delta_i -= dlse_i``. Only kernels that declare ``returns_lse = True``
-        implement it.
+        cotangent as ``delta_i -= dlse_i``.
         """
-        raise NotImplementedError(
-            f"kernel {self.name!r} does not return the log-sum-exp (returns_lse=False)."
-        )

@@ -177,13 +177,13 @@ def element_mask(
     q_segment_ids: Array | None = None,
     kv_segment_ids: Array | None = None,
 ) -> Bool[Array, "..."]:
-    """Evaluate `mask` on broadcastable token indices, with out-of-bounds keys hidden.
+    """Evaluate `mask`, resolved against the lengths (`resolve_mask`), on broadcastable token
+    indices, with out-of-bounds keys hidden: the one element predicate, which kernels read
+    through `CompiledMask.visible`.
 
-    Per-call arrays are one batch element's (``[L]``); `mask` may be unresolved (it is
-    resolved against the lengths here). Kernels read the same predicate through
-    `CompiledMask.visible`.
+    Per-call arrays are one batch element's (``[L]``); segment ids are read only by a mask
+    that uses them.
     """
-    mask = mask.resolve(q_len, kv_len)  # e.g. bottom-right causal needs the lengths
     qc = token_coords(q_index, q_positions, q_segment_ids, q_len)
     kc = token_coords(k_index, kv_positions, kv_segment_ids, kv_len)
     in_bounds = (k_index < kv_len) & (k_index >= 0) & (q_index < q_len)
@@ -509,10 +509,32 @@ def build_layout(
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("pass both `q_segment_ids` and `kv_segment_ids`, or neither.")
     mask.check(q_len, kv_len, num_heads)
-    mask = mask.resolve(q_len, kv_len)  # e.g. bottom-right causal needs the lengths
-    uses_segments = mask.uses_segment_ids
-    if not uses_segments:
-        q_segment_ids = kv_segment_ids = None
+    mask, data = resolve_mask(mask, q_len, kv_len, q_positions=q_positions,
+                              kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+                              kv_segment_ids=kv_segment_ids)
+    return layout_of_resolved(mask, q_len=q_len, kv_len=kv_len, num_heads=num_heads,
+                              block_q=block_q, block_kv=block_kv, with_bitmaps=with_bitmaps,
+                              **data)
+
+
+def resolve_mask(mask: AbstractMask, q_len: int, kv_len: int,
+                 **data) -> tuple[AbstractMask, dict]:
+    """`mask` resolved against the lengths (e.g. bottom-right causal needs them), and the
+    per-call `data` (``q_positions``, ..., ``kv_segment_ids``) without the segment ids when
+    the mask does not read them (its layouts are then static). `ResolvedMask` and
+    `build_layout` resolve through this, once per call."""
+    mask = mask.resolve(q_len, kv_len)
+    if not mask.uses_segment_ids:
+        data = {**data, "q_segment_ids": None, "kv_segment_ids": None}
+    return mask, data
+
+
+def layout_of_resolved(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads: int,
+                       block_q: int, block_kv: int, q_positions=None, kv_positions=None,
+                       q_segment_ids=None, kv_segment_ids=None,
+                       with_bitmaps: bool = False) -> BlockLayout:
+    """`build_layout` of a mask that `resolve_mask` resolved, with checked per-call data
+    (``[B or 1, L]`` int32 or ``None``): nothing is checked or resolved again."""
     dynamic = carries_arrays(mask) or any(
         x is not None for x in (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     )

@@ -1,6 +1,6 @@
 """The log-sum-exp convention every kernel shares, in one place.
 
-A kernel that returns each row's log-sum-exp (`AbstractKernel.attention_with_lse`) gives it in
+A kernel that returns each row's log-sum-exp (`AbstractLseKernel.attention_with_lse`) gives it in
 natural units, ``-inf`` on a row that sees no key. Inside, kernels may keep it in base 2 (the
 GPU kernels' softmax runs on ``exp2``) and ``+inf`` on such rows, so that a backward's
 ``exp(s - lse)`` is 0 there without a test; `public_lse` turns that into the contract's form.

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
-from equinox import AbstractClassVar
+from equinox import AbstractClassVar, AbstractVar
 from jaxtyping import Array, Bool, Int
 
 #: Block classes, as stored in :class:`eqx_bsattn.BlockLayout` ``classes``.
@@ -136,20 +136,20 @@ class AbstractMask(eqx.Module):
 
     A mask answers up to three questions:
 
-    - `elements(q, k, head)` (required): for each pair of tokens, does the query see the key?
+    - `elements(q, k, head)` (abstract): for each pair of tokens, does the query see the key?
       Given :class:`TokenCoords`; returns a boolean array broadcast from the two sides.
-    - `blocks(q, k, head)` (optional): for each pair of blocks, is it EMPTY, PARTIAL or FULL?
-      Given :class:`BlockCoords`; returns int8 classes, from the block ranges alone
-      (``O(blocks)``). A mask that does not implement it has its blocks classified by
+    - `blocks(q, k, head)`: for each pair of blocks, is it EMPTY, PARTIAL or FULL? Only a mask
+      that subclasses `AbstractBlockMask` has it. Any other has its blocks classified by
       evaluating `elements` block by block: exact, but ``O(Lq x Lk)`` once per layout.
     - `terms(head)` (optional): the mask as a `MaskTerms` AND that GPU and TPU kernels
       evaluate inside a partial block; ``None`` (the default) means it has none, and those
       kernels read element bitmaps of its partial blocks instead (static masks only).
 
-    Every concrete mask declares two class variables: `reads_segment_ids` (its `elements`
-    reads the segment ids, so a call must pass them) and `varies_by_head` (it gives different
-    heads different masks). Masks compose: ``a & b`` (both), ``a | b`` (either), ``~a`` (not).
-    Every mask acts in position space; positions default to token indices.
+    Every concrete mask declares two attributes (abstract here): `reads_segment_ids` (a class
+    variable: its `elements` reads the segment ids, so a call must pass them) and
+    `varies_by_head` (it gives different heads different masks; a class variable, or a property
+    where it depends on the mask's data). Masks compose: ``a & b`` (both), ``a | b`` (either),
+    ``~a`` (not). Every mask acts in position space; positions default to token indices.
 
     ```python
     class EveryOther(AbstractMask):
@@ -162,25 +162,21 @@ class AbstractMask(eqx.Module):
     """
 
     reads_segment_ids: AbstractClassVar[bool]
-    varies_by_head: AbstractClassVar[bool]
+    varies_by_head: AbstractVar[bool]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A `blocks` outside `AbstractBlockMask` (the base that declares it abstract) would be
+        # silently ignored by `build_layout`.
+        declared = any(getattr(vars(base).get("blocks"), "__isabstractmethod__", False)
+                       for base in cls.__mro__)
+        if "blocks" in vars(cls) and not declared:
+            raise TypeError(f"{cls.__name__} defines `blocks`: a mask that classifies blocks "
+                            "from their ranges subclasses `AbstractBlockMask`.")
 
     @abc.abstractmethod
     def elements(self, q: TokenCoords, k: TokenCoords, head: Any) -> Bool[Array, "..."]:
         """Element predicate: True where query ``q`` attends to key ``k`` for `head`."""
-
-    def blocks(self, q: BlockCoords, k: BlockCoords, head: Any) -> Int[Array, "..."]:
-        """Block classes (int8 EMPTY / PARTIAL / FULL) from block ranges.
-
-        Classify exactly the blocks `q` and `k` hold: `build_layout` passes the q-blocks a
-        chunk of rows at a time on long sequences.
-
-        Not implemented by default: `build_layout` then evaluates `elements` block by block
-        (see `classifies_blocks`).
-        """
-        raise NotImplementedError(
-            f"{type(self).__name__} does not classify blocks from ranges; build_layout "
-            "evaluates its elements block by block instead."
-        )
 
     def terms(self, head: int) -> MaskTerms | None:
         """The in-kernel form of this mask for query head `head`, or ``None`` if it has none."""
@@ -208,9 +204,9 @@ class AbstractMask(eqx.Module):
 
     @property
     def classifies_blocks(self) -> bool:
-        """Whether every part of the mask classifies blocks from ranges (`blocks`); if not,
-        layouts evaluate `elements` block by block."""
-        return all(type(node).blocks is not AbstractMask.blocks for node in self.nodes())
+        """Whether every part of the mask is an `AbstractBlockMask` (classifies blocks from
+        their ranges); if not, layouts evaluate `elements` block by block."""
+        return all(isinstance(node, AbstractBlockMask) for node in self.nodes())
 
     def check(self, q_len: int, kv_len: int, num_heads: int) -> None:
         """Raise `ValueError` if the mask cannot serve these lengths or head count."""
@@ -233,6 +229,38 @@ class AbstractMask(eqx.Module):
         return Not(self)
 
 
+class AbstractBlockMask(AbstractMask):
+    """A mask that also classifies blocks from their coordinate ranges, in ``O(blocks)``.
+
+    Besides the `AbstractMask` contract it implements `blocks(q, k, head)`: given
+    :class:`BlockCoords` for both sides, int8 EMPTY / PARTIAL / FULL classes (`classify`),
+    conservatively (FULL only if every pair in the ranges attends, EMPTY only if none does).
+    A composite (`And`, `Or`, `Not`, `PerHead`) combines its children's classes, so a mask
+    classifies blocks when every node of it does (`classifies_blocks`).
+
+    ```python
+    class Banded(AbstractBlockMask):
+        reads_segment_ids: ClassVar[bool] = False
+        varies_by_head: ClassVar[bool] = False
+
+        def elements(self, q, k, head):
+            return abs(q.position - k.position) <= 4
+
+        def blocks(self, q, k, head):
+            return classify((q.pos_hi - k.pos_lo <= 4) & (k.pos_hi - q.pos_lo <= 4),
+                            (k.pos_lo - q.pos_hi > 4) | (q.pos_lo - k.pos_hi > 4))
+    ```
+    """
+
+    @abc.abstractmethod
+    def blocks(self, q: BlockCoords, k: BlockCoords, head: Any) -> Int[Array, "..."]:
+        """Block classes (int8 EMPTY / PARTIAL / FULL) from block ranges.
+
+        Classify exactly the blocks `q` and `k` hold: `build_layout` passes the q-blocks a
+        chunk of rows at a time on long sequences.
+        """
+
+
 def _check_is_mask(other: Any, op: str) -> None:
     if not isinstance(other, AbstractMask):
         raise TypeError(
@@ -240,7 +268,7 @@ def _check_is_mask(other: Any, op: str) -> None:
         )
 
 
-class Full(AbstractMask):
+class Full(AbstractBlockMask):
     """Every query attends to every key (dense attention).
 
     ```python
@@ -267,7 +295,7 @@ def and_masks(mask: AbstractMask, other: AbstractMask) -> AbstractMask:
     return other if isinstance(mask, Full) else mask & other
 
 
-class Document(AbstractMask):
+class Document(AbstractBlockMask):
     """A query sees a key only inside its own document: equal segment ids, both ``>= 0``.
 
     Reads the call's ``q_segment_ids`` / ``kv_segment_ids`` (negative ids mark padding). The
@@ -302,7 +330,7 @@ class Document(AbstractMask):
         return MaskTerms(segment_ids=True)
 
 
-class AbstractBinaryMask(AbstractMask):
+class AbstractBinaryMask(AbstractBlockMask):
     """A mask that combines two masks pair by pair (`And`, `Or`)."""
 
     left: AbstractMask
@@ -346,7 +374,7 @@ class Or(AbstractBinaryMask):
         return jnp.maximum(a, b).astype(jnp.int8)
 
 
-class Not(AbstractMask):
+class Not(AbstractBlockMask):
     """Pairs the inner mask hides. Usually written ``~inner``."""
 
     inner: AbstractMask

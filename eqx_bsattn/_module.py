@@ -12,8 +12,7 @@ from jaxtyping import Array, Float, Integer
 
 from ._autotune import choose_tiling
 from ._compile import CompiledMask, ResolvedMask, describe_terms
-from ._inputs import (AttentionInputs, check_call, check_kv_seq_lengths, hide_keys,
-                      prepare_inputs, python_scalar)
+from ._inputs import AttentionInputs, check_call, hide_keys, prepare_inputs, python_scalar
 from ._kernel import AbstractKernel, Features
 from ._mask import EMPTY, AbstractMask, And, Document, Full
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
@@ -115,15 +114,22 @@ def _layout_to_bhsd(layout: str, *arrays):
     return tuple(jnp.swapaxes(jnp.asarray(x), -2, -3) for x in arrays)
 
 
+#: The per-call arguments of `__call__` and `plan` besides query, key and value.
+_CALL_DATA = ("bias", "sinks", "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions",
+              "kv_seq_lengths")
+
+
+def _checked(layout: str, query, key, value, data: dict) -> tuple:
+    """A call's arguments checked (`check_call`, the one place), query, key and value brought
+    from the module's `qkv_layout` to ``[B, H, L, D]``: ``(query, key, value, data)``."""
+    query, key, value = _layout_to_bhsd(layout, query, key, value)
+    return check_call(query, key, value, **data)
+
+
 def _validate_call(arguments: dict):
     layout = arguments["self"].qkv_layout
-    q, k, v = _layout_to_bhsd(layout, arguments["query"], arguments["key"], arguments["value"])
-    names = ("bias", "sinks", "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
-    q, k, v, data = check_call(q, k, v, **{name: arguments[name] for name in names})
-    lengths = arguments["kv_seq_lengths"]
-    if lengths is not None:
-        batched = q.ndim == 4
-        check_kv_seq_lengths(lengths, q.shape[0] if batched else 1, k.shape[-2], batched)
+    q, k, v, data = _checked(layout, arguments["query"], arguments["key"], arguments["value"],
+                             {name: arguments[name] for name in _CALL_DATA})
     arguments.update(query=q, key=k, value=v, **data)
     return (lambda out: _layout_to_bhsd(layout, out)[0]) if QKV_LAYOUTS[layout] else None
 
@@ -218,7 +224,6 @@ class BlockSparseAttention(eqx.Module):
         kv_positions=None,
         kv_seq_lengths=None,
         platform: str | None = None,
-        fused_backward: bool = False,
     ) -> CallPlan:
         """Everything a call decides before it runs, once: the mask resolved and compiled,
         the per-call data normalised, the kernel and the tiling.
@@ -227,31 +232,29 @@ class BlockSparseAttention(eqx.Module):
         would run and why, with which tiling, and how dense each pass's layout is. Runs no
         attention.
         """
-        query, key, value = _layout_to_bhsd(self.qkv_layout, query, key, value)
-        return self._plan(
-            query, key, value, bias=bias, sinks=sinks, q_segment_ids=q_segment_ids,
-            kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_positions=kv_positions,
-            kv_seq_lengths=kv_seq_lengths, platform=platform, fused_backward=fused_backward,
-        )
+        query, key, value, data = _checked(
+            self.qkv_layout, query, key, value,
+            dict(bias=bias, sinks=sinks, q_segment_ids=q_segment_ids,
+                 kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                 kv_positions=kv_positions, kv_seq_lengths=kv_seq_lengths))
+        return self._plan(query, key, value, platform=platform, **data)
 
     def _plan(self, query, key, value, *, kv_seq_lengths=None, platform=None,
-              fused_backward=False, **data) -> CallPlan:
-        """`plan` for ``[B, H, L, D]`` (or ``[H, L, D]``) arrays, whatever the module's layout."""
-        query, key, value, data = check_call(query, key, value, **data)
+              **data) -> CallPlan:
+        """`plan` for ``[B, H, L, D]`` (or ``[H, L, D]``) arrays that `check_call` has checked
+        (`__call__`'s decorator, `plan` or the function door): nothing is checked twice."""
         platform = check_platform(platform)
         batched = query.ndim == 4
         batch = query.shape[0] if batched else 1
         heads, q_len, dim = query.shape[-3:]
         kv_heads, kv_len, value_dim = value.shape[-3:]
-        keep = check_kv_seq_lengths(kv_seq_lengths, batch, kv_len, batched)
-        if keep is not None:
+        if kv_seq_lengths is not None:
+            keep = jnp.arange(kv_len)[None, :] < kv_seq_lengths[:, None]
             q_seg, kv_seg = hide_keys(keep, data["q_segment_ids"], data["kv_segment_ids"],
                                       q_len=q_len)
             data.update(q_segment_ids=q_seg if batched else q_seg[0],
                         kv_segment_ids=kv_seg if batched else kv_seg[0])
-        inputs = prepare_inputs(
-            batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, batched=batched, **data
-        )
+        inputs = prepare_inputs(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, **data)
         mask = _with_document(self.mask, inputs.q_segment_ids is not None)
         mask.check(q_len, kv_len, heads)
         resolved = ResolvedMask(
@@ -276,7 +279,6 @@ class BlockSparseAttention(eqx.Module):
             segment_ids=inputs.q_segment_ids is not None,
             positions=(inputs.q_positions is not None or inputs.kv_positions is not None
                        or self.sharding.passes_positions),
-            fused_backward=fused_backward,
             lse=self.sharding.needs_lse,
         )
         if is_auto(self.kernel):

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 
 from ._compile import ResolvedMask
-from ._kernel import AbstractKernel, Features, registered_kernels
+from ._kernel import AbstractKernel, AbstractLseKernel, Features, registered_kernels
 from ._mask import AbstractMask
 
 
@@ -67,9 +67,9 @@ def decline_reason(kernel: AbstractKernel, mask: ResolvedMask, features: Feature
     if features.platform not in kernel.platforms:
         return (f"runs on {' / '.join(kernel.platforms)} only; this call runs on "
                 f"{features.platform!r}.")
-    if features.lse and not kernel.returns_lse:
-        return ("does not return the log-sum-exp (returns_lse=False) that sequence sharding "
-                "merges partial results by.")
+    if features.lse and not isinstance(kernel, AbstractLseKernel):
+        return ("does not return the log-sum-exp that sequence sharding merges partial results "
+                "by (it is not an AbstractLseKernel).")
     return kernel.decline_reason(mask, features)
 
 

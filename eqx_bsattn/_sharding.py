@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from equinox import AbstractClassVar
 
 from ._layout import BlockLayout, _lists_from_classes
 from ._strategy import AbstractStrategy
@@ -23,17 +24,17 @@ class AbstractSharding(AbstractStrategy):
     out`` that runs it spread over devices, splitting the compiled mask per shard.
     `Unsharded` returns it unchanged.
 
-    `needs_lse` (class variable, default ``False``): the sharding merges partial results by
-    their log-sum-exp, so the selector declines kernels that do not return it
-    (`AbstractKernel.returns_lse`).
+    Every concrete sharding sets two class variables (abstract here):
 
-    `passes_positions` (class variable, default ``False``): the sharding hands each shard's
-    call its tokens' global positions, so the call's `Features.positions` is set and kernels
-    that cannot read per-call positions decline.
+    - `needs_lse`: the sharding merges partial results by their log-sum-exp, so the selector
+      declines every kernel that is not an `AbstractLseKernel`.
+    - `passes_positions`: the sharding hands each shard's call its tokens' global positions,
+      so the call's `Features.positions` is set and kernels that cannot read per-call
+      positions decline.
     """
 
-    needs_lse: ClassVar[bool] = False
-    passes_positions: ClassVar[bool] = False
+    needs_lse: AbstractClassVar[bool]
+    passes_positions: AbstractClassVar[bool]
 
     @abc.abstractmethod
     def wrap(self, fn: Callable) -> Callable:
@@ -42,6 +43,9 @@ class AbstractSharding(AbstractStrategy):
 
 class Unsharded(AbstractSharding):
     """Run on whatever devices the inputs already live on; no explicit partitioning."""
+
+    needs_lse: ClassVar[bool] = False
+    passes_positions: ClassVar[bool] = False
 
     def wrap(self, fn: Callable) -> Callable:
         return fn

@@ -1,7 +1,49 @@
-"""`AbstractStrategy`: the base of the kernel, tiling and sharding strategies."""
+"""`AbstractStrategy`: the base of the kernel, tiling and sharding strategies; `is_abstract`."""
 
 import abc
 import dataclasses
+import inspect
+import weakref
+from typing import ClassVar, get_origin
+
+from equinox import AbstractClassVar
+
+#: Strategies declared abstract with ``is_abstract=True`` (equinox's class keyword) although
+#: every member they declare is defined.
+_DECLARED_ABSTRACT: "weakref.WeakSet[type]" = weakref.WeakSet()
+
+
+def is_abstract(cls: type) -> bool:
+    """Whether `cls` is an abstract class, in equinox's sense: it leaves an abstract method,
+    an `eqx.AbstractVar` or an `eqx.AbstractClassVar` undefined, or it says so with
+    ``is_abstract=True`` (a keyword `AbstractStrategy` subclasses take). Works for
+    `eqx.Module` and `AbstractStrategy` subclasses alike.
+
+    ```python
+    is_abstract(AbstractKernel), is_abstract(kernels.XlaBlockSparse)   # True, False
+    ```
+    """
+    if not inspect.isclass(cls):
+        raise TypeError(f"`cls` must be a class; got {type(cls).__name__}.")
+    if inspect.isabstract(cls) or cls in _DECLARED_ABSTRACT:
+        return True
+    # Modules carry both sets (equinox's metaclass); strategies the class variables alone.
+    return bool(getattr(cls, "__abstractvars__", ()) or getattr(cls, "__abstractclassvars__", ()))
+
+
+def _abstract_class_vars(cls: type) -> frozenset[str]:
+    """The names `cls` or a base annotates `AbstractClassVar[...]` that no class has set since:
+    equinox's rule, for strategies (which are dataclasses, not modules)."""
+    names: set[str] = set()
+    for klass in reversed(cls.__mro__):
+        for name, annotation in inspect.get_annotations(klass).items():
+            if get_origin(annotation) is AbstractClassVar:
+                if name in vars(klass):
+                    raise TypeError(f"{klass.__name__}.{name} is an AbstractClassVar; it cannot "
+                                    "have a value where it is declared.")
+                names.add(name)
+        names -= vars(klass).keys()
+    return frozenset(names)
 
 
 class AbstractStrategy(abc.ABC):
@@ -18,15 +60,37 @@ class AbstractStrategy(abc.ABC):
     state (and of its twin's gradients); `eqx.filter_jit` treats the leaf as static, so a swap
     retraces. (Masks stay pytrees: they may hold per-call arrays, `masks.ArrayMask`.)
 
+    Abstract members follow equinox: `abc.abstractmethod`, and `eqx.AbstractClassVar[T]` for a
+    class variable every concrete subclass sets (a `ClassVar[T]` with a value); a class that
+    leaves one undefined cannot be instantiated (`is_abstract`).
+
     ```python
     class MyKernel(AbstractKernel):
         unroll: int = 1               # a field: MyKernel(unroll=2) == MyKernel(unroll=2)
     ```
     """
 
-    def __init_subclass__(cls, **kwargs):
+    __abstractclassvars__: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, *, is_abstract: bool = False, **kwargs):
         super().__init_subclass__(**kwargs)
+        if is_abstract:
+            _DECLARED_ABSTRACT.add(cls)
+        cls.__abstractclassvars__ = _abstract_class_vars(cls)
+        # Abstract class variables are no fields: hide them from the dataclass, as equinox does.
+        own = inspect.get_annotations(cls)
+        cls.__annotations__ = {name: annotation for name, annotation in own.items()
+                               if get_origin(annotation) is not AbstractClassVar}
         dataclasses.dataclass(frozen=True)(cls)
+        cls.__annotations__ = own
+
+    def __new__(cls, *args, **kwargs):
+        if cls in _DECLARED_ABSTRACT:
+            raise TypeError(f"Can't instantiate abstract class {cls.__name__}.")
+        if cls.__abstractclassvars__:
+            raise TypeError(f"Can't instantiate abstract class {cls.__name__} without the class "
+                            f"variables {', '.join(sorted(cls.__abstractclassvars__))}.")
+        return super().__new__(cls)
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -37,3 +101,6 @@ class AbstractStrategy(abc.ABC):
             check = vars(klass).get("__check_init__")
             if check is not None:
                 check(self)
+
+
+_DECLARED_ABSTRACT.add(AbstractStrategy)

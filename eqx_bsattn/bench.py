@@ -27,13 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import BlockSparseAttention, ResolvedMask, kernels
-from ._layout import element_mask
-from ._mask import AbstractMask
-from ._selector import default_platform
-from ._timing import median_ms as median_ms
-from .strategies import masks
-from .strategies.kernels.cudnn import cudnn_mask_options
+from . import AbstractMask, BlockSparseAttention, ResolvedMask, default_platform, kernels, masks
+from .contract import CompiledMask
+from .timing import median_ms as median_ms
 
 # ------------------------------------------------------------------------------------------------
 # The patterns the demo, the benchmark and the scripts in benchmarks/ measure, defined once:
@@ -87,19 +83,22 @@ PATTERNS = ("causal", "window", "document", "bigbird")
 # Measuring.
 
 
+def _predicate(mask: AbstractMask, q_len: int, kv_len: int) -> CompiledMask:
+    """`mask` at these lengths as kernels read it, for its element predicate
+    (`CompiledMask.visible`); no layout is built."""
+    return ResolvedMask(mask, q_len=q_len, kv_len=kv_len, num_heads=1).compile(None, "dense")
+
+
 def visible_pairs(mask, q_len: int, kv_len: int, segment_ids=None, rows_per_step: int = 512) -> int:
     """Exact number of visible (query, key) pairs of one (batch, head), evaluated in row chunks."""
     seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    use_seg = seg is not None and mask.uses_segment_ids
+    predicate = _predicate(mask, q_len, kv_len)
 
     @jax.jit
     def count_rows(start):
         qi = start + jnp.arange(rows_per_step, dtype=jnp.int32)[:, None]
         kj = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
-        vis = element_mask(
-            mask, 0, qi, kj, q_len=q_len, kv_len=kv_len,
-            q_segment_ids=seg if use_seg else None, kv_segment_ids=seg if use_seg else None,
-        )
+        vis = predicate.visible(0, qi, kj, q_segment_ids=seg, kv_segment_ids=seg)
         return jnp.sum(vis & (qi < q_len), dtype=jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
 
     total = 0
@@ -112,8 +111,8 @@ def dense_mask(mask, length: int, segment_ids=None):
     """The ``[length, length]`` boolean visibility of `mask` (one batch element, head 0)."""
     seg = None if segment_ids is None else jnp.asarray(segment_ids)
     index = jnp.arange(length)
-    return element_mask(mask, 0, index[:, None], index[None, :], q_len=length, kv_len=length,
-                        q_segment_ids=seg, kv_segment_ids=seg)
+    return _predicate(mask, length, length).visible(0, index[:, None], index[None, :],
+                                                    q_segment_ids=seg, kv_segment_ids=seg)
 
 
 def _with_backward(f: Callable) -> Callable:
@@ -135,7 +134,7 @@ def _peers(name, mask, data, args, platform, layout_bhld) -> dict[str, tuple[Cal
     peers = {}
     q_len = layout_bhld[2]
     terms = ResolvedMask(mask, q_len=q_len, kv_len=q_len, num_heads=1).terms
-    options = None if data else cudnn_mask_options(terms, q_len)
+    options = None if data else kernels.cudnn_mask_options(terms, q_len)
     if platform == "gpu" and options is not None and args.dtype in ("bfloat16", "float16"):
         peers["cudnn"] = (functools.partial(
             jax.nn.dot_product_attention, implementation="cudnn", **options), BLHD)

@@ -1,15 +1,21 @@
 """The contract between masks and kernels, in public names: what a plug-in imports.
 
 A **mask** subclasses `AbstractMask`: it declares `reads_segment_ids` and `varies_by_head`,
-implements `elements` (on `TokenCoords`), and for speed `blocks` (on `BlockCoords`, with
-`classify`) and `terms` (a `MaskTerms` AND that GPU and TPU kernels evaluate in place).
+implements `elements` (on `TokenCoords`), and for speed `terms` (a `MaskTerms` AND that GPU
+and TPU kernels evaluate in place). A mask that classifies blocks from their ranges subclasses
+`AbstractBlockMask` instead, which adds `blocks` (on `BlockCoords`, with `classify`).
 
-A **kernel** subclasses `AbstractKernel`: it declares `name`, `platforms` and `reads`, and its
-``__call__`` receives the `CompiledMask` the plan built for it (a `BlockLayout` per pass, the
-canonical `MaskTerms`, element bitmaps where the mask has no terms, and the element predicate
-`CompiledMask.visible`), the call's `AttentionInputs`, its `Features` and its `Tiling`. Its
+A **kernel** subclasses `AbstractKernel`: it declares `name`, `platforms` and `reads` (a
+`MaskReads`), implements `priority` and `decline_reason`, and its ``__call__`` receives the
+`CompiledMask` the plan built for it (a `BlockLayout` per pass, the canonical `MaskTerms`,
+element bitmaps where the mask has no terms, and the element predicate `CompiledMask.visible`),
+the call's `AttentionInputs`, its `Features` and its `Tiling`. Its
 `decline_reason` and `default_tiling` see the `ResolvedMask` (the terms, and layouts on demand)
-before the tiling is fixed. It never imports a mask class.
+before the tiling is fixed. It never imports a mask class. A kernel that also returns each
+row's log-sum-exp (what sequence sharding merges by) subclasses `AbstractLseKernel`.
+
+Every class is abstract (`is_abstract`, named ``AbstractX``) or final (never subclassed), as
+in equinox: only abstract methods and class variables are defined in a subclass.
 
 A **sharding** subclasses `AbstractSharding`; `layout_from_classes` rebuilds the block
 lists of the part of a layout one device sees.
@@ -30,10 +36,12 @@ from ._compile import (
     CompiledMask as CompiledMask,
     MaskReads as MaskReads,
     ResolvedMask as ResolvedMask,
+    describe_terms as describe_terms,
 )
 from ._inputs import AttentionInputs as AttentionInputs, POSITION_LIMIT as POSITION_LIMIT
 from ._kernel import (
     AbstractKernel as AbstractKernel,
+    AbstractLseKernel as AbstractLseKernel,
     Features as Features,
     add_sinks as add_sinks,
     pad_axis as pad_axis,
@@ -52,6 +60,7 @@ from ._mask import (
     FULL as FULL,
     PARTIAL as PARTIAL,
     AbstractBinaryMask as AbstractBinaryMask,
+    AbstractBlockMask as AbstractBlockMask,
     AbstractMask as AbstractMask,
     And as And,
     BlockCoords as BlockCoords,
@@ -70,5 +79,5 @@ from ._sharding import (
     mesh_in_context as mesh_in_context,
     typed_like as typed_like,
 )
-from ._strategy import AbstractStrategy as AbstractStrategy
+from ._strategy import AbstractStrategy as AbstractStrategy, is_abstract as is_abstract
 from ._tiling import Tiling as Tiling

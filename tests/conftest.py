@@ -15,10 +15,15 @@ import tempfile
 # The tests never read or write the user's autotune cache: a fresh, empty folder per run.
 os.environ.setdefault("EQX_BSATTN_CACHE_DIR", tempfile.mkdtemp(prefix="eqx_bsattn_cache_"))
 
-if os.environ.get("EQX_BSATTN_TRITON_INTERPRET"):  # a debugging aid: see tests/triton_interpret.py
-    from tests.triton_interpret import install
+if os.environ.get("EQX_BSATTN_TRITON_INTERPRET"):  # a debugging aid: benchmarks/triton_interpret.py
+    import importlib.util
+    import pathlib
 
-    install(os.environ["EQX_BSATTN_TRITON_INTERPRET"])
+    _path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "triton_interpret.py"
+    _spec = importlib.util.spec_from_file_location("triton_interpret", _path)
+    _interpret = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_interpret)
+    _interpret.install(os.environ["EQX_BSATTN_TRITON_INTERPRET"])
 
 import jax  # noqa: E402
 import jax.numpy as jnp

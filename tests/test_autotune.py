@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
+from eqx_bsattn.contract import MaskReads
 from eqx_bsattn import _cache
 from eqx_bsattn.strategies.kernels.reference import reference_attention
 from eqx_bsattn.strategies.kernels.triton import heuristics as triton_heuristics
@@ -39,7 +40,14 @@ class _Flawed(bsa.AbstractKernel):
 
     name: ClassVar[str] = "flawed"
     platforms: ClassVar[tuple[str, ...]] = ("cpu",)
-    reads: ClassVar[str] = "dense"
+    reads: ClassVar[MaskReads] = "dense"
+
+    @classmethod
+    def priority(cls, platform):
+        return None
+
+    def decline_reason(self, mask, features):
+        return None
 
     def default_tiling(self, features, mask):
         return bsa.Tiling(block_q=32, block_kv=32)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
+from eqx_bsattn.contract import MaskReads
 from eqx_bsattn import masks
 from eqx_bsattn.strategies.kernels.reference import reference_attention
 from tests.conftest import assert_close, random_array
@@ -32,7 +33,14 @@ class _PowersOfTwo(bsa.AbstractKernel):
 
     name: ClassVar[str] = "test-pow2"
     platforms: ClassVar[tuple[str, ...]] = ("cpu",)
-    reads: ClassVar[str] = "dense"
+    reads: ClassVar[MaskReads] = "dense"
+
+    @classmethod
+    def priority(cls, platform):
+        return None
+
+    def decline_reason(self, mask, features):
+        return None
 
     def adapt_tiling(self, tiling, features):
         for field in ("block_q", "block_kv"):

@@ -1,4 +1,4 @@
-"""`AbstractKernel.attention_with_lse`: every kernel that declares `returns_lse` against a
+"""`AbstractLseKernel.attention_with_lse`: every kernel that is an `AbstractLseKernel` against a
 float64 oracle, the output, the log-sum-exp and the gradients through both."""
 
 import jax
@@ -20,7 +20,8 @@ _OWN_TESTS = {"mosaic": "16-bit, D in {64, 128}, no bias: tests/kernels/mosaic/t
 def _lse_kernels():
     platform = bsa.default_platform()
     return [cls for cls in bsa.registered_kernels()
-            if cls.returns_lse and platform in cls.platforms and cls.name not in _OWN_TESTS]
+            if issubclass(cls, bsa.AbstractLseKernel) and platform in cls.platforms
+            and cls.name not in _OWN_TESTS]
 
 
 def _call(kernel, mask, q, k, v, bias, sinks):

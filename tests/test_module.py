@@ -1,6 +1,8 @@
 """`BlockSparseAttention` and `blocksparse_attention`: transforms, strategy swaps, the selector,
 the function API's options, and input validation."""
 
+import dataclasses
+import inspect
 import re
 import warnings
 from typing import ClassVar
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
+from eqx_bsattn.contract import MaskReads
 from eqx_bsattn import kernels, masks
 from eqx_bsattn.strategies.kernels.reference import reference_attention
 from tests.conftest import (
@@ -155,7 +158,14 @@ class DoubledReference(bsa.AbstractKernel):
 
     name: ClassVar[str] = "test-doubled"
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
-    reads: ClassVar[str] = "dense"
+    reads: ClassVar[MaskReads] = "dense"
+
+    @classmethod
+    def priority(cls, platform):
+        return None
+
+    def decline_reason(self, mask, features):
+        return None
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
@@ -166,7 +176,7 @@ class DoubledReference(bsa.AbstractKernel):
 class _Declines(bsa.AbstractKernel):
     name: ClassVar[str] = "test-declines"
     platforms: ClassVar[tuple[str, ...]] = ("test-platform",)
-    reads: ClassVar[str] = "dense"
+    reads: ClassVar[MaskReads] = "dense"
     reason: str = eqx.field(default="it never runs anything", static=True)
 
     @classmethod
@@ -183,7 +193,7 @@ class _Declines(bsa.AbstractKernel):
 class _AcceptsNoBias(bsa.AbstractKernel):
     name: ClassVar[str] = "test-no-bias"
     platforms: ClassVar[tuple[str, ...]] = ("test-platform", "cpu")
-    reads: ClassVar[str] = "dense"
+    reads: ClassVar[MaskReads] = "dense"
 
     @classmethod
     def priority(cls, platform):
@@ -410,11 +420,22 @@ def test_function_cfg_and_platforms(qkv):
         bsa.blocksparse_attention(q, k, v, cfg=(8, 8))
 
 
-def test_function_fused_backward_warns_for_the_reference(qkv):
+@pytest.mark.parametrize("fused", [True, False])
+def test_function_fused_backward_is_deprecated_and_changes_nothing(qkv, fused):
+    """ejKernel's switch is accepted, says it has no effect and names the single-pass
+    backward that exists; the call is the one without it."""
     q, k, v = qkv
-    with pytest.warns(UserWarning, match="fused_backward"):
-        out = bsa.blocksparse_attention(q, k, v, fused_backward=True, platform="reference")
+    with pytest.warns(DeprecationWarning, match=r"no effect.*deterministic=False") as caught:
+        out = bsa.blocksparse_attention(q, k, v, fused_backward=fused, platform="reference")
+    assert len(caught) == 1 and caught[0].filename == __file__  # points at the caller
+    assert bool(jnp.all(out == bsa.blocksparse_attention(q, k, v, platform="reference")))
     assert_close(out, expected(masks.Causal(), q, k, v))
+
+
+def test_nothing_carries_fused_backward():
+    assert "fused_backward" not in {f.name for f in dataclasses.fields(bsa.Features)}
+    assert "fused_backward" not in inspect.signature(bsa.BlockSparseAttention.plan).parameters
+    assert not hasattr(bsa.kernels.TritonBlockSparse(), "fused_backward")
 
 
 @pytest.mark.parametrize("name", ["qkv_layouts"])
@@ -604,3 +625,90 @@ def test_kv_seq_lengths_hide_padding_without_recompiling():
     assert_close(attn(q[0], k[0], v[0], kv_seq_lengths=13), want[0], 2e-5)
     with pytest.raises(ValueError, match=r"`kv_seq_lengths` must have shape \[2\] or a scalar"):
         attn(q, k, v, kv_seq_lengths=np.array([1, 2, 3]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The call path does each step once.
+
+_STEPS: dict[str, int] = {}
+
+
+class _CountedCausal(bsa.AbstractMask):
+    """Causal, counting how often a call checks and resolves it."""
+
+    reads_segment_ids: ClassVar[bool] = False
+    varies_by_head: ClassVar[bool] = False
+
+    def elements(self, q, k, head):
+        return k.position <= q.position
+
+    def check(self, q_len, kv_len, num_heads):
+        _STEPS["mask.check"] = _STEPS.get("mask.check", 0) + 1
+
+    def resolve(self, q_len, kv_len):
+        _STEPS["mask.resolve"] = _STEPS.get("mask.resolve", 0) + 1
+        return self
+
+
+#: The input checks of `eqx_bsattn._inputs`, counted wherever the package refers to them.
+_INPUT_CHECKS = ("check_qkv", "_check_token_data", "_check_bias", "_check_sinks",
+                 "check_kv_seq_lengths")
+
+
+def _count_steps(monkeypatch):
+    """Wrap every module-level reference to the input checks, in every module of the package,
+    with a counter; `_STEPS` is then how often a call ran each check."""
+    import sys
+
+    from eqx_bsattn import _inputs
+
+    _STEPS.clear()
+    for name in _INPUT_CHECKS:
+        original = getattr(_inputs, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            _STEPS[_name] = _STEPS.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        for module_name, module in list(sys.modules.items()):
+            if module_name.split(".")[0] == "eqx_bsattn":
+                for attr, value in list(vars(module).items()):
+                    if value is original:
+                        monkeypatch.setattr(module, attr, counted)
+
+
+def _module_call(q, k, v, bias, sinks, ids):
+    attn = bsa.BlockSparseAttention(mask=_CountedCausal())
+    return attn(q, k, v, bias=bias, sinks=sinks, q_segment_ids=ids, kv_segment_ids=ids,
+                kv_seq_lengths=jnp.full((2,), 20))
+
+
+def _function_call(q, k, v, bias, sinks, ids):
+    return bsa.blocksparse_attention(q, k, v, sinks, bias, q_segment_ids=ids,
+                                     kv_segment_ids=ids, mask_builder=_CountedCausal(),
+                                     causal=False)
+
+
+def _layer_call(q, k, v, bias, sinks, ids):
+    layer = bsa.MultiheadBlockSparseAttention(num_heads=4, query_size=8, mask=_CountedCausal(),
+                                              key=jax.random.key(0))
+    x = q[0, 0]  # [L, 8]
+    return layer(x, x, x, bias=bias[0], sinks=sinks, q_segment_ids=ids[0],
+                 kv_segment_ids=ids[0], kv_seq_lengths=20)
+
+
+@pytest.mark.parametrize("door", [_module_call, _function_call, _layer_call],
+                         ids=["module", "function", "layer"])
+def test_a_call_checks_its_inputs_and_resolves_its_mask_once(monkeypatch, door):
+    q = random_array(1, (2, 4, 24, 8))
+    bias = random_array(2, (2, 4, 24, 24))
+    sinks = random_array(3, (4,))
+    ids = jnp.asarray(np.repeat([[0, 1, 2]], 8, axis=1).repeat(2, axis=0), jnp.int32)
+    # Each check once (four token arrays: the segment ids and the positions, here None).
+    _count_steps(monkeypatch)
+    door(q, q, q, bias, sinks, ids)
+    expected_steps = {"check_qkv": 1, "_check_token_data": 4, "_check_bias": 1,
+                      "_check_sinks": 1, "mask.check": 1, "mask.resolve": 1}
+    if door is not _function_call:
+        expected_steps["check_kv_seq_lengths"] = 1
+    assert _STEPS == expected_steps

@@ -4,7 +4,7 @@ determinism and forward-mode AD; for every kernel that runs on this machine, aga
 oracle of `tests/conftest.py`. The rules tested here are written down in docs/reliability.md.
 
 With a GPU the GPU kernels join (the `gpu` marker); on the CPU the Triton kernel runs through
-its interpreter when ``EQX_BSATTN_TRITON_INTERPRET`` is set (see `tests/triton_interpret.py`).
+its interpreter when ``EQX_BSATTN_TRITON_INTERPRET`` is set (see `benchmarks/triton_interpret.py`).
 """
 
 import logging
@@ -20,7 +20,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks
-from eqx_bsattn.contract import FULL, PARTIAL, classify
+from eqx_bsattn.contract import FULL, PARTIAL, AbstractBlockMask, classify
 from eqx_bsattn.strategies.kernels import xla as xla_kernel
 from tests.test_conformance import (
     KERNELS,
@@ -460,7 +460,7 @@ def test_layouts_from_segment_ids_are_sized_by_the_window():
             np.testing.assert_array_equal(index[row, :count[row]], np.flatnonzero(dense[row]))
 
 
-class _LaterSegments(masks.AbstractMask):
+class _LaterSegments(AbstractBlockMask):
     """Keys of the query's document or a later one, whose EMPTY test is a difference of ids:
     exact for the ids of a call, but the difference wraps for the widest ranges, where it
     calls every block EMPTY (a mask whose `blocks` is not conservative there)."""

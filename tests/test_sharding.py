@@ -46,6 +46,7 @@ else:
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     from eqx_bsattn import sharding
+    from eqx_bsattn.contract import MaskReads
     from tests.conftest import (
         assert_close,
         bsa,
@@ -505,11 +506,14 @@ else:
     def test_ring_calls_carry_positions():
         """A ring hands each shard's call its tokens' global positions, so the plan's features
         say so and a kernel that cannot read per-call positions is declined, saying why."""
-        class NoPositions(bsa.AbstractKernel):
+        class NoPositions(bsa.AbstractLseKernel):
             name: ClassVar[str] = "no-positions-test"
             platforms: ClassVar[tuple[str, ...]] = ("cpu",)
-            reads: ClassVar[str] = "dense"
-            returns_lse: ClassVar[bool] = True
+            reads: ClassVar[MaskReads] = "dense"
+
+            @classmethod
+            def priority(cls, platform):
+                return None
 
             def decline_reason(self, mask, features):
                 return "per-call positions are not read." if features.positions else None
@@ -537,7 +541,14 @@ else:
         class NoLse(bsa.AbstractKernel):
             name: ClassVar[str] = "no-lse-test"
             platforms: ClassVar[tuple[str, ...]] = ("cpu",)
-            reads: ClassVar[str] = "dense"
+            reads: ClassVar[MaskReads] = "dense"
+
+            @classmethod
+            def priority(cls, platform):
+                return None
+
+            def decline_reason(self, mask, features):
+                return None
 
             def __call__(self, query, key, value, **kw):
                 return kernels.DenseReference()(query, key, value, **kw)

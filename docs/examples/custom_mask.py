@@ -11,10 +11,10 @@ from typing import ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractMask, classify
+from eqx_bsattn.contract import AbstractBlockMask, classify
 
 
-class SinkTokens(AbstractMask):
+class SinkTokens(AbstractBlockMask):
     """Key visible when ``pos_k < num_sinks``, for every query.
 
     ```python
@@ -39,8 +39,9 @@ class SinkTokens(AbstractMask):
 
     def blocks(self, q, k, head):
         # From the block ranges alone: FULL when the whole key block lies among the sinks,
-        # EMPTY when none of it does. (Without this method the layout would be built by
-        # evaluating `elements` block by block: the same classes, at O(Lq x Lk) cost.)
+        # EMPTY when none of it does. (A mask without it subclasses `AbstractMask`, and its
+        # layout is built by evaluating `elements` block by block: the same classes, at
+        # O(Lq x Lk) cost.)
         shape = jnp.broadcast_shapes(q.pos_lo.shape, k.pos_lo.shape)
         all_visible = jnp.broadcast_to(k.pos_hi < self.num_sinks, shape)
         none_visible = jnp.broadcast_to(k.pos_lo >= self.num_sinks, shape)

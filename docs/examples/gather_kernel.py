@@ -15,7 +15,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractKernel, AttentionInputs, CompiledMask, Features, Tiling
+from eqx_bsattn.contract import (AbstractKernel, AttentionInputs, CompiledMask, Features,
+                                  MaskReads, Tiling)
 
 
 def _pad_to(x, axis: int, size: int):
@@ -35,7 +36,14 @@ class GatherKernel(AbstractKernel):
 
     name: ClassVar[str] = "gather"
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
-    reads: ClassVar[str] = "elements"  # a layout per pass; partial blocks through `visible`
+    reads: ClassVar[MaskReads] = "elements"  # a layout per pass; partial blocks: `visible`
+
+    @classmethod
+    def priority(cls, platform):
+        return None  # never picked automatically: pass it as `kernel=`
+
+    def decline_reason(self, mask, features):
+        return None  # any mask (through `visible`) and every feature the contract has
 
     def default_tiling(self, features: Features, mask) -> Tiling:
         return Tiling(block_q=64, block_kv=64)

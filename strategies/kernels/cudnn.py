@@ -6,7 +6,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractKernel, MaskTerms, refuse_forward_mode
+from eqx_bsattn.contract import AbstractKernel, MaskReads, MaskTerms, refuse_forward_mode
 
 
 def nn_attention(q, k, v, **options):
@@ -55,7 +55,7 @@ class CudnnDense(AbstractKernel):
 
     name: ClassVar[str] = "cudnn"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
-    reads: ClassVar[str] = "dense"
+    reads: ClassVar[MaskReads] = "dense"
 
     @classmethod
     def priority(cls, platform):

@@ -5,7 +5,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractKernel, AttentionInputs, CompiledMask
+from eqx_bsattn.contract import AbstractLseKernel, AttentionInputs, CompiledMask, MaskReads
 
 
 def dense_visibility(mask: CompiledMask, inputs: AttentionInputs):
@@ -75,7 +75,7 @@ def reference_attention(q, k, v, *, mask: CompiledMask, inputs: AttentionInputs,
     return out.astype(q.dtype), lse
 
 
-class DenseReference(AbstractKernel):
+class DenseReference(AbstractLseKernel):
     """Dense float32 attention with every feature: the oracle of the test suite.
 
     Materialises the ``[B, H, Lq, Lk]`` scores, so memory grows with ``Lq x Lk``; the selector
@@ -90,12 +90,14 @@ class DenseReference(AbstractKernel):
 
     name: ClassVar[str] = "reference"
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
-    reads: ClassVar[str] = "dense"
-    returns_lse: ClassVar[bool] = True
+    reads: ClassVar[MaskReads] = "dense"
 
     @classmethod
     def priority(cls, platform):
         return 0  # the last resort everywhere
+
+    def decline_reason(self, mask, features):
+        return None  # every mask and feature: the oracle
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):

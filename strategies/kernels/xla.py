@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqx_bsattn.contract import (
-    AbstractKernel,
+    AbstractLseKernel,
     BlockLayout,
     CompiledMask,
     Features,
+    MaskReads,
     Tiling,
     backward_delta,
     pad_axis,
@@ -656,7 +657,7 @@ def _lists_only(mask: CompiledMask) -> CompiledMask:
                        tuple(shape_only(x) for x in (mask.forward, mask.dq, mask.dkv)))
 
 
-class XlaBlockSparse(AbstractKernel):
+class XlaBlockSparse(AbstractLseKernel):
     """Block-sparse flash attention in plain JAX: runs on every platform.
 
     For each q-block it visits only the kv-blocks its `BlockLayout` lists, with an online
@@ -686,13 +687,15 @@ class XlaBlockSparse(AbstractKernel):
 
     name: ClassVar[str] = "xla"
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
-    reads: ClassVar[str] = "elements"
-    returns_lse: ClassVar[bool] = True
+    reads: ClassVar[MaskReads] = "elements"
 
     @classmethod
     def priority(cls, platform):
         # Below the dedicated GPU kernels (20 and up); the default where none exists.
         return 5 if platform == "gpu" else 10
+
+    def decline_reason(self, mask, features):
+        return None  # every feature of DenseReference, every mask through `visible`
 
     def default_tiling(self, features: Features, mask) -> Tiling:
         if features.platform == "cpu":

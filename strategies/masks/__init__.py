@@ -4,6 +4,7 @@ from eqx_bsattn.contract import (
     EMPTY as EMPTY,
     FULL as FULL,
     PARTIAL as PARTIAL,
+    AbstractBlockMask as AbstractBlockMask,
     AbstractMask as AbstractMask,
     And as And,
     BlockCoords as BlockCoords,

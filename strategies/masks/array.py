@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool
 
-from eqx_bsattn.contract import AbstractMask, classify
+from eqx_bsattn.contract import AbstractBlockMask, classify
 
 
-class ArrayMask(AbstractMask):
+class ArrayMask(AbstractBlockMask):
     """An explicit element mask: query ``i`` sees key ``j`` of head ``h`` where
     ``mask[h, i, j]`` is True.
 

@@ -7,7 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractMask
+from eqx_bsattn.contract import AbstractBlockMask, AbstractMask
 
 
 class Predicate(AbstractMask):
@@ -43,7 +43,7 @@ class Predicate(AbstractMask):
         return jnp.broadcast_to(out, jnp.broadcast_shapes(q.position.shape, k.position.shape))
 
 
-class PerHead(AbstractMask):
+class PerHead(AbstractBlockMask):
     """A different mask for each query head: head ``h`` uses ``masks[h]``.
 
     ```python

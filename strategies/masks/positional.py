@@ -5,7 +5,7 @@ from typing import ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import POSITION_LIMIT, AbstractMask, MaskTerms, classify
+from eqx_bsattn.contract import POSITION_LIMIT, AbstractBlockMask, MaskTerms, classify
 
 
 def _check_int(name: str, value, *, minimum: int, maximum: int | None = POSITION_LIMIT) -> None:
@@ -22,7 +22,7 @@ def _check_int(name: str, value, *, minimum: int, maximum: int | None = POSITION
     raise ValueError(f"`{name}` must be an int {accepted}; got {value!r}.")
 
 
-class Causal(AbstractMask):
+class Causal(AbstractBlockMask):
     """Key ``j`` is visible to query ``i`` when ``pos_k[j] <= pos_q[i] + offset``.
 
     **Arguments:**
@@ -70,7 +70,7 @@ class Causal(AbstractMask):
         return None if self.bottom_right else MaskTerms(causal_offset=self.offset)
 
 
-class SlidingWindow(AbstractMask):
+class SlidingWindow(AbstractBlockMask):
     """Key visible when ``pos_q - left <= pos_k <= pos_q + right``.
 
     The convention of `jax.nn.dot_product_attention`'s ``local_window_size``. ``None`` leaves a
@@ -129,7 +129,7 @@ class SlidingWindow(AbstractMask):
         return MaskTerms(window_left=self.left, window_right=self.right)
 
 
-class ChunkedCausal(AbstractMask):
+class ChunkedCausal(AbstractBlockMask):
     """Causal attention inside fixed chunks: ``pos_k <= pos_q`` and ``pos_q // C == pos_k // C``.
 
     ```python
@@ -164,7 +164,7 @@ class ChunkedCausal(AbstractMask):
         return MaskTerms(causal_offset=0, chunk=self.chunk_size)
 
 
-class PrefixLM(AbstractMask):
+class PrefixLM(AbstractBlockMask):
     """Prefix-LM: every query sees the first `prefix_length` keys, and is causal after them.
 
     Key visible when ``pos_k < prefix_length`` or ``pos_k <= pos_q``.

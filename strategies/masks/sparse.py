@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_bsattn.contract import AbstractMask, MaskTerms, classify
+from eqx_bsattn.contract import AbstractBlockMask, MaskTerms, classify
 
 from .positional import _check_int
 
 
-class GlobalTokens(AbstractMask):
+class GlobalTokens(AbstractBlockMask):
     """Longformer-style global tokens: the first `num_global` positions see and are seen by all.
 
     Key visible when ``pos_q < num_global`` or ``pos_k < num_global``. Combine with a local
@@ -39,7 +39,7 @@ class GlobalTokens(AbstractMask):
         return classify(full, empty)
 
 
-class Dilated(AbstractMask):
+class Dilated(AbstractBlockMask):
     """Strided attention: key visible when ``(pos_q - pos_k) % stride == 0``.
 
     With a window, a dilated window: ``SlidingWindow(1024, 0) & Dilated(4)``. For
@@ -119,7 +119,7 @@ def _layout_table(layout: tuple) -> tuple[np.ndarray, jax.Array]:
     return hit[1], hit[2]
 
 
-class BlockLayoutMask(AbstractMask):
+class BlockLayoutMask(AbstractBlockMask):
     """An explicit boolean block matrix: pair visible when ``layout[pos_q // bq, pos_k // bk]``.
 
     **Arguments:**
@@ -202,7 +202,7 @@ def _random_blocks(rows: int, cols: int, num_random: int, seed: int, causal: boo
     return table
 
 
-class BigBirdRandom(AbstractMask):
+class BigBirdRandom(AbstractBlockMask):
     """BigBird's random blocks: each row of `block_size` queries sees `num_random` random key blocks.
 
     Seeded, so the pattern is the same every call. With ``causal=True`` the random blocks

@@ -437,7 +437,7 @@ class RingAttention(AbstractSharding):
 
     At ring step ``t`` device ``d`` attends with its queries to the keys and values of device
     ``(d - t) mod n`` and merges the partial result into its own by log-sum-exp (so the
-    kernel must return it: `AbstractKernel.returns_lse`); the transfer for the next step is
+    kernel must be an `AbstractLseKernel`); the transfer for the next step is
     issued before the current step's compute, so the two can overlap, and after the step
     before it, so a device holds two kv shards at a time. The backward pass is a ring of its
     own (a `jax.custom_vjp`): the forward saves the device's shards, the merged output and

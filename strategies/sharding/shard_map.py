@@ -1,6 +1,7 @@
 """`ShardMap`: data and head parallelism with `jax.shard_map`."""
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -92,6 +93,9 @@ class ShardMap(AbstractSharding):
     mesh: Mesh = eqx.field(static=True)
     batch_axis: str | None = eqx.field(default=None, static=True)
     head_axis: str | None = eqx.field(default=None, static=True)
+
+    needs_lse: ClassVar[bool] = False
+    passes_positions: ClassVar[bool] = False
 
     def __check_init__(self):
         check_mesh(self.mesh, {"batch_axis": self.batch_axis, "head_axis": self.head_axis})

@@ -10,15 +10,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (AbstractKernel, Features, ResolvedMask, Tiling, add_sinks,
-                                  backward_delta, pad_axis, public_lse, zero_cotangent)
+from eqx_bsattn.contract import (AbstractLseKernel, Features, MaskReads, ResolvedMask, Tiling,
+                                  add_sinks, backward_delta, pad_axis, public_lse,
+                                  zero_cotangent)
 
 from .backward import BackwardConfig, backward_blocks, dkv_call, dq_accumulator_shape, dq_call
 from .common import persistent_schedule
 from .forward import BLOCK_Q, ForwardConfig, block_kv_for, forward_call, rows_padded, stages_for
 
 _DTYPES = ("bfloat16", "float16")
-#: Head dims checked on the H200; D=256 (64-key tiles) gave no result there in 45 s, unverified.
+#: The head dims verified on the H200 (docs/mosaic.md says why D=256 is not among them).
 _HEAD_DIMS = (64, 128)
 
 
@@ -77,7 +78,7 @@ def mosaic_tiling(head_dim: int) -> Tiling:
                   num_stages=stages_for(head_dim, block_kv))
 
 
-class MosaicBlockSparse(AbstractKernel):
+class MosaicBlockSparse(AbstractLseKernel):
     """Block-sparse flash attention for Hopper GPUs, written in Pallas Mosaic GPU, forward and
     backward.
 
@@ -92,7 +93,7 @@ class MosaicBlockSparse(AbstractKernel):
     - deterministic (the default, ``deterministic=True``): a dq kernel over the dq layout and
       a dk/dv kernel over the transposed dk/dv lists, each gradient block written by one CTA
       in a fixed order, so results are bit-identical from run to run; 7 block products per
-      visible block. On the H200 it is the faster of the two today (docs/mosaic.md).
+      visible block; docs/mosaic.md compares the two modes' speed.
     - single pass (``deterministic=False``): per (head, 128 keys, batch) it walks the kv
       tile's visible q blocks once, recomputing ``S^T`` and ``dP^T`` and accumulating dV and
       dK in registers; each block's dS also goes to shared memory for its dq partial
@@ -124,8 +125,7 @@ class MosaicBlockSparse(AbstractKernel):
 
     name: ClassVar[str] = "mosaic"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
-    reads: ClassVar[str] = "terms"
-    returns_lse: ClassVar[bool] = True
+    reads: ClassVar[MaskReads] = "terms"
 
     def __check_init__(self):
         if not isinstance(self.deterministic, bool):

@@ -6,7 +6,8 @@ from typing import ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractKernel, Features, ResolvedMask, Tiling, pad_axis
+from eqx_bsattn.contract import (AbstractKernel, Features, MaskReads, ResolvedMask, Tiling,
+                                  pad_axis)
 
 from .launch import block_sizes, never_matching, sink_logits, splash_attention, splash_missing
 from .mask_info import TermsPredicate, block_info, padded_length
@@ -64,7 +65,7 @@ class SplashBlockSparse(AbstractKernel):
 
     name: ClassVar[str] = "splash"
     platforms: ClassVar[tuple[str, ...]] = ("tpu", "cpu")
-    reads: ClassVar[str] = "terms"
+    reads: ClassVar[MaskReads] = "terms"
 
     @classmethod
     def priority(cls, platform):

@@ -24,11 +24,9 @@ def row_width(features: Features) -> int:
 def short_row_blocks(features: Features) -> tuple[int, int, int, int] | None:
     """``(block_q, block_kv, warps, stages)`` for short rows, or ``None`` (no such variant).
 
-    64x64 tiles, 4 warps, 2 stages: for bf16 D=128 the forward takes 82 KiB of shared memory
-    and ~170 registers a thread, the dq and dk/dv kernels ~99 KiB, so two programs share an SM
-    and one's prologue and epilogue overlap the other's loop, which a row of a few blocks does
-    not amortise. Measured on the H200: faster for BigBird (forward and backward) and for the
-    document (segment ids: `default_tiling` sets the stages per kernel); causal rows are long.
+    64x64 tiles, 4 warps, 2 stages: two programs share an SM, so one's prologue and epilogue
+    overlap the other's loop, which a row of a few blocks does not amortise (docs/triton.md,
+    "Tiling", has the measurements).
     """
     if row_width(features) > 128 or features.bias:
         return None
@@ -59,10 +57,9 @@ def default_tiling(features: Features, mask: ResolvedMask) -> Tiling:
     short = short_row_blocks(features)
     # Blocks ``(block_q, block_kv)`` and launches ``(warps, stages)`` of the forward, dk/dv
     # and dq kernels. dq walks kv-blocks for a tall q tile and dk/dv q-blocks for a tall kv
-    # tile; with three stages each fetches two tiles ahead. H200, causal, L=16384, bf16,
-    # D=128: dq 11.3 -> 5.6 ms against 64x128 with two stages, dk/dv 8.4 -> 8.2 ms.
+    # tile; with three stages each fetches two tiles ahead (measured: docs/triton.md).
     if width <= 64:
-        # 16-bit D=64: dk/dv 64x128 spilled (27.5 ms); 32x128 with three stages: 4.95 ms.
+        # 16-bit D=64: a 64x128 dk/dv tile spills registers (docs/triton.md).
         fwd, fl, bwd, bl, dq, dl = (128, 128), (4, 3), (32, 128), (4, 3), (128, 64), (4, 3)
     elif width <= 128:
         fwd, fl, bwd, bl, dq, dl = (128, 128), (8, 3), (64, 128), (8, 3), (128, 64), (8, 3)
@@ -81,8 +78,7 @@ def default_tiling(features: Features, mask: ResolvedMask) -> Tiling:
     if features.segment_ids and short is not None:
         # Per-call documents: the layout is built on the device, so its rows cannot be
         # seen here; packed documents make short rows, which run faster with small tiles
-        # (H200, 16 documents in 16384 tokens: forward with 3 stages, dq and dk/dv with
-        # 2), and one layout then serves all three launches.
+        # (docs/triton.md), and one layout then serves all three launches.
         fwd = bwd = dq = short[:2]
         fl, bl = (short[2], 3), short[2:]
         dl = bl
@@ -132,8 +128,8 @@ def shared_memory(tiling: Tiling, features: Features) -> dict[str, int]:
     """Bytes of shared memory each launch of `tiling` takes, estimated from its pipelined
     tiles: the forward holds a q tile and `num_stages` k/v tiles; the dq kernel holds q and
     dO tiles and pipelines k/v; the dk/dv kernel holds k/v tiles and pipelines q and dO. A
-    bias tile (float32) is pipelined with the others. The short-row variant's 82 KiB
-    (forward) and 99 KiB (dq) on bf16 D=128 agree with this count within a few KiB."""
+    bias tile (float32) is pipelined with the others (docs/triton.md compares the count with
+    the compiler's)."""
     t = tiling.explicit()
     size = 4 if features.dtype == "float32" else 2
     d, dv = pow2(features.head_dim), pow2(features.value_dim)

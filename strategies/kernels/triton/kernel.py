@@ -1,14 +1,12 @@
 """`TritonBlockSparse`: the kernel strategy, reading the compiled mask into the launches."""
 
 import functools
-import warnings
 from typing import ClassVar
 
-import equinox as eqx
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (AbstractKernel, Features, ResolvedMask, Tiling, add_sinks,
-                                  refuse_forward_mode)
+from eqx_bsattn.contract import (AbstractLseKernel, Features, MaskReads, ResolvedMask, Tiling,
+                                  add_sinks, refuse_forward_mode)
 
 from .heuristics import check_tiling, default_tiling, tiling_candidates
 from .launch import LaunchConfig, layout_arrays, list_mode
@@ -46,7 +44,7 @@ def _jax_triton_missing() -> str | None:
     return version_problem(jax_triton.__version__, triton.__version__)
 
 
-class TritonBlockSparse(AbstractKernel):
+class TritonBlockSparse(AbstractLseKernel):
     """Block-sparse flash attention written in Triton, launched from JAX with jax-triton.
 
     The forward pass runs one program per (q-block, head, batch) over that q-block's visited
@@ -76,23 +74,15 @@ class TritonBlockSparse(AbstractKernel):
     differentiable where they are floating. GPU only; needs ``jax-triton`` (the ``gpu``
     extra).
 
-    **Arguments:**
-
-    - `fused_backward`: accepted for symmetry with other kernels, but no fused backward is
-      built: when True, a warning says the split backward runs instead.
-
     ```python
     attn = BlockSparseAttention(mask=mask, kernel=kernels.TritonBlockSparse())
     out = attn(q, k, v)          # q [B, H, L, D] bfloat16 on a GPU
     ```
     """
 
-    fused_backward: bool = eqx.field(default=False, static=True)
-
     name: ClassVar[str] = "triton"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
-    reads: ClassVar[str] = "terms"
-    returns_lse: ClassVar[bool] = True
+    reads: ClassVar[MaskReads] = "terms"
 
     @classmethod
     def priority(cls, platform):
@@ -135,12 +125,6 @@ class TritonBlockSparse(AbstractKernel):
 
     def _run(self, query, key, value, mask, inputs, tiling, softmax_scale, logits_soft_cap,
              with_lse):
-        if self.fused_backward:
-            warnings.warn(
-                "TritonBlockSparse(fused_backward=True): no fused backward is built; the split "
-                "backward (dq kernel + dk/dv kernel) runs instead.",
-                stacklevel=2,
-            )
         refuse_forward_mode(type(self).__name__, query, key, value, inputs.bias, inputs.sinks)
         batch, heads, q_len, dim = query.shape
         kv_heads, kv_len, value_dim = value.shape[1:]

@@ -7,7 +7,6 @@ GPU only: every test skips unless JAX's default backend is a GPU and jax-triton 
 
 import dataclasses
 import importlib.util
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -123,13 +122,3 @@ def test_declines_bitmap_mask_with_positions():
                                 num_heads=1)
     why = TritonBlockSparse().decline_reason(resolved, features)
     assert why is not None and "bitmaps" in why
-
-
-def test_fused_backward_warns():
-    q = jax.random.normal(jax.random.key(2), (1, 2, 64, 64), jnp.bfloat16)
-    attn = bsa.BlockSparseAttention(mask=masks.Causal(),
-                                    kernel=TritonBlockSparse(fused_backward=True))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        attn(q, q, q)
-    assert any("split backward" in str(w.message) for w in caught)

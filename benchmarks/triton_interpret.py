@@ -7,7 +7,7 @@ Needs an environment with torch and triton 3.6 beside this project's, for exampl
     ../tvenv/bin/pip install triton==3.6.0 numpy
 
 Name its site-packages in ``EQX_BSATTN_TRITON_INTERPRET`` and `tests/conftest.py` installs this
-before the tests import anything else::
+file's `install` before the tests import anything else::
 
     EQX_BSATTN_TRITON_INTERPRET=$(../tvenv/bin/python -c "import site; print(site.getsitepackages()[0])") \
         python -m pytest tests/test_conformance.py -k "triton and not bfloat16"
