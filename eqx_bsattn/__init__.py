@@ -44,7 +44,12 @@ from ._swap import (
     AutoTiling as AutoTiling,
     swap_strategy as swap_strategy,
 )
-from ._tiling import Tiling as Tiling
+from ._tiling import (
+    AbstractKernelConfig as AbstractKernelConfig,
+    AbstractTiling as AbstractTiling,
+    PassBlocks as PassBlocks,
+    Tiling as Tiling,
+)
 from ._typing import TYPECHECK_ENABLED as TYPECHECK_ENABLED
 
 # Importing the strategies registers the built-in kernels with the selector.
@@ -52,4 +57,4 @@ from . import strategies as strategies  # noqa: E402  isort: skip
 from .strategies import kernels as kernels, masks as masks  # noqa: E402  isort: skip
 from .strategies import sharding as sharding, tiling as tiling  # noqa: E402  isort: skip
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__  # noqa: E402  isort: skip

@@ -1,6 +1,7 @@
 """`blocksparse_attention`: the function-style front door, with the call signature of the kernel
 library it replaces. It builds a `BlockSparseAttention` and calls it: one implementation."""
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from ._mask import AbstractMask, Full, and_masks
 from ._module import BlockSparseAttention, run_plan
 from ._selector import DEVICE_PLATFORMS
 from ._sharding import on_auto_axes
-from ._tiling import Tiling
+from ._tiling import LAUNCH_FIELDS, AbstractKernelConfig, AbstractTiling, Tiling, check_positive
 from ._typing import typechecked
 
 #: ejKernel's platform names that pick a device, not a kernel (``"auto"``: JAX's default).
@@ -31,7 +32,8 @@ _LAYOUTS_ACCEPTED = (
     "'bhsd' ([batch, heads, seq, head_dim], the default) or 'bshd' ([batch, seq, heads, "
     "head_dim]), one name for all three or a tuple of three (query, key, value)"
 )
-#: ejKernel's `cfg` (`fwd_params` / `bwd_params`) field names, as `Tiling` fields.
+#: ejKernel's `cfg` (`fwd_params` / `bwd_params`) field names, as `TritonConfig` fields (the
+#: blocks alone are `Tiling`'s).
 _SEED_FWD = {"q_blocksize": "block_q", "kv_blocksize": "block_kv", "num_warps": "num_warps",
              "num_stages": "num_stages"}
 _SEED_BWD = {"q_blocksize": "block_q_bwd", "kv_blocksize": "block_kv_bwd",
@@ -236,12 +238,44 @@ def _seed_params(params, table: dict, where: str) -> dict:
     return {table[name]: value for name, value in values.items() if value is not None}
 
 
-def _tiling_from_cfg(cfg) -> tuple[Tiling | None, str | None]:
-    """The `Tiling` that `cfg` asks for, and the platform it names (ejKernel's `cfg.platform`)."""
-    if cfg is None or isinstance(cfg, Tiling):
+class SeedTiling(AbstractTiling):
+    """The tiling strategy of a seed-style `cfg` with warps or stages: per kernel, its own
+    config where it takes every field by name (`TritonBlockSparse`'s `TritonConfig`), else
+    the kernel-independent `Tiling` of the block fields (the warps and stages only mean
+    something to Triton).
+
+    - `fields`: ``((name, value), ...)``, `Tiling`'s field names.
+    """
+
+    fields: tuple[tuple[str, int], ...]
+
+    def choose(self, kernel, features, mask):
+        fields = dict(self.fields)
+        own = kernel.config_type
+        if own is not Tiling and set(fields) <= {f.name for f in dataclasses.fields(own)}:
+            return own(**fields), "module"
+        return Tiling(**{n: x for n, x in fields.items() if n not in LAUNCH_FIELDS}), "module"
+
+
+def _config_of_fields(fields: dict) -> AbstractTiling:
+    """`SeedTiling` where `fields` set warps or stages, else the kernel-independent `Tiling`."""
+    fields = {name: value for name, value in fields.items() if value is not None}
+    blocks = {n: x for n, x in fields.items() if n not in LAUNCH_FIELDS}
+    tiling = Tiling(**blocks)  # checks the blocks and the names
+    if len(blocks) == len(fields):
+        return tiling
+    for name in LAUNCH_FIELDS:
+        if name in fields:
+            check_positive("cfg", name, fields[name])
+    return SeedTiling(tuple(sorted(fields.items())))
+
+
+def _tiling_from_cfg(cfg) -> tuple[AbstractTiling | None, str | None]:
+    """The tiling that `cfg` asks for, and the platform it names (ejKernel's `cfg.platform`)."""
+    if cfg is None or isinstance(cfg, AbstractKernelConfig):
         return cfg, None
     get = cfg.get if isinstance(cfg, dict) else lambda name: getattr(cfg, name, None)
-    tiling_fields = list(Tiling.__dataclass_fields__)
+    fields_accepted = [f.name for f in dataclasses.fields(Tiling)]
     if get("fwd_params") is not None or get("bwd_params") is not None:
         if isinstance(cfg, dict):
             extra = set(cfg) - {"fwd_params", "bwd_params", "platform", "backend"}
@@ -253,23 +287,24 @@ def _tiling_from_cfg(cfg) -> tuple[Tiling | None, str | None]:
         if "block_q" not in fields or "block_kv" not in fields:
             raise ValueError("`cfg.fwd_params` must give q_blocksize and kv_blocksize.")
         try:
-            return Tiling(**fields), get("platform")
+            return _config_of_fields(fields), get("platform")
         except ValueError as e:
             raise ValueError(f"`cfg` (as Tiling): {e}") from None
     if isinstance(cfg, dict):
         for name in cfg:
-            if name in tiling_fields:
+            if name in fields_accepted:
                 continue
             seed = _SEED_FWD.get(name)
             hint = f"; ejKernel's {name!r} is Tiling's {seed!r}" if seed else ""
             raise ValueError(
                 f"`cfg` has a key Tiling does not take: {name!r}{hint}. Tiling fields: "
-                f"{', '.join(tiling_fields)}."
+                f"{', '.join(fields_accepted)}."
             )
-        return Tiling(**cfg), None
+        return _config_of_fields(cfg), None
     raise TypeError(
-        "`cfg` must be a Tiling, a dict of Tiling fields, ejKernel's config (with `fwd_params` / "
-        f"`bwd_params`), or None; got {type(cfg).__name__}."
+        "`cfg` must be a Tiling (or a kernel's config, e.g. kernels.TritonConfig), a dict of "
+        "Tiling fields, ejKernel's config (with `fwd_params` / `bwd_params`), or None; got "
+        f"{type(cfg).__name__}."
     )
 
 
@@ -482,7 +517,7 @@ def blocksparse_attention(
     fused_backward: bool | None = None,
     purify: bool = False,
     platform: str | None = None,
-    cfg: Tiling | dict | object | None = None,
+    cfg: AbstractKernelConfig | dict | object | None = None,
     mesh=None,
     in_specs=None,
     out_specs=None,
@@ -517,9 +552,12 @@ def blocksparse_attention(
     - `platform`: ``None`` or ``"auto"`` (select for JAX's default device), ``"cpu"`` /
       ``"gpu"`` (or ``"cuda"``) / ``"tpu"`` (select for that platform, which must be
       present), or a kernel name (``"reference"``, ``"xla"``, ``"triton"``, ...).
-    - `cfg`: a `Tiling`, a dict of its fields, or ejKernel's config (``fwd_params`` /
-      ``bwd_params`` with ``q_blocksize``, ``kv_blocksize``, ``num_warps``, ``num_stages``;
-      its ``platform`` applies when `platform` is ``None``).
+    - `cfg`: a config (a kernel's own, e.g. `kernels.TritonConfig`, or `Tiling`), a dict of
+      their fields, or ejKernel's config (``fwd_params`` / ``bwd_params`` with
+      ``q_blocksize``, ``kv_blocksize``, ``num_warps``, ``num_stages``; its ``platform``
+      applies when `platform` is ``None``). Block sizes alone make a `Tiling`; with warps or
+      stages, `TritonBlockSparse` runs them as its `kernels.TritonConfig` and other kernels
+      take the blocks.
     - `fused_backward`: deprecated and without effect (a `DeprecationWarning` says so); for
       a single-pass backward run
       ``BlockSparseAttention(kernel=kernels.MosaicBlockSparse(deterministic=False))`` on a

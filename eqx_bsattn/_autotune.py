@@ -1,6 +1,6 @@
-"""`autotune`: time a kernel's candidate tilings on one call, check each against the heuristic
-tiling's result, keep the fastest and remember it in the cache; and the plan's tiling choice
-(module, cache, tuning on a miss, heuristic)."""
+"""`autotune`: time a kernel's candidate configs on one call, check each against the heuristic
+config's result, keep the fastest and write it to the cache, which the plan's `AutoTiling`
+reads. The plan never imports this module: tuning happens before a trace, never inside one."""
 
 import dataclasses
 import sys
@@ -10,19 +10,16 @@ from collections.abc import Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ._cache import cache_file, call_key, lookup, mask_key, policy, store, tiling_policy
-from ._swap import is_auto
-from ._tiling import Tiling
+from ._cache import cache_file, call_key, mask_key, policy, store
+from ._module import BlockSparseAttention
+from ._tiling import AbstractKernelConfig
 from .timing import median_ms
 
 #: Largest ``max |candidate - heuristic| / max |heuristic|`` over the output and the gradients
 #: that a candidate may show, by dtype: a few roundings of the largest value, since tilings
 #: only reorder the float32 sums (and, on GPUs, the TF32 roundings of float32 products).
 TOLERANCES = {"float64": 1e-6, "float32": 2e-3, "float16": 1e-2, "bfloat16": 4e-2}
-
-_FORWARD_FIELDS = ("block_q", "block_kv", "num_warps", "num_stages")
 
 
 def _is_none(x) -> bool:
@@ -33,7 +30,8 @@ def _is_none(x) -> bool:
 class TilingTrial:
     """One candidate of an `autotune` run.
 
-    - `tiling`: the candidate as listed (the kernel's `adapt_tiling` may shrink it to run).
+    - `tiling`: the candidate config as listed (the kernel's `adapt_tiling` may shrink it to
+      run).
     - `origin`: ``"heuristic"``, ``"module"`` (the module's own), ``"kernel"``
       (`AbstractKernel.tiling_candidates`), ``"given"`` (the `candidates` argument) or
       ``"combined"`` (the fastest forward fields with the fastest backward fields).
@@ -45,7 +43,7 @@ class TilingTrial:
       gradients (0 for the heuristic itself).
     """
 
-    tiling: Tiling
+    tiling: AbstractKernelConfig
     origin: str
     status: str
     reason: str | None = None
@@ -55,24 +53,9 @@ class TilingTrial:
 
     @property
     def tiling_text(self) -> str:
-        """The tiling in one line: ``"fwd 128x128 w8 s3 | dq 128x64 w8 s3 | dk/dv ..."``."""
-        return tiling_text(self.tiling)
-
-
-def tiling_text(tiling: Tiling) -> str:
-    """``"fwd 128x128 w8 s3 | dq 128x64 w8 s3 | dk/dv 64x128 w8 s3"`` (launch parameters
-    where set)."""
-    t = tiling.explicit()
-
-    def launch(name, blocks, warps, stages):
-        extra = "".join(f" {p}{x}" for p, x in (("w", warps), ("s", stages)) if x is not None)
-        return f"{name} {blocks[0]}x{blocks[1]}{extra}"
-
-    return " | ".join((
-        launch("fwd", (t.block_q, t.block_kv), t.num_warps, t.num_stages),
-        launch("dq", t.dq_blocks, t.num_warps_dq, t.num_stages_dq),
-        launch("dk/dv", t.backward_blocks, t.num_warps_bwd, t.num_stages_bwd),
-    ))
+        """The config in one line (`AbstractKernelConfig.text`): ``"fwd 128x128 w8 s3 | dq
+        128x64 w8 s3 | dk/dv ..."``."""
+        return self.tiling.text()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +66,7 @@ class AutotuneReport:
       digest (`docs/autotune.md`).
     - `objective`: ``"forward+backward"`` or ``"forward"``: the time that picks the winner.
     - `trials`: a `TilingTrial` per candidate, the heuristic first.
-    - `best`: the winning tiling; `tuning_seconds`: the wall time of the whole run.
+    - `best`: the winning config; `tuning_seconds`: the wall time of the whole run.
     - `cache_file`: where the result was written (``None``: not written).
     - `untried`: runnable candidates left out by `max_candidates`.
     """
@@ -92,7 +75,7 @@ class AutotuneReport:
     cache_key: str
     objective: str
     trials: tuple[TilingTrial, ...]
-    best: Tiling
+    best: AbstractKernelConfig
     tuning_seconds: float
     cache_file: str | None
     untried: int
@@ -137,7 +120,7 @@ class AutotuneReport:
         if self.untried:
             lines.append(f"  ({self.untried} more runnable candidates not tried: max_candidates)")
         where = f"cached in {self.cache_file}" if self.cache_file else "not cached"
-        lines.append(f"best: {tiling_text(self.best)}, {self.speedup:.2f}x the heuristic; {where}")
+        lines.append(f"best: {self.best.text()}, {self.speedup:.2f}x the heuristic; {where}")
         return "\n".join(lines)
 
 
@@ -178,7 +161,7 @@ class _Runner:
         self.backward, self.reps, self.tolerance = backward, reps, tolerance
         self.reference = None  # the heuristic's (forward, forward+backward) results
 
-    def trial(self, tiling: Tiling, origin: str) -> TilingTrial:
+    def trial(self, tiling: AbstractKernelConfig, origin: str) -> TilingTrial:
         module = eqx.tree_at(lambda m: m.tiling, self.module, tiling, is_leaf=_is_none)
         passes = [("forward", _forward, ())]
         if self.backward:
@@ -210,19 +193,19 @@ class _Runner:
 
 
 def _check_arguments(attn, candidates, backward, reps) -> None:
-    from ._module import BlockSparseAttention
-
     if not isinstance(attn, BlockSparseAttention):
         raise TypeError(f"`attn` must be a BlockSparseAttention; got {type(attn).__name__}.")
     if candidates is not None:
-        if isinstance(candidates, Tiling) or not isinstance(candidates, Sequence):
+        if isinstance(candidates, AbstractKernelConfig) or not isinstance(candidates, Sequence):
             raise TypeError(
-                f"`candidates` must be a sequence of Tiling or None; got {type(candidates).__name__}."
+                "`candidates` must be a sequence of configs (e.g. kernels.TritonConfig, Tiling) "
+                f"or None; got {type(candidates).__name__}."
             )
         for tiling in candidates:
-            if not isinstance(tiling, Tiling):
+            if not isinstance(tiling, AbstractKernelConfig):
                 raise TypeError(
-                    f"`candidates` must hold Tiling instances; got {type(tiling).__name__}."
+                    "`candidates` must hold configs (AbstractKernelConfig instances, e.g. "
+                    f"kernels.TritonConfig, Tiling); got {type(tiling).__name__}."
                 )
     if not isinstance(backward, bool):
         raise TypeError(f"`backward` must be a bool; got {type(backward).__name__}.")
@@ -236,7 +219,7 @@ def autotune(
     key,
     value,
     *,
-    candidates: Sequence[Tiling] | None = None,
+    candidates: Sequence[AbstractKernelConfig] | None = None,
     max_candidates: int | None = None,
     backward: bool = True,
     reps: int = 5,
@@ -245,19 +228,20 @@ def autotune(
     progress: bool | None = None,
     **call_data,
 ):
-    """Time candidate tilings on one call's inputs; return the module with the fastest correct
+    """Time candidate configs on one call's inputs; return the module with the fastest correct
     one, and a report.
 
-    Candidates are the kernel's heuristic tiling, the module's own tiling if it has one, and
+    Candidates are the kernel's heuristic config, the module's own config if it has one, and
     the kernel's `AbstractKernel.tiling_candidates` for this call (or `candidates`); those the
     kernel rejects are listed with its reason. Each runnable candidate is compiled and run
     forward and forward+backward (``jax.vjp`` with a random cotangent) under ``jit``; its output
-    and ``dq, dk, dv`` are checked against the heuristic tiling's, and one that differs by more
+    and ``dq, dk, dv`` are checked against the heuristic config's, and one that differs by more
     than `tolerance` is rejected as wrong; one that fails to compile or run is skipped with the
     error. The median of `reps` timed runs ranks the rest. When the fastest forward and the
     fastest forward+backward are different candidates, their combination is tried too. The
-    winner is written to the cache (`docs/autotune.md`), so a module without a tiling picks it
-    for these shapes and this mask from then on, in any process, also inside ``jit``.
+    winner is written to the cache (`docs/autotune.md`), so a module whose tiling is
+    `AutoTiling` picks it for these shapes and this mask from then on, in any process, also
+    inside ``jit``. Call it outside ``jit``: it runs the candidates.
 
     Use real inputs or random ones (never zeros: every tiling gives zeros alike).
 
@@ -265,7 +249,8 @@ def autotune(
 
     - `attn`: a `BlockSparseAttention` (its kernel, or the one the selector picks).
     - `query`, `key`, `value`, `**call_data`: one call's arguments (as for ``attn(...)``).
-    - `candidates`: tilings to try instead of the kernel's list.
+    - `candidates`: configs to try instead of the kernel's list (the kernel's `config_type`;
+      another kernel's config or a `Tiling` gives its blocks, as in `adapt_tiling`).
     - `max_candidates`: time at most this many runnable candidates (the heuristic included),
       in the kernel's order (most promising first); default: all.
     - `backward`: rank by forward+backward time (default) or, if False, by forward time
@@ -276,7 +261,7 @@ def autotune(
     - `cache`: write the winner to the cache file.
     - `progress`: show a progress bar (default: when stderr is a terminal).
 
-    **Returns:** ``(tuned_attn, report)``: `attn` with the winning `Tiling`, and an
+    **Returns:** ``(tuned_attn, report)``: `attn` with the winning config, and an
     `AutotuneReport` (``print(report)`` shows the table).
 
     ```python
@@ -295,7 +280,7 @@ def autotune(
         tolerance = TOLERANCES.get(features.dtype, 2e-3)
 
     listed = [(kernel.default_tiling(features, resolved), "heuristic", None)]
-    if not is_auto(attn.tiling):
+    if isinstance(attn.tiling, AbstractKernelConfig):
         listed.append((attn.tiling, "module", None))
     if candidates is None:
         listed += [(t, "kernel", why) for t, why in kernel.tiling_candidates(features, resolved)]
@@ -334,7 +319,7 @@ def autotune(
             trials.append(runner.trial(tiling, origin))
             if trials[0].status != "ok":
                 raise ValueError(
-                    f"autotune: the heuristic tiling ({tiling_text(tiling)}) of kernel "
+                    f"autotune: the heuristic config ({tiling.text()}) of kernel "
                     f"{kernel.name} does not run this call ({trials[0].reason}); candidates are "
                     "checked against its result."
                 )
@@ -345,10 +330,16 @@ def autotune(
         fastest_forward = min(ok, key=lambda t: t.forward_ms)
         fastest = min(ok, key=lambda t: getattr(t, objective))
         if backward and fastest_forward is not fastest:
-            forward_fields = {n: getattr(fastest_forward.tiling.explicit(), n) for n in _FORWARD_FIELDS}
-            combined = dataclasses.replace(fastest.tiling.explicit(), **forward_fields)
+            base = fastest.tiling.explicit()
+            forward_fields = {n: getattr(fastest_forward.tiling.explicit(), n)
+                              for n in type(base).forward_fields}
             try:
-                new = kernel.adapt_tiling(combined, features).explicit() not in seen
+                combined = dataclasses.replace(base, **forward_fields)
+            except (TypeError, ValueError):  # configs of two types, or fields it refuses
+                combined = None
+            try:
+                new = combined is not None and (
+                    kernel.adapt_tiling(combined, features).explicit() not in seen)
             except ValueError:  # a pair of fields the kernel does not take together
                 new = False
             if new:
@@ -367,7 +358,9 @@ def autotune(
             "candidates": len(trials), "tuning_seconds": round(seconds, 2),
         }
         path = cache_file()
-        if store(kernel, features, resolved, best, record, path):
+        # The config as the kernel runs it, of its `config_type`, which the cache reads back.
+        runs = kernel.adapt_tiling(best, features)
+        if store(kernel, features, resolved, runs, record, path):
             written = str(path)
     report = AutotuneReport(
         kernel=kernel.name,
@@ -381,63 +374,3 @@ def autotune(
     )
     tuned = eqx.tree_at(lambda m: m.tiling, attn, best, is_leaf=_is_none)
     return tuned, report
-
-
-# ------------------------------------------------------------------------------------------------
-# The plan's choice.
-
-
-def _random_call(features, inputs, seed: int = 0):
-    """Random inputs with the shapes of a planned call (its per-call data where concrete)."""
-    rng = np.random.default_rng(seed)
-
-    def normal(shape, dtype):
-        return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
-
-    f = features
-    dtype = jnp.dtype(f.dtype)
-    q = normal((f.batch, f.num_heads, f.q_len, f.head_dim), dtype)
-    k = normal((f.batch, f.num_kv_heads, f.kv_len, f.head_dim), dtype)
-    v = normal((f.batch, f.num_kv_heads, f.kv_len, f.value_dim), dtype)
-    data = {}
-    for name in ("bias", "sinks"):
-        x = getattr(inputs, name)
-        if x is not None:
-            data[name] = normal(x.shape, x.dtype)
-    documents = {}
-    for name in ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions"):
-        x = getattr(inputs, name)
-        if x is None:
-            continue
-        if not isinstance(x, jax.core.Tracer):
-            data[name] = x
-        elif name.endswith("positions"):
-            data[name] = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
-        else:
-            # Traced segment ids: four documents of random length (one draw per length).
-            length = x.shape[-1]
-            if length not in documents:
-                documents[length] = np.sort(rng.integers(0, 4, length)).astype(np.int32)
-            data[name] = jnp.broadcast_to(documents[length], x.shape)
-    return q, k, v, data
-
-
-def choose_tiling(attn, kernel, features, resolved, inputs) -> tuple[Tiling, str]:
-    """The plan's tiling and where it came from: the module's (``"module"``), else by the
-    policy (`EQX_BSATTN_AUTOTUNE`): the cache (``"cache"``), tuning now on random inputs of
-    this call's shapes (``"autotune"``, policy ``tune``), or the kernel's heuristic
-    (``"heuristic"``)."""
-    if not is_auto(attn.tiling):
-        return attn.tiling, "module"
-    mode = tiling_policy()
-    if mode != "heuristics":
-        cached = lookup(kernel, features, resolved)
-        if cached is not None:
-            return cached, "cache"
-        if mode == "tune":
-            with jax.ensure_compile_time_eval():  # run the candidates even inside a trace
-                q, k, v, data = _random_call(features, inputs)
-                module = eqx.tree_at(lambda m: m.kernel, attn, kernel, is_leaf=_is_none)
-                tuned, _ = autotune(module, q, k, v, **data)
-            return tuned.tiling, "autotune"
-    return kernel.default_tiling(features, resolved), "heuristic"

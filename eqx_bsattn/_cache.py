@@ -25,14 +25,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._tiling import Tiling
+from ._version import __version__
 
 #: Folder of the cache file; default: the user's cache directory for eqx_bsattn.
 CACHE_DIR_VARIABLE = "EQX_BSATTN_CACHE_DIR"
-#: ``heuristics`` (never read the cache), ``cache`` (the default: cache, then heuristics) or
-#: ``tune`` (cache, else tune on random inputs of the call's shapes and cache the result).
+#: ``heuristics`` (never read the cache) or ``cache`` (the default: cache, then heuristics).
+#: ``tune`` is deprecated: it reads as ``cache`` with a warning (a trace never tunes).
 POLICY_VARIABLE = "EQX_BSATTN_AUTOTUNE"
-POLICIES = ("heuristics", "cache", "tune")
+POLICIES = ("heuristics", "cache")
 FILE_NAME = "autotune.json"
 FORMAT = "eqx_bsattn.autotune/1"
 
@@ -58,6 +58,12 @@ def tiling_policy() -> str:
     if override is not None:
         return override
     value = os.environ.get(POLICY_VARIABLE, "").strip().lower() or "cache"
+    if value == "tune":
+        warnings.warn(
+            f"{POLICY_VARIABLE}=tune is deprecated and reads as 'cache': a trace never tunes. "
+            "Run eqx_bsattn.autotune(attn, q, k, v) once before the trace; it writes the "
+            "cache that untiled modules read.", DeprecationWarning, stacklevel=2)
+        return "cache"
     if value not in POLICIES:
         raise ValueError(
             f"the environment variable {POLICY_VARIABLE} must be one of {', '.join(POLICIES)}; "
@@ -69,7 +75,7 @@ def tiling_policy() -> str:
 @contextlib.contextmanager
 def policy(value: str):
     """Plans made inside use `value` as their tiling policy (autotune plans its candidates with
-    ``"heuristics"``, so tuning never recurses)."""
+    ``"heuristics"``, so the heuristic is the reference of its checks)."""
     if value not in POLICIES:
         raise ValueError(f"the tiling policy must be one of {', '.join(POLICIES)}; got {value!r}.")
     token = _policy_override.set(value)
@@ -150,14 +156,12 @@ _FLAGS = ("bias", "sinks", "soft_cap", "segment_ids", "positions")
 
 def call_key(kernel, features) -> str:
     """The part of a key that names the call without its mask (readable)."""
-    from . import __version__
-
     f = features
     flags = " ".join(name for name in _FLAGS if getattr(f, name)) or "-"
     kernel_text = type(kernel).__qualname__ + describe(kernel)[len(describe(type(kernel))):]
     return " | ".join((
         device_kind(f.platform), f"eqx_bsattn {__version__}",
-        f"{kernel.name} v{kernel.version} {kernel_text}", f.dtype,
+        f"{kernel.name} v{kernel.version} {kernel_text} {kernel.config_type.__name__}", f.dtype,
         f"B{f.batch} H{f.num_heads} Hkv{f.num_kv_heads} Lq{f.q_len} Lk{f.kv_len} "
         f"D{f.head_dim} Dv{f.value_dim}",
         flags,
@@ -295,14 +299,16 @@ def write_entry(call: str, mask: str, entry: dict, path: pathlib.Path | None = N
     return True
 
 
-def tiling_to_json(tiling: Tiling) -> dict:
-    return {f.name: getattr(tiling, f.name) for f in dataclasses.fields(tiling)
-            if getattr(tiling, f.name) is not None}
+def tiling_to_json(config) -> dict:
+    """A config's fields that are set, by name (what an entry's ``"tiling"`` holds)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if getattr(config, f.name) is not None}
 
 
-def lookup(kernel, features, resolved, path: pathlib.Path | None = None) -> Tiling | None:
-    """The cached tiling of this call, or ``None``. The mask is digested only when the file
-    holds entries for the call; an entry the kernel cannot run is ignored with a warning."""
+def lookup(kernel, features, resolved, path: pathlib.Path | None = None):
+    """The cached config of this call (a `kernel.config_type`), or ``None``. The mask is
+    digested only when the file holds entries for the call; an entry the kernel cannot run is
+    ignored with a warning."""
     path = path or cache_file()
     by_mask = read_entries(path).get(call_key(kernel, features))
     if not isinstance(by_mask, dict) or not by_mask:
@@ -311,7 +317,7 @@ def lookup(kernel, features, resolved, path: pathlib.Path | None = None) -> Tili
     if entry is None:
         return None
     try:
-        tiling = Tiling(**entry["tiling"])
+        tiling = kernel.config_type(**entry["tiling"])
         kernel.adapt_tiling(tiling, features)
     except (KeyError, TypeError, ValueError) as e:
         _warn(f"an entry of {path} cannot be used ({type(e).__name__}: {e}); the heuristic "
@@ -320,9 +326,9 @@ def lookup(kernel, features, resolved, path: pathlib.Path | None = None) -> Tili
     return tiling
 
 
-def store(kernel, features, resolved, tiling: Tiling, record: dict,
+def store(kernel, features, resolved, tiling, record: dict,
           path: pathlib.Path | None = None) -> bool:
-    """Write `tiling` (and the timings in `record`) as this call's entry."""
+    """Write the config `tiling` (and the timings in `record`) as this call's entry."""
     entry = dict(record, tiling=tiling_to_json(tiling),
                  written=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     return write_entry(call_key(kernel, features), mask_key(resolved), entry, path)

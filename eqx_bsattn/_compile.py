@@ -20,13 +20,12 @@ from ._mask import AbstractMask, MaskTerms
 #: How a kernel reads the mask (`AbstractKernel.reads`).
 MaskReads = Literal["dense", "elements", "terms"]
 
-#: The passes of a call, with the `Tiling` blocks each runs at.
+#: The passes of a call, each at the tiles of the config's `blocks`.
 PASSES = ("forward", "dq", "dkv")
 
 
 def _pass_tiles(tiling) -> dict[str, tuple[int, int]]:
-    return {"forward": (tiling.block_q, tiling.block_kv), "dq": tiling.dq_blocks,
-            "dkv": tiling.backward_blocks}
+    return tiling.blocks._asdict()
 
 
 class CompiledMask(eqx.Module):
@@ -35,8 +34,8 @@ class CompiledMask(eqx.Module):
     Built by `BlockSparseAttention.plan` for the kernel it picked, at the tiling it picked
     (`ResolvedMask.compile`):
 
-    - `forward`, `dq`, `dkv`: the `BlockLayout` of each pass at its own tiles (`Tiling`'s
-      forward, ``*_dq`` and backward blocks); the dk/dv pass walks the transposed lists of
+    - `forward`, `dq`, `dkv`: the `BlockLayout` of each pass at its own tiles (the config's
+      `AbstractKernelConfig.blocks`); the dk/dv pass walks the transposed lists of
       `dkv`. Passes with equal tiles share one layout. ``None`` for a kernel that reads no
       layout (``reads == "dense"``).
     - `terms`: the canonical predicate (`MaskTerms`) that holds for every head at these tiles,
@@ -184,7 +183,8 @@ class ResolvedMask:
         return self.terms.aligned(tiles) if self.positions_are_indices else None
 
     def compile(self, tiling, reads: MaskReads) -> CompiledMask:
-        """The `CompiledMask` for a kernel that `reads` the mask that way, at `tiling`.
+        """The `CompiledMask` for a kernel that `reads` the mask that way, at the tiles of
+        `tiling` (an `AbstractKernelConfig`: its `blocks`).
 
         - ``"dense"``: no layouts; `CompiledMask.terms` are the mask's own.
         - ``"elements"``: a layout per pass; partial blocks are evaluated with `visible`.

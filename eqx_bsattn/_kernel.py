@@ -14,7 +14,7 @@ from jaxtyping import Array, Float
 from ._compile import CompiledMask, MaskReads, ResolvedMask
 from ._inputs import AttentionInputs
 from ._strategy import AbstractStrategy, is_abstract
-from ._tiling import Tiling
+from ._tiling import AbstractKernelConfig, Tiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,12 +139,15 @@ class AbstractKernel(AbstractStrategy):
       in, ``[B, H, Lq, Dv]`` out, differentiable in query, key, value, bias and sinks; `mask`
       is the `CompiledMask`.
 
-    Its tiling has defaults it may replace:
+    Its config has defaults it may replace:
 
-    - `default_tiling(features, mask)`: the heuristic `Tiling` when the module has none.
-    - `adapt_tiling(tiling, features)`: the tiling it runs (e.g. blocks clamped to the
-      sequence), or a `ValueError` naming the field it cannot run.
-    - `tiling_candidates(features, mask)`: the tilings `eqx_bsattn.autotune` times, each with
+    - `config_type` (class variable, default `Tiling`): its config, an `AbstractKernelConfig`
+      (typed, immutable, checked when built); the autotune cache stores its fields.
+    - `default_tiling(features, mask)`: its heuristic config when the module has none.
+    - `adapt_tiling(tiling, features)`: the config it runs for any config (its own, or
+      another's blocks; e.g. blocks clamped to the sequence), or a `ValueError` naming the
+      field it cannot run.
+    - `tiling_candidates(features, mask)`: the configs `eqx_bsattn.autotune` times, each with
       ``None`` or the reason it cannot run; by default the heuristic alone.
 
     A kernel that also returns each row's log-sum-exp (sequence sharding merges partial
@@ -175,6 +178,7 @@ class AbstractKernel(AbstractStrategy):
     #: Part of the autotune cache key: change it when a change to the kernel makes tilings
     #: tuned before it stale.
     version: ClassVar[str] = "1"
+    config_type: ClassVar[type[AbstractKernelConfig]] = Tiling
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -194,17 +198,20 @@ class AbstractKernel(AbstractStrategy):
     def decline_reason(self, mask: ResolvedMask, features: Features) -> str | None:
         """``None`` if this kernel runs the call, else why it does not."""
 
-    def default_tiling(self, features: Features, mask: ResolvedMask) -> Tiling:
-        """Heuristic block sizes and launch parameters for `features` and `mask`."""
+    def default_tiling(self, features: Features, mask: ResolvedMask) -> AbstractKernelConfig:
+        """The heuristic config (a `config_type`) for `features` and `mask`."""
         return Tiling(block_q=128, block_kv=128)
 
-    def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
-        """The tiling this kernel runs for `features`; raise `ValueError` if it cannot."""
+    def adapt_tiling(
+        self, tiling: AbstractKernelConfig, features: Features
+    ) -> AbstractKernelConfig:
+        """The config this kernel runs for `tiling` and `features`; raise `ValueError` if it
+        cannot."""
         return tiling
 
     def tiling_candidates(
         self, features: Features, mask: ResolvedMask
-    ) -> tuple[tuple[Tiling, str | None], ...]:
+    ) -> tuple[tuple[AbstractKernelConfig, str | None], ...]:
         """The tilings worth timing for this call, most promising first, the heuristic
         (`default_tiling`) among them: ``((tiling, None), ...)`` for those it can run,
         ``(tiling, reason)`` for those it cannot (too much shared memory, a block its launch
@@ -213,7 +220,7 @@ class AbstractKernel(AbstractStrategy):
 
         ```python
         kernel.tiling_candidates(plan.features, plan.resolved)
-        # ((Tiling(block_q=128, block_kv=64, ...), None), ...)
+        # ((TritonConfig(block_q=128, block_kv=64, ...), None), ...)
         ```
         """
         return ((self.default_tiling(features, mask), None),)
@@ -228,7 +235,7 @@ class AbstractKernel(AbstractStrategy):
         mask: CompiledMask,
         inputs: AttentionInputs,
         features: Features,
-        tiling: Tiling,
+        tiling: AbstractKernelConfig,
         softmax_scale: float,
         logits_soft_cap: float | None,
     ) -> Float[Array, "batch heads q_len value_dim"]:
@@ -261,7 +268,7 @@ class AbstractLseKernel(AbstractKernel):
         mask: CompiledMask,
         inputs: AttentionInputs,
         features: Features,
-        tiling: Tiling,
+        tiling: AbstractKernelConfig,
         softmax_scale: float,
         logits_soft_cap: float | None,
     ) -> tuple[Float[Array, "batch heads q_len value_dim"], Float[Array, "batch heads q_len"]]:

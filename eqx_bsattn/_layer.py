@@ -10,7 +10,7 @@ from ._inputs import as_array
 from ._kernel import AbstractKernel
 from ._mask import AbstractMask, Full, and_masks
 from ._module import BlockSparseAttention
-from ._tiling import Tiling
+from ._tiling import AbstractTiling
 from ._typing import ArrayOrNumpy, typechecked
 
 
@@ -156,7 +156,7 @@ class MultiheadBlockSparseAttention(eqx.Module):
         num_kv_heads: int | None = None,
         mask: AbstractMask = Full(),
         kernel: AbstractKernel | None = None,
-        tiling: Tiling | None = None,
+        tiling: AbstractTiling | None = None,
         rotary_theta: float | None = None,
         use_query_bias: bool = False,
         use_key_bias: bool = False,

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Integer
 
-from ._autotune import choose_tiling
 from ._compile import CompiledMask, ResolvedMask, describe_terms
 from ._inputs import AttentionInputs, check_call, hide_keys, prepare_inputs, python_scalar
 from ._kernel import AbstractKernel, Features
@@ -18,7 +17,7 @@ from ._mask import EMPTY, AbstractMask, And, Document, Full
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
 from ._sharding import AbstractSharding, Unsharded, on_auto_axes
 from ._swap import AutoKernel, AutoTiling, _kernel_or_auto, _tiling_or_auto, is_auto
-from ._tiling import Tiling
+from ._tiling import AbstractKernelConfig, AbstractTiling
 from ._typing import ArrayOrNumpy, typechecked
 
 
@@ -27,9 +26,10 @@ class CallPlan(NamedTuple):
 
     - `kernel`, `choice`: the kernel and the selector's answer (``None`` when the module named
       its kernel).
-    - `tiling`, `tiling_source`: the tiling and where it came from: ``"module"`` (the module's
-      own), ``"cache"`` (tuned before: `autotune`), ``"autotune"`` (tuned by this plan: the
-      policy ``EQX_BSATTN_AUTOTUNE=tune``) or ``"heuristic"`` (the kernel's `default_tiling`).
+    - `tiling`, `tiling_source`: the config of the kernel that runs (its `config_type`, as
+      `AbstractKernel.adapt_tiling` returned it) and where it came from, as the module's
+      tiling strategy said: ``"module"`` (the module's own config), ``"cache"`` (tuned
+      before: `autotune`) or ``"heuristic"`` (the kernel's `default_tiling`).
     - `mask`: the `CompiledMask` the kernel reads (layouts per pass, terms, predicate).
     - `features`, `inputs`, `softmax_scale`: the call as the kernel sees it.
     - `resolved`: the `ResolvedMask` the selector and the tiling heuristics saw.
@@ -37,7 +37,7 @@ class CallPlan(NamedTuple):
 
     kernel: AbstractKernel
     choice: KernelChoice | None
-    tiling: Tiling
+    tiling: AbstractKernelConfig
     tiling_source: str
     mask: CompiledMask
     features: Features
@@ -74,15 +74,14 @@ class CallPlan(NamedTuple):
 _TILING_SOURCES = {
     "module": "given by the module",
     "cache": "from the autotune cache",
-    "autotune": "tuned by this plan and cached",
     "heuristic": "the kernel's heuristic",
 }
 
 
-def _tiling_text(tiling: Tiling) -> str:
+def _tiling_text(tiling: AbstractKernelConfig) -> str:
     parts = [f"{f.name}={getattr(tiling, f.name)}" for f in dataclasses.fields(tiling)
              if getattr(tiling, f.name) is not None]
-    return ", ".join(parts)
+    return f"{type(tiling).__name__}({', '.join(parts)})"
 
 
 def _with_document(mask: AbstractMask, has_segments: bool) -> AbstractMask:
@@ -147,7 +146,8 @@ class BlockSparseAttention(eqx.Module):
 
     Holds four strategies: a `mask` (which pairs attend), a `kernel` (how it runs; the default
     `AutoKernel()` lets `select_kernel` pick per platform), a `tiling` (block sizes; the default
-    `AutoTiling()` takes the kernel's heuristic) and a `sharding` (how it spreads over devices).
+    `AutoTiling()` takes the tuned config from the autotune cache, else the kernel's heuristic)
+    and a `sharding` (how it spreads over devices).
     Swap any of them with `eqx.tree_at` (in training, `swap_strategy` keeps the optimizer state).
 
     **Arguments:**
@@ -155,8 +155,9 @@ class BlockSparseAttention(eqx.Module):
     - `mask`: an `AbstractMask`; default `masks.Full()` (dense attention).
     - `kernel`: an `AbstractKernel`; default `AutoKernel()` (selected per call; ``None`` means
       the same).
-    - `tiling`: a `Tiling`; default `AutoTiling()` (the kernel's heuristic; ``None`` means the
-      same).
+    - `tiling`: an `AbstractTiling`: a config (the kernel's own, e.g. `kernels.TritonConfig`,
+      or the kernel-independent `Tiling` of block sizes); default `AutoTiling()` (the cache,
+      else the kernel's heuristic; ``None`` means the same).
     - `sharding`: an `AbstractSharding`; default `Unsharded()`.
     - `softmax_scale`: multiplies ``q . k``; default ``1 / sqrt(head_dim)``.
     - `logits_soft_cap`: if set to ``c``, logits become ``c * tanh(logits / c)``; ``c`` in
@@ -174,7 +175,7 @@ class BlockSparseAttention(eqx.Module):
 
     mask: AbstractMask = Full()
     kernel: AbstractKernel | AutoKernel = eqx.field(default=AutoKernel(), converter=_kernel_or_auto)
-    tiling: Tiling | AutoTiling = eqx.field(default=AutoTiling(), converter=_tiling_or_auto)
+    tiling: AbstractTiling = eqx.field(default=AutoTiling(), converter=_tiling_or_auto)
     sharding: AbstractSharding = Unsharded()
     softmax_scale: float | None = eqx.field(default=None, static=True, converter=python_scalar)
     logits_soft_cap: float | None = eqx.field(default=None, static=True, converter=python_scalar)
@@ -191,8 +192,11 @@ class BlockSparseAttention(eqx.Module):
             raise TypeError(f"`mask` must be an AbstractMask; got {type(self.mask).__name__}.")
         if not isinstance(self.kernel, (AbstractKernel, AutoKernel)):
             raise TypeError(f"`kernel` must be an AbstractKernel or None; got {type(self.kernel).__name__}.")
-        if not isinstance(self.tiling, (Tiling, AutoTiling)):
-            raise TypeError(f"`tiling` must be a Tiling or None; got {type(self.tiling).__name__}.")
+        if not isinstance(self.tiling, AbstractTiling):
+            raise TypeError(
+                "`tiling` must be a kernel's config (e.g. kernels.TritonConfig, or Tiling), "
+                f"AutoTiling() or None; got {type(self.tiling).__name__}."
+            )
         if not isinstance(self.sharding, AbstractSharding):
             raise TypeError(
                 f"`sharding` must be an AbstractSharding; got {type(self.sharding).__name__}."
@@ -290,7 +294,8 @@ class BlockSparseAttention(eqx.Module):
             why = decline_reason(kernel, resolved, features)
             if why is not None:
                 raise ValueError(f"kernel {kernel.name} cannot run this call: {why}")
-        tiling, source = choose_tiling(self, kernel, features, resolved, inputs)
+        strategy = AutoTiling() if is_auto(self.tiling) else self.tiling
+        tiling, source = strategy.choose(kernel, features, resolved)
         try:
             tiling = kernel.adapt_tiling(tiling, features)
         except ValueError as e:

@@ -7,6 +7,7 @@ import equinox as eqx
 import jax
 
 from ._strategy import AbstractStrategy
+from ._tiling import AutoTiling
 
 
 class AutoKernel(AbstractStrategy):
@@ -14,13 +15,6 @@ class AutoKernel(AbstractStrategy):
 
     A strategy object rather than ``None``, so ``eqx.tree_at(lambda m: m.kernel, attn, k)``
     needs no ``is_leaf``. ``BlockSparseAttention(kernel=None)`` still works and means this.
-    """
-
-
-class AutoTiling(AbstractStrategy):
-    """The default `tiling` of `BlockSparseAttention`: take the kernel's heuristic per call.
-
-    ``BlockSparseAttention(tiling=None)`` still works and means this.
     """
 
 

@@ -9,10 +9,12 @@ A **kernel** subclasses `AbstractKernel`: it declares `name`, `platforms` and `r
 `MaskReads`), implements `priority` and `decline_reason`, and its ``__call__`` receives the
 `CompiledMask` the plan built for it (a `BlockLayout` per pass, the canonical `MaskTerms`,
 element bitmaps where the mask has no terms, and the element predicate `CompiledMask.visible`),
-the call's `AttentionInputs`, its `Features` and its `Tiling`. Its
-`decline_reason` and `default_tiling` see the `ResolvedMask` (the terms, and layouts on demand)
-before the tiling is fixed. It never imports a mask class. A kernel that also returns each
-row's log-sum-exp (what sequence sharding merges by) subclasses `AbstractLseKernel`.
+the call's `AttentionInputs`, its `Features` and its config. Its config subclasses
+`AbstractKernelConfig` (the tiles of each pass, `PassBlocks`, and what else it tunes); `Tiling`
+is the kernel-independent one. Its `decline_reason` and `default_tiling` see the `ResolvedMask`
+(the terms, and layouts on demand) before the config is fixed. It never imports a mask class.
+A kernel that also returns each row's log-sum-exp (what sequence sharding merges by)
+subclasses `AbstractLseKernel`.
 
 Every class is abstract (`is_abstract`, named ``AbstractX``) or final (never subclassed), as
 in equinox: only abstract methods and class variables are defined in a subclass.
@@ -80,4 +82,13 @@ from ._sharding import (
     typed_like as typed_like,
 )
 from ._strategy import AbstractStrategy as AbstractStrategy, is_abstract as is_abstract
-from ._tiling import Tiling as Tiling
+from ._tiling import (
+    AbstractKernelConfig as AbstractKernelConfig,
+    AbstractTiling as AbstractTiling,
+    AutoTiling as AutoTiling,
+    PassBlocks as PassBlocks,
+    Tiling as Tiling,
+    blocks_text as blocks_text,
+    chained_blocks as chained_blocks,
+    check_fields as check_fields,
+)

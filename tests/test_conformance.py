@@ -203,16 +203,16 @@ CASES = {
     "tiled_fully_masked_rows": Case(masks.Causal(offset=-40), **BIG),
     "tiled_fully_masked_rows_sinks": Case(masks.Causal(offset=-40), sinks="h", **BIG),
     "tiled_explicit": Case(masks.Causal() & masks.SlidingWindow(70, 0),
-                           **{**BIG, "tiling": bsa.Tiling(block_q=64, block_kv=32,
-                                                          block_q_bwd=32, block_kv_bwd=64,
-                                                          num_warps=4, num_stages=2)}),
+                           **{**BIG, "tiling": bsa.kernels.TritonConfig(
+                               block_q=64, block_kv=32, block_q_bwd=32, block_kv_bwd=64,
+                               num_warps=4, num_stages=2)}),
     "tiled_explicit_dq": Case(masks.Causal() & masks.SlidingWindow(70, 0),
-                              **{**BIG, "tiling": bsa.Tiling(
+                              **{**BIG, "tiling": bsa.kernels.TritonConfig(
                                   block_q=64, block_kv=64, block_q_bwd=32, block_kv_bwd=64,
                                   num_warps=4, num_stages=3, block_q_dq=64, block_kv_dq=32,
                                   num_stages_dq=3)}),
     "tiled_explicit_documents": Case(masks.Causal(), documents=4,
-                                     **{**BIG, "tiling": bsa.Tiling(
+                                     **{**BIG, "tiling": bsa.kernels.TritonConfig(
                                          block_q=64, block_kv=64, block_q_bwd=32,
                                          block_kv_bwd=64, num_warps=4, num_stages=3,
                                          block_q_dq=64, block_kv_dq=32, num_stages_dq=3)}),

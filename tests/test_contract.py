@@ -242,12 +242,14 @@ def _concrete_owner(cls, name):
     return None
 
 
-#: Concrete members that subclasses may still replace: the kernels' tiling defaults, which
-#: each kernel's own config takes over, and their autotune cache `version` (bumped when a
-#: change makes tilings tuned before it stale); the masks' structural hooks (an atom has no
-#: children, fits every length, resolves to itself, has no in-kernel terms).
+#: Concrete members that subclasses may still replace: the kernels' tiling defaults (their
+#: config type and its heuristic, adaptation and candidates), which each kernel's own config
+#: takes over, and their autotune cache `version` (bumped when a change makes configs tuned
+#: before it stale); the masks' structural hooks (an atom has no children, fits every length,
+#: resolves to itself, has no in-kernel terms).
 REPLACEABLE = {
-    "AbstractKernel": {"default_tiling", "adapt_tiling", "tiling_candidates", "version"},
+    "AbstractKernel": {"config_type", "default_tiling", "adapt_tiling", "tiling_candidates",
+                       "version"},
     "AbstractMask": {"terms", "children", "check", "resolve"},
 }
 

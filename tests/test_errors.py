@@ -146,7 +146,8 @@ CASES = [
     ("autotune attn", lambda: bsa.autotune("attn", Q, K, V), TypeError,
      "`attn` must be a BlockSparseAttention; got str."),
     ("autotune candidates", lambda: bsa.autotune(ATTN, Q, K, V, candidates=[(8, 8)]), TypeError,
-     "`candidates` must hold Tiling instances; got tuple."),
+     "`candidates` must hold configs (AbstractKernelConfig instances, e.g. "
+     "kernels.TritonConfig, Tiling); got tuple."),
     ("autotune reps", lambda: bsa.autotune(ATTN, Q, K, V, reps=0), ValueError,
      "`reps` must be an int >= 1; got 0."),
     # blocksparse_attention's own arguments.
@@ -159,7 +160,11 @@ CASES = [
      "`cfg` has a key Tiling does not take: 'q_blocksize'; ejKernel's 'q_blocksize' is Tiling's 'block_q'."),
     ("cfg seed params", _fn(cfg={"fwd_params": {"q_block": 64}}), ValueError,
      "`cfg.fwd_params` has no field 'q_block'; accepted: ['q_blocksize', 'kv_blocksize', "),
-    ("cfg type", _fn(cfg=(8, 8)), TypeError, "`cfg` must be a Tiling, a dict of Tiling fields"),
+    ("cfg type", _fn(cfg=(8, 8)), TypeError,
+     "`cfg` must be a Tiling (or a kernel's config, e.g. kernels.TritonConfig), a dict of "
+     "Tiling fields"),
+    ("cfg warps", _fn(cfg={"block_q": 8, "block_kv": 8, "num_warps": 0}), ValueError,
+     "`cfg.num_warps` must be a positive int or None; got 0."),
     ("layout name", _fn(qkv_layouts="bsdh"), ValueError,
      "`qkv_layouts` must be 'bhsd' ([batch, heads, seq, head_dim], the default) or 'bshd'"),
     ("attention_mask dtype", _fn(attention_mask=np.ones((L, L), np.float32)), TypeError,

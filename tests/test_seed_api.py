@@ -191,10 +191,23 @@ def _seed_cfg(fwd, bwd, platform=None):
 def test_seed_cfg_maps_onto_tiling(qkv):
     fwd = dict(q_blocksize=16, kv_blocksize=8, num_warps=4, num_stages=2)
     bwd = dict(q_blocksize=8, kv_blocksize=16, num_warps=8, num_stages=None)
-    want = bsa.Tiling(block_q=16, block_kv=8, num_warps=4, num_stages=2, block_q_bwd=8,
-                      block_kv_bwd=16, num_warps_bwd=8)
-    assert _tiling_from_cfg(_seed_cfg(fwd, bwd, "xla")) == (want, "xla")
-    assert _tiling_from_cfg({"fwd_params": fwd, "bwd_params": bwd}) == (want, None)
+    # Warps and stages are Triton's: Triton runs them in its TritonConfig, other kernels take
+    # the blocks.
+    want = dict(block_q=16, block_kv=8, num_warps=4, num_stages=2, block_q_bwd=8,
+                block_kv_bwd=16, num_warps_bwd=8)
+    tiling, platform = _tiling_from_cfg(_seed_cfg(fwd, bwd, "xla"))
+    assert platform == "xla" and _tiling_from_cfg({"fwd_params": fwd, "bwd_params": bwd}) == (
+        tiling, None)
+    features = bsa.Features(q_len=64, kv_len=64)
+    resolved = bsa.ResolvedMask(bsa.masks.Causal(), q_len=64, kv_len=64, num_heads=1)
+    xla, _ = tiling.choose(bsa.kernels.XlaBlockSparse(), features, resolved)
+    assert xla == bsa.Tiling(block_q=16, block_kv=8, block_q_bwd=8, block_kv_bwd=16)
+    with pytest.raises(ValueError, match="TritonConfig.block_kv to be a power of two .* got 8"):
+        tiling.choose(bsa.kernels.TritonBlockSparse(), features, resolved)
+    wide = {"fwd_params": {**fwd, "kv_blocksize": 32}, "bwd_params": {**bwd, "q_blocksize": 16}}
+    triton, _ = _tiling_from_cfg(wide)[0].choose(bsa.kernels.TritonBlockSparse(), features,
+                                                 resolved)
+    assert triton == bsa.kernels.TritonConfig(**{**want, "block_kv": 32, "block_q_bwd": 16})
     q, k, v = qkv
     out = bsa.blocksparse_attention(q, k, v, cfg=_seed_cfg(fwd, bwd, "xla"))
     assert_close(out, np_attention(q, k, v, _causal()), 2e-5)

@@ -11,7 +11,6 @@ chunks of blocks one after another past `_SLOT_ELEMENTS` scores, so memory stays
 scales with the number of visited blocks; no ``Lq x Lk`` array is built (a user-given bias
 already is that size: its blocks are sliced out of it)."""
 
-import dataclasses
 import functools
 import math
 from typing import Any, ClassVar, NamedTuple
@@ -22,13 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqx_bsattn.contract import (
+    AbstractKernelConfig,
     AbstractLseKernel,
     BlockLayout,
     CompiledMask,
     Features,
     MaskReads,
-    Tiling,
+    PassBlocks,
     backward_delta,
+    blocks_text,
+    chained_blocks,
+    check_fields,
     pad_axis,
     public_lse,
     refuse_forward_mode,
@@ -657,6 +660,74 @@ def _lists_only(mask: CompiledMask) -> CompiledMask:
                        tuple(shape_only(x) for x in (mask.forward, mask.dq, mask.dkv)))
 
 
+class XlaConfig(AbstractKernelConfig):
+    """`XlaBlockSparse`'s config: the block sizes of its forward, dq and dk/dv passes.
+
+    The dk/dv blocks default to the forward ones, the dq blocks to the dk/dv ones. Blocks
+    longer than a sequence shrink to it when the kernel runs (`XlaBlockSparse.adapt_tiling`).
+
+    ```python
+    tiling = kernels.XlaConfig(block_q=128, block_kv=64, block_q_dkv=128, block_kv_dkv=128)
+    ```
+    """
+
+    block_q: int = eqx.field(static=True)
+    block_kv: int = eqx.field(static=True)
+    block_q_dq: int | None = eqx.field(default=None, static=True)
+    block_kv_dq: int | None = eqx.field(default=None, static=True)
+    block_q_dkv: int | None = eqx.field(default=None, static=True)
+    block_kv_dkv: int | None = eqx.field(default=None, static=True)
+
+    forward_fields: ClassVar[tuple[str, ...]] = ("block_q", "block_kv")
+
+    def __check_init__(self):
+        check_fields(self)
+
+    @property
+    def blocks(self) -> PassBlocks:
+        return chained_blocks(self.block_q, self.block_kv, (self.block_q_dq, self.block_kv_dq),
+                              (self.block_q_dkv, self.block_kv_dkv))
+
+    def explicit(self) -> "XlaConfig":
+        """The same config with the dq and dk/dv blocks spelled out."""
+        return XlaConfig.of_blocks(self.blocks)
+
+    def text(self) -> str:
+        return blocks_text(self.blocks)
+
+    @classmethod
+    def of_blocks(cls, blocks: PassBlocks) -> "XlaConfig":
+        """The config that runs these `PassBlocks` (another config's `blocks`)."""
+        (bq, bk), (dq_q, dq_k), (kv_q, kv_k) = blocks
+        return cls(block_q=bq, block_kv=bk, block_q_dq=dq_q, block_kv_dq=dq_k, block_q_dkv=kv_q,
+                   block_kv_dkv=kv_k)
+
+    @classmethod
+    def heuristic(cls, features: Features) -> "XlaConfig":
+        """128 x 128 tiles; on a CPU 128 x 64 forward tiles, 128 x 128 backward ones."""
+        if features.platform == "cpu":
+            # Measured on a 2-core CPU (B=1, H=4, L=4096-8192, D=64; causal and a 256 window):
+            # 128 x 64 forward tiles waste the least of each partial block; the backward pass,
+            # which does more work per block, prefers 128 x 128.
+            return cls(block_q=128, block_kv=64, block_q_dkv=128, block_kv_dkv=128)
+        return cls(block_q=128, block_kv=128)
+
+    def clamped(self, features: Features) -> "XlaConfig":
+        """Every block shrunk to its sequence (a longer one only pads it), spelled out."""
+        lq, lk = features.q_len, features.kv_len
+        return XlaConfig.of_blocks(PassBlocks(*((min(q, lq), min(k, lk)) for q, k in self.blocks)))
+
+    def candidates(self, features: Features) -> tuple["XlaConfig", ...]:
+        """This config, then the forward, dk/dv and dq blocks in turn set to each of a few
+        options (64 to 256), shrunk to the sequence; those that run alike are dropped."""
+        options = ((128, 128), (128, 64), (64, 128), (256, 128), (64, 64), (128, 256))
+        base = self.explicit()
+        candidates = base.variants((("block_q", "block_kv"), options),
+                                   (("block_q_dkv", "block_kv_dkv"), options),
+                                   (("block_q_dq", "block_kv_dq"), options))
+        return tuple(dict.fromkeys(t.clamped(features) for t in candidates))
+
+
 class XlaBlockSparse(AbstractLseKernel):
     """Block-sparse flash attention in plain JAX: runs on every platform.
 
@@ -673,13 +744,13 @@ class XlaBlockSparse(AbstractLseKernel):
     CPU and TPU, and the fallback on GPU. Block sizes larger than a sequence shrink to it.
 
     Shapes: ``query [B, H, Lq, D]``, ``key [B, Hkv, Lk, D]``, ``value [B, Hkv, Lk, Dv]`` ->
-    ``[B, H, Lq, Dv]`` in the query dtype.
+    ``[B, H, Lq, Dv]`` in the query dtype. Its config is `XlaConfig` (block sizes per pass).
 
     ```python
     attn = BlockSparseAttention(
         mask=mask,
         kernel=kernels.XlaBlockSparse(),
-        tiling=Tiling(block_q=128, block_kv=128),
+        tiling=kernels.XlaConfig(block_q=128, block_kv=128),
     )
     out = attn(q, k, v)
     ```
@@ -688,6 +759,7 @@ class XlaBlockSparse(AbstractLseKernel):
     name: ClassVar[str] = "xla"
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
     reads: ClassVar[MaskReads] = "elements"
+    config_type: ClassVar[type[AbstractKernelConfig]] = XlaConfig
 
     @classmethod
     def priority(cls, platform):
@@ -697,35 +769,15 @@ class XlaBlockSparse(AbstractLseKernel):
     def decline_reason(self, mask, features):
         return None  # every feature of DenseReference, every mask through `visible`
 
-    def default_tiling(self, features: Features, mask) -> Tiling:
-        if features.platform == "cpu":
-            # Measured on a 2-core CPU (B=1, H=4, L=4096-8192, D=64; causal and a 256 window):
-            # 128 x 64 forward tiles waste the least of each partial block; the backward pass,
-            # which does more work per block, prefers 128 x 128.
-            return Tiling(block_q=128, block_kv=64, block_q_bwd=128, block_kv_bwd=128)
-        return Tiling(block_q=128, block_kv=128)
+    def default_tiling(self, features: Features, mask) -> XlaConfig:
+        return XlaConfig.heuristic(features)
 
-    def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
-        # Blocks longer than a sequence only pad it: shrink them to the sequence.
-        lq, lk = features.q_len, features.kv_len
-        bq_bwd, bk_bwd = tiling.backward_blocks
-        bq_dq, bk_dq = tiling.dq_blocks
-        return dataclasses.replace(
-            tiling, block_q=min(tiling.block_q, lq), block_kv=min(tiling.block_kv, lk),
-            block_q_bwd=min(bq_bwd, lq), block_kv_bwd=min(bk_bwd, lk),
-            block_q_dq=min(bq_dq, lq), block_kv_dq=min(bk_dq, lk),
-        )
+    def adapt_tiling(self, tiling: AbstractKernelConfig, features: Features) -> XlaConfig:
+        # Another kernel's config (or a `Tiling`) gives its blocks.
+        return XlaConfig.of_blocks(tiling.blocks).clamped(features)
 
     def tiling_candidates(self, features: Features, mask):
-        # Blocks of each pass in turn around the heuristic; blocks longer than the sequence
-        # shrink to it (`adapt_tiling`), so some options coincide and are dropped.
-        base = self.default_tiling(features, mask).explicit()
-        options = ((128, 128), (128, 64), (64, 128), (256, 128), (64, 64), (128, 256))
-        candidates = base.variants((("block_q", "block_kv"), options),
-                                   (("block_q_bwd", "block_kv_bwd"), options),
-                                   (("block_q_dq", "block_kv_dq"), options))
-        runs = dict.fromkeys(self.adapt_tiling(t, features) for t in candidates)
-        return tuple((t, None) for t in runs)
+        return tuple((t, None) for t in self.default_tiling(features, mask).candidates(features))
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):

@@ -5,6 +5,7 @@
 - `backward`: the warp-specialised dq and dk/dv kernels over the compiled dq and transposed
   dk/dv layouts;
 - `common`: the predicate, list walk, TMA ring loop and interpreter stand-ins they share;
+- `config`: `MosaicConfig`, its tiles (fixed per head dim);
 - `kernel`: the kernel strategy; its backward pass is `backward`'s kernels or
   `TritonBlockSparse`'s dq and dk/dv launches, both reading the same base-2 log-sum-exp.
 
@@ -12,4 +13,5 @@ Mosaic GPU is imported when a launch is traced, so this package imports anywhere
 declines with a reason where it cannot run.
 """
 
+from .config import MosaicConfig as MosaicConfig
 from .kernel import MosaicBlockSparse as MosaicBlockSparse

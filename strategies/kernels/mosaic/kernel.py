@@ -10,13 +10,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (AbstractLseKernel, Features, MaskReads, ResolvedMask, Tiling,
-                                  add_sinks, backward_delta, pad_axis, public_lse,
+from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Features, MaskReads,
+                                  ResolvedMask, add_sinks, backward_delta, pad_axis, public_lse,
                                   zero_cotangent)
 
 from .backward import BackwardConfig, backward_blocks, dkv_call, dq_accumulator_shape, dq_call
 from .common import persistent_schedule
-from .forward import BLOCK_Q, ForwardConfig, block_kv_for, forward_call, rows_padded, stages_for
+from .config import MosaicConfig
+from .forward import BLOCK_Q, ForwardConfig, forward_call, rows_padded, stages_for
 
 _DTYPES = ("bfloat16", "float16")
 #: The head dims verified on the H200 (docs/mosaic.md says why D=256 is not among them).
@@ -67,17 +68,6 @@ def refs_reach_kernels() -> bool:
     return tuple(jax.__version_info__[:2]) >= (0, 11)
 
 
-def mosaic_tiling(head_dim: int) -> Tiling:
-    """The tiles this kernel runs, fixed by its warpgroups and the head dim: forward 128 query
-    rows by `block_kv_for` keys; dk/dv (and the single pass) 64 query rows by 128 keys; the
-    deterministic backward's dq pass 128 rows by 64 keys (128 at D = 64)."""
-    (bq_dq, bk_dq), (bq_dkv, bk_dkv) = backward_blocks(head_dim)
-    block_kv = block_kv_for(head_dim)
-    return Tiling(block_q=BLOCK_Q, block_kv=block_kv, block_q_bwd=bq_dkv, block_kv_bwd=bk_dkv,
-                  block_q_dq=bq_dq, block_kv_dq=bk_dq, num_warps=12,
-                  num_stages=stages_for(head_dim, block_kv))
-
-
 class MosaicBlockSparse(AbstractLseKernel):
     """Block-sparse flash attention for Hopper GPUs, written in Pallas Mosaic GPU, forward and
     backward.
@@ -111,9 +101,10 @@ class MosaicBlockSparse(AbstractLseKernel):
     in bfloat16 or float16, D in {64, 128}, ``Dv == D``, any lengths (padded to the tiles
     inside). Declines bias, per-call positions, masks without in-kernel terms and masks whose
     block tables do not align with its tiles, each with a reason, so the selector gives the
-    whole call to another kernel. Its tiles are fixed (`mosaic_tiling`): a `Tiling`'s block
-    sizes are not read. Its priority on a GPU (35) is above Triton's (30) and below cuDNN's
-    (40) (docs/mosaic.md has the measurements behind that order).
+    whole call to another kernel. Its tiles are fixed (`MosaicConfig.for_head_dim`): another
+    kernel's config or a `Tiling` gives way to them, and a `MosaicConfig` must be that one.
+    Its priority on a GPU (35) is above Triton's (30) and below cuDNN's (40) (docs/mosaic.md
+    has the measurements behind that order).
 
     ```python
     attn = BlockSparseAttention(mask=mask, kernel=kernels.MosaicBlockSparse())
@@ -126,6 +117,7 @@ class MosaicBlockSparse(AbstractLseKernel):
     name: ClassVar[str] = "mosaic"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
     reads: ClassVar[MaskReads] = "terms"
+    config_type: ClassVar[type[AbstractKernelConfig]] = MosaicConfig
 
     def __check_init__(self):
         if not isinstance(self.deterministic, bool):
@@ -153,8 +145,7 @@ class MosaicBlockSparse(AbstractLseKernel):
         if features.bias:
             return "bias is not supported."
         terms = mask.terms
-        tiling = mosaic_tiling(features.head_dim)
-        tiles = [(tiling.block_q, tiling.block_kv), tiling.backward_blocks, tiling.dq_blocks]
+        tiles = list(MosaicConfig.for_head_dim(features.head_dim).blocks)
         if terms is None or (terms.tables and mask.kernel_terms(tiles) is None):
             return ("the mask has no in-kernel terms shared by every head at this kernel's "
                     "tiles (causal / window / chunk / prefix / document); this kernel reads "
@@ -163,11 +154,15 @@ class MosaicBlockSparse(AbstractLseKernel):
             return "per-call positions are not supported: partial blocks use token indices."
         return None
 
-    def default_tiling(self, features: Features, mask: ResolvedMask) -> Tiling:
-        return mosaic_tiling(features.head_dim)
+    def default_tiling(self, features: Features, mask: ResolvedMask) -> MosaicConfig:
+        return MosaicConfig.for_head_dim(features.head_dim)
 
-    def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
-        return mosaic_tiling(features.head_dim)
+    def adapt_tiling(self, tiling: AbstractKernelConfig, features: Features) -> MosaicConfig:
+        fixed = MosaicConfig.for_head_dim(features.head_dim)
+        if isinstance(tiling, MosaicConfig) and tiling != fixed:
+            raise ValueError(f"MosaicBlockSparse runs {fixed} at head dim {features.head_dim} "
+                             f"(its tiles are fixed); got {tiling}.")
+        return fixed
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):

@@ -1,31 +1,24 @@
 """`SplashBlockSparse`: the kernel strategy, reading the compiled mask into Splash's inputs."""
 
-import dataclasses
 from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (AbstractKernel, Features, MaskReads, ResolvedMask, Tiling,
-                                  pad_axis)
+from eqx_bsattn.contract import (AbstractKernel, AbstractKernelConfig, Features, MaskReads,
+                                  ResolvedMask, pad_axis)
 
+from .config import LANES, SplashConfig
 from .launch import block_sizes, never_matching, sink_logits, splash_attention, splash_missing
 from .mask_info import TermsPredicate, block_info, padded_length
 
-_LANES = 128  # Splash's key blocks (and query blocks with segment ids) are multiples of this
 _DTYPES = ("bfloat16", "float32")
-
-
-def _whole_lanes(block: int, length: int) -> int:
-    """`block` rounded up to a multiple of 128, but no longer than `length` so rounded."""
-    up = lambda n: -(-n // _LANES) * _LANES  # noqa: E731
-    return min(up(block), up(length))
 
 
 def _tpu_head_dim(dim: int) -> int:
     """The head dim a TPU launch runs: 64 or a multiple of 128 (those Splash's own tests
     cover); others are zero-padded up to the next multiple of 128."""
-    return dim if dim == 64 or dim % _LANES == 0 else -(-dim // _LANES) * _LANES
+    return dim if dim == 64 or dim % LANES == 0 else -(-dim // LANES) * LANES
 
 
 class SplashBlockSparse(AbstractKernel):
@@ -43,8 +36,8 @@ class SplashBlockSparse(AbstractKernel):
     Features: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths (padded to whole blocks),
     soft cap, sinks (several per head join as their log-sum-exp; differentiable), segment ids,
     per-head masks, fully masked rows (zeros). Declines: an additive bias, positions, float16,
-    and masks without terms together with segment ids or per-call mask arrays. Block
-    sizes are rounded up to multiples of 128.
+    and masks without terms together with segment ids or per-call mask arrays. Its config is
+    `SplashConfig`; block sizes are rounded up to multiples of 128.
 
     Runs on a TPU, and anywhere in Splash's interpret mode (`interpret`): the conformance suite
     runs it that way on the CPU. The selector picks it on TPU only. It has not yet run on a
@@ -66,6 +59,7 @@ class SplashBlockSparse(AbstractKernel):
     name: ClassVar[str] = "splash"
     platforms: ClassVar[tuple[str, ...]] = ("tpu", "cpu")
     reads: ClassVar[MaskReads] = "terms"
+    config_type: ClassVar[type[AbstractKernelConfig]] = SplashConfig
 
     @classmethod
     def priority(cls, platform):
@@ -89,26 +83,19 @@ class SplashBlockSparse(AbstractKernel):
                     "per-call data (segment ids, mask arrays).")
         return None
 
-    def default_tiling(self, features: Features, mask: ResolvedMask) -> Tiling:
-        # Splash's own defaults (BlockSizes.get_default): 128 for every pass.
-        return Tiling(block_q=128, block_kv=128)
+    def default_tiling(self, features: Features, mask: ResolvedMask) -> SplashConfig:
+        return SplashConfig.heuristic(features)
 
-    def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
-        lq, lk = features.q_len, features.kv_len
-        (bq_bwd, bk_bwd), (bq_dq, bk_dq) = tiling.backward_blocks, tiling.dq_blocks
-        return dataclasses.replace(
-            tiling, block_q=_whole_lanes(tiling.block_q, lq),
-            block_kv=_whole_lanes(tiling.block_kv, lk),
-            block_q_bwd=_whole_lanes(bq_bwd, lq), block_kv_bwd=_whole_lanes(bk_bwd, lk),
-            block_q_dq=_whole_lanes(bq_dq, lq), block_kv_dq=_whole_lanes(bk_dq, lk))
+    def adapt_tiling(self, tiling: AbstractKernelConfig, features: Features) -> SplashConfig:
+        # Another kernel's config (or a `Tiling`) gives its blocks.
+        return SplashConfig.of_blocks(tiling.blocks).in_lanes(features)
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
         interpret = features.platform != "tpu" if self.interpret is None else self.interpret
         _, heads, q_len, dim = query.shape
         kv_len, value_dim = value.shape[2], value.shape[3]
-        passes = {"forward": (tiling.block_q, tiling.block_kv), "dq": tiling.dq_blocks,
-                  "dkv": tiling.backward_blocks}
+        passes = tiling.blocks._asdict()
         lq = padded_length(q_len, [bq for bq, _ in passes.values()])
         lk = padded_length(kv_len, [bk for _, bk in passes.values()])
         infos = tuple(

@@ -1,6 +1,7 @@
 """`TritonBlockSparse`: block-sparse flash attention in Triton, launched through jax-triton.
 
-- `heuristics`: the default tiling and the checks a tiling must pass;
+- `config`: `TritonConfig`, what it tunes, and the checks a config must pass;
+- `heuristics`: the heuristic config, the autotune candidates, the shared memory estimate;
 - `launch`: each launch's static configuration and arrays, and their vmap rule;
 - `vjp`: the three launches under one `jax.custom_vjp`;
 - `jit_kernels`: the `@triton.jit` kernels (imported only when a launch is traced);
@@ -10,4 +11,5 @@ Triton and jax-triton are imported lazily, so this package imports on machines t
 neither; the kernel then declines with a reason the selector shows.
 """
 
+from .config import TritonConfig as TritonConfig
 from .kernel import TritonBlockSparse as TritonBlockSparse

@@ -1,9 +1,11 @@
-"""`TritonBlockSparse`'s tiling: the default per head dim and feature, the short-row variant,
-and the checks a tiling must pass to launch."""
+"""`TritonBlockSparse`'s heuristic `TritonConfig` (the default per head dim and feature, the
+short-row variant), its autotune candidates and the shared memory a config's launches take."""
 
 import numpy as np
 
-from eqx_bsattn.contract import BlockLayout, Features, ResolvedMask, Tiling
+from eqx_bsattn.contract import BlockLayout, Features, ResolvedMask
+
+from .config import TritonConfig
 
 #: Static layouts whose rows visit fewer blocks than this on average, scattered (their full
 #: lists are not ranges), run with `short_row_blocks` when the tiling is the heuristic's.
@@ -50,8 +52,8 @@ def short_scattered_rows(layout: BlockLayout) -> bool:
     return not lists_are_ranges(layout.full_count, layout.full_index)
 
 
-def default_tiling(features: Features, mask: ResolvedMask) -> Tiling:
-    """The heuristic tiling: per head dim and features, then the short-row variant for static
+def default_tiling(features: Features, mask: ResolvedMask) -> TritonConfig:
+    """The heuristic config: per head dim and features, then the short-row variant for static
     layouts whose rows visit few, scattered blocks (BigBird-like)."""
     width = row_width(features)
     short = short_row_blocks(features)
@@ -84,7 +86,7 @@ def default_tiling(features: Features, mask: ResolvedMask) -> Tiling:
         dl = bl
     # Short sequences (decoding) waste less with smaller tiles.
     cap_q, cap_k = pow2(features.q_len), pow2(features.kv_len)
-    tiling = Tiling(
+    tiling = TritonConfig(
         block_q=min(fwd[0], cap_q), block_kv=min(fwd[1], cap_k),
         block_q_bwd=min(bwd[0], cap_q), block_kv_bwd=min(bwd[1], cap_k),
         num_warps=fl[0], num_stages=fl[1], num_warps_bwd=bl[0], num_stages_bwd=bl[1],
@@ -95,22 +97,8 @@ def default_tiling(features: Features, mask: ResolvedMask) -> Tiling:
         # Short scattered rows (BigBird-like static layouts): the short-row tiling.
         bitmaps = mask.kernel_terms([(tiling.block_q, tiling.block_kv)]) is None
         if short_scattered_rows(mask.layout(tiling.block_q, tiling.block_kv, bitmaps=bitmaps)):
-            tiling = Tiling(block_q=min(short[0], cap_q), block_kv=min(short[1], cap_k),
+            tiling = TritonConfig(block_q=min(short[0], cap_q), block_kv=min(short[1], cap_k),
                             num_warps=short[2], num_stages=short[3])
-    return tiling
-
-
-def check_tiling(tiling: Tiling) -> Tiling:
-    """`tiling` if every block of every launch is a power of two >= 16, else `ValueError`."""
-    bq, bk = tiling.backward_blocks
-    dq_q, dq_k = tiling.dq_blocks
-    for name, value in (("block_q", tiling.block_q), ("block_kv", tiling.block_kv),
-                        ("block_q_bwd", bq), ("block_kv_bwd", bk),
-                        ("block_q_dq", dq_q), ("block_kv_dq", dq_k)):
-        if value < 16 or value & (value - 1):
-            raise ValueError(
-                f"TritonBlockSparse needs Tiling.{name} to be a power of two >= 16; got {value}."
-            )
     return tiling
 
 
@@ -124,7 +112,7 @@ _DQ_BLOCKS = ((128, 64), (64, 64), (128, 128), (64, 128))
 _LAUNCHES = ((8, 3), (4, 3), (8, 2), (4, 2), (4, 4), (8, 4))
 
 
-def shared_memory(tiling: Tiling, features: Features) -> dict[str, int]:
+def shared_memory(tiling: TritonConfig, features: Features) -> dict[str, int]:
     """Bytes of shared memory each launch of `tiling` takes, estimated from its pipelined
     tiles: the forward holds a q tile and `num_stages` k/v tiles; the dq kernel holds q and
     dO tiles and pipelines k/v; the dk/dv kernel holds k/v tiles and pipelines q and dO. A
@@ -149,12 +137,9 @@ def shared_memory(tiling: Tiling, features: Features) -> dict[str, int]:
     }
 
 
-def launch_problem(tiling: Tiling, features: Features) -> str | None:
-    """Why `tiling` cannot launch for `features` (blocks, shared memory), or ``None``."""
-    try:
-        check_tiling(tiling)
-    except ValueError as e:
-        return str(e)
+def launch_problem(tiling: TritonConfig, features: Features) -> str | None:
+    """Why `tiling` cannot launch for `features` (shared memory), or ``None``; its blocks
+    were checked when it was built."""
     for name, used in shared_memory(tiling, features).items():
         if used > SHARED_MEMORY_BYTES:
             return (f"the {name} launch needs ~{used // 1024} KiB of shared memory; "
@@ -162,7 +147,9 @@ def launch_problem(tiling: Tiling, features: Features) -> str | None:
     return None
 
 
-def tiling_candidates(features: Features, mask: ResolvedMask) -> tuple[tuple[Tiling, str | None], ...]:
+def tiling_candidates(
+    features: Features, mask: ResolvedMask
+) -> tuple[tuple[TritonConfig, str | None], ...]:
     """The heuristic, then the heuristic with one group of fields changed (forward blocks,
     dk/dv blocks, dq blocks, then each launch's warps and stages), the groups taken in turn so
     a short prefix of the list varies each of them; each with the reason it cannot launch, or

@@ -5,10 +5,11 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (AbstractLseKernel, Features, MaskReads, ResolvedMask, Tiling,
-                                  add_sinks, refuse_forward_mode)
+from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Features, MaskReads,
+                                  ResolvedMask, add_sinks, refuse_forward_mode)
 
-from .heuristics import check_tiling, default_tiling, tiling_candidates
+from .config import TritonConfig
+from .heuristics import default_tiling, tiling_candidates
 from .launch import LaunchConfig, layout_arrays, list_mode
 from .vjp import attend, attend_with_lse
 
@@ -54,9 +55,9 @@ class TritonBlockSparse(AbstractLseKernel):
     kernel over kv-blocks (the layout's transposed lists) that loops over the q heads of its
     group, so grouped-query gradients are reduced deterministically, without atomics. The
     forward, dq and dk/dv launches read the compiled mask's three layouts, each at its own
-    tiles (`Tiling`'s forward, ``*_dq`` and backward fields). FULL lists that are ranges of
-    blocks are walked without index loads: known on the host for static layouts, checked per
-    row in the kernel for layouts built from per-call data.
+    tiles (its `TritonConfig`'s forward, ``*_dq`` and ``*_bwd`` fields). FULL lists that are
+    ranges of blocks are walked without index loads: known on the host for static layouts,
+    checked per row in the kernel for layouts built from per-call data.
 
     Partial blocks evaluate the compiled mask's canonical terms (causal with an offset, a
     window, chunks, a prefix, segment ids) on positions; block tables whose cells are
@@ -83,6 +84,7 @@ class TritonBlockSparse(AbstractLseKernel):
     name: ClassVar[str] = "triton"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
     reads: ClassVar[MaskReads] = "terms"
+    config_type: ClassVar[type[AbstractKernelConfig]] = TritonConfig
 
     @classmethod
     def priority(cls, platform):
@@ -104,11 +106,11 @@ class TritonBlockSparse(AbstractLseKernel):
                     "(positions, segment ids, mask arrays).")
         return None
 
-    def default_tiling(self, features: Features, mask: ResolvedMask) -> Tiling:
+    def default_tiling(self, features: Features, mask: ResolvedMask) -> TritonConfig:
         return default_tiling(features, mask)
 
-    def adapt_tiling(self, tiling: Tiling, features: Features) -> Tiling:
-        return check_tiling(tiling)
+    def adapt_tiling(self, tiling: AbstractKernelConfig, features: Features) -> TritonConfig:
+        return TritonConfig.from_config(tiling)
 
     def tiling_candidates(self, features: Features, mask: ResolvedMask):
         return tiling_candidates(features, mask)

@@ -276,8 +276,8 @@ def test_backward_mode_and_its_tiles(monkeypatch):
         features = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=dim, value_dim=dim)
         for tiling in (MosaicBlockSparse().default_tiling(features, resolved),
                        MosaicBlockSparse().adapt_tiling(bsa.Tiling(64, 64), features)):
-            assert (tiling.dq_blocks, tiling.backward_blocks) == (dq_blocks, (64, 128))
-            assert (tiling.block_q, tiling.block_kv) == (128, 128)
+            assert isinstance(tiling, bsa.kernels.MosaicConfig)
+            assert tiling.blocks == bsa.PassBlocks((128, 128), dq_blocks, (64, 128))
 
 
 @pytest.mark.parametrize("batch,heads,tiles,ctas", [(1, 1, 1, 132), (1, 3, 7, 4),

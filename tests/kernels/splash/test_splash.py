@@ -125,8 +125,8 @@ def test_adapt_tiling_rounds_blocks_to_lanes():
     features = bsa.Features(platform="tpu", q_len=300, kv_len=1000)
     tiling = kernel.adapt_tiling(bsa.Tiling(block_q=16, block_kv=600, block_q_bwd=512),
                                  features)
-    assert (tiling.block_q, tiling.block_kv) == (128, 640)
-    assert tiling.backward_blocks == (384, 640) and tiling.dq_blocks == (384, 640)
+    assert isinstance(tiling, bsa.kernels.SplashConfig)
+    assert tiling.blocks == bsa.PassBlocks((128, 640), (384, 640), (384, 640))
 
 
 def _attend(kernel, mask, q, k, v, platform=None, **kw):
