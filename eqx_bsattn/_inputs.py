@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from ._score import ScoreTerms
+
 
 class AttentionInputs(eqx.Module):
     """Per-call data in the shapes every kernel reads (all batched).
@@ -18,6 +20,9 @@ class AttentionInputs(eqx.Module):
     - `q_segment_ids`/`kv_segment_ids`: ``[batch, len]`` int32; ``-1`` (any negative) is padding.
       Callers may pass any integer dtype, signed or unsigned, whose values fit in int32.
     - `q_positions`/`kv_positions`: ``[batch, len]`` int32.
+    - `score`: the `ScoreTerms` (ALiBi slopes, a relative-bias table, a score function) a
+      kernel adds to each logit before the soft cap, or ``None``; its arrays are
+      differentiable.
     """
 
     bias: Float[Array, "bb hb lq lk"] | None = None
@@ -26,6 +31,7 @@ class AttentionInputs(eqx.Module):
     kv_segment_ids: Int[Array, "b lk"] | None = None
     q_positions: Int[Array, "b lq"] | None = None
     kv_positions: Int[Array, "b lk"] | None = None
+    score: ScoreTerms | None = None
 
 
 @dataclasses.dataclass(frozen=True)
