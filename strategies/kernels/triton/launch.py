@@ -210,7 +210,8 @@ def batched_launch(run, cfg: LaunchConfig, roles: tuple[str, ...], out_roles: tu
 
 #: Roles (`batched_launch`) of each launch's arrays: q, k, v, bias (every launch's first
 #: "bcast" array), [sinks,] the score arrays (slopes, table), the data (q / kv positions,
-#: q / kv segment ids), [dO, lse, delta,] then the layout lists (`layout_arrays`: counts, indices, bitmap indices, bitmaps).
+#: q / kv segment ids), [dO, lse, delta,] then the layout lists (`layout_arrays`: counts,
+#: indices, bitmap indices, bitmaps).
 _DATA_ROLES = (BATCH,) * 4
 _LIST_ROLES = (BCAST,) * 5 + (SHARED,)
 FORWARD_ROLES = (BATCH,) * 3 + (BCAST,) + (SHARED,) * 3 + _DATA_ROLES + _LIST_ROLES

@@ -17,9 +17,10 @@ def attend(cfg: LaunchConfig, q, k, v, bias, sinks, score, data, lists, bwd_list
     score arrays.
 
     `bias` and `sinks` are one-element placeholders when absent; `score` the ALiBi slopes
-    ``[H]`` and the relative-bias table ``[H, num_buckets]`` (float32, placeholders when off); `data` the positions and
-    segment ids (placeholders when absent); `lists` the forward layout's arrays and
-    `bwd_lists` the dq layout's and the dk/dv layout's (`launch.layout_arrays`).
+    ``[H]`` and the relative-bias table ``[H, num_buckets]`` (float32, placeholders when off);
+    `data` the positions and segment ids (placeholders when absent); `lists` the forward
+    layout's arrays and `bwd_lists` the dq layout's and the dk/dv layout's
+    (`launch.layout_arrays`).
     """
     out, _ = forward_launch(cfg, q, k, v, bias, sinks, score, data, lists)
     return out
