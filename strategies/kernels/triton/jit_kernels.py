@@ -321,7 +321,9 @@ def forward_kernel(
         sk = tl.load(SINKS + h * S + offs_s, mask=offs_s < S, other=float("-inf")) * LOG2E
         ms = tl.max(sk, 0)
         m_i = tl.zeros([BLOCK_M], tl.float32) + ms
-        l_i = tl.zeros([BLOCK_M], tl.float32) + tl.sum(tl.exp2(sk - ms), 0)
+        # A head whose sinks are all -inf has none: shift by 0, so exp2 gives 0, not NaN.
+        ms_safe = tl.where(ms == float("-inf"), 0.0, ms)
+        l_i = tl.zeros([BLOCK_M], tl.float32) + tl.sum(tl.exp2(sk - ms_safe), 0)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
