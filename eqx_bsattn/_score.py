@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ._sharding import Unsharded
+from ._values import within as _within
 
 _F32 = jnp.float32
 
@@ -230,8 +231,6 @@ def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding):
         raise ValueError(
             f"`score` terms run unsharded only for now; this module's sharding is "
             f"{type(sharding).__name__}. Drop the sharding or the score.")
-    from ._inputs import _within  # _inputs imports this module
-
     # An infinite slope times a zero distance, or a +inf / NaN logit, has no softmax weight.
     slopes, table = terms.arrays
     if slopes is not None:
