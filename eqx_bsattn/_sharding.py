@@ -31,10 +31,15 @@ class AbstractSharding(AbstractStrategy):
     - `passes_positions`: the sharding hands each shard's call its tokens' global positions,
       so the call's `Features.positions` is set and kernels that cannot read per-call
       positions decline.
+
+    `passes_score` (default ``False``) says that the sharding hands each shard's call the
+    score terms with their unsharded meaning (the rows of the shard's query heads, global
+    head ids and positions); a module with a `score` refuses the other shardings.
     """
 
     needs_lse: AbstractClassVar[bool]
     passes_positions: AbstractClassVar[bool]
+    passes_score: ClassVar[bool] = False
 
     @abc.abstractmethod
     def wrap(self, fn: Callable) -> Callable:
@@ -46,6 +51,7 @@ class Unsharded(AbstractSharding):
 
     needs_lse: ClassVar[bool] = False
     passes_positions: ClassVar[bool] = False
+    passes_score: ClassVar[bool] = True
 
     def wrap(self, fn: Callable) -> Callable:
         return fn

@@ -45,7 +45,7 @@ else:
     import numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    from eqx_bsattn import sharding
+    from eqx_bsattn import scores, sharding
     from eqx_bsattn.contract import MaskReads
     from tests.conftest import (
         assert_close,
@@ -155,6 +155,53 @@ else:
         extra = dict(bias=random_array(6, (1, 8, 32, 32)))
         compare(module(mask, kernel), module(mask, kernel, sharding.ShardMap(mesh, "b", "h")),
                 (q, k, v), extra)
+
+    # ShardMap with score terms: each device reads its query heads' slopes and table rows, a
+    # score function the call's head ids; gradients of the arrays sum over the batch shards.
+
+    def head_penalty(score, head, q_pos, k_pos):  # differs per head: a local id would show
+        return score - 0.1 * (head + 1) * jnp.sqrt(jnp.abs(q_pos - k_pos).astype(jnp.float32))
+
+    def scored(kind, kernel, shard=None):
+        """`fn(q, k, v, **arrays)` calling a module with the score `kind` built from `arrays`
+        (so the gradients reach them), and those arrays."""
+        if kind == "alibi":
+            arrays = dict(slopes=jnp.asarray(scores.alibi_slopes(8)) * (1 + random_array(20, (8,))))
+            make = lambda slopes: scores.ALiBi(slopes, learned=True)  # noqa: E731
+        elif kind == "table":
+            arrays = dict(table=random_array(21, (8, 16)))
+            make = lambda table: scores.RelativePositionBias(table, max_distance=24)  # noqa: E731
+        else:
+            arrays = {}
+            make = lambda: scores.ScoreFunction(head_penalty)  # noqa: E731
+
+        def fn(q, k, v, **extra):
+            own = {name: extra.pop(name) for name in arrays}
+            attn = bsa.BlockSparseAttention(
+                mask=masks.Causal(), kernel=make_kernel(kernel), tiling=TILES, score=make(**own),
+                **({} if shard is None else {"sharding": shard}))
+            return attn(q, k, v, **extra)
+
+        return fn, arrays
+
+    @pytest.mark.parametrize("kernel, axes, kind", [
+        ("DenseReference", ("b", "h"), "alibi"),
+        *[pytest.param(kernel, axes, kind, marks=slow)
+          for kernel in ("DenseReference", "XlaBlockSparse")
+          for axes in (("b", None), (None, "h"), ("b", "h"))
+          for kind in ("alibi", "table", "function")
+          if (kernel, axes, kind) != ("DenseReference", ("b", "h"), "alibi")],
+    ])
+    def test_shard_map_score_terms(kernel, axes, kind):
+        """Output and the gradients of q, k, v and the score arrays equal the unsharded call's,
+        with GQA (2 kv heads over 4 head devices) and positions that are not the indices."""
+        mesh = make_mesh((2, 4), ("b", "h"))
+        q, k, v = random_inputs(22, batch=2, heads=8, kv_heads=2, q_len=32, value_dim=4)
+        pos = jnp.asarray(np.stack([np.arange(32) * 3 + 7 * b for b in range(2)]), jnp.int32)
+        base, arrays = scored(kind, kernel)
+        sharded, _ = scored(kind, kernel, sharding.ShardMap(mesh, *axes))
+        extra = dict(arrays, q_positions=pos, kv_positions=pos)
+        compare(base, sharded, (q, k, v), extra)
 
     # ---------------------------------------------------------------------------------------
     # RingAttention: the sequence.
