@@ -50,13 +50,16 @@ else:
     from tests.conftest import (
         assert_close,
         bsa,
+        jnp_attention_f64,
         kernels,
         make_kernel,
         masks,
         np_mask,
         random_array,
         random_inputs,
+        score_f64,
         sorted_segments,
+        to_f64,
     )
 
     assert jax.device_count() == _DEVICES, jax.devices()
@@ -68,7 +71,8 @@ else:
 
     def compare(base, sharded, args, extra, *, tol=2e-5):
         """`sharded` against `base` (both functions of `args` and keywords `extra`), forward and
-        the gradients of a random projection in every float argument."""
+        the gradients of a random projection in every float argument; returns the sharded
+        call's ``(out, (grads of args, grads of the float keywords))``."""
         floats = {name: x for name, x in extra.items() if jnp.issubdtype(x.dtype, jnp.floating)}
         fixed = {name: x for name, x in extra.items() if name not in floats}
         q = args[0]
@@ -87,6 +91,7 @@ else:
         for path, g, w in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got),
                               jax.tree.leaves(want)):
             assert_close(g, w, tol, f"gradient {jax.tree_util.keystr(path[0])}")
+        return out, got
 
     def module(mask, kernel, shard=None, tiling=TILES):
         return bsa.BlockSparseAttention(mask=mask, kernel=make_kernel(kernel), tiling=tiling,
@@ -160,13 +165,14 @@ else:
     # score function the call's head ids; gradients of the arrays sum over the batch shards.
 
     def head_penalty(score, head, q_pos, k_pos):  # differs per head: a local id would show
-        return score - 0.1 * (head + 1) * jnp.sqrt(jnp.abs(q_pos - k_pos).astype(jnp.float32))
+        return score - 0.1 * (head + 1) * jnp.sqrt(jnp.abs(q_pos - k_pos).astype(score.dtype))
 
     def scored(kind, kernel, shard=None):
         """`fn(q, k, v, **arrays)` calling a module with the score `kind` built from `arrays`
         (so the gradients reach them), and those arrays."""
         if kind == "alibi":
-            arrays = dict(slopes=jnp.asarray(scores.alibi_slopes(8)) * (1 + random_array(20, (8,))))
+            slopes = jnp.asarray(scores.alibi_slopes(8)) * (1 + random_array(20, (8,)))
+            arrays = dict(slopes=slopes)
             make = lambda slopes: scores.ALiBi(slopes, learned=True)  # noqa: E731
         elif kind == "table":
             arrays = dict(table=random_array(21, (8, 16)))
@@ -201,7 +207,22 @@ else:
         base, arrays = scored(kind, kernel)
         sharded, _ = scored(kind, kernel, sharding.ShardMap(mesh, *axes))
         extra = dict(arrays, q_positions=pos, kv_positions=pos)
-        compare(base, sharded, (q, k, v), extra)
+        out, (grads, d_arrays) = compare(base, sharded, (q, k, v), extra)
+        # And the float64 oracle with the documented terms, on the same projection.
+        with jax.enable_x64(True):
+            def oracle(qkv, arrays):
+                score = lambda s: score_f64(  # noqa: E731
+                    s, q_pos=pos, kv_pos=pos, max_distance=24,
+                    fn=head_penalty if kind == "function" else None, **arrays)
+                return jnp_attention_f64(*qkv, np.tril(np.ones((32, 32), bool)), score=score)
+
+            wide = lambda t: jax.tree.map(to_f64, t)  # noqa: E731
+            ref, pullback = jax.vjp(oracle, wide((q, k, v)), wide(arrays))
+            want, d_want = pullback(wide(random_array(7, q.shape[:-1] + (v.shape[-1],))))
+        assert_close(out, ref, 5e-5, "output against the float64 oracle")
+        pairs = [*zip("qkv", grads, want), *((n, d_arrays[n], d_want[n]) for n in arrays)]
+        for name, g, w in pairs:
+            assert_close(g, w, 5e-5, f"d{name} against the float64 oracle")
 
     # ---------------------------------------------------------------------------------------
     # RingAttention: the sequence.

@@ -226,14 +226,15 @@ class GlobalHeads:
     `local_heads` of them (a contiguous run, split over mesh axis `head_axis`).
 
     The kernel passes local head ids; the device's offset is read from its mesh position when
-    the function runs (hashable and traced nowhere: the kernel may cache it as static)."""
+    the function runs, so this holds no traced value and stays hashable (a kernel keeps the
+    score function in its static configuration)."""
 
     fn: Callable
     head_axis: str
     local_heads: int
 
     def __call__(self, score, head, q_pos, k_pos):
-        offset = jax.lax.axis_index(self.head_axis).astype(jnp.int32) * self.local_heads
+        offset = local_head_offset(self.head_axis, self.local_heads)
         return self.fn(score, head + offset, q_pos, k_pos)
 
 
