@@ -10,6 +10,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ._score import ScoreTerms
+from ._values import within as _within
 
 
 class AttentionInputs(eqx.Module):
@@ -65,18 +66,6 @@ class MaskInfo:
 #: ``q - left``) or one difference of two positions (``q - k``); inside these ranges every such
 #: sum and difference lies in ``[-2**31, 2**31 - 1]``, so it is exact.
 POSITION_LIMIT = 2**30
-
-
-def _within(name: str, x, bad, message: str):
-    """Raise `ValueError` now if `x` is concrete and `bad(x)` holds anywhere; inside a trace,
-    check at run time (`eqx.error_if`: one reduction over the per-call array)."""
-    if isinstance(x, jax.core.Tracer):
-        return eqx.error_if(x, jnp.any(bad(x)), f"`{name}` {message}")
-    with jax.ensure_compile_time_eval():  # a concrete array inside someone's trace, too
-        found = bool(jnp.any(bad(x)))
-    if found:
-        raise ValueError(f"`{name}` {message}")
-    return x
 
 
 def _check_range(name: str, x, low: int, high: int, accepted: str):
