@@ -138,10 +138,6 @@ def _merge(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def _add(acc, part, combine):
-    return part if acc is None else acc if part is None else combine(acc, part)
-
-
 def _sum(a, b):
     return jax.tree.map(jnp.add, a, b)
 
