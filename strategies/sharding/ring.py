@@ -138,10 +138,6 @@ def _merge(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def _add(acc, part, combine):
-    return part if acc is None else acc if part is None else combine(acc, part)
-
-
 def _sum(a, b):
     return jax.tree.map(jnp.add, a, b)
 
@@ -166,26 +162,86 @@ def _after(shard, result):
         shard)
 
 
+class _Walk(NamedTuple):
+    """The ring's positions in the order a `RingSchedule` visits them, at trace time.
+
+    The forward visits step 0 (the own shard), the forward hops ``1 .. f`` (step ``t`` =
+    hop), then the backward hops ``1 .. b`` (step ``n - hop``). The backward ring visits the
+    backward hops from the farthest inward, then the forward hops from the farthest inward
+    down to step 0. Each position is one trip of one `jax.lax.scan`: every step shares one
+    loop body, so the kernel's temporaries are those of one step, whatever the number of
+    devices. `steps[p]` is the step at forward position ``p`` (the stacked layouts follow
+    this order).
+    """
+
+    n: int
+    fwd_hops: int
+    back_hops: int
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        return ((0,) + tuple(range(1, self.fwd_hops + 1))
+                + tuple(self.n - h for h in range(1, self.back_hops + 1)))
+
+    def forward_table(self) -> dict:
+        """Per forward position: its step, and how the shard for the next one arrives (0:
+        nothing is sent, 1: the held shard one device forward, 2: one backward, 3: the own
+        shard one backward, which starts the backward hops)."""
+        f, b = self.fwd_hops, self.back_hops
+        sends = [1] * f + [3 if b else 0] + [2] * max(b - 1, 0) + ([0] if b else [])
+        return dict(position=np.arange(len(self.steps), dtype=np.int32),
+                    step=np.asarray(self.steps, np.int32), send=np.asarray(sends, np.int32))
+
+    def backward_table(self) -> dict:
+        """Per backward position: its step, its forward position (for the layouts), how the
+        shard for the next position comes (0: kept, 1: the held one from one device back,
+        2: from one device forward, 3: the shard held at the last forward hop, 4: the own
+        shard) and how the dk/dv accumulator moves on to this position (0: not at all, 1:
+        one device forward, 2: one backward, 3: one device forward and home, the backward
+        hops' last one, while this position's starts from zero). The first position holds
+        the shard held at the last backward hop (or forward, without backward hops)."""
+        f, b, n = self.fwd_hops, self.back_hops, self.n
+        rows = []  # (step, shard for the next position, accumulator send)
+        for i, hop in enumerate(range(b, 0, -1)):
+            rows.append((n - hop, 1 if hop >= 2 else 3 if f else 4, 0 if i == 0 else 1))
+        for i, hop in enumerate(range(f, -1, -1)):
+            acc = (3 if b else 0) if i == 0 else 2
+            rows.append((hop, 2 if hop >= 2 else 4 if hop == 1 else 0, acc))
+        index = {t: p for p, t in enumerate(self.steps)}
+        step, send, acc = map(list, zip(*rows))
+        return dict(step=np.asarray(step, np.int32),
+                    position=np.asarray([index[t] for t in step], np.int32),
+                    send=np.asarray(send, np.int32), acc_send=np.asarray(acc, np.int32))
+
+
+def _where(pred, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
 @dataclasses.dataclass(frozen=True)
 class _DeviceRing:
     """One device's part of a `RingAttention` call, inside `jax.shard_map`: the forward ring
-    and the backward ring of its `jax.custom_vjp`.
+    and the backward ring of its `jax.custom_vjp`, each one `jax.lax.scan` over the walk's
+    positions.
 
     Static context only (the schedule, the slots of the operands, the kernel's function); the
     arrays come in as arguments. The shards of the kv sequence travel as ``(k, v, kv segment
-    ids, kv positions)`` tuples (``None`` where absent).
+    ids, kv positions)`` tuples (``None`` where absent). The layouts of every position are
+    stacked (``[positions, ...]`` per device) and read at the position; `work_slot` holds
+    which devices work at each position (``None``: every device at every position, or, for
+    a mask known on the device only, each device's layout decides).
     """
 
     fn: Callable
     ops: Operands
     sched: RingSchedule
+    walk: _Walk
     n: int
     seq_axis: str
     data: dict
-    step_layouts: dict
+    layout_likes: dict
     layout_slots: dict
-    flags_slot: int | None
-    partial_steps: frozenset
+    work_slot: int | None
     pred_slots: list
     arrays: Any
     rest: Any
@@ -200,8 +256,9 @@ class _DeviceRing:
     # One step: the kernel's problem for (this device's queries, the kv shard it holds).
 
     def _problems(self, aux):
-        """``problem(t, kv_seg, kv_pos) -> (inputs without bias, mask, work)`` for this device,
-        where `work` is ``None`` (every device works at step `t`) or a boolean scalar."""
+        """``problem(t, p, kv_seg, kv_pos) -> (inputs without bias, mask, work)`` for this
+        device at step `t` (forward position `p`, both traced), where `work` is ``None``
+        (every device works at every position) or a boolean scalar."""
         read = self.ops.reader(aux)
         here = {name: read(slot) for name, slot in self.data.items()}
         pred = jax.tree.unflatten(jax.tree.structure(self.arrays),
@@ -209,19 +266,19 @@ class _DeviceRing:
         call_mask = eqx.tree_at(lambda m: m.predicate, self.mask,
                                 eqx.combine(pred, self.rest))
         head_offset = self.head_offset()
-        flags = None if self.flags_slot is None else read(self.flags_slot)[0]
+        work_flags = None if self.work_slot is None else read(self.work_slot)[0]
 
-        def problem(t, kv_seg, kv_pos):
+        def problem(t, p, kv_seg, kv_pos):
             layouts = {}
             for name in ("forward", "dq", "dkv"):
-                slots = self.layout_slots.get((t, name))
+                slots, like = self.layout_slots.get(name), self.layout_likes.get(name)
                 if slots is None:
                     layouts[name] = None
                     continue
-                like = self.step_layouts[(t, name)]
+                at = {f: jax.lax.dynamic_index_in_dim(read(slot)[0], p, keepdims=False)
+                      for f, slot in slots.items()}
                 layouts[name] = BlockLayout(
-                    **{f: read(slot)[0] for f, slot in slots.items()},
-                    bitmaps=None, bitmap_index=None, t_bitmap_index=None,
+                    **at, bitmaps=None, bitmap_index=None, t_bitmap_index=None,
                     q_len=like.q_len, kv_len=like.kv_len, block_q=like.block_q,
                     block_kv=like.block_kv, is_static=like.is_static,
                 )
@@ -237,8 +294,8 @@ class _DeviceRing:
             if self.sched.pairs is None and layouts["forward"] is not None:
                 # Known on the device only: skip a pair this device's layout leaves empty.
                 work = jnp.any(layouts["forward"].classes != EMPTY)
-            elif flags is not None and t in self.partial_steps:
-                work = flags[self.sched.steps.index(t)]
+            elif work_flags is not None:
+                work = jax.lax.dynamic_index_in_dim(work_flags, p, keepdims=False)
             return inputs, step_mask, work
 
         return here, problem
@@ -261,6 +318,16 @@ class _DeviceRing:
         perm = [(d, (d + shift) % self.n) for d in range(self.n)]
         return jax.tree.map(lambda x: jax.lax.ppermute(x, self.seq_axis, perm), tree)
 
+    def _move(self, how, tree, own=None):
+        """`tree` sent by `how` (traced: 0 kept, 1 one device forward, 2 one backward, 3
+        the shard of ``own = (shard, result)`` one backward once `result` exists). One
+        `jax.lax.switch`: every device takes the same branch."""
+        branches = [lambda x, o: x, lambda x, o: self._send(x, 1),
+                    lambda x, o: self._send(x, -1)]
+        if own is not None:
+            branches.append(lambda x, o: self._send(_after(*o), -1))
+        return jax.lax.switch(how, branches, tree, own)
+
     @staticmethod
     def _when(work, compute, skipped, refs):
         """`compute()` where this device works at the step, else `skipped()` (zeros); both
@@ -277,10 +344,11 @@ class _DeviceRing:
         """``(out, lse)`` float32 merged over every step, and the kv shards held at the last
         hop forward and backward (the backward ring starts from them)."""
         here, problem = self._problems(aux)
+        refs = (q, k, v, bias, aux)
 
-        def compute(t, shard):
+        def compute(t, p, shard):
             k_t, v_t, kv_seg, kv_pos = shard
-            inputs, step_mask, work = problem(t, kv_seg, kv_pos)
+            inputs, step_mask, work = problem(t, p, kv_seg, kv_pos)
             bias_t = self._bias_at(bias, t)
 
             def attend():
@@ -294,31 +362,27 @@ class _DeviceRing:
 
             return self._when(work, attend, skipped, (q, k_t, v_t, bias_t, inputs, work))
 
-        n, steps = self.n, set(self.sched.steps)
-        fwd_hops, back_hops = self.sched.hops
-        shard0 = (k, v, here.get("kv_segment_ids"), here.get("kv_positions"))
-        merge = lambda a, b: _merge(*a, *b)  # noqa: E731
-        # The hops in order: forward along the ring (step t = hop), then backward (n - hop).
-        walk = [(hop, 1) for hop in range(1, fwd_hops + 1)]
-        walk += [(hop, -1) for hop in range(1, back_hops + 1)]
+        fwd_hops, back_hops = self.walk.fwd_hops, self.walk.back_hops
+        # One type for every shard the loop holds (the carry's).
+        shard0 = typed_like((k, v, here.get("kv_segment_ids"), here.get("kv_positions")), *refs)
 
-        held = shard0
-        incoming = self._send(shard0, walk[0][1]) if walk else None
-        acc = compute(0, shard0) if 0 in steps else None
-        far = [shard0, shard0]
-        for i, (hop, shift) in enumerate(walk):
+        def body(carry, row):
+            incoming, far, acc = carry
             # This step starts, and the next shard leaves, once the previous step is done:
             # one transfer overlaps one compute, and at most two shards are held at a time.
             held = _after(incoming, acc)
-            far[shift < 0] = held
-            if i + 1 < len(walk):
-                following = walk[i + 1]
-                source = _after(shard0, acc) if following[0] == 1 else held
-                incoming = self._send(source, following[1])
-            t = hop if shift > 0 else n - hop
-            if t in steps:
-                acc = _add(acc, compute(t, held), merge)
-        return acc, tuple(far)
+            far = _where(row["position"] == fwd_hops, held, far)
+            incoming = self._move(row["send"], held, (shard0, acc))
+            acc = _merge(*acc, *compute(row["step"], row["position"], held))
+            return typed_like((incoming, far, acc), *refs), None
+
+        # Rows that saw nothing yet: zero output, lse -inf (merging into them is exact).
+        empty = (jnp.zeros(q.shape[:3] + (v.shape[-1],), _F32),
+                 jnp.full(q.shape[:3], -jnp.inf, _F32))
+        start = typed_like((shard0, shard0, empty), *refs)
+        (last, far, acc), _ = jax.lax.scan(body, start, self.walk.forward_table())
+        # After the last position nothing is sent: `last` is the shard held there.
+        return acc, (far, last if back_hops else shard0)
 
     # --------------------------------------------------------------------------------------
     # The backward ring.
@@ -341,10 +405,11 @@ class _DeviceRing:
         seen = jnp.isfinite(lse)
         # rowsum(dO * O) - dlse: the merged softmax's diagonal term, per row.
         delta = backward_delta(d_out, out, d_lse, lse)
+        refs = (q, k, v, bias, aux, d_out, lse)
 
-        def grads(t, shard):
+        def grads(t, p, shard):
             k_t, v_t, kv_seg, kv_pos = shard
-            inputs, step_mask, work = problem(t, kv_seg, kv_pos)
+            inputs, step_mask, work = problem(t, p, kv_seg, kv_pos)
             bias_t = self._bias_at(bias, t)
 
             def pull():
@@ -365,54 +430,43 @@ class _DeviceRing:
             return self._when(work, pull, skipped, (q, k_t, v_t, bias_t, inputs, work, d_out,
                                                     lse))
 
-        n, steps = self.n, set(self.sched.steps)
-        fwd_hops, back_hops = self.sched.hops
-        shard0 = (k, v, here.get("kv_segment_ids"), here.get("kv_positions"))
+        shard0, far = typed_like(((k, v, here.get("kv_segment_ids"), here.get("kv_positions")),
+                                  far), *refs)
+        zero_kv = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
+
+        def body(carry, row):
+            shard, acc, home, dq_sum, dbias_sum = carry
+            # The accumulator of the shard held now comes from the neighbour while this step
+            # computes (at the first forward hop, the backward hops' last goes home instead).
+            moves = [lambda a, h: (a, h), lambda a, h: (self._send(a, 1), h),
+                     lambda a, h: (self._send(a, -1), h)]
+            if home is not None:
+                moves.append(lambda a, h: (typed_like(zero_kv, *refs), self._send(a, 1)))
+            acc, home = jax.lax.switch(row["acc_send"], moves, acc, home)
+            # This step starts, and the next shard leaves, once the previous step is done
+            # (as in the forward).
+            shard = _after(shard, dq_sum)
+            following = jax.lax.switch(row["send"], [
+                lambda x: x, lambda x: self._send(x, 1), lambda x: self._send(x, -1),
+                lambda x: far[0], lambda x: shard0], shard)
+            t = row["step"]
+            dq, part, dbias = grads(t, row["position"], shard)
+            if dbias_sum is not None:  # the columns of the shard held at step t
+                src = (jax.lax.axis_index(self.seq_axis) - t) % self.n
+                dbias_sum = jax.lax.dynamic_update_slice_in_dim(
+                    dbias_sum, dbias, src * self.kv_len, axis=3)
+            carry = (following, _sum(acc, part), home, dq_sum + dq, dbias_sum)
+            return typed_like(carry, *refs), None
+
         # dq and dbias stay on the device, summed step by step.
-        local = typed_like((jnp.zeros(q.shape, _F32),
-                            None if bias is None else jnp.zeros(bias.shape, _F32)),
-                           q, k, v, bias, d_out)
-
-        def walk(start, hops, shift, step_of, local):
-            """Hops `hops` down to 1 (0: the own shard, when `shift` is -1). K/V and the
-            accumulator of the shard a device holds move one device by `shift` per hop, so
-            after the walk each accumulator is on the device that held its shard at hop 1
-            (0). Returns that accumulator (``None`` if no step contributed) and `local`."""
-            shard, acc = start, None
-            for hop in range(hops, -1 if shift < 0 else 0, -1):
-                # The accumulator of the shard held now comes from the neighbour while this
-                # step computes.
-                incoming = None if acc is None else self._send(acc, shift)
-                # This step starts, and the next shard leaves, once the previous step is
-                # done (as in the forward).
-                shard = _after(shard0 if hop == 0 else shard, local[0])
-                following = self._send(shard, shift) if hop >= 2 else None
-                part = None
-                t = step_of(hop)
-                if t in steps:
-                    dq, part, dbias = grads(t, shard)
-                    dq_sum, dbias_sum = local
-                    if dbias_sum is not None:  # the columns of the shard held at step t
-                        src = (jax.lax.axis_index(self.seq_axis) - t) % n
-                        dbias_sum = jax.lax.dynamic_update_slice_in_dim(
-                            dbias_sum, dbias, src * self.kv_len, axis=3)
-                    local = (dq_sum + dq, dbias_sum)
-                acc = _add(incoming, part, _sum)
-                shard = following
-            return acc, local
-
-        # The backward-hop steps first: their accumulators' last hop home overlaps the
-        # forward-hop steps' compute.
-        home = None
-        if back_hops:
-            last, local = walk(far[1], back_hops, 1, lambda hop: n - hop, local)
-            home = None if last is None else self._send(last, 1)
-        dkv, (dq, dbias) = walk(far[0], fwd_hops, -1, lambda hop: hop, local)
-        dkv = _add(dkv, home, _sum)
-        if dkv is None:
-            dkv = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
-        cts = (dq, *dkv, dbias)
-        cts = typed_like(cts, q, k, v, bias)
+        first = far[1] if self.walk.back_hops else far[0] if self.walk.fwd_hops else shard0
+        start = (first, zero_kv, zero_kv if self.walk.back_hops else None,
+                 jnp.zeros(q.shape, _F32),
+                 None if bias is None else jnp.zeros(bias.shape, _F32))
+        carry, _ = jax.lax.scan(body, typed_like(start, *refs), self.walk.backward_table())
+        _, dkv, home, dq, dbias = carry
+        dkv = _sum(dkv, home) if self.walk.back_hops else dkv
+        cts = typed_like((dq, *dkv, dbias), q, k, v, bias)
         return (*(None if c is None else c.astype(x.dtype)
                   for c, x in zip(cts, (q, k, v, bias))), None)
 
@@ -442,8 +496,9 @@ class RingAttention(AbstractSharding):
     before it, so a device holds two kv shards at a time. The backward pass is a ring of its
     own (a `jax.custom_vjp`): the forward saves the device's shards, the merged output and
     log-sum-exp; the kv shards walk the ring again with their dk/dv accumulators, which
-    arrive home with the last hop, and each step pulls back through the kernel. Memory per
-    device is set by the shard, not by the number of devices.
+    arrive home with the last hop, and each step pulls back through the kernel. Each ring
+    is one `jax.lax.scan` over its steps (the kernel is traced once), so memory per device
+    is set by the shard, not by the number of devices.
 
     Sparsity: a step that is empty for every device (no visible pair, decided at trace time
     from a block layout of the mask) is neither computed nor sent; a step empty for some
@@ -615,6 +670,30 @@ class RingAttention(AbstractSharding):
                 out[(t, name)] = cut
         return out
 
+    def _stacked_layouts(self, mask: CompiledMask, order: str, steps) -> dict:
+        """``{pass: (layout of the first step, {list: [n, len(steps), ...] array})}``: each
+        pass's lists at every step, stacked in `steps`' order (index lists padded with 0
+        to the longest step's capacity; the counts say how much of them is read). Passes
+        with equal tiles share one dict."""
+        cuts = self._step_layouts(mask, order, steps)
+        out, of_first = {}, {}
+        for name in mask.layouts():
+            per_step = [cuts[(t, name)] for t in steps]
+            key = id(per_step[0])
+            if key not in of_first:
+                lists = {}
+                for f in LAYOUT_LISTS:
+                    arrays = [getattr(cut, f) for cut in per_step]
+                    if arrays[0] is None:
+                        continue
+                    width = max(x.shape[-1] for x in arrays)
+                    pad = lambda x: jnp.pad(  # noqa: E731
+                        x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+                    lists[f] = jnp.stack([pad(x) for x in arrays], axis=1)
+                of_first[key] = lists
+            out[name] = (per_step[0], of_first[key])
+        return out
+
     def wrap(self, fn: Callable) -> Callable:
         mesh, s_axis = self.mesh, self.seq_axis
         b_axis, h_axis = self.batch_axis, self.head_axis
@@ -657,33 +736,33 @@ class RingAttention(AbstractSharding):
             v_slot = ops.add(value, kv_spec)
             data = split_inputs(ops, sharded, batch=batch, heads=heads, batch_axis=b_axis,
                                 head_axis=h_axis, q_axis=s_axis, kv_axis=s_axis)
-            step_layouts = self._step_layouts(mask, order, sched.steps)
-            layout_slots = {}
-            slots_of_cut = {}
-            for (t, name), cut in step_layouts.items():
-                if id(cut) not in slots_of_cut:
-                    mb, mh = cut.classes.shape[1:3]
+            walk = _Walk(n, *sched.hops)
+            # Each pass's lists at every position of the walk, stacked: [n, positions, ...].
+            stacked = self._stacked_layouts(mask, order, walk.steps)
+            layout_likes, layout_slots, slots_of_cut = {}, {}, {}
+            for name, (like, lists) in stacked.items():
+                if id(lists) not in slots_of_cut:
+                    mb, mh = like.classes.shape[1:3]
                     lead = lead_spec(mb, mh, batch, heads, b_axis, h_axis)
-                    slots_of_cut[id(cut)] = {f: ops.add(getattr(cut, f), P(s_axis, *lead))
-                                             for f in LAYOUT_LISTS if getattr(cut, f) is not None}
-                layout_slots[(t, name)] = slots_of_cut[id(cut)]
-            # Which devices have work at each step: known now for a static mask; for one
+                    slots_of_cut[id(lists)] = {f: ops.add(x, P(s_axis, None, *lead))
+                                               for f, x in lists.items()}
+                layout_likes[name], layout_slots[name] = like, slots_of_cut[id(lists)]
+            # Which devices have work at each position: known now for a static mask; for one
             # built from per-call data, from the layout of each pair on the device.
-            flags_slot, partial_steps = None, set()
+            work_slot = None
             if sched.pairs is not None:
-                flags = np.array([[(d, (d - t) % n) in sched.pairs for d in range(n)]
-                                  for t in sched.steps])
-                partial_steps = {t for t, row in zip(sched.steps, flags) if not row.all()}
-                if partial_steps:
-                    flags_slot = ops.add(jnp.asarray(flags.T), P(s_axis, None))
+                flags = np.array([[(d, (d - t) % n) in sched.pairs for t in walk.steps]
+                                  for d in range(n)])
+                if not flags.all():
+                    work_slot = ops.add(jnp.asarray(flags), P(s_axis, None))
             arrays, rest = eqx.partition(mask.predicate, eqx.is_array)
             pred_slots = [ops.add(x, P(), constant_ok=True) for x in jax.tree.leaves(arrays)]
             q_local, kv_local = q_len // n, kv_len // n
 
             device_ring = _DeviceRing(
-                fn=fn, ops=ops, sched=sched, n=n, seq_axis=s_axis, data=data,
-                step_layouts=step_layouts, layout_slots=layout_slots, flags_slot=flags_slot,
-                partial_steps=frozenset(partial_steps), pred_slots=pred_slots, arrays=arrays,
+                fn=fn, ops=ops, sched=sched, walk=walk, n=n, seq_axis=s_axis, data=data,
+                layout_likes=layout_likes, layout_slots=layout_slots, work_slot=work_slot,
+                pred_slots=pred_slots, arrays=arrays,
                 rest=rest, mask=mask, order=order, q_len=q_local, kv_len=kv_local,
                 local_heads=local_heads, head_offset=lambda: local_head_offset(h_axis,
                                                                                local_heads),
