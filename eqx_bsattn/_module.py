@@ -295,10 +295,11 @@ class BlockSparseAttention(eqx.Module):
             why = decline_reason(kernel, resolved, features)
             if why is not None:
                 raise ValueError(f"kernel {kernel.name} cannot run this call: {why}")
-        # The one place a bias's size-1 axes are broadcast: for kernels (or shardings) that do
-        # not read them, which then get ``[bb, hb, Lq, Lk]`` as they always have.
+        # The one place a bias's size-1 axes are broadcast: for kernels that do not read them,
+        # and under a sharding (which splits the bias's Lq axis or walks its Lk axis), the
+        # bias is ``[bb, hb, Lq, Lk]`` as it always was.
         if not (isinstance(kernel, AbstractBroadcastBiasKernel)
-                and self.sharding.passes_broadcast_bias):
+                and isinstance(self.sharding, Unsharded)):
             inputs = full_bias(inputs, q_len, kv_len)
         strategy = AutoTiling() if is_auto(self.tiling) else self.tiling
         tiling, source = strategy.choose(kernel, features, resolved)

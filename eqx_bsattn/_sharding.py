@@ -31,18 +31,10 @@ class AbstractSharding(AbstractStrategy):
     - `passes_positions`: the sharding hands each shard's call its tokens' global positions,
       so the call's `Features.positions` is set and kernels that cannot read per-call
       positions decline.
-
-    and may set a third:
-
-    - `passes_broadcast_bias` (default False): `wrap` hands each shard's call a bias with its
-      size-1 axes kept (``[bb, hb, Lq or 1, Lk or 1]``), so an `AbstractBroadcastBiasKernel`
-      receives it in that form; otherwise the plan broadcasts the bias to ``[bb, hb, Lq, Lk]``
-      before `wrap` sees it.
     """
 
     needs_lse: AbstractClassVar[bool]
     passes_positions: AbstractClassVar[bool]
-    passes_broadcast_bias: ClassVar[bool] = False
 
     @abc.abstractmethod
     def wrap(self, fn: Callable) -> Callable:
@@ -54,7 +46,6 @@ class Unsharded(AbstractSharding):
 
     needs_lse: ClassVar[bool] = False
     passes_positions: ClassVar[bool] = False
-    passes_broadcast_bias: ClassVar[bool] = True
 
     def wrap(self, fn: Callable) -> Callable:
         return fn
