@@ -458,24 +458,24 @@ def test_a_bias_keeps_its_size_1_axes_only_for_kernels_of_the_capability_type(mo
 
     q = jax.random.normal(jax.random.key(0), (2, 4, 24, 8))
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    sharded = bsa.sharding.ShardMap(mesh, "data")
     for shape in ((2, 1, 1, 24), (2, 4, 24, 1), (1, 1, 1, 1), (24, 1)):
         bias = jax.random.normal(jax.random.key(1), shape)
-        full = (2 if len(shape) == 4 and shape[0] == 2 else 1,
-                4 if len(shape) == 4 and shape[1] == 4 else 1, 24, 24)
         given = (1,) * (4 - len(shape)) + shape
+        full = given[:2] + (24, 24)
         for kernel, kept in ((reading(), given), (plain(), full),
                              (bsa.kernels.XlaBlockSparse(), given)):
             attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel)
             assert attn.plan(q, q, q, bias=bias).inputs.bias.shape == kept, (kernel, shape)
-            under_mesh = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel,
-                                                  sharding=sharded)
-            assert under_mesh.plan(q, q, q, bias=bias).inputs.bias.shape == full
+            if kernel.name == "xla":  # under a sharding: broadcast
+                attn = eqx.tree_at(lambda m: m.sharding, attn, bsa.sharding.ShardMap(mesh, "data"))
+                assert attn.plan(q, q, q, bias=bias).inputs.bias.shape == full
+                continue
+            if shape != (2, 1, 1, 24):  # one call each (a compilation) is enough
+                continue
             seen.clear()
-            grad = jax.grad(lambda b: jnp.sum(jnp.sin(attn(q, q, q, bias=b))))(bias)
+            grad = jax.jit(jax.grad(lambda b: jnp.sum(jnp.sin(attn(q, q, q, bias=b)))))(bias)
             assert grad.shape == shape
-            # What the kernel itself received (the XLA kernel records nothing).
-            assert seen == ([] if kernel.name == "xla" else [kept]), (kernel, shape, seen)
+            assert seen == [kept], (kernel, shape, seen)  # what the kernel itself received
 
 
 def test_contract_exports_what_a_plug_in_needs():
