@@ -30,7 +30,7 @@ from ._mask import (
     AbstractMask as AbstractMask,
     MaskTerms as MaskTerms,
 )
-from ._plot import plot_layout as plot_layout
+from ._plot import plot_layout as plot_layout, plot_score as plot_score
 from ._module import BlockSparseAttention as BlockSparseAttention, CallPlan as CallPlan
 from ._selector import (
     KernelChoice as KernelChoice,
@@ -57,5 +57,6 @@ from ._typing import TYPECHECK_ENABLED as TYPECHECK_ENABLED
 from . import strategies as strategies  # noqa: E402  isort: skip
 from .strategies import kernels as kernels, masks as masks  # noqa: E402  isort: skip
 from .strategies import sharding as sharding, tiling as tiling  # noqa: E402  isort: skip
+from .strategies import scores as scores  # noqa: E402  isort: skip
 
 from ._version import __version__ as __version__  # noqa: E402  isort: skip

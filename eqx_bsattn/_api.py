@@ -17,6 +17,7 @@ from ._inputs import (MaskInfo, as_array, check_call_data, check_qkv, hide_keys,
 from ._kernel import AbstractKernel, registered_kernels
 from ._mask import AbstractMask, Full, and_masks
 from ._module import BlockSparseAttention, run_plan
+from ._score import AbstractScore
 from ._selector import DEVICE_PLATFORMS
 from ._sharding import on_auto_axes
 from ._tiling import LAUNCH_FIELDS, AbstractKernelConfig, AbstractTiling, Tiling, check_positive
@@ -523,6 +524,7 @@ def blocksparse_attention(
     out_specs=None,
     sequence_parallelism_mesh_axis_name: str | None = None,
     qkv_layouts: str | tuple[str, str, str] | None = None,
+    score: AbstractScore | None = None,
 ) -> Float[Array, "*batch heads q_len value_dim"]:
     """Block-sparse attention, function style: ``[B, H, Lq, D]`` in, ``[B, H, Lq, Dv]`` out.
 
@@ -542,6 +544,8 @@ def blocksparse_attention(
       the rest of the mask. A mask that differs per example maps the call over the batch.
     - `mask_info`: a `MaskInfo` holding any of the five arguments above.
     - `logits_soft_cap`, `softmax_scale`: as in `BlockSparseAttention`.
+    - `score`: a score term added to every logit before the soft cap (`scores.ALiBi`,
+      `scores.RelativePositionBias`, `scores.ScoreFunction`), as in `BlockSparseAttention`.
     - `mask_builder`: a mask; a zero-argument callable returning one; or
       ``fn(q_len, kv_len, num_heads, head_idx, num_reps) -> mask``, called once per query
       head (``num_reps = H // Hkv``; different masks make a `masks.PerHead`). The options below
@@ -584,7 +588,7 @@ def blocksparse_attention(
     mask = _mask_from_options(mask, causal, sliding_window, chunk_size)
     attn = BlockSparseAttention(
         mask=mask, kernel=kernel, tiling=tiling,
-        softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap,
+        softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap, score=score,
         **({} if shard is None else {"sharding": shard}),
     )
     data = dict(bias=bias, sinks=softmax_aux, q_segment_ids=q_segment_ids,

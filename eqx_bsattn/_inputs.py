@@ -9,6 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from ._score import ScoreTerms
+from ._values import within as _within
+
 
 class AttentionInputs(eqx.Module):
     """Per-call data in the shapes every kernel reads (all batched).
@@ -21,6 +24,9 @@ class AttentionInputs(eqx.Module):
     - `q_segment_ids`/`kv_segment_ids`: ``[batch, len]`` int32; ``-1`` (any negative) is padding.
       Callers may pass any integer dtype, signed or unsigned, whose values fit in int32.
     - `q_positions`/`kv_positions`: ``[batch, len]`` int32.
+    - `score`: the `ScoreTerms` (ALiBi slopes, a relative-bias table, a score function) a
+      kernel adds to each logit before the soft cap, or ``None``; its arrays are
+      differentiable.
     """
 
     bias: Float[Array, "bb hb lq_or_1 lk_or_1"] | None = None
@@ -29,6 +35,7 @@ class AttentionInputs(eqx.Module):
     kv_segment_ids: Int[Array, "b lk"] | None = None
     q_positions: Int[Array, "b lq"] | None = None
     kv_positions: Int[Array, "b lk"] | None = None
+    score: ScoreTerms | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,18 +69,6 @@ class MaskInfo:
 #: ``q - left``) or one difference of two positions (``q - k``); inside these ranges every such
 #: sum and difference lies in ``[-2**31, 2**31 - 1]``, so it is exact.
 POSITION_LIMIT = 2**30
-
-
-def _within(name: str, x, bad, message: str):
-    """Raise `ValueError` now if `x` is concrete and `bad(x)` holds anywhere; inside a trace,
-    check at run time (`eqx.error_if`: one reduction over the per-call array)."""
-    if isinstance(x, jax.core.Tracer):
-        return eqx.error_if(x, jnp.any(bad(x)), f"`{name}` {message}")
-    with jax.ensure_compile_time_eval():  # a concrete array inside someone's trace, too
-        found = bool(jnp.any(bad(x)))
-    if found:
-        raise ValueError(f"`{name}` {message}")
-    return x
 
 
 def _check_range(name: str, x, low: int, high: int, accepted: str):

@@ -41,6 +41,8 @@ class Features:
     #: Per-call positions: the caller's, or those a sharding passes to each shard's call.
     positions: bool = False
     lse: bool = False
+    #: The score terms the call adds (`ScoreTerms.kinds`): e.g. ``("alibi",)``; ``()``: none.
+    score: tuple[str, ...] = ()
 
 
 def sink_logsumexp(sinks):
@@ -175,6 +177,9 @@ class AbstractKernel(AbstractStrategy):
     name: AbstractClassVar[str]
     platforms: AbstractClassVar[tuple[str, ...]]
     reads: AbstractClassVar[MaskReads]
+    #: The score terms (`ScoreTerms.kinds`) it adds inside its loop; the selector declines
+    #: calls with others. Default none: a kernel that does not know of them never drops them.
+    score_kinds: ClassVar[tuple[str, ...]] = ()
     #: Part of the autotune cache key: change it when a change to the kernel makes tilings
     #: tuned before it stale.
     version: ClassVar[str] = "1"

@@ -10,6 +10,7 @@ from ._inputs import as_array
 from ._kernel import AbstractKernel
 from ._mask import AbstractMask, Full, and_masks
 from ._module import BlockSparseAttention
+from ._score import AbstractScore, compile_score
 from ._tiling import AbstractTiling
 from ._typing import ArrayOrNumpy, typechecked
 
@@ -112,6 +113,9 @@ class MultiheadBlockSparseAttention(eqx.Module):
     - `dropout_p`: dropout probability on the attention output; default ``0.0``.
     - `inference`: if ``True`` dropout is off (toggle with `eqx.nn.inference_mode`).
     - `softmax_scale`, `logits_soft_cap`: as in `BlockSparseAttention`.
+    - `score`: a score term added to every logit (`scores.ALiBi`,
+      `scores.RelativePositionBias`, `scores.ScoreFunction`), as in `BlockSparseAttention`;
+      its learned slopes or table are parameters of the layer (``layer.attention.score``).
     - `dtype`: dtype of the weights; default float32 (float64 in 64-bit mode).
     - `key`: a `jax.random` key for the initial weights (keyword only).
 
@@ -169,6 +173,7 @@ class MultiheadBlockSparseAttention(eqx.Module):
         dtype=None,
         *,
         key: PRNGKeyArray,
+        score: AbstractScore | None = None,
     ):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
@@ -194,6 +199,7 @@ class MultiheadBlockSparseAttention(eqx.Module):
                 "rotary embedding needs an even `qk_size` and a positive `rotary_theta`; got "
                 f"qk_size={qk_size}, rotary_theta={rotary_theta!r}."
             )
+        compile_score(score, num_heads)  # a table or slopes of the wrong head count: say now
         # The key split of eqx.nn.MultiheadAttention: equal keys give equal initial weights.
         qkey, kkey, vkey, okey = jax.random.split(key, 4)
         self.query_proj = eqx.nn.Linear(query_size, num_heads * qk_size, use_bias=use_query_bias,
@@ -206,7 +212,7 @@ class MultiheadBlockSparseAttention(eqx.Module):
                                          use_bias=use_output_bias, dtype=dtype, key=okey)
         self.attention = BlockSparseAttention(
             mask=mask, kernel=kernel, tiling=tiling, softmax_scale=softmax_scale,
-            logits_soft_cap=logits_soft_cap,
+            logits_soft_cap=logits_soft_cap, score=score,
         )
         self.dropout = eqx.nn.Dropout(dropout_p, inference=inference)
         self.num_heads = num_heads

@@ -15,6 +15,7 @@ from ._inputs import (AttentionInputs, check_call, full_bias, hide_keys, prepare
                       python_scalar)
 from ._kernel import AbstractBroadcastBiasKernel, AbstractKernel, Features
 from ._mask import EMPTY, AbstractMask, And, Document, Full
+from ._score import AbstractScore, attach_score, check_score, describe_score
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
 from ._sharding import AbstractSharding, Unsharded, on_auto_axes
 from ._swap import AutoKernel, AutoTiling, _kernel_or_auto, _tiling_or_auto, is_auto
@@ -55,6 +56,8 @@ class CallPlan(NamedTuple):
         source = _TILING_SOURCES.get(self.tiling_source, self.tiling_source)
         lines.append(f"tiling ({source}): {_tiling_text(self.tiling)}")
         lines.append(f"mask terms: {describe_terms(self.mask.terms)}")
+        if self.inputs.score is not None:
+            lines.append(f"score terms: {describe_score(self.inputs.score)}")
         layouts = self.mask.layouts()
         if not layouts:
             lines.append(f"passes: {self.kernel.name} reads no block layout (it visits every pair)")
@@ -160,6 +163,9 @@ class BlockSparseAttention(eqx.Module):
       or the kernel-independent `Tiling` of block sizes); default `AutoTiling()` (the cache,
       else the kernel's heuristic; ``None`` means the same).
     - `sharding`: an `AbstractSharding`; default `Unsharded()`.
+    - `score`: an `AbstractScore` added to every logit before the soft cap (`scores.ALiBi`,
+      `scores.RelativePositionBias`, `scores.ScoreFunction`; see docs/scores.md), or ``None``
+      (default). Its learned arrays are leaves of the module.
     - `softmax_scale`: multiplies ``q . k``; default ``1 / sqrt(head_dim)``.
     - `logits_soft_cap`: if set to ``c``, logits become ``c * tanh(logits / c)``; ``c`` in
       ``[1e-30, 1e30]`` (beyond that float32 loses the logits).
@@ -181,6 +187,7 @@ class BlockSparseAttention(eqx.Module):
     softmax_scale: float | None = eqx.field(default=None, static=True, converter=python_scalar)
     logits_soft_cap: float | None = eqx.field(default=None, static=True, converter=python_scalar)
     qkv_layout: str = eqx.field(default="bhsd", static=True)
+    score: AbstractScore | None = None
 
     def __check_init__(self):
         if self.qkv_layout not in QKV_LAYOUTS:
@@ -198,6 +205,7 @@ class BlockSparseAttention(eqx.Module):
                 "`tiling` must be a kernel's config (e.g. kernels.TritonConfig, or Tiling), "
                 f"AutoTiling() or None; got {type(self.tiling).__name__}."
             )
+        check_score(self.score)
         if not isinstance(self.sharding, AbstractSharding):
             raise TypeError(
                 f"`sharding` must be an AbstractSharding; got {type(self.sharding).__name__}."
@@ -260,6 +268,7 @@ class BlockSparseAttention(eqx.Module):
             data.update(q_segment_ids=q_seg if batched else q_seg[0],
                         kv_segment_ids=kv_seg if batched else kv_seg[0])
         inputs = prepare_inputs(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, **data)
+        inputs = attach_score(self.score, inputs, heads, self.sharding)
         mask = _with_document(self.mask, inputs.q_segment_ids is not None)
         mask.check(q_len, kv_len, heads)
         resolved = ResolvedMask(
@@ -285,6 +294,7 @@ class BlockSparseAttention(eqx.Module):
             positions=(inputs.q_positions is not None or inputs.kv_positions is not None
                        or self.sharding.passes_positions),
             lse=self.sharding.needs_lse,
+            score=() if inputs.score is None else inputs.score.kinds,
         )
         if is_auto(self.kernel):
             choice = choose_kernel(resolved, features)

@@ -67,6 +67,10 @@ def decline_reason(kernel: AbstractKernel, mask: ResolvedMask, features: Feature
     if features.platform not in kernel.platforms:
         return (f"runs on {' / '.join(kernel.platforms)} only; this call runs on "
                 f"{features.platform!r}.")
+    missing = [kind for kind in features.score if kind not in kernel.score_kinds]
+    if missing:
+        return (f"does not evaluate the score terms {', '.join(missing)} (it declares "
+                f"score_kinds={tuple(kernel.score_kinds)!r}).")
     if features.lse and not isinstance(kernel, AbstractLseKernel):
         return ("does not return the log-sum-exp that sequence sharding merges partial results "
                 "by (it is not an AbstractLseKernel).")

@@ -76,6 +76,11 @@ from ._mask import (
     TokenCoords as TokenCoords,
     classify as classify,
 )
+from ._score import (
+    AbstractScore as AbstractScore,
+    RelativeBuckets as RelativeBuckets,
+    ScoreTerms as ScoreTerms,
+)
 from ._sharding import (
     AbstractSharding as AbstractSharding,
     Unsharded as Unsharded,

@@ -260,11 +260,58 @@ def np_attention(q, k, v, visible, *, scale=None, bias=None, sinks=None, soft_ca
     return out
 
 
-def jnp_attention_f64(q, k, v, visible, *, scale=None, bias=None, sinks=None, soft_cap=None):
+def t5_bucket(distance, num_buckets: int, bidirectional: bool, max_distance: int) -> np.ndarray:
+    """T5's relative-position bucket of ``distance = q_pos - k_pos`` (T5's relative position is
+    ``k_pos - q_pos``), written from the formula in the T5 paper's code: exact near, logarithmic
+    far, clipped. The floor is of the real number (float64 plus a hair, so that exact integers
+    such as ``8 * log(2) / log(16) * 4`` do not round down)."""
+    rel = -np.asarray(distance, np.int64)
+    out = np.zeros_like(rel)
+    n = num_buckets
+    if bidirectional:
+        n //= 2
+        out = out + (rel > 0) * n
+        rel = np.abs(rel)
+    else:
+        rel = np.maximum(-rel, 0)
+    max_exact = n // 2
+    with np.errstate(divide="ignore"):
+        large = max_exact + np.floor(np.log(np.maximum(rel, 1) / max_exact)
+                                     / math.log(max_distance / max_exact) * (n - max_exact)
+                                     + 1e-9).astype(np.int64)
+    return out + np.where(rel < max_exact, rel, np.minimum(large, n - 1))
+
+
+def score_f64(s, *, q_pos, kv_pos, slopes=None, table=None, bidirectional=True,
+              max_distance=128, fn=None):
+    """The documented score terms on float64 logits ``s [B, H, Lq, Lk]`` (jnp, differentiable
+    in `s`, `slopes` ``[H]`` and `table` ``[H, num_buckets]``). `q_pos` ``[B, Lq]`` and
+    `kv_pos` ``[B, Lk]`` are NumPy positions (the token indices when the call passes none).
+    ALiBi: ``s += slopes[h] * (k - q)``; table: ``s += table[h, bucket(q - k)]``; `fn`:
+    ``s = fn(s, h, q, k)``, in that order."""
+    qp = np.asarray(q_pos, np.int64)[:, None, :, None]
+    kp = np.asarray(kv_pos, np.int64)[:, None, None, :]
+    heads = s.shape[1]
+    if slopes is not None:
+        s = s + slopes[None, :, None, None] * jnp.asarray((kp - qp).astype(np.float64))
+    if table is not None:
+        bucket = t5_bucket(qp - kp, table.shape[1], bidirectional, max_distance)
+        bucket = np.broadcast_to(bucket, (s.shape[0], 1) + bucket.shape[2:])
+        s = s + table[np.arange(heads)[None, :, None, None], bucket]
+    if fn is not None:
+        head = np.arange(heads)[None, :, None, None]
+        s = fn(s, jnp.asarray(head), jnp.asarray(qp), jnp.asarray(kp))
+    return s
+
+
+def jnp_attention_f64(q, k, v, visible, *, scale=None, bias=None, sinks=None, soft_cap=None,
+                      score=None):
     """The oracle in jnp (differentiable); call inside ``jax.enable_x64(True)`` with float64 arrays.
 
     Masked logits are replaced before the exponential and the weights zeroed after it, so no
     gradient reaches a masked pair and a fully masked row gives zeros and zero gradients.
+    `score`: a function of the logits ``[B, H, Lq, Lk]`` after the bias and before the soft cap
+    (`score_f64` with the call's terms).
     """
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -275,6 +322,8 @@ def jnp_attention_f64(q, k, v, visible, *, scale=None, bias=None, sinks=None, so
     s = scale * jnp.einsum("bhid,bhjd->bhij", q, kk)
     if bias is not None:
         s = s + bias
+    if score is not None:
+        s = score(s)
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     vis = jnp.broadcast_to(jnp.asarray(visible), (b, h, lq, lk))
@@ -320,6 +369,7 @@ def rng():
 
 __all__ = [
     "KERNELS", "make_kernel", "random_inputs", "random_array", "sorted_segments", "np_mask",
-    "np_visibility", "np_attention", "jnp_attention_f64", "rel_err", "assert_close", "to_f64",
+    "np_visibility", "np_attention", "jnp_attention_f64", "t5_bucket", "score_f64", "rel_err",
+    "assert_close", "to_f64",
     "bsa", "kernels", "masks",
 ]

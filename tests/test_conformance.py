@@ -19,6 +19,7 @@ import dataclasses
 import importlib.util
 import pathlib
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +27,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import masks
-from tests.conftest import jnp_attention_f64, np_visibility, sorted_segments
+from tests.conftest import jnp_attention_f64, np_visibility, score_f64, sorted_segments
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -80,6 +81,7 @@ class Case:
     pad: int = 0  # the last `pad` tokens are padding (segment id -1)
     interleaved: bool = False  # documents that resume after another one
     positions: str | None = None  # "sorted" (random, sorted), "shifted" or "edges"
+    score: str | None = None  # a key of SCORES: the module's score term
     input_scale: float = 1.0
     tiling: object = "small"
     dtypes: tuple[str, ...] | None = None  # default: the kernel's own (see `_dtypes`)
@@ -87,6 +89,33 @@ class Case:
 
 
 SMALL = bsa.Tiling(block_q=16, block_kv=32)
+
+
+def distance_and_scale(s, head, q, k):
+    """A score function that is not additive: its gradient in the logits is not one."""
+    return s * (1.0 + 0.25 * head) - 0.1 * jnp.sqrt(jnp.abs(q - k))
+
+
+#: Score terms the cases use: each one's learned arrays (``name -> shape`` by heads; random
+#: normals, the oracle's differentiable inputs), the module's score from them, and the
+#: oracle's `score_f64` arguments besides the arrays.
+SCORES = {
+    "alibi": ({}, lambda a: bsa.scores.ALiBi(), lambda h: {
+        "slopes": np.asarray(bsa.scores.alibi_slopes(h), np.float64)}),
+    "alibi_learned": ({"slopes": lambda h: (h,)},
+                      lambda a: bsa.scores.ALiBi(a["slopes"], learned=True), lambda h: {}),
+    "relative": ({"table": lambda h: (h, 8)},
+                 lambda a: bsa.scores.RelativePositionBias(a["table"], max_distance=20),
+                 lambda h: {"max_distance": 20}),
+    "relative_causal": ({"table": lambda h: (h, 12)},
+                        lambda a: bsa.scores.RelativePositionBias(a["table"], bidirectional=False,
+                                                                  max_distance=40),
+                        lambda h: {"bidirectional": False, "max_distance": 40}),
+    "relative_t5": ({"table": lambda h: (h, 32)},
+                    lambda a: bsa.scores.RelativePositionBias(a["table"]), lambda h: {}),
+    "function": ({}, lambda a: bsa.scores.ScoreFunction(distance_and_scale),
+                 lambda h: {"fn": distance_and_scale}),
+}
 
 
 def every_other_causal(q, k):
@@ -170,6 +199,26 @@ CASES = {
                        softmax_scale=0.4, soft_cap=4.0, bias="b1qk", sinks="hs", documents=3,
                        pad=3),
     # Mask families on the kernel's own tiling.
+    # Score terms on a small tiling, with every feature they compose with.
+    "score_alibi": Case(masks.Causal(), score="alibi", **R),
+    "score_alibi_learned_gqa": Case(masks.SlidingWindow(13, 5), score="alibi_learned", heads=6,
+                                    kv_heads=2, sinks="hs", soft_cap=3.0, **R),
+    "score_relative_lq_lt_lk": Case(masks.Full(), score="relative", q_len=30, kv_len=70),
+    "score_relative_lq_gt_lk": Case(masks.Causal(offset=3), score="relative", q_len=70,
+                                    kv_len=37),
+    "score_relative_causal_positions": Case(masks.Causal(), score="relative_causal",
+                                            positions="sorted", q_len=30, kv_len=66),
+    "score_function_per_head": Case(masks.PerHead([masks.Causal(), masks.SlidingWindow(5),
+                                                   masks.ChunkedCausal(16), ~masks.Causal()]),
+                                    score="function", **R),
+    "score_one_query": Case(masks.Causal(bottom_right=True), score="relative", q_len=1,
+                            kv_len=50),
+    "score_fully_masked_rows": Case(masks.Causal(offset=-20), score="alibi_learned", sinks="h",
+                                    **R),
+    "score_everything": Case(masks.Causal(bottom_right=True) & masks.SlidingWindow(25, 0),
+                             heads=4, kv_heads=2, q_len=39, kv_len=58, value_dim=5,
+                             softmax_scale=0.4, soft_cap=4.0, bias="b1qk", sinks="hs",
+                             documents=3, pad=3, score="relative"),
     "tiled_full": Case(masks.Full(), **BIG),
     "tiled_causal": Case(masks.Causal(), **BIG),
     "tiled_causal_window": Case(masks.Causal() & masks.SlidingWindow(70, 0), **BIG),
@@ -230,6 +279,11 @@ CASES = {
                                   block_q=64, block_kv=64, block_q_bwd=32, block_kv_bwd=64,
                                   num_warps=4, num_stages=3, block_q_dq=64, block_kv_dq=32,
                                   num_stages_dq=3)}),
+    "tiled_score_alibi_window": Case(masks.Causal() & masks.SlidingWindow(70, 0),
+                                     score="alibi_learned", **BIG),
+    "tiled_score_relative": Case(masks.Causal(), score="relative_t5", **{**BIG, "q_len": 600}),
+    "tiled_score_function_positions": Case(masks.Causal() & masks.SlidingWindow(60, 0),
+                                           score="function", positions="shifted", **BIG),
     "tiled_explicit_documents": Case(masks.Causal(), documents=4,
                                      **{**BIG, "tiling": bsa.kernels.TritonConfig(
                                          block_q=64, block_kv=64, block_q_bwd=32,
@@ -268,10 +322,12 @@ def _marks(kernel_cls, runs: bool) -> list:
 
 
 #: The cases each kernel runs in the quick subset (``-m "not slow"``): the one that combines
-#: every feature, and a single query (the default CPU kernel: an element predicate instead);
+#: every feature, and a single query (the default CPU kernel: an element predicate instead,
+#: and a learned score term with GQA, sinks and a soft cap);
 #: cuDNN, which declines both, runs causal; Splash (interpreted on the CPU, seconds a case) a
 #: few of the features it takes. The rest are marked `slow`.
-QUICK_CASES = {"xla": {"everything", "predicate"}, "cudnn": {"tiled_causal"},
+QUICK_CASES = {"xla": {"everything", "predicate", "score_alibi_learned_gqa"},
+               "cudnn": {"tiled_causal"},
                "splash": {"window", "gqa_causal_sinks_s", "sinks_minus_inf"}}
 
 
@@ -300,6 +356,11 @@ class Built:
     def diff(self) -> dict:
         """The differentiable call arguments besides q, k, v: bias and sinks when present."""
         return {n: x for n, x in self.args.items() if n in ("bias", "sinks")}
+
+    @property
+    def score_arrays(self) -> dict:
+        """The score term's learned arrays (``slopes``, ``table``) when present."""
+        return {n: x for n, x in self.args.items() if n in ("slopes", "table")}
 
     @property
     def visible(self) -> np.ndarray:
@@ -336,6 +397,9 @@ def build(case: Case, dtype: str) -> Built:
             case.sinks], jnp.float32)
         if case.sinks == "hs_inf":  # head 0 has no sink, head 1 one of two
             args["sinks"] = args["sinks"].at[0].set(-jnp.inf).at[1, 0].set(-jnp.inf)
+    if case.score is not None:
+        for name, shape in SCORES[case.score][0].items():
+            args[name] = _normal(rng, shape(h), jnp.float32, 0.3)
     data, truth = {}, {}
     if case.documents or case.interleaved:
         if case.interleaved:
@@ -391,7 +455,7 @@ def oracle(case: Case, built: Built):
                 bias = bias[None]
             out = jnp_attention_f64(lift(a["q"]), lift(a["k"]), lift(a["v"]), vis,
                                     scale=case.softmax_scale, bias=bias, sinks=a.get("sinks"),
-                                    soft_cap=case.soft_cap)
+                                    soft_cap=case.soft_cap, score=_oracle_score(case, built, a))
             return out if batched else out[0]
 
         # One compiled function (eager calls compile every operation separately); `vis` is an
@@ -405,9 +469,31 @@ def oracle(case: Case, built: Built):
         return np.asarray(out), {n: np.asarray(g) for n, g in grads.items()}
 
 
-def run_kernel(attn, built: Built):
+def _oracle_score(case: Case, built: Built, a: dict):
+    """`score_f64` with the case's terms at the call's positions (float64 arrays `a`)."""
+    if case.score is None:
+        return None
+    t = built.truth
+    q_pos = t.get("q_pos", np.broadcast_to(np.arange(t["q_len"]), (t["batch"], t["q_len"])))
+    kv_pos = t.get("kv_pos", np.broadcast_to(np.arange(t["kv_len"]), (t["batch"], t["kv_len"])))
+    options = SCORES[case.score][2](t["heads"])
+    options = {n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in options.items()}
+    arrays = {n: a[n] for n in SCORES[case.score][0]}
+    return lambda s: score_f64(s, q_pos=q_pos, kv_pos=kv_pos, **arrays, **options)
+
+
+def _with_score(attn, case: Case, arrays: dict):
+    """`attn` with the case's score term built from `arrays` (the learned ones)."""
+    if case.score is None:
+        return attn
+    return eqx.tree_at(lambda m: m.score, attn, SCORES[case.score][1](arrays),
+                       is_leaf=lambda x: x is None)
+
+
+def run_kernel(attn, built: Built, case: Case | None = None):
     def f(a):
-        return attn(a["q"], a["k"], a["v"], **{n: a[n] for n in built.diff}, **built.data)
+        scored = attn if case is None else _with_score(attn, case, a)
+        return scored(a["q"], a["k"], a["v"], **{n: a[n] for n in built.diff}, **built.data)
 
     @jax.jit
     def run(a, ct):
@@ -417,11 +503,12 @@ def run_kernel(attn, built: Built):
     return run(built.args, built.cotangent)
 
 
-def _module(case: Case, kernel):
+def _module(case: Case, kernel, built: Built | None = None):
     tiling = SMALL if case.tiling == "small" else case.tiling
-    return bsa.BlockSparseAttention(mask=case.mask, kernel=kernel, tiling=tiling,
+    attn = bsa.BlockSparseAttention(mask=case.mask, kernel=kernel, tiling=tiling,
                                     softmax_scale=case.softmax_scale,
                                     logits_soft_cap=case.soft_cap)
+    return attn if built is None else _with_score(attn, case, built.score_arrays)
 
 
 def _errors(got, want) -> tuple[float, float]:
@@ -435,7 +522,7 @@ def _errors(got, want) -> tuple[float, float]:
 def _decline(case: Case, kernel, built: Built, platform: str | None = None) -> str | None:
     """The kernel's reason to decline this call, through the plan (on `platform`, default
     this machine's), or None."""
-    attn = _module(case, kernel)
+    attn = _module(case, kernel, built)
     try:
         attn.plan(built.args["q"], built.args["k"], built.args["v"], platform=platform,
                   **built.diff, **built.data)
@@ -460,7 +547,7 @@ def test_kernel_conforms(kernel_cls, case_name, dtype):
         assert (case_name, dtype) in EXPECTED_DECLINES.get(kernel.name, set()), (
             f"{kernel.name} declined {case_name} ({dtype}): {why}")
         return
-    out, grads = run_kernel(_module(case, kernel), built)
+    out, grads = run_kernel(_module(case, kernel, built), built, case)
     assert out.shape == built.cotangent.shape and out.dtype == jnp.dtype(dtype)
     want_out, want_grads = oracle(case, built)
     visible = built.visible
@@ -508,10 +595,15 @@ EXPECTED_DECLINES = {
     "cudnn": {(name, dtype) for name, case in CASES.items()
               for dtype in (case.dtypes or ("bfloat16",))
               if not (name in _CUDNN_RUNS or (name == "tiled_dtypes" and dtype != "float32"))},
-    # Splash: no bias, no positions, no float16.
+    # Splash: no bias, no positions, no float16, no score terms.
     "splash": {(name, dtype) for name, case in CASES.items()
                for dtype in (case.dtypes or ("float32",))
-               if case.bias is not None or case.positions is not None or dtype == "float16"},
+               if case.bias is not None or case.positions is not None or dtype == "float16"
+               or case.score is not None},
+    # Triton and the documented gather kernel: no score terms yet.
+    **{kernel: {(name, dtype) for name, case in CASES.items()
+                for dtype in (case.dtypes or (default,)) if case.score is not None}
+       for kernel, default in (("triton", "bfloat16"), ("gather", "float32"))},
 }
 
 

@@ -40,6 +40,21 @@ def dense_visibility(mask: CompiledMask, inputs: AttentionInputs):
     return jnp.stack(per_head, axis=1)
 
 
+def _with_score(s, inputs: AttentionInputs):
+    """`s` ``[B, H, Lq, Lk]`` with the score terms at the call's positions (dense)."""
+    _, heads, q_len, kv_len = s.shape
+
+    def positions(x, length):
+        if x is None:
+            return jnp.arange(length, dtype=jnp.int32)[None]
+        return x
+
+    qp = positions(inputs.q_positions, q_len)[:, None, :, None]
+    kp = positions(inputs.kv_positions, kv_len)[:, None, None, :]
+    head = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
+    return inputs.score.apply(s, head, qp, kp)
+
+
 def reference_attention(q, k, v, *, mask: CompiledMask, inputs: AttentionInputs, softmax_scale,
                         logits_soft_cap, return_lse: bool = False):
     """Dense attention in float32 with every feature; see `DenseReference`.
@@ -55,6 +70,8 @@ def reference_attention(q, k, v, *, mask: CompiledMask, inputs: AttentionInputs,
     s = jnp.einsum("bhqd,bhkd->bhqk", q.astype(f32), k_rep) * softmax_scale
     if inputs.bias is not None:
         s = s + inputs.bias.astype(f32)
+    if inputs.score is not None:
+        s = _with_score(s, inputs)
     if logits_soft_cap is not None:
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     visible = dense_visibility(mask, inputs)
@@ -98,6 +115,7 @@ class DenseReference(AbstractLseKernel, AbstractBroadcastBiasKernel):
     name: ClassVar[str] = "reference"
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
     reads: ClassVar[MaskReads] = "dense"
+    score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "relative_bias", "function")
 
     @classmethod
     def priority(cls, platform):

@@ -32,6 +32,7 @@ from eqx_bsattn.contract import (
     Features,
     MaskReads,
     PassBlocks,
+    ScoreTerms,
     backward_delta,
     blocks_text,
     chained_blocks,
@@ -67,6 +68,7 @@ class _Config(NamedTuple):
     fwd_trips: tuple[_Trips, _Trips]  # full, partial lists of the forward layout
     dq_trips: tuple[_Trips, _Trips]  # the same lists of the dq layout
     dkv_trips: tuple[_Trips, _Trips]  # the transposed lists of the dk/dv layout
+    score: ScoreTerms | None = None  # the static part (arrays are inputs of the function)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,18 +201,55 @@ def _slot_loop(trips: _Trips, count, index, body, carry):
     return jax.lax.fori_loop(0, stop, step, carry)
 
 
-def _scores(cfg: _Config, q_blk, k_blk, bias_blk):
+def _scores(cfg: _Config, q_blk, k_blk, bias_blk, score=None, pull: bool = False):
     """Logits of one block, float32: ``[G, bq, D] x [bk, D] -> [G, bq, bk]``.
 
     Also returns ``tanh(s / c)`` under a soft cap (the backward pass needs its derivative).
+    `score` (`_block_score`) adds the score terms before the cap; with `pull`, a third result
+    maps the gradient at the logits before the cap to the gradient at ``q . k`` and at the
+    score arrays (``None`` without score terms: the gradient passes unchanged).
     """
     s = jnp.einsum("gqd,kd->gqk", q_blk, k_blk, preferred_element_type=_F32) * cfg.scale
     if bias_blk is not None:
         s = s + bias_blk.astype(_F32)
+    back = None
+    if score is not None:
+        apply, arrays = score
+        if pull:
+            s, back = jax.vjp(apply, s, arrays)
+        else:
+            s = apply(s, arrays)
     if cfg.soft_cap is None:
-        return s, None
-    t = jnp.tanh(s / cfg.soft_cap)
-    return cfg.soft_cap * t, t
+        t = None
+    else:
+        t = jnp.tanh(s / cfg.soft_cap)
+        s = cfg.soft_cap * t
+    return (s, t, back) if pull else (s, t)
+
+
+def _block_positions(data, index, block: int):
+    """Positions of the tokens of block `index` (``[block]`` int32): the call's, else the
+    token indices. Rows past the end read the last position (they are hidden or dropped)."""
+    idx = index * block + jnp.arange(block, dtype=jnp.int32)
+    return idx if data is None else jnp.take(data, idx, mode="clip")
+
+
+def _block_score(cfg: _Config, sc, i, j, data, blocks):
+    """``(apply, arrays)`` for `_scores`: the score terms of block ``(i, j)`` of one unit, or
+    ``None`` without them. `sc` is the unit's ``(heads [G], slopes [G], table [G, nb])``."""
+    if cfg.score is None:
+        return None
+    heads, slopes, table = sc
+    bq, bk = blocks
+    qp = _block_positions(data[0], i, bq)[:, None]
+    kp = _block_positions(data[1], j, bk)[None, :]
+    rows = jnp.arange(heads.shape[0], dtype=jnp.int32)[:, None, None]
+
+    def apply(s, arrays):
+        terms = cfg.score.with_arrays(*arrays)
+        return terms.apply(s, heads[:, None, None], qp, kp, row=rows)
+
+    return apply, (slopes, table)
 
 
 def _masked_scores(mask: CompiledMask, s, head, i, j, masked: bool, live, data, blocks):
@@ -255,6 +294,7 @@ class _Arranged(NamedTuple):
     blocks: Any  # [1, 1, 1, n] block ids of the last level
     data: list  # positions / segment ids, [B, 1, 1, 1, L] or None
     bias: Any  # [bb, Hkv|1, U|1, 1, Gb, Lq', Lk'] or None
+    score: Any  # (heads [1, Hkv, U, 1, G], slopes [..., G] | None, table [..., G, nb] | None)
 
 
 def _per_head_layout(layout: BlockLayout) -> bool:
@@ -262,7 +302,8 @@ def _per_head_layout(layout: BlockLayout) -> bool:
     return layout.full_count.shape[1] > 1
 
 
-def _arrange(aux, per_head: bool, bias, q, k, bq: int, bk: int, last: int) -> _Arranged:
+def _arrange(aux, per_head: bool, bias, q, k, bq: int, bk: int, last: int,
+             score=None) -> _Arranged:
     batch, heads = q.shape[:2]
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -274,7 +315,13 @@ def _arrange(aux, per_head: bool, bias, q, k, bq: int, bk: int, last: int) -> _A
     data = [None if x is None else x[:, None, None, None] for x in aux["data"]]
     if bias is not None:
         bias = _bias_to_units(bias, heads, group, per_head, bq, bk)[:, :, :, None]
-    return _Arranged((batch, kv_heads, units, last), per_head, head_ids, block_ids, data, bias)
+    sc = None
+    if score is not None:
+        # Each unit's query heads, and the rows of the score arrays for them.
+        ids = np.arange(heads, dtype=np.int32).reshape(1, kv_heads, units, 1, -1)
+        sc = (jnp.asarray(ids),) + tuple(None if x is None else x[ids] for x in score)
+    return _Arranged((batch, kv_heads, units, last), per_head, head_ids, block_ids, data, bias,
+                     sc)
 
 
 #: The most score elements (``rows x keys``, all mapped levels together) one slot of a pass
@@ -351,7 +398,7 @@ def _in_chunk(arr: _Arranged, block_ids) -> _Arranged:
 # Forward.
 
 
-def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
+def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
     """Returns the output ``[B, H, Lq, Dv]`` and the log-sum-exp ``[B, H, Lq]`` (``+inf`` on
     rows that see no key), both float32."""
     mask = eqx.combine(aux["mask"], cfg.mask)
@@ -363,22 +410,24 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
     per_head = _per_head_layout(layout)
     fc, fi, pc, pi = (_lists_to_units(getattr(layout, name), group, per_head) for name in _FWD_LISTS)
     nq = fc.shape[3]
-    arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq)
+    arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq, score)
     units, g = arr.sizes[2], (1 if per_head else group)
     q_r = _q_rows(q, bq, group, per_head)
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
 
     def run_list(arr, q_r, trips, count, index, masked, carry):
         def body(t, j, live, carry):
-            def unit(carry, j, live, q_blk, k_blocks, v_blocks, bias_u, head, i, qp, kp, qs, ks):
+            def unit(carry, j, live, q_blk, k_blocks, v_blocks, bias_u, head, i, qp, kp, qs, ks,
+                     sc):
                 m, l, acc = carry
-                s, _ = _scores(cfg, q_blk, k_blocks[j], _bias_block(bias_u, i, j, bq, bk))
+                s, _ = _scores(cfg, q_blk, k_blocks[j], _bias_block(bias_u, i, j, bq, bk),
+                               _block_score(cfg, sc, i, j, (qp, kp), (bq, bk)))
                 s, hidden = _masked_scores(mask, s, head, i, j, masked, live,
                                            (qp, kp, qs, ks), (bq, bk))
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                # A row that has seen nothing yet (hidden by the mask, or by a -inf bias)
-                # keeps m = -inf; shift it by 0 so that exp(-inf - (-inf)) never happens.
-                guard = hidden or bias_u is not None
+                # A row that has seen nothing yet (hidden by the mask, or by a -inf bias or
+                # score) keeps m = -inf; shift it by 0 so that exp(-inf - (-inf)) never happens.
+                guard = hidden or bias_u is not None or cfg.score is not None
                 shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0) if guard else m_new
                 alpha = jnp.exp(m - shift)
                 p = jnp.exp(s - shift[..., None])
@@ -390,7 +439,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
             k_b, v_b = (_kv_units(x, bk)[:, :, None, None] for x in (k_r, v_r))
             return _map_levels(
                 unit, arr.sizes, carry, j, live, q_u, k_b, v_b, arr.bias,
-                arr.heads, arr.blocks, *arr.data,
+                arr.heads, arr.blocks, *arr.data, arr.score,
             )
 
         return _slot_loop(trips, count, index, body, carry)
@@ -407,7 +456,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
         lead = (batch, kv_heads, units, block_ids.shape[0], g, bq)
         carry = (jnp.full(lead, -jnp.inf, _F32), jnp.zeros(lead, _F32),
                  jnp.zeros(lead + (value_dim,), _F32))
-        carry = _carry_like(carry, q, k, v, bias, aux)
+        carry = _carry_like(carry, q, k, v, bias, score, aux)
         carry = run_list(arr_c, q_c, cfg.fwd_trips[0], fc, fi, False, carry)
         m, l, acc = run_list(arr_c, q_c, cfg.fwd_trips[1], pc, pi, True, carry)
         # Each chunk normalises its own rows: the output leaves the loop as a plain array, not
@@ -421,7 +470,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, aux):
 
     width = _chunk_width(arr.sizes, g * bq * bk)
     out, lse = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), (q_r,), g * bq,
-                          (q, k, v, bias, sinks, aux))
+                          (q, k, v, bias, sinks, score, aux))
     out = _units_to_rows(out, q_len, arr.per_head)
     return out, _units_to_rows(lse, q_len, arr.per_head)
 
@@ -449,9 +498,10 @@ def _q_side_rows(q, d_out, lse, delta, block: int, group: int, per_head: bool):
     )
 
 
-def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
-    """``dq [B, H, Lq, D]`` float32 and, with a bias whose gradient this pass sums (`pairs`,
-    `rows`: `_bias_grad_kind`), ``dbias`` in the bias's shape (else ``None``)."""
+def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
+    """``dq [B, H, Lq, D]`` float32; with a bias whose gradient this pass sums (`pairs`, `rows`:
+    `_bias_grad_kind`), ``dbias`` in the bias's shape (else ``None``); with score arrays, their
+    float32 gradients ``(dslopes [H], dtable [H, nb])`` (``None`` where off)."""
     mask = eqx.combine(aux["mask"], cfg.mask)
     layout = mask.dq
     batch, heads, q_len, _ = q.shape
@@ -463,7 +513,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     nq = fc.shape[3]
     nk = layout.num_kv_blocks
     cf, cp = fi.shape[-1], pi.shape[-1]
-    arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq)
+    arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq, score)
     units, g = arr.sizes[2], (1 if per_head else group)
     q_side = _q_side_rows(q, d_out, lse, delta, bq, group, per_head)
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
@@ -472,34 +522,39 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 
     def run_list(arr, q_side, trips, count, index, masked, offset, carry):
         def body(t, j, live, carry):
-            dq, rows, ds_buf = carry
+            dq, d_score, rows, ds_buf = carry
 
-            def unit(acc, j, live, q_blk, do_blk, lse_blk, delta_blk, k_blocks, v_blocks, bias_u,
-                     head, i, qp, kp, qs, ks):
-                dq, rows = acc
+            def unit(acc, j, live, q_blk, do_blk, lse_blk, delta_blk, k_blocks, v_blocks,
+                     bias_u, head, i, qp, kp, qs, ks, sc):
+                dq, d_score, rows = acc
                 k_blk, v_blk = k_blocks[j], v_blocks[j]
-                s, tc = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk))
+                s, tc, back = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
+                                      _block_score(cfg, sc, i, j, (qp, kp), (bq, bk)),
+                                      pull=True)
                 s, _ = _masked_scores(mask, s, head, i, j, masked, live, (qp, kp, qs, ks),
                                       (bq, bk))
                 p = jnp.exp(s - lse_blk[..., None])
                 dp = jnp.einsum("gqe,ke->gqk", do_blk, v_blk, preferred_element_type=_F32)
                 ds = _ds(p, dp, delta_blk, tc)
+                if back is not None:  # through the score terms, to q . k and their arrays
+                    ds, d_arrays = back(ds)
+                    d_score = jax.tree.map(jnp.add, d_score, d_arrays)
                 # ds in float32: p * (dp - delta) cancels, so 8 bits of it lose the small terms.
                 dq = dq + jnp.einsum("gqk,kd->gqd", ds, k_blk.astype(_F32),
                                      preferred_element_type=_F32)
                 if rows is not None:  # a bias without a key axis: each row's sum of ds
                     rows = rows + jnp.sum(ds, axis=-1)
-                return (dq, rows), (ds if ds_buf is not None else None)
+                return (dq, d_score, rows), (ds if ds_buf is not None else None)
 
             q_u, do_u, lse_u, delta_u = (_q_units(x, kv_heads, units, g, bq) for x in q_side)
             k_b, v_b = (_kv_units(x, bk)[:, :, None, None] for x in (k_r, v_r))
-            (dq, rows), ds = _map_levels(
-                unit, arr.sizes, (dq, rows), j, live, q_u, do_u, lse_u, delta_u, k_b, v_b,
-                arr.bias, arr.heads, arr.blocks, *arr.data,
+            (dq, d_score, rows), ds = _map_levels(
+                unit, arr.sizes, (dq, d_score, rows), j, live, q_u, do_u, lse_u, delta_u, k_b,
+                v_b, arr.bias, arr.heads, arr.blocks, *arr.data, arr.score,
             )
             if ds_buf is not None:
                 ds_buf = jax.lax.dynamic_update_index_in_dim(ds_buf, ds, offset + t, 0)
-            return dq, rows, ds_buf
+            return dq, d_score, rows, ds_buf
 
         return _slot_loop(trips, count, index, body, carry)
 
@@ -510,21 +565,32 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
         lead = (batch, kv_heads, units, block_ids.shape[0], g, bq)
         ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32) if kind == "pairs" else None
         rows = jnp.zeros(lead, _F32) if kind == "rows" else None
-        carry = (jnp.zeros(lead + (q.shape[-1],), _F32), rows, ds_buf)
-        carry = _carry_like(carry, q, k, v, bias, aux, d_out, lse, delta)
+        # Each unit's gradient of its rows of the score arrays ([G] slopes, [G, nb] table).
+        d_score = None if arr.score is None else tuple(
+            None if x is None else jnp.zeros(lead[:4] + x.shape[4:], _F32)
+            for x in arr.score[1:])
+        carry = (jnp.zeros(lead + (q.shape[-1],), _F32), d_score, rows, ds_buf)
+        carry = _carry_like(carry, q, k, v, bias, score, aux, d_out, lse, delta)
         carry = run_list(*sides, cfg.dq_trips[0], fc, fi, False, 0, carry)
-        dq, rows, ds_buf = run_list(*sides, cfg.dq_trips[1], pc, pi, True, cf, carry)
+        dq, d_score, rows, ds_buf = run_list(*sides, cfg.dq_trips[1], pc, pi, True, cf, carry)
         # The slot axis last, so that the block level is axis 3 as `_by_chunks` joins it.
-        return dq, rows, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1))
+        return dq, d_score, rows, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1))
 
     width = _chunk_width(arr.sizes, g * bq * bk)
-    dq, rows, ds_buf = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), q_side, g * bq,
-                                  (q, k, v, bias, aux, d_out, lse, delta))
+    dq, d_score, rows, ds_buf = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), q_side,
+                                           g * bq, (q, k, v, bias, score, aux, d_out, lse,
+                                                    delta))
+    if d_score is not None:
+        # Units hold the query heads in order (kv head, unit, group member): sum the batch
+        # and the q-blocks, and the head axis is the flat rest.
+        d_score = tuple(None if x is None else x.sum(axis=(0, 3)).reshape(heads, *x.shape[5:])
+                        for x in d_score)
     dq = _units_to_rows(dq * cfg.scale, q_len, per_head)
     if kind == "rows":
-        return dq, _summed_to(_units_to_rows(rows, q_len, per_head)[..., None], bias.shape)
+        rows = _summed_to(_units_to_rows(rows, q_len, per_head)[..., None], bias.shape)
+        return dq, rows, d_score
     if kind != "pairs":
-        return dq, None
+        return dq, None, d_score
     ds_buf = jnp.moveaxis(ds_buf, -1, 0)
 
     # Scatter-add each visited block's ds into [bb, hb, nq, nk, bq, bk]: summing over the batch
@@ -544,10 +610,10 @@ def _backward_dq(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     idx = tuple(jnp.broadcast_to(jnp.asarray(x), shape) for x in (b_idx, head, i_idx, j_idx))
     blocks = jnp.zeros((bb, hb, nq, nk, bq, bk), _F32).at[idx].add(ds_buf)
     dbias = jnp.swapaxes(blocks, 3, 4).reshape(bb, hb, nq * bq, nk * bk)
-    return dq, dbias[:, :, :q_len, :kv_len]
+    return dq, dbias[:, :, :q_len, :kv_len], d_score
 
 
-def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
+def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
     """``dk [B, Hkv, Lk, D]``, ``dv [B, Hkv, Lk, Dv]`` float32, summed over each kv head's
     group, and, for a bias without a query axis (``[.., 1, Lk]``: `_bias_grad_kind` ``keys``),
     ``dbias`` in its shape (else ``None``)."""
@@ -560,17 +626,19 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
     per_head = _per_head_layout(layout)
     fc, fi, pc, pi = (_lists_to_units(getattr(layout, name), group, per_head) for name in _T_LISTS)
     nk = fc.shape[3]
-    arr = _arrange(aux, per_head, bias, q, k, bq, bk, nk)
+    arr = _arrange(aux, per_head, bias, q, k, bq, bk, nk, score)
     units, g = arr.sizes[2], (1 if per_head else group)
     q_side = _q_side_rows(q, d_out, lse, delta, bq, group, per_head)
 
     def run_list(arr, k_c, v_c, trips, count, index, masked, carry):
         def body(t, i, live, carry):
             def unit(carry, i, live, k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_u,
-                     head, j, qp, kp, qs, ks):
+                     head, j, qp, kp, qs, ks, sc):
                 dk, dv, keys = carry
                 q_blk, do_blk = q_all[i], do_all[i]
-                s, tc = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk))
+                s, tc, back = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
+                                      _block_score(cfg, sc, i, j, (qp, kp), (bq, bk)),
+                                      pull=True)
                 s, _ = _masked_scores(mask, s, head, i, j, masked, live, (qp, kp, qs, ks),
                                       (bq, bk))
                 p = jnp.exp(s - lse_all[i][..., None])
@@ -578,6 +646,8 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
                                      preferred_element_type=_F32)
                 dp = jnp.einsum("gqe,ke->gqk", do_blk, v_blk, preferred_element_type=_F32)
                 ds = _ds(p, dp, delta_all[i], tc)
+                if back is not None:  # through the score terms (the dq pass sums their arrays')
+                    ds = back(ds)[0]
                 dk = dk + jnp.einsum("gqk,gqd->kd", ds, q_blk.astype(_F32),
                                      preferred_element_type=_F32)
                 if keys is not None:  # a bias without a query axis: each key's sum of ds
@@ -590,7 +660,7 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
             k_b, v_b = (_kv_units(x, bk)[:, :, None] for x in (k_c, v_c))
             return _map_levels(
                 unit, arr.sizes, carry, i, live, k_b, v_b, q_u, do_u, lse_u, delta_u, arr.bias,
-                arr.heads, arr.blocks, *arr.data,
+                arr.heads, arr.blocks, *arr.data, arr.score,
             )
 
         return _slot_loop(trips, count, index, body, carry)
@@ -604,14 +674,14 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
             keys = jnp.zeros((batch, kv_heads, units, block_ids.shape[0], g, bk), _F32)
         carry = (jnp.zeros(lead + (k.shape[-1],), _F32), jnp.zeros(lead + (v.shape[-1],), _F32),
                  keys)
-        carry = _carry_like(carry, q, k, v, bias, aux, d_out, lse, delta)
+        carry = _carry_like(carry, q, k, v, bias, score, aux, d_out, lse, delta)
         carry = run_list(arr_c, k_c, v_c, cfg.dkv_trips[0], fc, fi, False, carry)
         return run_list(arr_c, k_c, v_c, cfg.dkv_trips[1], pc, pi, True, carry)
 
     width = _chunk_width(arr.sizes, g * bq * bk)  # G query heads of bq rows each
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
     dk, dv, keys = _by_chunks(run_chunk, nk, width, (fc, fi, pc, pi), (k_r, v_r), bk,
-                              (q, k, v, bias, aux, d_out, lse, delta))
+                              (q, k, v, bias, score, aux, d_out, lse, delta))
     # Sum the units (query heads with their own masks) of each kv head.
     dk = (dk.sum(axis=2) * cfg.scale).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
     dv = dv.sum(axis=2).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
@@ -626,29 +696,30 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, aux, d_out, lse, delta):
 
 @functools.lru_cache(maxsize=128)
 def _attention_fn(cfg: _Config, with_lse: bool = False):
-    """A jitted `custom_vjp` function ``(q, k, v, bias, sinks, aux) -> out`` for `cfg`
-    (``-> (out, lse)`` `with_lse`).
+    """A jitted `custom_vjp` function ``(q, k, v, bias, sinks, score, aux) -> out`` for `cfg`
+    (``-> (out, lse)`` `with_lse`); `score` is ``(slopes, table)`` of the score terms, or
+    ``None``.
 
     `aux` carries the integer inputs (layouts, positions, segment ids) and the array leaves of
     the mask: never differentiated. Cached so that eager calls reuse one compilation.
     """
 
     @jax.custom_vjp
-    def attend(q, k, v, bias, sinks, aux):
-        out, lse = _forward(cfg, q, k, v, bias, sinks, aux)
+    def attend(q, k, v, bias, sinks, score, aux):
+        out, lse = _forward(cfg, q, k, v, bias, sinks, score, aux)
         out = out.astype(q.dtype)
         return (out, public_lse(lse, base2=False)) if with_lse else out
 
-    def attend_fwd(q, k, v, bias, sinks, aux):
-        out, lse = _forward(cfg, q, k, v, bias, sinks, aux)
+    def attend_fwd(q, k, v, bias, sinks, score, aux):
+        out, lse = _forward(cfg, q, k, v, bias, sinks, score, aux)
         # The backward's delta = rowsum(dO * O) reads the float32 output: with O rounded to a
         # half type, dp - delta loses the small differences (head dims of a few elements).
         result = out.astype(q.dtype)
         result = (result, public_lse(lse, base2=False)) if with_lse else result
-        return result, (q, k, v, bias, sinks, aux, out, lse)
+        return result, (q, k, v, bias, sinks, score, aux, out, lse)
 
     def attend_bwd(residuals, cotangent):
-        q, k, v, bias, sinks, aux, out, lse = residuals
+        q, k, v, bias, sinks, score, aux, out, lse = residuals
         d_out, d_lse = cotangent if with_lse else (cotangent, None)
         # The cotangent of a loss such as sum(out ** 2) or mean(out) is a fusion of the output
         # (or a broadcast): fused into the contraction below and the loops, XLA's CPU runtime
@@ -659,8 +730,8 @@ def _attention_fn(cfg: _Config, with_lse: bool = False):
         # the CPU, in a fusion with full-length temporaries outside XLA's buffer assignment).
         delta = backward_delta(d_out, out, d_lse, lse)
         d_out = d_out.astype(v.dtype)
-        dq, dbias = _backward_dq(cfg, q, k, v, bias, aux, d_out, lse, delta)
-        dk, dv, dbias_keys = _backward_dkv(cfg, q, k, v, bias, aux, d_out, lse, delta)
+        dq, dbias, dscore = _backward_dq(cfg, q, k, v, bias, score, aux, d_out, lse, delta)
+        dk, dv, dbias_keys = _backward_dkv(cfg, q, k, v, bias, score, aux, d_out, lse, delta)
         dbias = dbias_keys if dbias is None else dbias
         dsinks = None
         if sinks is not None:
@@ -669,7 +740,11 @@ def _attention_fn(cfg: _Config, with_lse: bool = False):
             dsinks = -jnp.einsum("bhqs,bhq->hs", p_sink, delta).astype(sinks.dtype)
         if dbias is not None:
             dbias = dbias.astype(bias.dtype)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, dsinks, None
+        if score is not None:
+            dscore = tuple(None if x is None else d.astype(x.dtype)
+                           for x, d in zip(score, dscore))
+        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, dsinks,
+                dscore, None)
 
     attend.defvjp(attend_fwd, attend_bwd)
     return jax.jit(attend)
@@ -806,6 +881,7 @@ class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
     reads: ClassVar[MaskReads] = "elements"
     config_type: ClassVar[type[AbstractKernelConfig]] = XlaConfig
+    score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "relative_bias", "function")
 
     @classmethod
     def priority(cls, platform):
@@ -834,7 +910,10 @@ class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
         return self._run(query, key, value, mask, inputs, softmax_scale, logits_soft_cap, True)
 
     def _run(self, query, key, value, mask, inputs, softmax_scale, logits_soft_cap, with_lse):
-        refuse_forward_mode(type(self).__name__, query, key, value, inputs.bias, inputs.sinks)
+        terms = inputs.score
+        score = None if terms is None else terms.arrays
+        refuse_forward_mode(type(self).__name__, query, key, value, inputs.bias, inputs.sinks,
+                            *jax.tree.leaves(score))
         data = (inputs.q_positions, inputs.kv_positions, inputs.q_segment_ids,
                 inputs.kv_segment_ids)
         # The layouts of a static mask are NumPy-derived constants: their trip counts are known
@@ -847,13 +926,14 @@ class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
             fwd_trips=_static_trips(mask.forward, ("full_count", "partial_count")),
             dq_trips=_static_trips(mask.dq, ("full_count", "partial_count")),
             dkv_trips=_static_trips(mask.dkv, ("t_full_count", "t_partial_count")),
+            score=None if terms is None else terms.with_arrays(None, None),
         )
         aux = {"mask": mask_arrays, "data": data}
         # Inside `jax.shard_map`, a custom backward must give each input's cotangent that
         # input's type: type them alike here, so that autodiff sums the cotangents of inputs
         # shared by several devices (a bias broadcast over heads split across devices).
-        diff_args = typed_like((query, key, value, inputs.bias, inputs.sinks), query, key,
-                                value, inputs.bias, inputs.sinks)
+        diff_args = typed_like((query, key, value, inputs.bias, inputs.sinks, score), query, key,
+                                value, inputs.bias, inputs.sinks, score)
         try:
             fn = _attention_fn(cfg, with_lse)
         except TypeError:  # an unhashable user mask: build the function afresh

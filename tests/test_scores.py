@@ -1,0 +1,276 @@
+"""Score terms (`eqx_bsattn.scores`): their definitions, their errors, the kernels that decline
+them, the layer and the seed-style call. Kernels against the float64 oracle: the `score_*`
+cases of tests/test_conformance.py."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+from eqx_bsattn import kernels, masks, scores
+from tests.conftest import jnp_attention_f64, score_f64, t5_bucket
+
+# ---------------------------------------------------------------------------------------------
+# Definitions.
+
+
+def test_alibi_slopes_are_the_standard_sequence():
+    # Press et al.: 2 ** (-8 i / n) for n a power of two; otherwise the largest power of two's
+    # slopes, then every other slope of twice that power.
+    np.testing.assert_allclose(scores.alibi_slopes(8), 2.0 ** -np.arange(1, 9))
+    np.testing.assert_allclose(scores.alibi_slopes(6),
+                               [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
+    assert scores.alibi_slopes(1).tolist() == [2**-8]
+
+
+@pytest.mark.parametrize("num_buckets,bidirectional,max_distance",
+                         [(32, True, 128), (32, False, 128), (8, True, 20), (12, False, 40),
+                          (64, True, 1000), (4, True, 3)])
+def test_buckets_follow_t5(num_buckets, bidirectional, max_distance):
+    buckets = scores.RelativeBuckets(num_buckets, bidirectional, max_distance)
+    d = np.arange(-3 * max_distance - 50, 3 * max_distance + 50)
+    got = np.asarray(buckets.bucket(jnp.asarray(d, jnp.int32)))
+    want = t5_bucket(d, num_buckets, bidirectional, max_distance)
+    np.testing.assert_array_equal(got, want)
+    assert got.min() == 0 and got.max() == num_buckets - 1
+
+
+def test_buckets_at_far_distances_and_exact_boundaries():
+    buckets = scores.RelativeBuckets(32, True, 128)
+    # 16 is max_exact * 2: log(2) / log(16) * 8 = 2 exactly, bucket 8 + 2.
+    d = np.array([16, 15, 2**30 - 1, -(2**30), 127, 128, 0, -1])
+    got = np.asarray(buckets.bucket(jnp.asarray(d, jnp.int32))).tolist()
+    assert got == [10, 9, 15, 31, 15, 15, 0, 17]
+
+
+def test_score_terms_apply_in_order():
+    """ALiBi, then the table, then the function, on broadcastable coordinates."""
+    terms = scores.ScoreTerms(slopes=jnp.array([0.5, 2.0]), table=jnp.arange(16.0).reshape(2, 8),
+                              buckets=scores.RelativeBuckets(8, True, 20),
+                              function=lambda s, h, q, k: s * 10.0)
+    head = jnp.arange(2)[:, None, None]
+    qp, kp = jnp.array([[3]]), jnp.array([[0, 5]])
+    got = terms.apply(jnp.zeros((2, 1, 2)), head, qp, kp)
+    # Key 0 before query 3: distance 3, bucket 2 (2 exact buckets, 3 < 7 = the next
+    # threshold); key 5 after it: distance -2, bucket 4 + 2 = 6. Head 1: 2.0 * 2 + 14 = 18.
+    np.testing.assert_allclose(got, [[[10 * (-1.5 + 2), 10 * (1.0 + 6)]],
+                                     [[10 * (-6.0 + 10), 10 * (4.0 + 14)]]])
+    assert terms.kinds == ("alibi", "relative_bias", "function")
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: one line naming the argument.
+
+TABLE = jnp.zeros((4, 8))
+Q = jnp.ones((1, 4, 16, 8))
+K = jnp.ones((1, 2, 16, 8))
+
+
+@pytest.mark.parametrize("make,error,message", [
+    (lambda: scores.RelativePositionBias(jnp.zeros((4, 8), jnp.int32)), TypeError,
+     r"^`table` must be a float array \[heads, num_buckets\]; got dtype int32\.$"),
+    (lambda: scores.RelativePositionBias(jnp.zeros(8)), ValueError,
+     r"^`table` must have shape \[heads, num_buckets\]; got \(8,\)\.$"),
+    (lambda: scores.RelativePositionBias("table"), TypeError,
+     r"^`table` must be a float array \[heads, num_buckets\]; got str\.$"),
+    (lambda: scores.RelativePositionBias(TABLE, bidirectional=1), TypeError,
+     r"^`bidirectional` must be a bool; got int\.$"),
+    (lambda: scores.RelativePositionBias(TABLE, max_distance=2.5), TypeError,
+     r"^`max_distance` must be an integer; got 2\.5\.$"),
+    (lambda: scores.RelativePositionBias(TABLE, max_distance=2), ValueError,
+     r"^`max_distance` must be an integer above max_exact = 2 .*; got 2\.$"),
+    (lambda: scores.RelativePositionBias(jnp.zeros((4, 3))), ValueError,
+     r"^`num_buckets` must be at least 4 \(bidirectional=True\); got 3\.$"),
+    (lambda: scores.ALiBi(jnp.zeros((4, 1))), ValueError,
+     r"^`slopes` must have shape \[heads\]; got \(4, 1\)\.$"),
+    (lambda: scores.ALiBi(jnp.arange(4)), TypeError,
+     r"^`slopes` must be a float array \[heads\]; got dtype int32\.$"),
+    (lambda: scores.ALiBi(learned=True), ValueError, r"^`slopes` must be given when "),
+    (lambda: scores.ALiBi(learned=1), TypeError, r"^`learned` must be a bool; got int\.$"),
+    (lambda: scores.ScoreFunction(3), TypeError, r"^`fn` must be callable; got int\.$"),
+    (lambda: bsa.BlockSparseAttention(score=masks.Causal()), TypeError,
+     r"^`score` must be an AbstractScore .* or None; got Causal\.$"),
+])
+def test_bad_score_arguments(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+@pytest.mark.parametrize("score,message", [
+    (scores.RelativePositionBias(jnp.zeros((2, 8))),
+     r"^`table` must have one row per query head, \[4, num_buckets\]; got \(2, 8\)\.$"),
+    (scores.ALiBi(jnp.ones(2)),
+     r"^`slopes` must have one entry per query head, \[4\]; got \(2,\)\.$"),
+])
+def test_head_count_is_checked_per_call(score, message):
+    # Query heads (4), not kv heads (2): GQA's kv heads share nothing of a score term.
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), score=score)
+    with pytest.raises(ValueError, match=message):
+        attn.plan(Q, K, K)
+    with pytest.raises(ValueError, match=message):
+        bsa.MultiheadBlockSparseAttention(4, 32, score=score, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("score,message", [
+    (scores.ALiBi(jnp.array([0.5, jnp.inf, 0.1, 0.2]), learned=True),
+     r"^`slopes` must be finite; got inf or NaN\.$"),
+    (scores.RelativePositionBias(TABLE.at[1, 3].set(jnp.nan)),
+     r"^`table` must be finite or -inf \(which hides the pairs of that bucket\); got \+inf "
+     r"or NaN\.$"),
+])
+def test_non_finite_score_arrays_are_refused(score, message):
+    """Eagerly, and inside `jit` at run time (`eqx.error_if`); a -inf table entry hides."""
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), score=score)
+    with pytest.raises(ValueError, match=message):
+        attn.plan(Q, K, K)
+    with pytest.raises(Exception, match=message[1:-1]):
+        jax.block_until_ready(eqx.filter_jit(lambda m: m(Q, K, K))(attn))
+
+
+def test_minus_inf_in_the_table_hides_its_bucket():
+    table = jnp.zeros((4, 8)).at[:, 0].set(-jnp.inf)  # distance 0: the diagonal
+    q = jax.random.normal(jax.random.key(0), (1, 4, 16, 8))
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.XlaBlockSparse(),
+                                    score=scores.RelativePositionBias(table, bidirectional=False))
+    out = np.asarray(attn(q, q, q))
+    strict = bsa.BlockSparseAttention(mask=masks.Causal(offset=-1),
+                                      kernel=kernels.DenseReference())(q, q, q)
+    np.testing.assert_allclose(out, strict, rtol=1e-5, atol=1e-6)
+    assert np.all(out[:, :, 0] == 0)  # the first query saw only itself
+
+
+def test_score_under_a_sharding_is_refused():
+    mesh = jax.make_mesh((1,), ("seq",))
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), score=scores.ALiBi(),
+                                    sharding=bsa.sharding.RingAttention(mesh, "seq"))
+    with pytest.raises(ValueError, match=r"^`score` terms run unsharded only for now; this "
+                                         r"module's sharding is RingAttention\."):
+        attn.plan(Q, K, K)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which kernels take them.
+
+
+@pytest.mark.parametrize("kernel", ["triton", "cudnn", "splash", "mosaic"])
+@pytest.mark.parametrize("score", [scores.ALiBi(), scores.RelativePositionBias(TABLE),
+                                   scores.ScoreFunction(lambda s, h, q, k: s)])
+def test_gpu_and_tpu_kernels_decline_score_terms(kernel, score):
+    kind = score.compile(4).kinds[0]
+    kernel_cls = next(c for c in bsa.registered_kernels() if c.name == kernel)
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel_cls(), score=score)
+    platform = kernel_cls.platforms[0]
+    with pytest.raises(ValueError, match=rf"^kernel {kernel} cannot run this call: does not "
+                                         rf"evaluate the score terms {kind} \(it declares "
+                                         rf"score_kinds=\(\)\)\.$"):
+        attn.plan(Q.astype(jnp.bfloat16), K.astype(jnp.bfloat16), K.astype(jnp.bfloat16),
+                  platform=platform)
+
+
+def test_selector_explains_the_decline_and_plan_names_the_terms():
+    features = bsa.Features(platform="gpu", dtype="bfloat16", num_heads=4, num_kv_heads=2,
+                            q_len=4096, kv_len=4096, score=("alibi",))
+    choice = bsa.select_kernel(masks.Causal(), platform="gpu", features=features)
+    assert choice.kernel.name == "xla"
+    assert "does not evaluate the score terms alibi" in choice.explain()
+    plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=scores.ALiBi()).plan(Q, K, K)
+    assert "score terms: alibi (slopes [4])" in str(plan)
+
+
+# ---------------------------------------------------------------------------------------------
+# No [Lq, Lk] array, and the other ways in.
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """The most elements of any value in `jaxpr`, its sub-jaxprs (loops, custom rules) too."""
+    largest = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            largest = max(largest, int(np.prod(getattr(var.aval, "shape", ()))))
+        for param in eqn.params.values():
+            for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    largest = max(largest, _largest_intermediate(inner))
+    return largest
+
+
+@pytest.mark.parametrize("score", [scores.ALiBi(), scores.RelativePositionBias(jnp.ones((2, 32))),
+                                   scores.ScoreFunction(lambda s, h, q, k: s - abs(q - k))])
+def test_xla_forms_no_lq_by_lk_array(score):
+    """Forward and backward: the score terms add no value larger than the same call without
+    them forms (the scores of one slot of blocks, ``L x block_kv`` per head), far below
+    ``Lq x Lk``."""
+    length = 2048
+    q = jnp.ones((1, 2, length, 16))
+
+    def largest(score):
+        attn = bsa.BlockSparseAttention(mask=masks.Causal() & masks.SlidingWindow(128, 0),
+                                        kernel=kernels.XlaBlockSparse(), score=score)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda q: attn(q, q, q).sum()))(q).jaxpr
+        return _largest_intermediate(jaxpr)
+
+    with_score = largest(score)
+    assert with_score <= largest(None)
+    assert with_score <= 2 * length * 128
+
+
+@pytest.mark.slow
+def test_layer_learns_the_table():
+    """The table is a parameter of the layer: its gradient matches the oracle's."""
+    heads, size, length = 4, 32, 40
+    table = 0.3 * jax.random.normal(jax.random.key(1), (heads, 16))
+    layer = bsa.MultiheadBlockSparseAttention(
+        heads, size, mask=masks.Causal(), kernel=kernels.XlaBlockSparse(),
+        tiling=bsa.Tiling(block_q=16, block_kv=16),
+        score=scores.RelativePositionBias(table, bidirectional=False, max_distance=30),
+        key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(2), (length, size))
+    grads = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(m(x, x, x))))(layer)
+    got = grads.attention.score.table
+    with jax.enable_x64(True):
+        f64 = jax.tree.map(lambda a: a.astype(jnp.float64) if eqx.is_array(a) else a, layer)
+        x64 = x.astype(jnp.float64)
+        pos = np.arange(length)[None]
+
+        def oracle(table):
+            q, k, v = (f64._heads(p, x64, heads)[None]
+                       for p in (f64.query_proj, f64.key_proj, f64.value_proj))
+            vis = np.tril(np.ones((length, length), bool))
+            out = jnp_attention_f64(q, k, v, vis, score=lambda s: score_f64(
+                s, q_pos=pos, kv_pos=pos, table=table, bidirectional=False, max_distance=30))
+            out = jnp.transpose(out[0], (1, 0, 2)).reshape(length, -1)
+            return jnp.sum(jnp.sin(jax.vmap(f64.output_proj)(out)))
+
+        want = jax.grad(oracle)(jnp.asarray(np.asarray(table, np.float64)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    assert np.abs(want).max() > 0
+
+
+@pytest.mark.slow
+def test_seed_style_call_takes_a_score():
+    q = jax.random.normal(jax.random.key(0), (1, 4, 33, 8))
+    k = jax.random.normal(jax.random.key(1), (1, 2, 33, 8))
+    got = bsa.blocksparse_attention(q, k, k, causal=True, sliding_window=(8, 0),
+                                    score=scores.ALiBi(), platform="xla")
+    want = bsa.BlockSparseAttention(mask=masks.Causal() & masks.SlidingWindow(8, 0),
+                                    kernel=kernels.DenseReference(), score=scores.ALiBi())(q, k, k)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    plain = bsa.blocksparse_attention(q, k, k, causal=True, sliding_window=(8, 0), platform="xla")
+    assert not np.allclose(got, plain, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_fixed_slopes_have_no_gradient_and_learned_ones_do():
+    q = jax.random.normal(jax.random.key(0), (2, 24, 8))
+    slopes = jnp.asarray(scores.alibi_slopes(2))
+
+    def grad_of(learned):
+        attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.XlaBlockSparse(),
+                                        score=scores.ALiBi(slopes, learned=learned))
+        return eqx.filter_grad(lambda m: jnp.sum(m(q, q, q) ** 2))(attn).score.slopes
+
+    assert np.all(np.asarray(grad_of(False)) == 0)
+    assert np.all(np.abs(np.asarray(grad_of(True))) > 0)
