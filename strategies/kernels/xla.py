@@ -293,7 +293,7 @@ class _Arranged(NamedTuple):
     heads: Any  # [1, Hkv, U, 1] query-head ids for per-head masks; None: one mask for all
     blocks: Any  # [1, 1, 1, n] block ids of the last level
     data: list  # positions / segment ids, [B, 1, 1, 1, L] or None
-    bias: Any  # [bb, Hkv|1, U|1, 1, Gb, Lq', Lk'] or None
+    bias: Any  # [bb, Hkv|1, U|1, 1, Gb, Lq'|1, Lk'|1] or None
     score: Any  # (heads [1, Hkv, U, 1, G], slopes [..., G] | None, table [..., G, nb] | None)
 
 
