@@ -21,7 +21,6 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._sharding import Unsharded
 from ._values import within as _within
 
 _F32 = jnp.float32
@@ -226,11 +225,11 @@ def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding):
     terms = compile_score(score, num_heads)
     if terms is None:
         return inputs
-    if not isinstance(sharding, Unsharded):
-        # The shardings rebuild each shard's inputs and split the heads: not yet with terms.
+    if not sharding.passes_score:
+        # A sequence shard needs the terms at global positions: not yet for this sharding.
         raise ValueError(
-            f"`score` terms run unsharded only for now; this module's sharding is "
-            f"{type(sharding).__name__}. Drop the sharding or the score.")
+            f"`score` terms run unsharded or under ShardMap only for now; this module's "
+            f"sharding is {type(sharding).__name__}. Drop the sharding or the score.")
     # An infinite slope times a zero distance, or a +inf / NaN logit, has no softmax weight.
     slopes, table = terms.arrays
     if slopes is not None:

@@ -24,17 +24,21 @@ class AbstractSharding(AbstractStrategy):
     out`` that runs it spread over devices, splitting the compiled mask per shard.
     `Unsharded` returns it unchanged.
 
-    Every concrete sharding sets two class variables (abstract here):
+    Every concrete sharding sets three class variables (abstract here):
 
     - `needs_lse`: the sharding merges partial results by their log-sum-exp, so the selector
       declines every kernel that is not an `AbstractLseKernel`.
     - `passes_positions`: the sharding hands each shard's call its tokens' global positions,
       so the call's `Features.positions` is set and kernels that cannot read per-call
       positions decline.
+    - `passes_score`: the sharding hands each shard's call the score terms with their
+      unsharded meaning (the rows of the shard's query heads, global head ids and
+      positions); a module with a `score` refuses the other shardings.
     """
 
     needs_lse: AbstractClassVar[bool]
     passes_positions: AbstractClassVar[bool]
+    passes_score: AbstractClassVar[bool]
 
     @abc.abstractmethod
     def wrap(self, fn: Callable) -> Callable:
@@ -46,6 +50,7 @@ class Unsharded(AbstractSharding):
 
     needs_lse: ClassVar[bool] = False
     passes_positions: ClassVar[bool] = False
+    passes_score: ClassVar[bool] = True
 
     def wrap(self, fn: Callable) -> Callable:
         return fn

@@ -141,12 +141,13 @@ def test_minus_inf_in_the_table_hides_its_bucket():
     assert np.all(out[:, :, 0] == 0)  # the first query saw only itself
 
 
-def test_score_under_a_sharding_is_refused():
+def test_score_under_ring_attention_is_refused():
     mesh = jax.make_mesh((1,), ("seq",))
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), score=scores.ALiBi(),
                                     sharding=bsa.sharding.RingAttention(mesh, "seq"))
-    with pytest.raises(ValueError, match=r"^`score` terms run unsharded only for now; this "
-                                         r"module's sharding is RingAttention\."):
+    with pytest.raises(ValueError, match=r"^`score` terms run unsharded or under ShardMap only "
+                                         r"for now; this module's sharding is RingAttention\. "
+                                         r"Drop the sharding or the score\.$"):
         attn.plan(Q, K, K)
 
 

@@ -45,18 +45,21 @@ else:
     import numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    from eqx_bsattn import sharding
+    from eqx_bsattn import scores, sharding
     from eqx_bsattn.contract import MaskReads
     from tests.conftest import (
         assert_close,
         bsa,
+        jnp_attention_f64,
         kernels,
         make_kernel,
         masks,
         np_mask,
         random_array,
         random_inputs,
+        score_f64,
         sorted_segments,
+        to_f64,
     )
 
     assert jax.device_count() == _DEVICES, jax.devices()
@@ -68,7 +71,8 @@ else:
 
     def compare(base, sharded, args, extra, *, tol=2e-5):
         """`sharded` against `base` (both functions of `args` and keywords `extra`), forward and
-        the gradients of a random projection in every float argument."""
+        the gradients of a random projection in every float argument; returns the sharded
+        call's ``(out, (grads of args, grads of the float keywords))``."""
         floats = {name: x for name, x in extra.items() if jnp.issubdtype(x.dtype, jnp.floating)}
         fixed = {name: x for name, x in extra.items() if name not in floats}
         q = args[0]
@@ -87,6 +91,7 @@ else:
         for path, g, w in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got),
                               jax.tree.leaves(want)):
             assert_close(g, w, tol, f"gradient {jax.tree_util.keystr(path[0])}")
+        return out, got
 
     def module(mask, kernel, shard=None, tiling=TILES):
         return bsa.BlockSparseAttention(mask=mask, kernel=make_kernel(kernel), tiling=tiling,
@@ -155,6 +160,69 @@ else:
         extra = dict(bias=random_array(6, (1, 8, 32, 32)))
         compare(module(mask, kernel), module(mask, kernel, sharding.ShardMap(mesh, "b", "h")),
                 (q, k, v), extra)
+
+    # ShardMap with score terms: each device reads its query heads' slopes and table rows, a
+    # score function the call's head ids; gradients of the arrays sum over the batch shards.
+
+    def head_penalty(score, head, q_pos, k_pos):  # differs per head: a local id would show
+        return score - 0.1 * (head + 1) * jnp.sqrt(jnp.abs(q_pos - k_pos).astype(score.dtype))
+
+    def scored(kind, kernel, shard=None):
+        """`fn(q, k, v, **arrays)` calling a module with the score `kind` built from `arrays`
+        (so the gradients reach them), and those arrays."""
+        if kind == "alibi":
+            slopes = jnp.asarray(scores.alibi_slopes(8)) * (1 + random_array(20, (8,)))
+            arrays = dict(slopes=slopes)
+            make = lambda slopes: scores.ALiBi(slopes, learned=True)  # noqa: E731
+        elif kind == "table":
+            arrays = dict(table=random_array(21, (8, 16)))
+            make = lambda table: scores.RelativePositionBias(table, max_distance=24)  # noqa: E731
+        else:
+            arrays = {}
+            make = lambda: scores.ScoreFunction(head_penalty)  # noqa: E731
+
+        def fn(q, k, v, **extra):
+            own = {name: extra.pop(name) for name in arrays}
+            attn = bsa.BlockSparseAttention(
+                mask=masks.Causal(), kernel=make_kernel(kernel), tiling=TILES, score=make(**own),
+                **({} if shard is None else {"sharding": shard}))
+            return attn(q, k, v, **extra)
+
+        return fn, arrays
+
+    @pytest.mark.parametrize("kernel, axes, kind", [
+        ("DenseReference", ("b", "h"), "alibi"),
+        *[pytest.param(kernel, axes, kind, marks=slow)
+          for kernel in ("DenseReference", "XlaBlockSparse")
+          for axes in (("b", None), (None, "h"), ("b", "h"))
+          for kind in ("alibi", "table", "function")
+          if (kernel, axes, kind) != ("DenseReference", ("b", "h"), "alibi")],
+    ])
+    def test_shard_map_score_terms(kernel, axes, kind):
+        """Output and the gradients of q, k, v and the score arrays equal the unsharded call's,
+        with GQA (2 kv heads over 4 head devices) and positions that are not the indices."""
+        mesh = make_mesh((2, 4), ("b", "h"))
+        q, k, v = random_inputs(22, batch=2, heads=8, kv_heads=2, q_len=32, value_dim=4)
+        pos = jnp.asarray(np.stack([np.arange(32) * 3 + 7 * b for b in range(2)]), jnp.int32)
+        base, arrays = scored(kind, kernel)
+        sharded, _ = scored(kind, kernel, sharding.ShardMap(mesh, *axes))
+        extra = dict(arrays, q_positions=pos, kv_positions=pos)
+        out, (grads, d_arrays) = compare(base, sharded, (q, k, v), extra)
+        # And the float64 oracle with the documented terms, on the same projection.
+        with jax.enable_x64(True):
+            def oracle(qkv, arrays):
+                score = lambda s: score_f64(  # noqa: E731
+                    s, q_pos=pos, kv_pos=pos, max_distance=24,
+                    fn=head_penalty if kind == "function" else None, **arrays)
+                return jnp_attention_f64(*qkv, np.tril(np.ones((32, 32), bool)), score=score)
+
+            wide = lambda t: jax.tree.map(to_f64, t)  # noqa: E731
+            ref, pullback = jax.vjp(oracle, wide((q, k, v)), wide(arrays))
+            want, d_want = pullback(wide(random_array(7, q.shape[:-1] + (v.shape[-1],))))
+        assert_close(out, ref, 5e-5, "output against the float64 oracle")
+        pairs = [*zip("qkv", grads, want), *((n, d_arrays[n], d_want[n]) for n in arrays)]
+        for name, g, w in pairs:
+            assert_close(g, w, 5e-5, f"d{name} against the float64 oracle")
 
     # ---------------------------------------------------------------------------------------
     # RingAttention: the sequence.

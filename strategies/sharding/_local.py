@@ -1,5 +1,7 @@
 """What the shardings share: mesh checks, partition specs, and a call's mask as one shard sees it."""
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -8,7 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from eqx_bsattn.contract import AbstractMask, BlockLayout, CompiledMask, TokenCoords
+from eqx_bsattn.contract import (
+    AbstractMask,
+    BlockLayout,
+    CompiledMask,
+    ScoreTerms,
+    TokenCoords,
+)
 
 #: The `BlockLayout` arrays with leading ``[mb, mh]`` axes (everything but the bitmaps).
 LAYOUT_LISTS = ("classes", "full_count", "full_index", "partial_count", "partial_index",
@@ -210,3 +218,34 @@ def local_head_offset(head_axis: str | None, local_heads: int):
     if head_axis is None:
         return None
     return jax.lax.axis_index(head_axis).astype(jnp.int32) * local_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalHeads:
+    """A score function called with the call's query-head ids on a device that holds
+    `local_heads` of them (a contiguous run, split over mesh axis `head_axis`).
+
+    The kernel passes local head ids; the device's offset is read from its mesh position when
+    the function runs, so this holds no traced value and stays hashable (a kernel keeps the
+    score function in its static configuration)."""
+
+    fn: Callable
+    head_axis: str
+    local_heads: int
+
+    def __call__(self, score, head, q_pos, k_pos):
+        offset = local_head_offset(self.head_axis, self.local_heads)
+        return self.fn(score, head + offset, q_pos, k_pos)
+
+
+def local_score(terms: ScoreTerms | None, slopes, table, *, head_axis: str | None,
+                local_heads: int) -> ScoreTerms | None:
+    """The `ScoreTerms` one shard's kernel call reads: `slopes` ``[local_heads]`` and `table`
+    ``[local_heads, buckets]`` are the rows of its query heads, and a score function gets the
+    call's head ids, so every term means the same as unsharded."""
+    if terms is None:
+        return None
+    fn = terms.function
+    if fn is not None and head_axis is not None:
+        fn = GlobalHeads(fn, head_axis, local_heads)
+    return ScoreTerms(slopes, table, terms.buckets, fn)

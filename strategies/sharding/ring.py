@@ -486,6 +486,7 @@ class RingAttention(AbstractSharding):
 
     needs_lse: ClassVar[bool] = True
     passes_positions: ClassVar[bool] = True
+    passes_score: ClassVar[bool] = False  # score terms under the ring: not yet
 
     def __check_init__(self):
         if not isinstance(self.seq_axis, str):

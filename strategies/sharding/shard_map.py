@@ -17,6 +17,7 @@ from ._local import (
     lead_spec,
     local_head_offset,
     local_mask,
+    local_score,
     read_layout,
 )
 
@@ -70,7 +71,8 @@ class ShardMap(AbstractSharding):
 
     Splits ``[B, H, L, D]`` query, key and value over `batch_axis` and `head_axis` of `mesh`
     (either may be ``None``) with `jax.shard_map`; bias, sinks, segment ids and positions are
-    split to match, and so are the compiled mask's layouts where they differ by batch (masks
+    split to match (the score terms' slopes and table by head, a score function gets the call's
+    head ids), and so are the compiled mask's layouts where they differ by batch (masks
     built from segment ids) or by head (per-head masks). Key/value heads split with their
     query heads (GQA groups stay on one device); with fewer kv heads than devices on the head
     axis, each device takes the kv head its query heads read. No communication is needed:
@@ -96,6 +98,7 @@ class ShardMap(AbstractSharding):
 
     needs_lse: ClassVar[bool] = False
     passes_positions: ClassVar[bool] = False
+    passes_score: ClassVar[bool] = True
 
     def __check_init__(self):
         check_mesh(self.mesh, {"batch_axis": self.batch_axis, "head_axis": self.head_axis})
@@ -117,6 +120,11 @@ class ShardMap(AbstractSharding):
             k_slot, v_slot = ops.add(key, kv_spec), ops.add(value, kv_spec)
             data = split_inputs(ops, inputs, batch=batch, heads=heads, batch_axis=b_axis,
                                 head_axis=h_axis)
+            terms = inputs.score
+            # The score arrays split over the heads like the sinks: each device holds its query
+            # heads' rows, and autodiff sums their gradients over the batch shards.
+            slopes, table = (None, None) if terms is None else terms.arrays
+            score_slots = (ops.add(slopes, P(h_axis)), ops.add(table, P(h_axis, None)))
             layouts = {}
             for name, layout in mask.layouts().items():
                 mb, mh = layout.classes.shape[:2]
@@ -130,7 +138,10 @@ class ShardMap(AbstractSharding):
                 q, k, v = read(q_slot), read(k_slot), read(v_slot)
                 k, v = local_kv(k, v, split=split_kv, head_axis=h_axis, heads=heads,
                                 kv_heads=kv_heads, local_heads=local_heads)
-                local_inputs = AttentionInputs(**{n: read(s) for n, s in data.items()})
+                score = local_score(terms, *map(read, score_slots), head_axis=h_axis,
+                                    local_heads=local_heads)
+                local_inputs = AttentionInputs(**{n: read(s) for n, s in data.items()},
+                                               score=score)
                 pred = jax.tree.unflatten(jax.tree.structure(arrays),
                                           [read(s) for s in pred_slots])
                 shard = mask.layouts()
