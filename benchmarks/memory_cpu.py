@@ -4,12 +4,15 @@ For each length L, a fresh worker process builds ``q, k, v`` (B=1, H=1, D=64, fl
 ``jax.grad`` of ``sum(out * w)`` with respect to ``q, k, v`` under `jax.jit` for the mask
 ``Causal() & SlidingWindow(256, 0)``, and reports its peak resident set size (``ru_maxrss``)
 and what the arrays it must hold cost: ``q, k, v, w`` (inputs), the output and ``dq, dk, dv``.
+With ``--bias`` the call adds a bias of that shape (per key ``[1, 1, 1, L]``, per query
+``[1, 1, L, 1]``, a scalar ``[1, 1, 1, 1]``) and the gradient is taken of it too.
 One process per length, one at a time, so the peaks do not mix.
 
 Run from the repository root::
 
     python benchmarks/memory_cpu.py                          # L = 2^16, 2^18, 2^20
     python benchmarks/memory_cpu.py --lengths 65536 1048576
+    python benchmarks/memory_cpu.py --lengths 1048576 --bias key
 
 Not a test: the peak depends on the allocator and the XLA version.
 """
@@ -21,9 +24,11 @@ import subprocess
 import sys
 
 DIM, WINDOW = 64, 256
+BIAS_SHAPES = {"none": None, "key": lambda n: (1, 1, 1, n), "query": lambda n: (1, 1, n, 1),
+               "scalar": lambda n: (1, 1, 1, 1)}
 
 
-def _worker(length: int) -> dict:
+def _worker(length: int, bias: str) -> dict:
     import time
 
     import jax
@@ -38,13 +43,18 @@ def _worker(length: int) -> dict:
     shape = (1, 1, length, DIM)
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, w = (jax.random.normal(key, shape, jnp.float32) for key in keys)
+    extra = () if BIAS_SHAPES[bias] is None else (
+        jax.random.normal(keys[0], BIAS_SHAPES[bias](length), jnp.float32),)
 
     @jax.jit
-    def grads(q, k, v, w):
-        return jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+    def grads(q, k, v, w, *b):
+        def loss(q, k, v, *b):
+            return jnp.sum(attn(q, k, v, bias=b[0] if b else None) * w)
+
+        return jax.grad(loss, argnums=tuple(range(3 + len(b))))(q, k, v, *b)
 
     start = time.perf_counter()
-    jax.block_until_ready(grads(q, k, v, w))
+    jax.block_until_ready(grads(q, k, v, w, *extra))
     seconds = time.perf_counter() - start
     array_bytes = 8 * q.size * q.dtype.itemsize  # q, k, v, w, out, dq, dk, dv
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
@@ -55,15 +65,17 @@ def _worker(length: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2**16, 2**18, 2**20])
+    parser.add_argument("--bias", choices=tuple(BIAS_SHAPES), default="none")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        print(json.dumps(_worker(args.worker)))
+        print(json.dumps(_worker(args.worker, args.bias)))
         return
     print("| L | peak RSS (GB) | q, k, v, w, out, dq, dk, dv (GB) | seconds (compile + run) |")
     print("| ---: | ---: | ---: | ---: |")
     for length in args.lengths:
-        done = subprocess.run([sys.executable, __file__, "--worker", str(length)],
+        done = subprocess.run([sys.executable, __file__, "--worker", str(length), "--bias",
+                               args.bias],
                               capture_output=True, text=True, check=True)
         row = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"| {length} | {row['peak_rss_gb']:.2f} | {row['arrays_gb']:.2f} | "

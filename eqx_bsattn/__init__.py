@@ -17,6 +17,7 @@ from ._autotune import (
 from ._compile import CompiledMask as CompiledMask, ResolvedMask as ResolvedMask
 from ._inputs import AttentionInputs as AttentionInputs, MaskInfo as MaskInfo
 from ._kernel import (
+    AbstractBroadcastBiasKernel as AbstractBroadcastBiasKernel,
     AbstractKernel as AbstractKernel,
     AbstractLseKernel as AbstractLseKernel,
     Features as Features,

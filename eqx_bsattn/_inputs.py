@@ -16,7 +16,10 @@ from ._values import within as _within
 class AttentionInputs(eqx.Module):
     """Per-call data in the shapes every kernel reads (all batched).
 
-    - `bias`: ``[bb, hb, q_len, kv_len]`` with ``bb`` in ``{1, batch}``, ``hb`` in ``{1, heads}``.
+    - `bias`: ``[bb, hb, q_len or 1, kv_len or 1]`` with ``bb`` in ``{1, batch}``, ``hb`` in
+      ``{1, heads}``: the size-1 axes the caller gave are kept. A kernel that reads them
+      (`AbstractBroadcastBiasKernel`) gets this form; the plan broadcasts the bias to
+      ``[bb, hb, q_len, kv_len]`` for every other kernel (`full_bias`).
     - `sinks`: ``[heads, num_sinks]``: extra logits joining every row's softmax denominator.
     - `q_segment_ids`/`kv_segment_ids`: ``[batch, len]`` int32; ``-1`` (any negative) is padding.
       Callers may pass any integer dtype, signed or unsigned, whose values fit in int32.
@@ -26,7 +29,7 @@ class AttentionInputs(eqx.Module):
       differentiable.
     """
 
-    bias: Float[Array, "bb hb lq lk"] | None = None
+    bias: Float[Array, "bb hb lq_or_1 lk_or_1"] | None = None
     sinks: Float[Array, "h s"] | None = None
     q_segment_ids: Int[Array, "b lq"] | None = None
     kv_segment_ids: Int[Array, "b lk"] | None = None
@@ -223,16 +226,26 @@ def _check_bias(bias, batch: int, heads: int, q_len: int, kv_len: int, batched: 
     return bias
 
 
-def _bias(bias, q_len: int, kv_len: int) -> Array | None:
-    """A checked bias (`_check_bias`) as ``[bb, hb, q_len, kv_len]``, refusing ``+inf``."""
+def _bias(bias) -> Array | None:
+    """A checked bias (`_check_bias`) as ``[bb, hb, q_len or 1, kv_len or 1]`` (its size-1
+    axes kept: a per-key bias costs ``O(kv_len)``), refusing ``+inf``."""
     if bias is None:
         return None
     # -inf hides a pair; +inf has no meaning as a softmax weight (inf / inf): refuse it.
     bias = _within("bias", bias, lambda b: b == jnp.inf,
                    "must be finite or -inf (which hides a pair); got +inf.")
-    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-    bb, hb = bias.shape[0], bias.shape[1]
-    return jnp.broadcast_to(bias, (bb, hb, q_len, kv_len))
+    return bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+
+
+def full_bias(inputs: AttentionInputs, q_len: int, kv_len: int) -> AttentionInputs:
+    """`inputs` with the bias broadcast to ``[bb, hb, q_len, kv_len]``: the form kernels that
+    do not read size-1 axes (every kernel but an `AbstractBroadcastBiasKernel`) receive.
+    Autodiff sums the bias's gradient back to the caller's shape."""
+    if inputs.bias is None:
+        return inputs
+    bb, hb = inputs.bias.shape[:2]
+    bias = jnp.broadcast_to(inputs.bias, (bb, hb, q_len, kv_len))
+    return eqx.tree_at(lambda x: x.bias, inputs, bias)
 
 
 def _check_sinks(sinks, heads: int, name: str, kv_heads: int | None = None):
@@ -369,7 +382,7 @@ def prepare_inputs(
     """Bring per-call data that `check_call` has checked (shapes, dtypes) to kernel shapes,
     with the checks of their values (ranges, ``+inf``), which need the arrays themselves."""
     return AttentionInputs(
-        bias=_bias(bias, q_len, kv_len),
+        bias=_bias(bias),
         sinks=_sinks(sinks, heads, sinks_name),
         q_segment_ids=_token_data(_check_segment_ids("q_segment_ids", q_segment_ids),
                                   batch, q_len),

@@ -284,3 +284,24 @@ class AbstractLseKernel(AbstractKernel):
         output is zeros). Both are differentiable: a custom backward adds the log-sum-exp's
         cotangent as ``delta_i -= dlse_i``.
         """
+
+
+class AbstractBroadcastBiasKernel(AbstractKernel):
+    """A kernel that reads a bias with its size-1 axes kept, so that a bias without an
+    ``Lq`` or ``Lk`` axis of its own costs ``O(Lq + Lk)``, not ``Lq x Lk``.
+
+    Its `AttentionInputs.bias` is ``[bb, hb, Lq or 1, Lk or 1]`` (``bb`` in ``{1, B}``, ``hb``
+    in ``{1, H}``: a per-key ``[B, 1, 1, Lk]``, a per-query ``[B, H, Lq, 1]``, a scalar
+    ``[1, 1, 1, 1]``); it broadcasts each block's rows and columns itself, and the bias's
+    cotangent it returns has the bias's shape (summed over the broadcast axes). Every other
+    kernel receives the bias broadcast to ``[bb, hb, Lq, Lk]`` by the plan. It adds no method:
+    a kernel declares the capability by subclassing it (besides `AbstractLseKernel` if it is
+    one).
+
+    ```python
+    class MyKernel(AbstractLseKernel, AbstractBroadcastBiasKernel):
+        ...
+
+    isinstance(kernels.XlaBlockSparse(), AbstractBroadcastBiasKernel)   # True
+    ```
+    """

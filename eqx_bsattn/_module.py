@@ -11,8 +11,9 @@ import numpy as np
 from jaxtyping import Array, Float, Integer
 
 from ._compile import CompiledMask, ResolvedMask, describe_terms
-from ._inputs import AttentionInputs, check_call, hide_keys, prepare_inputs, python_scalar
-from ._kernel import AbstractKernel, Features
+from ._inputs import (AttentionInputs, check_call, full_bias, hide_keys, prepare_inputs,
+                      python_scalar)
+from ._kernel import AbstractBroadcastBiasKernel, AbstractKernel, Features
 from ._mask import EMPTY, AbstractMask, And, Document, Full
 from ._score import AbstractScore, attach_score, check_score, describe_score
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
@@ -304,6 +305,12 @@ class BlockSparseAttention(eqx.Module):
             why = decline_reason(kernel, resolved, features)
             if why is not None:
                 raise ValueError(f"kernel {kernel.name} cannot run this call: {why}")
+        # The one place a bias's size-1 axes are broadcast: for kernels that do not read them,
+        # and under a sharding (which splits the bias's Lq axis or walks its Lk axis), the
+        # bias is ``[bb, hb, Lq, Lk]`` as it always was.
+        if not (isinstance(kernel, AbstractBroadcastBiasKernel)
+                and isinstance(self.sharding, Unsharded)):
+            inputs = full_bias(inputs, q_len, kv_len)
         strategy = AutoTiling() if is_auto(self.tiling) else self.tiling
         tiling, source = strategy.choose(kernel, features, resolved)
         try:

@@ -14,7 +14,8 @@ the call's `AttentionInputs`, its `Features` and its config. Its config subclass
 is the kernel-independent one. Its `decline_reason` and `default_tiling` see the `ResolvedMask`
 (the terms, and layouts on demand) before the config is fixed. It never imports a mask class.
 A kernel that also returns each row's log-sum-exp (what sequence sharding merges by)
-subclasses `AbstractLseKernel`.
+subclasses `AbstractLseKernel`; one that reads a bias with its size-1 axes kept (``[bb, hb,
+Lq or 1, Lk or 1]``) subclasses `AbstractBroadcastBiasKernel`.
 
 Every class is abstract (`is_abstract`, named ``AbstractX``) or final (never subclassed), as
 in equinox: only abstract methods and class variables are defined in a subclass.
@@ -42,6 +43,7 @@ from ._compile import (
 )
 from ._inputs import AttentionInputs as AttentionInputs, POSITION_LIMIT as POSITION_LIMIT
 from ._kernel import (
+    AbstractBroadcastBiasKernel as AbstractBroadcastBiasKernel,
     AbstractKernel as AbstractKernel,
     AbstractLseKernel as AbstractLseKernel,
     Features as Features,

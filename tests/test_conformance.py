@@ -73,7 +73,9 @@ class Case:
     value_dim: int | None = None
     softmax_scale: float | None = None
     soft_cap: float | None = None
-    bias: str | None = None  # "qk", "hqk", "b1qk", "1hqk", "bhqk"
+    # "qk", "hqk", "b1qk", "1hqk", "bhqk"; without an Lq or Lk axis of their own: per key
+    # "b11k", per query "bhq1", a scalar "1111" (kernels that read size-1 axes get them so).
+    bias: str | None = None
     sinks: str | None = None  # "s", "h", "hs"; "hs_inf": [H, 2] with -inf sinks (no sink)
     documents: int = 0  # sorted segment ids with this many documents
     pad: int = 0  # the last `pad` tokens are padding (segment id -1)
@@ -156,6 +158,20 @@ CASES = {
     "bias_qk": Case(masks.Causal(), bias="qk", **R),
     "bias_hqk_window": Case(masks.SlidingWindow(9), bias="hqk", **R),
     "bias_b1qk_chunked": Case(masks.ChunkedCausal(16), bias="b1qk", q_len=33, kv_len=50),
+    "bias_b11k_gqa_window": Case(masks.SlidingWindow(9, 3), bias="b11k", kv_heads=2, q_len=33,
+                                 kv_len=50),
+    "bias_b11k_per_head": Case(masks.PerHead([masks.Causal(), masks.SlidingWindow(5),
+                                              masks.ChunkedCausal(16), ~masks.Causal()]),
+                               bias="b11k", kv_heads=2, **R),
+    # A bias constant along a row shifts the row's logits alike: without sinks or a soft cap
+    # its gradient is zero (the oracle's is rounding), so those cases carry one of them.
+    "bias_bhq1_lq_gt_lk_sinks": Case(masks.Causal(offset=3), bias="bhq1", sinks="h",
+                                     kv_heads=2, q_len=70, kv_len=37),
+    "bias_bhq1_per_head_soft_cap": Case(masks.PerHead([masks.Causal(), masks.SlidingWindow(5),
+                                                       masks.PrefixLM(9), masks.Full()]),
+                                        bias="bhq1", soft_cap=3.0, **R),
+    "bias_1111_chunked_sinks": Case(masks.ChunkedCausal(16), bias="1111", sinks="hs",
+                                    kv_heads=1, q_len=33, kv_len=50),
     "gqa_causal_sinks_s": Case(masks.Causal(), sinks="s", heads=6, kv_heads=2, **R),
     "sinks_hs_window": Case(masks.SlidingWindow(8, 0), sinks="hs", **R),
     # -inf sinks are no sinks, also on rows that see no key (zeros, zero gradients).
@@ -245,6 +261,9 @@ CASES = {
     "tiled_bias_1hqk": Case(masks.Causal(), bias="1hqk", **BIG),
     "tiled_bias_b1qk": Case(masks.Full(), bias="b1qk", **BIG),
     "tiled_bias_qk": Case(masks.Causal(), bias="qk", **BIG),
+    "tiled_bias_b11k": Case(masks.Causal() & masks.SlidingWindow(80, 0), bias="b11k", **BIG),
+    "tiled_bias_bhq1": Case(masks.Causal(), bias="bhq1", sinks="h", **BIG),
+    "tiled_bias_1111": Case(masks.Full(), bias="1111", soft_cap=4.0, **BIG),
     "tiled_sinks_soft_cap": Case(masks.Causal(), sinks="hs", soft_cap=5.0, **BIG),
     "tiled_everything": Case(masks.Causal() & masks.SlidingWindow(80, 0), bias="bhqk",
                              sinks="hs", soft_cap=3.0, documents=3, pad=5,
@@ -370,7 +389,8 @@ def build(case: Case, dtype: str) -> Built:
     }
     if case.bias is not None:
         shape = {"qk": (lq, lk), "hqk": (h, lq, lk), "b1qk": lead + (1, lq, lk),
-                 "1hqk": (1, h, lq, lk), "bhqk": lead + (h, lq, lk)}[case.bias]
+                 "1hqk": (1, h, lq, lk), "bhqk": lead + (h, lq, lk), "b11k": lead + (1, 1, lk),
+                 "bhq1": lead + (h, lq, 1), "1111": (1, 1, 1, 1)}[case.bias]
         args["bias"] = _normal(rng, shape, jnp.float32)
     if case.sinks is not None:
         args["sinks"] = _normal(rng, {"s": (3,), "h": (h,), "hs": (h, 2), "hs_inf": (h, 2)}[

@@ -14,6 +14,8 @@ import typing
 from typing import ClassVar
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 import pytest
 from beartype.door import is_bearable
 
@@ -430,13 +432,61 @@ def test_the_selector_reads_the_lse_capability_from_the_type(monkeypatch):
                       returns_lse=True, attention_with_lse=with_lse)
 
 
+def test_a_bias_keeps_its_size_1_axes_only_for_kernels_of_the_capability_type(monkeypatch):
+    """Reading a bias with its size-1 axes is a type (`AbstractBroadcastBiasKernel`): a
+    kernel of that type receives a per-key, per-query or scalar bias as given (its
+    ``Lq x Lk`` broadcast never built), every other kernel, and any kernel under a sharding,
+    receives it broadcast to ``[bb, hb, Lq, Lk]`` as before; the bias's gradient has the
+    caller's shape either way."""
+    from eqx_bsattn import _kernel
+    from eqx_bsattn.contract import AbstractBroadcastBiasKernel
+
+    monkeypatch.setattr(_kernel, "_REGISTRY", [])
+    seen = []
+
+    def call(self, query, key, value, *, inputs, **kw):
+        seen.append(inputs.bias.shape)
+        return bsa.kernels.DenseReference()(query, key, value, inputs=inputs, **kw)
+
+    declared = dict(platforms=("cpu",), reads="dense", priority=_PRIORITY,
+                    decline_reason=_ACCEPTS, __call__=call)
+    reading = _kernel_class(AbstractBroadcastBiasKernel, "ReadsBroadcastBias",
+                            name="test-broadcast", **declared)
+    plain = _kernel_class(bsa.AbstractKernel, "ReadsFullBias", name="test-full", **declared)
+    assert isinstance(bsa.kernels.XlaBlockSparse(), AbstractBroadcastBiasKernel)
+    assert isinstance(bsa.kernels.DenseReference(), AbstractBroadcastBiasKernel)
+    assert not isinstance(bsa.kernels.CudnnDense(), AbstractBroadcastBiasKernel)
+
+    q = jax.random.normal(jax.random.key(0), (2, 4, 24, 8))
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    for shape in ((2, 1, 1, 24), (2, 4, 24, 1), (1, 1, 1, 1), (24, 1)):
+        bias = jax.random.normal(jax.random.key(1), shape)
+        given = (1,) * (4 - len(shape)) + shape
+        full = given[:2] + (24, 24)
+        for kernel, kept in ((reading(), given), (plain(), full),
+                             (bsa.kernels.XlaBlockSparse(), given)):
+            attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel)
+            assert attn.plan(q, q, q, bias=bias).inputs.bias.shape == kept, (kernel, shape)
+            if kernel.name == "xla":  # under a sharding: broadcast
+                attn = eqx.tree_at(lambda m: m.sharding, attn, bsa.sharding.ShardMap(mesh, "data"))
+                assert attn.plan(q, q, q, bias=bias).inputs.bias.shape == full
+                continue
+            if shape != (2, 1, 1, 24):  # one call each (a compilation) is enough
+                continue
+            seen.clear()
+            grad = jax.jit(jax.grad(lambda b: jnp.sum(jnp.sin(attn(q, q, q, bias=b)))))(bias)
+            assert grad.shape == shape
+            assert seen == [kept], (kernel, shape, seen)  # what the kernel itself received
+
+
 def test_contract_exports_what_a_plug_in_needs():
     from eqx_bsattn import contract
 
     for name in ("AbstractMask", "AbstractKernel", "AbstractSharding", "CompiledMask",
                  "ResolvedMask", "MaskTerms", "BlockLayout", "TokenCoords", "BlockCoords",
                  "AttentionInputs", "Features", "Tiling", "classify", "EMPTY", "PARTIAL", "FULL",
-                 "AbstractLseKernel", "AbstractBlockMask", "MaskReads", "is_abstract",
+                 "AbstractLseKernel", "AbstractBroadcastBiasKernel", "AbstractBlockMask",
+                 "MaskReads", "is_abstract",
                  "public_lse", "backward_delta", "zero_cotangent", "pad_axis",
                  "refuse_forward_mode", "add_sinks"):
         assert hasattr(contract, name), name

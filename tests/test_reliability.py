@@ -534,6 +534,59 @@ def test_segment_ids_at_2_20_tokens_add_only_their_layouts():
     assert temps[1] <= bound, (temps, bound)
 
 
+#: Biases without an Lq or Lk axis of their own, by the length L of the call.
+_BROADCAST_BIASES = {"per_key": lambda n: (1, 1, 1, n), "per_query": lambda n: (1, 1, n, 1),
+                     "scalar": lambda n: (1, 1, 1, 1)}
+
+
+def _bias_call_memory(length: int, bias_shape):
+    """XLA's memory analysis of ``grad`` of ``sum(out * w)`` with respect to q, k, v and the
+    bias (none when `bias_shape` is None) through `blocksparse_attention` (B=1, H=1, D=64,
+    float32, causal window 256, the XLA kernel), compiled, not run."""
+    spec = jax.ShapeDtypeStruct((1, 1, length, 64), jnp.float32)
+    extra = () if bias_shape is None else (jax.ShapeDtypeStruct(bias_shape, jnp.float32),)
+
+    def grads(q, k, v, w, *bias):
+        def loss(q, k, v, *bias):
+            out = bsa.blocksparse_attention(q, k, v, None, *bias, causal=True,
+                                            sliding_window=(256, 0), platform="xla")
+            return jnp.sum(out * w)
+
+        return jax.grad(loss, argnums=tuple(range(3 + len(bias))))(q, k, v, *bias)
+
+    return jax.jit(grads).lower(spec, spec, spec, spec, *extra).compile().memory_analysis()
+
+
+@pytest.mark.slow
+def test_a_bias_without_a_pair_axis_builds_no_lq_x_lk_buffer():
+    """At L = 2^14 a per-key, per-query or scalar bias adds a few L-sized arrays to XLA's
+    temporaries (the bias's gradient and its row / key sums), never an ``Lq x Lk`` one: each
+    bias was broadcast to ``Lq x Lk`` before the kernel ran and its gradient had that size too
+    (2.22 GB of temporaries against 0.05 GB without a bias)."""
+    length = 1 << 14
+    plain = _bias_call_memory(length, None).temp_size_in_bytes
+    for name, shape in _BROADCAST_BIASES.items():
+        temps = _bias_call_memory(length, shape(length)).temp_size_in_bytes
+        assert temps <= plain + 8 * length * 4, (name, temps / 2**20, plain / 2**20)
+
+
+@pytest.mark.slow
+def test_a_per_key_or_per_query_bias_at_2_20_tokens_stays_in_the_target():
+    """Forward+backward at L = 2^20 with a per-key ``[1, 1, 1, L]`` or per-query
+    ``[1, 1, L, 1]`` bias, its gradient included (compiled, not run): XLA's temporaries are
+    those of the call without a bias plus a few L-sized arrays, and inputs, outputs and
+    temporaries together stay under the 3.0 GB target. Broadcast to ``Lq x Lk``, one such
+    array was 4.4 TB."""
+    length = 1 << 20
+    plain = _bias_call_memory(length, None).temp_size_in_bytes
+    for name in ("per_key", "per_query"):
+        analysis = _bias_call_memory(length, _BROADCAST_BIASES[name](length))
+        temps = analysis.temp_size_in_bytes
+        total = analysis.argument_size_in_bytes + analysis.output_size_in_bytes + temps
+        assert temps <= plain + 8 * length * 4, (name, temps / 2**20, plain / 2**20)
+        assert total < 3.0e9, (name, total / 1e9)
+
+
 # ---------------------------------------------------------------------------------------------
 # Determinism.
 

@@ -5,7 +5,13 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractLseKernel, AttentionInputs, CompiledMask, MaskReads
+from eqx_bsattn.contract import (
+    AbstractBroadcastBiasKernel,
+    AbstractLseKernel,
+    AttentionInputs,
+    CompiledMask,
+    MaskReads,
+)
 
 
 def dense_visibility(mask: CompiledMask, inputs: AttentionInputs):
@@ -92,13 +98,14 @@ def reference_attention(q, k, v, *, mask: CompiledMask, inputs: AttentionInputs,
     return out.astype(q.dtype), lse
 
 
-class DenseReference(AbstractLseKernel):
+class DenseReference(AbstractLseKernel, AbstractBroadcastBiasKernel):
     """Dense float32 attention with every feature: the oracle of the test suite.
 
     Materialises the ``[B, H, Lq, Lk]`` scores, so memory grows with ``Lq x Lk``; the selector
     falls back to it only when no block-sparse kernel can run a call. Differentiable by JAX's
     autodiff; rows that see no key give zeros and zero gradients. It reads no block layout: it
-    evaluates `CompiledMask.visible` on every pair.
+    evaluates `CompiledMask.visible` on every pair. It reads a bias with its size-1 axes
+    (an `AbstractBroadcastBiasKernel`): the scores broadcast them, autodiff sums them back.
 
     ```python
     attn = BlockSparseAttention(mask=mask, kernel=kernels.DenseReference())

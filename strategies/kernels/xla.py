@@ -8,8 +8,11 @@ own unit (``G = 1``). One `lax.fori_loop` walks the slots of the `BlockLayout` l
 FULL blocks (no masking), then the PARTIAL ones (mask evaluated on the block's token indices);
 at each slot every (batch, kv_head, unit, block) advances at once, mapped with `vmap` (in
 chunks of blocks one after another past `_SLOT_ELEMENTS` scores, so memory stays linear). The work
-scales with the number of visited blocks; no ``Lq x Lk`` array is built (a user-given bias
-already is that size: its blocks are sliced out of it)."""
+scales with the number of visited blocks; no ``Lq x Lk`` array is built. A bias keeps its size-1
+axes (``[bb, hb, Lq or 1, Lk or 1]``: the kernel is an `AbstractBroadcastBiasKernel`): each block
+slices its rows and columns from it, and the gradient of a bias without an ``Lq`` (``Lk``) axis
+is summed over the rows (keys) inside the loops, so such a bias costs ``O(Lq + Lk)``; only a bias
+that is already ``Lq x Lk`` gets a gradient of that size."""
 
 import functools
 import math
@@ -21,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqx_bsattn.contract import (
+    AbstractBroadcastBiasKernel,
     AbstractKernelConfig,
     AbstractLseKernel,
     BlockLayout,
@@ -145,11 +149,30 @@ def _per_head_to_units(x, heads: int, group: int, per_head: bool):
 
 
 def _bias_to_units(bias, heads: int, group: int, per_head: bool, bq: int, bk: int):
-    """``[bb, hb, Lq, Lk]`` -> ``[bb, Hkv|1, U|1, Gb, Lq', Lk']`` padded to whole blocks."""
-    lq, lk = bias.shape[2:]
-    bias = pad_axis(bias, 2, math.ceil(lq / bq) * bq)
-    bias = pad_axis(bias, 3, math.ceil(lk / bk) * bk)
+    """``[bb, hb, Lq|1, Lk|1]`` -> ``[bb, Hkv|1, U|1, Gb, Lq'|1, Lk'|1]``, the long axes padded
+    to whole blocks (a size-1 axis stays one: every block reads it)."""
+    for axis, block in ((2, bq), (3, bk)):
+        if bias.shape[axis] > 1:
+            bias = pad_axis(bias, axis, math.ceil(bias.shape[axis] / block) * block)
     return jax.vmap(lambda b: _per_head_to_units(b, heads, group, per_head))(bias)
+
+
+def _bias_grad_kind(bias) -> str | None:
+    """Where the bias's gradient is summed: ``"pairs"`` (a bias ``[.., Lq, Lk]``: each visited
+    block's ds, scattered), ``"rows"`` (``[.., Lq or 1, 1]``: each row's sum of ds, in the dq
+    pass) or ``"keys"`` (``[.., 1, Lk]``: each key's sum of ds, in the dk/dv pass)."""
+    if bias is None:
+        return None
+    rows, keys = bias.shape[2:]
+    if keys == 1:
+        return "rows"
+    return "keys" if rows == 1 else "pairs"
+
+
+def _summed_to(x, shape):
+    """A gradient ``[B, H, Lq|1, Lk|1]`` summed over the axes a bias of `shape` broadcasts."""
+    axes = tuple(a for a in range(4) if shape[a] == 1 and x.shape[a] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,9 +276,13 @@ def _masked_scores(mask: CompiledMask, s, head, i, j, masked: bool, live, data, 
 
 
 def _bias_block(bias_u, i, j, bq: int, bk: int):
+    """Block ``(i, j)`` of a bias ``[Gb, Lq'|1, Lk'|1]``: ``[Gb, bq|1, bk|1]`` (a size-1 axis
+    is read whole and broadcasts against the block's scores)."""
     if bias_u is None:
         return None
-    return jax.lax.dynamic_slice(bias_u, (0, i * bq, j * bk), (bias_u.shape[0], bq, bk))
+    rows, keys = bias_u.shape[1:]
+    start = (0, 0 if rows == 1 else i * bq, 0 if keys == 1 else j * bk)
+    return jax.lax.dynamic_slice(bias_u, start, (bias_u.shape[0], min(rows, bq), min(keys, bk)))
 
 
 class _Arranged(NamedTuple):
@@ -266,7 +293,7 @@ class _Arranged(NamedTuple):
     heads: Any  # [1, Hkv, U, 1] query-head ids for per-head masks; None: one mask for all
     blocks: Any  # [1, 1, 1, n] block ids of the last level
     data: list  # positions / segment ids, [B, 1, 1, 1, L] or None
-    bias: Any  # [bb, Hkv|1, U|1, 1, Gb, Lq', Lk'] or None
+    bias: Any  # [bb, Hkv|1, U|1, 1, Gb, Lq'|1, Lk'|1] or None
     score: Any  # (heads [1, Hkv, U, 1, G], slopes [..., G] | None, table [..., G, nb] | None)
 
 
@@ -472,8 +499,9 @@ def _q_side_rows(q, d_out, lse, delta, block: int, group: int, per_head: bool):
 
 
 def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
-    """``dq [B, H, Lq, D]`` float32; with a bias, ``dbias`` in the bias's shape; with score
-    arrays, their float32 gradients ``(dslopes [H], dtable [H, nb])`` (``None`` where off)."""
+    """``dq [B, H, Lq, D]`` float32; with a bias whose gradient this pass sums (`pairs`, `rows`:
+    `_bias_grad_kind`), ``dbias`` in the bias's shape (else ``None``); with score arrays, their
+    float32 gradients ``(dslopes [H], dtable [H, nb])`` (``None`` where off)."""
     mask = eqx.combine(aux["mask"], cfg.mask)
     layout = mask.dq
     batch, heads, q_len, _ = q.shape
@@ -490,13 +518,15 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
     q_side = _q_side_rows(q, d_out, lse, delta, bq, group, per_head)
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
 
+    kind = _bias_grad_kind(bias)
+
     def run_list(arr, q_side, trips, count, index, masked, offset, carry):
         def body(t, j, live, carry):
-            dq, d_score, ds_buf = carry
+            dq, d_score, rows, ds_buf = carry
 
             def unit(acc, j, live, q_blk, do_blk, lse_blk, delta_blk, k_blocks, v_blocks,
                      bias_u, head, i, qp, kp, qs, ks, sc):
-                dq, d_score = acc
+                dq, d_score, rows = acc
                 k_blk, v_blk = k_blocks[j], v_blocks[j]
                 s, tc, back = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
                                       _block_score(cfg, sc, i, j, (qp, kp), (bq, bk)),
@@ -512,17 +542,19 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
                 # ds in float32: p * (dp - delta) cancels, so 8 bits of it lose the small terms.
                 dq = dq + jnp.einsum("gqk,kd->gqd", ds, k_blk.astype(_F32),
                                      preferred_element_type=_F32)
-                return (dq, d_score), (ds if ds_buf is not None else None)
+                if rows is not None:  # a bias without a key axis: each row's sum of ds
+                    rows = rows + jnp.sum(ds, axis=-1)
+                return (dq, d_score, rows), (ds if ds_buf is not None else None)
 
             q_u, do_u, lse_u, delta_u = (_q_units(x, kv_heads, units, g, bq) for x in q_side)
             k_b, v_b = (_kv_units(x, bk)[:, :, None, None] for x in (k_r, v_r))
-            (dq, d_score), ds = _map_levels(
-                unit, arr.sizes, (dq, d_score), j, live, q_u, do_u, lse_u, delta_u, k_b, v_b,
-                arr.bias, arr.heads, arr.blocks, *arr.data, arr.score,
+            (dq, d_score, rows), ds = _map_levels(
+                unit, arr.sizes, (dq, d_score, rows), j, live, q_u, do_u, lse_u, delta_u, k_b,
+                v_b, arr.bias, arr.heads, arr.blocks, *arr.data, arr.score,
             )
             if ds_buf is not None:
                 ds_buf = jax.lax.dynamic_update_index_in_dim(ds_buf, ds, offset + t, 0)
-            return dq, d_score, ds_buf
+            return dq, d_score, rows, ds_buf
 
         return _slot_loop(trips, count, index, body, carry)
 
@@ -531,33 +563,35 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
         arr_c = _in_chunk(arr, block_ids)
         sides = (arr_c, q_side)
         lead = (batch, kv_heads, units, block_ids.shape[0], g, bq)
-        ds_buf = None
-        if bias is not None:
-            ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32)
+        ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32) if kind == "pairs" else None
+        rows = jnp.zeros(lead, _F32) if kind == "rows" else None
         # Each unit's gradient of its rows of the score arrays ([G] slopes, [G, nb] table).
         d_score = None if arr.score is None else tuple(
             None if x is None else jnp.zeros(lead[:4] + x.shape[4:], _F32)
             for x in arr.score[1:])
-        carry = (jnp.zeros(lead + (q.shape[-1],), _F32), d_score, ds_buf)
+        carry = (jnp.zeros(lead + (q.shape[-1],), _F32), d_score, rows, ds_buf)
         carry = _carry_like(carry, q, k, v, bias, score, aux, d_out, lse, delta)
         carry = run_list(*sides, cfg.dq_trips[0], fc, fi, False, 0, carry)
-        dq, d_score, ds_buf = run_list(*sides, cfg.dq_trips[1], pc, pi, True, cf, carry)
+        dq, d_score, rows, ds_buf = run_list(*sides, cfg.dq_trips[1], pc, pi, True, cf, carry)
         # The slot axis last, so that the block level is axis 3 as `_by_chunks` joins it.
-        return dq, d_score, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1))
+        return dq, d_score, rows, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1))
 
     width = _chunk_width(arr.sizes, g * bq * bk)
-    dq, d_score, ds_buf = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), q_side, g * bq,
-                                     (q, k, v, bias, score, aux, d_out, lse, delta))
+    dq, d_score, rows, ds_buf = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), q_side,
+                                           g * bq, (q, k, v, bias, score, aux, d_out, lse,
+                                                    delta))
     if d_score is not None:
         # Units hold the query heads in order (kv head, unit, group member): sum the batch
         # and the q-blocks, and the head axis is the flat rest.
         d_score = tuple(None if x is None else x.sum(axis=(0, 3)).reshape(heads, *x.shape[5:])
                         for x in d_score)
-    if ds_buf is not None:
-        ds_buf = jnp.moveaxis(ds_buf, -1, 0)
     dq = _units_to_rows(dq * cfg.scale, q_len, per_head)
-    if bias is None:
+    if kind == "rows":
+        rows = _summed_to(_units_to_rows(rows, q_len, per_head)[..., None], bias.shape)
+        return dq, rows, d_score
+    if kind != "pairs":
         return dq, None, d_score
+    ds_buf = jnp.moveaxis(ds_buf, -1, 0)
 
     # Scatter-add each visited block's ds into [bb, hb, nq, nk, bq, bk]: summing over the batch
     # and head axes the bias was broadcast along comes for free from repeated indices.
@@ -580,7 +614,9 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
 
 
 def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
-    """``dk [B, Hkv, Lk, D]``, ``dv [B, Hkv, Lk, Dv]`` float32, summed over each kv head's group."""
+    """``dk [B, Hkv, Lk, D]``, ``dv [B, Hkv, Lk, Dv]`` float32, summed over each kv head's
+    group, and, for a bias without a query axis (``[.., 1, Lk]``: `_bias_grad_kind` ``keys``),
+    ``dbias`` in its shape (else ``None``)."""
     mask = eqx.combine(aux["mask"], cfg.mask)
     layout = mask.dkv
     batch, heads, q_len, _ = q.shape
@@ -598,7 +634,7 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
         def body(t, i, live, carry):
             def unit(carry, i, live, k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_u,
                      head, j, qp, kp, qs, ks, sc):
-                dk, dv = carry
+                dk, dv, keys = carry
                 q_blk, do_blk = q_all[i], do_all[i]
                 s, tc, back = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
                                       _block_score(cfg, sc, i, j, (qp, kp), (bq, bk)),
@@ -614,7 +650,9 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
                     ds = back(ds)[0]
                 dk = dk + jnp.einsum("gqk,gqd->kd", ds, q_blk.astype(_F32),
                                      preferred_element_type=_F32)
-                return dk, dv
+                if keys is not None:  # a bias without a query axis: each key's sum of ds
+                    keys = keys + jnp.sum(ds, axis=1)
+                return dk, dv, keys
 
             # Every q-side array is shared by all kv-blocks of a unit: a size-1 level.
             q_u, do_u, lse_u, delta_u = (
@@ -631,19 +669,25 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
         (fc, fi, pc, pi), (k_c, v_c) = lists, rows
         arr_c = _in_chunk(arr, block_ids)
         lead = (batch, kv_heads, units, block_ids.shape[0], bk)
-        carry = (jnp.zeros(lead + (k.shape[-1],), _F32), jnp.zeros(lead + (v.shape[-1],), _F32))
+        keys = None
+        if _bias_grad_kind(bias) == "keys":
+            keys = jnp.zeros((batch, kv_heads, units, block_ids.shape[0], g, bk), _F32)
+        carry = (jnp.zeros(lead + (k.shape[-1],), _F32), jnp.zeros(lead + (v.shape[-1],), _F32),
+                 keys)
         carry = _carry_like(carry, q, k, v, bias, score, aux, d_out, lse, delta)
         carry = run_list(arr_c, k_c, v_c, cfg.dkv_trips[0], fc, fi, False, carry)
         return run_list(arr_c, k_c, v_c, cfg.dkv_trips[1], pc, pi, True, carry)
 
     width = _chunk_width(arr.sizes, g * bq * bk)  # G query heads of bq rows each
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
-    dk, dv = _by_chunks(run_chunk, nk, width, (fc, fi, pc, pi), (k_r, v_r), bk,
-                        (q, k, v, bias, score, aux, d_out, lse, delta))
+    dk, dv, keys = _by_chunks(run_chunk, nk, width, (fc, fi, pc, pi), (k_r, v_r), bk,
+                              (q, k, v, bias, score, aux, d_out, lse, delta))
     # Sum the units (query heads with their own masks) of each kv head.
     dk = (dk.sum(axis=2) * cfg.scale).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
     dv = dv.sum(axis=2).reshape(batch, kv_heads, nk * bk, -1)[:, :, :kv_len]
-    return dk, dv
+    if keys is not None:
+        keys = _summed_to(_units_to_rows(keys, kv_len, per_head)[:, :, None], bias.shape)
+    return dk, dv, keys
 
 
 # ------------------------------------------------------------------------------------------------
@@ -687,7 +731,8 @@ def _attention_fn(cfg: _Config, with_lse: bool = False):
         delta = backward_delta(d_out, out, d_lse, lse)
         d_out = d_out.astype(v.dtype)
         dq, dbias, dscore = _backward_dq(cfg, q, k, v, bias, score, aux, d_out, lse, delta)
-        dk, dv = _backward_dkv(cfg, q, k, v, bias, score, aux, d_out, lse, delta)
+        dk, dv, dbias_keys = _backward_dkv(cfg, q, k, v, bias, score, aux, d_out, lse, delta)
+        dbias = dbias_keys if dbias is None else dbias
         dsinks = None
         if sinks is not None:
             # A sink joins the denominator with a zero value: d sink = -sum_rows p_sink * delta.
@@ -802,7 +847,7 @@ class XlaConfig(AbstractKernelConfig):
         return tuple(dict.fromkeys(t.clamped(features) for t in candidates))
 
 
-class XlaBlockSparse(AbstractLseKernel):
+class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
     """Block-sparse flash attention in plain JAX: runs on every platform.
 
     For each q-block it visits only the kv-blocks its `BlockLayout` lists, with an online
@@ -811,7 +856,9 @@ class XlaBlockSparse(AbstractLseKernel):
     block-sparse too (a `jax.custom_vjp`): ``dq`` over q-blocks with the dq layout, ``dk``/``dv``
     over kv-blocks with the transposed lists of the dk/dv layout; it keeps only the output and
     the log-sum-exp, never the scores. Memory grows with the number of visited blocks, not with
-    ``Lq x Lk`` (except a user-given bias, which already is that size).
+    ``Lq x Lk`` (except a user-given bias that already is that size). A bias keeps its size-1
+    axes (an `AbstractBroadcastBiasKernel`): a per-key ``[B, 1, 1, Lk]``, a per-query
+    ``[B, H, Lq, 1]`` or a scalar bias, and its gradient, cost ``O(Lq + Lk)``.
 
     Every feature of `DenseReference`: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths,
     soft cap, sinks, bias, segment ids, positions, per-head masks. The selector's default on
