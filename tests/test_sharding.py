@@ -17,13 +17,13 @@ _CHILD = "EQX_BSATTN_SHARDING_CHILD"
 _DEVICES = 8
 
 
-def _run_child(marker: str):
+def _run_child(marker: str, keyword: str | None = None):
     env = dict(os.environ, **{_CHILD: "1"})
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={_DEVICES}").strip()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", marker,
-           os.path.abspath(__file__)]
+           *(["-k", keyword] if keyword else []), os.path.abspath(__file__)]
     result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
 
@@ -33,9 +33,11 @@ if os.environ.get(_CHILD) != "1":
     def test_sharding_on_eight_devices():
         _run_child("not slow")
 
+    # The slow cases in two children, so that the suite's workers run them side by side.
     @pytest.mark.slow
-    def test_sharding_on_eight_devices_slow_cases():
-        _run_child("slow")
+    @pytest.mark.parametrize("part", ["ring", "not ring"])
+    def test_sharding_on_eight_devices_slow_cases(part):
+        _run_child("slow", part)
 
 else:
     from typing import ClassVar
@@ -193,12 +195,15 @@ else:
 
     @pytest.mark.parametrize("kernel, axes, kind", [
         ("DenseReference", ("b", "h"), "alibi"),
-        *[pytest.param(kernel, axes, kind, marks=slow)
-          for kernel in ("DenseReference", "XlaBlockSparse")
-          for axes in (("b", None), (None, "h"), ("b", "h"))
-          for kind in ("alibi", "table", "function")
-          if (kernel, axes, kind) != ("DenseReference", ("b", "h"), "alibi")],
-    ])
+        # Each term over each split once, and the XLA kernel's per-block path for each term
+        # with heads split (where the global head ids and the per-head rows matter).
+        *[pytest.param(kernel, axes, kind, marks=slow) for kernel, axes, kind in [
+            ("DenseReference", ("b", None), "table"), ("DenseReference", ("b", None), "function"),
+            ("DenseReference", (None, "h"), "alibi"), ("DenseReference", ("b", "h"), "table"),
+            ("XlaBlockSparse", (None, "h"), "alibi"), ("XlaBlockSparse", (None, "h"), "table"),
+            ("XlaBlockSparse", (None, "h"), "function"), ("XlaBlockSparse", ("b", "h"), "function"),
+        ]],
+    ], ids=lambda x: "-".join(a or "_" for a in x) if isinstance(x, tuple) else str(x))
     def test_shard_map_score_terms(kernel, axes, kind):
         """Output and the gradients of q, k, v and the score arrays equal the unsharded call's,
         with GQA (2 kv heads over 4 head devices) and positions that are not the indices."""
