@@ -52,6 +52,12 @@ def short_scattered_rows(layout: BlockLayout) -> bool:
     return not lists_are_ranges(layout.full_count, layout.full_index)
 
 
+def float32_tile(features: Features) -> bool:
+    """Whether each block holds a float32 ``[rows, cols]`` tile in shared memory besides q, k
+    and v: a bias, or the scores of a relative-bias table."""
+    return features.bias or "relative_bias" in features.score
+
+
 def default_tiling(features: Features, mask: ResolvedMask) -> TritonConfig:
     """The heuristic config: per head dim and features, then the short-row variant for static
     layouts whose rows visit few, scattered blocks (BigBird-like)."""
@@ -71,9 +77,11 @@ def default_tiling(features: Features, mask: ResolvedMask) -> TritonConfig:
     else:
         fwd, fl, bwd, bl = (32, 32), (4, 1), (32, 32), (4, 1)
         dq, dl = bwd, bl
-    if features.bias:
-        # The float32 bias tile is pipelined through shared memory like k and v: halve the
-        # kv tile (and keep two stages) so every stage still fits in the 227 KiB.
+    if float32_tile(features):
+        # The float32 bias tile is pipelined through shared memory like k and v, and a
+        # relative-bias table takes about as much again (measured on the H200: 64 KiB over the
+        # 128x128 forward's three stages): halve the kv tile (and keep two stages) so every
+        # stage still fits in the 227 KiB.
         fwd, bwd = (fwd[0], max(32, fwd[1] // 2)), (bwd[0], max(32, bwd[1] // 2))
         fl, bl = (fl[0], min(fl[1], 2)), (bl[0], min(bl[1], 2))
         dq, dl = bwd, bl
@@ -124,7 +132,7 @@ def shared_memory(tiling: TritonConfig, features: Features) -> dict[str, int]:
 
     def launch(held_rows, held_width, piped_rows, piped_width, stages, bias_tile):
         stages = stages or 2
-        bias = stages * bias_tile * 4 if features.bias else 0
+        bias = stages * bias_tile * 4 if float32_tile(features) else 0
         return (held_rows * held_width + stages * piped_rows * piped_width) * size + bias
 
     bq, bk = t.block_q, t.block_kv

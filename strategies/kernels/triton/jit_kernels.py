@@ -110,8 +110,24 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, HAS_ALIBI: tl.constexpr,
         term += tl.load(SLOPES + h) * dist
     bucket = delta * 0
     if HAS_REL:
-        bucket = _bucket(qp - kp, THRESH, BIDIR, HALF, NT)
-        term += tl.load(TABLE + h * NB + bucket)
+        # No gather of a [rows, cols] tile from the table: the compiler would pipeline it
+        # through shared memory like k and v (past the 227 KiB of a Hopper SM). Buckets grow
+        # with |distance| on each side of the diagonal, so the buckets of the tile's nearest
+        # and farthest distances bound it; where they agree (all tiles but those near the
+        # diagonal) the term is one scalar, else each bucket the tile holds is added in turn.
+        d = qp - kp
+        d_lo = tl.min(d)
+        d_hi = tl.max(d)
+        b_lo = _bucket(d_lo, THRESH, BIDIR, HALF, NT)
+        b_hi = _bucket(d_hi, THRESH, BIDIR, HALF, NT)
+        one_side = (d_lo >= 0) | (d_hi < 0) if BIDIR else d_lo == d_lo
+        if one_side & (b_lo == b_hi):
+            bucket += b_lo
+            term += tl.load(TABLE + h * NB + b_lo)
+        else:
+            bucket += _bucket(d, THRESH, BIDIR, HALF, NT)
+            for bb in range(tl.min(bucket), tl.max(bucket) + 1):
+                term += tl.where(bucket == bb, tl.load(TABLE + h * NB + bb), 0.0)
     return term, dist, bucket
 
 
