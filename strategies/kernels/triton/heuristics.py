@@ -1,6 +1,8 @@
 """`TritonBlockSparse`'s heuristic `TritonConfig` (the default per head dim and feature, the
 short-row variant), its autotune candidates and the shared memory a config's launches take."""
 
+import dataclasses
+
 import numpy as np
 
 from eqx_bsattn.contract import BlockLayout, Features, ResolvedMask
@@ -52,12 +54,6 @@ def short_scattered_rows(layout: BlockLayout) -> bool:
     return not lists_are_ranges(layout.full_count, layout.full_index)
 
 
-def float32_tile(features: Features) -> bool:
-    """Whether each block holds a float32 ``[rows, cols]`` tile in shared memory besides q, k
-    and v: a bias, or the scores of a relative-bias table."""
-    return features.bias or "relative_bias" in features.score
-
-
 def default_tiling(features: Features, mask: ResolvedMask) -> TritonConfig:
     """The heuristic config: per head dim and features, then the short-row variant for static
     layouts whose rows visit few, scattered blocks (BigBird-like)."""
@@ -77,11 +73,9 @@ def default_tiling(features: Features, mask: ResolvedMask) -> TritonConfig:
     else:
         fwd, fl, bwd, bl = (32, 32), (4, 1), (32, 32), (4, 1)
         dq, dl = bwd, bl
-    if float32_tile(features):
-        # The float32 bias tile is pipelined through shared memory like k and v, and a
-        # relative-bias table takes about as much again (measured on the H200: 64 KiB over the
-        # 128x128 forward's three stages): halve the kv tile (and keep two stages) so every
-        # stage still fits in the 227 KiB.
+    if features.bias:
+        # The float32 bias tile is pipelined through shared memory like k and v: halve the
+        # kv tile (and keep two stages) so every stage still fits in the 227 KiB.
         fwd, bwd = (fwd[0], max(32, fwd[1] // 2)), (bwd[0], max(32, bwd[1] // 2))
         fl, bl = (fl[0], min(fl[1], 2)), (bl[0], min(bl[1], 2))
         dq, dl = bwd, bl
@@ -101,6 +95,7 @@ def default_tiling(features: Features, mask: ResolvedMask) -> TritonConfig:
         block_q_dq=min(dq[0], cap_q), block_kv_dq=min(dq[1], cap_k),
         num_warps_dq=dl[0], num_stages_dq=dl[1],
     )
+    tiling = fewer_stages_where_over(tiling, features)
     if short is not None and mask.is_static and not (features.segment_ids or features.positions):
         # Short scattered rows (BigBird-like static layouts): the short-row tiling.
         bitmaps = mask.kernel_terms([(tiling.block_q, tiling.block_kv)]) is None
@@ -132,8 +127,11 @@ def shared_memory(tiling: TritonConfig, features: Features) -> dict[str, int]:
 
     def launch(held_rows, held_width, piped_rows, piped_width, stages, bias_tile):
         stages = stages or 2
-        bias = stages * bias_tile * 4 if float32_tile(features) else 0
-        return (held_rows * held_width + stages * piped_rows * piped_width) * size + bias
+        bias = stages * bias_tile * 4 if features.bias else 0
+        # A relative-bias table's scores take one float32 tile once (measured on the H200:
+        # the 128x128 forward asked 64 KiB more than without).
+        table = bias_tile * 4 if "relative_bias" in features.score else 0
+        return (held_rows * held_width + stages * piped_rows * piped_width) * size + bias + table
 
     bq, bk = t.block_q, t.block_kv
     dq_q, dq_k = t.dq_blocks
@@ -143,6 +141,23 @@ def shared_memory(tiling: TritonConfig, features: Features) -> dict[str, int]:
         "dq": launch(dq_q, d + dv, dq_k, d + dv, t.num_stages_dq, dq_q * dq_k),
         "dk/dv": launch(kv_k, d + dv, kv_q, d + dv, t.num_stages_bwd, kv_q * kv_k),
     }
+
+
+#: Each launch's stages field, by `shared_memory`'s names.
+_STAGES = {"forward": "num_stages", "dq": "num_stages_dq", "dk/dv": "num_stages_bwd"}
+
+
+def fewer_stages_where_over(tiling: TritonConfig, features: Features) -> TritonConfig:
+    """`tiling` with each launch over the shared memory (`shared_memory`) given fewer stages,
+    down to two, until it fits (a relative-bias table's tile takes the 128x128 forward from
+    three stages to two)."""
+    for name, field in _STAGES.items():
+        while shared_memory(tiling, features)[name] > SHARED_MEMORY_BYTES:
+            stages = getattr(tiling.explicit(), field) or 2
+            if stages <= 2:
+                break
+            tiling = dataclasses.replace(tiling.explicit(), **{field: stages - 1})
+    return tiling
 
 
 def launch_problem(tiling: TritonConfig, features: Features) -> str | None:

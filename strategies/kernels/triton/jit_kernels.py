@@ -100,15 +100,18 @@ def _bucket(d, THRESH, BIDIR: tl.constexpr, HALF: tl.constexpr, NT: tl.constexpr
 def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, HAS_ALIBI: tl.constexpr,
                 HAS_REL: tl.constexpr, NB: tl.constexpr, BIDIR: tl.constexpr,
                 HALF: tl.constexpr, NT: tl.constexpr):
-    """``(term, distance, bucket)`` on broadcastable query / key positions of query head `h`:
-    the float32 score terms (`ScoreTerms.apply`), ``k_pos - q_pos`` as float32 (the slope's
-    derivative) and the table's bucket ids (0 without a table)."""
+    """``(term, distance, bucket, lowest, highest)`` on broadcastable query / key positions of
+    query head `h`: the float32 score terms (`ScoreTerms.apply`), ``k_pos - q_pos`` as float32
+    (the slope's derivative), the table's bucket ids and their least and greatest value (0
+    without a table)."""
     delta = kp - qp
     dist = delta.to(tl.float32)
     term = dist * 0.0
     if HAS_ALIBI:
         term += tl.load(SLOPES + h) * dist
     bucket = delta * 0
+    lowest = 0
+    highest = 0
     if HAS_REL:
         # No gather of a [rows, cols] tile from the table: the compiler would pipeline it
         # through shared memory like k and v (past the 227 KiB of a Hopper SM). Buckets grow
@@ -121,14 +124,18 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, HAS_ALIBI: tl.constexpr,
         b_lo = _bucket(d_lo, THRESH, BIDIR, HALF, NT)
         b_hi = _bucket(d_hi, THRESH, BIDIR, HALF, NT)
         one_side = (d_lo >= 0) | (d_hi < 0) if BIDIR else d_lo == d_lo
+        lowest = b_lo
+        highest = b_hi
         if one_side & (b_lo == b_hi):
             bucket += b_lo
             term += tl.load(TABLE + h * NB + b_lo)
         else:
             bucket += _bucket(d, THRESH, BIDIR, HALF, NT)
-            for bb in range(tl.min(bucket), tl.max(bucket) + 1):
+            lowest = tl.min(bucket)
+            highest = tl.max(bucket)
+            for bb in range(lowest, highest + 1):
                 term += tl.where(bucket == bb, tl.load(TABLE + h * NB + bb), 0.0)
-    return term, dist, bucket
+    return term, dist, bucket, lowest, highest
 
 
 @triton.jit
@@ -136,19 +143,20 @@ def _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, offs_n, LK: tl.cons
                 HAS_KPOS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr,
                 NB: tl.constexpr, BIDIR: tl.constexpr, HALF: tl.constexpr, NT: tl.constexpr):
     """`_score_tile` of queries at positions `qp` (rows) and keys `offs_n` (columns) of batch
-    `b`, its terms added to `bias`: ``(bias + term, distance, bucket)``."""
+    `b`, its terms added to `bias`: ``(bias + term, distance, bucket, lowest, highest)``."""
     kp, ks = _coords(KPOS, KPOS, b, offs_n, LK, HAS_KPOS, False, 0)
-    term, dist, bucket = _score_tile(SLOPES, TABLE, THRESH, h, qp[:, None], kp[None, :],
-                                     HAS_ALIBI, HAS_REL, NB, BIDIR, HALF, NT)
-    return bias + term, dist, bucket
+    term, dist, bucket, lowest, highest = _score_tile(
+        SLOPES, TABLE, THRESH, h, qp[:, None], kp[None, :], HAS_ALIBI, HAS_REL, NB, BIDIR,
+        HALF, NT)
+    return bias + term, dist, bucket, lowest, highest
 
 
 @triton.jit
-def _table_grad(dtab, ds, bucket, NBP: tl.constexpr):
-    """`dtab` ``[NBP]`` plus the per-bucket sums of `ds` over one tile. Only the buckets the
-    tile holds are visited: off the diagonal a tile holds one or two."""
+def _table_grad(dtab, ds, bucket, lowest, highest, NBP: tl.constexpr):
+    """`dtab` ``[NBP]`` plus the per-bucket sums of `ds` over one tile whose buckets run from
+    `lowest` to `highest`: off the diagonal a tile holds one."""
     offs_nb = tl.arange(0, NBP)
-    for bb in range(tl.min(bucket), tl.max(bucket) + 1):
+    for bb in range(lowest, highest + 1):
         part = tl.sum(tl.where(bucket == bb, ds, 0.0))
         dtab += tl.where(offs_nb == bb, part, 0.0)
     return dtab
@@ -365,9 +373,9 @@ def forward_kernel(
             else:
                 bias = 0.0
             if HAS_ALIBI or HAS_REL:
-                bias, dist, bucket = _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp,
-                                                 offs_n, LK, HAS_KPOS, HAS_ALIBI, HAS_REL, NB,
-                                                 REL_BIDIR, REL_HALF, NT)
+                bias, dist, bucket, lowest, highest = _with_score(
+                    bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, offs_n, LK, HAS_KPOS, HAS_ALIBI,
+                    HAS_REL, NB, REL_BIDIR, REL_HALF, NT)
             s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
             if phase == 1:
                 vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp, qs,
@@ -469,9 +477,9 @@ def dq_kernel(
             else:
                 bias = 0.0
             if HAS_ALIBI or HAS_REL:
-                bias, dist, bucket = _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp,
-                                                 offs_n, LK, HAS_KPOS, HAS_ALIBI, HAS_REL, NB,
-                                                 REL_BIDIR, REL_HALF, NT)
+                bias, dist, bucket, lowest, highest = _with_score(
+                    bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, offs_n, LK, HAS_KPOS, HAS_ALIBI,
+                    HAS_REL, NB, REL_BIDIR, REL_HALF, NT)
             s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
             if phase == 1:
                 vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp, qs,
@@ -490,7 +498,7 @@ def dq_kernel(
             if HAS_ALIBI:
                 dslope += tl.sum(ds * dist)
             if HAS_REL:
-                dtab = _table_grad(dtab, ds, bucket, NBP)
+                dtab = _table_grad(dtab, ds, bucket, lowest, highest, NBP)
             dq = _dot(ds.to(k.dtype), k, dq, IEEE)
     dq = dq * SCALE
     # Each program writes its own row of partial sums; XLA adds the rows (deterministic).
@@ -591,9 +599,9 @@ def dkdv_kernel(
                     bias = 0.0
                 if HAS_ALIBI or HAS_REL:
                     qp_m, qs_m = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, False, 0)
-                    term, dist, bucket = _score_tile(SLOPES, TABLE, THRESH, h, qp_m[None, :],
-                                                     kp[:, None], HAS_ALIBI, HAS_REL, NB,
-                                                     REL_BIDIR, REL_HALF, NT)
+                    term, dist, bucket, lowest, highest = _score_tile(
+                        SLOPES, TABLE, THRESH, h, qp_m[None, :], kp[:, None], HAS_ALIBI,
+                        HAS_REL, NB, REL_BIDIR, REL_HALF, NT)
                     bias = bias + term
                 s, t_cap = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
                 if phase == 1:
