@@ -157,7 +157,10 @@ _FLAGS = ("bias", "sinks", "soft_cap", "segment_ids", "positions")
 def call_key(kernel, features) -> str:
     """The part of a key that names the call without its mask (readable)."""
     f = features
-    flags = " ".join(name for name in _FLAGS if getattr(f, name)) or "-"
+    # Score terms change what a launch holds (a relative-bias table takes a tile of shared
+    # memory), so a config tuned without them is not one for a call with them.
+    score = [f"score={','.join(f.score)}"] if f.score else []
+    flags = " ".join([name for name in _FLAGS if getattr(f, name)] + score) or "-"
     kernel_text = type(kernel).__qualname__ + describe(kernel)[len(describe(type(kernel))):]
     return " | ".join((
         device_kind(f.platform), f"eqx_bsattn {__version__}",

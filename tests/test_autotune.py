@@ -445,3 +445,14 @@ def test_blocksparse_attention_with_cfg_none_reads_the_cache(monkeypatch):
     bsa.blocksparse_attention(q, k, v, causal=True, cfg={"block_q": 16, "block_kv": 16})
     assert [(p.tiling_source, p.tiling.block_q, p.tiling.block_kv) for p in plans] == [
         ("cache", 32, 16), ("module", 16, 16)]
+
+
+def test_score_terms_are_part_of_the_call_key():
+    """A config tuned without score terms is not found for a call with them, nor one tuned
+    with ALiBi for a call with a table."""
+    kernel = bsa.kernels.TritonBlockSparse()
+    keys = {score: _cache.call_key(kernel, bsa.Features(platform="gpu", score=score))
+            for score in ((), ("alibi",), ("relative_bias",), ("alibi", "relative_bias"))}
+    assert len(set(keys.values())) == len(keys)
+    assert "score=alibi,relative_bias" in keys[("alibi", "relative_bias")]
+    assert "score" not in keys[()]
