@@ -148,6 +148,24 @@ def _q_rows(coords: BlockCoords, start: int, stop: int) -> BlockCoords:
          if getattr(coords, f) is not None])
 
 
+def _row_blocks(mask: AbstractMask, q_coords: BlockCoords, kv_coords: BlockCoords, head: int,
+                start, size: int):
+    """`mask.blocks` of the `size` q-blocks from `start` (a traced int32) against every
+    kv-block."""
+    fields = [f for f in _RANGE_FIELDS if getattr(q_coords, f) is not None]
+    rows = eqx.tree_at(
+        lambda c: [getattr(c, f) for f in fields], q_coords,
+        [jax.lax.dynamic_slice_in_dim(getattr(q_coords, f), start, size, axis=-2)
+         for f in fields])
+    return mask.blocks(rows, kv_coords, head)
+
+
+# A static mask's blocks are classified at trace time, on concrete coordinates. Jitted, that is
+# one compiled program per (mask, head, shapes, chunk height), reused by every chunk of rows;
+# run op by op, each `jnp` operation in `blocks` compiled on its own for each new shape.
+_row_blocks_jit = eqx.filter_jit(_row_blocks)
+
+
 def token_coords(
     index: Array, positions: Array | None, segments: Array | None, length: int
 ) -> TokenCoords:
@@ -377,7 +395,8 @@ def static_capacity(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads: i
         for h in range(num_heads if mask.head_dependent else 1):
             per_col = np.zeros((nk,), np.int64)
             for start, stop in _chunks(nq, nk):
-                seen = np.asarray(mask.blocks(_q_rows(qc, start, stop), kc, h)) != EMPTY
+                seen = np.asarray(_row_blocks_jit(mask, qc, kc, h, np.int32(start),
+                                                  stop - start)) != EMPTY
                 seen = np.broadcast_to(seen, (1, stop - start, nk))[0]
                 rows = max(rows, int(seen.sum(-1).max()))
                 per_col += seen.sum(0)
@@ -543,6 +562,15 @@ def layout_of_resolved(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads
             "element bitmaps need a static mask; this call passes positions, segment ids or a "
             "mask array."
         )
+    per_call = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    if dynamic and not any(isinstance(x, jax.core.Tracer)
+                           for x in (*per_call, *jax.tree.leaves(mask))):
+        # Built outside a trace (an eager call, `plan`): one compiled program for the layout
+        # rather than each of its `jnp` operations compiled on its own.
+        return _layout_of_resolved_jit(
+            mask, q_len=q_len, kv_len=kv_len, num_heads=num_heads, block_q=block_q,
+            block_kv=block_kv, q_positions=q_positions, kv_positions=kv_positions,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     mh = num_heads if mask.head_dependent else 1
     nq = math.ceil(q_len / block_q)
     nk = math.ceil(kv_len / block_kv)
@@ -560,8 +588,12 @@ def layout_of_resolved(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads
 
     def row_classes(start, stop):
         """[mb, mh, stop - start, nk] int8: the classes of q-blocks ``start:stop``."""
-        rows = _q_rows(qc, start, stop)
-        per_head = [mask.blocks(rows, kc, h) for h in range(mh)]
+        if dynamic:
+            rows = _q_rows(qc, start, stop)
+            per_head = [mask.blocks(rows, kc, h) for h in range(mh)]
+        else:
+            per_head = [_row_blocks_jit(mask, qc, kc, h, np.int32(start), stop - start)
+                        for h in range(mh)]
         mb = max(c.shape[0] if c.ndim == 3 else 1 for c in per_head)
         shape = (mb, stop - start, nk)
         return ragged(jnp.stack([jnp.broadcast_to(c, shape) for c in per_head], 1))
@@ -627,3 +659,6 @@ def layout_of_resolved(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads
         block_kv=block_kv,
         is_static=not dynamic,
     )
+
+
+_layout_of_resolved_jit = eqx.filter_jit(layout_of_resolved)
