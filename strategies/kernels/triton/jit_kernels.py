@@ -118,9 +118,9 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, HAS_ALIBI: tl.constexpr,
         # with |distance| on each side of the diagonal, so the buckets of the tile's nearest
         # and farthest distances bound it; where they agree (all tiles but those near the
         # diagonal) the term is one scalar, else each bucket the tile holds is added in turn.
-        d = qp - kp
-        d_lo = tl.min(d)
-        d_hi = tl.max(d)
+        # From the position vectors, not the [rows, cols] tile of distances.
+        d_lo = tl.min(qp) - tl.max(kp)
+        d_hi = tl.max(qp) - tl.min(kp)
         b_lo = _bucket(d_lo, THRESH, BIDIR, HALF, NT)
         b_hi = _bucket(d_hi, THRESH, BIDIR, HALF, NT)
         one_side = (d_lo >= 0) | (d_hi < 0) if BIDIR else d_lo == d_lo
@@ -130,7 +130,7 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, HAS_ALIBI: tl.constexpr,
             bucket += b_lo
             term += tl.load(TABLE + h * NB + b_lo)
         else:
-            bucket += _bucket(d, THRESH, BIDIR, HALF, NT)
+            bucket += _bucket(qp - kp, THRESH, BIDIR, HALF, NT)
             lowest = tl.min(bucket)
             highest = tl.max(bucket)
             for bb in range(lowest, highest + 1):
