@@ -387,7 +387,7 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # Order: the tests that run for a minute or more on one worker (measured on 2 cores, in
 # seconds) start first, so that no worker ends the run alone on one of them while the others
-# idle. Their order among themselves, and every other test's, is the collection order.
+# idle. They go longest first; every other test keeps the collection order.
 
 LONG_TESTS = {
     "test_sharding_on_eight_devices_slow_cases": 290,
