@@ -140,24 +140,20 @@ def block_coords(
     )
 
 
-def _q_rows(coords: BlockCoords, start: int, stop: int) -> BlockCoords:
-    """The query-side `coords` of q-blocks ``start:stop`` only (arrays ``[mb, n, 1]``)."""
+def _q_rows(coords: BlockCoords, start, size: int) -> BlockCoords:
+    """The query-side `coords` of the `size` q-blocks from `start` (an int, or a traced int32)
+    only (arrays ``[mb, size, 1]``)."""
+    fields = [f for f in _RANGE_FIELDS if getattr(coords, f) is not None]
     return eqx.tree_at(
-        lambda c: [getattr(c, f) for f in _RANGE_FIELDS if getattr(c, f) is not None], coords,
-        [getattr(coords, f)[..., start:stop, :] for f in _RANGE_FIELDS
-         if getattr(coords, f) is not None])
+        lambda c: [getattr(c, f) for f in fields], coords,
+        [jax.lax.dynamic_slice_in_dim(getattr(coords, f), start, size, axis=-2)
+         for f in fields])
 
 
 def _row_blocks(mask: AbstractMask, q_coords: BlockCoords, kv_coords: BlockCoords, head: int,
                 start, size: int):
-    """`mask.blocks` of the `size` q-blocks from `start` (a traced int32) against every
-    kv-block."""
-    fields = [f for f in _RANGE_FIELDS if getattr(q_coords, f) is not None]
-    rows = eqx.tree_at(
-        lambda c: [getattr(c, f) for f in fields], q_coords,
-        [jax.lax.dynamic_slice_in_dim(getattr(q_coords, f), start, size, axis=-2)
-         for f in fields])
-    return mask.blocks(rows, kv_coords, head)
+    """`mask.blocks` of the `size` q-blocks from `start` against every kv-block."""
+    return mask.blocks(_q_rows(q_coords, start, size), kv_coords, head)
 
 
 # A static mask's blocks are classified at trace time, on concrete coordinates. Jitted, that is
@@ -588,12 +584,9 @@ def layout_of_resolved(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads
 
     def row_classes(start, stop):
         """[mb, mh, stop - start, nk] int8: the classes of q-blocks ``start:stop``."""
-        if dynamic:
-            rows = _q_rows(qc, start, stop)
-            per_head = [mask.blocks(rows, kc, h) for h in range(mh)]
-        else:
-            per_head = [_row_blocks_jit(mask, qc, kc, h, np.int32(start), stop - start)
-                        for h in range(mh)]
+        # Traced with the call's data, or (static) one compiled program per chunk height.
+        blocks = _row_blocks if dynamic else _row_blocks_jit
+        per_head = [blocks(mask, qc, kc, h, np.int32(start), stop - start) for h in range(mh)]
         mb = max(c.shape[0] if c.ndim == 3 else 1 for c in per_head)
         shape = (mb, stop - start, nk)
         return ragged(jnp.stack([jnp.broadcast_to(c, shape) for c in per_head], 1))
