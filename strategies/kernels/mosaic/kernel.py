@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Features, MaskReads,
                                   ResolvedMask, add_sinks, backward_delta, pad_axis, public_lse,
-                                  zero_cotangent)
+                                  typed_like, zero_cotangent)
 
 from .backward import BackwardConfig, backward_blocks, dkv_call, dq_accumulator_shape, dq_call
 from .common import persistent_schedule
@@ -225,11 +225,13 @@ def _pad(x, length: int, fill=0):
 
 
 def _forward(fcfg: ForwardConfig, q, k, v, seg, lists):
+    """The forward launch's ``(out, lse)``, typed like q, k and v inside `shard_map` (a
+    launch's outputs vary over no mesh axis)."""
     q_len = q.shape[2]
     *layout_lists, items, counts = lists
     out, lse = forward_call(fcfg, _pad(q, fcfg.q_len), _pad(k, fcfg.kv_len),
                             _pad(v, fcfg.kv_len), *layout_lists, *seg, schedule=(items, counts))
-    return out[:, :, :q_len], lse[:, :, :q_len]
+    return typed_like((out[:, :, :q_len], lse[:, :, :q_len]), q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -253,7 +255,8 @@ def _attend_bwd(fcfg, bcfg, res, cotangents):
     dq, dk, dv = mosaic_backward(bcfg, q, k, v, do.astype(q.dtype), lse, delta, seg, dq_lists,
                                  t_lists)
     zeros = jax.tree.map(zero_cotangent, (seg, lists, bwd_lists))
-    return (dq, dk, dv) + zeros
+    # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none).
+    return tuple(typed_like(g, x) for g, x in zip((dq, dk, dv), (q, k, v))) + zeros
 
 
 def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists, t_lists, *,

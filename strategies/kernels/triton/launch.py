@@ -121,11 +121,12 @@ def score_constexprs(alibi: bool, relative: RelativeBuckets | None) -> dict:
 def list_mode(layout: BlockLayout, transposed: bool) -> str:
     """How a launch walks the full lists of `layout`: ``"range"`` (static, every list a range
     of consecutive blocks: no index loads), ``"index"`` (static, scattered) or ``"check"``
-    (built on the device from per-call data: the kernel checks each list for a range)."""
-    if not layout.is_static:
-        return "check"
+    (built on the device from per-call data, or a static layout picked by a traced index, as
+    the ring's steps pick theirs: the kernel checks each list for a range)."""
     count, index = ((layout.t_full_count, layout.t_full_index) if transposed
                     else (layout.full_count, layout.full_index))
+    if not layout.is_static or isinstance(count, jax.core.Tracer):
+        return "check"
     return "range" if lists_are_ranges(count, index) else "index"
 
 

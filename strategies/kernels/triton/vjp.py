@@ -6,7 +6,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import LN2, backward_delta, public_lse, zero_cotangent
+from eqx_bsattn.contract import (LN2, backward_delta, public_lse, typed_like,
+                                  zero_cotangent)
 
 from .launch import LaunchConfig, dkdv_launch, dq_launch, forward_launch
 
@@ -22,12 +23,18 @@ def attend(cfg: LaunchConfig, q, k, v, bias, sinks, score, data, lists, bwd_list
     layout's arrays and `bwd_lists` the dq layout's and the dk/dv layout's
     (`launch.layout_arrays`).
     """
-    out, _ = forward_launch(cfg, q, k, v, bias, sinks, score, data, lists)
+    out, _ = _forward(cfg, q, k, v, bias, sinks, score, data, lists)
     return out
 
 
+def _forward(cfg, q, k, v, *args):
+    """`forward_launch`, its outputs typed like q, k and v inside `shard_map` (a launch's
+    outputs vary over no mesh axis)."""
+    return typed_like(forward_launch(cfg, q, k, v, *args), q, k, v)
+
+
 def _attend_fwd(cfg, q, k, v, bias, sinks, score, data, lists, bwd_lists):
-    out, lse = forward_launch(cfg, q, k, v, bias, sinks, score, data, lists)
+    out, lse = _forward(cfg, q, k, v, bias, sinks, score, data, lists)
     return out, (q, k, v, bias, sinks, score, data, lists, bwd_lists, out, lse)
 
 
@@ -59,7 +66,10 @@ def _attend_bwd(cfg, res, do, dlse=None):
     else:
         dsinks = jnp.zeros_like(sinks)
     zeros = jax.tree.map(zero_cotangent, (data, lists, bwd_lists))
-    return (dq, dk, dv, dbias, dsinks, dscore) + zeros
+    # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none).
+    grads = jax.tree.map(typed_like, (dq, dk, dv, dbias, dsinks, dscore),
+                         (q, k, v, bias, sinks, score))
+    return grads + zeros
 
 
 attend.defvjp(_attend_fwd, _attend_bwd)
@@ -69,7 +79,7 @@ attend.defvjp(_attend_fwd, _attend_bwd)
 def attend_with_lse(cfg: LaunchConfig, q, k, v, bias, sinks, score, data, lists, bwd_lists):
     """`attend` and each row's float32 log-sum-exp ``[B, H, Lq]`` (natural log; ``-inf`` on
     rows that see no key); differentiable in both."""
-    out, lse = forward_launch(cfg, q, k, v, bias, sinks, score, data, lists)
+    out, lse = _forward(cfg, q, k, v, bias, sinks, score, data, lists)
     return out, public_lse(lse, base2=True)
 
 
