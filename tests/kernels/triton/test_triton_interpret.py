@@ -1,4 +1,5 @@
-"""`TritonBlockSparse`'s score terms on the CPU, through Triton's interpreter.
+"""`TritonBlockSparse`'s score terms, and its launches inside `shard_map`, on the CPU, through
+Triton's interpreter.
 
 These run only where `tests/conftest.py` installed the interpreter
 (``EQX_BSATTN_TRITON_INTERPRET``, see benchmarks/triton_interpret.py); elsewhere they skip.
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
-from eqx_bsattn import masks, scores
+from eqx_bsattn import masks, scores, sharding
 from eqx_bsattn.strategies.kernels import DenseReference, TritonBlockSparse
 from tests.conftest import t5_bucket
 
@@ -135,3 +136,29 @@ def test_slopes_and_table_together_with_gqa_and_vmap():
         assert np.abs(np.asarray(w)).max() > 0, name
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4,
                                    atol=1e-4 * np.abs(np.asarray(w)).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("form", ["heads", "ring"])
+def test_inside_shard_map_on_a_one_device_mesh(form):
+    """`ShardMap` and `RingAttention` (one step) run the launches inside `shard_map`: each
+    output and cotangent must carry its input's mesh axes, and a ring step's static layout,
+    picked by a traced index, is walked as lists checked on the device."""
+    mesh = jax.make_mesh((1,), ("x",))
+    shard = (sharding.ShardMap(mesh, head_axis="x") if form == "heads"
+             else sharding.RingAttention(mesh, seq_axis="x"))
+    ks = jax.random.split(jax.random.key(4), 4)
+    q, k, v, w = (jax.random.normal(kk, (1, 2, 128, 16)) for kk in ks)
+    mask = masks.Causal() & masks.SlidingWindow(40, 0)
+
+    def run(kernel, shard):
+        attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, sharding=shard,
+                                        tiling=bsa.Tiling(block_q=32, block_kv=32))
+        loss = lambda q, k, v: jnp.sum(attn(q, k, v) * w)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    got = run(TritonBlockSparse(), shard)
+    with jax.default_matmul_precision("highest"):
+        want = run(DenseReference(), sharding.Unsharded())
+    for name, g, w_ in zip(("loss", "q", "k", "v"), jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w_), rtol=1e-4,
+                                   atol=1e-4 * np.abs(np.asarray(w_)).max(), err_msg=name)
