@@ -336,8 +336,22 @@ def _quick(cls, name: str) -> list:
             else [pytest.mark.slow])
 
 
-PARAMS = [pytest.param(cls, name, dtype, marks=_marks(cls, runs=True) + _quick(cls, name),
-                        id=f"{cls.name}-{name}-{dtype}")
+#: Cases a kernel is known to miss, with what was measured (strict: a pass fails the run).
+KNOWN_MISSES = {
+    ("triton", "tiled_bias_1111", "bfloat16"): (
+        "H200, jax 0.11.2: the scalar bias's gradient is 3.1e-2 off in bfloat16 (tolerance "
+        "2e-2; out, dq, dk, dv 2e-3 to 3e-3). It sums dS over every pair, which nearly "
+        "cancels (each row's dS sums to zero without the soft cap)."),
+}
+
+
+def _known_miss(cls, name, dtype) -> list:
+    why = KNOWN_MISSES.get((cls.name, name, dtype))
+    return [] if why is None else [pytest.mark.xfail(strict=True, reason=why)]
+
+
+PARAMS = [pytest.param(cls, name, dtype, marks=_marks(cls, runs=True) + _quick(cls, name)
+                       + _known_miss(cls, name, dtype), id=f"{cls.name}-{name}-{dtype}")
           for cls in KERNELS for name, case in CASES.items() for dtype in _dtypes(cls, case)]
 
 
