@@ -151,7 +151,9 @@ def device_kind(platform: str) -> str:
         return platform
 
 
-_FLAGS = ("bias", "sinks", "soft_cap", "segment_ids", "positions")
+#: The features a key names when set. `in_loop` changes the config a kernel runs
+#: (`XlaBlockSparse` halves its slot), so a config tuned there is kept apart.
+_FLAGS = ("bias", "sinks", "soft_cap", "segment_ids", "positions", "in_loop")
 
 
 def call_key(kernel, features) -> str:

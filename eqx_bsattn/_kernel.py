@@ -41,6 +41,10 @@ class Features:
     #: Per-call positions: the caller's, or those a sharding passes to each shard's call.
     positions: bool = False
     lse: bool = False
+    #: The kernel runs inside a sharding's loop body, forward and backward together
+    #: (`AbstractSharding.loops_kernel`: `RingAttention`), where XLA keeps more of its
+    #: temporaries live at once; a kernel that bounds them per step may lower the bound.
+    in_loop: bool = False
     #: The score terms the call adds (`ScoreTerms.kinds`): e.g. ``("alibi",)``; ``()``: none.
     score: tuple[str, ...] = ()
 

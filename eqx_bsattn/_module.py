@@ -294,6 +294,7 @@ class BlockSparseAttention(eqx.Module):
             positions=(inputs.q_positions is not None or inputs.kv_positions is not None
                        or self.sharding.passes_positions),
             lse=self.sharding.needs_lse,
+            in_loop=self.sharding.loops_kernel,
             score=() if inputs.score is None else inputs.score.kinds,
         )
         if is_auto(self.kernel):

@@ -24,7 +24,7 @@ class AbstractSharding(AbstractStrategy):
     out`` that runs it spread over devices, splitting the compiled mask per shard.
     `Unsharded` returns it unchanged.
 
-    Every concrete sharding sets three class variables (abstract here):
+    Every concrete sharding sets four class variables (abstract here):
 
     - `needs_lse`: the sharding merges partial results by their log-sum-exp, so the selector
       declines every kernel that is not an `AbstractLseKernel`.
@@ -34,11 +34,16 @@ class AbstractSharding(AbstractStrategy):
     - `passes_score`: the sharding hands each shard's call the score terms with their
       unsharded meaning (the rows of the shard's query heads, global head ids and
       positions); a module with a `score` refuses the other shardings.
+    - `loops_kernel`: the sharding runs the kernel inside the body of a loop of its own, its
+      forward and its backward together (`RingAttention`'s backward recomputes each step's
+      forward there), so the call's `Features.in_loop` is set and a kernel that bounds its
+      temporaries per step may lower the bound (`XlaConfig.slot_elements`).
     """
 
     needs_lse: AbstractClassVar[bool]
     passes_positions: AbstractClassVar[bool]
     passes_score: AbstractClassVar[bool]
+    loops_kernel: AbstractClassVar[bool]
 
     @abc.abstractmethod
     def wrap(self, fn: Callable) -> Callable:
@@ -51,6 +56,7 @@ class Unsharded(AbstractSharding):
     needs_lse: ClassVar[bool] = False
     passes_positions: ClassVar[bool] = False
     passes_score: ClassVar[bool] = True
+    loops_kernel: ClassVar[bool] = False
 
     def wrap(self, fn: Callable) -> Callable:
         return fn

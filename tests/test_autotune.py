@@ -1,6 +1,7 @@
 """autotune: candidates, checks against the heuristic's result, the persistent cache, the
 policy variable, and the plan reading the cache inside jit."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -456,3 +457,24 @@ def test_score_terms_are_part_of_the_call_key():
     assert len(set(keys.values())) == len(keys)
     assert "score=alibi,relative_bias" in keys[("alibi", "relative_bias")]
     assert "score" not in keys[()]
+
+
+def test_a_call_inside_a_sharding_loop_is_keyed_apart_and_its_slot_round_trips(cache_dir):
+    """`Features.in_loop` (the ring) changes the slot `XlaBlockSparse` runs, so a config tuned
+    there is not read for the same call unsharded; keys without it are as before; a config's
+    `slot_elements` is written and read back (one left unset stays unset)."""
+    kernel = bsa.kernels.XlaBlockSparse()
+    plain = bsa.Features(platform="cpu", q_len=64, kv_len=64, positions=True)
+    looped = dataclasses.replace(plain, in_loop=True)
+    assert "in_loop" not in _cache.call_key(kernel, plain)
+    assert _cache.call_key(kernel, looped) == _cache.call_key(kernel, plain) + " in_loop"
+    resolved = _resolved(bsa.masks.Causal(), plain)
+    ring_config = kernel.adapt_tiling(kernel.default_tiling(looped, resolved), looped)
+    assert ring_config.slot_elements == 1 << 21
+    assert _cache.store(kernel, looped, resolved, ring_config, {})
+    assert _cache.lookup(kernel, looped, resolved) == ring_config
+    assert _cache.lookup(kernel, plain, resolved) is None
+    unset = kernel.adapt_tiling(kernel.default_tiling(plain, resolved), plain)
+    assert "slot_elements" not in _cache.tiling_to_json(unset)
+    assert _cache.store(kernel, plain, resolved, unset, {})
+    assert _cache.lookup(kernel, plain, resolved) == unset

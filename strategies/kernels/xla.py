@@ -7,7 +7,7 @@ so each gathered K/V block serves the whole group); with per-head masks each que
 own unit (``G = 1``). One `lax.fori_loop` walks the slots of the `BlockLayout` lists, first the
 FULL blocks (no masking), then the PARTIAL ones (mask evaluated on the block's token indices);
 at each slot every (batch, kv_head, unit, block) advances at once, mapped with `vmap` (in
-chunks of blocks one after another past `_SLOT_ELEMENTS` scores, so memory stays linear). The work
+chunks of blocks one after another past `XlaConfig.slot_elements` scores, so memory stays linear). The work
 scales with the number of visited blocks; no ``Lq x Lk`` array is built. A bias keeps its size-1
 axes (``[bb, hb, Lq or 1, Lk or 1]``: the kernel is an `AbstractBroadcastBiasKernel`): each block
 slices its rows and columns from it, and the gradient of a bias without an ``Lq`` (``Lk``) axis
@@ -68,6 +68,7 @@ class _Config(NamedTuple):
     fwd_trips: tuple[_Trips, _Trips]  # full, partial lists of the forward layout
     dq_trips: tuple[_Trips, _Trips]  # the same lists of the dq layout
     dkv_trips: tuple[_Trips, _Trips]  # the transposed lists of the dk/dv layout
+    slot: int  # the most score elements one chunk of a slot computes (`_chunk_width`)
     score: ScoreTerms | None = None  # the static part (arrays are inputs of the function)
 
 
@@ -324,16 +325,19 @@ def _arrange(aux, per_head: bool, bias, q, k, bq: int, bk: int, last: int,
                      sc)
 
 
-#: The most score elements (``rows x keys``, all mapped levels together) one slot of a pass
-#: computes at once. Past it the blocks of the last level run in chunks, one after another, so
-#: the temporaries of a slot (scores, probabilities, gathered K/V) stay bounded as L grows.
+#: The default of `XlaConfig.slot_elements`: the most score elements (``rows x keys``, all
+#: mapped levels together) one slot of a pass computes at once. Past it the blocks of the last
+#: level run in chunks, one after another, so the temporaries of a slot (scores, probabilities,
+#: gathered K/V) stay bounded as L grows. A call inside a sharding's loop (`Features.in_loop`)
+#: gets half of it (`XlaBlockSparse.adapt_tiling`).
 _SLOT_ELEMENTS = 1 << 22
 
 
-def _chunk_width(sizes: tuple[int, ...], block_elements: int) -> int:
-    """How many blocks of the last level one chunk maps, for blocks of `block_elements` scores."""
+def _chunk_width(sizes: tuple[int, ...], block_elements: int, slot: int) -> int:
+    """How many blocks of the last level one chunk maps, for blocks of `block_elements` scores
+    and at most `slot` scores a chunk."""
     per_block = math.prod(sizes[:-1]) * block_elements
-    return max(1, _SLOT_ELEMENTS // per_block)
+    return max(1, slot // per_block)
 
 
 def _carry_like(value, *refs):
@@ -468,7 +472,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
         out = acc * jnp.where(seen, jnp.exp(m - lse), 0.0)[..., None]
         return out, jnp.where(seen, lse, jnp.inf)
 
-    width = _chunk_width(arr.sizes, g * bq * bk)
+    width = _chunk_width(arr.sizes, g * bq * bk, cfg.slot)
     out, lse = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), (q_r,), g * bq,
                           (q, k, v, bias, sinks, score, aux))
     out = _units_to_rows(out, q_len, arr.per_head)
@@ -576,7 +580,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
         # The slot axis last, so that the block level is axis 3 as `_by_chunks` joins it.
         return dq, d_score, rows, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1))
 
-    width = _chunk_width(arr.sizes, g * bq * bk)
+    width = _chunk_width(arr.sizes, g * bq * bk, cfg.slot)
     dq, d_score, rows, ds_buf = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), q_side,
                                            g * bq, (q, k, v, bias, score, aux, d_out, lse,
                                                     delta))
@@ -678,7 +682,7 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
         carry = run_list(arr_c, k_c, v_c, cfg.dkv_trips[0], fc, fi, False, carry)
         return run_list(arr_c, k_c, v_c, cfg.dkv_trips[1], pc, pi, True, carry)
 
-    width = _chunk_width(arr.sizes, g * bq * bk)  # G query heads of bq rows each
+    width = _chunk_width(arr.sizes, g * bq * bk, cfg.slot)  # G query heads of bq rows each
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
     dk, dv, keys = _by_chunks(run_chunk, nk, width, (fc, fi, pc, pi), (k_r, v_r), bk,
                               (q, k, v, bias, score, aux, d_out, lse, delta))
@@ -780,13 +784,25 @@ def _lists_only(mask: CompiledMask) -> CompiledMask:
 
 
 class XlaConfig(AbstractKernelConfig):
-    """`XlaBlockSparse`'s config: the block sizes of its forward, dq and dk/dv passes.
+    """`XlaBlockSparse`'s config: the block sizes of its forward, dq and dk/dv passes, and the
+    size of one slot's work.
 
     The dk/dv blocks default to the forward ones, the dq blocks to the dk/dv ones. Blocks
     longer than a sequence shrink to it when the kernel runs (`XlaBlockSparse.adapt_tiling`).
 
+    `slot_elements` bounds the scores one step of a pass's loop computes at once: every
+    (batch, kv head, unit) at one slot of its block list, ``B x Hkv x U x blocks x G x bq x
+    bk`` float32 elements (``[B, Hkv, U, blocks, G, bq, bk]``). Past it the blocks of a pass
+    run in chunks of ``slot_elements // (B x Hkv x U x G x bq x bk)`` blocks (at least one),
+    one after another, so each of the slot's temporaries (scores, probabilities, their
+    gradients) holds at most that many elements: 4 bytes each, 16.8 MB at the default.
+    ``None`` (the default) is ``2**22``, or ``2**21`` for a call inside a sharding's loop
+    (`Features.in_loop`: `RingAttention`, in whose backward loop body XLA holds a slot's
+    temporaries twice). A smaller slot lowers the peak memory and runs more, shorter loops.
+
     ```python
     tiling = kernels.XlaConfig(block_q=128, block_kv=64, block_q_dkv=128, block_kv_dkv=128)
+    lean = kernels.XlaConfig(block_q=128, block_kv=128, slot_elements=2**20)  # 4.2 MB a score array
     ```
     """
 
@@ -796,6 +812,7 @@ class XlaConfig(AbstractKernelConfig):
     block_kv_dq: int | None = eqx.field(default=None, static=True)
     block_q_dkv: int | None = eqx.field(default=None, static=True)
     block_kv_dkv: int | None = eqx.field(default=None, static=True)
+    slot_elements: int | None = eqx.field(default=None, static=True)
 
     forward_fields: ClassVar[tuple[str, ...]] = ("block_q", "block_kv")
 
@@ -808,18 +825,25 @@ class XlaConfig(AbstractKernelConfig):
                               (self.block_q_dkv, self.block_kv_dkv))
 
     def explicit(self) -> "XlaConfig":
-        """The same config with the dq and dk/dv blocks spelled out."""
-        return XlaConfig.of_blocks(self.blocks)
+        """The same config with the dq and dk/dv blocks spelled out (the slot as it is)."""
+        return XlaConfig.of_blocks(self.blocks, self.slot_elements)
 
     def text(self) -> str:
-        return blocks_text(self.blocks)
+        """The blocks (`blocks_text`), and the slot where set: ``"... | slot 2^21"``."""
+        text = blocks_text(self.blocks)
+        slot = self.slot_elements
+        if slot is None:
+            return text
+        power = slot.bit_length() - 1
+        return f"{text} | slot {f'2^{power}' if slot == 1 << power else slot}"
 
     @classmethod
-    def of_blocks(cls, blocks: PassBlocks) -> "XlaConfig":
-        """The config that runs these `PassBlocks` (another config's `blocks`)."""
+    def of_blocks(cls, blocks: PassBlocks, slot_elements: int | None = None) -> "XlaConfig":
+        """The config that runs these `PassBlocks` (another config's `blocks`), with this
+        `slot_elements`."""
         (bq, bk), (dq_q, dq_k), (kv_q, kv_k) = blocks
         return cls(block_q=bq, block_kv=bk, block_q_dq=dq_q, block_kv_dq=dq_k, block_q_dkv=kv_q,
-                   block_kv_dkv=kv_k)
+                   block_kv_dkv=kv_k, slot_elements=slot_elements)
 
     @classmethod
     def heuristic(cls, features: Features) -> "XlaConfig":
@@ -834,7 +858,8 @@ class XlaConfig(AbstractKernelConfig):
     def clamped(self, features: Features) -> "XlaConfig":
         """Every block shrunk to its sequence (a longer one only pads it), spelled out."""
         lq, lk = features.q_len, features.kv_len
-        return XlaConfig.of_blocks(PassBlocks(*((min(q, lq), min(k, lk)) for q, k in self.blocks)))
+        blocks = PassBlocks(*((min(q, lq), min(k, lk)) for q, k in self.blocks))
+        return XlaConfig.of_blocks(blocks, self.slot_elements)
 
     def candidates(self, features: Features) -> tuple["XlaConfig", ...]:
         """This config, then the forward, dk/dv and dq blocks in turn set to each of a few
@@ -895,21 +920,30 @@ class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
         return XlaConfig.heuristic(features)
 
     def adapt_tiling(self, tiling: AbstractKernelConfig, features: Features) -> XlaConfig:
-        # Another kernel's config (or a `Tiling`) gives its blocks.
-        return XlaConfig.of_blocks(tiling.blocks).clamped(features)
+        # Another kernel's config (or a `Tiling`) gives its blocks. In a sharding's loop body,
+        # where a step's forward and backward run together, XLA holds a slot's temporaries
+        # twice (the ring's causal jit(grad), 16384 tokens a device, 2 devices: 283 MB at 2^22,
+        # 196 MB at 2^21; docs/sharding.md): a slot left unset there is half the default.
+        slot = tiling.slot_elements if isinstance(tiling, XlaConfig) else None
+        if slot is None and features.in_loop:
+            slot = _SLOT_ELEMENTS // 2
+        return XlaConfig.of_blocks(tiling.blocks, slot).clamped(features)
 
     def tiling_candidates(self, features: Features, mask):
         return tuple((t, None) for t in self.default_tiling(features, mask).candidates(features))
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
-        return self._run(query, key, value, mask, inputs, softmax_scale, logits_soft_cap, False)
+        return self._run(query, key, value, mask, inputs, tiling, softmax_scale,
+                         logits_soft_cap, False)
 
     def attention_with_lse(self, query, key, value, *, mask, inputs, features, tiling,
                            softmax_scale, logits_soft_cap):
-        return self._run(query, key, value, mask, inputs, softmax_scale, logits_soft_cap, True)
+        return self._run(query, key, value, mask, inputs, tiling, softmax_scale,
+                         logits_soft_cap, True)
 
-    def _run(self, query, key, value, mask, inputs, softmax_scale, logits_soft_cap, with_lse):
+    def _run(self, query, key, value, mask, inputs, tiling, softmax_scale, logits_soft_cap,
+             with_lse):
         terms = inputs.score
         score = None if terms is None else terms.arrays
         refuse_forward_mode(type(self).__name__, query, key, value, inputs.bias, inputs.sinks,
@@ -926,6 +960,9 @@ class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
             fwd_trips=_static_trips(mask.forward, ("full_count", "partial_count")),
             dq_trips=_static_trips(mask.dq, ("full_count", "partial_count")),
             dkv_trips=_static_trips(mask.dkv, ("t_full_count", "t_partial_count")),
+            # The plan hands the kernel its own config (`adapt_tiling`); unset: the default.
+            slot=(tiling.slot_elements if isinstance(tiling, XlaConfig) else None)
+            or _SLOT_ELEMENTS,
             score=None if terms is None else terms.with_arrays(None, None),
         )
         aux = {"mask": mask_arrays, "data": data}

@@ -542,6 +542,8 @@ class RingAttention(AbstractSharding):
     needs_lse: ClassVar[bool] = True
     passes_positions: ClassVar[bool] = True
     passes_score: ClassVar[bool] = False  # score terms under the ring: not yet
+    # Each ring is one `jax.lax.scan`; the backward's body recomputes the step's forward.
+    loops_kernel: ClassVar[bool] = True
 
     def __check_init__(self):
         if not isinstance(self.seq_axis, str):

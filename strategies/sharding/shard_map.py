@@ -99,6 +99,7 @@ class ShardMap(AbstractSharding):
     needs_lse: ClassVar[bool] = False
     passes_positions: ClassVar[bool] = False
     passes_score: ClassVar[bool] = True
+    loops_kernel: ClassVar[bool] = False
 
     def __check_init__(self):
         check_mesh(self.mesh, {"batch_axis": self.batch_axis, "head_axis": self.head_axis})

@@ -302,3 +302,53 @@ def test_selector_prefers_xla_on_cpu_and_tpu():
     assert bsa.select_kernel(masks.Causal(), "cpu").kernel.name == "xla"
     assert kernels.XlaBlockSparse.priority("tpu") == 10
     assert kernels.XlaBlockSparse.priority("gpu") == 5
+
+
+def test_slot_elements_is_checked_printed_and_kept_by_every_copy():
+    for bad in (0, -4, 1.5, True):
+        with pytest.raises(ValueError, match=r"`XlaConfig.slot_elements` must be a positive int"):
+            kernels.XlaConfig(128, 64, slot_elements=bad)
+    config = kernels.XlaConfig(128, 64, slot_elements=1 << 21)
+    assert config.text() == "fwd 128x64 | dq 128x64 | dk/dv 128x64 | slot 2^21"
+    assert kernels.XlaConfig(64, 64, slot_elements=3000).text().endswith("| slot 3000")
+    assert kernels.XlaConfig(128, 64).text() == "fwd 128x64 | dq 128x64 | dk/dv 128x64"
+    short = bsa.Features(q_len=40, kv_len=20)
+    kernel = kernels.XlaBlockSparse()
+    for copy in (config.explicit(), config.clamped(short), kernel.adapt_tiling(config, short),
+                 *config.candidates(short)):
+        assert copy.slot_elements == 1 << 21
+    # Unset: the default, except inside a sharding's loop (Features.in_loop), where a slot
+    # holds half of it; a slot given is kept there too.
+    looped = bsa.Features(q_len=40, kv_len=20, in_loop=True)
+    assert kernel.adapt_tiling(Tiling(16, 16), short).slot_elements is None
+    assert kernel.adapt_tiling(Tiling(16, 16), looped).slot_elements == 1 << 21
+    assert kernel.adapt_tiling(kernels.XlaConfig(16, 16), looped).slot_elements == 1 << 21
+    assert kernel.adapt_tiling(config.explicit().clamped(looped), looped) == config.clamped(looped)
+    assert kernel.adapt_tiling(kernels.XlaConfig(16, 16, slot_elements=512),
+                               looped).slot_elements == 512
+
+
+def test_a_smaller_slot_runs_in_chunks_with_less_memory_and_the_same_result():
+    """Causal, L=4096, H=2: every pass fits one slot at the default; at 2^18 scores a slot the
+    backward runs its blocks in 4 chunks, the result unchanged and jit(grad)'s temporaries
+    smaller."""
+    q, k, v = (random_array(i, (1, 2, 4096, 32)) for i in range(3))
+
+    def attn(slot):
+        return bsa.BlockSparseAttention(
+            mask=masks.Causal(), kernel=kernels.XlaBlockSparse(),
+            tiling=kernels.XlaConfig(128, 128, slot_elements=slot))
+
+    def loss(m):
+        return lambda q, k, v: jnp.sum(m(q, k, v) ** 2)
+
+    grads = {}
+    temps = {}
+    for slot in (None, 1 << 18):
+        fn = jax.jit(jax.grad(loss(attn(slot)), argnums=(0, 1, 2)))
+        temps[slot] = fn.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+        grads[slot] = fn(q, k, v)
+    assert temps[1 << 18] < temps[None], temps
+    np.testing.assert_allclose(attn(1 << 18)(q, k, v), attn(None)(q, k, v), atol=1e-6)
+    for a, b in zip(grads[1 << 18], grads[None]):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
