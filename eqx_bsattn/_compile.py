@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Int
 
 from ._layout import (BlockLayout, carries_arrays, element_mask, layout_of_resolved,
                       resolve_mask)
-from ._mask import AbstractMask, MaskTerms
+from ._mask import AbstractMask, And, Document, MaskTerms
 
 #: How a kernel reads the mask (`AbstractKernel.reads`).
 MaskReads = Literal["dense", "elements", "terms"]
@@ -45,6 +45,11 @@ class CompiledMask(eqx.Module):
     - `head_terms`: the terms of each head (one entry when every head sees the same mask, as
       the mask declares them, tables included), ``None`` where a head's mask has none.
     - `predicate`: the resolved mask, as an element predicate: call `visible`.
+    - `hides_padding`: every pair the mask lets through has equal, non-negative segment ids
+      (a `Document` in an AND at the top, or terms that say so for every head), so a padding
+      token (a negative id) sees no key and is seen by no query. Its rows of q, k and v must
+      then reach no result, whatever they hold: the plan zeroes them before the kernel runs,
+      unless the kernel does it itself (`AbstractKernel.zeroes_padding`).
 
     Kernels never look inside `predicate`: the terms, the layouts and `visible` are the
     contract.
@@ -59,6 +64,7 @@ class CompiledMask(eqx.Module):
     q_len: int = eqx.field(static=True)
     kv_len: int = eqx.field(static=True)
     num_heads: int = eqx.field(static=True)
+    hides_padding: bool = eqx.field(default=False, static=True)
 
     @property
     def uses_segment_ids(self) -> bool:
@@ -191,9 +197,10 @@ class ResolvedMask:
         - ``"terms"``: a layout per pass; where the mask has no terms at these tiles, the
           layouts carry element bitmaps (which need a static mask).
         """
+        hides = hides_padding(self.mask, self.head_terms)
         if reads == "dense":
             return CompiledMask(None, None, None, self.mask, self.terms, self.head_terms,
-                                self.q_len, self.kv_len, self.num_heads)
+                                self.q_len, self.kv_len, self.num_heads, hides)
         if reads not in ("elements", "terms"):
             raise ValueError(f"`reads` must be 'dense', 'elements' or 'terms'; got {reads!r}.")
         tiles = _pass_tiles(tiling)
@@ -207,7 +214,23 @@ class ResolvedMask:
             )
         layouts = {name: self.layout(*blocks, bitmaps=bitmaps) for name, blocks in tiles.items()}
         return CompiledMask(layouts["forward"], layouts["dq"], layouts["dkv"], self.mask, terms,
-                            self.head_terms, self.q_len, self.kv_len, self.num_heads)
+                            self.head_terms, self.q_len, self.kv_len, self.num_heads, hides)
+
+
+def _needs_equal_segments(mask: AbstractMask) -> bool:
+    """Whether every pair `mask` lets through has equal, non-negative segment ids (a `Document`
+    in an AND at the top)."""
+    if isinstance(mask, Document):
+        return True
+    if isinstance(mask, And):
+        return _needs_equal_segments(mask.left) or _needs_equal_segments(mask.right)
+    return False
+
+
+def hides_padding(mask: AbstractMask, head_terms: tuple[MaskTerms | None, ...]) -> bool:
+    """`CompiledMask.hides_padding` of a resolved `mask` whose heads have `head_terms`."""
+    terms_say = bool(head_terms) and all(t is not None and t.segment_ids for t in head_terms)
+    return terms_say or _needs_equal_segments(mask)
 
 
 def describe_terms(terms: MaskTerms | None) -> str:

@@ -188,6 +188,11 @@ class AbstractKernel(AbstractStrategy):
     #: tuned before it stale.
     version: ClassVar[str] = "1"
     config_type: ClassVar[type[AbstractKernelConfig]] = Tiling
+    #: True: where the mask hides padding (`CompiledMask.hides_padding`) and the call has
+    #: segment ids, the kernel zeroes the q, k, v rows of padding tokens (negative ids) in each
+    #: block it reads, and their rows of dq, dk, dv, itself. Default False: the plan selects
+    #: zeros into full-size copies of q, k and v before the call.
+    zeroes_padding: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

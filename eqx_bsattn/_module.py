@@ -14,7 +14,7 @@ from ._compile import CompiledMask, ResolvedMask, describe_terms
 from ._inputs import (AttentionInputs, check_call, full_bias, hide_keys, prepare_inputs,
                       python_scalar)
 from ._kernel import AbstractBroadcastBiasKernel, AbstractKernel, Features
-from ._mask import EMPTY, AbstractMask, And, Document, Full
+from ._mask import EMPTY, AbstractMask, Document, Full
 from ._score import AbstractScore, attach_score, check_score, describe_score
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
 from ._sharding import AbstractSharding, Unsharded, on_auto_axes
@@ -376,31 +376,19 @@ class BlockSparseAttention(eqx.Module):
             query, key, value, data)
 
 
-def _needs_equal_segments(mask: AbstractMask) -> bool:
-    """Whether every pair `mask` lets through has equal, non-negative segment ids (a `Document`
-    in an AND at the top), so that padding (a negative id) sees nothing and is seen by nothing."""
-    if isinstance(mask, Document):
-        return True
-    if isinstance(mask, And):
-        return _needs_equal_segments(mask.left) or _needs_equal_segments(mask.right)
-    return False
-
-
 def _hide_padding(mask: CompiledMask, inputs: AttentionInputs, query, key, value):
-    """Zero the query rows and the key/value rows of padding tokens, when the mask hides them.
+    """Zero the query rows and the key/value rows of padding tokens, when the mask hides them
+    (`CompiledMask.hides_padding`).
 
-    A token with a negative segment id under a mask that needs equal segment ids sees no key
-    (as a query) and is seen by no query (as a key). Its rows then must not influence anything,
-    whatever they hold: padding buffers often hold garbage, and ``0 * nan`` in a kernel's
-    ``p @ v`` (or ``ds @ k`` in the backward) would spread it to every row of a tile. Selecting
-    zeros makes the output and every gradient independent of those rows, and their own
-    gradients exactly zero.
+    A token with a negative segment id under such a mask sees no key (as a query) and is seen
+    by no query (as a key). Its rows then must not influence anything, whatever they hold:
+    padding buffers often hold garbage, and ``0 * nan`` in a kernel's ``p @ v`` (or ``ds @ k``
+    in the backward) would spread it to every row of a tile. Selecting zeros makes the output
+    and every gradient independent of those rows, and their own gradients exactly zero. The
+    copies are full-size and the kernel keeps them for its backward; a kernel that zeroes the
+    rows block by block itself (`AbstractKernel.zeroes_padding`) gets the arrays unchanged.
     """
-    if inputs.q_segment_ids is None:
-        return query, key, value
-    terms_say = bool(mask.head_terms) and all(t is not None and t.segment_ids
-                                              for t in mask.head_terms)
-    if not (terms_say or _needs_equal_segments(mask.predicate)):
+    if inputs.q_segment_ids is None or not mask.hides_padding:
         return query, key, value
 
     def keep(x, segment_ids):  # x [B, H, L, D], segment_ids [B, L]
@@ -417,7 +405,8 @@ def run_plan(plan: CallPlan, query, key, value, sharding, logits_soft_cap, purif
     batched = query.ndim == 4
     if not batched:
         query, key, value = query[None], key[None], value[None]
-    query, key, value = _hide_padding(plan.mask, plan.inputs, query, key, value)
+    if not plan.kernel.zeroes_padding:
+        query, key, value = _hide_padding(plan.mask, plan.inputs, query, key, value)
 
     def attend(q, k, v, inputs, mask, *, return_lse=False):
         call = plan.kernel.attention_with_lse if return_lse else plan.kernel

@@ -247,12 +247,13 @@ def _concrete_owner(cls, name):
 #: Concrete members that subclasses may still replace: the kernels' tiling defaults (their
 #: config type and its heuristic, adaptation and candidates), which each kernel's own config
 #: takes over, their autotune cache `version` (bumped when a change makes configs tuned
-#: before it stale) and the score terms they evaluate (none by default); the masks'
+#: before it stale), the score terms they evaluate (none by default) and whether they zero
+#: padding rows themselves (no by default); the masks'
 #: structural hooks (an atom has no children, fits every length, resolves to itself, has no
 #: in-kernel terms).
 REPLACEABLE = {
     "AbstractKernel": {"config_type", "default_tiling", "adapt_tiling", "tiling_candidates",
-                       "version", "score_kinds"},
+                       "version", "score_kinds", "zeroes_padding"},
     "AbstractMask": {"terms", "children", "check", "resolve"},
 }
 

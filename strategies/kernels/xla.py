@@ -286,6 +286,35 @@ def _bias_block(bias_u, i, j, bq: int, bk: int):
     return jax.lax.dynamic_slice(bias_u, start, (bias_u.shape[0], min(rows, bq), min(keys, bk)))
 
 
+def _zero_padding(x, ids, index, block: int):
+    """Block `index` of `x` (``[..., block, e]``) with the rows of padding tokens (negative
+    segment `ids`, ``[L]``) zeroed, as `CompiledMask.hides_padding` asks; `x` itself when
+    `ids` is ``None``."""
+    if ids is None:
+        return x
+    keep = _block_positions(ids, index, block) >= 0
+    return jnp.where(keep[:, None], x, jnp.zeros((), x.dtype))
+
+
+def _zero_padding_rows(x, ids, block_ids, block: int):
+    """Results of the blocks `block_ids` in levels ``[B, Hkv, U, n, (G,) block, e]`` with the
+    rows of padding tokens (`ids` ``[B or 1, L]``) zeroed; `x` itself when `ids` is ``None``."""
+    if ids is None:
+        return x
+    idx = block_ids[:, None] * block + jnp.arange(block, dtype=jnp.int32)
+    keep = jnp.take(ids, idx, axis=-1, mode="clip") >= 0  # [B or 1, n, block]
+    b, n = keep.shape[:2]
+    keep = keep.reshape((b, 1, 1, n) + (1,) * (x.ndim - 6) + (block, 1))
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))
+
+
+def _padding_ids(mask: CompiledMask, aux):
+    """``(q_segment_ids, kv_segment_ids)`` when the kernel zeroes padding rows (the mask hides
+    padding and the call has segment ids), else ``(None, None)``."""
+    qs, ks = aux["data"][2:]
+    return (qs, ks) if mask.hides_padding and qs is not None else (None, None)
+
+
 class _Arranged(NamedTuple):
     """One pass's arrays arranged in mapped levels (see `_map_levels`)."""
 
@@ -407,6 +436,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
     rows that see no key), both float32."""
     mask = eqx.combine(aux["mask"], cfg.mask)
     layout = mask.forward
+    pad_q, pad_kv = _padding_ids(mask, aux)
     batch, heads, q_len, _ = q.shape
     kv_heads, value_dim = v.shape[1], v.shape[3]
     group = heads // kv_heads
@@ -424,7 +454,10 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
             def unit(carry, j, live, q_blk, k_blocks, v_blocks, bias_u, head, i, qp, kp, qs, ks,
                      sc):
                 m, l, acc = carry
-                s, _ = _scores(cfg, q_blk, k_blocks[j], _bias_block(bias_u, i, j, bq, bk),
+                q_blk = _zero_padding(q_blk, None if pad_q is None else qs, i, bq)
+                k_blk, v_blk = (_zero_padding(x[j], None if pad_kv is None else ks, j, bk)
+                                for x in (k_blocks, v_blocks))
+                s, _ = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
                                _block_score(cfg, sc, i, j, (qp, kp), (bq, bk)))
                 s, hidden = _masked_scores(mask, s, head, i, j, masked, live,
                                            (qp, kp, qs, ks), (bq, bk))
@@ -435,7 +468,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
                 shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0) if guard else m_new
                 alpha = jnp.exp(m - shift)
                 p = jnp.exp(s - shift[..., None])
-                pv = jnp.einsum("gqk,kd->gqd", p.astype(v_blocks.dtype), v_blocks[j],
+                pv = jnp.einsum("gqk,kd->gqd", p.astype(v_blk.dtype), v_blk,
                                 preferred_element_type=_F32)
                 return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
@@ -508,6 +541,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
     float32 gradients ``(dslopes [H], dtable [H, nb])`` (``None`` where off)."""
     mask = eqx.combine(aux["mask"], cfg.mask)
     layout = mask.dq
+    pad_q, pad_kv = _padding_ids(mask, aux)
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1:3]
     group = heads // kv_heads
@@ -531,7 +565,9 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
             def unit(acc, j, live, q_blk, do_blk, lse_blk, delta_blk, k_blocks, v_blocks,
                      bias_u, head, i, qp, kp, qs, ks, sc):
                 dq, d_score, rows = acc
-                k_blk, v_blk = k_blocks[j], v_blocks[j]
+                q_blk = _zero_padding(q_blk, None if pad_q is None else qs, i, bq)
+                k_blk, v_blk = (_zero_padding(x[j], None if pad_kv is None else ks, j, bk)
+                                for x in (k_blocks, v_blocks))
                 s, tc, back = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
                                       _block_score(cfg, sc, i, j, (qp, kp), (bq, bk)),
                                       pull=True)
@@ -577,6 +613,7 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
         carry = _carry_like(carry, q, k, v, bias, score, aux, d_out, lse, delta)
         carry = run_list(*sides, cfg.dq_trips[0], fc, fi, False, 0, carry)
         dq, d_score, rows, ds_buf = run_list(*sides, cfg.dq_trips[1], pc, pi, True, cf, carry)
+        dq = _zero_padding_rows(dq, pad_q, block_ids, bq)
         # The slot axis last, so that the block level is axis 3 as `_by_chunks` joins it.
         return dq, d_score, rows, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1))
 
@@ -623,6 +660,7 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
     ``dbias`` in its shape (else ``None``)."""
     mask = eqx.combine(aux["mask"], cfg.mask)
     layout = mask.dkv
+    pad_q, pad_kv = _padding_ids(mask, aux)
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1:3]
     group = heads // kv_heads
@@ -639,7 +677,10 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
             def unit(carry, i, live, k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_u,
                      head, j, qp, kp, qs, ks, sc):
                 dk, dv, keys = carry
-                q_blk, do_blk = q_all[i], do_all[i]
+                q_blk = _zero_padding(q_all[i], None if pad_q is None else qs, i, bq)
+                k_blk, v_blk = (_zero_padding(x, None if pad_kv is None else ks, j, bk)
+                                for x in (k_blk, v_blk))
+                do_blk = do_all[i]
                 s, tc, back = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
                                       _block_score(cfg, sc, i, j, (qp, kp), (bq, bk)),
                                       pull=True)
@@ -680,7 +721,9 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
                  keys)
         carry = _carry_like(carry, q, k, v, bias, score, aux, d_out, lse, delta)
         carry = run_list(arr_c, k_c, v_c, cfg.dkv_trips[0], fc, fi, False, carry)
-        return run_list(arr_c, k_c, v_c, cfg.dkv_trips[1], pc, pi, True, carry)
+        dk, dv, keys = run_list(arr_c, k_c, v_c, cfg.dkv_trips[1], pc, pi, True, carry)
+        return (_zero_padding_rows(dk, pad_kv, block_ids, bk),
+                _zero_padding_rows(dv, pad_kv, block_ids, bk), keys)
 
     width = _chunk_width(arr.sizes, g * bq * bk, cfg.slot)  # G query heads of bq rows each
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
@@ -903,6 +946,7 @@ class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
     """
 
     name: ClassVar[str] = "xla"
+    zeroes_padding: ClassVar[bool] = True
     platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "tpu")
     reads: ClassVar[MaskReads] = "elements"
     config_type: ClassVar[type[AbstractKernelConfig]] = XlaConfig

@@ -159,7 +159,7 @@ def local_mask(mask: CompiledMask, layouts: dict[str, BlockLayout | None], *, q_
         shared = all(t == head_terms[0] for t in head_terms)
         head_terms = (head_terms[0] if shared else None,) * num_heads
     return CompiledMask(layouts["forward"], layouts["dq"], layouts["dkv"], predicate,
-                        mask.terms, head_terms, q_len, kv_len, num_heads)
+                        mask.terms, head_terms, q_len, kv_len, num_heads, mask.hides_padding)
 
 
 class Operands:
