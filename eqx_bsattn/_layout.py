@@ -292,11 +292,15 @@ def _jnp_lists(classes: Array, flag: int, capacity: int, *, by_column: bool
         else:
             part = jax.lax.dynamic_slice_in_dim(classes, start, rows, -2)
         hits = (part == flag).reshape(-1, width)
-        slot = jnp.where(hits, jnp.cumsum(hits, axis=-1, dtype=jnp.int32) - 1, capacity)
-        which = jnp.arange(hits.shape[0], dtype=jnp.int32)[:, None]
         column = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), hits.shape)
+        # A hit goes to its rank in the row; every other entry to a slot past the end of its
+        # own (`capacity + column`), which the scatter drops: each index is unique, as the
+        # scatter is told.
+        slot = jnp.where(hits, jnp.cumsum(hits, axis=-1, dtype=jnp.int32) - 1,
+                         capacity + column)
+        which = jnp.arange(hits.shape[0], dtype=jnp.int32)[:, None]
         lists = jnp.zeros((hits.shape[0], capacity), jnp.int32).at[which, slot].set(
-            column, mode="drop", unique_indices=True)  # slot `capacity`: not listed
+            column, mode="drop", unique_indices=True)
         counts = jnp.sum(hits, axis=-1, dtype=jnp.int32).reshape(*lead, rows)
         count = jax.lax.dynamic_update_slice_in_dim(count, counts, start, -1)
         index = jax.lax.dynamic_update_slice_in_dim(
