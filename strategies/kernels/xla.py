@@ -964,10 +964,9 @@ class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
         return XlaConfig.heuristic(features)
 
     def adapt_tiling(self, tiling: AbstractKernelConfig, features: Features) -> XlaConfig:
-        # Another kernel's config (or a `Tiling`) gives its blocks. In a sharding's loop body,
-        # where a step's forward and backward run together, XLA holds a slot's temporaries
-        # twice (the ring's causal jit(grad), 16384 tokens a device, 2 devices: 283 MB at 2^22,
-        # 196 MB at 2^21; docs/sharding.md): a slot left unset there is half the default.
+        # Another kernel's config (or a `Tiling`) gives its blocks. A sharding's loop body holds
+        # a slot's temporaries twice, so a slot left unset there is half the default
+        # (docs/sharding.md has the measurements).
         slot = tiling.slot_elements if isinstance(tiling, XlaConfig) else None
         if slot is None and features.in_loop:
             slot = _SLOT_ELEMENTS // 2
