@@ -2,6 +2,9 @@
 output and every gradient against the unsharded call with the same kernel and against the
 float32 dense reference.
 
+Mosaic runs in the ring only where the mask reads no positions (segment ids alone): the ring
+passes every shard its tokens' global positions, which Mosaic's partial blocks do not read.
+
 The mesh spans every local GPU. On a one-GPU machine it has one device: the ring then runs its
 whole code path (the scan over its walk, the saved log-sum-exp, its own backward) with one
 step and no transfer, which is what these tests check there. They skip without a GPU.
@@ -102,6 +105,26 @@ def test_mosaic_under_the_ring_declines_with_its_reason():
     q = jnp.ones((1, 4, 2048, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="per-call positions"):
         jax.jit(attn)(q, q, q)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["single_pass", "deterministic"])
+def test_mosaic_under_the_ring_with_documents_matches_reference(deterministic):
+    """A mask whose only term is the segment ids reads no positions: Mosaic runs in the ring."""
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("x",))
+    length = 1024 * max(n, 2)
+    q, k, v, cot = _inputs(1, 4, 2, length, 128, seed=2)
+    ids = _segments(1, length, 5, seed=2)
+    data = {"q_segment_ids": ids, "kv_segment_ids": ids}
+    mask = masks.Document()
+    got = _run(MosaicBlockSparse(deterministic=deterministic),
+               sharding.RingAttention(mesh, seq_axis="x"), mask, q, k, v, cot, data,
+               jnp.bfloat16)
+    with jax.default_matmul_precision("highest"):
+        want = _run(DenseReference(), sharding.Unsharded(), mask, q, k, v, cot, data,
+                    jnp.float32)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert _rel(g, w) < TOL, name
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["single_pass", "deterministic"])
