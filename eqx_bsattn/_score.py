@@ -226,10 +226,11 @@ def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding):
     if terms is None:
         return inputs
     if not sharding.passes_score:
-        # A sequence shard needs the terms at global positions: not yet for this sharding.
+        # Unsharded, ShardMap and RingAttention pass them; a sharding of one's own may not.
         raise ValueError(
-            f"`score` terms run unsharded or under ShardMap only for now; this module's "
-            f"sharding is {type(sharding).__name__}. Drop the sharding or the score.")
+            f"`score` terms need a sharding that passes them to each shard's call "
+            f"(passes_score); this module's sharding {type(sharding).__name__} does not. "
+            f"Drop the sharding or the score.")
     # An infinite slope times a zero distance, or a +inf / NaN logit, has no softmax weight.
     slopes, table = terms.arrays
     if slopes is not None:

@@ -141,13 +141,44 @@ def test_minus_inf_in_the_table_hides_its_bucket():
     assert np.all(out[:, :, 0] == 0)  # the first query saw only itself
 
 
-def test_score_under_ring_attention_is_refused():
+def test_score_under_ring_attention_on_one_device():
+    """RingAttention passes the terms to each step's call (a one-device ring here; the
+    8-device cases are in tests/test_sharding.py): output and the gradients of q and the
+    learned slopes equal the unsharded call's."""
     mesh = jax.make_mesh((1,), ("seq",))
+    q, k, v = (jax.random.normal(jax.random.key(i), s.shape) for i, s in enumerate((Q, K, K)))
+    slopes = jnp.asarray(scores.alibi_slopes(4)) * 1.5
+    proj = jax.random.normal(jax.random.key(3), Q.shape)
+
+    def run(sharding):
+        def attend(q, slopes):
+            return bsa.BlockSparseAttention(
+                mask=masks.Causal(), kernel=kernels.DenseReference(),
+                score=scores.ALiBi(slopes, learned=True), sharding=sharding)(q, k, v)
+
+        def both(q, slopes):
+            out, pullback = jax.vjp(attend, q, slopes)
+            return out, pullback(proj)
+
+        return jax.jit(both)(q, slopes)
+
+    (out, grads), (ref, want) = run(bsa.sharding.RingAttention(mesh, "seq")), run(bsa.Unsharded())
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    for g, w in zip(grads, want):
+        assert np.abs(w).max() > 0
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_score_under_a_sharding_that_does_not_pass_it_is_refused():
+    class Dropping(bsa.Unsharded):
+        passes_score = False
+
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), score=scores.ALiBi(),
-                                    sharding=bsa.sharding.RingAttention(mesh, "seq"))
-    with pytest.raises(ValueError, match=r"^`score` terms run unsharded or under ShardMap only "
-                                         r"for now; this module's sharding is RingAttention\. "
-                                         r"Drop the sharding or the score\.$"):
+                                    sharding=Dropping())
+    with pytest.raises(ValueError, match=r"^`score` terms need a sharding that passes them to "
+                                         r"each shard's call \(passes_score\); this module's "
+                                         r"sharding Dropping does not\. Drop the sharding or "
+                                         r"the score\.$"):
         attn.plan(Q, K, K)
 
 

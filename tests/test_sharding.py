@@ -170,15 +170,18 @@ else:
     def head_penalty(score, head, q_pos, k_pos):  # differs per head: a local id would show
         return score - 0.1 * (head + 1) * jnp.sqrt(jnp.abs(q_pos - k_pos).astype(score.dtype))
 
-    def scored(kind, kernel, shard=None):
+    def scored(kind, kernel, shard=None, *, heads=8, mask=None):
         """`fn(q, k, v, **arrays)` calling a module with the score `kind` built from `arrays`
-        (so the gradients reach them), and those arrays."""
+        (so the gradients reach them), and those arrays (none for the fixed ALiBi slopes)."""
         if kind == "alibi":
-            slopes = jnp.asarray(scores.alibi_slopes(8)) * (1 + random_array(20, (8,)))
+            slopes = jnp.asarray(scores.alibi_slopes(heads)) * (1 + random_array(20, (heads,)))
             arrays = dict(slopes=slopes)
             make = lambda slopes: scores.ALiBi(slopes, learned=True)  # noqa: E731
+        elif kind == "alibi_fixed":
+            arrays = {}
+            make = scores.ALiBi
         elif kind == "table":
-            arrays = dict(table=random_array(21, (8, 16)))
+            arrays = dict(table=random_array(21, (heads, 16)))
             make = lambda table: scores.RelativePositionBias(table, max_distance=24)  # noqa: E731
         else:
             arrays = {}
@@ -187,11 +190,34 @@ else:
         def fn(q, k, v, **extra):
             own = {name: extra.pop(name) for name in arrays}
             attn = bsa.BlockSparseAttention(
-                mask=masks.Causal(), kernel=make_kernel(kernel), tiling=TILES, score=make(**own),
-                **({} if shard is None else {"sharding": shard}))
+                mask=masks.Causal() if mask is None else mask, kernel=make_kernel(kernel),
+                tiling=TILES, score=make(**own), **({} if shard is None else {"sharding": shard}))
             return attn(q, k, v, **extra)
 
         return fn, arrays
+
+    def check_score_oracle(kind, out, grads, d_arrays, qkv, arrays, visible, pos, *, tol=5e-5):
+        """The sharded call's output and gradients (on `compare`'s projection) against the
+        float64 oracle with the documented terms; `visible` ``[B or 1, H, Lq, Lk]``, `pos`
+        ``[B, L]`` the call's positions."""
+        q, _, v = qkv
+        heads = q.shape[1]
+        if kind == "alibi_fixed":
+            arrays = dict(slopes=jnp.asarray(scores.alibi_slopes(heads)))
+        with jax.enable_x64(True):
+            def oracle(qkv, arrays):
+                score = lambda s: score_f64(  # noqa: E731
+                    s, q_pos=pos, kv_pos=pos, max_distance=24,
+                    fn=head_penalty if kind == "function" else None, **arrays)
+                return jnp_attention_f64(*qkv, visible, score=score)
+
+            wide = lambda t: jax.tree.map(to_f64, t)  # noqa: E731
+            ref, pullback = jax.vjp(oracle, wide(qkv), wide(arrays))
+            want, d_want = pullback(wide(random_array(7, q.shape[:-1] + (v.shape[-1],))))
+        assert_close(out, ref, tol, "output against the float64 oracle")
+        pairs = [*zip("qkv", grads, want), *((n, d_arrays[n], d_want[n]) for n in d_arrays)]
+        for name, g, w in pairs:
+            assert_close(g, w, tol, f"d{name} against the float64 oracle")
 
     @pytest.mark.parametrize("kernel, axes, kind", [
         ("DenseReference", ("b", "h"), "alibi"),
@@ -215,20 +241,8 @@ else:
         extra = dict(arrays, q_positions=pos, kv_positions=pos)
         out, (grads, d_arrays) = compare(base, sharded, (q, k, v), extra)
         # And the float64 oracle with the documented terms, on the same projection.
-        with jax.enable_x64(True):
-            def oracle(qkv, arrays):
-                score = lambda s: score_f64(  # noqa: E731
-                    s, q_pos=pos, kv_pos=pos, max_distance=24,
-                    fn=head_penalty if kind == "function" else None, **arrays)
-                return jnp_attention_f64(*qkv, np.tril(np.ones((32, 32), bool)), score=score)
-
-            wide = lambda t: jax.tree.map(to_f64, t)  # noqa: E731
-            ref, pullback = jax.vjp(oracle, wide((q, k, v)), wide(arrays))
-            want, d_want = pullback(wide(random_array(7, q.shape[:-1] + (v.shape[-1],))))
-        assert_close(out, ref, 5e-5, "output against the float64 oracle")
-        pairs = [*zip("qkv", grads, want), *((n, d_arrays[n], d_want[n]) for n in arrays)]
-        for name, g, w in pairs:
-            assert_close(g, w, 5e-5, f"d{name} against the float64 oracle")
+        check_score_oracle(kind, out, grads, d_arrays, (q, k, v), arrays,
+                           np.tril(np.ones((32, 32), bool)), pos)
 
     # ---------------------------------------------------------------------------------------
     # RingAttention: the sequence.
@@ -304,6 +318,49 @@ else:
     def test_ring_array_mask(kernel, case, order):
         """Each shard looks the array up at its tokens' global indices (and positions)."""
         check_ring(case, kernel, "1d", order=order)
+
+    # RingAttention with score terms: each step's call evaluates them at its tokens' global
+    # positions (and, with a head axis, on the rows of the device's query heads and the call's
+    # head ids); the arrays' gradients are summed over the ring's steps and the sequence and
+    # batch shards, once.
+
+    @pytest.mark.parametrize("kernel, mesh_name, order, mask_name, kind, positions", [
+        # A head axis (MQA: 1 kv head for 2 head devices), zig-zag, positions that are not the
+        # token indices (the schedule is then decided on the device); and the steps the window
+        # leaves empty skipped at trace time. The XLA kernel's per-block path: the slow cases.
+        ("DenseReference", "2d_heads", "zigzag", "causal", "alibi", True),
+        ("DenseReference", "1d", "contiguous", "window", "table", False),
+        *[pytest.param(*case, marks=slow) for case in [
+            ("XlaBlockSparse", "1d", "contiguous", "window", "table", False),
+            ("XlaBlockSparse", "2d_heads", "zigzag", "causal", "function", False),
+            ("XlaBlockSparse", "2d_batch", "zigzag", "causal", "alibi", True),
+            ("XlaBlockSparse", "1d", "contiguous", "window", "alibi_fixed", False),
+            ("XlaBlockSparse", "2d_heads", "contiguous", "window", "table", True),
+            ("DenseReference", "2d_batch", "contiguous", "window", "function", True),
+            ("DenseReference", "1d", "contiguous", "causal", "table", True),
+            ("DenseReference", "2d_heads", "zigzag", "window", "alibi_fixed", True),
+        ]],
+    ], ids=lambda x: str(x))
+    def test_ring_score_terms(kernel, mesh_name, order, mask_name, kind, positions):
+        """Output and the gradients of q, k, v and the score arrays equal the unsharded call's
+        and the float64 oracle's, with GQA."""
+        length = 64  # 8 tokens per device, or two slices of 8 over 4 sequence devices
+        kv_heads = 1 if mesh_name == "2d_heads" else 2
+        q, k, v = random_inputs(23, batch=2, heads=4, kv_heads=kv_heads, q_len=length)
+        pos = np.stack([np.arange(length) * 3 + 7 * b for b in range(2)]).astype(np.int32)
+        if not positions:
+            pos = np.broadcast_to(np.arange(length, dtype=np.int32), (2, length))
+        mask = {"causal": masks.Causal(),
+                "window": masks.Causal() & masks.SlidingWindow(12 * (3 if positions else 1))
+                }[mask_name]
+        base, arrays = scored(kind, kernel, heads=4, mask=mask)
+        sharded, _ = scored(kind, kernel, ring(mesh_name, order=order), heads=4, mask=mask)
+        extra = dict(arrays, **(dict(q_positions=jnp.asarray(pos), kv_positions=jnp.asarray(pos))
+                                if positions else {}))
+        out, (grads, d_arrays) = compare(base, sharded, (q, k, v), extra)
+        visible = np.stack([np_mask(mask, q_len=length, kv_len=length, heads=4, q_pos=p,
+                                    kv_pos=p) for p in pos])
+        check_score_oracle(kind, out, grads, d_arrays, (q, k, v), arrays, visible, pos)
 
     @pytest.mark.slow
     @pytest.mark.parametrize("kernel", ["XlaBlockSparse", "DenseReference"])

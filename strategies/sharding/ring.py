@@ -17,6 +17,7 @@ from eqx_bsattn.contract import (
     EMPTY,
     mesh_in_context,
     AbstractSharding,
+    ScoreTerms,
     add_sinks,
     AttentionInputs,
     backward_delta,
@@ -37,6 +38,7 @@ from ._local import (
     lead_spec,
     local_head_offset,
     local_mask,
+    local_score,
 )
 from .shard_map import kv_head_plan, local_kv, split_inputs
 
@@ -229,7 +231,9 @@ class _DeviceRing:
     ids, kv positions)`` tuples (``None`` where absent). The layouts of every position are
     stacked (``[positions, ...]`` per device) and read at the position; `work_slot` holds
     which devices work at each position (``None``: every device at every position, or, for
-    a mask known on the device only, each device's layout decides).
+    a mask known on the device only, each device's layout decides). `score` is the static
+    part of the score terms each step's kernel call reads (its slopes and table come in as
+    differentiated arguments, the rows of this device's query heads), or ``None``.
     """
 
     fn: Callable
@@ -251,6 +255,7 @@ class _DeviceRing:
     kv_len: int
     local_heads: int
     head_offset: Callable
+    score: ScoreTerms | None = None
 
     # --------------------------------------------------------------------------------------
     # One step: the kernel's problem for (this device's queries, the kv shard it holds).
@@ -308,9 +313,12 @@ class _DeviceRing:
         return jax.lax.dynamic_slice_in_dim(bias, src * self.kv_len, self.kv_len, axis=3)
 
     def _kernel(self, inputs, step_mask):
-        def call(q, k, v, bias):
-            return self.fn(q, k, v, AttentionInputs(bias=bias, **inputs), step_mask,
-                           return_lse=True)
+        def call(q, k, v, bias, score):
+            # The step's score terms: positions are the tokens' global ones (`inputs`), so a
+            # term means what it means unsharded; `score` is (slopes, table).
+            terms = None if self.score is None else self.score.with_arrays(*score)
+            return self.fn(q, k, v, AttentionInputs(bias=bias, score=terms, **inputs),
+                           step_mask, return_lse=True)
 
         return call
 
@@ -340,11 +348,11 @@ class _DeviceRing:
     # --------------------------------------------------------------------------------------
     # The forward ring.
 
-    def _forward(self, q, k, v, bias, aux):
+    def _forward(self, q, k, v, bias, score, aux):
         """``(out, lse)`` float32 merged over every step, and the kv shards held at the last
         hop forward and backward (the backward ring starts from them)."""
         here, problem = self._problems(aux)
-        refs = (q, k, v, bias, aux)
+        refs = (q, k, v, bias, score, aux)
 
         def compute(t, p, shard):
             k_t, v_t, kv_seg, kv_pos = shard
@@ -352,7 +360,7 @@ class _DeviceRing:
             bias_t = self._bias_at(bias, t)
 
             def attend():
-                out, lse = self._kernel(inputs, step_mask)(q, k_t, v_t, bias_t)
+                out, lse = self._kernel(inputs, step_mask)(q, k_t, v_t, bias_t, score)
                 return out.astype(_F32), lse.astype(_F32)
 
             def skipped():
@@ -360,7 +368,8 @@ class _DeviceRing:
                 return (jnp.zeros(shape + (v_t.shape[-1],), _F32),
                         jnp.full(shape, -jnp.inf, _F32))
 
-            return self._when(work, attend, skipped, (q, k_t, v_t, bias_t, inputs, work))
+            return self._when(work, attend, skipped, (q, k_t, v_t, bias_t, score, inputs,
+                                                      work))
 
         fwd_hops, back_hops = self.walk.fwd_hops, self.walk.back_hops
         # One type for every shard the loop holds (the carry's).
@@ -388,7 +397,7 @@ class _DeviceRing:
     # The backward ring.
 
     def _backward(self, residuals, cotangents):
-        """Cotangents of ``(q, k, v, bias)`` from a second ring pass.
+        """Cotangents of ``(q, k, v, bias, score)`` from a second ring pass.
 
         Each step recomputes its partial result with the kernel and pulls back through it
         (`jax.vjp`): with the step's log-sum-exp ``lse_t`` and the merged ``lse``, its weight
@@ -397,15 +406,18 @@ class _DeviceRing:
         make the kernel's backward see ``p = exp(s - lse)`` and ``delta = w * (rowsum(dO *
         O) - dlse)``, the terms of the merged softmax. The kv shards walk the ring again from
         the farthest hop inward, each with its dk/dv accumulator, so that the accumulators
-        arrive home with the last hop; steps skipped by the forward are skipped here.
+        arrive home with the last hop; steps skipped by the forward are skipped here. dq,
+        dbias and the score arrays' gradients stay on the device, summed over its steps
+        (autodiff then sums the score's over the devices that share them).
         """
-        q, k, v, bias, aux, out, lse, far = residuals
+        q, k, v, bias, score, aux, out, lse, far = residuals
         d_out, d_lse = cotangents
         here, problem = self._problems(aux)
         seen = jnp.isfinite(lse)
         # rowsum(dO * O) - dlse: the merged softmax's diagonal term, per row.
         delta = backward_delta(d_out, out, d_lse, lse)
-        refs = (q, k, v, bias, aux, d_out, lse)
+        refs = (q, k, v, bias, score, aux, d_out, lse)
+        f32_zeros = lambda x: None if x is None else jnp.zeros(x.shape, _F32)  # noqa: E731
 
         def grads(t, p, shard):
             k_t, v_t, kv_seg, kv_pos = shard
@@ -414,28 +426,29 @@ class _DeviceRing:
 
             def pull():
                 (out_t, lse_t), pullback = jax.vjp(self._kernel(inputs, step_mask),
-                                                   q, k_t, v_t, bias_t)
+                                                   q, k_t, v_t, bias_t, score)
                 w = jnp.where(seen, jnp.exp(lse_t.astype(_F32) - jnp.where(seen, lse, 0.0)),
                               0.0)
                 own = backward_delta(d_out, out_t)
-                dq, dk, dv, dbias = pullback(((w[..., None] * d_out).astype(out_t.dtype),
-                                              w * (own - delta)))
-                dbias = None if dbias is None else dbias.astype(_F32)
-                return dq.astype(_F32), (dk.astype(_F32), dv.astype(_F32)), dbias
+                dq, dk, dv, dbias, dscore = pullback(
+                    ((w[..., None] * d_out).astype(out_t.dtype), w * (own - delta)))
+                f32 = lambda x: None if x is None else x.astype(_F32)  # noqa: E731
+                return (dq.astype(_F32), (dk.astype(_F32), dv.astype(_F32)), f32(dbias),
+                        tuple(map(f32, dscore)))
 
             def skipped():
-                zeros = lambda x: None if x is None else jnp.zeros(x.shape, _F32)  # noqa: E731
-                return zeros(q), (zeros(k_t), zeros(v_t)), zeros(bias_t)
+                return (f32_zeros(q), (f32_zeros(k_t), f32_zeros(v_t)), f32_zeros(bias_t),
+                        tuple(map(f32_zeros, score)))
 
-            return self._when(work, pull, skipped, (q, k_t, v_t, bias_t, inputs, work, d_out,
-                                                    lse))
+            return self._when(work, pull, skipped, (q, k_t, v_t, bias_t, score, inputs, work,
+                                                    d_out, lse))
 
         shard0, far = typed_like(((k, v, here.get("kv_segment_ids"), here.get("kv_positions")),
                                   far), *refs)
         zero_kv = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
 
         def body(carry, row):
-            shard, acc, home, dq_sum, dbias_sum = carry
+            shard, acc, home, dq_sum, dbias_sum, dscore_sum = carry
             # The accumulator of the shard held now comes from the neighbour while this step
             # computes (at the first forward hop, the backward hops' last goes home instead).
             moves = [lambda a, h: (a, h), lambda a, h: (self._send(a, 1), h),
@@ -450,39 +463,41 @@ class _DeviceRing:
                 lambda x: x, lambda x: self._send(x, 1), lambda x: self._send(x, -1),
                 lambda x: far[0], lambda x: shard0], shard)
             t = row["step"]
-            dq, part, dbias = grads(t, row["position"], shard)
+            dq, part, dbias, dscore = grads(t, row["position"], shard)
             if dbias_sum is not None:  # the columns of the shard held at step t
                 src = (jax.lax.axis_index(self.seq_axis) - t) % self.n
                 dbias_sum = jax.lax.dynamic_update_slice_in_dim(
                     dbias_sum, dbias, src * self.kv_len, axis=3)
-            carry = (following, _sum(acc, part), home, dq_sum + dq, dbias_sum)
+            carry = (following, _sum(acc, part), home, dq_sum + dq, dbias_sum,
+                     _sum(dscore_sum, dscore))
             return typed_like(carry, *refs), None
 
-        # dq and dbias stay on the device, summed step by step.
+        # dq, dbias and the score arrays' gradients stay on the device, summed step by step.
         first = far[1] if self.walk.back_hops else far[0] if self.walk.fwd_hops else shard0
         start = (first, zero_kv, zero_kv if self.walk.back_hops else None,
-                 jnp.zeros(q.shape, _F32),
-                 None if bias is None else jnp.zeros(bias.shape, _F32))
+                 jnp.zeros(q.shape, _F32), f32_zeros(bias), tuple(map(f32_zeros, score)))
         carry, _ = jax.lax.scan(body, typed_like(start, *refs), self.walk.backward_table())
-        _, dkv, home, dq, dbias = carry
+        _, dkv, home, dq, dbias, dscore = carry
         dkv = _sum(dkv, home) if self.walk.back_hops else dkv
-        cts = typed_like((dq, *dkv, dbias), q, k, v, bias)
-        return (*(None if c is None else c.astype(x.dtype)
-                  for c, x in zip(cts, (q, k, v, bias))), None)
+        cts = typed_like((dq, *dkv, dbias, *dscore), q, k, v, bias, score)
+        cast = [None if c is None else c.astype(x.dtype)
+                for c, x in zip(cts, (q, k, v, bias, *score))]
+        return (*cast[:4], tuple(cast[4:]), None)
 
-    def attend(self, q, k, v, bias, aux):
-        """``(out, lse)`` float32 of this device's queries over the whole kv sequence."""
+    def attend(self, q, k, v, bias, score, aux):
+        """``(out, lse)`` float32 of this device's queries over the whole kv sequence;
+        `score` is ``(slopes, table)`` of this device's query heads (``None`` where off)."""
 
         @jax.custom_vjp
-        def ring(q, k, v, bias, aux):
-            return self._forward(q, k, v, bias, aux)[0]
+        def ring(q, k, v, bias, score, aux):
+            return self._forward(q, k, v, bias, score, aux)[0]
 
-        def ring_fwd(q, k, v, bias, aux):
-            (out, lse), far = self._forward(q, k, v, bias, aux)
-            return (out, lse), (q, k, v, bias, aux, out, lse, far)
+        def ring_fwd(q, k, v, bias, score, aux):
+            (out, lse), far = self._forward(q, k, v, bias, score, aux)
+            return (out, lse), (q, k, v, bias, score, aux, out, lse, far)
 
         ring.defvjp(ring_fwd, self._backward)
-        return ring(q, k, v, bias, aux)
+        return ring(q, k, v, bias, score, aux)
 
 
 class RingAttention(AbstractSharding):
@@ -512,7 +527,10 @@ class RingAttention(AbstractSharding):
     default) picks the order with less work on the busiest device per step (zig-zag when a
     static mask is causal-like; for masks known only at run time, zig-zag when the mask has a
     causal term). Positions and segment ids stay global: each shard's kernel call gets its
-    tokens' global positions, so a mask means the same sharded or not.
+    tokens' global positions, so a mask means the same sharded or not, and so do score terms
+    (`score=`): each step's call evaluates them at those positions, on the slopes' and
+    table's rows of the device's query heads (a score function gets the call's head ids), and
+    their gradients are summed over the steps and the devices that share the rows.
 
     Batch and head axes may split the rest like `ShardMap`. Sequence lengths must split into
     ``n`` (contiguous) or ``2n`` (zig-zag) slices whose lengths are multiples of the kernel's
@@ -541,7 +559,7 @@ class RingAttention(AbstractSharding):
 
     needs_lse: ClassVar[bool] = True
     passes_positions: ClassVar[bool] = True
-    passes_score: ClassVar[bool] = False  # score terms under the ring: not yet
+    passes_score: ClassVar[bool] = True
     # Each ring is one `jax.lax.scan`; the backward's body recomputes the step's forward.
     loops_kernel: ClassVar[bool] = True
 
@@ -738,6 +756,14 @@ class RingAttention(AbstractSharding):
             v_slot = ops.add(value, kv_spec)
             data = split_inputs(ops, sharded, batch=batch, heads=heads, batch_axis=b_axis,
                                 head_axis=h_axis, q_axis=s_axis, kv_axis=s_axis)
+            # The score arrays split over the heads like ShardMap's (every sequence and batch
+            # shard holds its query heads' rows); each step's call reads them at the tokens'
+            # global positions, and a score function gets the call's head ids.
+            terms = inputs.score
+            slopes, table = (None, None) if terms is None else terms.arrays
+            score_slots = (ops.add(slopes, P(h_axis)), ops.add(table, P(h_axis, None)))
+            score_like = local_score(terms, None, None, head_axis=h_axis,
+                                     local_heads=local_heads)
             walk = _Walk(n, *sched.hops)
             # Each pass's lists at every position of the walk, stacked: [n, positions, ...].
             stacked = self._stacked_layouts(mask, order, walk.steps)
@@ -768,8 +794,9 @@ class RingAttention(AbstractSharding):
                 rest=rest, mask=mask, order=order, q_len=q_local, kv_len=kv_local,
                 local_heads=local_heads, head_offset=lambda: local_head_offset(h_axis,
                                                                                local_heads),
+                score=score_like,
             )
-            diff_slots = {q_slot, k_slot, v_slot, data.get("bias")}
+            diff_slots = {q_slot, k_slot, v_slot, data.get("bias"), *score_slots}
 
             # The operands split along the sequence, and that axis.
             seq_dims = {q_slot: 2, k_slot: 2, v_slot: 2, data.get("bias"): 2}
@@ -785,15 +812,17 @@ class RingAttention(AbstractSharding):
                 k, v = local_kv(k, v, split=split_kv, head_axis=h_axis, heads=heads,
                                 kv_heads=kv_heads, local_heads=local_heads)
                 bias, sinks = read(data.get("bias")), read(data.get("sinks"))
+                score = tuple(map(read, score_slots))
                 if not sched.steps:  # nothing visible anywhere
                     out = jnp.zeros(q.shape[:3] + (v.shape[-1],), q.dtype)
                     return typed_like(out, q, k, v, bias)
-                # The rest of the operands (never differentiated), with the four above left out.
+                # The rest of the operands (never differentiated), without the ones above.
                 aux = [None if slot in diff_slots else x
                        for (slot, _), x in zip(ops.arrays, local)]
                 # One type for the differentiated operands: the ring's backward gives each
-                # cotangent that type, and autodiff sums where an input is shared by devices.
-                diff = typed_like((q, k, v, bias), q, k, v, bias)
+                # cotangent that type, and autodiff sums where an input is shared by devices
+                # (the score arrays over the sequence and batch shards).
+                diff = typed_like((q, k, v, bias, score), q, k, v, bias, score)
                 out, lse = device_ring.attend(*diff, aux)
                 if sinks is not None:
                     # Sinks join each row's denominator once, after every shard is merged.
