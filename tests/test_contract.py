@@ -437,8 +437,8 @@ def test_a_bias_keeps_its_size_1_axes_only_for_kernels_of_the_capability_type(mo
     """Reading a bias with its size-1 axes is a type (`AbstractBroadcastBiasKernel`): a
     kernel of that type receives a per-key, per-query or scalar bias as given (its
     ``Lq x Lk`` broadcast never built), unsharded and under `ShardMap` and `RingAttention`
-    (`keeps_bias_axes`); every other kernel, and any kernel under a sharding that does not
-    set `keeps_bias_axes`, receives it broadcast to ``[bb, hb, Lq, Lk]`` as before; the
+    (`keeps_bias_axes`); every other kernel, and any kernel under a sharding whose
+    `keeps_bias_axes` is False, receives it broadcast to ``[bb, hb, Lq, Lk]`` as before; the
     bias's gradient has the caller's shape either way."""
     from eqx_bsattn import _kernel
     from eqx_bsattn.contract import AbstractBroadcastBiasKernel
@@ -459,11 +459,12 @@ def test_a_bias_keeps_its_size_1_axes_only_for_kernels_of_the_capability_type(mo
     assert isinstance(bsa.kernels.DenseReference(), AbstractBroadcastBiasKernel)
     assert not isinstance(bsa.kernels.CudnnDense(), AbstractBroadcastBiasKernel)
 
-    class Broadcasting(bsa.AbstractSharding):  # leaves `keeps_bias_axes` at its default
+    class Broadcasting(bsa.AbstractSharding):  # splits only a bias [bb, hb, Lq, Lk]
         needs_lse: ClassVar[bool] = False
         passes_positions: ClassVar[bool] = False
         passes_score: ClassVar[bool] = True
         loops_kernel: ClassVar[bool] = False
+        keeps_bias_axes: ClassVar[bool] = False
 
         def wrap(self, fn):
             return fn
@@ -479,7 +480,7 @@ def test_a_bias_keeps_its_size_1_axes_only_for_kernels_of_the_capability_type(mo
             attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel)
             assert attn.plan(q, q, q, bias=bias).inputs.bias.shape == kept, (kernel, shape)
             # Under ShardMap and RingAttention (an AbstractLseKernel's) as unsharded; under a
-            # sharding that does not say it keeps the axes, broadcast.
+            # sharding that does not keep the axes, broadcast.
             shardings = [(bsa.sharding.ShardMap(mesh, "data"), kept), (Broadcasting(), full)]
             if kernel.name == "xla":
                 shardings.append((bsa.sharding.RingAttention(mesh, "data"), kept))
