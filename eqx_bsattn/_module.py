@@ -307,10 +307,10 @@ class BlockSparseAttention(eqx.Module):
             if why is not None:
                 raise ValueError(f"kernel {kernel.name} cannot run this call: {why}")
         # The one place a bias's size-1 axes are broadcast: for kernels that do not read them,
-        # and under a sharding (which splits the bias's Lq axis or walks its Lk axis), the
+        # and under a sharding that does not split them as they are (`keeps_bias_axes`), the
         # bias is ``[bb, hb, Lq, Lk]`` as it always was.
         if not (isinstance(kernel, AbstractBroadcastBiasKernel)
-                and isinstance(self.sharding, Unsharded)):
+                and self.sharding.keeps_bias_axes):
             inputs = full_bias(inputs, q_len, kv_len)
         strategy = AutoTiling() if is_auto(self.tiling) else self.tiling
         tiling, source = strategy.choose(kernel, features, resolved)

@@ -24,7 +24,7 @@ class AbstractSharding(AbstractStrategy):
     out`` that runs it spread over devices, splitting the compiled mask per shard.
     `Unsharded` returns it unchanged.
 
-    Every concrete sharding sets four class variables (abstract here):
+    Every concrete sharding sets five class variables (abstract here):
 
     - `needs_lse`: the sharding merges partial results by their log-sum-exp, so the selector
       declines every kernel that is not an `AbstractLseKernel`.
@@ -38,12 +38,18 @@ class AbstractSharding(AbstractStrategy):
       forward and its backward together (`RingAttention`'s backward recomputes each step's
       forward there), so the call's `Features.in_loop` is set and a kernel that bounds its
       temporaries per step may lower the bound (`XlaConfig.slot_elements`).
+    - `keeps_bias_axes`: the sharding splits a bias with size-1 axes as it is (a size-1 axis
+      is never split; the bias's gradient keeps its shape and autodiff sums it over the
+      devices that share it), so an `AbstractBroadcastBiasKernel` gets the bias ``[bb, hb,
+      Lq or 1, Lk or 1]`` under it as unsharded. ``False``: the plan broadcasts the bias to
+      ``[bb, hb, Lq, Lk]`` first (`full_bias`), for a sharding that splits only that form.
     """
 
     needs_lse: AbstractClassVar[bool]
     passes_positions: AbstractClassVar[bool]
     passes_score: AbstractClassVar[bool]
     loops_kernel: AbstractClassVar[bool]
+    keeps_bias_axes: AbstractClassVar[bool]
 
     @abc.abstractmethod
     def wrap(self, fn: Callable) -> Callable:
@@ -57,6 +63,7 @@ class Unsharded(AbstractSharding):
     passes_positions: ClassVar[bool] = False
     passes_score: ClassVar[bool] = True
     loops_kernel: ClassVar[bool] = False
+    keeps_bias_axes: ClassVar[bool] = True
 
     def wrap(self, fn: Callable) -> Callable:
         return fn

@@ -436,9 +436,10 @@ def test_the_selector_reads_the_lse_capability_from_the_type(monkeypatch):
 def test_a_bias_keeps_its_size_1_axes_only_for_kernels_of_the_capability_type(monkeypatch):
     """Reading a bias with its size-1 axes is a type (`AbstractBroadcastBiasKernel`): a
     kernel of that type receives a per-key, per-query or scalar bias as given (its
-    ``Lq x Lk`` broadcast never built), every other kernel, and any kernel under a sharding,
-    receives it broadcast to ``[bb, hb, Lq, Lk]`` as before; the bias's gradient has the
-    caller's shape either way."""
+    ``Lq x Lk`` broadcast never built), unsharded and under `ShardMap` and `RingAttention`
+    (`keeps_bias_axes`); every other kernel, and any kernel under a sharding whose
+    `keeps_bias_axes` is False, receives it broadcast to ``[bb, hb, Lq, Lk]`` as before; the
+    bias's gradient has the caller's shape either way."""
     from eqx_bsattn import _kernel
     from eqx_bsattn.contract import AbstractBroadcastBiasKernel
 
@@ -458,6 +459,16 @@ def test_a_bias_keeps_its_size_1_axes_only_for_kernels_of_the_capability_type(mo
     assert isinstance(bsa.kernels.DenseReference(), AbstractBroadcastBiasKernel)
     assert not isinstance(bsa.kernels.CudnnDense(), AbstractBroadcastBiasKernel)
 
+    class Broadcasting(bsa.AbstractSharding):  # splits only a bias [bb, hb, Lq, Lk]
+        needs_lse: ClassVar[bool] = False
+        passes_positions: ClassVar[bool] = False
+        passes_score: ClassVar[bool] = True
+        loops_kernel: ClassVar[bool] = False
+        keeps_bias_axes: ClassVar[bool] = False
+
+        def wrap(self, fn):
+            return fn
+
     q = jax.random.normal(jax.random.key(0), (2, 4, 24, 8))
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     for shape in ((2, 1, 1, 24), (2, 4, 24, 1), (1, 1, 1, 1), (24, 1)):
@@ -468,9 +479,15 @@ def test_a_bias_keeps_its_size_1_axes_only_for_kernels_of_the_capability_type(mo
                              (bsa.kernels.XlaBlockSparse(), given)):
             attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel)
             assert attn.plan(q, q, q, bias=bias).inputs.bias.shape == kept, (kernel, shape)
-            if kernel.name == "xla":  # under a sharding: broadcast
-                attn = eqx.tree_at(lambda m: m.sharding, attn, bsa.sharding.ShardMap(mesh, "data"))
-                assert attn.plan(q, q, q, bias=bias).inputs.bias.shape == full
+            # Under ShardMap and RingAttention (an AbstractLseKernel's) as unsharded; under a
+            # sharding that does not keep the axes, broadcast.
+            shardings = [(bsa.sharding.ShardMap(mesh, "data"), kept), (Broadcasting(), full)]
+            if kernel.name == "xla":
+                shardings.append((bsa.sharding.RingAttention(mesh, "data"), kept))
+            for shard, want in shardings:
+                under = eqx.tree_at(lambda m: m.sharding, attn, shard)
+                assert under.plan(q, q, q, bias=bias).inputs.bias.shape == want, (kernel, shard)
+            if kernel.name == "xla":
                 continue
             if shape != (2, 1, 1, 24):  # one call each (a compilation) is enough
                 continue

@@ -306,9 +306,10 @@ class _DeviceRing:
         return here, problem
 
     def _bias_at(self, bias, t):
-        """The bias columns of the kv shard this device holds at step `t`."""
-        if bias is None:
-            return None
+        """The bias columns of the kv shard this device holds at step `t` (a bias without a
+        key axis of its own, as it is)."""
+        if bias is None or bias.shape[3] == 1:
+            return bias
         src = (jax.lax.axis_index(self.seq_axis) - t) % self.n
         return jax.lax.dynamic_slice_in_dim(bias, src * self.kv_len, self.kv_len, axis=3)
 
@@ -464,7 +465,9 @@ class _DeviceRing:
                 lambda x: far[0], lambda x: shard0], shard)
             t = row["step"]
             dq, part, dbias, dscore = grads(t, row["position"], shard)
-            if dbias_sum is not None:  # the columns of the shard held at step t
+            if dbias_sum is not None and dbias_sum.shape[3] == 1:  # no key axis: summed
+                dbias_sum = dbias_sum + dbias
+            elif dbias_sum is not None:  # the columns of the shard held at step t
                 src = (jax.lax.axis_index(self.seq_axis) - t) % self.n
                 dbias_sum = jax.lax.dynamic_update_slice_in_dim(
                     dbias_sum, dbias, src * self.kv_len, axis=3)
@@ -562,6 +565,7 @@ class RingAttention(AbstractSharding):
     passes_score: ClassVar[bool] = True
     # Each ring is one `jax.lax.scan`; the backward's body recomputes the step's forward.
     loops_kernel: ClassVar[bool] = True
+    keeps_bias_axes: ClassVar[bool] = True
 
     def __check_init__(self):
         if not isinstance(self.seq_axis, str):
@@ -741,9 +745,10 @@ class RingAttention(AbstractSharding):
                 kv_pos = jnp.broadcast_to(jnp.asarray(np.arange(kv_len, dtype=np.int32)),
                                           (batch, kv_len))
             bias = inputs.bias
-            if bias is not None:
-                # Every device keeps all key columns: their order is a local gather. The
-                # sequence axes are reordered inside the shard_map (`_to_zigzag`).
+            if bias is not None and bias.shape[3] > 1:
+                # Every device keeps all key columns (a per-key bias too: O(Lk)): their order
+                # is a local gather. The query axis is split and reordered inside the shard_map
+                # (`_to_zigzag`) where the bias has one; a size-1 axis is shared by all devices.
                 bias = bias if not permute else jnp.take(bias, k_order, axis=3)
             sharded = AttentionInputs(
                 bias=bias, sinks=inputs.sinks, q_segment_ids=inputs.q_segment_ids,
@@ -799,7 +804,9 @@ class RingAttention(AbstractSharding):
             diff_slots = {q_slot, k_slot, v_slot, data.get("bias"), *score_slots}
 
             # The operands split along the sequence, and that axis.
-            seq_dims = {q_slot: 2, k_slot: 2, v_slot: 2, data.get("bias"): 2}
+            seq_dims = {q_slot: 2, k_slot: 2, v_slot: 2}
+            if bias is not None and bias.shape[2] > 1:
+                seq_dims[data["bias"]] = 2
             seq_dims.update({data.get(name): 1 for name in (
                 "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")})
 

@@ -27,10 +27,11 @@ def split_inputs(ops: Operands, inputs: AttentionInputs, *, batch: int, heads: i
     """Register the per-call data with matching specs; returns their slots by field name."""
     slots = {}
     if inputs.bias is not None:
-        bb, hb = inputs.bias.shape[:2]
+        bb, hb, bq = inputs.bias.shape[:3]
         lead = lead_spec(bb, hb, batch, heads, batch_axis, head_axis)
-        # Every device keeps all the bias's key columns: a ring walks them.
-        slots["bias"] = ops.add(inputs.bias, P(*lead, q_axis, None))
+        # A size-1 axis is never split (the devices share it; autodiff sums its gradient over
+        # them). Every device keeps all the bias's key columns: a ring walks them.
+        slots["bias"] = ops.add(inputs.bias, P(*lead, q_axis if bq > 1 else None, None))
     if inputs.sinks is not None:
         slots["sinks"] = ops.add(inputs.sinks, P(head_axis, None))
     for name, axis in (("q_segment_ids", q_axis), ("kv_segment_ids", kv_axis),
@@ -100,6 +101,7 @@ class ShardMap(AbstractSharding):
     passes_positions: ClassVar[bool] = False
     passes_score: ClassVar[bool] = True
     loops_kernel: ClassVar[bool] = False
+    keeps_bias_axes: ClassVar[bool] = True
 
     def __check_init__(self):
         check_mesh(self.mesh, {"batch_axis": self.batch_axis, "head_axis": self.head_axis})
