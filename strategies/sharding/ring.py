@@ -313,6 +313,17 @@ class _DeviceRing:
         src = (jax.lax.axis_index(self.seq_axis) - t) % self.n
         return jax.lax.dynamic_slice_in_dim(bias, src * self.kv_len, self.kv_len, axis=3)
 
+    def _add_bias_grad_at(self, dbias_sum, dbias, t):
+        """`dbias_sum` with step `t`'s gradient `dbias` of `_bias_at(bias, t)` in its place:
+        written into the columns of the kv shard held at `t`, or added where the bias has no
+        key axis (every step reads all of it)."""
+        if dbias_sum is None:
+            return None
+        if dbias_sum.shape[3] == 1:
+            return dbias_sum + dbias
+        src = (jax.lax.axis_index(self.seq_axis) - t) % self.n
+        return jax.lax.dynamic_update_slice_in_dim(dbias_sum, dbias, src * self.kv_len, axis=3)
+
     def _kernel(self, inputs, step_mask):
         def call(q, k, v, bias, score):
             # The step's score terms: positions are the tokens' global ones (`inputs`), so a
@@ -465,12 +476,7 @@ class _DeviceRing:
                 lambda x: far[0], lambda x: shard0], shard)
             t = row["step"]
             dq, part, dbias, dscore = grads(t, row["position"], shard)
-            if dbias_sum is not None and dbias_sum.shape[3] == 1:  # no key axis: summed
-                dbias_sum = dbias_sum + dbias
-            elif dbias_sum is not None:  # the columns of the shard held at step t
-                src = (jax.lax.axis_index(self.seq_axis) - t) % self.n
-                dbias_sum = jax.lax.dynamic_update_slice_in_dim(
-                    dbias_sum, dbias, src * self.kv_len, axis=3)
+            dbias_sum = self._add_bias_grad_at(dbias_sum, dbias, t)
             carry = (following, _sum(acc, part), home, dq_sum + dq, dbias_sum,
                      _sum(dscore_sum, dscore))
             return typed_like(carry, *refs), None
