@@ -206,7 +206,9 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
 
             acc = ops.cast(jnp.zeros((bq, d), jnp.float32), ops.wgmma_layout)
             acc = lax.fori_loop(0, n_full, lambda i, a: step(i, a, False), acc)
-            acc = lax.fori_loop(n_full, n_steps, lambda i, a: step(i, a, True), acc)
+            # Counted from 0, as in the forward (mesh-axis types of the counts).
+            acc = lax.fori_loop(0, n_steps - n_full, lambda j, a: step(n_full + j, a, True),
+                                acc)
             q_smem[...] = (acc * cfg.softmax_scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows])
@@ -354,7 +356,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
 
             zeros = ops.cast(jnp.zeros((bk, d), jnp.float32), ops.wgmma_layout)
             carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), (zeros, zeros))
-            dk, dv = lax.fori_loop(n_full, n_steps, lambda i, c: step(i, c, True), carry)
+            dk, dv = lax.fori_loop(0, n_steps - n_full, lambda j, c: step(n_full + j, c, True),
+                                   carry)
             k_smem[...] = (dk * cfg.softmax_scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()

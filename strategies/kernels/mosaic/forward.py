@@ -260,8 +260,10 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
 
                 carry = (acc, m_i, l_i)
                 carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), carry)
-                acc, m_i, l_i = lax.fori_loop(n_full, n_steps, lambda i, c: step(i, c, True),
-                                              carry)
+                # Counted from 0: inside `shard_map` the counts' mesh-axis types may differ,
+                # and a loop from one to the other fails to type its counter.
+                acc, m_i, l_i = lax.fori_loop(0, n_steps - n_full,
+                                              lambda j, c: step(n_full + j, c, True), carry)
                 with jax.named_scope("turn_end"):
                     pl.when(wg == 0)(take_turn)
 

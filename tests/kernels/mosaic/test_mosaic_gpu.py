@@ -381,6 +381,44 @@ def test_forward_in_cpu_interpreter(case, ctas):
     assert np.all(np.isinf(lse[empty])) and np.all(np.isfinite(lse[~empty]))
 
 
+@pytest.mark.slow
+def test_forward_inside_shard_map_in_cpu_interpreter():
+    """The forward inside `shard_map` on a one-device mesh, its lists and segment ids typed
+    as varying over the mesh axis (as under `RingAttention` with documents), in Pallas' CPU
+    interpreter: the FULL and PARTIAL loops' counts then differ in their mesh-axis types."""
+    params = _mosaic_interpreter()
+    if params is None or jax.default_backend() != "cpu":
+        pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
+    from eqx_bsattn.strategies.kernels.mosaic.forward import BLOCK_Q, ForwardConfig, forward_call
+
+    heads, length, d = 2, 256, 64
+    mask = masks.Causal() & masks.Document()
+    ids = jnp.asarray(np.repeat(np.arange(4, dtype=np.int32), [40, 70, 50, 96])[None])
+    data = {"q_segment_ids": ids, "kv_segment_ids": ids}
+    resolved = bsa.ResolvedMask(mask, q_len=length, kv_len=length, num_heads=heads, **data)
+    layout = resolved.layout(BLOCK_Q, 128)
+    cfg = ForwardConfig(batch=1, heads=heads, kv_heads=heads, q_len=length, kv_len=length,
+                        true_kv_len=length, head_dim=d, block_kv=128, stages=2, ctas=2,
+                        softmax_scale=d ** -0.5, terms=resolved.kernel_terms([(BLOCK_Q, 128)]),
+                        layout_batch=layout.full_count.shape[0],
+                        layout_heads=layout.full_count.shape[1])
+    q, k, v, _ = _inputs(5, 1, heads, heads, length, length, d)
+    q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
+    lists = tuple(jnp.asarray(a, jnp.int32) for a in (
+        layout.full_count, layout.full_index, layout.partial_count, layout.partial_index))
+    mesh = jax.make_mesh((1,), ("x",))
+    spec = jax.sharding.PartitionSpec("x")  # every array's leading axis has size 1
+    args = jax.device_put((q, k, v, lists, ids), jax.NamedSharding(mesh, spec))
+
+    def run(q, k, v, lists, ids):
+        return forward_call(cfg, q, k, v, *lists, ids, ids, interpret=params())[0]
+
+    out = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec))(*args)
+    want = bsa.BlockSparseAttention(mask=mask, kernel=DenseReference())(
+        *(x.astype(jnp.float32) for x in (q, k, v)), **data)
+    assert _rel(out, want) < TOL[jnp.float16]
+
+
 BACKWARD_INTERPRETER_CASES = {
     # name: (mask, heads, kv_heads, q_len, kv_len, head_dim, documents, soft cap)
     "causal_gqa_ragged": (masks.Causal(bottom_right=True), 2, 1, 130, 200, 64, False, None),
