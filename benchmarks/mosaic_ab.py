@@ -1,16 +1,19 @@
-"""`MosaicBlockSparse`'s forward at another git revision against the working tree's, both in
-one process (Hopper GPU only).
+"""`MosaicBlockSparse`'s forward or backward at another git revision against the working
+tree's, both in one process (Hopper GPU only).
 
 Run-to-run spread on a lent GPU is often larger than a kernel change, so a change is judged
-here against the forward before it in the same process: the forward kernel module
-(``strategies/kernels/mosaic/forward.py``) of ``--base`` is loaded beside the working tree's,
-each is jitted through `MosaicBlockSparse` (the rest of the package is the working tree's),
-and the two are timed in interleaved rounds (``--rounds`` rounds of ``--reps`` calls each).
-Prints forward TF/s (visible pairs only) per case as median / best over the rounds.
+here against the kernel before it in the same process: the kernel module of ``--base``
+(``strategies/kernels/mosaic/forward.py``, or ``backward.py`` with ``--backward``) is loaded
+beside the working tree's, each is jitted through `MosaicBlockSparse` (the rest of the
+package is the working tree's), and the two are timed in interleaved rounds (``--rounds``
+rounds of ``--reps`` calls each). Prints TF/s (visible pairs only) per case as median / best
+over the rounds: the forward's, or with ``--backward`` forward+backward's (3.5 times the
+forward's FLOPs) in the mode ``--mode`` names.
 
 ```
 python benchmarks/mosaic_ab.py --base HEAD~1
 python benchmarks/mosaic_ab.py --base main --cases document:2:16384 window:32:1024
+python benchmarks/mosaic_ab.py --base HEAD other-branch --backward --mode single_pass
 ```
 """
 
@@ -30,33 +33,49 @@ import eqx_bsattn.strategies.kernels.mosaic.kernel as mosaic_kernel
 from eqx_bsattn.bench import median_ms, pattern, visible_pairs
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 
-FORWARD = "strategies/kernels/mosaic/forward.py"
+#: The module of each pass, and the names `kernel.py` imports from it (looked up when traced).
+PASSES = {"forward": ("forward", ("forward_call",)),
+          "backward": ("backward", ("dq_call", "dkv_call"))}
+MODES = {"deterministic": True, "single_pass": False}
 
 
-def forward_at(revision: str):
-    """`forward_call` of the forward module at git `revision`, imported as a module of the
-    installed package (so that its relative imports resolve to the working tree's)."""
+def launches_at(revision: str, module_name: str, names, number: int = 0) -> dict:
+    """The launch functions `names` of the Mosaic module `module_name` at git `revision`,
+    imported as a module of the installed package (so that its relative imports resolve to
+    the working tree's)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(["git", "-C", root, "show", f"{revision}:{FORWARD}"],
-                            check=True, capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(), "forward_base.py")
+    source = subprocess.run(
+        ["git", "-C", root, "show", f"{revision}:strategies/kernels/mosaic/{module_name}.py"],
+        check=True, capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), f"{module_name}_base{number}.py")
     with open(path, "w") as f:
         f.write(source)
-    name = "eqx_bsattn.strategies.kernels.mosaic.forward_base"
+    name = f"eqx_bsattn.strategies.kernels.mosaic.{module_name}_base{number}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    return module.forward_call
+    return {n: getattr(module, n) for n in names}
 
 
-def compare(cases, base: str, rounds: int, reps: int, heads: int, dim: int):
-    calls = {f"base ({base})": forward_at(base), "working tree": mosaic_kernel.forward_call}
+def set_launches(launches: dict):
+    for name, fn in launches.items():
+        setattr(mosaic_kernel, name, fn)
+
+
+def compare(cases, bases, rounds: int, reps: int, heads: int, dim: int,
+            backward: bool = False, mode: str = "deterministic"):
+    module_name, names = PASSES["backward" if backward else "forward"]
+    working = {n: getattr(mosaic_kernel, n) for n in names}
+    calls = {f"base ({rev})": launches_at(rev, module_name, names, i)
+             for i, rev in enumerate(bases)}
+    calls["working tree"] = working
+    kernel = MosaicBlockSparse(deterministic=MODES[mode])
+    what = f"Forward+backward ({mode}) TF/s" if backward else "Forward TF/s"
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    print(f"\nForward TF/s, H={heads} D={dim} bfloat16, median / best of {rounds} rounds")
+    print(f"\n{what}, H={heads} D={dim} bfloat16, median / best of {rounds} rounds")
     print("| pattern | L | B | " + " | ".join(calls) + " |")
     print("| --- | --- | --- |" + " --- |" * len(calls))
-    working = mosaic_kernel.forward_call
     try:
         for case in cases:
             name, batch, length = case.split(":")
@@ -64,20 +83,25 @@ def compare(cases, base: str, rounds: int, reps: int, heads: int, dim: int):
             mask, data = pattern(name, length, window=1024 if length > 2048 else 256)
             flops = 4.0 * batch * heads * dim * visible_pairs(
                 mask, length, length, data.get("q_segment_ids"))
-            keys = jax.random.split(jax.random.key(length), 3)
-            q, k, v = (jax.random.normal(key, (batch, heads, length, dim), jnp.bfloat16)
-                       for key in keys)
+            if backward:
+                flops *= 3.5
+            keys = jax.random.split(jax.random.key(length), 4)
+            q, k, v, do = (jax.random.normal(key, (batch, heads, length, dim), jnp.bfloat16)
+                           for key in keys)
             per_call = {n: jnp.broadcast_to(jnp.asarray(x), (batch, length))
                         for n, x in data.items()}
             fns = {}
-            for label, forward_call in calls.items():
-                # `_forward` looks `forward_call` up when it is traced: trace each here.
-                mosaic_kernel.forward_call = forward_call
-                attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse())
-                fn = jax.jit(lambda q, k, v, attn=attn: attn(q, k, v, **per_call))
-                fn(q, k, v).block_until_ready()
+            for label, launches in calls.items():
+                # The kernel looks its launches up when it is traced: trace each here.
+                set_launches(launches)
+                attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel)
+                fn = lambda q, k, v, attn=attn: attn(q, k, v, **per_call)  # noqa: E731
+                if backward:
+                    fn = lambda q, k, v, f=fn: jax.vjp(f, q, k, v)[1](do)  # noqa: E731
+                fn = jax.jit(fn)
+                jax.block_until_ready(fn(q, k, v))
                 fns[label] = fn
-            mosaic_kernel.forward_call = working
+            set_launches(working)
             times = {label: [] for label in fns}
             for _ in range(rounds):
                 for label, fn in fns.items():
@@ -86,12 +110,17 @@ def compare(cases, base: str, rounds: int, reps: int, heads: int, dim: int):
                      for ms in times.values()]
             print(f"| {name} | {length} | {batch} | " + " | ".join(cells) + " |", flush=True)
     finally:
-        mosaic_kernel.forward_call = working
+        set_launches(working)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", default="HEAD", help="git revision of the forward to compare with")
+    p.add_argument("--base", nargs="+", default=["HEAD"],
+                   help="git revisions of the kernel to compare with")
+    p.add_argument("--backward", action="store_true",
+                   help="compare the backward module, timing forward+backward")
+    p.add_argument("--mode", default="deterministic", choices=list(MODES),
+                   help="the backward's mode (with --backward)")
     p.add_argument("--cases", nargs="+", default=[
         "causal:2:16384", "window:2:16384", "document:2:16384", "causal:32:1024",
         "window:32:1024", "document:32:1024"], help="pattern:batch:length")
@@ -100,7 +129,8 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
     args = p.parse_args()
-    compare(args.cases, args.base, args.rounds, args.reps, args.heads, args.dim)
+    compare(args.cases, args.base, args.rounds, args.reps, args.heads, args.dim, args.backward,
+            args.mode)
 
 
 if __name__ == "__main__":
