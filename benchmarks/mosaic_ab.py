@@ -8,7 +8,8 @@ beside the working tree's, each is jitted through `MosaicBlockSparse` (the rest 
 package is the working tree's), and the two are timed in interleaved rounds (``--rounds``
 rounds of ``--reps`` calls each). Prints TF/s (visible pairs only) per case as median / best
 over the rounds: the forward's, or with ``--backward`` forward+backward's (3.5 times the
-forward's FLOPs) in the mode ``--mode`` names.
+forward's FLOPs) in the mode ``--mode`` names. A base must be in the checkout's history (a
+copy of the working tree on another machine may carry only HEAD and its ancestors).
 
 ```
 python benchmarks/mosaic_ab.py --base HEAD~1
