@@ -34,7 +34,7 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AttentionShape, Ops, list_bounds, list_entry, memory_warpgroup, ring_stages,
-                     segment_ids_apart, swizzled, visible)
+                     segment_ids_apart, swizzled, visible, walk_list)
 
 #: Rows of a CTA's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -205,10 +205,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                 return acc
 
             acc = ops.cast(jnp.zeros((bq, d), jnp.float32), ops.wgmma_layout)
-            acc = lax.fori_loop(0, n_full, lambda i, a: step(i, a, False), acc)
-            # Counted from 0, as in the forward (mesh-axis types of the counts).
-            acc = lax.fori_loop(0, n_steps - n_full, lambda j, a: step(n_full + j, a, True),
-                                acc)
+            acc = walk_list(n_full, n_steps, step, acc)
             q_smem[...] = (acc * cfg.softmax_scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows])
@@ -355,9 +352,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 return dk, dv
 
             zeros = ops.cast(jnp.zeros((bk, d), jnp.float32), ops.wgmma_layout)
-            carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), (zeros, zeros))
-            dk, dv = lax.fori_loop(0, n_steps - n_full, lambda j, c: step(n_full + j, c, True),
-                                   carry)
+            dk, dv = walk_list(n_full, n_steps, step, (zeros, zeros))
             k_smem[...] = (dk * cfg.softmax_scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()

@@ -221,6 +221,15 @@ def list_bounds(layout_axes, b, h, tile, full_count_ref, partial_count_ref):
     return prefix, n_full, n_full + partial_count_ref[prefix]
 
 
+def walk_list(n_full, n_steps, step, carry):
+    """``step(it, carry, masked)`` over one tile's FULL-then-PARTIAL list (`list_bounds`):
+    entries ``0 .. n_full - 1`` unmasked, then ``n_full .. n_steps - 1`` masked. Each loop
+    counts from 0: inside `shard_map` the two counts may differ in their mesh-axis types, and
+    a loop from one to the other fails to type its counter."""
+    carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), carry)
+    return lax.fori_loop(0, n_steps - n_full, lambda j, c: step(n_full + j, c, True), carry)
+
+
 def memory_warpgroup(num_items, walk, streams, stages: int):
     """The memory warpgroup: for each of the CTA's `num_items` work items ``i`` in turn, and
     each entry ``it`` of its list, copy each stream's tile ``tile_of(ref, it)`` into the next

@@ -38,7 +38,7 @@ from jax import lax
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AttentionShape, Ops, decode_item, layout_prefix, list_bounds, list_entry,
                      memory_warpgroup, persistent_schedule, ring_stages, segment_ids_apart,
-                     swizzled, visible)
+                     swizzled, visible, walk_list)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -258,12 +258,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
-                carry = (acc, m_i, l_i)
-                carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), carry)
-                # Counted from 0: inside `shard_map` the counts' mesh-axis types may differ,
-                # and a loop from one to the other fails to type its counter.
-                acc, m_i, l_i = lax.fori_loop(0, n_steps - n_full,
-                                              lambda j, c: step(n_full + j, c, True), carry)
+                acc, m_i, l_i = walk_list(n_full, n_steps, step, (acc, m_i, l_i))
                 with jax.named_scope("turn_end"):
                     pl.when(wg == 0)(take_turn)
 
