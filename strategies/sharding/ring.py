@@ -220,6 +220,41 @@ def _where(pred, a, b):
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
+class _Cut(NamedTuple):
+    """How one pass's layout of a (query shard, kv shard) pair reaches the ring's loops.
+
+    `stacked` (a layout known at trace time): the ring hands each device its pairs' lists at
+    every position of the walk (``[positions, mb, mh, ...]``, built exactly in NumPy) and a
+    step reads them at its position. Otherwise (a layout built from per-call data, or from a
+    mask array traced by `jit`): each device gets the class rows of its query blocks over
+    every kv block of the call (``rows``, ``[mb, mh, nq, n * nk]`` int8, the kv blocks
+    device by device in the ring's order), and each step builds its pair's lists in the loop
+    body from the ``nk`` columns of the kv shard it holds, so that no device ever holds the
+    lists of other pairs or of other steps. The rest is the cut layout's static metadata
+    (per-shard lengths and tiles).
+    """
+
+    stacked: bool
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_kv: int
+    is_static: bool
+
+    def layout(self, arrays: dict, p, src) -> BlockLayout:
+        """The pass's `BlockLayout` at forward position `p` (stacked), where the kv shard of
+        device `src` is held (rows); both traced. `arrays`: this device's part of the pass's
+        arrays (stacked lists, or ``{"rows": ...}``)."""
+        meta = dict(q_len=self.q_len, kv_len=self.kv_len, block_q=self.block_q,
+                    block_kv=self.block_kv, is_static=self.is_static)
+        if not self.stacked:
+            nk = self.kv_len // self.block_kv
+            classes = jax.lax.dynamic_slice_in_dim(arrays["rows"], src * nk, nk, axis=-1)
+            return layout_from_classes(classes, **meta)
+        at = {f: jax.lax.dynamic_index_in_dim(x, p, keepdims=False) for f, x in arrays.items()}
+        return BlockLayout(**at, bitmaps=None, bitmap_index=None, t_bitmap_index=None, **meta)
+
+
 @dataclasses.dataclass(frozen=True)
 class _DeviceRing:
     """One device's part of a `RingAttention` call, inside `jax.shard_map`: the forward ring
@@ -228,8 +263,10 @@ class _DeviceRing:
 
     Static context only (the schedule, the slots of the operands, the kernel's function); the
     arrays come in as arguments. The shards of the kv sequence travel as ``(k, v, kv segment
-    ids, kv positions)`` tuples (``None`` where absent). The layouts of every position are
-    stacked (``[positions, ...]`` per device) and read at the position; `work_slot` holds
+    ids, kv positions)`` tuples (``None`` where absent). Each pass's layout comes as a `_Cut`
+    (`layout_cuts`) and the slots of its arrays (`layout_slots`): a static layout's lists of
+    every position stacked (``[positions, ...]`` per device) and read at the position, a
+    run-time one's class rows, from which each step builds its pair's lists; `work_slot` holds
     which devices work at each position (``None``: every device at every position, or, for
     a mask known on the device only, each device's layout decides). `score` is the static
     part of the score terms each step's kernel call reads (its slopes and table come in as
@@ -243,7 +280,7 @@ class _DeviceRing:
     n: int
     seq_axis: str
     data: dict
-    layout_likes: dict
+    layout_cuts: dict
     layout_slots: dict
     work_slot: int | None
     pred_slots: list
@@ -274,27 +311,25 @@ class _DeviceRing:
         work_flags = None if self.work_slot is None else read(self.work_slot)[0]
 
         def problem(t, p, kv_seg, kv_pos):
-            layouts = {}
+            n, me = self.n, jax.lax.axis_index(self.seq_axis)
+            src = (me - t) % n  # the device whose kv shard is held at step `t`
+            layouts, built = {}, {}
             for name in ("forward", "dq", "dkv"):
-                slots, like = self.layout_slots.get(name), self.layout_likes.get(name)
+                slots, cut = self.layout_slots.get(name), self.layout_cuts.get(name)
                 if slots is None:
                     layouts[name] = None
                     continue
-                at = {f: jax.lax.dynamic_index_in_dim(read(slot)[0], p, keepdims=False)
-                      for f, slot in slots.items()}
-                layouts[name] = BlockLayout(
-                    **at, bitmaps=None, bitmap_index=None, t_bitmap_index=None,
-                    q_len=like.q_len, kv_len=like.kv_len, block_q=like.block_q,
-                    block_kv=like.block_kv, is_static=like.is_static,
-                )
+                if id(slots) not in built:  # passes with equal tiles share one layout
+                    arrays = {f: read(slot)[0] for f, slot in slots.items()}
+                    built[id(slots)] = cut.layout(arrays, p, src)
+                layouts[name] = built[id(slots)]
             inputs = dict(q_segment_ids=here.get("q_segment_ids"), kv_segment_ids=kv_seg,
                           q_positions=here.get("q_positions"), kv_positions=kv_pos)
-            n, me = self.n, jax.lax.axis_index(self.seq_axis)
             step_mask = local_mask(
                 call_mask, layouts, q_len=self.q_len, kv_len=self.kv_len,
                 num_heads=self.local_heads, head_offset=head_offset,
                 q_tokens=_shard_tokens(self.order, n, me, n * self.q_len),
-                kv_tokens=_shard_tokens(self.order, n, (me - t) % n, n * self.kv_len))
+                kv_tokens=_shard_tokens(self.order, n, src, n * self.kv_len))
             work = None
             if self.sched.pairs is None and layouts["forward"] is not None:
                 # Known on the device only: skip a pair this device's layout leaves empty.
@@ -667,13 +702,24 @@ class RingAttention(AbstractSharding):
     # --------------------------------------------------------------------------------------
     # The run.
 
-    def _step_layouts(self, mask: CompiledMask, order: str, steps) -> dict:
-        """For each step, each pass's lists per device: arrays with a leading ``[n]`` axis."""
+    def _cut_layouts(self, mask: CompiledMask, order: str, steps) -> dict:
+        """``{pass: (_Cut, {name: array with a leading [n] axis})}``: how each pass's layout
+        reaches the devices. Passes with equal tiles share one dict.
+
+        A layout known at trace time (NumPy classes) is cut here into every (query shard, kv
+        shard) pair of every step in `steps` and its lists are stacked in `steps`' order
+        (``[n, len(steps), ...]``; index lists padded with 0 to the longest step's capacity,
+        the counts say how much of them is read). A layout built on the device (traced
+        classes) gives each device the class rows of its query blocks over the call's kv
+        blocks (``rows``, ``[n, mb, mh, nq, n * nk]``, the kv blocks in the devices' order),
+        and each step builds its pair's lists inside the ring's loops (`_Cut.layout`): lists
+        of every pair and step built here would be materialised together, on every device.
+        """
         n = axis_size(self.mesh, self.seq_axis)
         out, first_name = {}, {}
         for name, layout in mask.layouts().items():
             if id(layout) in first_name:  # passes with equal tiles share one layout
-                out.update({(t, name): out[(t, first_name[id(layout)])] for t in steps})
+                out[name] = out[first_name[id(layout)]]
                 continue
             first_name[id(layout)] = name
             if layout.bitmaps is not None:
@@ -683,45 +729,37 @@ class RingAttention(AbstractSharding):
                     "the mask itself (reads='elements'), such as XlaBlockSparse."
                 )
             classes = layout.classes
-            xp = jnp if isinstance(classes, jax.core.Tracer) else np
-            classes = classes if xp is jnp else np.asarray(classes)
+            stacked = not isinstance(classes, jax.core.Tracer)
+            classes = np.asarray(classes) if stacked else classes
             qo = _block_order(order, n, mask.q_len, layout.block_q)
             ko = _block_order(order, n, mask.kv_len, layout.block_kv)
             nq, nk = len(qo) // n, len(ko) // n
             grid = classes[:, :, qo][:, :, :, ko]
+            cut = _Cut(stacked, q_len=mask.q_len // n, kv_len=mask.kv_len // n,
+                       block_q=layout.block_q, block_kv=layout.block_kv,
+                       is_static=layout.is_static)
+            if not stacked:
+                mb, mh = grid.shape[:2]
+                rows = jnp.moveaxis(grid.reshape(mb, mh, n, nq, n * nk), 2, 0)
+                out[name] = (cut, {"rows": rows})
+                continue
+            per_step = []
             for t in steps:
                 per_device = [grid[:, :, d * nq:(d + 1) * nq, e * nk:(e + 1) * nk]
                               for d in range(n) for e in [(d - t) % n]]
-                cut = layout_from_classes(
-                    xp.stack(per_device), q_len=mask.q_len // n, kv_len=mask.kv_len // n,
-                    block_q=layout.block_q, block_kv=layout.block_kv,
-                    is_static=layout.is_static,
-                )
-                out[(t, name)] = cut
-        return out
-
-    def _stacked_layouts(self, mask: CompiledMask, order: str, steps) -> dict:
-        """``{pass: (layout of the first step, {list: [n, len(steps), ...] array})}``: each
-        pass's lists at every step, stacked in `steps`' order (index lists padded with 0
-        to the longest step's capacity; the counts say how much of them is read). Passes
-        with equal tiles share one dict."""
-        cuts = self._step_layouts(mask, order, steps)
-        out, of_first = {}, {}
-        for name in mask.layouts():
-            per_step = [cuts[(t, name)] for t in steps]
-            key = id(per_step[0])
-            if key not in of_first:
-                lists = {}
-                for f in LAYOUT_LISTS:
-                    arrays = [getattr(cut, f) for cut in per_step]
-                    if arrays[0] is None:
-                        continue
-                    width = max(x.shape[-1] for x in arrays)
-                    pad = lambda x: jnp.pad(  # noqa: E731
-                        x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
-                    lists[f] = jnp.stack([pad(x) for x in arrays], axis=1)
-                of_first[key] = lists
-            out[name] = (per_step[0], of_first[key])
+                per_step.append(layout_from_classes(
+                    np.stack(per_device), q_len=cut.q_len, kv_len=cut.kv_len,
+                    block_q=cut.block_q, block_kv=cut.block_kv, is_static=cut.is_static))
+            lists = {}
+            for f in LAYOUT_LISTS:
+                arrays = [getattr(c, f) for c in per_step]
+                if arrays[0] is None:
+                    continue
+                width = max(x.shape[-1] for x in arrays)
+                pad = lambda x: jnp.pad(  # noqa: E731
+                    x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+                lists[f] = jnp.stack([pad(x) for x in arrays], axis=1)
+            out[name] = (cut, lists)
         return out
 
     def wrap(self, fn: Callable) -> Callable:
@@ -776,16 +814,21 @@ class RingAttention(AbstractSharding):
             score_like = local_score(terms, None, None, head_axis=h_axis,
                                      local_heads=local_heads)
             walk = _Walk(n, *sched.hops)
-            # Each pass's lists at every position of the walk, stacked: [n, positions, ...].
-            stacked = self._stacked_layouts(mask, order, walk.steps)
-            layout_likes, layout_slots, slots_of_cut = {}, {}, {}
-            for name, (like, lists) in stacked.items():
-                if id(lists) not in slots_of_cut:
-                    mb, mh = like.classes.shape[1:3]
-                    lead = lead_spec(mb, mh, batch, heads, b_axis, h_axis)
-                    slots_of_cut[id(lists)] = {f: ops.add(x, P(s_axis, None, *lead))
-                                               for f, x in lists.items()}
-                layout_likes[name], layout_slots[name] = like, slots_of_cut[id(lists)]
+            # Each pass's layout per device: its lists at every position of the walk
+            # ([n, positions, mb, mh, ...]), or the class rows its steps build them from
+            # ([n, mb, mh, nq, n * nk]).
+            cuts = self._cut_layouts(mask, order, walk.steps)
+            layout_cuts, layout_slots, slots_of_cut = {}, {}, {}
+            for name, (cut, parts) in cuts.items():
+                if id(parts) not in slots_of_cut:
+                    if cut.stacked:
+                        mb, mh = parts["classes"].shape[2:4]
+                        spec = P(s_axis, None, *lead_spec(mb, mh, batch, heads, b_axis, h_axis))
+                    else:
+                        mb, mh = parts["rows"].shape[1:3]
+                        spec = P(s_axis, *lead_spec(mb, mh, batch, heads, b_axis, h_axis))
+                    slots_of_cut[id(parts)] = {f: ops.add(x, spec) for f, x in parts.items()}
+                layout_cuts[name], layout_slots[name] = cut, slots_of_cut[id(parts)]
             # Which devices have work at each position: known now for a static mask; for one
             # built from per-call data, from the layout of each pair on the device.
             work_slot = None
@@ -800,7 +843,7 @@ class RingAttention(AbstractSharding):
 
             device_ring = _DeviceRing(
                 fn=fn, ops=ops, sched=sched, walk=walk, n=n, seq_axis=s_axis, data=data,
-                layout_likes=layout_likes, layout_slots=layout_slots, work_slot=work_slot,
+                layout_cuts=layout_cuts, layout_slots=layout_slots, work_slot=work_slot,
                 pred_slots=pred_slots, arrays=arrays,
                 rest=rest, mask=mask, order=order, q_len=q_local, kv_len=kv_local,
                 local_heads=local_heads, head_offset=lambda: local_head_offset(h_axis,
