@@ -97,13 +97,26 @@ def _bucket(d, THRESH, BIDIR: tl.constexpr, HALF: tl.constexpr, NT: tl.constexpr
 
 
 @triton.jit
-def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, HAS_ALIBI: tl.constexpr,
-                HAS_REL: tl.constexpr, NB: tl.constexpr, BIDIR: tl.constexpr,
+def _span(pos, start, N: tl.constexpr, HAS_POS: tl.constexpr):
+    """``(least, greatest)`` of the positions `pos` of `N` tokens from index `start`: from the
+    index alone where the call gives no positions (no reduction)."""
+    if HAS_POS:
+        lo = tl.min(pos)
+        hi = tl.max(pos)
+    else:
+        lo = start
+        hi = start + N - 1
+    return lo, hi
+
+
+@triton.jit
+def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.constexpr,
+                HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, BIDIR: tl.constexpr,
                 HALF: tl.constexpr, NT: tl.constexpr):
     """``(term, distance, bucket, lowest, highest)`` on broadcastable query / key positions of
-    query head `h`: the float32 score terms (`ScoreTerms.apply`), ``k_pos - q_pos`` as float32
-    (the slope's derivative), the table's bucket ids and their least and greatest value (0
-    without a table)."""
+    query head `h` (a table of `NB` buckets, `NBP` its power of two), whose distances ``q_pos - k_pos`` lie in ``[d_lo, d_hi]``: the float32
+    score terms (`ScoreTerms.apply`), ``k_pos - q_pos`` as float32 (the slope's derivative),
+    the table's bucket ids and their least and greatest value (0 without a table)."""
     delta = kp - qp
     dist = delta.to(tl.float32)
     term = dist * 0.0
@@ -113,14 +126,12 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, HAS_ALIBI: tl.constexpr,
     lowest = 0
     highest = 0
     if HAS_REL:
-        # No gather of a [rows, cols] tile from the table: the compiler would pipeline it
-        # through shared memory like k and v (past the 227 KiB of a Hopper SM). Buckets grow
-        # with |distance| on each side of the diagonal, so the buckets of the tile's nearest
-        # and farthest distances bound it; where they agree (all tiles but those near the
-        # diagonal) the term is one scalar, else each bucket the tile holds is added in turn.
-        # From the position vectors, not the [rows, cols] tile of distances.
-        d_lo = tl.min(qp) - tl.max(kp)
-        d_hi = tl.max(qp) - tl.min(kp)
+        # Buckets grow with |distance| on each side of the diagonal, so the buckets of the
+        # tile's nearest and farthest distances (from the bounds of its positions, `_span`)
+        # bound it; where they agree (all tiles but those near the diagonal) the term is one
+        # scalar. Else the table's row, held in registers, is gathered at each pair's bucket
+        # (`tl.gather`; a load from the table at a [rows, cols] tile of addresses would be
+        # pipelined through shared memory like k and v, past the 227 KiB of a Hopper SM).
         b_lo = _bucket(d_lo, THRESH, BIDIR, HALF, NT)
         b_hi = _bucket(d_hi, THRESH, BIDIR, HALF, NT)
         one_side = (d_lo >= 0) | (d_hi < 0) if BIDIR else d_lo == d_lo
@@ -133,21 +144,26 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, HAS_ALIBI: tl.constexpr,
             bucket += _bucket(qp - kp, THRESH, BIDIR, HALF, NT)
             lowest = tl.min(bucket)
             highest = tl.max(bucket)
-            for bb in range(lowest, highest + 1):
-                term += tl.where(bucket == bb, tl.load(TABLE + h * NB + bb), 0.0)
+            offs_nb = tl.arange(0, NBP)
+            row = tl.load(TABLE + h * NB + offs_nb, mask=offs_nb < NB, other=0.0)
+            term += tl.gather(tl.broadcast_to(row[None, :], (bucket.shape[0], NBP)), bucket, 1)
     return term, dist, bucket, lowest, highest
 
 
 @triton.jit
-def _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, offs_n, LK: tl.constexpr,
+def _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n,
+                LK: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_KPOS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr,
-                NB: tl.constexpr, BIDIR: tl.constexpr, HALF: tl.constexpr, NT: tl.constexpr):
-    """`_score_tile` of queries at positions `qp` (rows) and keys `offs_n` (columns) of batch
-    `b`, its terms added to `bias`: ``(bias + term, distance, bucket, lowest, highest)``."""
+                NB: tl.constexpr, NBP: tl.constexpr, BIDIR: tl.constexpr, HALF: tl.constexpr,
+                NT: tl.constexpr):
+    """`_score_tile` of queries at positions `qp` (rows, from `q_lo` to `q_hi`) and keys
+    `offs_n` of kv-block `j` (columns) of batch `b`, its terms added to `bias`:
+    ``(bias + term, distance, bucket, lowest, highest)``."""
     kp, ks = _coords(KPOS, KPOS, b, offs_n, LK, HAS_KPOS, False, 0)
+    k_lo, k_hi = _span(kp, j * BLOCK_N, BLOCK_N, HAS_KPOS)
     term, dist, bucket, lowest, highest = _score_tile(
-        SLOPES, TABLE, THRESH, h, qp[:, None], kp[None, :], HAS_ALIBI, HAS_REL, NB, BIDIR,
-        HALF, NT)
+        SLOPES, TABLE, THRESH, h, qp[:, None], kp[None, :], q_lo - k_hi, q_hi - k_lo,
+        HAS_ALIBI, HAS_REL, NB, NBP, BIDIR, HALF, NT)
     return bias + term, dist, bucket, lowest, highest
 
 
@@ -338,6 +354,7 @@ def forward_kernel(
     if HAS_BIAS:
         bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
     qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG, -1)
+    q_lo, q_hi = _span(qp, pid_m * BLOCK_M, BLOCK_M, HAS_QPOS)
 
     lrow = ((b if MB > 1 else 0) * MH + (h if MH > 1 else 0)) * NQB + pid_m
     if HAS_SINKS:
@@ -374,8 +391,8 @@ def forward_kernel(
                 bias = 0.0
             if HAS_ALIBI or HAS_REL:
                 bias, dist, bucket, lowest, highest = _with_score(
-                    bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, offs_n, LK, HAS_KPOS, HAS_ALIBI,
-                    HAS_REL, NB, REL_BIDIR, REL_HALF, NT)
+                    bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
+                    BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT)
             s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
             if phase == 1:
                 vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp, qs,
@@ -450,6 +467,7 @@ def dq_kernel(
         bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
         dbias_base = DBIAS + bh * (LQ * LK)
     qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG, -1)
+    q_lo, q_hi = _span(qp, pid_m * BLOCK_M, BLOCK_M, HAS_QPOS)
 
     lrow = ((b if MB > 1 else 0) * MH + (h if MH > 1 else 0)) * NQB + pid_m
     dq = tl.zeros([BLOCK_M, DP], tl.float32)
@@ -478,8 +496,8 @@ def dq_kernel(
                 bias = 0.0
             if HAS_ALIBI or HAS_REL:
                 bias, dist, bucket, lowest, highest = _with_score(
-                    bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, offs_n, LK, HAS_KPOS, HAS_ALIBI,
-                    HAS_REL, NB, REL_BIDIR, REL_HALF, NT)
+                    bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
+                    BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT)
             s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
             if phase == 1:
                 vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp, qs,
@@ -555,6 +573,7 @@ def dkdv_kernel(
     v = _load2d(V + bhk * (LK * DV) + offs_n[:, None] * DV + offs_dv[None, :], n_ok, dv_ok,
                 CHECK_K, DV != DVP)
     kp, ks = _coords(KPOS, KSEG, b, offs_n, LK, HAS_KPOS, HAS_SEG, -2)
+    k_lo, k_hi = _span(kp, pid_n * BLOCK_N, BLOCK_N, HAS_KPOS)
     k_in = (offs_n < LK)[:, None]
 
     dk = tl.zeros([BLOCK_N, DP], tl.float32)
@@ -599,9 +618,10 @@ def dkdv_kernel(
                     bias = 0.0
                 if HAS_ALIBI or HAS_REL:
                     qp_m, qs_m = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, False, 0)
+                    q_lo, q_hi = _span(qp_m, i * BLOCK_M, BLOCK_M, HAS_QPOS)
                     term, dist, bucket, lowest, highest = _score_tile(
-                        SLOPES, TABLE, THRESH, h, qp_m[None, :], kp[:, None], HAS_ALIBI,
-                        HAS_REL, NB, REL_BIDIR, REL_HALF, NT)
+                        SLOPES, TABLE, THRESH, h, qp_m[None, :], kp[:, None], q_lo - k_hi,
+                        q_hi - k_lo, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT)
                     bias = bias + term
                 s, t_cap = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
                 if phase == 1:
