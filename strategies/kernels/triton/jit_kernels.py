@@ -114,9 +114,10 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.cons
                 HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, BIDIR: tl.constexpr,
                 HALF: tl.constexpr, NT: tl.constexpr):
     """``(term, distance, bucket, lowest, highest)`` on broadcastable query / key positions of
-    query head `h` (a table of `NB` buckets, `NBP` its power of two), whose distances ``q_pos - k_pos`` lie in ``[d_lo, d_hi]``: the float32
-    score terms (`ScoreTerms.apply`), ``k_pos - q_pos`` as float32 (the slope's derivative),
-    the table's bucket ids and their least and greatest value (0 without a table)."""
+    query head `h` (a table of `NB` buckets, `NBP` its power of two), whose distances
+    ``q_pos - k_pos`` lie in ``[d_lo, d_hi]``: the float32 score terms (`ScoreTerms.apply`),
+    ``k_pos - q_pos`` as float32 (the slope's derivative), the table's bucket ids and their
+    least and greatest value (0 without a table)."""
     delta = kp - qp
     dist = delta.to(tl.float32)
     term = dist * 0.0
