@@ -181,13 +181,8 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
             plgpu.barrier_wait(q_ready.at[wg])
             plgpu.barrier_wait(do_ready.at[wg])
 
-            def step(it, acc, masked):
-                slot = lax.rem(it, stages)
-                plgpu.barrier_wait(k_ready.at[slot])
-                plgpu.barrier_wait(v_ready.at[slot])
-                s, dp = ops.products((bq, bk), [(q_smem, k_ring.at[slot], True),
-                                      (do_smem, v_ring.at[slot], True)])
-                plgpu.barrier_arrive(v_free.at[slot])
+            def block_grad(s, dp, it, masked):
+                """The block's dS from its products S and dP."""
                 vis = None
                 if masked:
                     k_base = list_entry(fidx_ref, pidx_ref, prefix, it, n_full) * bk
@@ -200,16 +195,31 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                                   k_base + ops.iota((bq, bk), 1), q_seg, k_seg, ids_apart=True)
                 _, ds = cfg.probabilities(s, dp, lax.broadcast_in_dim(lse, (bq, bk), [0]),
                                           lax.broadcast_in_dim(delta, (bq, bk), [0]), vis)
-                (acc,) = ops.accumulate((acc,), [(ds.astype(dtype), k_ring.at[slot])])
+                return ds
+
+            def step(it, acc, masked):
+                slot = lax.rem(it, stages)
+                with jax.named_scope("wait_kv"):
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    plgpu.barrier_wait(v_ready.at[slot])
+                with jax.named_scope("products"):
+                    s, dp = ops.products((bq, bk), [(q_smem, k_ring.at[slot], True),
+                                          (do_smem, v_ring.at[slot], True)])
+                plgpu.barrier_arrive(v_free.at[slot])
+                with jax.named_scope("softmax_partial" if masked else "softmax_full"):
+                    ds = block_grad(s, dp, it, masked)
+                with jax.named_scope("accumulate"):
+                    (acc,) = ops.accumulate((acc,), [(ds.astype(dtype), k_ring.at[slot])])
                 plgpu.barrier_arrive(k_free.at[slot])
                 return acc
 
             acc = ops.cast(jnp.zeros((bq, d), jnp.float32), ops.wgmma_layout)
             acc = walk_list(n_full, n_steps, step, acc)
-            q_smem[...] = (acc * cfg.softmax_scale).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows])
-            plgpu.wait_smem_to_gmem(0)
+            with jax.named_scope("epilogue"):
+                q_smem[...] = (acc * cfg.softmax_scale).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows])
+                plgpu.wait_smem_to_gmem(0)
 
         def tile_of(ref, it):
             block = list_entry(fidx_ref, pidx_ref, prefix, it, n_full)
@@ -299,52 +309,66 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 warpgroups passed the next block's barrier), else all columns over its own
                 keys."""
                 slot = lax.rem(it, 2)
-                ds_own.at[slot, wg][...] = ds_t
-                plgpu.commit_smem()
+                with jax.named_scope("ds_store"):
+                    ds_own.at[slot, wg][...] = ds_t
+                    plgpu.commit_smem()
                 if split:
-                    plgpu.barrier_arrive(ds_ready.at[slot])
-                    plgpu.barrier_wait(ds_ready.at[slot])
+                    with jax.named_scope("ds_barrier"):
+                        plgpu.barrier_arrive(ds_ready.at[slot])
+                        plgpu.barrier_wait(ds_ready.at[slot])
                     columns = pl.ds(wg * dq_cols, dq_cols)
                     pairs = [(ds_own.at[slot, w], k_own.at[w, :, columns])
                              for w in range(COMPUTE_WARPGROUPS)]
                 else:
                     columns = pl.ds(0, d)
                     pairs = [(ds_own.at[slot, wg], k_smem)]
-                dq_part = ops.sum_of_products_transposed_a((bq, dq_cols), pairs)
+                with jax.named_scope("dq_product"):
+                    dq_part = ops.sum_of_products_transposed_a((bq, dq_cols), pairs)
                 # The previous block's reduce-add has read the stage before it is rewritten.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                with jax.named_scope("stage_wait"):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 stage = dq_stage.at[wg]
-                stage[...] = dq_part
-                plgpu.commit_smem()
+                with jax.named_scope("stage_store"):
+                    stage[...] = dq_part
+                    plgpu.commit_smem()
                 # In the interpreter each (kv tile, warpgroup) has its own slice of the
                 # accumulator (`dq_accumulator_shape`): it has no atomic reduce-add.
                 target = dq_ref.at[tile * COMPUTE_WARPGROUPS + wg] if ops.interpreted else dq_ref
-                ops.add_to_gmem(stage, target.at[b, h, cols, columns])
+                with jax.named_scope("reduce_add"):
+                    ops.add_to_gmem(stage, target.at[b, h, cols, columns])
 
             def step(it, carry, masked):
                 dk, dv = carry
                 slot = lax.rem(it, stages)
                 q_base = list_entry(fidx_ref, pidx_ref, prefix, it, n_full) * bq
                 cols = pl.ds(q_base, bq)
-                lse = ops.load(lse_ref, (b, h, cols), ops.col_layout)
-                delta = ops.load(delta_ref, (b, h, cols), ops.col_layout)
-                plgpu.barrier_wait(q_ready.at[slot])
-                plgpu.barrier_wait(do_ready.at[slot])
-                s_t, dp_t = ops.products((bk, bq), [(k_smem, q_ring.at[slot], True),
-                                          (v_smem, do_ring.at[slot], True)])
-                vis = None
-                if masked:
-                    q_seg = None
-                    if has_segments:
-                        q_seg = lax.broadcast_in_dim(
-                            ops.load(qseg_ref, (b, cols), ops.col_layout), (bk, bq), [1])
-                    vis = visible(cfg.terms, cfg.padded_kv_len, q_base + ops.iota((bk, bq), 1),
-                                  k_base + ops.iota((bk, bq), 0), q_seg, k_seg, ids_apart=True)
-                p_t, ds_t = cfg.probabilities(s_t, dp_t, lax.broadcast_in_dim(lse, (bk, bq), [1]),
-                                              lax.broadcast_in_dim(delta, (bk, bq), [1]), vis)
-                ds_t = ds_t.astype(dtype)
-                dv, dk = ops.accumulate((dv, dk), [(p_t.astype(dtype), do_ring.at[slot]),
-                                                   (ds_t, q_ring.at[slot])])
+                with jax.named_scope("load_rows"):
+                    lse = ops.load(lse_ref, (b, h, cols), ops.col_layout)
+                    delta = ops.load(delta_ref, (b, h, cols), ops.col_layout)
+                with jax.named_scope("wait_q"):
+                    plgpu.barrier_wait(q_ready.at[slot])
+                    plgpu.barrier_wait(do_ready.at[slot])
+                with jax.named_scope("products"):
+                    s_t, dp_t = ops.products((bk, bq), [(k_smem, q_ring.at[slot], True),
+                                              (v_smem, do_ring.at[slot], True)])
+                with jax.named_scope("softmax_partial" if masked else "softmax_full"):
+                    vis = None
+                    if masked:
+                        q_seg = None
+                        if has_segments:
+                            q_seg = lax.broadcast_in_dim(
+                                ops.load(qseg_ref, (b, cols), ops.col_layout), (bk, bq), [1])
+                        vis = visible(cfg.terms, cfg.padded_kv_len,
+                                      q_base + ops.iota((bk, bq), 1),
+                                      k_base + ops.iota((bk, bq), 0), q_seg, k_seg,
+                                      ids_apart=True)
+                    p_t, ds_t = cfg.probabilities(
+                        s_t, dp_t, lax.broadcast_in_dim(lse, (bk, bq), [1]),
+                        lax.broadcast_in_dim(delta, (bk, bq), [1]), vis)
+                    ds_t = ds_t.astype(dtype)
+                with jax.named_scope("accumulate"):
+                    dv, dk = ops.accumulate((dv, dk), [(p_t.astype(dtype), do_ring.at[slot]),
+                                                       (ds_t, q_ring.at[slot])])
                 plgpu.barrier_arrive(q_free.at[slot])
                 plgpu.barrier_arrive(do_free.at[slot])
                 if fused:
@@ -353,12 +377,13 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
 
             zeros = ops.cast(jnp.zeros((bk, d), jnp.float32), ops.wgmma_layout)
             dk, dv = walk_list(n_full, n_steps, step, (zeros, zeros))
-            k_smem[...] = (dk * cfg.softmax_scale).astype(dtype)
-            v_smem[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, h, keys])
-            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h, keys])
-            plgpu.wait_smem_to_gmem(0)
+            with jax.named_scope("epilogue"):
+                k_smem[...] = (dk * cfg.softmax_scale).astype(dtype)
+                v_smem[...] = dv.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, h, keys])
+                plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h, keys])
+                plgpu.wait_smem_to_gmem(0)
 
         def tile_of(ref, it):
             block = list_entry(fidx_ref, pidx_ref, prefix, it, n_full)
