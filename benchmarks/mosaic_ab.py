@@ -9,7 +9,8 @@ package is the working tree's), and the two are timed in interleaved rounds (``-
 rounds of ``--reps`` calls each). Prints TF/s (visible pairs only) per case as median / best
 over the rounds: the forward's, or with ``--backward`` forward+backward's (3.5 times the
 forward's FLOPs) in the mode ``--mode`` names. A base must be in the checkout's history (a
-copy of the working tree on another machine may carry only HEAD and its ancestors).
+copy of the working tree on another machine may carry only HEAD and its ancestors), or the
+path of a copy of the module's file.
 
 ```
 python benchmarks/mosaic_ab.py --base HEAD~1
@@ -41,13 +42,18 @@ MODES = {"deterministic": True, "single_pass": False}
 
 
 def launches_at(revision: str, module_name: str, names, number: int = 0) -> dict:
-    """The launch functions `names` of the Mosaic module `module_name` at git `revision`,
-    imported as a module of the installed package (so that its relative imports resolve to
+    """The launch functions `names` of the Mosaic module `module_name` at git `revision` (or
+    in the file of that path), imported as a module of the installed package (so that its relative imports resolve to
     the working tree's)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(
-        ["git", "-C", root, "show", f"{revision}:strategies/kernels/mosaic/{module_name}.py"],
-        check=True, capture_output=True, text=True).stdout
+    if os.path.isfile(revision):  # a copy of the module's file instead of a revision
+        with open(revision) as f:
+            source = f.read()
+    else:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        source = subprocess.run(
+            ["git", "-C", root, "show",
+             f"{revision}:strategies/kernels/mosaic/{module_name}.py"],
+            check=True, capture_output=True, text=True).stdout
     path = os.path.join(tempfile.mkdtemp(), f"{module_name}_base{number}.py")
     with open(path, "w") as f:
         f.write(source)
@@ -117,7 +123,7 @@ def compare(cases, bases, rounds: int, reps: int, heads: int, dim: int,
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", nargs="+", default=["HEAD"],
-                   help="git revisions of the kernel to compare with")
+                   help="git revisions of the kernel to compare with, or paths of module files")
     p.add_argument("--backward", action="store_true",
                    help="compare the backward module, timing forward+backward")
     p.add_argument("--mode", default="deterministic", choices=list(MODES),
