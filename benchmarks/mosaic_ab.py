@@ -43,8 +43,9 @@ MODES = {"deterministic": True, "single_pass": False}
 
 def launches_at(revision: str, module_name: str, names, number: int = 0) -> dict:
     """The launch functions `names` of the Mosaic module `module_name` at git `revision` (or
-    in the file of that path), imported as a module of the installed package (so that its relative imports resolve to
-    the working tree's)."""
+    in the file of that path), imported as a module of the installed package (so that its
+    relative imports resolve to the working tree's). The launches take the working tree's
+    configuration classes."""
     if os.path.isfile(revision):  # a copy of the module's file instead of a revision
         with open(revision) as f:
             source = f.read()

@@ -5,8 +5,10 @@ and the single pass (the dk/dv kernel with its dq partials).
 Each launch's phases are named scopes. The forward's compute warpgroups: `entry`, `wait_q`,
 `turn_qk`, `wait_qk`, `softmax_full`, `softmax_partial`, `turn_pv`, `pv`, `turn_end`,
 `epilogue`. The backward's: `wait_kv` or `wait_q` (a streamed tile's barrier), `load_rows` (the
-block's log-sum-exp and delta from global memory), `products` (S and dP), `softmax_full` or
-`softmax_partial` (P and dS), `accumulate` (dq, or dv and dk), the single pass's `ds_store`,
+block's log-sum-exp and delta from global memory), `products` (S and dP in the dq kernel, S
+alone in the dk/dv kernel), `softmax_full` or `softmax_partial` (P, and dS in the dq kernel),
+`accumulate` (the dq kernel's dq), the dk/dv kernel's `dv_dp` (dv and dP), `ds` and `dk`, the
+single pass's `ds_store`,
 `ds_barrier`, `dq_product`, `stage_wait`, `stage_store`, `reduce_add`, and `epilogue`. The
 memory warpgroup's: `wait_free`, `copy`. This script compiles each launch with the profiler
 switched on (a trace per call, written as Perfetto JSON under ``--out``), and prints each

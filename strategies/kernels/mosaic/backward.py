@@ -81,12 +81,12 @@ class BackwardConfig(AttentionShape):
                 2 * ROWS_PER_WARPGROUP * 2 + self.dq_columns * 4)
         return ring_stages(fixed, 2 * streamed_rows * d * 2)
 
-    def probabilities(self, s, dp, lse, delta, vis=None):
-        """``(P, dS)`` of one block from its raw products ``s = q . k`` and ``dp = dO . v``
-        (either orientation; `lse` (base 2) and `delta` broadcast to it, `vis` the partial
-        block's predicate): ``P = exp2(logit - lse)`` and ``dS = P (dp - delta)``, times the
-        soft cap's derivative ``1 - tanh^2`` where there is one. dS is the gradient of the
-        logits before the softmax scale: dq and dk take the scale afterwards."""
+    def probabilities(self, s, lse, vis=None):
+        """``(P, t)`` of one block from its raw products ``s = q . k`` (either orientation;
+        `lse` (base 2) broadcast to it, `vis` the partial block's predicate): ``P =
+        exp2(logit - lse)``, and the soft cap's ``t = tanh(scaled logit / c)`` (None
+        without one)."""
+        t = None
         if self.soft_cap:
             # tanh(x) = 1 - 2 / (exp(2x) + 1), as in the forward: no NaN at any logit.
             t = 1.0 - 2.0 / (jnp.exp2(s * (2.0 * self.log2_factor / self.soft_cap)) + 1.0)
@@ -95,11 +95,15 @@ class BackwardConfig(AttentionShape):
             logits = s * self.log2_factor
         if vis is not None:
             logits = jnp.where(vis, logits, -jnp.inf)
-        p = jnp.exp2(logits - lse)
+        return jnp.exp2(logits - lse), t
+
+    def score_gradient(self, p, dp, delta, t):
+        """``dS = P (dp - delta)`` from `probabilities`' ``(P, t)`` and the block's raw
+        ``dp = dO . v`` (`delta` broadcast to it), times the soft cap's derivative ``1 -
+        t^2`` where there is one. dS is the gradient of the logits before the softmax scale:
+        dq and dk take the scale afterwards."""
         ds = p * (dp - delta)
-        if self.soft_cap:
-            ds = ds * (1.0 - t * t)
-        return p, ds
+        return ds if t is None else ds * (1.0 - t * t)
 
 
 def _launch(cfg, body, scratch, grid_name, num_tiles, out_type, operands, interpret):
@@ -193,9 +197,8 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                             (bq, bk), [1])
                     vis = visible(cfg.terms, cfg.padded_kv_len, q_base + ops.iota((bq, bk), 0),
                                   k_base + ops.iota((bq, bk), 1), q_seg, k_seg, ids_apart=True)
-                _, ds = cfg.probabilities(s, dp, lax.broadcast_in_dim(lse, (bq, bk), [0]),
-                                          lax.broadcast_in_dim(delta, (bq, bk), [0]), vis)
-                return ds
+                p, t = cfg.probabilities(s, lax.broadcast_in_dim(lse, (bq, bk), [0]), vis)
+                return cfg.score_gradient(p, dp, lax.broadcast_in_dim(delta, (bq, bk), [0]), t)
 
             def step(it, acc, masked):
                 slot = lax.rem(it, stages)
@@ -349,8 +352,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                     plgpu.barrier_wait(q_ready.at[slot])
                     plgpu.barrier_wait(do_ready.at[slot])
                 with jax.named_scope("products"):
-                    s_t, dp_t = ops.products((bk, bq), [(k_smem, q_ring.at[slot], True),
-                                              (v_smem, do_ring.at[slot], True)])
+                    (s_t,) = ops.products((bk, bq), [(k_smem, q_ring.at[slot], True)])
                 with jax.named_scope("softmax_partial" if masked else "softmax_full"):
                     vis = None
                     if masked:
@@ -362,15 +364,21 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                       q_base + ops.iota((bk, bq), 1),
                                       k_base + ops.iota((bk, bq), 0), q_seg, k_seg,
                                       ids_apart=True)
-                    p_t, ds_t = cfg.probabilities(
-                        s_t, dp_t, lax.broadcast_in_dim(lse, (bk, bq), [1]),
-                        lax.broadcast_in_dim(delta, (bk, bq), [1]), vis)
-                    ds_t = ds_t.astype(dtype)
-                with jax.named_scope("accumulate"):
-                    dv, dk = ops.accumulate((dv, dk), [(p_t.astype(dtype), do_ring.at[slot]),
-                                                       (ds_t, q_ring.at[slot])])
-                plgpu.barrier_arrive(q_free.at[slot])
+                    p_t, t = cfg.probabilities(s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis)
+                # dV's product and dP's in one group, dK's after dS: fewer live registers
+                # than S and dP together beside the dk and dv accumulators.
+                with jax.named_scope("dv_dp"):
+                    fresh = ops.cast(jnp.zeros((bk, bq), jnp.float32), ops.wgmma_layout)
+                    dv, dp_t = ops.accumulate((dv, fresh), [
+                        (p_t.astype(dtype), do_ring.at[slot]),
+                        (v_smem, do_ring.at[slot], True)])
                 plgpu.barrier_arrive(do_free.at[slot])
+                with jax.named_scope("ds"):
+                    ds_t = cfg.score_gradient(
+                        p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), t).astype(dtype)
+                with jax.named_scope("dk"):
+                    (dk,) = ops.accumulate((dk,), [(ds_t, q_ring.at[slot])])
+                plgpu.barrier_arrive(q_free.at[slot])
                 if fused:
                     add_dq_partial(ds_t, it, cols)
                 return dk, dv

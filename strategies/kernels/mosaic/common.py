@@ -183,17 +183,21 @@ class Ops:
         plgpu.copy_smem_to_gmem(smem, gmem, reduction_op="add")
 
     def accumulate(self, accs, pairs):
-        """``acc + a @ b`` for each float32 accumulator and ``(a registers, b smem ref)``,
-        issued as one wgmma group."""
-        if self.interpreted:
-            return tuple(acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
-                         for acc, (a, b) in zip(accs, pairs))
+        """``acc + a @ b`` for each float32 accumulator and pair ``(a, b)`` or ``(a, b,
+        transpose_b)`` (`a` registers or a smem ref, `b` a smem ref, ``a @ b.T`` where the
+        pair says so), issued as one wgmma group. A fresh product takes a zero
+        accumulator."""
+        pairs = [(*pair, False)[:3] for pair in pairs]
+        if self.interpreted:  # a[...] reads a ref, and is an array's own value
+            return tuple(acc + jnp.dot(a[...], b[...].T if t else b[...],
+                                       preferred_element_type=jnp.float32)
+                         for acc, (a, b, t) in zip(accs, pairs))
         import jax.experimental.pallas as pl
         import jax.experimental.pallas.mosaic_gpu as plgpu
 
         def issue(refs):
-            for ref, (a, b) in zip(refs, pairs):
-                plgpu.wgmma(ref, a, b)
+            for ref, (a, b, t) in zip(refs, pairs):
+                plgpu.wgmma(ref, a, b.transpose((1, 0)) if t else b)
 
         return tuple(pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs)))
 
