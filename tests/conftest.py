@@ -419,7 +419,19 @@ LONG_TESTS = {
 }
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true",
+                     help="also run the extended tier (tests marked `extended`): the rest of "
+                          "the cross products whose covering subset the default run takes")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--extended"):
+        skip = pytest.mark.skip(reason="the extended tier: python -m pytest --extended")
+        for item in items:
+            if "extended" in item.keywords:
+                item.add_marker(skip)
+
     def longest_first(item):
         return -LONG_TESTS.get(getattr(item, "originalname", item.name), 0)
 

@@ -331,9 +331,18 @@ QUICK_CASES = {"xla": {"everything", "predicate", "score_alibi_learned_gqa"},
                "splash": {"window", "gqa_causal_sinks_s", "sinks_minus_inf"}}
 
 
+#: Kernels whose cases beyond the quick subset are the `extended` tier on the CPU: the dense
+#: reference, the gather kernel and Splash (interpreted here, seconds a case), since
+#: XlaBlockSparse, the default CPU kernel, runs every case in the default run. Off the CPU
+#: every kernel runs every case.
+EXTENDED_KERNELS = {"reference", "gather", "splash"}
+
+
 def _quick(cls, name: str) -> list:
-    return ([] if name in QUICK_CASES.get(cls.name, {"everything", "one_query"})
-            else [pytest.mark.slow])
+    if name in QUICK_CASES.get(cls.name, {"everything", "one_query"}):
+        return []
+    extended = cls.name in EXTENDED_KERNELS and bsa.default_platform() == "cpu"
+    return [pytest.mark.slow] + ([pytest.mark.extended] if extended else [])
 
 
 #: Cases a kernel is known to miss, with what was measured (strict: a pass fails the run).

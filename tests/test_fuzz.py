@@ -117,7 +117,11 @@ def check_call(kernel, call, dtype: str, tiling) -> None:
     assert not bad, f"{kernel.name} {dtype}: (max, norm) relative errors {errors}"
 
 
-RUNS = [pytest.param(cls, marks=_marks(cls, runs=True), id=cls.name) for cls in KERNELS]
+#: Kernels fuzzed in the extended tier only: the CPU kernels beside XlaBlockSparse, the one the
+#: default run fuzzes on the CPU (the conformance suite runs fixed cases of every kernel).
+EXTENDED_KERNELS = {"reference", "gather"}
+RUNS = [pytest.param(cls, id=cls.name, marks=_marks(cls, runs=True) + (
+    [pytest.mark.extended] if cls.name in EXTENDED_KERNELS else [])) for cls in KERNELS]
 
 #: A minute of CI on two cores: the quick subset (``-m "not slow"``) leaves fuzzing out; the
 #: conformance suite keeps a few fixed cases of every kernel there.

@@ -128,15 +128,29 @@ def _shapes(shapes):
             for n, s in enumerate(shapes)]
 
 
-# A few masks of each kind in every test run (the masks' own tests cover the catalogue); the
-# others carry the `slow` marker.
+def _masks_by_shapes(masks_, shapes, quick=()):
+    """``(name, mask, tight, shape)`` params over masks x shapes. The default run takes mask
+    ``i`` at shape ``i mod len(shapes)``, so that it builds every mask and every shape, and
+    the masks in `quick` at the first shape too; the rest of the cross product is the
+    `extended` tier. Every pair but the masks in `quick` at the first shape is `slow`."""
+    params = []
+    for i, (name, mask, tight) in enumerate(masks_):
+        for n, shape in enumerate(shapes):
+            quick_pair = name in quick and n == 0
+            marks = [] if quick_pair else [pytest.mark.slow]
+            if not quick_pair and n != i % len(shapes):
+                marks.append(pytest.mark.extended)
+            params.append(pytest.param(name, mask, tight, shape, marks=marks,
+                                       id=f"{name}-{'x'.join(map(str, shape))}"))
+    return params
+
+
+# A few masks of each kind in the quick subset (the masks' own tests cover the catalogue).
 QUICK_STATIC = ("block_layout_rect", "per_head_composed", "not_window")
-STATIC = [pytest.param(*m, id=m[0], marks=[] if m[0] in QUICK_STATIC else [pytest.mark.slow])
-          for m in ALL_MASKS]
 
 
-@pytest.mark.parametrize("shape", _shapes(SHAPES))
-@pytest.mark.parametrize("name,mask,tight", STATIC)
+@pytest.mark.parametrize("name,mask,tight,shape", _masks_by_shapes(ALL_MASKS, SHAPES,
+                                                                   QUICK_STATIC))
 def test_static_layout_is_the_dense_one(name, mask, tight, shape, monkeypatch):
     q_len, kv_len, block_q, block_kv = shape
     kw = dict(q_len=q_len, kv_len=kv_len, num_heads=HEADS, block_q=block_q, block_kv=block_kv)
@@ -164,8 +178,7 @@ DYNAMIC = [pytest.param(*m, id=m[0], marks=[] if m[0] in QUICK_DYNAMIC else [pyt
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", SHAPES[:5], ids=["x".join(map(str, s)) for s in SHAPES[:5]])
-@pytest.mark.parametrize("name,mask,tight", DYNAMIC_MASKS, ids=[m[0] for m in DYNAMIC_MASKS])
+@pytest.mark.parametrize("name,mask,tight,shape", _masks_by_shapes(DYNAMIC_MASKS, SHAPES[:5]))
 def test_dynamic_layout_is_the_dense_one(name, mask, tight, shape, monkeypatch):
     """Per-call positions and segment ids."""
     q_len, kv_len, block_q, block_kv = shape

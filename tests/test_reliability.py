@@ -422,9 +422,12 @@ print(status("VmHWM") - before, analysis.output_size_in_bytes + analysis.temp_si
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 # Every loss without segment ids; with them one loss (the compile-only test above takes all
-# three with ids at 2^20).
+# three with ids at 2^20). The default run takes the documents and one plain loss; the other
+# losses are the extended tier.
 @pytest.mark.parametrize("loss, segments", [
-    *(pytest.param(loss, False, id=f"{loss}-plain") for loss in _LOSSES),
+    *(pytest.param(loss, False, id=f"{loss}-plain",
+                   marks=[pytest.mark.extended] if loss != "squared" else [])
+      for loss in _LOSSES),
     pytest.param(_LOSSES[0], True, id=f"{_LOSSES[0]}-documents")])
 def test_a_run_allocates_only_what_xla_assigns(loss, segments):
     """Forward+backward at L = 2^18 in a fresh process, with and without segment ids: the
@@ -520,7 +523,9 @@ def test_a_layout_that_outgrows_its_static_capacity_stops_the_call():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", _LOSSES)
+@pytest.mark.parametrize("loss", [  # the default run takes one loss, the extended tier the rest
+    pytest.param(loss, marks=[] if loss == "mean" else [pytest.mark.extended])
+    for loss in _LOSSES])
 def test_segment_ids_at_2_20_tokens_add_no_temporaries(loss):
     """Forward+backward at L = 2^20 with segment ids (compiled, not run), for each loss: XLA's
     temporaries are those of the call without them, plus 16 MiB. The layouts' class matrices

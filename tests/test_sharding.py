@@ -33,8 +33,10 @@ if os.environ.get(_CHILD) != "1":
     def test_sharding_on_eight_devices():
         _run_child("not slow")
 
-    # The slow cases in two children, so that the suite's workers run them side by side.
+    # The slow cases in two children, so that the suite's workers run them side by side: the
+    # extended tier.
     @pytest.mark.slow
+    @pytest.mark.extended
     @pytest.mark.parametrize("part", ["ring", "not ring"])
     def test_sharding_on_eight_devices_slow_cases(part):
         _run_child("slow", part)

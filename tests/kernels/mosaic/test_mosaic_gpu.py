@@ -433,7 +433,9 @@ BACKWARD_INTERPRETER_CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("single_pass", [True, False], ids=["single_pass", "deterministic"])
-@pytest.mark.parametrize("case", sorted(BACKWARD_INTERPRETER_CASES))
+@pytest.mark.parametrize("case", [  # the default run takes the soft cap; the rest is extended
+    pytest.param(name, marks=[] if name == "soft_cap" else [pytest.mark.extended])
+    for name in sorted(BACKWARD_INTERPRETER_CASES)])
 def test_backward_in_cpu_interpreter(case, single_pass):
     """The Mosaic backward after the Mosaic forward, both in Pallas' CPU interpreter, against
     the gradients of the float32 dense reference: the single pass (the dk/dv kernel with its
