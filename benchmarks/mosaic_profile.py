@@ -8,9 +8,8 @@ Each launch's phases are named scopes. The forward's compute warpgroups: `entry`
 block's log-sum-exp and delta from global memory), `products` (S and dP in the dq kernel, S
 alone in the dk/dv kernel), `softmax_full` or `softmax_partial` (P, and dS in the dq kernel),
 `accumulate` (the dq kernel's dq), the dk/dv kernel's `dv_dp` (dv and dP), `ds` and `dk`, the
-single pass's `ds_store`,
-`ds_barrier`, `dq_product`, `stage_wait`, `stage_store`, `reduce_add`, and `epilogue`. The
-memory warpgroup's: `wait_free`, `copy`. This script compiles each launch with the profiler
+single pass's `ds_store`, `ds_barrier`, `dq_product`, `stage_wait`, `stage_store`,
+`reduce_add`, and `epilogue`. The memory warpgroup's: `wait_free`, `copy`. This script compiles each launch with the profiler
 switched on (a trace per call, written as Perfetto JSON under ``--out``), and prints each
 phase's share of the warpgroups' time, its count and its mean length in SM cycles.
 "(uncovered)" is time outside every named phase (loop bookkeeping, barrier arrivals, the
@@ -104,7 +103,7 @@ PRODUCTS = {"forward": 2, "dq": 3, "dkv": 4, "single_pass": 5}
 
 
 def launch_functions(name: str):
-    """``{launch: (jitted function, arguments)}`` for one case, and its visible pairs."""
+    """``({launch: (function, arguments)}, visible pairs, (B, H, L, D))`` for one case."""
     kind, batch, heads, length, window = CASES[name]
     dim = 128
     mask, data = pattern(kind, length, window=window)

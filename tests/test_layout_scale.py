@@ -123,8 +123,12 @@ SHAPES = [(23, 17, 1, 5), (20, 45, 16, 32), (37, 37, 8, 8), (45, 20, 32, 16), (1
           (13, 29, 7, 64)]
 
 
+def _shape_id(shape) -> str:
+    return "x".join(map(str, shape))
+
+
 def _shapes(shapes):
-    return [pytest.param(s, id="x".join(map(str, s)), marks=[pytest.mark.slow] if n else [])
+    return [pytest.param(s, id=_shape_id(s), marks=[pytest.mark.slow] if n else [])
             for n, s in enumerate(shapes)]
 
 
@@ -141,7 +145,7 @@ def _masks_by_shapes(masks_, shapes, quick=()):
             if not quick_pair and n != i % len(shapes):
                 marks.append(pytest.mark.extended)
             params.append(pytest.param(name, mask, tight, shape, marks=marks,
-                                       id=f"{name}-{'x'.join(map(str, shape))}"))
+                                       id=f"{name}-{_shape_id(shape)}"))
     return params
 
 
