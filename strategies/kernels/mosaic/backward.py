@@ -277,11 +277,12 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref, fidx_ref, pcnt_ref,
              pidx_ref, qseg_ref, kseg_ref, *refs):
         if fused:
-            dq_ref, dk_ref, dv_ref, (*scoped, (ds_own, dq_stage, ds_ready)) = refs
+            dq_ref, dk_ref, dv_ref, (*scoped, rows_scoped, (ds_own, dq_stage, ds_ready)) = refs
         else:
-            dk_ref, dv_ref, scoped = refs
+            dk_ref, dv_ref, (*scoped, rows_scoped) = refs
         (k_own, v_own, q_ring, do_ring), (k_ready, v_ready, q_ready, do_ready), \
             (q_free, do_free) = scoped
+        (lse_ring, delta_ring), (lse_ready, delta_ready), (lse_free, delta_free) = rows_scoped
         h = lax.axis_index("heads")
         tile = lax.axis_index("kv_tiles")  # under causal masks the first tiles are heavy
         b = lax.axis_index("batch")
@@ -340,14 +341,20 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 with jax.named_scope("reduce_add"):
                     ops.add_to_gmem(stage, target.at[b, h, cols, columns])
 
+            def streamed_row(ring, ready, free, slot):
+                """The q-block's log-sum-exp or delta from its ring slot, in registers."""
+                plgpu.barrier_wait(ready.at[slot])
+                row = ops.load_smem(ring.at[slot], ops.col_layout)
+                plgpu.barrier_arrive(free.at[slot])
+                return row
+
             def step(it, carry, masked):
                 dk, dv = carry
                 slot = lax.rem(it, stages)
                 q_base = list_entry(fidx_ref, pidx_ref, prefix, it, n_full) * bq
                 cols = pl.ds(q_base, bq)
                 with jax.named_scope("load_rows"):
-                    lse = ops.load(lse_ref, (b, h, cols), ops.col_layout)
-                    delta = ops.load(delta_ref, (b, h, cols), ops.col_layout)
+                    lse = streamed_row(lse_ring, lse_ready, lse_free, slot)
                 with jax.named_scope("wait_q"):
                     plgpu.barrier_wait(q_ready.at[slot])
                     plgpu.barrier_wait(do_ready.at[slot])
@@ -373,6 +380,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         (p_t.astype(dtype), do_ring.at[slot]),
                         (v_smem, do_ring.at[slot], True)])
                 plgpu.barrier_arrive(do_free.at[slot])
+                with jax.named_scope("load_rows"):
+                    delta = streamed_row(delta_ring, delta_ready, delta_free, slot)
                 with jax.named_scope("ds"):
                     ds_t = cfg.score_gradient(
                         p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), t).astype(dtype)
@@ -399,9 +408,15 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
 
         pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
             1, lambda _: (n_steps, tile_of),
-            ((q_ref, q_ring, q_ready, q_free), (do_ref, do_ring, do_ready, do_free)), stages))
+            ((q_ref, q_ring, q_ready, q_free), (lse_ref, lse_ring, lse_ready, lse_free),
+             (do_ref, do_ring, do_ready, do_free),
+             (delta_ref, delta_ring, delta_ready, delta_free)), stages))
 
-    scratch = _scratch((COMPUTE_WARPGROUPS, bk, d), (stages, bq, d), dtype, stages)
+    # Q and dO tiles, and beside them each q-block's log-sum-exp and delta rows.
+    scratch = (*_scratch((COMPUTE_WARPGROUPS, bk, d), (stages, bq, d), dtype, stages),
+               ((plgpu.SMEM((stages, bq), jnp.float32),) * 2,
+                (plgpu.Barrier(num_barriers=stages),) * 2,
+                (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2))
     operands = (q, k, v, do, lse, delta, t_full_count, t_full_index, t_partial_count,
                 t_partial_index, qseg, kseg)
     if fused:

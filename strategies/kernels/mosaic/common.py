@@ -138,6 +138,16 @@ class Ops:
             return plgpu.load(ref.at[idx], (), layout=layout, optimized=False)
         return plgpu.load(ref.at[idx], layout=layout, optimized=False)
 
+    def load_smem(self, ref, layout):
+        """A shared-memory vector ``ref[...]`` in `layout` (a row or column vector)."""
+        if self.interpreted:
+            return ref[...]
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        if self.load_takes_index:
+            return plgpu.load(ref, (), layout=layout)
+        return plgpu.load(ref, layout=layout)
+
     def products(self, shape, pairs):
         """Fresh float32 products ``a @ b`` (``a @ b.T`` where the pair says so), each of
         `shape`, for `pairs` of ``(a smem ref, b smem ref, transpose_b)``, issued as one
@@ -234,14 +244,14 @@ def walk_list(n_full, n_steps, step, carry):
     return lax.fori_loop(0, n_steps - n_full, lambda j, c: step(n_full + j, c, True), carry)
 
 
-def memory_warpgroup(num_items, walk, streams, stages: int):
+def memory_warpgroup(num_items, walk, streams, stages: int, registers: int = MEMORY_REGISTERS):
     """The memory warpgroup: for each of the CTA's `num_items` work items ``i`` in turn, and
     each entry ``it`` of its list, copy each stream's tile ``tile_of(ref, it)`` into the next
     slot of its ring with TMA, where ``(n_steps, tile_of) = walk(i)``. The slots are used
     round-robin over all items together (step ``g`` of the CTA uses slot ``g % stages``), so
     the ring fills with the next item's tiles while the compute warpgroups finish this one;
     from the second lap on, a slot is refilled after its "free" barrier, and the last lap's
-    releases are awaited at the end.
+    releases are awaited at the end. It lowers its threads' registers to `registers`.
 
     `streams` holds ``(ref, ring, ready, free)``: the global-memory array, the ``[stages,
     ...]`` shared-memory slots and their barriers (the compute warpgroups wait on `ready` and
@@ -250,7 +260,7 @@ def memory_warpgroup(num_items, walk, streams, stages: int):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+    plgpu.set_max_registers(registers, action="decrease")
 
     def item(i, first_step):
         n_steps, tile_of = walk(i)
