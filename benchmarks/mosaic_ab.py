@@ -20,7 +20,9 @@ python benchmarks/mosaic_ab.py --base HEAD other-branch --backward --mode single
 """
 
 import argparse
+import functools
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -45,7 +47,8 @@ def launches_at(revision: str, module_name: str, names, number: int = 0) -> dict
     """The launch functions `names` of the Mosaic module `module_name` at git `revision` (or
     in the file of that path), imported as a module of the installed package (so that its
     relative imports resolve to the working tree's). The launches take the working tree's
-    configuration classes."""
+    configuration classes, and are called without the keyword arguments their revision does
+    not take yet (`_tolerant`)."""
     if os.path.isfile(revision):  # a copy of the module's file instead of a revision
         with open(revision) as f:
             source = f.read()
@@ -63,7 +66,19 @@ def launches_at(revision: str, module_name: str, names, number: int = 0) -> dict
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    return {n: getattr(module, n) for n in names}
+    return {n: _tolerant(getattr(module, n)) for n in names}
+
+
+def _tolerant(launch):
+    """`launch`, dropping the keyword arguments that its revision does not take yet (such as
+    a persistent launch's ``schedule``, which an older launch builds itself or lacks)."""
+    accepted = inspect.signature(launch).parameters
+
+    @functools.wraps(launch)
+    def call(*args, **kwargs):
+        return launch(*args, **{k: v for k, v in kwargs.items() if k in accepted})
+
+    return call
 
 
 def set_launches(launches: dict):

@@ -1,21 +1,29 @@
 """The backward launches of `MosaicBlockSparse`: a dq kernel and a dk/dv kernel in Pallas Mosaic
-GPU, each warp-specialised like the forward (a TMA memory warpgroup, two compute warpgroups).
+GPU, each persistent and warp-specialised like the forward (one CTA per SM running the work
+items `persistent_schedule` gives it; a TMA memory warpgroup, two compute warpgroups).
 
-- `dq_call`: one CTA per (head, q-tile of 128 rows, batch) walks the q-tile's kv-block list of
-  the dq layout (FULL, then PARTIAL). The memory warpgroup streams each block's K and V tiles
-  into a ring of shared-memory slots; each compute warpgroup (64 rows, its Q and dO tiles in
-  shared memory, its rows' log-sum-exp and delta in registers) recomputes
-  ``P = exp2(S * scale * log2 e - lse)``, forms ``dP = dO V^T`` and ``dS = P (dP - delta)``,
-  and accumulates ``dq += dS K``.
-- `dkv_call`: one CTA per (head, kv-tile of 128 keys, batch) walks the kv-tile's transposed
-  list of the dk/dv layout. The memory warpgroup streams each q-block's Q and dO tiles; each
-  compute warpgroup (64 keys, its K and V tiles in shared memory) forms ``S^T = K Q^T`` and
-  ``dP^T = V dO^T``, reads the block's log-sum-exp and delta, and accumulates
+- `dq_call`: a work item is (batch row, head, q-tile of 128 rows); its CTA walks the q-tile's
+  kv-block list of the dq layout (FULL, then PARTIAL). The memory warpgroup streams each
+  block's K and V tiles into a ring of shared-memory slots; each compute warpgroup (64 rows,
+  its Q and dO tiles in shared memory, its rows' log-sum-exp and delta in registers)
+  recomputes ``P = exp2(S * scale * log2 e - lse)``, forms ``dP = dO V^T`` and ``dS = P (dP -
+  delta)``, and accumulates ``dq += dS K``.
+- `dkv_call`: a work item is (batch row, head, kv-tile of 128 keys); its CTA walks the
+  kv-tile's transposed list of the dk/dv layout. The memory warpgroup streams each q-block's
+  Q and dO tiles, and its log-sum-exp and delta rows; each compute warpgroup (64 keys, its K
+  and V tiles in shared memory) forms ``S^T = K Q^T`` and ``dP^T = V dO^T`` and accumulates
   ``dv += P^T dO`` and ``dk += dS^T Q``. dk / dv come out per query head; the caller sums a
   group's heads (deterministic, no atomics).
 - `dkv_call` with a dq accumulator is the single pass: it also forms each block's dq partial
   ``dS K`` and adds it into a float32 dq in global memory by TMA reduce-add (5 block products
   a block instead of the two kernels' 7; dq then varies from run to run in its last bits).
+
+A persistent launch (`BackwardConfig.persistent`, for layouts whose lists are short) runs one
+CTA per SM: the memory warpgroup's ring runs on across a CTA's items, so the next item's
+first tiles load while this one finishes, and each compute warpgroup's own tiles (Q and dO,
+or K and V) have two buffers, so the next item's are copied in from the start of this one;
+that leaves room for two ring stages, where one item per CTA has four. Where two buffers do
+not fit (the single pass at D = 128) the launch has one item per CTA.
 
 Partial blocks evaluate the same predicate as the forward (`common.visible`, the segment ids
 apart and the key length tested only where keys were padded); FULL blocks run none. Rows
@@ -30,14 +38,37 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     AttentionShape, Ops, list_bounds, list_entry, memory_warpgroup, ring_stages,
-                     segment_ids_apart, swizzled, visible, walk_list)
+                     AttentionShape, Ops, decode_item, layout_prefix, list_bounds, list_entry,
+                     memory_warpgroup, persistent_schedule, ring_stages, segment_ids_apart,
+                     swizzled, visible, walk_list)
 
-#: Rows of a CTA's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
+#: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
+#: Shared memory the backward's buffers may take (the rest of the 227 KiB is left to the
+#: barriers and small buffers); `ring_stages` keeps the same margin.
+SMEM_BUDGET = 200 * 1024
+
+
+#: Blocks a work item visits on average, up to which the backward launches are persistent:
+#: short items gain more from the next item's own tiles loading during this one than they
+#: lose to the shallower ring, long ones the other way round (docs/mosaic.md, "Persistent
+#: backward").
+PERSISTENT_MAX_MEAN_BLOCKS = 32
+
+
+def short_lists(*counts) -> bool:
+    """Whether the layouts' lists, given as ``(full_count, partial_count)`` pairs, are known
+    on the host (a static mask; a layout built per call has device counts) and visit at most
+    `PERSISTENT_MAX_MEAN_BLOCKS` blocks a work item on average: `BackwardConfig.persistent`."""
+    try:
+        means = [np.mean(np.asarray(full) + np.asarray(partial)) for full, partial in counts]
+    except jax.errors.TracerArrayConversionError:
+        return False
+    return max(means) <= PERSISTENT_MAX_MEAN_BLOCKS
 
 
 def backward_blocks(head_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -62,6 +93,11 @@ class BackwardConfig(AttentionShape):
     #: One pass (`dkv_call` with a dq accumulator) or the dq kernel and the dk/dv kernel
     #: apart (bit-identical from run to run).
     single_pass: bool = False
+    #: Persistent launches (`persistent_for`): `ctas` CTAs (one per SM; ``None``: one per
+    #: work item) each running several items, the next item's own tiles loading during this
+    #: one. Otherwise one item per CTA.
+    persistent: bool = False
+    ctas: int | None = None
 
     @property
     def dq_columns(self) -> int:
@@ -71,15 +107,38 @@ class BackwardConfig(AttentionShape):
         half would not be a whole 128-byte swizzle row)."""
         return self.head_dim // COMPUTE_WARPGROUPS if self.head_dim >= 128 else self.head_dim
 
-    def stages(self, streamed_rows: int, fused: bool = False) -> int:
-        """Ring depth for two streamed tiles of `streamed_rows` next to four own 64-row tiles
-        (and, `fused`, the double-buffered dS tiles and each warpgroup's float32 dq stage)."""
-        d = self.head_dim
-        fixed = 4 * ROWS_PER_WARPGROUP * d * 2
+    def _fixed_bytes(self, streamed_rows: int, fused: bool, buffers: int) -> int:
+        """Shared memory besides the ring: `buffers` sets of four own 64-row tiles (two per
+        compute warpgroup) and, `fused`, the double-buffered dS tiles and each warpgroup's
+        float32 dq stage."""
+        fixed = buffers * 4 * ROWS_PER_WARPGROUP * self.head_dim * 2
         if fused:
             fixed += COMPUTE_WARPGROUPS * streamed_rows * (
                 2 * ROWS_PER_WARPGROUP * 2 + self.dq_columns * 4)
-        return ring_stages(fixed, 2 * streamed_rows * d * 2)
+        return fixed
+
+    def persistent_for(self, streamed_rows: int, fused: bool = False) -> bool:
+        """Whether a launch streaming tiles of `streamed_rows` is persistent: `persistent`,
+        where two sets of own tiles leave room for two ring stages."""
+        stage = 2 * streamed_rows * self.head_dim * 2
+        return self.persistent and \
+            self._fixed_bytes(streamed_rows, fused, 2) + 2 * stage <= SMEM_BUDGET
+
+    def own_buffers(self, streamed_rows: int, fused: bool = False) -> int:
+        """Buffers of each compute warpgroup's own tiles: 2 in a persistent launch, else 1."""
+        return 2 if self.persistent_for(streamed_rows, fused) else 1
+
+    def launch_ctas(self, streamed_rows: int, fused: bool = False) -> int | None:
+        """CTAs of the launch: `ctas` where it is persistent, else ``None`` (one per item)."""
+        return self.ctas if self.persistent_for(streamed_rows, fused) else None
+
+    def stages(self, streamed_rows: int, fused: bool = False) -> int:
+        """Ring depth for two streamed tiles of `streamed_rows` next to the own tiles
+        (`own_buffers` sets of four 64-row tiles) and, `fused`, the double-buffered dS
+        tiles and each warpgroup's float32 dq stage."""
+        buffers = self.own_buffers(streamed_rows, fused)
+        return ring_stages(self._fixed_bytes(streamed_rows, fused, buffers),
+                           2 * streamed_rows * self.head_dim * 2)
 
     def probabilities(self, s, lse, vis=None):
         """``(P, t)`` of one block from its raw products ``s = q . k`` (either orientation;
@@ -106,7 +165,7 @@ class BackwardConfig(AttentionShape):
         return ds if t is None else ds * (1.0 - t * t)
 
 
-def _launch(cfg, body, scratch, grid_name, num_tiles, out_type, operands, interpret):
+def _launch(body, scratch, ctas: int, out_type, operands, interpret):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -115,19 +174,22 @@ def _launch(cfg, body, scratch, grid_name, num_tiles, out_type, operands, interp
 
     kwargs = {} if interpret is None else {"interpret": interpret}
     return plgpu.kernel(
-        entry, out_type=out_type, grid=(cfg.heads, num_tiles, cfg.batch),
-        grid_names=("heads", grid_name, "batch"), num_threads=COMPUTE_WARPGROUPS + 1,
-        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs,
+        entry, out_type=out_type, grid=(ctas,), grid_names=("ctas",),
+        num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs,
     )(*operands)
 
 
 def _scratch(own_shape, ring_shape, dtype, stages):
-    """Two own tiles per compute warpgroup, two rings of streamed tiles, and their barriers."""
+    """Two own tiles per compute warpgroup (``own_shape = (buffers, warpgroups, rows, d)``),
+    two rings of streamed tiles, and their barriers (an own tile's ready barrier is
+    ``buffer * COMPUTE_WARPGROUPS + warpgroup``)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    own_barriers = own_shape[0] * COMPUTE_WARPGROUPS
     smem = (swizzled(own_shape, dtype), swizzled(own_shape, dtype),
             swizzled(ring_shape, dtype), swizzled(ring_shape, dtype))
-    ready = (plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),) * 2 + \
+    ready = (plgpu.Barrier(num_barriers=own_barriers),) * 2 + \
         (plgpu.Barrier(num_barriers=stages),) * 2
     free = (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2
     return smem, ready, free
@@ -142,100 +204,251 @@ def _segments(q_segment_ids, kv_segment_ids):
     return True, *segment_ids_apart(q_segment_ids, kv_segment_ids)
 
 
+class _Items:
+    """A CTA's work items: one (``single``, statically), or in a persistent launch several,
+    their numbers read one item ahead so that the next item's list bounds are read while
+    this one runs."""
+
+    def __init__(self, items_ref, counts_ref, num_tiles, heads, layout_axes, list_refs,
+                 single: bool):
+        self.items_ref, self.num_tiles, self.heads = items_ref, num_tiles, heads
+        self.layout_axes, self.single = layout_axes, single
+        self.fcnt_ref, self.fidx_ref, self.pcnt_ref, self.pidx_ref = list_refs
+        self.cta = lax.axis_index("ctas")
+        self.count = 1 if single else counts_ref[self.cta]  # at least one
+
+    def raw(self, j):
+        """The number of the CTA's item j (clamped to its last item)."""
+        if self.single:
+            return self.items_ref[self.cta, 0]
+        return self.items_ref[self.cta, jnp.minimum(j, self.count - 1)]
+
+    def decoded(self, raw):
+        """``(b, h, tile, n_full, n_steps)`` of the item numbered `raw`."""
+        b, h, tile = decode_item(raw, self.num_tiles, self.heads)
+        _, n_full, n_steps = list_bounds(self.layout_axes, b, h, tile, self.fcnt_ref,
+                                         self.pcnt_ref)
+        return b, h, tile, n_full, n_steps
+
+    def prefix(self, item):
+        """The index prefix of an item's lists (`layout_prefix`)."""
+        return layout_prefix(self.layout_axes, *item[:3])
+
+    def block(self, prefix, it, n_full):
+        """The block of entry `it` of the item's FULL-then-PARTIAL list (`list_entry`)."""
+        return list_entry(self.fidx_ref, self.pidx_ref, prefix, it, n_full)
+
+    def run(self, run_item):
+        """``run_item(j, first_step, item, upcoming)`` for each of the CTA's items in turn;
+        `first_step` counts the ring steps of the items before (their list lengths),
+        `upcoming` is item j + 1's `decoded` tuple (item j's again for the last; ``None``
+        for a single item)."""
+        if self.single:
+            run_item(0, jnp.int32(0), self.decoded(self.raw(0)), None)
+            return
+
+        def body(j, carry):
+            first_step, this_item, next_raw = carry
+            upcoming = self.decoded(next_raw)
+            after_next_raw = self.raw(j + 2)
+            run_item(j, first_step, this_item, upcoming)
+            return first_step + this_item[4], upcoming, after_next_raw
+
+        lax.fori_loop(0, self.count, body, (jnp.int32(0), self.decoded(self.raw(0)),
+                                            self.raw(1)))
+
+    def memory_warpgroup(self, streams, stages, tile_of_block):
+        """The memory warpgroup over these items: each list entry's tiles, ``tile_of_block(ref,
+        b, h, block)``, streamed through `streams`' rings (`common.memory_warpgroup`)."""
+
+        def walk(j):
+            item = self.decoded(self.raw(j))
+            b, h, _, n_full, n_steps = item
+            prefix = self.prefix(item)
+
+            def tile_of(ref, it):
+                return tile_of_block(ref, b, h, self.block(prefix, it, n_full))
+
+            return n_steps, tile_of
+
+        memory_warpgroup(self.count, walk, streams, stages)
+
+
+def _own_tiles(buffers: int, wg, own, ready, source_of):
+    """``(load(j, item), tiles(j), wait(j))`` of a compute warpgroup's own tiles: ``load``
+    starts copying item j's two tiles (``source_of(n, item)``, the global-memory slice of
+    tile n) into buffer ``j % buffers``; ``tiles`` is that buffer's pair of smem refs;
+    ``wait`` waits for both copies."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    def barrier(j):
+        return lax.rem(j, buffers) * COMPUTE_WARPGROUPS + wg
+
+    def tiles(j):
+        buffer = lax.rem(j, buffers)
+        return tuple(x.at[buffer, wg] for x in own)
+
+    def load(j, item):
+        for n, (smem, ready_ref) in enumerate(zip(tiles(j), ready)):
+            plgpu.copy_gmem_to_smem(source_of(n, item), smem, ready_ref.at[barrier(j)])
+
+    def wait(j):
+        for ready_ref in ready:
+            plgpu.barrier_wait(ready_ref.at[barrier(j)])
+
+    return load, tiles, wait
+
+
+def _load_next_own_tiles(cta_items: _Items, load, j, upcoming):
+    """In a persistent launch, start loading item j + 1's own tiles into the other buffer
+    (once item j - 1's gradient, which left through it, has been read out)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if cta_items.single:
+        return
+
+    @pl.when(j + 1 < cta_items.count)
+    def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        load(j + 1, upcoming)
+
+
+def _check_schedule(items, buffers: int, launch: str):
+    if buffers == 1 and items.shape[1] != 1:
+        raise ValueError(f"{launch}: a schedule of several items a CTA needs a persistent "
+                         f"launch (`BackwardConfig.persistent_for`); got items of shape "
+                         f"{items.shape}.")
+
+
 def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index,
             partial_count, partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-            interpret=None):
+            schedule=None, interpret=None):
     """dq ``[B, H, Lq, D]`` (the query's dtype) for padded inputs; `lse` (base 2) and `delta`
-    are ``[B, H, Lq]`` float32; the lists are the dq layout's."""
+    are ``[B, H, Lq]`` float32; the lists are the dq layout's. `schedule` is the launch's
+    ``(items, counts)`` (`dq_schedule` when ``None``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     ops = Ops(interpreted=interpret is not None)
     bq, d, dtype = ROWS_PER_WARPGROUP, cfg.head_dim, q.dtype
     bk = cfg.dq_block_kv
+    buffers = cfg.own_buffers(bk)
     stages = cfg.stages(bk)
     group = cfg.group
     num_tiles = cfg.q_len // BLOCK_OWN
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
+    items, counts = schedule if schedule is not None else dq_schedule(cfg, full_count,
+                                                                       partial_count)
+    _check_schedule(items, buffers, "dq_call")
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref, fidx_ref, pcnt_ref,
-             pidx_ref, qseg_ref, kseg_ref, dq_ref, scoped):
+    def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
+             fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, dq_ref, scoped):
         (q_own, do_own, k_ring, v_ring), (q_ready, do_ready, k_ready, v_ready), \
             (k_free, v_free) = scoped
-        h = lax.axis_index("heads")
-        tile = num_tiles - 1 - lax.axis_index("q_tiles")  # heavy causal tiles first
-        b = lax.axis_index("batch")
         wg = lax.axis_index("wg")
-        prefix, n_full, n_steps = list_bounds(cfg.dq_layout_axes, b, h, tile, fcnt_ref, pcnt_ref)
+        cta_items = _Items(items_ref, counts_ref, num_tiles, cfg.heads, cfg.dq_layout_axes,
+                           (fcnt_ref, fidx_ref, pcnt_ref, pidx_ref), items.shape[1] == 1)
 
         @pl.when(wg < COMPUTE_WARPGROUPS)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            q_smem, do_smem = q_own.at[wg], do_own.at[wg]
-            q_base = tile * BLOCK_OWN + wg * bq
-            rows = pl.ds(q_base, bq)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_ready.at[wg])
-            plgpu.copy_gmem_to_smem(do_ref.at[b, h, rows], do_smem, do_ready.at[wg])
-            lse = ops.load(lse_ref, (b, h, rows), ops.row_layout)
-            delta = ops.load(delta_ref, (b, h, rows), ops.row_layout)
-            q_seg = None
-            if has_segments:
-                q_seg = lax.broadcast_in_dim(
-                    ops.load(qseg_ref, (b, rows), ops.row_layout), (bq, bk), [0])
-            plgpu.barrier_wait(q_ready.at[wg])
-            plgpu.barrier_wait(do_ready.at[wg])
 
-            def block_grad(s, dp, it, masked):
-                """The block's dS from its products S and dP."""
-                vis = None
-                if masked:
-                    k_base = list_entry(fidx_ref, pidx_ref, prefix, it, n_full) * bk
-                    k_seg = None
+            def source_of(n, item):
+                b, h, tile = item[:3]
+                return (q_ref, do_ref)[n].at[b, h, pl.ds(tile * BLOCK_OWN + wg * bq, bq)]
+
+            load, own_tiles, wait_own = _own_tiles(buffers, wg, (q_own, do_own),
+                                                   (q_ready, do_ready), source_of)
+            load(0, cta_items.decoded(cta_items.raw(0)))
+
+            def run_item(j, first_step, item, upcoming):
+                b, h, tile, n_full, n_steps = item
+                prefix = cta_items.prefix(item)
+                q_smem, do_smem = own_tiles(j)
+                q_base = tile * BLOCK_OWN + wg * bq
+                rows = pl.ds(q_base, bq)
+                with jax.named_scope("entry"):
+                    lse = ops.load(lse_ref, (b, h, rows), ops.row_layout)
+                    delta = ops.load(delta_ref, (b, h, rows), ops.row_layout)
+                    q_seg = None
                     if has_segments:
-                        k_seg = lax.broadcast_in_dim(
-                            ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout),
-                            (bq, bk), [1])
-                    vis = visible(cfg.terms, cfg.padded_kv_len, q_base + ops.iota((bq, bk), 0),
-                                  k_base + ops.iota((bq, bk), 1), q_seg, k_seg, ids_apart=True)
-                p, t = cfg.probabilities(s, lax.broadcast_in_dim(lse, (bq, bk), [0]), vis)
-                return cfg.score_gradient(p, dp, lax.broadcast_in_dim(delta, (bq, bk), [0]), t)
+                        q_seg = lax.broadcast_in_dim(
+                            ops.load(qseg_ref, (b, rows), ops.row_layout), (bq, bk), [0])
+                with jax.named_scope("wait_own"):
+                    wait_own(j)
+                _load_next_own_tiles(cta_items, load, j, upcoming)
 
-            def step(it, acc, masked):
-                slot = lax.rem(it, stages)
-                with jax.named_scope("wait_kv"):
-                    plgpu.barrier_wait(k_ready.at[slot])
-                    plgpu.barrier_wait(v_ready.at[slot])
-                with jax.named_scope("products"):
-                    s, dp = ops.products((bq, bk), [(q_smem, k_ring.at[slot], True),
-                                          (do_smem, v_ring.at[slot], True)])
-                plgpu.barrier_arrive(v_free.at[slot])
-                with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                    ds = block_grad(s, dp, it, masked)
-                with jax.named_scope("accumulate"):
-                    (acc,) = ops.accumulate((acc,), [(ds.astype(dtype), k_ring.at[slot])])
-                plgpu.barrier_arrive(k_free.at[slot])
-                return acc
+                def block_grad(s, dp, it, masked):
+                    """The block's dS from its products S and dP."""
+                    vis = None
+                    if masked:
+                        k_base = cta_items.block(prefix, it, n_full) * bk
+                        k_seg = None
+                        if has_segments:
+                            k_seg = lax.broadcast_in_dim(
+                                ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout),
+                                (bq, bk), [1])
+                        vis = visible(cfg.terms, cfg.padded_kv_len,
+                                      q_base + ops.iota((bq, bk), 0),
+                                      k_base + ops.iota((bq, bk), 1), q_seg, k_seg,
+                                      ids_apart=True)
+                    p, t = cfg.probabilities(s, lax.broadcast_in_dim(lse, (bq, bk), [0]), vis)
+                    return cfg.score_gradient(p, dp, lax.broadcast_in_dim(delta, (bq, bk), [0]),
+                                              t)
 
-            acc = ops.cast(jnp.zeros((bq, d), jnp.float32), ops.wgmma_layout)
-            acc = walk_list(n_full, n_steps, step, acc)
-            with jax.named_scope("epilogue"):
-                q_smem[...] = (acc * cfg.softmax_scale).astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows])
-                plgpu.wait_smem_to_gmem(0)
+                def step(it, acc, masked):
+                    slot = lax.rem(first_step + it, stages)
+                    with jax.named_scope("wait_kv"):
+                        plgpu.barrier_wait(k_ready.at[slot])
+                        plgpu.barrier_wait(v_ready.at[slot])
+                    with jax.named_scope("products"):
+                        s, dp = ops.products((bq, bk), [(q_smem, k_ring.at[slot], True),
+                                              (do_smem, v_ring.at[slot], True)])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    with jax.named_scope("softmax_partial" if masked else "softmax_full"):
+                        ds = block_grad(s, dp, it, masked)
+                    with jax.named_scope("accumulate"):
+                        (acc,) = ops.accumulate((acc,), [(ds.astype(dtype), k_ring.at[slot])])
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    return acc
 
-        def tile_of(ref, it):
-            block = list_entry(fidx_ref, pidx_ref, prefix, it, n_full)
+                acc = ops.cast(jnp.zeros((bq, d), jnp.float32), ops.wgmma_layout)
+                acc = walk_list(n_full, n_steps, step, acc)
+                with jax.named_scope("epilogue"):
+                    q_smem[...] = (acc * cfg.softmax_scale).astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows])
+
+            cta_items.run(run_item)
+            plgpu.wait_smem_to_gmem(0)
+
+        def tile_of_block(ref, b, h, block):
             return ref.at[b, lax.div(h, group), pl.ds(block * bk, bk)]
 
-        pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
-            1, lambda _: (n_steps, tile_of),
-            ((k_ref, k_ring, k_ready, k_free), (v_ref, v_ring, v_ready, v_free)), stages))
+        pl.when(wg == COMPUTE_WARPGROUPS)(lambda: cta_items.memory_warpgroup(
+            ((k_ref, k_ring, k_ready, k_free), (v_ref, v_ring, v_ready, v_free)), stages,
+            tile_of_block))
 
-    scratch = _scratch((COMPUTE_WARPGROUPS, bq, d), (stages, bk, d), dtype, stages)
-    return _launch(cfg, body, scratch, "q_tiles", num_tiles, jax.ShapeDtypeStruct(q.shape, dtype),
-                   (q, k, v, do, lse, delta, full_count, full_index, partial_count, partial_index,
-                    qseg, kseg), interpret)
+    scratch = _scratch((buffers, COMPUTE_WARPGROUPS, bq, d), (stages, bk, d), dtype, stages)
+    return _launch(body, scratch, items.shape[0], jax.ShapeDtypeStruct(q.shape, dtype),
+                   (items, counts, q, k, v, do, lse, delta, full_count, full_index,
+                    partial_count, partial_index, qseg, kseg), interpret)
+
+
+def dq_schedule(cfg: BackwardConfig, full_count, partial_count):
+    """The dq launch's ``(items, counts)`` (`persistent_schedule` of the dq layout's counts:
+    q-tiles, heavy last tiles first; one item per CTA unless the launch is persistent)."""
+    return persistent_schedule(full_count, partial_count, cfg.batch, cfg.heads,
+                               cfg.launch_ctas(cfg.dq_block_kv))
+
+
+def dkv_schedule(cfg: BackwardConfig, t_full_count, t_partial_count, fused: bool):
+    """The dk/dv launch's ``(items, counts)``, `fused` for the single pass
+    (`persistent_schedule` of the transposed counts: kv-tiles, heavy first tiles first; one
+    item per CTA unless the launch is persistent)."""
+    return persistent_schedule(t_full_count, t_partial_count, cfg.batch, cfg.heads,
+                               cfg.launch_ctas(cfg.dkv_block_q, fused), heavy_tiles_last=False)
 
 
 def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, ...]:
@@ -250,9 +463,10 @@ def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, .
 
 def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_index,
              t_partial_count, t_partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-             dq_accumulator=None, interpret=None):
+             dq_accumulator=None, schedule=None, interpret=None):
     """``(dk, dv)``, each ``[B, H, Lk, D]`` per query head (the caller sums a group's heads),
-    for padded inputs; the lists are the dk/dv layout's transposed ones.
+    for padded inputs; the lists are the dk/dv layout's transposed ones. `schedule` is the
+    launch's ``(items, counts)`` (`dkv_schedule` when ``None``).
 
     With `dq_accumulator` (a zeroed float32 `jax.Ref` of `dq_accumulator_shape`) the pass is
     the whole backward: each block's dS also goes to shared memory (16-bit) for a fifth product,
@@ -267,79 +481,43 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     bk, d, dtype = ROWS_PER_WARPGROUP, cfg.head_dim, q.dtype
     bq = cfg.dkv_block_q
     fused = dq_accumulator is not None
+    buffers = cfg.own_buffers(bq, fused)
     stages = cfg.stages(bq, fused)
     dq_cols = cfg.dq_columns
     split = dq_cols < d
     group = cfg.group
     num_tiles = cfg.kv_len // BLOCK_OWN
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
+    items, counts = schedule if schedule is not None else dkv_schedule(
+        cfg, t_full_count, t_partial_count, fused)
+    _check_schedule(items, buffers, "dkv_call")
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref, fidx_ref, pcnt_ref,
-             pidx_ref, qseg_ref, kseg_ref, *refs):
+    def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
+             fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, *refs):
         if fused:
-            dq_ref, dk_ref, dv_ref, (*scoped, rows_scoped, (ds_own, dq_stage, ds_ready)) = refs
+            dq_ref, dk_ref, dv_ref, (*scoped, rows_scoped, (ds_own, dq_stage, ds_ready,
+                                                           item_done)) = refs
         else:
             dk_ref, dv_ref, (*scoped, rows_scoped) = refs
         (k_own, v_own, q_ring, do_ring), (k_ready, v_ready, q_ready, do_ready), \
             (q_free, do_free) = scoped
         (lse_ring, delta_ring), (lse_ready, delta_ready), (lse_free, delta_free) = rows_scoped
-        h = lax.axis_index("heads")
-        tile = lax.axis_index("kv_tiles")  # under causal masks the first tiles are heavy
-        b = lax.axis_index("batch")
         wg = lax.axis_index("wg")
-        prefix, n_full, n_steps = list_bounds(cfg.dkv_layout_axes, b, h, tile, fcnt_ref,
-                                              pcnt_ref)
+        cta_items = _Items(items_ref, counts_ref, num_tiles, cfg.heads, cfg.dkv_layout_axes,
+                           (fcnt_ref, fidx_ref, pcnt_ref, pidx_ref), items.shape[1] == 1)
 
         @pl.when(wg < COMPUTE_WARPGROUPS)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            k_smem, v_smem = k_own.at[wg], v_own.at[wg]
-            k_base = tile * BLOCK_OWN + wg * bk
-            keys = pl.ds(k_base, bk)
-            kv_h = lax.div(h, group)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, kv_h, keys], k_smem, k_ready.at[wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, kv_h, keys], v_smem, v_ready.at[wg])
-            k_seg = None
-            if has_segments:
-                k_seg = lax.broadcast_in_dim(
-                    ops.load(kseg_ref, (b, keys), ops.row_layout), (bk, bq), [0])
-            plgpu.barrier_wait(k_ready.at[wg])
-            plgpu.barrier_wait(v_ready.at[wg])
 
-            def add_dq_partial(ds_t, it, cols):
-                """dq[cols] += dS K, the fifth product: at D >= 128 this warpgroup's half of
-                the columns over both warpgroups' keys (their dS tiles meet in shared
-                memory, double-buffered: a tile is rewritten two blocks on, after both
-                warpgroups passed the next block's barrier), else all columns over its own
-                keys."""
-                slot = lax.rem(it, 2)
-                with jax.named_scope("ds_store"):
-                    ds_own.at[slot, wg][...] = ds_t
-                    plgpu.commit_smem()
-                if split:
-                    with jax.named_scope("ds_barrier"):
-                        plgpu.barrier_arrive(ds_ready.at[slot])
-                        plgpu.barrier_wait(ds_ready.at[slot])
-                    columns = pl.ds(wg * dq_cols, dq_cols)
-                    pairs = [(ds_own.at[slot, w], k_own.at[w, :, columns])
-                             for w in range(COMPUTE_WARPGROUPS)]
-                else:
-                    columns = pl.ds(0, d)
-                    pairs = [(ds_own.at[slot, wg], k_smem)]
-                with jax.named_scope("dq_product"):
-                    dq_part = ops.sum_of_products_transposed_a((bq, dq_cols), pairs)
-                # The previous block's reduce-add has read the stage before it is rewritten.
-                with jax.named_scope("stage_wait"):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                stage = dq_stage.at[wg]
-                with jax.named_scope("stage_store"):
-                    stage[...] = dq_part
-                    plgpu.commit_smem()
-                # In the interpreter each (kv tile, warpgroup) has its own slice of the
-                # accumulator (`dq_accumulator_shape`): it has no atomic reduce-add.
-                target = dq_ref.at[tile * COMPUTE_WARPGROUPS + wg] if ops.interpreted else dq_ref
-                with jax.named_scope("reduce_add"):
-                    ops.add_to_gmem(stage, target.at[b, h, cols, columns])
+            def source_of(n, item):
+                b, h, tile = item[:3]
+                keys = pl.ds(tile * BLOCK_OWN + wg * bk, bk)
+                return (k_ref, v_ref)[n].at[b, lax.div(h, group), keys]
+
+            load, own_tiles, wait_own = _own_tiles(buffers, wg, (k_own, v_own),
+                                                   (k_ready, v_ready), source_of)
+            load(0, cta_items.decoded(cta_items.raw(0)))
 
             def streamed_row(ring, ready, free, slot):
                 """The q-block's log-sum-exp or delta from its ring slot, in registers."""
@@ -348,82 +526,144 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 plgpu.barrier_arrive(free.at[slot])
                 return row
 
-            def step(it, carry, masked):
-                dk, dv = carry
-                slot = lax.rem(it, stages)
-                q_base = list_entry(fidx_ref, pidx_ref, prefix, it, n_full) * bq
-                cols = pl.ds(q_base, bq)
-                with jax.named_scope("load_rows"):
-                    lse = streamed_row(lse_ring, lse_ready, lse_free, slot)
-                with jax.named_scope("wait_q"):
-                    plgpu.barrier_wait(q_ready.at[slot])
-                    plgpu.barrier_wait(do_ready.at[slot])
-                with jax.named_scope("products"):
-                    (s_t,) = ops.products((bk, bq), [(k_smem, q_ring.at[slot], True)])
-                with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                    vis = None
-                    if masked:
-                        q_seg = None
-                        if has_segments:
-                            q_seg = lax.broadcast_in_dim(
-                                ops.load(qseg_ref, (b, cols), ops.col_layout), (bk, bq), [1])
-                        vis = visible(cfg.terms, cfg.padded_kv_len,
-                                      q_base + ops.iota((bk, bq), 1),
-                                      k_base + ops.iota((bk, bq), 0), q_seg, k_seg,
-                                      ids_apart=True)
-                    p_t, t = cfg.probabilities(s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis)
-                # dV's product and dP's in one group, dK's after dS: fewer live registers
-                # than S and dP together beside the dk and dv accumulators.
-                with jax.named_scope("dv_dp"):
-                    fresh = ops.cast(jnp.zeros((bk, bq), jnp.float32), ops.wgmma_layout)
-                    dv, dp_t = ops.accumulate((dv, fresh), [
-                        (p_t.astype(dtype), do_ring.at[slot]),
-                        (v_smem, do_ring.at[slot], True)])
-                plgpu.barrier_arrive(do_free.at[slot])
-                with jax.named_scope("load_rows"):
-                    delta = streamed_row(delta_ring, delta_ready, delta_free, slot)
-                with jax.named_scope("ds"):
-                    ds_t = cfg.score_gradient(
-                        p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), t).astype(dtype)
-                with jax.named_scope("dk"):
-                    (dk,) = ops.accumulate((dk,), [(ds_t, q_ring.at[slot])])
-                plgpu.barrier_arrive(q_free.at[slot])
-                if fused:
-                    add_dq_partial(ds_t, it, cols)
-                return dk, dv
+            def run_item(j, first_step, item, upcoming):
+                b, h, tile, n_full, n_steps = item
+                prefix = cta_items.prefix(item)
+                k_smem, v_smem = own_tiles(j)
+                k_base = tile * BLOCK_OWN + wg * bk
+                keys = pl.ds(k_base, bk)
+                k_seg = None
+                if has_segments:
+                    with jax.named_scope("entry"):
+                        k_seg = lax.broadcast_in_dim(
+                            ops.load(kseg_ref, (b, keys), ops.row_layout), (bk, bq), [0])
+                with jax.named_scope("wait_own"):
+                    wait_own(j)
+                _load_next_own_tiles(cta_items, load, j, upcoming)
+                # The split dq partial reads the other warpgroup's K tile too.
+                buffer = lax.rem(j, buffers)
 
-            zeros = ops.cast(jnp.zeros((bk, d), jnp.float32), ops.wgmma_layout)
-            dk, dv = walk_list(n_full, n_steps, step, (zeros, zeros))
-            with jax.named_scope("epilogue"):
-                k_smem[...] = (dk * cfg.softmax_scale).astype(dtype)
-                v_smem[...] = dv.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, h, keys])
-                plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h, keys])
-                plgpu.wait_smem_to_gmem(0)
+                def add_dq_partial(ds_t, step, cols):
+                    """dq[cols] += dS K, the fifth product: at D >= 128 this warpgroup's half
+                    of the columns over both warpgroups' keys (their dS tiles meet in shared
+                    memory, double-buffered over the CTA's steps: a tile is rewritten two
+                    blocks on, after both warpgroups passed the next block's barrier), else
+                    all columns over its own keys."""
+                    slot = lax.rem(step, 2)
+                    with jax.named_scope("ds_store"):
+                        ds_own.at[slot, wg][...] = ds_t
+                        plgpu.commit_smem()
+                    if split:
+                        with jax.named_scope("ds_barrier"):
+                            plgpu.barrier_arrive(ds_ready.at[slot])
+                            plgpu.barrier_wait(ds_ready.at[slot])
+                        columns = pl.ds(wg * dq_cols, dq_cols)
+                        pairs = [(ds_own.at[slot, w], k_own.at[buffer, w, :, columns])
+                                 for w in range(COMPUTE_WARPGROUPS)]
+                    else:
+                        columns = pl.ds(0, d)
+                        pairs = [(ds_own.at[slot, wg], k_smem)]
+                    with jax.named_scope("dq_product"):
+                        dq_part = ops.sum_of_products_transposed_a((bq, dq_cols), pairs)
+                    # The previous block's reduce-add has read the stage before it is
+                    # rewritten.
+                    with jax.named_scope("stage_wait"):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    stage = dq_stage.at[wg]
+                    with jax.named_scope("stage_store"):
+                        stage[...] = dq_part
+                        plgpu.commit_smem()
+                    # In the interpreter each (kv tile, warpgroup) has its own slice of the
+                    # accumulator (`dq_accumulator_shape`): it has no atomic reduce-add.
+                    target = (dq_ref.at[tile * COMPUTE_WARPGROUPS + wg] if ops.interpreted
+                              else dq_ref)
+                    with jax.named_scope("reduce_add"):
+                        ops.add_to_gmem(stage, target.at[b, h, cols, columns])
 
-        def tile_of(ref, it):
-            block = list_entry(fidx_ref, pidx_ref, prefix, it, n_full)
+                def step(it, carry, masked):
+                    dk, dv = carry
+                    slot = lax.rem(first_step + it, stages)
+                    q_base = cta_items.block(prefix, it, n_full) * bq
+                    cols = pl.ds(q_base, bq)
+                    with jax.named_scope("load_rows"):
+                        lse = streamed_row(lse_ring, lse_ready, lse_free, slot)
+                    with jax.named_scope("wait_q"):
+                        plgpu.barrier_wait(q_ready.at[slot])
+                        plgpu.barrier_wait(do_ready.at[slot])
+                    with jax.named_scope("products"):
+                        (s_t,) = ops.products((bk, bq), [(k_smem, q_ring.at[slot], True)])
+                    with jax.named_scope("softmax_partial" if masked else "softmax_full"):
+                        vis = None
+                        if masked:
+                            q_seg = None
+                            if has_segments:
+                                q_seg = lax.broadcast_in_dim(
+                                    ops.load(qseg_ref, (b, cols), ops.col_layout), (bk, bq), [1])
+                            vis = visible(cfg.terms, cfg.padded_kv_len,
+                                          q_base + ops.iota((bk, bq), 1),
+                                          k_base + ops.iota((bk, bq), 0), q_seg, k_seg,
+                                          ids_apart=True)
+                        p_t, t = cfg.probabilities(s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]),
+                                                   vis)
+                    # dV's product and dP's in one group, dK's after dS: fewer live registers
+                    # than S and dP together beside the dk and dv accumulators.
+                    with jax.named_scope("dv_dp"):
+                        fresh = ops.cast(jnp.zeros((bk, bq), jnp.float32), ops.wgmma_layout)
+                        dv, dp_t = ops.accumulate((dv, fresh), [
+                            (p_t.astype(dtype), do_ring.at[slot]),
+                            (v_smem, do_ring.at[slot], True)])
+                    plgpu.barrier_arrive(do_free.at[slot])
+                    with jax.named_scope("load_rows"):
+                        delta = streamed_row(delta_ring, delta_ready, delta_free, slot)
+                    with jax.named_scope("ds"):
+                        ds_t = cfg.score_gradient(
+                            p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), t
+                        ).astype(dtype)
+                    with jax.named_scope("dk"):
+                        (dk,) = ops.accumulate((dk,), [(ds_t, q_ring.at[slot])])
+                    plgpu.barrier_arrive(q_free.at[slot])
+                    if fused:
+                        add_dq_partial(ds_t, first_step + it, cols)
+                    return dk, dv
+
+                zeros = ops.cast(jnp.zeros((bk, d), jnp.float32), ops.wgmma_layout)
+                dk, dv = walk_list(n_full, n_steps, step, (zeros, zeros))
+                if fused and split:
+                    # Both warpgroups' last dq partials have read both K tiles before either
+                    # is overwritten (by the gradient below, or the next item's tiles).
+                    with jax.named_scope("item_barrier"):
+                        plgpu.barrier_arrive(item_done)
+                        plgpu.barrier_wait(item_done)
+                with jax.named_scope("epilogue"):
+                    k_smem[...] = (dk * cfg.softmax_scale).astype(dtype)
+                    v_smem[...] = dv.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, h, keys])
+                    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h, keys])
+
+            cta_items.run(run_item)
+            plgpu.wait_smem_to_gmem(0)
+
+        def tile_of_block(ref, b, h, block):
             return ref.at[b, h, pl.ds(block * bq, bq)]
 
-        pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
-            1, lambda _: (n_steps, tile_of),
+        pl.when(wg == COMPUTE_WARPGROUPS)(lambda: cta_items.memory_warpgroup(
             ((q_ref, q_ring, q_ready, q_free), (lse_ref, lse_ring, lse_ready, lse_free),
              (do_ref, do_ring, do_ready, do_free),
-             (delta_ref, delta_ring, delta_ready, delta_free)), stages))
+             (delta_ref, delta_ring, delta_ready, delta_free)), stages, tile_of_block))
 
     # Q and dO tiles, and beside them each q-block's log-sum-exp and delta rows.
-    scratch = (*_scratch((COMPUTE_WARPGROUPS, bk, d), (stages, bq, d), dtype, stages),
+    scratch = (*_scratch((buffers, COMPUTE_WARPGROUPS, bk, d), (stages, bq, d), dtype, stages),
                ((plgpu.SMEM((stages, bq), jnp.float32),) * 2,
                 (plgpu.Barrier(num_barriers=stages),) * 2,
                 (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2))
-    operands = (q, k, v, do, lse, delta, t_full_count, t_full_index, t_partial_count,
-                t_partial_index, qseg, kseg)
+    operands = (items, counts, q, k, v, do, lse, delta, t_full_count, t_full_index,
+                t_partial_count, t_partial_index, qseg, kseg)
     if fused:
         scratch = (*scratch, (swizzled((2, COMPUTE_WARPGROUPS, bk, bq), dtype),
                               swizzled((COMPUTE_WARPGROUPS, bq, dq_cols), jnp.float32),
-                              plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2)))
+                              plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2),
+                              plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)))
         operands = (*operands, dq_accumulator)
     grads = jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.kv_len, d), dtype)
-    return _launch(cfg, body, scratch, "kv_tiles", num_tiles, (grads, grads), operands,
-                   interpret)
+    return _launch(body, scratch, items.shape[0], (grads, grads), operands, interpret)

@@ -287,28 +287,31 @@ def memory_warpgroup(num_items, walk, streams, stages: int, registers: int = MEM
 
 
 def persistent_schedule(full_count, partial_count, batch: int, heads: int,
-                        ctas: int | None):
+                        ctas: int | None, heavy_tiles_last: bool = True):
     """``(items [ctas, n] int32, counts [ctas] int32)``: the work items CTA ``c`` of a
     persistent launch runs, in order, ``items[c, :counts[c]]``; an item is ``(b * heads + h)
     * tiles + tile``; ``ctas=None`` gives one CTA per item. Built on the host, so the launch
     needs no extra device work.
 
-    The items are taken batch row by batch row, heavy (last) tiles first, the heads of a
-    tile together (so that the tiles in flight share their K / V in L2), and each goes to
-    the CTA that becomes free first (`first_free`): FULL blocks cost 1, PARTIAL ones 1.5
-    (the mask), and an item 1 more (its prologue and epilogue). When the counts are known
+    The items are taken batch row by batch row, heavy tiles first (under a causal mask the
+    last q-tiles, or with ``heavy_tiles_last=False`` the first kv-tiles), the heads of a
+    tile together (so that the tiles in flight share their streamed tiles in L2), and each
+    goes to the CTA that becomes free first (`first_free`): FULL blocks cost 1, PARTIAL ones
+    1.5 (the mask), and an item 1 more (its prologue and epilogue). When the counts are known
     only on the device (a layout built per call), the items are dealt round-robin instead
     (`dealt`), heavy tiles first.
     """
     tiles = full_count.shape[-1]
     grid = np.arange(batch * heads * tiles, dtype=np.int32).reshape(batch, heads, tiles)
+    if heavy_tiles_last:
+        grid = grid[:, :, ::-1]
     ctas = ctas or grid.size
     try:
         cost = np.asarray(full_count) + 1.5 * np.asarray(partial_count) + 1.0
     except jax.errors.TracerArrayConversionError:  # a layout built per call
-        return dealt(grid[:, :, ::-1].transpose(2, 0, 1).reshape(-1), ctas)
+        return dealt(grid.transpose(2, 0, 1).reshape(-1), ctas)
     cost = np.broadcast_to(cost, (batch, heads, tiles)).reshape(-1)
-    return first_free(grid[:, :, ::-1].transpose(0, 2, 1).reshape(-1), cost, ctas)
+    return first_free(grid.transpose(0, 2, 1).reshape(-1), cost, ctas)
 
 
 def first_free(order, cost, ctas: int):

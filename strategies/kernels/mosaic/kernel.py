@@ -14,7 +14,8 @@ from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Featur
                                   ResolvedMask, add_sinks, backward_delta, pad_axis, public_lse,
                                   typed_like, zero_cotangent)
 
-from .backward import BackwardConfig, backward_blocks, dkv_call, dq_accumulator_shape, dq_call
+from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
+                       dq_accumulator_shape, dq_call, dq_schedule, short_lists)
 from .common import persistent_schedule
 from .config import MosaicConfig
 from .forward import BLOCK_Q, ForwardConfig, forward_call, rows_padded, stages_for
@@ -211,11 +212,21 @@ class MosaicBlockSparse(AbstractLseKernel):
         bcfg = BackwardConfig(
             **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
-            soft_cap=soft_cap, single_pass=self.single_pass())
-        bwd_lists = tuple(tuple(jnp.asarray(a, jnp.int32) for a in arrays) for arrays in (
+            soft_cap=soft_cap, single_pass=self.single_pass(),
+            persistent=short_lists((dq.full_count, dq.partial_count),
+                                   (dkdv.t_full_count, dkdv.t_partial_count)),
+            ctas=_multiprocessors())
+        # The backward launches' work items per CTA, built on the host too (the single pass
+        # runs no dq launch).
+        schedules = (None if bcfg.single_pass else dq_schedule(bcfg, dq.full_count,
+                                                               dq.partial_count),
+                     dkv_schedule(bcfg, dkdv.t_full_count, dkdv.t_partial_count,
+                                  bcfg.single_pass))
+        bwd_lists = tuple(None if arrays is None else tuple(jnp.asarray(a, jnp.int32)
+                                                           for a in arrays) for arrays in (
             (dq.full_count, dq.full_index, dq.partial_count, dq.partial_index),
             (dkdv.t_full_count, dkdv.t_full_index, dkdv.t_partial_count,
-             dkdv.t_partial_index)))
+             dkdv.t_partial_index), *schedules))
         return _attend(fcfg, bcfg, query, key, value, seg, lists, bwd_lists)
 
 
@@ -251,21 +262,22 @@ def _attend_bwd(fcfg, bcfg, res, cotangents):
     q, k, v, seg, lists, bwd_lists, out, lse = res
     do, dlse = cotangents
     delta = backward_delta(do, out, dlse, lse)
-    dq_lists, t_lists = bwd_lists
+    dq_lists, t_lists, dq_items, dkv_items = bwd_lists
     dq, dk, dv = mosaic_backward(bcfg, q, k, v, do.astype(q.dtype), lse, delta, seg, dq_lists,
-                                 t_lists)
+                                 t_lists, schedules=(dq_items, dkv_items))
     zeros = jax.tree.map(zero_cotangent, (seg, lists, bwd_lists))
     # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none).
     return tuple(typed_like(g, x) for g, x in zip((dq, dk, dv), (q, k, v))) + zeros
 
 
 def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists, t_lists, *,
-                    interpret=None):
+                    schedules=(None, None), interpret=None):
     """``(dq, dk, dv)`` of the Mosaic backward for unpadded inputs: pads to the tiles (dO
     with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute nothing), runs
     the single pass (`dkv_call` with a zeroed float32 dq accumulator, scaled and cast after)
     or `dq_call` and `dkv_call` apart (`cfg.single_pass`), and sums each kv head's group of
-    query-head dk / dv."""
+    query-head dk / dv. `schedules` holds the dq and dk/dv launches' ``(items, counts)``
+    (``None``: built from the lists' counts, `dq_schedule` and `dkv_schedule`)."""
     q_len, kv_len = q.shape[2], k.shape[2]
     pad_q = functools.partial(_pad, length=cfg.q_len)
     pad_k = functools.partial(_pad, length=cfg.kv_len)
@@ -276,13 +288,15 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
         interpreted = interpret is not None
         accumulator = jax.new_ref(jnp.zeros(dq_accumulator_shape(cfg, interpreted), jnp.float32))
         dk, dv = dkv_call(cfg, *operands, *t_lists, *segments, dq_accumulator=accumulator,
-                          interpret=interpret)
+                          schedule=schedules[1], interpret=interpret)
         dq = jax.freeze(accumulator)
         dq = (dq.sum(0) if interpreted else dq) * cfg.softmax_scale
         dq = dq.astype(q.dtype)
     else:
-        dq = dq_call(cfg, *operands, *dq_lists, *segments, interpret=interpret)
-        dk, dv = dkv_call(cfg, *operands, *t_lists, *segments, interpret=interpret)
+        dq = dq_call(cfg, *operands, *dq_lists, *segments, schedule=schedules[0],
+                     interpret=interpret)
+        dk, dv = dkv_call(cfg, *operands, *t_lists, *segments, schedule=schedules[1],
+                          interpret=interpret)
     group = cfg.heads // cfg.kv_heads
     if group > 1:
         shape = (cfg.batch, cfg.kv_heads, group, cfg.kv_len, cfg.head_dim)

@@ -280,6 +280,64 @@ def test_backward_mode_and_its_tiles(monkeypatch):
             assert tiling.blocks == bsa.PassBlocks((128, 128), dq_blocks, (64, 128))
 
 
+def _backward_config(dim, **kwargs):
+    from eqx_bsattn.strategies.kernels.mosaic.backward import BackwardConfig, backward_blocks
+
+    (_, dq_kv), (dkv_q, _) = backward_blocks(dim)
+    shape = dict(batch=1, heads=1, kv_heads=1, q_len=1024, kv_len=1024, true_kv_len=1024,
+                 head_dim=dim, softmax_scale=1.0, terms=bsa.MaskTerms(causal_offset=0),
+                 dq_block_kv=dq_kv, dkv_block_q=dkv_q, dq_layout_axes=(1, 1),
+                 dkv_layout_axes=(1, 1), ctas=132)
+    return BackwardConfig(**{**shape, **kwargs})
+
+
+def test_backward_persistence_choice():
+    """The backward launches are persistent for static layouts whose lists are short, and
+    then only where two sets of own tiles leave room for two ring stages (not the single
+    pass at D = 128); otherwise each CTA runs one item and the ring is deeper. A schedule of
+    several items a CTA for a launch that is not persistent is refused."""
+    from eqx_bsattn.strategies.kernels.mosaic.backward import (
+        PERSISTENT_MAX_MEAN_BLOCKS, dq_call, dkv_schedule, dq_schedule, short_lists)
+
+    short = (np.full((1, 1, 8), PERSISTENT_MAX_MEAN_BLOCKS - 1, np.int32),
+             np.ones((1, 1, 8), np.int32))
+    long = (short[0] + 1, short[1])
+    assert short_lists(short, short) and not short_lists(short, long)
+    seen = {}
+    jax.jit(lambda f, p: seen.setdefault("device", short_lists((f, p))))(*short)
+    assert seen["device"] is False  # a layout built per call: counts on the device
+
+    for dim, fused_fits, stages in ((128, False, 2), (64, True, 4)):
+        cfg = _backward_config(dim, persistent=True)
+        assert cfg.persistent_for(cfg.dq_block_kv) and cfg.persistent_for(cfg.dkv_block_q)
+        assert cfg.persistent_for(cfg.dkv_block_q, fused=True) == fused_fits
+        assert cfg.own_buffers(cfg.dkv_block_q) == 2 and cfg.stages(cfg.dkv_block_q) == stages
+        assert cfg.launch_ctas(cfg.dkv_block_q, fused=True) == (132 if fused_fits else None)
+        flat = _backward_config(dim)
+        assert not flat.persistent_for(flat.dq_block_kv) and flat.own_buffers(64) == 1
+        assert flat.stages(flat.dkv_block_q) == 4 and flat.launch_ctas(64) is None
+
+    cfg = _backward_config(128, persistent=True)
+    tiles = 1024 // 128
+    counts = (np.arange(tiles, dtype=np.int32)[None, None], np.ones((1, 1, tiles), np.int32))
+    items, _ = dq_schedule(cfg, *counts)
+    assert items.shape == (tiles, 1)  # fewer items than CTAs: one each
+    items, _ = dkv_schedule(_backward_config(128, persistent=True, heads=64), *counts,
+                            fused=False)
+    assert items.shape[0] == 132 and items.shape[1] > 1
+    items, _ = dkv_schedule(_backward_config(128, persistent=True, heads=64), *counts,
+                            fused=True)
+    assert items.shape[1] == 1  # the single pass at D = 128 is not persistent
+
+    flat = _backward_config(128)
+    x = jnp.zeros((1, 1, 1024, 128), jnp.bfloat16)
+    rows = jnp.zeros((1, 1, 1024), jnp.float32)
+    several = (np.zeros((2, 4), np.int32), np.full((2,), 4, np.int32))
+    with pytest.raises(ValueError, match="persistent launch"):
+        dq_call(flat, x, x, x, x, rows, rows, *(jnp.asarray(c) for c in counts * 2),
+                schedule=several)
+
+
 @pytest.mark.parametrize("batch,heads,tiles,ctas", [(1, 1, 1, 132), (1, 3, 7, 4),
                                                      (2, 16, 128, 132), (32, 16, 8, 132)])
 @pytest.mark.parametrize("known", [True, False], ids=["host_counts", "device_counts"])
@@ -432,15 +490,19 @@ BACKWARD_INTERPRETER_CASES = {
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("persistent", [False, True], ids=["item_a_cta", "persistent"])
 @pytest.mark.parametrize("single_pass", [True, False], ids=["single_pass", "deterministic"])
 @pytest.mark.parametrize("case", [  # the default run takes the soft cap; the rest is extended
     pytest.param(name, marks=[] if name == "soft_cap" else [pytest.mark.extended])
     for name in sorted(BACKWARD_INTERPRETER_CASES)])
-def test_backward_in_cpu_interpreter(case, single_pass):
+def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     """The Mosaic backward after the Mosaic forward, both in Pallas' CPU interpreter, against
     the gradients of the float32 dense reference: the single pass (the dk/dv kernel with its
     dq partials added into a float32 accumulator; the interpreter has no TMA reduce-add, so
-    there each addition is a read-modify-write) and the deterministic dq and dk/dv kernels."""
+    there each addition is a read-modify-write) and the deterministic dq and dk/dv kernels.
+    Launched one item a CTA, or persistent on one CTA, which then runs every item (some
+    with empty lists) through one ring, its own tiles double-buffered (except the single
+    pass at D = 128, which has no room for that and runs one item a CTA)."""
     params = _mosaic_interpreter()
     if params is None or jax.default_backend() != "cpu":
         pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
@@ -479,7 +541,8 @@ def test_backward_in_cpu_interpreter(case, single_pass):
                           dkv_block_q=dkv_tile[0], softmax_scale=d ** -0.5, terms=terms,
                           dq_layout_axes=dq_layout.full_count.shape[:2],
                           dkv_layout_axes=dkv_layout.full_count.shape[:2],
-                          soft_cap=soft_cap or 0.0, single_pass=single_pass)
+                          soft_cap=soft_cap or 0.0, single_pass=single_pass,
+                          persistent=persistent, ctas=1)
 
     def arrays(*xs):
         return tuple(jnp.asarray(x, jnp.int32) for x in xs)
