@@ -50,7 +50,13 @@ XLA_GPU = {name: ((128, 128),) * 3 for name in SHAPES} | {
     "bf16 D128 decode": ((1, 100),) * 3,
     "bf16 D64 ragged": ((40, 33),) * 3,
 }
-SPLASH = {name: ((128, 128),) * 3 for name in SHAPES}
+# On a TPU 512 at head dims up to 128, within the sequences rounded to 128; 128 above.
+SPLASH = {name: ((512, 512),) * 3 for name in SHAPES} | {
+    "bf16 D256 2k": ((128, 128),) * 3,
+    "bf16 D512 1k": ((128, 128),) * 3,
+    "bf16 D128 decode": ((128, 128),) * 3,
+    "bf16 D64 ragged": ((128, 128),) * 3,
+}
 _MOSAIC_128 = (((128, 128), (128, 64), (64, 128)), 2)
 _MOSAIC_64 = (((128, 128), (128, 128), (64, 128)), 4)
 MOSAIC = {name: _MOSAIC_64 if SHAPES[name][1] == 64 else _MOSAIC_128 for name in SHAPES} | {
@@ -90,6 +96,9 @@ def test_xla_default_tiles(name, platform, expected):
 @pytest.mark.parametrize("name", SHAPES)
 def test_splash_default_tiles(name):
     assert _blocks(_default(bsa.kernels.SplashBlockSparse(), "tpu", name)) == SPLASH[name]
+    # Off a TPU (interpreted, for correctness) Splash's own default, 128, within the sequence.
+    assert _blocks(_default(bsa.kernels.SplashBlockSparse(), "cpu", name)) == \
+        ((128, 128),) * 3
 
 
 @pytest.mark.parametrize("name", SHAPES)

@@ -40,8 +40,9 @@ class SplashBlockSparse(AbstractKernel):
     `SplashConfig`; block sizes are rounded up to multiples of 128.
 
     Runs on a TPU, and anywhere in Splash's interpret mode (`interpret`): the conformance suite
-    runs it that way on the CPU. The selector picks it on TPU only. It has not yet run on a
-    TPU: every test ran it interpreted, on a CPU (`docs/splash.md`).
+    runs it that way on the CPU. The selector picks it on TPU only. On a TPU v5e chip it
+    matched the float32 reference and ran at the speed `docs/splash.md` gives; its tests run
+    it interpreted, on a CPU.
 
     **Arguments:**
 
