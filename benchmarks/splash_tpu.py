@@ -1,0 +1,139 @@
+"""`SplashBlockSparse` on a TPU: the selector's choice and the error against the float32
+dense reference (forward and every gradient) per case, then forward and forward+backward
+speed against JAX's own Splash with its own mask at the same block sizes, and our speed at
+other block sizes.
+
+Runs in one process (one program at a time can hold a TPU). On a CPU it runs too, with
+Splash interpreted (slow: pass a short ``--length``). TF/s count visible pairs only
+(`eqx_bsattn.bench`).
+
+```
+python benchmarks/splash_tpu.py                               # errors, speed at L = 8192
+python benchmarks/splash_tpu.py --skip-errors --blocks 256 512 1024
+```
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqx_bsattn as bsa
+from eqx_bsattn import kernels, masks
+from eqx_bsattn.bench import pattern, visible_pairs
+from eqx_bsattn.strategies.kernels import DenseReference
+from eqx_bsattn.timing import median_ms
+
+CASES = {  # name: (mask, per-call data, B, H, Hkv, Lq, Lk, D)
+    "causal gqa": (masks.Causal(), {}, 1, 8, 2, 2048, 2048, 128),
+    "window 256": (masks.Causal() & masks.SlidingWindow(256, 0), {}, 2, 4, 4, 2048, 2048, 128),
+    "documents": (*pattern("document", 2048), 1, 4, 4, 2048, 2048, 128),
+    "bigbird": (*pattern("bigbird", 2048), 1, 4, 4, 2048, 2048, 128),
+    "ragged Lq!=Lk d64": (masks.Causal(bottom_right=True), {}, 1, 4, 2, 1000, 1300, 64),
+    "empty rows": (masks.Causal(offset=-150), {}, 1, 4, 4, 384, 256, 128),
+}
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def errors():
+    """Per case: the kernel the selector picks, the relative error in norm of the output and
+    each gradient (bfloat16 inputs) against `DenseReference` in float32 at the highest matmul
+    precision, whether rows that see no key are zeros, and whether all is finite."""
+    print("| case | kernel | out | dq | dk | dv | empty rows zero |", flush=True)
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, (mask, data, b, h, hkv, lq, lk, d) in CASES.items():
+        ks = jax.random.split(jax.random.key(len(name)), 4)
+        q = jax.random.normal(ks[0], (b, h, lq, d), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (b, hkv, lk, d), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (b, hkv, lk, d), jnp.bfloat16)
+        cot = jax.random.normal(ks[3], (b, h, lq, d), jnp.bfloat16)
+        data = {n: jnp.broadcast_to(jnp.asarray(x), (b, lq)) for n, x in data.items()}
+        attn = bsa.BlockSparseAttention(mask=mask)
+        kernel = attn.plan(q, k, v, **data).kernel.name
+        out, pull = jax.vjp(lambda q, k, v: attn(q, k, v, **data), q, k, v)
+        grads = pull(cot)
+        ref = bsa.BlockSparseAttention(mask=mask, kernel=DenseReference())
+        with jax.default_matmul_precision("highest"):
+            f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+            want, pull_ref = jax.vjp(lambda q, k, v: ref(q, k, v, **data), *f32)
+            want_grads = pull_ref(cot.astype(jnp.float32))
+        empty = np.asarray(jnp.abs(want).sum(-1) == 0)
+        zeros = bool(np.all(np.asarray(out, np.float32)[empty] == 0)) if empty.any() else "-"
+        finite = all(bool(jnp.isfinite(x).all()) for x in (out, *grads))
+        errs = [rel(out, want)] + [rel(g, w) for g, w in zip(grads, want_grads)]
+        print(f"| {name} | {kernel} | " + " | ".join(f"{e:.1e}" for e in errs)
+              + f" | {zeros} (finite: {finite}) |", flush=True)
+
+
+def splash_peer(name: str, length: int, heads: int, blocks: tuple[int, int]):
+    """JAX's own Splash for `name` (its `CausalMask` or `LocalMask`, in its own ``[H, L, D]``
+    layout, vmapped over the batch) at forward blocks `blocks` in every pass; the softmax
+    scale goes into the queries, as Splash has none."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    own = (sm.CausalMask((length, length)) if name == "causal" else
+           sm.LocalMask((length, length), (1024, 0), offset=0))
+    bq, bk = blocks
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bk, block_q_dkv=bq, block_kv_dkv=bk,
+                          block_q_dq=bq, block_kv_dq=bk)
+    kernel = sk.make_splash_mha(sm.MultiHeadMask([own] * heads), block_sizes=sizes,
+                                head_shards=1, q_seq_shards=1,
+                                interpret=jax.default_backend() != "tpu")
+    return lambda q, k, v: jax.vmap(kernel)(q * q.shape[-1] ** -0.5, k, v)
+
+
+def speed(length: int, batch: int, heads: int, dim: int, reps: int, blocks=None):
+    """Forward and forward+backward of our call (the heuristic's blocks, or each of `blocks`)
+    on causal and causal window 1024; with the heuristic, JAX's Splash at the same blocks."""
+    print("\n| pattern | L | impl | blocks | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    for name in ("causal", "window"):
+        mask, _ = pattern(name, length, window=1024)
+        ks = jax.random.split(jax.random.key(length), 4)
+        q, k, v, do = (jax.random.normal(x, (batch, heads, length, dim), jnp.bfloat16)
+                       for x in ks)
+        flops = 4.0 * batch * heads * dim * visible_pairs(mask, length, length)
+        runs = []
+        for block in blocks or [None]:
+            tiling = None if block is None else kernels.SplashConfig(block, block)
+            attn = bsa.BlockSparseAttention(mask=mask, kernel=kernels.SplashBlockSparse(),
+                                            tiling=tiling)
+            used = attn.plan(q, k, v).tiling.blocks.forward
+            runs.append(("eqx_bsattn", used, lambda q, k, v, attn=attn: attn(q, k, v)))
+            if block is None:
+                runs.append(("jax splash", used, splash_peer(name, length, heads, used)))
+        for label, used, fn in runs:
+            fwd = jax.jit(fn)
+            bwd = jax.jit(lambda q, k, v, fn=fn: jax.vjp(fn, q, k, v)[1](do))
+            f_ms = median_ms(fwd, (q, k, v), reps, warmup=1)
+            b_ms = median_ms(bwd, (q, k, v), reps, warmup=1)
+            print(f"| {name} | {length} | {label} | {used[0]} x {used[1]} | {f_ms:.2f} | "
+                  f"{flops / f_ms / 1e9:.1f} | {b_ms:.2f} | {3.5 * flops / b_ms / 1e9:.1f} |",
+                  flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--skip-errors", action="store_true")
+    p.add_argument("--length", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--blocks", type=int, nargs="+", default=None,
+                   help="time ours at these square blocks instead of the heuristic's")
+    args = p.parse_args()
+    print(jax.__version__, jax.devices(), flush=True)
+    if not args.skip_errors:
+        errors()
+    speed(args.length, args.batch, args.heads, args.dim, args.reps, args.blocks)
+
+
+if __name__ == "__main__":
+    main()
