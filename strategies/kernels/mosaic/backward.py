@@ -1,6 +1,6 @@
 """The backward launches of `MosaicBlockSparse`: a dq kernel and a dk/dv kernel in Pallas Mosaic
-GPU, each persistent and warp-specialised like the forward (one CTA per SM running the work
-items `persistent_schedule` gives it; a TMA memory warpgroup, two compute warpgroups).
+GPU, each warp-specialised like the forward (a TMA memory warpgroup, two compute
+warpgroups) and, where its lists are short, persistent like it (below).
 
 - `dq_call`: a work item is (batch row, head, q-tile of 128 rows); its CTA walks the q-tile's
   kv-block list of the dq layout (FULL, then PARTIAL). The memory warpgroup streams each
