@@ -42,17 +42,12 @@ import numpy as np
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     AttentionShape, Ops, decode_item, layout_prefix, list_bounds, list_entry,
-                     memory_warpgroup, persistent_schedule, ring_stages, segment_ids_apart,
-                     swizzled, visible, walk_list)
+                     SMEM_BUDGET, AttentionShape, Ops, decode_item, layout_prefix, list_bounds,
+                     list_entry, memory_warpgroup, persistent_schedule, ring_stages,
+                     segment_ids_apart, swizzled, visible, walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
-#: Shared memory the backward's buffers may take (the rest of the 227 KiB is left to the
-#: barriers and small buffers); `ring_stages` keeps the same margin.
-SMEM_BUDGET = 200 * 1024
-
-
 #: Blocks a work item visits on average, up to which the backward launches are persistent:
 #: short items gain more from the next item's own tiles loading during this one than they
 #: lose to the shallower ring, long ones the other way round (docs/mosaic.md, "Persistent

@@ -26,6 +26,9 @@ LOG2E = 1.4426950408889634
 #: Registers a thread of a compute / the memory warpgroup holds (3 warpgroups fit 64 K).
 COMPUTE_REGISTERS = 232
 MEMORY_REGISTERS = 40
+#: Shared memory a kernel's buffers may take: the rest of the 227 KiB is left to the barriers
+#: and small buffers.
+SMEM_BUDGET = 200 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,7 +359,7 @@ def decode_item(item, tiles: int, heads: int):
 def ring_stages(fixed_bytes: int, stage_bytes: int) -> int:
     """Slots of a ring (2 to 4) that fit the 227 KiB of shared memory next to `fixed_bytes`,
     with a margin for barriers and small buffers."""
-    return max(2, min(4, (200 * 1024 - fixed_bytes) // stage_bytes))
+    return max(2, min(4, (SMEM_BUDGET - fixed_bytes) // stage_bytes))
 
 
 def swizzled(shape, dtype):
