@@ -3,13 +3,14 @@ without them, on a GPU (issue 27's speed target: at most 10 % of the forward and
 forward+backward at 16k tokens, causal and causal window 1024).
 
     python benchmarks/score_terms_gpu.py [--length 16384] [--batch 2] [--heads 16] [--dim 128]
-        [--window 1024] [--buckets 32] [--reps 20] [--kernel TritonBlockSparse] [--no-flex]
-        [--out score_terms.json]
+        [--window 1024] [--buckets 32] [--reps 20] [--kernel TritonBlockSparse ...]
+        [--no-flex] [--out score_terms.json]
 
 For each mask (``causal``, ``window``: causal and a window of `--window` keys) and each score
 (``none``, ``alibi``: learned slopes, ``relative``: a learned `--buckets`-bucket causal T5
 table, ``both``: slopes and table together), the median wall time of a jitted forward and of a
-forward+backward (gradients of q, k, v and the learned arrays), and the ratio to ``none``.
+forward+backward (gradients of q, k, v and the learned arrays), and the ratio to ``none``,
+for each kernel of `--kernel` (a kernel that declines a score gives an error row).
 FlexAttention runs the same masks and score_mods as a peer when torch with CUDA imports
 (`torch.compile`d `flex_attention`; gradients of q, k, v and the captured slopes / table).
 Not a test: numbers depend on the machine. On a CPU, ``--kernel XlaBlockSparse`` with small
@@ -17,6 +18,7 @@ sizes runs the same code (tests/test_bench.py does).
 """
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -59,14 +61,16 @@ def parse_args(argv=None):
     p.add_argument("--max-distance", type=int, default=128, help="the table's max_distance")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--reps", type=int, default=20, help="timed calls per measurement")
-    p.add_argument("--kernel", default="TritonBlockSparse", help="a class of eqx_bsattn.kernels")
+    p.add_argument("--kernel", nargs="+", default=["TritonBlockSparse"],
+                   help="classes of eqx_bsattn.kernels, each timed in turn")
     p.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
     p.add_argument("--scores", nargs="+", default=list(SCORES), choices=SCORES)
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer")
     p.add_argument("--out", default=None, help="write the records to this JSON file")
     args = p.parse_args(argv)
-    if getattr(kernels, args.kernel, None) is None:
-        p.error(f"--kernel: unknown kernel {args.kernel!r}.")
+    for name in args.kernel:
+        if getattr(kernels, name, None) is None:
+            p.error(f"--kernel: unknown kernel {name!r}.")
     if args.kv_heads is None:
         args.kv_heads = args.heads
     if args.heads % args.kv_heads:
@@ -105,10 +109,10 @@ def median_ms(fn, *xs, reps: int, sync=jax.block_until_ready) -> float:
     return statistics.median(times)
 
 
-def time_ours(args, mask_name: str, score_name: str, inputs) -> dict:
+def time_ours(args, kernel_name: str, mask_name: str, score_name: str, inputs) -> dict:
     q, k, v, do = inputs
     arrays = _arrays(args)
-    kernel = getattr(kernels, args.kernel)()
+    kernel = getattr(kernels, kernel_name)()
 
     def attend(q, k, v, arrays):
         attn = bsa.BlockSparseAttention(mask=_mask(mask_name, args.window), kernel=kernel,
@@ -229,7 +233,8 @@ def run(args) -> list[dict]:
     kv_shape = (args.batch, args.kv_heads, args.length, args.dim)
     inputs = tuple(jax.random.normal(kk, s, dtype)
                    for kk, s in zip(keys, (shape, kv_shape, kv_shape, shape)))
-    peers = {f"ours:{args.kernel}": lambda m, s: time_ours(args, m, s, inputs)}
+    peers = {f"ours:{name}": functools.partial(time_ours, args, name, inputs=inputs)
+             for name in args.kernel}
     flex = None if args.no_flex else flex_peer(args)
     if flex is not None:
         peers["flex_attention"] = flex

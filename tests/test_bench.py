@@ -82,8 +82,10 @@ def test_score_terms_benchmark_parses_its_arguments():
     script = _score_terms_script()
     args = script.parse_args([])
     assert (args.length, args.window, args.buckets, args.kernel) == (
-        16384, 1024, 32, "TritonBlockSparse")
+        16384, 1024, 32, ["TritonBlockSparse"])
     assert args.masks == ["causal", "window"] and args.kv_heads == args.heads
+    assert script.parse_args(["--kernel", "MosaicBlockSparse", "TritonBlockSparse"]).kernel == [
+        "MosaicBlockSparse", "TritonBlockSparse"]
     with pytest.raises(SystemExit):
         script.parse_args(["--kernel", "Nope"])
     with pytest.raises(SystemExit):

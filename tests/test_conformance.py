@@ -281,6 +281,9 @@ CASES = {
                                   num_stages_dq=3)}),
     "tiled_score_alibi_window": Case(masks.Causal() & masks.SlidingWindow(70, 0),
                                      score="alibi_learned", **BIG),
+    "tiled_score_alibi_everything": Case(masks.Causal() & masks.SlidingWindow(80, 0),
+                                         score="alibi_learned", sinks="hs", soft_cap=3.0,
+                                         documents=3, pad=5, **{**BIG, "dim": 128}),
     "tiled_score_relative": Case(masks.Causal(), score="relative_t5", **{**BIG, "q_len": 600}),
     "tiled_score_function_positions": Case(masks.Causal() & masks.SlidingWindow(60, 0),
                                            score="function", positions="shifted", **BIG),
@@ -605,7 +608,7 @@ _CUDNN_RUNS = {"tiled_full", "tiled_causal", "tiled_causal_window",
                "tiled_head_dim_80", "tiled_head_dim_96", "tiled_head_dim_128", "tiled_explicit",
                "tiled_explicit_dq"}
 #: MosaicBlockSparse: 16-bit, D = Dv in {64, 128}, masks with shared in-kernel terms, no
-#: positions or bias.
+#: positions or bias, ALiBi but no other score term.
 _MOSAIC_RUNS = {"tiled_full", "tiled_causal", "tiled_causal_window", "tiled_causal_open_window",
                 "tiled_sinks_soft_cap", "tiled_fully_masked_rows_sinks", "tiled_gqa_long",
                 "tiled_symmetric_window", "tiled_chunked", "tiled_prefix",
@@ -613,7 +616,8 @@ _MOSAIC_RUNS = {"tiled_full", "tiled_causal", "tiled_causal_window", "tiled_caus
                 "tiled_documents", "tiled_interleaved_documents",
                 "tiled_interleaved_documents_causal", "tiled_head_dim_128", "tiled_decode_mqa",
                 "tiled_cross_lengths", "tiled_fully_masked_rows", "tiled_explicit",
-                "tiled_explicit_dq", "tiled_explicit_documents"}
+                "tiled_explicit_dq", "tiled_explicit_documents", "tiled_score_alibi_window",
+                "tiled_score_alibi_everything"}
 EXPECTED_DECLINES = {
     "mosaic": {(name, dtype) for name, case in CASES.items()
                for dtype in (case.dtypes or ("bfloat16",))

@@ -190,8 +190,10 @@ _FUNCTION = scores.ScoreFunction(lambda s, h, q, k: s)
 
 
 @pytest.mark.parametrize("kernel,score,declared", [
-    *((k, s, r"\(\)") for k in ("cudnn", "splash", "mosaic")
+    *((k, s, r"\(\)") for k in ("cudnn", "splash")
       for s in (scores.ALiBi(), scores.RelativePositionBias(TABLE), _FUNCTION)),
+    # Mosaic evaluates ALiBi in its kernels, not a table or a function.
+    *(("mosaic", s, r"\('alibi',\)") for s in (scores.RelativePositionBias(TABLE), _FUNCTION)),
     # Triton evaluates ALiBi and the table in its kernels; a jnp function cannot be traced in.
     ("triton", _FUNCTION, r"\('alibi', 'relative_bias'\)")])
 def test_gpu_and_tpu_kernels_decline_score_terms(kernel, score, declared):
@@ -208,12 +210,23 @@ def test_gpu_and_tpu_kernels_decline_score_terms(kernel, score, declared):
 
 def test_triton_is_not_declined_for_alibi_or_relative_bias():
     """The selector passes ALiBi and a table to Triton (here it declines only where jax-triton
-    is missing, for that reason); cuDNN and Mosaic decline them."""
+    is missing, for that reason); cuDNN declines both, Mosaic the table."""
     features = bsa.Features(platform="gpu", dtype="bfloat16", score=("alibi", "relative_bias"))
     explain = bsa.select_kernel(masks.Causal(), "gpu", features).explain()
     lines = {line.split(":")[0].strip(): line for line in explain.splitlines()[1:]}
     assert "score terms" in lines["declined cudnn"] and "score terms" in lines["declined mosaic"]
     assert "score terms" not in lines.get("declined triton", "")
+
+
+def test_mosaic_is_not_declined_for_alibi():
+    """ALiBi alone passes the selector's score check for Mosaic (on a CPU it then declines for
+    want of a GPU, not for the term)."""
+    features = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=128, value_dim=128,
+                            score=("alibi",))
+    explain = bsa.select_kernel(masks.Causal(), "gpu", features).explain()
+    lines = {line.split(":")[0].strip(): line for line in explain.splitlines()[1:]}
+    assert "score terms" not in lines.get("declined mosaic", "")
+    assert "score terms alibi" in lines["declined cudnn"]
 
 
 def test_selector_explains_the_decline_and_plan_names_the_terms():

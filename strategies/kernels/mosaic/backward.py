@@ -42,9 +42,9 @@ import numpy as np
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     SMEM_BUDGET, AttentionShape, Ops, decode_item, layout_prefix, list_bounds,
-                     list_entry, memory_warpgroup, persistent_schedule, ring_stages,
-                     segment_ids_apart, swizzled, visible, walk_list)
+                     SMEM_BUDGET, AlibiBlocks, AttentionShape, Ops, decode_item, layout_prefix,
+                     list_bounds, list_entry, memory_warpgroup, persistent_schedule,
+                     ring_stages, segment_ids_apart, swizzled, visible, walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -93,6 +93,9 @@ class BackwardConfig(AttentionShape):
     #: one. Otherwise one item per CTA.
     persistent: bool = False
     ctas: int | None = None
+    #: ALiBi: ``slopes[h] * (k - q)`` added to each logit before the cap (`AlibiBlocks`);
+    #: the slopes' gradient comes out per row, from `dq_call` or the single pass.
+    alibi: bool = False
 
     @property
     def dq_columns(self) -> int:
@@ -135,18 +138,24 @@ class BackwardConfig(AttentionShape):
         return ring_stages(self._fixed_bytes(streamed_rows, fused, buffers),
                            2 * streamed_rows * self.head_dim * 2)
 
-    def probabilities(self, s, lse, vis=None):
+    def probabilities(self, s, lse, vis=None, term=None):
         """``(P, t)`` of one block from its raw products ``s = q . k`` (either orientation;
-        `lse` (base 2) broadcast to it, `vis` the partial block's predicate): ``P =
-        exp2(logit - lse)``, and the soft cap's ``t = tanh(scaled logit / c)`` (None
-        without one)."""
+        `lse` (base 2) broadcast to it, `vis` the partial block's predicate, `term` a base-2
+        addition to the logits before the cap, ALiBi's): ``P = exp2(logit - lse)``, and the
+        soft cap's ``t = tanh(scaled logit / c)`` (None without one)."""
         t = None
         if self.soft_cap:
             # tanh(x) = 1 - 2 / (exp(2x) + 1), as in the forward: no NaN at any logit.
-            t = 1.0 - 2.0 / (jnp.exp2(s * (2.0 * self.log2_factor / self.soft_cap)) + 1.0)
+            if term is None:
+                e = jnp.exp2(s * (2.0 * self.log2_factor / self.soft_cap))
+            else:
+                e = jnp.exp2((s * self.log2_factor + term) * (2.0 / self.soft_cap))
+            t = 1.0 - 2.0 / (e + 1.0)
             logits = t * (self.soft_cap * LOG2E)
-        else:
+        elif term is None:
             logits = s * self.log2_factor
+        else:
+            logits = s * self.log2_factor + term
         if vis is not None:
             logits = jnp.where(vis, logits, -jnp.inf)
         return jnp.exp2(logits - lse), t
@@ -309,6 +318,29 @@ def _load_next_own_tiles(cta_items: _Items, load, j, upcoming):
         load(j + 1, upcoming)
 
 
+def _slopes(cfg: BackwardConfig, slopes, launch: str):
+    """The launch's ALiBi slopes operand: `slopes` as float32, or a one-element placeholder
+    without ALiBi."""
+    if not cfg.alibi:
+        return jnp.zeros((1,), jnp.float32)
+    if slopes is None:
+        raise ValueError(f"{launch}: `slopes` must be given when cfg.alibi is on.")
+    return slopes.astype(jnp.float32)
+
+
+def _store_rows(cta_items: _Items, rows, stage, target):
+    """Write a row vector of one item (e.g. its slope-gradient rows) to global memory
+    through its warpgroup's shared-memory `stage`, once the previous item's copy out of it
+    has read it."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not cta_items.single:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    stage[...] = rows
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage, target)
+
+
 def _check_schedule(items, buffers: int, launch: str):
     if buffers == 1 and items.shape[1] != 1:
         raise ValueError(f"{launch}: a schedule of several items a CTA needs a persistent "
@@ -318,10 +350,14 @@ def _check_schedule(items, buffers: int, launch: str):
 
 def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index,
             partial_count, partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-            schedule=None, interpret=None):
+            slopes=None, schedule=None, interpret=None):
     """dq ``[B, H, Lq, D]`` (the query's dtype) for padded inputs; `lse` (base 2) and `delta`
     are ``[B, H, Lq]`` float32; the lists are the dq layout's. `schedule` is the launch's
-    ``(items, counts)`` (`dq_schedule` when ``None``)."""
+    ``(items, counts)`` (`dq_schedule` when ``None``).
+
+    With ALiBi (``cfg.alibi``, `slopes` ``[H]`` float32) it returns ``(dq, slope_rows)``:
+    `slope_rows` ``[B, H, Lq]`` float32 holds each query's ``sum_k dS (k - q)``, whose sum
+    over the batch and the rows is the slope's gradient."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -333,12 +369,17 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     group = cfg.group
     num_tiles = cfg.q_len // BLOCK_OWN
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
+    slopes = _slopes(cfg, slopes, "dq_call")
     items, counts = schedule if schedule is not None else dq_schedule(cfg, full_count,
                                                                        partial_count)
     _check_schedule(items, buffers, "dq_call")
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
-             fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, dq_ref, scoped):
+             fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, *refs):
+        if cfg.alibi:
+            dq_ref, rows_ref, (*scoped, rows_stage) = refs
+        else:
+            dq_ref, scoped = refs
         (q_own, do_own, k_ring, v_ring), (q_ready, do_ready, k_ready, v_ready), \
             (k_free, v_free) = scoped
         wg = lax.axis_index("wg")
@@ -370,15 +411,27 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                     if has_segments:
                         q_seg = lax.broadcast_in_dim(
                             ops.load(qseg_ref, (b, rows), ops.row_layout), (bq, bk), [0])
+                    alibi = None
+                    if cfg.alibi:
+                        alibi = AlibiBlocks(ops, slopes_ref[h], bq, rows_are_queries=True)
+                        if not cfg.soft_cap:  # the rows' part, folded into their lse
+                            lse = lse - alibi.own_term
                 with jax.named_scope("wait_own"):
                     wait_own(j)
                 _load_next_own_tiles(cta_items, load, j, upcoming)
 
                 def block_grad(s, dp, it, masked):
-                    """The block's dS from its products S and dP."""
-                    vis = None
-                    if masked:
+                    """``(dS, ALiBi's distance of the block's columns or None)`` from the
+                    block's products S and dP."""
+                    vis = term = distance = None
+                    if masked or alibi is not None:
                         k_base = cta_items.block(prefix, it, n_full) * bk
+                    if alibi is not None:
+                        distance, far = alibi.streamed(bk, k_base - q_base)
+                        term = lax.broadcast_in_dim(far, (bq, bk), [1])
+                        if cfg.soft_cap:
+                            term = term + lax.broadcast_in_dim(alibi.own_term, (bq, bk), [0])
+                    if masked:
                         k_seg = None
                         if has_segments:
                             k_seg = lax.broadcast_in_dim(
@@ -388,11 +441,13 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                                       q_base + ops.iota((bq, bk), 0),
                                       k_base + ops.iota((bq, bk), 1), q_seg, k_seg,
                                       ids_apart=True)
-                    p, t = cfg.probabilities(s, lax.broadcast_in_dim(lse, (bq, bk), [0]), vis)
-                    return cfg.score_gradient(p, dp, lax.broadcast_in_dim(delta, (bq, bk), [0]),
-                                              t)
+                    p, t = cfg.probabilities(s, lax.broadcast_in_dim(lse, (bq, bk), [0]), vis,
+                                             term)
+                    ds = cfg.score_gradient(p, dp, lax.broadcast_in_dim(delta, (bq, bk), [0]), t)
+                    return ds, distance
 
-                def step(it, acc, masked):
+                def step(it, carry, masked):
+                    acc, slope_rows = carry
                     slot = lax.rem(first_step + it, stages)
                     with jax.named_scope("wait_kv"):
                         plgpu.barrier_wait(k_ready.at[slot])
@@ -402,15 +457,22 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                                               (do_smem, v_ring.at[slot], True)])
                     plgpu.barrier_arrive(v_free.at[slot])
                     with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                        ds = block_grad(s, dp, it, masked)
+                        ds, distance = block_grad(s, dp, it, masked)
                     with jax.named_scope("accumulate"):
                         (acc,) = ops.accumulate((acc,), [(ds.astype(dtype), k_ring.at[slot])])
                     plgpu.barrier_arrive(k_free.at[slot])
-                    return acc
+                    if alibi is not None:
+                        slope_rows = slope_rows + alibi.gradient_rows(ds, distance)
+                    return acc, slope_rows
 
                 acc = ops.cast(jnp.zeros((bq, d), jnp.float32), ops.wgmma_layout)
-                acc = walk_list(n_full, n_steps, step, acc)
+                slope_rows = (ops.cast(jnp.zeros((bq,), jnp.float32), ops.row_layout)
+                              if alibi is not None else None)
+                acc, slope_rows = walk_list(n_full, n_steps, step, (acc, slope_rows))
                 with jax.named_scope("epilogue"):
+                    if alibi is not None:
+                        _store_rows(cta_items, slope_rows, rows_stage.at[wg],
+                                    rows_ref.at[b, h, rows])
                     q_smem[...] = (acc * cfg.softmax_scale).astype(dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows])
@@ -426,9 +488,13 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
             tile_of_block))
 
     scratch = _scratch((buffers, COMPUTE_WARPGROUPS, bq, d), (stages, bk, d), dtype, stages)
-    return _launch(body, scratch, items.shape[0], jax.ShapeDtypeStruct(q.shape, dtype),
+    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    if cfg.alibi:
+        scratch = (*scratch, plgpu.SMEM((COMPUTE_WARPGROUPS, bq), jnp.float32))
+        out_type = (out_type, jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+    return _launch(body, scratch, items.shape[0], out_type,
                    (items, counts, q, k, v, do, lse, delta, full_count, full_index,
-                    partial_count, partial_index, qseg, kseg), interpret)
+                    partial_count, partial_index, qseg, kseg, slopes), interpret)
 
 
 def dq_schedule(cfg: BackwardConfig, full_count, partial_count):
@@ -458,7 +524,7 @@ def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, .
 
 def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_index,
              t_partial_count, t_partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-             dq_accumulator=None, schedule=None, interpret=None):
+             dq_accumulator=None, slopes=None, schedule=None, interpret=None):
     """``(dk, dv)``, each ``[B, H, Lk, D]`` per query head (the caller sums a group's heads),
     for padded inputs; the lists are the dk/dv layout's transposed ones. `schedule` is the
     launch's ``(items, counts)`` (`dkv_schedule` when ``None``).
@@ -468,7 +534,11 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     the block's dq partial ``dS K`` (unscaled; `BackwardConfig.dq_columns` says how the two
     compute warpgroups share it), which is staged in shared memory in float32 and added into
     the accumulator by TMA's bulk reduce-add. The order of those additions
-    varies between runs, so the sum does too, in its last bits."""
+    varies between runs, so the sum does too, in its last bits.
+
+    With ALiBi (``cfg.alibi``, `slopes` ``[H]`` float32) the single pass also returns
+    `slope_rows` ``[B, H, Lk]`` float32, each key's ``sum_q dS (k - q)`` (the slope's
+    gradient summed over the batch and the rows), as ``(dk, dv, slope_rows)``."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -483,17 +553,25 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     group = cfg.group
     num_tiles = cfg.kv_len // BLOCK_OWN
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
+    slopes = _slopes(cfg, slopes, "dkv_call")
+    # The single pass gives the slopes' gradient (the deterministic one gets it from dq).
+    slope_out = cfg.alibi and fused
     items, counts = schedule if schedule is not None else dkv_schedule(
         cfg, t_full_count, t_partial_count, fused)
     _check_schedule(items, buffers, "dkv_call")
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
-             fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, *refs):
+             fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, *refs):
+        # Inputs (the dq accumulator), outputs, then the scratch buffers in one tuple.
+        *refs, scoped = refs
+        if slope_out:
+            *scoped, rows_stage = scoped
+            *refs, rows_ref = refs
         if fused:
-            dq_ref, dk_ref, dv_ref, (*scoped, rows_scoped, (ds_own, dq_stage, ds_ready,
-                                                           item_done)) = refs
-        else:
-            dk_ref, dv_ref, (*scoped, rows_scoped) = refs
+            dq_ref, *refs = refs
+            *scoped, (ds_own, dq_stage, ds_ready, item_done) = scoped
+        dk_ref, dv_ref = refs
+        *scoped, rows_scoped = scoped
         (k_own, v_own, q_ring, do_ring), (k_ready, v_ready, q_ready, do_ready), \
             (q_free, do_free) = scoped
         (lse_ring, delta_ring), (lse_ready, delta_ready), (lse_free, delta_free) = rows_scoped
@@ -532,6 +610,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                     with jax.named_scope("entry"):
                         k_seg = lax.broadcast_in_dim(
                             ops.load(kseg_ref, (b, keys), ops.row_layout), (bk, bq), [0])
+                alibi = (AlibiBlocks(ops, slopes_ref[h], bk, rows_are_queries=False)
+                         if cfg.alibi else None)
                 with jax.named_scope("wait_own"):
                     wait_own(j)
                 _load_next_own_tiles(cta_items, load, j, upcoming)
@@ -576,7 +656,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         ops.add_to_gmem(stage, target.at[b, h, cols, columns])
 
                 def step(it, carry, masked):
-                    dk, dv = carry
+                    dk, dv, slope_rows = carry
                     slot = lax.rem(first_step + it, stages)
                     q_base = cta_items.block(prefix, it, n_full) * bq
                     cols = pl.ds(q_base, bq)
@@ -598,8 +678,18 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                           q_base + ops.iota((bk, bq), 1),
                                           k_base + ops.iota((bk, bq), 0), q_seg, k_seg,
                                           ids_apart=True)
+                        term = distance = None
+                        if alibi is not None:
+                            # The columns' part goes into their lse, the rows' into each
+                            # logit (both into each logit under a soft cap).
+                            distance, far = alibi.streamed(bq, q_base - k_base)
+                            term = lax.broadcast_in_dim(alibi.own_term, (bk, bq), [0])
+                            if cfg.soft_cap:
+                                term = term + lax.broadcast_in_dim(far, (bk, bq), [1])
+                            else:
+                                lse = lse - far
                         p_t, t = cfg.probabilities(s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]),
-                                                   vis)
+                                                   vis, term)
                     # dV's product and dP's in one group, dK's after dS: fewer live registers
                     # than S and dP together beside the dk and dv accumulators.
                     with jax.named_scope("dv_dp"):
@@ -612,17 +702,22 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         delta = streamed_row(delta_ring, delta_ready, delta_free, slot)
                     with jax.named_scope("ds"):
                         ds_t = cfg.score_gradient(
-                            p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), t
-                        ).astype(dtype)
+                            p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), t)
+                        if slope_out:
+                            slope_rows = slope_rows + alibi.gradient_rows(ds_t, distance)
+                        ds_t = ds_t.astype(dtype)
                     with jax.named_scope("dk"):
                         (dk,) = ops.accumulate((dk,), [(ds_t, q_ring.at[slot])])
                     plgpu.barrier_arrive(q_free.at[slot])
                     if fused:
                         add_dq_partial(ds_t, first_step + it, cols)
-                    return dk, dv
+                    return dk, dv, slope_rows
 
                 zeros = ops.cast(jnp.zeros((bk, d), jnp.float32), ops.wgmma_layout)
-                dk, dv = walk_list(n_full, n_steps, step, (zeros, zeros))
+                slope_rows = (ops.cast(jnp.zeros((bk,), jnp.float32), ops.row_layout)
+                              if slope_out else None)
+                dk, dv, slope_rows = walk_list(n_full, n_steps, step,
+                                               (zeros, zeros, slope_rows))
                 if fused and split:
                     # Both warpgroups' last dq partials have read both K tiles before either
                     # is overwritten (by the gradient below, or the next item's tiles).
@@ -630,6 +725,9 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         plgpu.barrier_arrive(item_done)
                         plgpu.barrier_wait(item_done)
                 with jax.named_scope("epilogue"):
+                    if slope_out:
+                        _store_rows(cta_items, slope_rows, rows_stage.at[wg],
+                                    rows_ref.at[b, h, keys])
                     k_smem[...] = (dk * cfg.softmax_scale).astype(dtype)
                     v_smem[...] = dv.astype(dtype)
                     plgpu.commit_smem()
@@ -653,7 +751,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 (plgpu.Barrier(num_barriers=stages),) * 2,
                 (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2))
     operands = (items, counts, q, k, v, do, lse, delta, t_full_count, t_full_index,
-                t_partial_count, t_partial_index, qseg, kseg)
+                t_partial_count, t_partial_index, qseg, kseg, slopes)
     if fused:
         scratch = (*scratch, (swizzled((2, COMPUTE_WARPGROUPS, bk, bq), dtype),
                               swizzled((COMPUTE_WARPGROUPS, bq, dq_cols), jnp.float32),
@@ -661,4 +759,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                               plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)))
         operands = (*operands, dq_accumulator)
     grads = jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.kv_len, d), dtype)
-    return _launch(body, scratch, items.shape[0], (grads, grads), operands, interpret)
+    out_type = (grads, grads)
+    if slope_out:
+        scratch = (*scratch, plgpu.SMEM((COMPUTE_WARPGROUPS, bk), jnp.float32))
+        out_type = (*out_type, jax.ShapeDtypeStruct(grads.shape[:3], jnp.float32))
+    return _launch(body, scratch, items.shape[0], out_type, operands, interpret)

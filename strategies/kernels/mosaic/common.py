@@ -131,6 +131,15 @@ class Ops:
 
         return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=self.wgmma_layout)
 
+    def vector_iota(self, n: int, layout):
+        """float32 ``[0, 1, .., n - 1]`` in `layout` (a row or column vector of the wgmma
+        accumulator), built from each thread's own indices: no load."""
+        if self.interpreted:
+            return lax.iota(jnp.float32, n)
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        return plgpu.broadcasted_iota(jnp.float32, (n,), 0, layout=layout)
+
     def load(self, ref, idx, layout):
         """``ref[idx]`` from global memory in `layout` (a row or column vector)."""
         if self.interpreted:
@@ -213,6 +222,43 @@ class Ops:
                 plgpu.wgmma(ref, a, b.transpose((1, 0)) if t else b)
 
         return tuple(pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs)))
+
+
+class AlibiBlocks:
+    """ALiBi, ``slope * (k_pos - q_pos)`` on token indices, over the blocks of one work item,
+    in base 2 (the slope times log2 e, like the logits).
+
+    A block's rows are the item's own 64 (queries in the forward and dq kernels, keys in the
+    dk/dv kernel), its columns the streamed block's. The distance splits into ``own[i] +
+    streamed[j]``: `own` is row i's offset within its 64 rows (small), `streamed` the distance
+    from the first own row to column j (the large part). A kernel adds the streamed part to
+    each logit and folds the own part into the rows' log-sum-exp (the softmax of a row does
+    not change when a constant is added to it) where its log-sum-exp runs along the rows, the
+    other way round in the dk/dv kernel, and adds both under a soft cap (the cap is not
+    shift-invariant).
+    """
+
+    def __init__(self, ops: Ops, slope, rows: int, rows_are_queries: bool):
+        self.ops = ops
+        self.sign = 1.0 if rows_are_queries else -1.0
+        self.slope2 = slope * LOG2E
+        #: The distance's part from the rows and its base-2 term, row vectors.
+        self.own = -self.sign * ops.vector_iota(rows, ops.row_layout)
+        self.own_term = self.slope2 * self.own
+
+    def streamed(self, columns: int, offset):
+        """``(distance, term)`` of a block's columns, column vectors: `offset` (int32) is the
+        first column's index minus the first own row's."""
+        index = self.ops.vector_iota(columns, self.ops.col_layout)
+        distance = self.sign * (index + offset.astype(jnp.float32))
+        return distance, self.slope2 * distance
+
+    def gradient_rows(self, ds, streamed_distance):
+        """Each row's ``sum_j dS_ij (k_pos - q_pos)`` over one block: the rows' shares of the
+        slope's gradient (`ds` float32, the logits' gradient)."""
+        distance = (lax.broadcast_in_dim(self.own, ds.shape, [0])
+                    + lax.broadcast_in_dim(streamed_distance, ds.shape, [1]))
+        return (ds * distance).sum(axis=1)
 
 
 def list_entry(full_ref, partial_ref, prefix, it, n_full):

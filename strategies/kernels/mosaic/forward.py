@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     AttentionShape, Ops, decode_item, layout_prefix, list_bounds, list_entry,
+                     AlibiBlocks, AttentionShape, Ops, decode_item, layout_prefix, list_bounds, list_entry,
                      memory_warpgroup, persistent_schedule, ring_stages, segment_ids_apart,
                      swizzled, visible, walk_list)
 
@@ -57,14 +57,16 @@ class ForwardConfig(AttentionShape):
     ctas: int | None = None
     #: Logits soft cap ``c`` (``c * tanh(scaled logit / c)``); 0: none.
     soft_cap: float = 0.0
+    #: ALiBi: ``slopes[h] * (k - q)`` added to each logit before the cap (`AlibiBlocks`).
+    alibi: bool = False
 
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
-                 partial_index, q_segment_ids=None, kv_segment_ids=None, *, schedule=None,
-                 interpret=None):
+                 partial_index, q_segment_ids=None, kv_segment_ids=None, *, slopes=None,
+                 schedule=None, interpret=None):
     """``(out [B, H, Lq, D], lse [B, H, Lq] float32, base 2)`` for padded inputs.
     `schedule` is the launch's ``(items, counts)`` (`persistent_schedule` of the counts on
-    ``cfg.ctas`` CTAs when ``None``)."""
+    ``cfg.ctas`` CTAs when ``None``); `slopes` ``[H]`` float32 are ALiBi's (``cfg.alibi``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -79,18 +81,20 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         schedule = persistent_schedule(full_count, partial_count, cfg.batch, cfg.heads,
                                        cfg.ctas)
     items, counts = schedule
-    cp = partial_index.shape[-1]
+    cf, cp = full_index.shape[-1], partial_index.shape[-1]
     has_segments = q_segment_ids is not None
     # s * scale * log2(e), kept in base 2; with a positive factor the row maximum of the raw
     # products scales to the row maximum of the logits, so full blocks fold the factor into
-    # the exponent's operand. A soft cap turns the products into base-2 logits first (factor
-    # 1, an exact product).
-    factor = 1.0 if cfg.soft_cap else cfg.log2_factor
+    # the exponent's operand. ALiBi and a soft cap turn the products into base-2 logits first
+    # (factor 1: no product).
+    factor = 1.0 if cfg.soft_cap or cfg.alibi else cfg.log2_factor
+    if cfg.alibi and slopes is None:
+        raise ValueError("forward_call: `slopes` must be given when cfg.alibi is on.")
     # Partial blocks test k < true_kv_len only where keys were padded.
     padded_keys = cfg.padded_kv_len
 
     def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref,
-               pidx_ref, qseg_ref, kseg_ref, out_ref, lse_ref, scoped):
+               pidx_ref, qseg_ref, kseg_ref, slopes_ref, out_ref, lse_ref, scoped):
         (q_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), \
             (k_free, v_free), turn = scoped
         cta = lax.axis_index("ctas")
@@ -143,6 +147,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     q_base = tile * BLOCK_Q + wg * bq
                     if has_segments:
                         q_seg = ops.load(qseg_ref, (b, pl.ds(q_base, bq)), row_layout)
+                    alibi = (AlibiBlocks(ops, slopes_ref[h], bq, rows_are_queries=True)
+                             if cfg.alibi else None)
                 with jax.named_scope("wait_q"):
                     plgpu.barrier_wait(q_ready.at[buffer * COMPUTE_WARPGROUPS + wg])
                 # The next item's Q is copied while this one runs, into the other buffer
@@ -176,14 +182,31 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         return k_base, None
                     return k_base, ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
 
-                def online_softmax(s, acc, m_i, l_i, partial):
-                    """``(acc, m, l, p)`` after one block's raw products `s`: the block's
-                    mask (`partial_block`'s, or None for a full block), base-2 exponentials
-                    and the rescaled sums."""
+                def alibi_term(it, partial):
+                    """ALiBi's base-2 term of step `it`'s columns (a column vector), or
+                    None; a full block's first key is read here, a partial one's is in
+                    `partial`."""
+                    if alibi is None:
+                        return None
+                    k_base = (partial[0] if partial is not None
+                              else fidx_ref[(*prefix, jnp.minimum(it, cf - 1))] * bk)
+                    return alibi.streamed(bk, k_base - q_base)[1]
+
+                def online_softmax(s, acc, m_i, l_i, partial, far):
+                    """``(acc, m, l, p)`` after one block's raw products `s`: ALiBi's term
+                    (`far`, its columns' part; the rows' part is folded into the
+                    log-sum-exp), the block's mask (`partial_block`'s, or None for a full
+                    block), base-2 exponentials and the rescaled sums."""
+                    if far is not None:
+                        s = s * cfg.log2_factor + lax.broadcast_in_dim(far, s.shape, [1])
+                        if cfg.soft_cap:
+                            s = s + lax.broadcast_in_dim(alibi.own_term, s.shape, [0])
                     if cfg.soft_cap:
                         # c log2(e) tanh(s scale / c), tanh(x) = 1 - 2 / (exp(2x) + 1): an
                         # exponential overflowing to inf gives 1, never NaN.
-                        e = jnp.exp2(s * (2.0 * cfg.log2_factor / cfg.soft_cap))
+                        already_base2 = far is not None
+                        e = jnp.exp2(s * (2.0 / cfg.soft_cap if already_base2
+                                          else 2.0 * cfg.log2_factor / cfg.soft_cap))
                         s = (1.0 - 2.0 / (e + 1.0)) * (cfg.soft_cap * LOG2E)
                     if partial is not None:
                         k_base, k_seg = partial
@@ -194,7 +217,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                             segs = (lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
                                     lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
                         vis = visible(cfg.terms, padded_keys, rows, cols, *segs, ids_apart=True)
-                        s = jnp.where(vis, s * factor, -jnp.inf)
+                        s = jnp.where(vis, _times(s, factor), -jnp.inf)
                         m_new = jnp.maximum(m_i, s.max(axis=1))
                         # A row with nothing visible yet keeps m = -inf: subtract 0 instead,
                         # so its p and alpha are exp2(-inf) = 0, never NaN.
@@ -202,8 +225,9 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
                         alpha = jnp.exp2(m_i - m_use)
                     elif factor > 0:
-                        m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
-                        p = jnp.exp2(s * factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                        m_new = jnp.maximum(m_i, _times(s.max(axis=1), factor))
+                        p = jnp.exp2(_times(s, factor)
+                                     - lax.broadcast_in_dim(m_new, s.shape, [0]))
                         alpha = jnp.exp2(m_i - m_new)
                     else:
                         s = s * factor
@@ -221,6 +245,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     acc, m_i, l_i = carry
                     slot = lax.rem(first_step + it, stages)
                     partial = partial_block(it) if masked else None
+                    far = alibi_term(it, partial)
 
                     def qk(acc_ref):
                         plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -238,7 +263,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         take_turn()
                     plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                        acc, m_new, l_i, p16 = online_softmax(s, acc, m_i, l_i, partial)
+                        acc, m_new, l_i, p16 = online_softmax(s, acc, m_i, l_i, partial, far)
                     with jax.named_scope("turn_pv"):
                         plgpu.barrier_arrive(turn)
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -267,6 +292,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     inv = 1.0 / jnp.where(empty, 1.0, l_i)
                     acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
                     lse = jnp.where(empty, jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
+                    if alibi is not None and not cfg.soft_cap:
+                        lse = lse + alibi.own_term  # the rows' part of ALiBi, left out above
                     q_smem[...] = acc.astype(dtype)
                     lse_smem = lse_buffers.at[buffer, wg]
                     lse_smem[...] = lse
@@ -308,6 +335,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
 
     dummy = jnp.zeros((1, 1), jnp.int32)
     qseg, kseg = dummy, dummy
+    slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes.astype(jnp.float32)
     if has_segments:
         qseg, kseg = segment_ids_apart(q_segment_ids, kv_segment_ids)
     kwargs = {} if interpret is None else {"interpret": interpret}
@@ -321,8 +349,14 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
-    )(items, counts, q, k, v, full_count, full_index, partial_count, partial_index, qseg, kseg)
+    )(items, counts, q, k, v, full_count, full_index, partial_count, partial_index, qseg, kseg,
+      slopes)
     return out, lse
+
+
+def _times(x, factor: float):
+    """``x * factor``, with no product where the factor is 1."""
+    return x if factor == 1.0 else x * factor
 
 
 def stages_for(head_dim: int, block_kv: int, itemsize: int = 2) -> int:

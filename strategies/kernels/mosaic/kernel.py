@@ -117,6 +117,7 @@ class MosaicBlockSparse(AbstractLseKernel):
 
     name: ClassVar[str] = "mosaic"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
+    score_kinds: ClassVar[tuple[str, ...]] = ("alibi",)
     reads: ClassVar[MaskReads] = "terms"
     config_type: ClassVar[type[AbstractKernelConfig]] = MosaicConfig
 
@@ -151,8 +152,9 @@ class MosaicBlockSparse(AbstractLseKernel):
             return ("the mask has no in-kernel terms shared by every head at this kernel's "
                     "tiles (causal / window / chunk / prefix / document); this kernel reads "
                     "no element bitmaps.")
-        if features.positions and terms.uses_positions:
-            return "per-call positions are not supported: partial blocks use token indices."
+        if features.positions and (terms.uses_positions or features.score):
+            return ("per-call positions are not supported: partial blocks and ALiBi use token "
+                    "indices.")
         return None
 
     def default_tiling(self, features: Features, mask: ResolvedMask) -> MosaicConfig:
@@ -200,10 +202,15 @@ class MosaicBlockSparse(AbstractLseKernel):
                      true_kv_len=kv_len, head_dim=dim, softmax_scale=float(softmax_scale),
                      terms=mask.terms)
         soft_cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+        slopes = None if inputs.score is None else inputs.score.slopes
+        if inputs.score is not None and set(inputs.score.kinds) - set(self.score_kinds):
+            raise ValueError(f"MosaicBlockSparse evaluates the score terms {self.score_kinds}; "
+                             f"got {inputs.score.kinds}.")
+        alibi = slopes is not None
         fcfg = ForwardConfig(**shape, block_kv=block_kv, stages=stages_for(dim, block_kv),
                              layout_batch=fwd.full_count.shape[0],
                              layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors(),
-                             soft_cap=soft_cap)
+                             soft_cap=soft_cap, alibi=alibi)
         # The persistent forward's work items per CTA, built on the host.
         schedule = persistent_schedule(fwd.full_count, fwd.partial_count, batch, heads,
                                        fcfg.ctas)
@@ -215,7 +222,7 @@ class MosaicBlockSparse(AbstractLseKernel):
             soft_cap=soft_cap, single_pass=self.single_pass(),
             persistent=short_lists((dq.full_count, dq.partial_count),
                                    (dkdv.t_full_count, dkdv.t_partial_count)),
-            ctas=_multiprocessors())
+            ctas=_multiprocessors(), alibi=alibi)
         # The backward launches' work items per CTA, built on the host too (the single pass
         # runs no dq launch).
         schedules = (None if bcfg.single_pass else dq_schedule(bcfg, dq.full_count,
@@ -227,7 +234,9 @@ class MosaicBlockSparse(AbstractLseKernel):
             (dq.full_count, dq.full_index, dq.partial_count, dq.partial_index),
             (dkdv.t_full_count, dkdv.t_full_index, dkdv.t_partial_count,
              dkdv.t_partial_index), *schedules))
-        return _attend(fcfg, bcfg, query, key, value, seg, lists, bwd_lists)
+        # Without ALiBi a one-element placeholder stands for the slopes (a zero gradient).
+        slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes
+        return _attend(fcfg, bcfg, query, key, value, slopes, seg, lists, bwd_lists)
 
 
 def _pad(x, length: int, fill=0):
@@ -235,73 +244,85 @@ def _pad(x, length: int, fill=0):
     return pad_axis(x, 2 if x.ndim == 4 else x.ndim - 1, length, fill)
 
 
-def _forward(fcfg: ForwardConfig, q, k, v, seg, lists):
+def _forward(fcfg: ForwardConfig, q, k, v, slopes, seg, lists):
     """The forward launch's ``(out, lse)``, typed like q, k and v inside `shard_map` (a
     launch's outputs vary over no mesh axis)."""
     q_len = q.shape[2]
     *layout_lists, items, counts = lists
     out, lse = forward_call(fcfg, _pad(q, fcfg.q_len), _pad(k, fcfg.kv_len),
-                            _pad(v, fcfg.kv_len), *layout_lists, *seg, schedule=(items, counts))
+                            _pad(v, fcfg.kv_len), *layout_lists, *seg,
+                            slopes=slopes if fcfg.alibi else None, schedule=(items, counts))
     return typed_like((out[:, :, :q_len], lse[:, :, :q_len]), q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(fcfg, bcfg, q, k, v, seg, lists, bwd_lists):
+def _attend(fcfg, bcfg, q, k, v, slopes, seg, lists, bwd_lists):
     """``(out [B, H, Lq, D], lse [B, H, Lq])``, the log-sum-exp as the contract has it
-    (`public_lse`); differentiable in both."""
-    out, lse = _forward(fcfg, q, k, v, seg, lists)
+    (`public_lse`); differentiable in both, and in ALiBi's `slopes` ``[H]``."""
+    out, lse = _forward(fcfg, q, k, v, slopes, seg, lists)
     return out, public_lse(lse, base2=True)
 
 
-def _attend_fwd(fcfg, bcfg, q, k, v, seg, lists, bwd_lists):
-    out, lse = _forward(fcfg, q, k, v, seg, lists)
-    return (out, public_lse(lse, base2=True)), (q, k, v, seg, lists, bwd_lists, out, lse)
+def _attend_fwd(fcfg, bcfg, q, k, v, slopes, seg, lists, bwd_lists):
+    out, lse = _forward(fcfg, q, k, v, slopes, seg, lists)
+    return (out, public_lse(lse, base2=True)), (q, k, v, slopes, seg, lists, bwd_lists, out,
+                                                lse)
 
 
 def _attend_bwd(fcfg, bcfg, res, cotangents):
-    q, k, v, seg, lists, bwd_lists, out, lse = res
+    q, k, v, slopes, seg, lists, bwd_lists, out, lse = res
     do, dlse = cotangents
     delta = backward_delta(do, out, dlse, lse)
     dq_lists, t_lists, dq_items, dkv_items = bwd_lists
-    dq, dk, dv = mosaic_backward(bcfg, q, k, v, do.astype(q.dtype), lse, delta, seg, dq_lists,
-                                 t_lists, schedules=(dq_items, dkv_items))
+    dq, dk, dv, dslopes = mosaic_backward(
+        bcfg, q, k, v, do.astype(q.dtype), lse, delta, seg, dq_lists, t_lists,
+        slopes=slopes if bcfg.alibi else None, schedules=(dq_items, dkv_items))
+    dslopes = jnp.zeros_like(slopes) if dslopes is None else dslopes.astype(slopes.dtype)
     zeros = jax.tree.map(zero_cotangent, (seg, lists, bwd_lists))
     # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none).
-    return tuple(typed_like(g, x) for g, x in zip((dq, dk, dv), (q, k, v))) + zeros
+    return tuple(typed_like(g, x) for g, x in zip((dq, dk, dv, dslopes),
+                                                  (q, k, v, slopes))) + zeros
 
 
 def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists, t_lists, *,
-                    schedules=(None, None), interpret=None):
-    """``(dq, dk, dv)`` of the Mosaic backward for unpadded inputs: pads to the tiles (dO
-    with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute nothing), runs
-    the single pass (`dkv_call` with a zeroed float32 dq accumulator, scaled and cast after)
-    or `dq_call` and `dkv_call` apart (`cfg.single_pass`), and sums each kv head's group of
-    query-head dk / dv. `schedules` holds the dq and dk/dv launches' ``(items, counts)``
-    (``None``: built from the lists' counts, `dq_schedule` and `dkv_schedule`)."""
+                    slopes=None, schedules=(None, None), interpret=None):
+    """``(dq, dk, dv, dslopes)`` of the Mosaic backward for unpadded inputs: pads to the
+    tiles (dO with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute
+    nothing), runs the single pass (`dkv_call` with a zeroed float32 dq accumulator, scaled
+    and cast after) or `dq_call` and `dkv_call` apart (`cfg.single_pass`), and sums each kv
+    head's group of query-head dk / dv. With ALiBi (``cfg.alibi``) `dslopes` ``[H]`` float32
+    is the slopes' gradient (the launch's per-row shares summed), else ``None``.
+    `schedules` holds the dq and dk/dv launches' ``(items, counts)`` (``None``: built from
+    the lists' counts, `dq_schedule` and `dkv_schedule`)."""
     q_len, kv_len = q.shape[2], k.shape[2]
     pad_q = functools.partial(_pad, length=cfg.q_len)
     pad_k = functools.partial(_pad, length=cfg.kv_len)
     operands = (pad_q(q), pad_k(k), pad_k(v), pad_q(do), _pad(lse, cfg.q_len, jnp.inf),
                 pad_q(delta))
     segments = () if seg[0] is None else seg
+    slope_rows = None
     if cfg.single_pass:
         interpreted = interpret is not None
         accumulator = jax.new_ref(jnp.zeros(dq_accumulator_shape(cfg, interpreted), jnp.float32))
-        dk, dv = dkv_call(cfg, *operands, *t_lists, *segments, dq_accumulator=accumulator,
-                          schedule=schedules[1], interpret=interpret)
+        dk, dv, *slope_rows = dkv_call(cfg, *operands, *t_lists, *segments,
+                                       dq_accumulator=accumulator, slopes=slopes,
+                                       schedule=schedules[1], interpret=interpret)
         dq = jax.freeze(accumulator)
         dq = (dq.sum(0) if interpreted else dq) * cfg.softmax_scale
         dq = dq.astype(q.dtype)
     else:
-        dq = dq_call(cfg, *operands, *dq_lists, *segments, schedule=schedules[0],
-                     interpret=interpret)
-        dk, dv = dkv_call(cfg, *operands, *t_lists, *segments, schedule=schedules[1],
-                          interpret=interpret)
+        dq = dq_call(cfg, *operands, *dq_lists, *segments, slopes=slopes,
+                     schedule=schedules[0], interpret=interpret)
+        dq, *slope_rows = dq if cfg.alibi else (dq,)
+        dk, dv = dkv_call(cfg, *operands, *t_lists, *segments, slopes=slopes,
+                          schedule=schedules[1], interpret=interpret)
+    # Each row's share of the slope's gradient, summed per head (padded rows' are zero).
+    dslopes = slope_rows[0].sum(axis=(0, 2)) if cfg.alibi else None
     group = cfg.heads // cfg.kv_heads
     if group > 1:
         shape = (cfg.batch, cfg.kv_heads, group, cfg.kv_len, cfg.head_dim)
         dk, dv = (x.reshape(shape).astype(jnp.float32).sum(2).astype(x.dtype) for x in (dk, dv))
-    return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len]
+    return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], dslopes
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
-from eqx_bsattn import masks
+from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels import DenseReference
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 
@@ -172,6 +172,52 @@ def test_sinks_soft_cap_and_lse(deterministic, soft_cap, dim, rows):
         assert _rel(g, w) < TOL[jnp.bfloat16], name
 
 
+ALIBI_CASES = {
+    # name: (mask, batch, heads, kv_heads, length, head dim, documents, soft cap)
+    "causal_gqa": (masks.Causal(), 2, 4, 2, 512, 128, False, None),
+    "window_documents_soft_cap": (masks.Causal() & masks.SlidingWindow(100, 0), 1, 2, 2, 700,
+                                  64, True, 5.0),
+}
+
+
+@on_gpu
+@MODES
+@pytest.mark.parametrize("case", sorted(ALIBI_CASES))
+def test_alibi_matches_reference(case, deterministic):
+    """Learned ALiBi slopes inside the kernel: output and the gradients in q, k, v and the
+    slopes against the float32 reference, in both backward modes."""
+    mask, b, h, hkv, length, d, documents, soft_cap = ALIBI_CASES[case]
+    q, k, v, cot = _inputs(31, b, h, hkv, length, length, d)
+    slopes = jnp.asarray(scores.alibi_slopes(h)) * 4.0  # steep: the term shapes each row
+    data = {}
+    if documents:
+        ids = _segments(b, length, 4, pad=7)
+        data = {"q_segment_ids": ids, "kv_segment_ids": ids}
+
+    def run(kernel, dtype):
+        def f(q, k, v, slopes):
+            attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, logits_soft_cap=soft_cap,
+                                            score=scores.ALiBi(slopes, learned=True))
+            return attn(q.astype(dtype), k.astype(dtype), v.astype(dtype), **data)
+
+        def both(q, k, v, slopes):
+            out, pullback = jax.vjp(f, q, k, v, slopes)
+            return (out, *pullback(cot.astype(out.dtype)))
+
+        return jax.jit(both)(q, k, v, slopes)
+
+    # The selector gives ALiBi to this kernel (cuDNN, above it, declines score terms).
+    plan = bsa.BlockSparseAttention(mask=mask, score=scores.ALiBi()).plan(
+        q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), **data)
+    assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
+    kernel = MosaicBlockSparse(deterministic=deterministic)
+    got = run(kernel, jnp.bfloat16)
+    with jax.default_matmul_precision("highest"):
+        want = run(DenseReference(), jnp.float32)
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dslopes"), got, want):
+        assert _rel(g, w) < TOL[jnp.bfloat16], name
+
+
 @on_gpu
 def test_fully_masked_rows_are_zero():
     q, k, v, _ = _inputs(5, 1, 2, 2, 256, 256, 128)
@@ -227,6 +273,10 @@ def test_declines_with_reasons():
                          (dict(bias=True), "bias"), (dict(positions=True), "positions")):
         why = kernel.decline_reason(resolved, bsa.Features(**{**base, **change}))
         assert why is not None and word in why, (change, why)
+    full = bsa.ResolvedMask(masks.Full(), q_len=128, kv_len=128, num_heads=2)
+    assert kernel.decline_reason(full, bsa.Features(**base, positions=True)) is None
+    why = kernel.decline_reason(full, bsa.Features(**base, positions=True, score=("alibi",)))
+    assert why is not None and "positions" in why and "ALiBi" in why
     dilated = bsa.ResolvedMask(masks.Causal() | masks.Dilated(2), q_len=128, kv_len=128,
                                num_heads=2)
     why = kernel.decline_reason(dilated, bsa.Features(**base))
@@ -478,22 +528,30 @@ def test_forward_inside_shard_map_in_cpu_interpreter():
 
 
 BACKWARD_INTERPRETER_CASES = {
-    # name: (mask, heads, kv_heads, q_len, kv_len, head_dim, documents, soft cap)
-    "causal_gqa_ragged": (masks.Causal(bottom_right=True), 2, 1, 130, 200, 64, False, None),
-    "window": (masks.Causal() & masks.SlidingWindow(50, 0), 1, 1, 256, 256, 128, False, None),
-    "documents_padded": (masks.Causal() & masks.Document(), 1, 1, 200, 200, 64, True, None),
+    # name: (mask, heads, kv_heads, q_len, kv_len, head_dim, documents, soft cap, ALiBi)
+    "causal_gqa_ragged": (masks.Causal(bottom_right=True), 2, 1, 130, 200, 64, False, None,
+                          False),
+    "window": (masks.Causal() & masks.SlidingWindow(50, 0), 1, 1, 256, 256, 128, False, None,
+               False),
+    "documents_padded": (masks.Causal() & masks.Document(), 1, 1, 200, 200, 64, True, None,
+                         False),
     # A negative offset: rows 0..139 see no key (lse = +inf), whole q-tiles are empty.
-    "empty_rows": (masks.Causal(offset=-140), 1, 1, 256, 130, 64, False, None),
+    "empty_rows": (masks.Causal(offset=-140), 1, 1, 256, 130, 64, False, None, False),
     # Logits well beyond the cap (inputs scaled by 3 below), so its derivative matters.
-    "soft_cap": (masks.PrefixLM(70), 2, 2, 200, 256, 64, False, 2.0),
+    "soft_cap": (masks.PrefixLM(70), 2, 2, 200, 256, 64, False, 2.0, False),
+    # Learned ALiBi slopes (their gradient checked too): grouped heads, ragged keys, keys
+    # before and after the query (a window both ways), D = 128 (the split single pass).
+    "alibi": (masks.SlidingWindow(90, 40), 2, 1, 200, 300, 128, False, None, True),
+    # ALiBi under a soft cap (both parts of the distance in each logit), a prefix.
+    "alibi_soft_cap": (masks.PrefixLM(70), 2, 2, 200, 256, 64, False, 2.0, True),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, True], ids=["item_a_cta", "persistent"])
 @pytest.mark.parametrize("single_pass", [True, False], ids=["single_pass", "deterministic"])
-@pytest.mark.parametrize("case", [  # the default run takes the soft cap; the rest is extended
-    pytest.param(name, marks=[] if name == "soft_cap" else [pytest.mark.extended])
+@pytest.mark.parametrize("case", [  # the default run takes these two; the rest is extended
+    pytest.param(name, marks=[] if name in ("soft_cap", "alibi") else [pytest.mark.extended])
     for name in sorted(BACKWARD_INTERPRETER_CASES)])
 def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     """The Mosaic backward after the Mosaic forward, both in Pallas' CPU interpreter, against
@@ -515,7 +573,10 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     if single_pass and not refs_reach_kernels():
         pytest.skip(f"the single pass needs JAX >= 0.11 (jax.Ref operands); this is "
                     f"{jax.__version__}")
-    mask, heads, kv_heads, lq, lk, d, documents, soft_cap = BACKWARD_INTERPRETER_CASES[case]
+    mask, heads, kv_heads, lq, lk, d, documents, soft_cap, alibi = \
+        BACKWARD_INTERPRETER_CASES[case]
+    # Slopes large enough that the term moves the softmax over these short rows.
+    slopes = jnp.asarray([0.25, -0.1][:heads], jnp.float32) if alibi else None
     data, seg = {}, (None, None)
     if documents:
         ids = np.repeat(np.arange(3, dtype=np.int32), [60, 90, 50])
@@ -535,14 +596,14 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
                          layout_batch=fwd.full_count.shape[0],
                          layout_heads=fwd.full_count.shape[1],
                          # Persistent on 2 CTAs: items follow one another, some empty.
-                         ctas=2)
+                         ctas=2, alibi=alibi)
     bcfg = BackwardConfig(batch=1, heads=heads, kv_heads=kv_heads, q_len=plq, kv_len=plk,
                           true_kv_len=lk, head_dim=d, dq_block_kv=dq_tile[1],
                           dkv_block_q=dkv_tile[0], softmax_scale=d ** -0.5, terms=terms,
                           dq_layout_axes=dq_layout.full_count.shape[:2],
                           dkv_layout_axes=dkv_layout.full_count.shape[:2],
                           soft_cap=soft_cap or 0.0, single_pass=single_pass,
-                          persistent=persistent, ctas=1)
+                          persistent=persistent, ctas=1, alibi=alibi)
 
     def arrays(*xs):
         return tuple(jnp.asarray(x, jnp.int32) for x in xs)
@@ -554,7 +615,8 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     segments = () if seg[0] is None else seg
     out, lse = forward_call(fcfg, _pad(q, plq), _pad(k, plk), _pad(v, plk),
                             *arrays(fwd.full_count, fwd.full_index, fwd.partial_count,
-                                    fwd.partial_index), *segments, interpret=params())
+                                    fwd.partial_index), *segments, slopes=slopes,
+                            interpret=params())
     out, lse = out[:, :, :lq], lse[:, :, :lq]
     delta = jnp.sum(cot.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     got = mosaic_backward(
@@ -562,15 +624,23 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
         arrays(dq_layout.full_count, dq_layout.full_index, dq_layout.partial_count,
                dq_layout.partial_index),
         arrays(dkv_layout.t_full_count, dkv_layout.t_full_index, dkv_layout.t_partial_count,
-               dkv_layout.t_partial_index), interpret=params())
+               dkv_layout.t_partial_index), slopes=slopes, interpret=params())
 
-    ref = bsa.BlockSparseAttention(mask=mask, kernel=DenseReference(), logits_soft_cap=soft_cap)
+    def reference(q, k, v, slopes):
+        score = None if slopes is None else scores.ALiBi(slopes, learned=True)
+        ref = bsa.BlockSparseAttention(mask=mask, kernel=DenseReference(),
+                                       logits_soft_cap=soft_cap, score=score)
+        return ref(q, k, v, **data)
+
     with jax.default_matmul_precision("highest"):
-        want_out, pullback = jax.vjp(lambda q, k, v: ref(q, k, v, **data),
-                                     *(x.astype(jnp.float32) for x in (q, k, v)))
+        want_out, pullback = jax.vjp(reference, *(x.astype(jnp.float32) for x in (q, k, v)),
+                                     slopes)
         want = pullback(cot.astype(jnp.float32))
     assert _rel(out, want_out) < TOL[jnp.float16]
-    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert (got[3] is None) == (not alibi)
+    for name, g, w in zip(("dq", "dk", "dv", "dslopes"), got, want):
+        if w is None:
+            continue
         assert g.shape == w.shape, name
         assert _rel(g, w) < TOL[jnp.float16], name
     empty = np.asarray(jnp.abs(want_out).sum(-1) == 0)
