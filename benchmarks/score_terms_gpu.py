@@ -12,7 +12,8 @@ table, ``both``: slopes and table together), the median wall time of a jitted fo
 forward+backward (gradients of q, k, v and the learned arrays), and the ratio to ``none``,
 for each kernel of `--kernel` (a kernel that declines a score gives an error row).
 FlexAttention runs the same masks and score_mods as a peer when torch with CUDA imports
-(`torch.compile`d `flex_attention`; gradients of q, k, v and the captured slopes / table).
+(`benchmarks/flex_peer.py`, in its own process: `torch.compile`d `flex_attention`; gradients
+of q, k, v and the captured slopes / table).
 Not a test: numbers depend on the machine. On a CPU, ``--kernel XlaBlockSparse`` with small
 sizes runs the same code (tests/test_bench.py does).
 """
@@ -20,7 +21,11 @@ sizes runs the same code (tests/test_bench.py does).
 import argparse
 import functools
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -125,79 +130,37 @@ def time_ours(args, kernel_name: str, mask_name: str, score_name: str, inputs) -
             "fwdbwd_ms": median_ms(fwdbwd, q, k, v, arrays, do, reps=args.reps)}
 
 
-def _t5_bucket_torch(torch, distance, buckets: scores.RelativeBuckets):
-    """`RelativeBuckets.bucket` in torch (integer thresholds: the same buckets)."""
-    nb, me = buckets.half, buckets.half // 2
-    if buckets.bidirectional:
-        offset, n = torch.where(distance < 0, nb, 0), distance.abs()
-    else:
-        offset, n = 0, distance.clamp(min=0)
-    far = me + sum((n >= t).int() for t in buckets.thresholds)
-    return offset + torch.where(n < me, n, far)
-
-
-def flex_peer(args):
-    """``f(mask_name, score_name) -> record`` timing FlexAttention, or ``None`` without torch
-    and CUDA."""
+def flex_records(args) -> list[dict] | None:
+    """FlexAttention's records for every (mask, score) of the run, from
+    `benchmarks/flex_peer.py` in a process of its own (torch's compiler failed to compile
+    FlexAttention in a process that had imported JAX's Triton kernels); ``None`` where torch
+    with CUDA is missing."""
     try:
         import torch
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except Exception:  # noqa: BLE001 - the peer is optional
+    except ImportError:
         return None
     if not torch.cuda.is_available():
         return None
-    dev = "cuda"
-    dtype = getattr(torch, args.dtype)
-    compiled = torch.compile(flex_attention)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    shape = (args.batch, args.heads, args.length, args.dim)
-    kv_shape = (args.batch, args.kv_heads, args.length, args.dim)
-    arrays = _arrays(args)
     buckets = scores.RelativeBuckets(args.buckets, False, args.max_distance)
-
-    def sync(x):
-        torch.cuda.synchronize()
-        return x
-
-    def run(mask_name, score_name):
-        window = args.window
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            visible = kv_idx <= q_idx
-            return visible & (q_idx - kv_idx <= window) if mask_name == "window" else visible
-
-        block_mask = create_block_mask(mask_mod, None, None, args.length, args.length,
-                                       device=dev)
-        slopes = torch.tensor(np.asarray(arrays["slopes"]), device=dev, requires_grad=True)
-        table = torch.tensor(np.asarray(arrays["table"]), device=dev, requires_grad=True)
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            if score_name in ("alibi", "both"):
-                score = score + slopes[h] * (kv_idx - q_idx)
-            if score_name in ("relative", "both"):
-                score = score + table[h, _t5_bucket_torch(torch, q_idx - kv_idx, buckets)]
-            return score
-
-        q, k, v = (torch.randn(s, device=dev, dtype=dtype, generator=gen, requires_grad=True)
-                   for s in (shape, kv_shape, kv_shape))
-        do = torch.randn(shape, device=dev, dtype=dtype, generator=gen)
-        mod = None if score_name == "none" else score_mod
-        gqa = args.kv_heads != args.heads
-
-        def fwd():
-            with torch.no_grad():
-                return compiled(q, k, v, score_mod=mod, block_mask=block_mask, enable_gqa=gqa)
-
-        def fwdbwd():
-            out = compiled(q, k, v, score_mod=mod, block_mask=block_mask, enable_gqa=gqa)
-            wrt = [q, k, v] + ([slopes] if score_name in ("alibi", "both") else []) + (
-                [table] if score_name in ("relative", "both") else [])
-            return torch.autograd.grad(out, wrt, do)
-
-        return {"fwd_ms": median_ms(fwd, reps=args.reps, sync=sync),
-                "fwdbwd_ms": median_ms(fwdbwd, reps=args.reps, sync=sync)}
-
-    return run
+    arrays = {name: np.asarray(x) for name, x in _arrays(args).items()}
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "arrays.npz")
+        np.savez(path, **arrays, half=buckets.half, bidirectional=buckets.bidirectional,
+                 thresholds=np.asarray(buckets.thresholds, np.int64))
+        command = [sys.executable, os.path.join(os.path.dirname(__file__), "flex_peer.py"),
+                   path, "--batch", str(args.batch), "--heads", str(args.heads),
+                   "--kv-heads", str(args.kv_heads), "--length", str(args.length),
+                   "--dim", str(args.dim), "--dtype", args.dtype, "--window", str(args.window),
+                   "--reps", str(args.reps), "--masks", *args.masks, "--scores", *args.scores]
+        done = subprocess.run(command, capture_output=True, text=True)
+    records = [json.loads(line[len("RECORD "):]) for line in done.stdout.splitlines()
+               if line.startswith("RECORD ")]
+    if not records:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        records = [{"impl": "flex_attention", "mask": m, "score": s,
+                    "error": f"flex_peer.py exited {done.returncode}: {tail[0][:200]}"}
+                   for m in args.masks for s in args.scores]
+    return records
 
 
 def _add_ratios(records: list[dict]) -> None:
@@ -235,9 +198,6 @@ def run(args) -> list[dict]:
                    for kk, s in zip(keys, (shape, kv_shape, kv_shape, shape)))
     peers = {f"ours:{name}": functools.partial(time_ours, args, name, inputs=inputs)
              for name in args.kernel}
-    flex = None if args.no_flex else flex_peer(args)
-    if flex is not None:
-        peers["flex_attention"] = flex
     records = []
     for mask_name in args.masks:
         for impl, timer in peers.items():
@@ -249,6 +209,10 @@ def run(args) -> list[dict]:
                     record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 records.append(record)
                 print(record, flush=True)
+    flex = None if args.no_flex else flex_records(args)
+    for record in flex or ():
+        print(record, flush=True)
+    records += flex or []
     _add_ratios(records)
     return records
 
