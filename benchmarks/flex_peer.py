@@ -9,8 +9,10 @@ script starts this one and reads its records.
 `ARRAYS.npz` holds the learned arrays (``slopes [H]``, ``table [H, num_buckets]``) and the
 table's T5 buckets (``half``, ``bidirectional``, ``thresholds``: `RelativeBuckets`). Each
 (mask, score) prints one line ``RECORD {json}`` with the median forward and forward+backward
-milliseconds (`torch.compile`d `flex_attention`; gradients of q, k, v and the captured
-arrays), or an error. Needs torch with CUDA; imports neither JAX nor eqx_bsattn.
+milliseconds (`torch.compile`d `flex_attention`; gradients of q, k, v), or an error. The
+captured arrays are constants unless `--learned`: with their gradients FlexAttention's
+backward formed a float32 ``[B, H, Lq, Lk]`` buffer on the H200 (32 GiB at B=2, H=16,
+16k tokens; docs/scores.md). Needs torch with CUDA; imports neither JAX nor eqx_bsattn.
 """
 
 import argparse
@@ -31,6 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--masks", nargs="+", required=True, choices=("causal", "window"))
     p.add_argument("--scores", nargs="+", required=True,
                    choices=("none", "alibi", "relative", "both"))
+    p.add_argument("--learned", action="store_true",
+                   help="differentiate the captured slopes and table too")
     return p.parse_args(argv)
 
 
@@ -86,8 +90,8 @@ def main(argv=None) -> None:
 
         block_mask = create_block_mask(mask_mod, None, None, args.length, args.length,
                                        device=dev)
-        slopes = torch.tensor(arrays["slopes"], device=dev, requires_grad=True)
-        table = torch.tensor(arrays["table"], device=dev, requires_grad=True)
+        slopes = torch.tensor(arrays["slopes"], device=dev, requires_grad=args.learned)
+        table = torch.tensor(arrays["table"], device=dev, requires_grad=args.learned)
 
         def score_mod(score, b, h, q_idx, kv_idx):
             if score_name in ("alibi", "both"):
@@ -102,8 +106,10 @@ def main(argv=None) -> None:
         do = torch.randn(shape, device=dev, dtype=dtype, generator=gen)
         mod = None if score_name == "none" else score_mod
         gqa = args.kv_heads != args.heads
-        wrt = [q, k, v] + ([slopes] if score_name in ("alibi", "both") else []) + (
-            [table] if score_name in ("relative", "both") else [])
+        wrt = [q, k, v]
+        if args.learned:
+            wrt += ([slopes] if score_name in ("alibi", "both") else []) + (
+                [table] if score_name in ("relative", "both") else [])
 
         def fwd():
             with torch.no_grad():
@@ -123,7 +129,9 @@ def main(argv=None) -> None:
                 record.update(timed(mask_name, score_name))
             except Exception as e:  # noqa: BLE001 - one failed call is a row, not a crash
                 record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            record["learned"] = args.learned
             print("RECORD " + json.dumps(record), flush=True)
+            torch.cuda.empty_cache()  # a failed row's buffers do not crowd the next one
 
 
 if __name__ == "__main__":

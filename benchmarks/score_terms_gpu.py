@@ -71,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
     p.add_argument("--scores", nargs="+", default=list(SCORES), choices=SCORES)
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer")
+    p.add_argument("--flex-learned", action="store_true",
+                   help="FlexAttention differentiates the slopes and table too (default: "
+                        "constants; see benchmarks/flex_peer.py)")
     p.add_argument("--out", default=None, help="write the records to this JSON file")
     args = p.parse_args(argv)
     for name in args.kernel:
@@ -151,7 +154,8 @@ def flex_records(args) -> list[dict] | None:
                    path, "--batch", str(args.batch), "--heads", str(args.heads),
                    "--kv-heads", str(args.kv_heads), "--length", str(args.length),
                    "--dim", str(args.dim), "--dtype", args.dtype, "--window", str(args.window),
-                   "--reps", str(args.reps), "--masks", *args.masks, "--scores", *args.scores]
+                   "--reps", str(args.reps), "--masks", *args.masks, "--scores", *args.scores,
+                   *(["--learned"] if args.flex_learned else [])]
         done = subprocess.run(command, capture_output=True, text=True)
     records = [json.loads(line[len("RECORD "):]) for line in done.stdout.splitlines()
                if line.startswith("RECORD ")]

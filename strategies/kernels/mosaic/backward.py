@@ -420,12 +420,11 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                     wait_own(j)
                 _load_next_own_tiles(cta_items, load, j, upcoming)
 
-                def block_grad(s, dp, it, masked):
+                def block_grad(s, dp, k_base, masked):
                     """``(dS, ALiBi's distance of the block's columns or None)`` from the
-                    block's products S and dP."""
+                    block's products S and dP (`k_base` its first key, read before them where
+                    the mask or ALiBi needs it)."""
                     vis = term = distance = None
-                    if masked or alibi is not None:
-                        k_base = cta_items.block(prefix, it, n_full) * bk
                     if alibi is not None:
                         distance, far = alibi.streamed(bk, k_base - q_base)
                         term = lax.broadcast_in_dim(far, (bq, bk), [1])
@@ -449,6 +448,9 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                 def step(it, carry, masked):
                     acc, slope_rows = carry
                     slot = lax.rem(first_step + it, stages)
+                    k_base = None
+                    if masked or alibi is not None:
+                        k_base = cta_items.block(prefix, it, n_full) * bk
                     with jax.named_scope("wait_kv"):
                         plgpu.barrier_wait(k_ready.at[slot])
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -457,7 +459,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                                               (do_smem, v_ring.at[slot], True)])
                     plgpu.barrier_arrive(v_free.at[slot])
                     with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                        ds, distance = block_grad(s, dp, it, masked)
+                        ds, distance = block_grad(s, dp, k_base, masked)
                     with jax.named_scope("accumulate"):
                         (acc,) = ops.accumulate((acc,), [(ds.astype(dtype), k_ring.at[slot])])
                     plgpu.barrier_arrive(k_free.at[slot])

@@ -182,29 +182,30 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         return k_base, None
                     return k_base, ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
 
-                def alibi_term(it, partial):
-                    """ALiBi's base-2 term of step `it`'s columns (a column vector), or
-                    None; a full block's first key is read here, a partial one's is in
-                    `partial`."""
+                def alibi_key(it, partial):
+                    """Step `it`'s first key where ALiBi needs it (else None): a full
+                    block's is read here, before the step's products, so that the load's
+                    latency is hidden; a partial one's is in `partial`."""
                     if alibi is None:
                         return None
-                    k_base = (partial[0] if partial is not None
-                              else fidx_ref[(*prefix, jnp.minimum(it, cf - 1))] * bk)
-                    return alibi.streamed(bk, k_base - q_base)[1]
+                    if partial is not None:
+                        return partial[0]
+                    return fidx_ref[(*prefix, jnp.minimum(it, cf - 1))] * bk
 
-                def online_softmax(s, acc, m_i, l_i, partial, far):
+                def online_softmax(s, acc, m_i, l_i, partial, k_base):
                     """``(acc, m, l, p)`` after one block's raw products `s`: ALiBi's term
-                    (`far`, its columns' part; the rows' part is folded into the
-                    log-sum-exp), the block's mask (`partial_block`'s, or None for a full
-                    block), base-2 exponentials and the rescaled sums."""
-                    if far is not None:
+                    (from the block's first key `k_base`: its columns' part; the rows' part
+                    is folded into the log-sum-exp), the block's mask (`partial_block`'s,
+                    or None for a full block), base-2 exponentials and the rescaled sums."""
+                    if k_base is not None:
+                        far = alibi.streamed(bk, k_base - q_base)[1]
                         s = s * cfg.log2_factor + lax.broadcast_in_dim(far, s.shape, [1])
                         if cfg.soft_cap:
                             s = s + lax.broadcast_in_dim(alibi.own_term, s.shape, [0])
                     if cfg.soft_cap:
                         # c log2(e) tanh(s scale / c), tanh(x) = 1 - 2 / (exp(2x) + 1): an
                         # exponential overflowing to inf gives 1, never NaN.
-                        already_base2 = far is not None
+                        already_base2 = k_base is not None
                         e = jnp.exp2(s * (2.0 / cfg.soft_cap if already_base2
                                           else 2.0 * cfg.log2_factor / cfg.soft_cap))
                         s = (1.0 - 2.0 / (e + 1.0)) * (cfg.soft_cap * LOG2E)
@@ -245,7 +246,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     acc, m_i, l_i = carry
                     slot = lax.rem(first_step + it, stages)
                     partial = partial_block(it) if masked else None
-                    far = alibi_term(it, partial)
+                    alibi_k_base = alibi_key(it, partial)
 
                     def qk(acc_ref):
                         plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -263,7 +264,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         take_turn()
                     plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                        acc, m_new, l_i, p16 = online_softmax(s, acc, m_i, l_i, partial, far)
+                        acc, m_new, l_i, p16 = online_softmax(s, acc, m_i, l_i, partial,
+                                                              alibi_k_base)
                     with jax.named_scope("turn_pv"):
                         plgpu.barrier_arrive(turn)
                         plgpu.barrier_wait(v_ready.at[slot])
