@@ -19,7 +19,11 @@ profiler's own records). Shapes are kept small, because each warpgroup records a
 ```
 python benchmarks/mosaic_profile.py --out mosaic-profile
 python benchmarks/mosaic_profile.py --launches dkv single_pass --cases causal --out mosaic-profile
+python benchmarks/mosaic_profile.py --launches forward --cases window --alibi --out mosaic-profile
 ```
+
+`--alibi` adds ALiBi with the standard slopes to every launch (the dq kernel and the single
+pass then also sum the slopes' gradient rows).
 """
 
 import argparse
@@ -102,8 +106,9 @@ LAUNCHES = ("forward", "dq", "dkv", "single_pass")
 PRODUCTS = {"forward": 2, "dq": 3, "dkv": 4, "single_pass": 5}
 
 
-def launch_functions(name: str):
-    """``({launch: (function, arguments)}, visible pairs, (B, H, L, D))`` for one case."""
+def launch_functions(name: str, alibi: bool = False):
+    """``({launch: (function, arguments)}, visible pairs, (B, H, L, D))`` for one case, with
+    ALiBi's standard slopes where `alibi`."""
     kind, batch, heads, length, window = CASES[name]
     dim = 128
     mask, data = pattern(kind, length, window=window)
@@ -129,27 +134,31 @@ def launch_functions(name: str):
     fcfg = ForwardConfig(**shape, terms=resolved.kernel_terms([(128, 128)]), block_kv=128,
                          stages=2, layout_batch=layout.full_count.shape[0],
                          layout_heads=layout.full_count.shape[1],
-                         ctas=jax.devices()[0].core_count)
+                         ctas=jax.devices()[0].core_count, alibi=alibi)
+    slopes = jnp.asarray(bsa.scores.alibi_slopes(heads)) if alibi else None
     forward_args = (q, k, v, *lists(layout), *segments)
-    launches = {"forward": (lambda *a: forward_call(fcfg, *a)[0], forward_args)}
-    out, lse = jax.jit(lambda *a: forward_call(fcfg, *a))(*forward_args)
+    launches = {"forward": (lambda *a: forward_call(fcfg, *a, slopes=slopes)[0],
+                            forward_args)}
+    out, lse = jax.jit(lambda *a: forward_call(fcfg, *a, slopes=slopes))(*forward_args)
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     (dq_q, dq_k), (dkv_q, dkv_k) = backward_blocks(dim)
     dq_layout, dkv_layout = resolved.layout(dq_q, dq_k), resolved.layout(dkv_q, dkv_k)
     bcfg = BackwardConfig(**shape, terms=resolved.kernel_terms([(dq_q, dq_k), (dkv_q, dkv_k)]),
                           dq_block_kv=dq_k, dkv_block_q=dkv_q,
                           dq_layout_axes=dq_layout.full_count.shape[:2],
-                          dkv_layout_axes=dkv_layout.full_count.shape[:2])
+                          dkv_layout_axes=dkv_layout.full_count.shape[:2], alibi=alibi)
     operands = (q, k, v, do, lse, delta)
     t_lists = lists(dkv_layout, transposed=True)
 
     def single_pass(*a):
         accumulator = jax.new_ref(jnp.zeros(dq_accumulator_shape(bcfg, False), jnp.float32))
-        dk, dv = dkv_call(bcfg, *a, dq_accumulator=accumulator)
-        return dk, dv, jax.freeze(accumulator)
+        grads = dkv_call(bcfg, *a, dq_accumulator=accumulator, slopes=slopes)
+        return *grads, jax.freeze(accumulator)
 
-    launches["dq"] = (lambda *a: dq_call(bcfg, *a), (*operands, *lists(dq_layout), *segments))
-    launches["dkv"] = (lambda *a: dkv_call(bcfg, *a), (*operands, *t_lists, *segments))
+    launches["dq"] = (lambda *a: dq_call(bcfg, *a, slopes=slopes),
+                      (*operands, *lists(dq_layout), *segments))
+    launches["dkv"] = (lambda *a: dkv_call(bcfg, *a, slopes=slopes),
+                       (*operands, *t_lists, *segments))
     launches["single_pass"] = (single_pass, (*operands, *t_lists, *segments))
     return launches, visible_pairs(mask, length, length, seg), (batch, heads, length, dim)
 
@@ -192,11 +201,12 @@ def main():
     p.add_argument("--space", type=int, default=400, help="phases a warpgroup can record")
     p.add_argument("--reps", type=int, default=20, help="timed calls without the profiler")
     p.add_argument("--out", required=True, help="folder for the traces and profile.json")
+    p.add_argument("--alibi", action="store_true", help="ALiBi in every launch")
     args = p.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     records = []
     for name in args.cases:
-        launches, pairs, dims = launch_functions(name)
+        launches, pairs, dims = launch_functions(name, args.alibi)
         for launch in args.launches:
             function, operands = launches[launch]
             try:
