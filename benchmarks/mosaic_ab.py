@@ -16,7 +16,10 @@ path of a copy of the module's file.
 python benchmarks/mosaic_ab.py --base HEAD~1
 python benchmarks/mosaic_ab.py --base main --cases document:2:16384 window:32:1024
 python benchmarks/mosaic_ab.py --base HEAD other-branch --backward --mode single_pass
+python benchmarks/mosaic_ab.py --base HEAD --alibi --cases causal:2:16384 window:2:16384
 ```
+
+`--alibi` adds ALiBi (the standard slopes) to every call.
 """
 
 import argparse
@@ -87,7 +90,7 @@ def set_launches(launches: dict):
 
 
 def compare(cases, bases, rounds: int, reps: int, heads: int, dim: int,
-            backward: bool = False, mode: str = "deterministic"):
+            backward: bool = False, mode: str = "deterministic", alibi: bool = False):
     module_name, names = PASSES["backward" if backward else "forward"]
     working = {n: getattr(mosaic_kernel, n) for n in names}
     calls = {f"base ({rev})": launches_at(rev, module_name, names, i)
@@ -95,6 +98,8 @@ def compare(cases, bases, rounds: int, reps: int, heads: int, dim: int,
     calls["working tree"] = working
     kernel = MosaicBlockSparse(deterministic=MODES[mode])
     what = f"Forward+backward ({mode}) TF/s" if backward else "Forward TF/s"
+    if alibi:
+        what += " with ALiBi"
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     print(f"\n{what}, H={heads} D={dim} bfloat16, median / best of {rounds} rounds")
     print("| pattern | L | B | " + " | ".join(calls) + " |")
@@ -117,7 +122,8 @@ def compare(cases, bases, rounds: int, reps: int, heads: int, dim: int,
             for label, launches in calls.items():
                 # The kernel looks its launches up when it is traced: trace each here.
                 set_launches(launches)
-                attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel)
+                attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel,
+                                                score=bsa.scores.ALiBi() if alibi else None)
                 fn = lambda q, k, v, attn=attn: attn(q, k, v, **per_call)  # noqa: E731
                 if backward:
                     fn = lambda q, k, v, f=fn: jax.vjp(f, q, k, v)[1](do)  # noqa: E731
@@ -151,9 +157,10 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--alibi", action="store_true", help="ALiBi in every call")
     args = p.parse_args()
     compare(args.cases, args.base, args.rounds, args.reps, args.heads, args.dim, args.backward,
-            args.mode)
+            args.mode, args.alibi)
 
 
 if __name__ == "__main__":

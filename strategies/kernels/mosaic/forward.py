@@ -147,8 +147,13 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     q_base = tile * BLOCK_Q + wg * bq
                     if has_segments:
                         q_seg = ops.load(qseg_ref, (b, pl.ds(q_base, bq)), row_layout)
-                    alibi = (AlibiBlocks(ops, slopes_ref[h], bq, rows_are_queries=True)
-                             if cfg.alibi else None)
+                    alibi = col_term = None
+                    if cfg.alibi:
+                        alibi = AlibiBlocks(ops, slopes_ref[h], bq, rows_are_queries=True)
+                        # Without a cap, a block's logits take ALiBi's columns' part as
+                        # this item's `col_term` (columns 0..bk-1) plus a scalar for the
+                        # block, which the online softmax carries through the row maxima.
+                        col_term = alibi.streamed(bk, jnp.int32(0))[1]
                 with jax.named_scope("wait_q"):
                     plgpu.barrier_wait(q_ready.at[buffer * COMPUTE_WARPGROUPS + wg])
                 # The next item's Q is copied while this one runs, into the other buffer
@@ -197,11 +202,14 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     (from the block's first key `k_base`: its columns' part; the rows' part
                     is folded into the log-sum-exp), the block's mask (`partial_block`'s,
                     or None for a full block), base-2 exponentials and the rescaled sums."""
-                    if k_base is not None:
+                    shift = None  # a constant left out of every logit of the block
+                    if k_base is not None and cfg.soft_cap:
                         far = alibi.streamed(bk, k_base - q_base)[1]
-                        s = s * cfg.log2_factor + lax.broadcast_in_dim(far, s.shape, [1])
-                        if cfg.soft_cap:
-                            s = s + lax.broadcast_in_dim(alibi.own_term, s.shape, [0])
+                        s = (s * cfg.log2_factor + lax.broadcast_in_dim(far, s.shape, [1])
+                             + lax.broadcast_in_dim(alibi.own_term, s.shape, [0]))
+                    elif k_base is not None:
+                        s = s * cfg.log2_factor + lax.broadcast_in_dim(col_term, s.shape, [1])
+                        shift = alibi.slope2 * (k_base - q_base).astype(jnp.float32)
                     if cfg.soft_cap:
                         # c log2(e) tanh(s scale / c), tanh(x) = 1 - 2 / (exp(2x) + 1): an
                         # exponential overflowing to inf gives 1, never NaN.
@@ -219,16 +227,17 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                                     lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
                         vis = visible(cfg.terms, padded_keys, rows, cols, *segs, ids_apart=True)
                         s = jnp.where(vis, _times(s, factor), -jnp.inf)
-                        m_new = jnp.maximum(m_i, s.max(axis=1))
+                        m_new = jnp.maximum(m_i, _plus(s.max(axis=1), shift))
                         # A row with nothing visible yet keeps m = -inf: subtract 0 instead,
                         # so its p and alpha are exp2(-inf) = 0, never NaN.
                         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                        p = jnp.exp2(s - lax.broadcast_in_dim(_plus(m_use, shift, -1.0), s.shape,
+                                                              [0]))
                         alpha = jnp.exp2(m_i - m_use)
                     elif factor > 0:
-                        m_new = jnp.maximum(m_i, _times(s.max(axis=1), factor))
-                        p = jnp.exp2(_times(s, factor)
-                                     - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                        m_new = jnp.maximum(m_i, _plus(_times(s.max(axis=1), factor), shift))
+                        p = jnp.exp2(_times(s, factor) - lax.broadcast_in_dim(
+                            _plus(m_new, shift, -1.0), s.shape, [0]))
                         alpha = jnp.exp2(m_i - m_new)
                     else:
                         s = s * factor
@@ -359,6 +368,13 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
 def _times(x, factor: float):
     """``x * factor``, with no product where the factor is 1."""
     return x if factor == 1.0 else x * factor
+
+
+def _plus(x, shift, sign: float = 1.0):
+    """``x + sign * shift``, or `x` where there is no shift (``None``)."""
+    if shift is None:
+        return x
+    return x + shift if sign > 0 else x - shift
 
 
 def stages_for(head_dim: int, block_kv: int, itemsize: int = 2) -> int:
