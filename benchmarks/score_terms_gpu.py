@@ -3,14 +3,17 @@ without them, on a GPU (issue 27's speed target: at most 10 % of the forward and
 forward+backward at 16k tokens, causal and causal window 1024).
 
     python benchmarks/score_terms_gpu.py [--length 16384] [--batch 2] [--heads 16] [--dim 128]
-        [--window 1024] [--buckets 32] [--reps 20] [--kernel TritonBlockSparse ...]
-        [--no-flex] [--out score_terms.json]
+        [--window 1024] [--buckets 32] [--reps 20] [--rounds 3]
+        [--kernel TritonBlockSparse ...] [--no-flex] [--out score_terms.json]
 
 For each mask (``causal``, ``window``: causal and a window of `--window` keys) and each score
 (``none``, ``alibi``: learned slopes, ``relative``: a learned `--buckets`-bucket causal T5
 table, ``both``: slopes and table together), the median wall time of a jitted forward and of a
 forward+backward (gradients of q, k, v and the learned arrays), and the ratio to ``none``,
-for each kernel of `--kernel` (a kernel that declines a score gives an error row).
+for each kernel of `--kernel` (a kernel that declines a score gives an error row). Our scores
+of one mask and kernel are compiled first, then timed in turn, `--rounds` times (each time the
+median of `--reps` calls); a row gives the median of its rounds, so that a drift of the
+machine's speed during the run falls on every score alike.
 FlexAttention runs the same masks and score_mods as a peer when torch with CUDA imports
 (`benchmarks/flex_peer.py`, in its own process: `torch.compile`d `flex_attention`; gradients
 of q, k, v and the captured slopes / table).
@@ -66,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--max-distance", type=int, default=128, help="the table's max_distance")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--reps", type=int, default=20, help="timed calls per measurement")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measurements per row, interleaved with the other scores'")
     p.add_argument("--kernel", nargs="+", default=["TritonBlockSparse"],
                    help="classes of eqx_bsattn.kernels, each timed in turn")
     p.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
@@ -118,6 +123,8 @@ def median_ms(fn, *xs, reps: int, sync=jax.block_until_ready) -> float:
 
 
 def time_ours(args, kernel_name: str, mask_name: str, score_name: str, inputs) -> dict:
+    """``{"fwd_ms": timer, "fwdbwd_ms": timer}`` for one row, compiled and run once (so that
+    a declined score raises here); each timer returns `median_ms` of `--reps` calls."""
     q, k, v, do = inputs
     arrays = _arrays(args)
     kernel = getattr(kernels, kernel_name)()
@@ -129,8 +136,11 @@ def time_ours(args, kernel_name: str, mask_name: str, score_name: str, inputs) -
 
     fwd = jax.jit(attend)
     fwdbwd = jax.jit(lambda q, k, v, arrays, do: jax.vjp(attend, q, k, v, arrays)[1](do))
-    return {"fwd_ms": median_ms(fwd, q, k, v, arrays, reps=args.reps),
-            "fwdbwd_ms": median_ms(fwdbwd, q, k, v, arrays, do, reps=args.reps)}
+    calls = {"fwd_ms": (fwd, (q, k, v, arrays)), "fwdbwd_ms": (fwdbwd, (q, k, v, arrays, do))}
+    for fn, xs in calls.values():
+        jax.block_until_ready(fn(*xs))
+    return {key: functools.partial(median_ms, fn, *xs, reps=args.reps)
+            for key, (fn, xs) in calls.items()}
 
 
 def flex_records(args) -> list[dict] | None:
@@ -204,13 +214,23 @@ def run(args) -> list[dict]:
              for name in args.kernel}
     records = []
     for mask_name in args.masks:
-        for impl, timer in peers.items():
+        for impl, timers in peers.items():
+            rows, calls = [], {}
             for score_name in args.scores:
                 record = {"impl": impl, "mask": mask_name, "score": score_name}
                 try:
-                    record.update(timer(mask_name, score_name))
+                    calls[score_name] = timers(mask_name, score_name)
                 except Exception as e:  # noqa: BLE001 - one failed call is a row, not a crash
                     record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                rows.append(record)
+            samples = {name: {key: [] for key in timed} for name, timed in calls.items()}
+            for _ in range(args.rounds):
+                for name, timed in calls.items():
+                    for key, timer in timed.items():
+                        samples[name][key].append(timer())
+            for record in rows:
+                record.update({key: statistics.median(times)
+                               for key, times in samples.get(record["score"], {}).items()})
                 records.append(record)
                 print(record, flush=True)
     flex = None if args.no_flex else flex_records(args)
@@ -226,7 +246,8 @@ def main(argv=None) -> None:
     records = run(args)
     print(f"\nB={args.batch} H={args.heads} Hkv={args.kv_heads} L={args.length} D={args.dim} "
           f"{args.dtype}, window {args.window}, {args.buckets} buckets "
-          f"(max_distance {args.max_distance}); median of {args.reps} calls\n")
+          f"(max_distance {args.max_distance}); median of {args.rounds} rounds of {args.reps} "
+          "calls each, interleaved\n")
     print(_table(records))
     if args.out:
         with open(args.out, "w") as f:

@@ -247,18 +247,26 @@ class AlibiBlocks:
         self.own_term = self.slope2 * self.own
 
     def streamed(self, columns: int, offset):
-        """``(distance, term)`` of a block's columns, column vectors: `offset` (int32) is the
-        first column's index minus the first own row's."""
+        """The base-2 term of a block's columns' part of the distance, a column vector:
+        `offset` (int32) is the first column's index minus the first own row's."""
         index = self.ops.vector_iota(columns, self.ops.col_layout)
-        distance = self.sign * (index + offset.astype(jnp.float32))
-        return distance, self.slope2 * distance
+        return self.slope2 * (self.sign * (index + jnp.asarray(offset).astype(jnp.float32)))
 
-    def gradient_rows(self, ds, streamed_distance):
-        """Each row's ``sum_j dS_ij (k_pos - q_pos)`` over one block: the rows' shares of the
-        slope's gradient (`ds` float32, the logits' gradient)."""
-        distance = (lax.broadcast_in_dim(self.own, ds.shape, [0])
-                    + lax.broadcast_in_dim(streamed_distance, ds.shape, [1]))
-        return (ds * distance).sum(axis=1)
+    def shift(self, offset):
+        """The base-2 term of `offset` alone (a scalar): a block's ``streamed(columns,
+        offset)`` is ``streamed(columns, 0) + shift(offset)``."""
+        return self.slope2 * (self.sign * offset.astype(jnp.float32))
+
+    def gradient_rows(self, ds, offset):
+        """Each row's ``sum_j dS_ij (k_pos - q_pos)`` over one block (`ds` float32, the
+        logits' gradient; `offset` as in `streamed`): the rows' shares of the slope's
+        gradient, as ``(own_i + sign offset) sum_j dS_ij + sign sum_j dS_ij j``, two row sums
+        and no distance tile."""
+        index = self.ops.vector_iota(ds.shape[1], self.ops.col_layout)
+        total = ds.sum(axis=1)
+        weighted = (ds * lax.broadcast_in_dim(index, ds.shape, [1])).sum(axis=1)
+        near = self.own + self.sign * offset.astype(jnp.float32)
+        return near * total + self.sign * weighted
 
 
 def list_entry(full_ref, partial_ref, prefix, it, n_full):

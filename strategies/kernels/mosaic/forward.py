@@ -153,7 +153,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         # Without a cap, a block's logits take ALiBi's columns' part as
                         # this item's `col_term` (columns 0..bk-1) plus a scalar for the
                         # block, which the online softmax carries through the row maxima.
-                        col_term = alibi.streamed(bk, jnp.int32(0))[1]
+                        col_term = alibi.streamed(bk, 0)
                 with jax.named_scope("wait_q"):
                     plgpu.barrier_wait(q_ready.at[buffer * COMPUTE_WARPGROUPS + wg])
                 # The next item's Q is copied while this one runs, into the other buffer
@@ -204,12 +204,12 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     or None for a full block), base-2 exponentials and the rescaled sums."""
                     shift = None  # a constant left out of every logit of the block
                     if k_base is not None and cfg.soft_cap:
-                        far = alibi.streamed(bk, k_base - q_base)[1]
+                        far = alibi.streamed(bk, k_base - q_base)
                         s = (s * cfg.log2_factor + lax.broadcast_in_dim(far, s.shape, [1])
                              + lax.broadcast_in_dim(alibi.own_term, s.shape, [0]))
                     elif k_base is not None:
                         s = s * cfg.log2_factor + lax.broadcast_in_dim(col_term, s.shape, [1])
-                        shift = alibi.slope2 * (k_base - q_base).astype(jnp.float32)
+                        shift = alibi.shift(k_base - q_base)
                     if cfg.soft_cap:
                         # c log2(e) tanh(s scale / c), tanh(x) = 1 - 2 / (exp(2x) + 1): an
                         # exponential overflowing to inf gives 1, never NaN.

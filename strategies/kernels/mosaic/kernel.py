@@ -313,9 +313,8 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     else:
         dq = dq_call(cfg, *operands, *dq_lists, *segments, slopes=slopes,
                      schedule=schedules[0], interpret=interpret)
-        dq, *slope_rows = dq if cfg.alibi else (dq,)
-        dk, dv = dkv_call(cfg, *operands, *t_lists, *segments, slopes=slopes,
-                          schedule=schedules[1], interpret=interpret)
+        dk, dv, *slope_rows = dkv_call(cfg, *operands, *t_lists, *segments, slopes=slopes,
+                                       schedule=schedules[1], interpret=interpret)
     # Each row's share of the slope's gradient, summed per head (padded rows' are zero).
     dslopes = slope_rows[0].sum(axis=(0, 2)) if cfg.alibi else None
     group = cfg.heads // cfg.kv_heads
