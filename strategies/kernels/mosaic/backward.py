@@ -29,6 +29,12 @@ Partial blocks evaluate the same predicate as the forward (`common.visible`, the
 apart and the key length tested only where keys were padded); FULL blocks run none. Rows
 whose log-sum-exp is +inf (they see no key) get ``P = 0`` and contribute nothing.
 
+With ALiBi both kernels add its term as the forward does (the part along the rows' axis and
+the block's constant go into the log-sum-exp the rows share; whole under a soft cap), and the
+dk/dv kernel, in both modes, sums each key's share of the slope's gradient, ``sum_q dS (k -
+q)``, as two row sums of dS (`AlibiBlocks.gradient_rows`); the caller adds the shares per
+head.
+
 Arrays are batched ``[B, H, L, D]`` with lengths padded to 128 (the caller pads: Q, dO with
 zeros, the log-sum-exp with +inf, delta with zeros). Mosaic GPU is imported when a launch is
 traced, so this module imports anywhere.

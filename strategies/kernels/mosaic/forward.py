@@ -24,6 +24,13 @@ FULL blocks skip every mask; partial blocks evaluate the compiled mask's canonic
 products into capped logits before either. Rows that see no key give zeros and a log-sum-exp
 of +inf (the convention of the backward kernels).
 
+ALiBi (``slope * (k - q)``, `AlibiBlocks`) splits in three: the columns' part (``slope *
+j`` for the block's column j) is one vector per item added to each logit, the block's
+constant (``slope * (k_base - q_base)``) is carried through the row maxima as a scalar, and
+the rows' part (``-slope * i``) goes into the log-sum-exp at the end, since a row's softmax
+does not change when a constant is added to it. Under a soft cap, which is not
+shift-invariant, each logit takes the whole term before the cap.
+
 Arrays are batched ``[B, H, L, D]``; lengths must be multiples of the tiles (the caller pads).
 Mosaic GPU is imported when a launch is traced, so this module imports anywhere.
 """
@@ -36,9 +43,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     AlibiBlocks, AttentionShape, Ops, decode_item, layout_prefix, list_bounds, list_entry,
-                     memory_warpgroup, persistent_schedule, ring_stages, segment_ids_apart,
-                     swizzled, visible, walk_list)
+                     AlibiBlocks, AttentionShape, Ops, decode_item, layout_prefix, list_bounds,
+                     list_entry, memory_warpgroup, persistent_schedule, ring_stages,
+                     segment_ids_apart, swizzled, visible, walk_list)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS

@@ -100,7 +100,9 @@ class MosaicBlockSparse(AbstractLseKernel):
     (`add_sinks`), so their gradients flow; `attention_with_lse` returns the log-sum-exp,
     differentiable too. Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, D]``
     in bfloat16 or float16, D in {64, 128}, ``Dv == D``, any lengths (padded to the tiles
-    inside). Declines bias, per-call positions, masks without in-kernel terms and masks whose
+    inside). ALiBi (`scores.ALiBi`, fixed or learned slopes) is evaluated inside the forward
+    and backward kernels, with the slopes' gradient. Declines bias, other score terms
+    (`score_kinds`), per-call positions, masks without in-kernel terms and masks whose
     block tables do not align with its tiles, each with a reason, so the selector gives the
     whole call to another kernel. Its tiles are fixed (`MosaicConfig.for_head_dim`): another
     kernel's config or a `Tiling` gives way to them, and a `MosaicConfig` must be that one.
