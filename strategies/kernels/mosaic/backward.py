@@ -29,9 +29,9 @@ Partial blocks evaluate the same predicate as the forward (`common.visible`, the
 apart and the key length tested only where keys were padded); FULL blocks run none. Rows
 whose log-sum-exp is +inf (they see no key) get ``P = 0`` and contribute nothing.
 
-With ALiBi both kernels add its term as the forward does (the part along the rows' axis and
-the block's constant go into the log-sum-exp the rows share; whole under a soft cap), and the
-dk/dv kernel, in both modes, sums each key's share of the slope's gradient, ``sum_q dS (k -
+With ALiBi each kernel adds to each logit the part of the distance that varies along the
+keys of one query and subtracts the rest from that query's log-sum-exp (the whole term
+goes into each logit under a soft cap), and the dk/dv kernel, in both modes, sums each key's share of the slope's gradient, ``sum_q dS (k -
 q)``, as two row sums of dS (`AlibiBlocks.gradient_rows`); the caller adds the shares per
 head.
 
@@ -534,8 +534,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
 
     With ALiBi (``cfg.alibi``, `slopes` ``[H]`` float32) it also returns `slope_rows`
     ``[B, H, Lk]`` float32, each key's ``sum_q dS (k - q)`` (the slope's gradient summed
-    over the batch and the rows), as ``(dk, dv, slope_rows)``, in both modes (summed in the
-    dq kernel, the same sums took it from 0.29 to 0.52 ms at a causal window on the H200)."""
+    over the batch and the rows), as ``(dk, dv, slope_rows)``, in both modes (docs/mosaic.md,
+    "ALiBi", says why not in the dq kernel)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
