@@ -22,8 +22,8 @@ python benchmarks/mosaic_profile.py --launches dkv single_pass --cases causal --
 python benchmarks/mosaic_profile.py --launches forward --cases window --alibi --out mosaic-profile
 ```
 
-`--alibi` adds ALiBi with the standard slopes to every launch (the dq kernel and the single
-pass then also sum the slopes' gradient rows).
+`--alibi` adds ALiBi with the standard slopes to every launch (the dk/dv kernel and the
+single pass then also sum the slopes' gradient rows).
 """
 
 import argparse

@@ -30,10 +30,10 @@ apart and the key length tested only where keys were padded); FULL blocks run no
 whose log-sum-exp is +inf (they see no key) get ``P = 0`` and contribute nothing.
 
 With ALiBi each kernel adds to each logit the part of the distance that varies along the
-keys of one query and subtracts the rest from that query's log-sum-exp (the whole term
-goes into each logit under a soft cap), and the dk/dv kernel, in both modes, sums each key's share of the slope's gradient, ``sum_q dS (k -
-q)``, as two row sums of dS (`AlibiBlocks.gradient_rows`); the caller adds the shares per
-head.
+keys of one query and subtracts the rest from that query's log-sum-exp (the whole term goes
+into each logit under a soft cap), and the dk/dv kernel, in both modes, sums each key's share
+of the slope's gradient, ``sum_q dS (k - q)``, as two row sums of dS
+(`AlibiBlocks.gradient_rows`); the caller adds the shares per head.
 
 Arrays are batched ``[B, H, L, D]`` with lengths padded to 128 (the caller pads: Q, dO with
 zeros, the log-sum-exp with +inf, delta with zeros). Mosaic GPU is imported when a launch is

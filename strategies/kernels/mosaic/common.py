@@ -231,11 +231,13 @@ class AlibiBlocks:
     A block's rows are the item's own 64 (queries in the forward and dq kernels, keys in the
     dk/dv kernel), its columns the streamed block's. The distance splits into ``own[i] +
     streamed[j]``: `own` is row i's offset within its 64 rows (small), `streamed` the distance
-    from the first own row to column j (the large part). A kernel adds the streamed part to
-    each logit and folds the own part into the rows' log-sum-exp (the softmax of a row does
-    not change when a constant is added to it) where its log-sum-exp runs along the rows, the
-    other way round in the dk/dv kernel, and adds both under a soft cap (the cap is not
-    shift-invariant).
+    from the first own row to column j (the large part), itself ``streamed(columns, 0)`` plus
+    the block's constant `shift`. The forward and dq kernels add ``streamed(columns, 0)`` to
+    each logit and fold the own part and `shift` into each row's maximum or log-sum-exp (the
+    softmax of a row does not change when a constant is added to it); the dk/dv kernel, whose
+    log-sum-exp runs along the columns, adds the own part to each logit and folds the
+    streamed part into the columns' log-sum-exp. Under a soft cap (not shift-invariant) each
+    logit takes the whole term.
     """
 
     def __init__(self, ops: Ops, slope, rows: int, rows_are_queries: bool):

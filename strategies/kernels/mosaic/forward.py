@@ -206,8 +206,10 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
 
                 def online_softmax(s, acc, m_i, l_i, partial, k_base):
                     """``(acc, m, l, p)`` after one block's raw products `s`: ALiBi's term
-                    (from the block's first key `k_base`: its columns' part; the rows' part
-                    is folded into the log-sum-exp), the block's mask (`partial_block`'s,
+                    (from the block's first key `k_base`: the item's `col_term` in each
+                    logit, the block's constant through the row maxima, the rows' part in
+                    the log-sum-exp at the end; all of it in each logit under a soft cap),
+                    the block's mask (`partial_block`'s,
                     or None for a full block), base-2 exponentials and the rescaled sums."""
                     shift = None  # a constant left out of every logit of the block
                     if k_base is not None and cfg.soft_cap:

@@ -302,7 +302,6 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     operands = (pad_q(q), pad_k(k), pad_k(v), pad_q(do), _pad(lse, cfg.q_len, jnp.inf),
                 pad_q(delta))
     segments = () if seg[0] is None else seg
-    slope_rows = None
     if cfg.single_pass:
         interpreted = interpret is not None
         accumulator = jax.new_ref(jnp.zeros(dq_accumulator_shape(cfg, interpreted), jnp.float32))
