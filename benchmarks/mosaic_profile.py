@@ -9,8 +9,9 @@ block's log-sum-exp and delta from global memory), `products` (S and dP in the d
 alone in the dk/dv kernel), `softmax_full` or `softmax_partial` (P, and dS in the dq kernel),
 `accumulate` (the dq kernel's dq), the dk/dv kernel's `dv_dp` (dv and dP), `ds` and `dk`, the
 single pass's `ds_store`, `ds_barrier`, `dq_product`, `stage_wait`, `stage_store`,
-`reduce_add`, and `epilogue`. The memory warpgroup's: `wait_free`, `copy`. This script compiles each launch with the profiler
-switched on (a trace per call, written as Perfetto JSON under ``--out``), and prints each
+`reduce_add`, and `epilogue`. The memory warpgroup's: `wait_free`, `copy`. This script
+compiles each launch with the profiler switched on (a trace per call, written as Perfetto
+JSON under ``--out``), and prints each
 phase's share of the warpgroups' time, its count and its mean length in SM cycles.
 "(uncovered)" is time outside every named phase (loop bookkeeping, barrier arrivals, the
 profiler's own records). Shapes are kept small, because each warpgroup records at most
