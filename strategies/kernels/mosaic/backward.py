@@ -8,12 +8,12 @@ warpgroups) and, where its lists are short, persistent like it (below).
   its Q and dO tiles in shared memory, its rows' log-sum-exp and delta in registers)
   recomputes ``P = exp2(S * scale * log2 e - lse)``, forms ``dP = dO V^T`` and ``dS = P (dP -
   delta)``, and accumulates ``dq += dS K``.
-- `dkv_call`: a work item is (batch row, head, kv-tile of 128 keys); its CTA walks the
-  kv-tile's transposed list of the dk/dv layout. The memory warpgroup streams each q-block's
-  Q and dO tiles, and its log-sum-exp and delta rows; each compute warpgroup (64 keys, its K
-  and V tiles in shared memory) forms ``S^T = K Q^T`` and ``dP^T = V dO^T`` and accumulates
-  ``dv += P^T dO`` and ``dk += dS^T Q``. dk / dv come out per query head; the caller sums a
-  group's heads (deterministic, no atomics).
+- `dkv_call`: a work item is (batch row, kv head, kv-tile of 128 keys); its CTA walks the
+  kv-tile's transposed list of the dk/dv layout for each query head of the kv head's group
+  in turn. The memory warpgroup streams each q-block's Q and dO tiles, and its log-sum-exp
+  and delta rows; each compute warpgroup (64 keys, its K and V tiles in shared memory) forms
+  ``S^T = K Q^T`` and ``dP^T = V dO^T`` and accumulates ``dv += P^T dO`` and ``dk += dS^T
+  Q`` in float32 over the whole group (GQA's sum inside the kernel, in a fixed order).
 - `dkv_call` with a dq accumulator is the single pass: it also forms each block's dq partial
   ``dS K`` and adds it into a float32 dq in global memory by TMA reduce-add (5 block products
   a block instead of the two kernels' 7; dq then varies from run to run in its last bits).
@@ -217,12 +217,13 @@ def _segments(q_segment_ids, kv_segment_ids):
 class _Items:
     """A CTA's work items: one (``single``, statically), or in a persistent launch several,
     their numbers read one item ahead so that the next item's list bounds are read while
-    this one runs."""
+    this one runs. An item is ``(b, h, tile)``; with ``group > 1`` its head is a kv head, and
+    the item walks the lists of its `group` query heads one after another (`member`)."""
 
     def __init__(self, items_ref, counts_ref, num_tiles, heads, layout_axes, list_refs,
-                 single: bool):
+                 single: bool, group: int = 1):
         self.items_ref, self.num_tiles, self.heads = items_ref, num_tiles, heads
-        self.layout_axes, self.single = layout_axes, single
+        self.layout_axes, self.single, self.group = layout_axes, single, group
         self.fcnt_ref, self.fidx_ref, self.pcnt_ref, self.pidx_ref = list_refs
         self.cta = lax.axis_index("ctas")
         self.count = 1 if single else counts_ref[self.cta]  # at least one
@@ -233,19 +234,32 @@ class _Items:
             return self.items_ref[self.cta, 0]
         return self.items_ref[self.cta, jnp.minimum(j, self.count - 1)]
 
-    def decoded(self, raw):
-        """``(b, h, tile, n_full, n_steps)`` of the item numbered `raw`."""
-        b, h, tile = decode_item(raw, self.num_tiles, self.heads)
-        _, n_full, n_steps = list_bounds(self.layout_axes, b, h, tile, self.fcnt_ref,
-                                         self.pcnt_ref)
-        return b, h, tile, n_full, n_steps
+    def _bounds(self, b, h, tile):
+        return list_bounds(self.layout_axes, b, h, tile, self.fcnt_ref, self.pcnt_ref)[1:]
 
-    def prefix(self, item):
-        """The index prefix of an item's lists (`layout_prefix`)."""
-        return layout_prefix(self.layout_axes, *item[:3])
+    def decoded(self, raw):
+        """``(b, h, tile, n_full, n_steps)`` of the item numbered `raw`: its list's FULL
+        count and length; with ``group > 1``, ``n_full`` is None and ``n_steps`` the length
+        of its query heads' lists together."""
+        b, h, tile = decode_item(raw, self.num_tiles, self.heads)
+        if self.group == 1:
+            return b, h, tile, *self._bounds(b, h, tile)
+        n_steps = lax.fori_loop(0, self.group, lambda g, n: n + self._bounds(
+            b, h * self.group + g, tile)[1], jnp.int32(0))
+        return b, h, tile, None, n_steps
+
+    def member(self, item, g):
+        """``(head, prefix, n_full, n_steps)`` of the list of the item's query head `g` of
+        its group: the head, its lists' index prefix (`layout_prefix`), FULL count and
+        length."""
+        b, h, tile, n_full, n_steps = item
+        if self.group > 1:
+            h = h * self.group + g
+            n_full, n_steps = self._bounds(b, h, tile)
+        return h, layout_prefix(self.layout_axes, b, h, tile), n_full, n_steps
 
     def block(self, prefix, it, n_full):
-        """The block of entry `it` of the item's FULL-then-PARTIAL list (`list_entry`)."""
+        """The block of entry `it` of a FULL-then-PARTIAL list (`list_entry`)."""
         return list_entry(self.fidx_ref, self.pidx_ref, prefix, it, n_full)
 
     def run(self, run_item):
@@ -268,20 +282,23 @@ class _Items:
                                             self.raw(1)))
 
     def memory_warpgroup(self, streams, stages, tile_of_block):
-        """The memory warpgroup over these items: each list entry's tiles, ``tile_of_block(ref,
-        b, h, block)``, streamed through `streams`' rings (`common.memory_warpgroup`)."""
+        """The memory warpgroup over these items (each query head of a group's in turn):
+        each list entry's tiles, ``tile_of_block(ref, b, h, block)``, streamed through
+        `streams`' rings (`common.memory_warpgroup`)."""
 
         def walk(j):
-            item = self.decoded(self.raw(j))
-            b, h, _, n_full, n_steps = item
-            prefix = self.prefix(item)
+            b, h, tile = decode_item(self.raw(lax.div(j, self.group)), self.num_tiles,
+                                     self.heads)
+            n_full, n_steps = (None, None) if self.group > 1 else self._bounds(b, h, tile)
+            h, prefix, n_full, n_steps = self.member((b, h, tile, n_full, n_steps),
+                                                     lax.rem(j, self.group))
 
             def tile_of(ref, it):
                 return tile_of_block(ref, b, h, self.block(prefix, it, n_full))
 
             return n_steps, tile_of
 
-        memory_warpgroup(self.count, walk, streams, stages)
+        memory_warpgroup(self.count * self.group, walk, streams, stages)
 
 
 def _own_tiles(buffers: int, wg, own, ready, source_of):
@@ -334,13 +351,13 @@ def _slopes(cfg: BackwardConfig, slopes, launch: str):
     return slopes.astype(jnp.float32)
 
 
-def _store_rows(cta_items: _Items, rows, stage, target):
-    """Write a row vector of one item (e.g. its slope-gradient rows) to global memory
-    through its warpgroup's shared-memory `stage`, once the previous item's copy out of it
-    has read it."""
+def _store_rows(stage, rows, target, wait: bool):
+    """Write a row vector (e.g. one head's slope-gradient rows) to global memory through the
+    warpgroup's shared-memory `stage`, once the copy out of it before has read it (`wait`:
+    where there was one)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    if not cta_items.single:
+    if wait:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     stage[...] = rows
     plgpu.commit_smem()
@@ -401,8 +418,8 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
             load(0, cta_items.decoded(cta_items.raw(0)))
 
             def run_item(j, first_step, item, upcoming):
-                b, h, tile, n_full, n_steps = item
-                prefix = cta_items.prefix(item)
+                b, h, tile = item[:3]
+                _, prefix, n_full, n_steps = cta_items.member(item, 0)
                 q_smem, do_smem = own_tiles(j)
                 q_base = tile * BLOCK_OWN + wg * bq
                 rows = pl.ds(q_base, bq)
@@ -502,10 +519,12 @@ def dq_schedule(cfg: BackwardConfig, full_count, partial_count):
 
 def dkv_schedule(cfg: BackwardConfig, t_full_count, t_partial_count, fused: bool):
     """The dk/dv launch's ``(items, counts)``, `fused` for the single pass
-    (`persistent_schedule` of the transposed counts: kv-tiles, heavy first tiles first; one
-    item per CTA unless the launch is persistent)."""
-    return persistent_schedule(t_full_count, t_partial_count, cfg.batch, cfg.heads,
-                               cfg.launch_ctas(cfg.dkv_block_q, fused), heavy_tiles_last=False)
+    (`persistent_schedule` of the transposed counts: kv heads' kv-tiles, each over its group
+    of query heads, heavy first tiles first; one item per CTA unless the launch is
+    persistent)."""
+    return persistent_schedule(t_full_count, t_partial_count, cfg.batch, cfg.kv_heads,
+                               cfg.launch_ctas(cfg.dkv_block_q, fused), heavy_tiles_last=False,
+                               group=cfg.group)
 
 
 def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, ...]:
@@ -521,9 +540,10 @@ def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, .
 def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_index,
              t_partial_count, t_partial_index, q_segment_ids=None, kv_segment_ids=None, *,
              dq_accumulator=None, slopes=None, schedule=None, interpret=None):
-    """``(dk, dv)``, each ``[B, H, Lk, D]`` per query head (the caller sums a group's heads),
-    for padded inputs; the lists are the dk/dv layout's transposed ones. `schedule` is the
-    launch's ``(items, counts)`` (`dkv_schedule` when ``None``).
+    """``(dk, dv)``, each ``[B, H_kv, Lk, D]`` (a kv head's gradient summed over its group of
+    query heads in float32, in the kernel), for padded inputs ``q, do [B, H, Lq, D]`` and
+    ``k, v [B, H_kv, Lk, D]``; the lists are the dk/dv layout's transposed ones. `schedule`
+    is the launch's ``(items, counts)`` (`dkv_schedule` when ``None``).
 
     With `dq_accumulator` (a zeroed float32 `jax.Ref` of `dq_accumulator_shape`) the pass is
     the whole backward: each block's dS also goes to shared memory (16-bit) for a fifth product,
@@ -572,8 +592,9 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
             (q_free, do_free) = scoped
         (lse_ring, delta_ring), (lse_ready, delta_ready), (lse_free, delta_free) = rows_scoped
         wg = lax.axis_index("wg")
-        cta_items = _Items(items_ref, counts_ref, num_tiles, cfg.heads, cfg.dkv_layout_axes,
-                           (fcnt_ref, fidx_ref, pcnt_ref, pidx_ref), items.shape[1] == 1)
+        cta_items = _Items(items_ref, counts_ref, num_tiles, cfg.kv_heads,
+                           cfg.dkv_layout_axes, (fcnt_ref, fidx_ref, pcnt_ref, pidx_ref),
+                           items.shape[1] == 1, group)
 
         @pl.when(wg < COMPUTE_WARPGROUPS)
         def _compute():
@@ -582,7 +603,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
             def source_of(n, item):
                 b, h, tile = item[:3]
                 keys = pl.ds(tile * BLOCK_OWN + wg * bk, bk)
-                return (k_ref, v_ref)[n].at[b, lax.div(h, group), keys]
+                return (k_ref, v_ref)[n].at[b, h, keys]
 
             load, own_tiles, wait_own = _own_tiles(buffers, wg, (k_own, v_own),
                                                    (k_ready, v_ready), source_of)
@@ -596,8 +617,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 return row
 
             def run_item(j, first_step, item, upcoming):
-                b, h, tile, n_full, n_steps = item
-                prefix = cta_items.prefix(item)
+                b, h_kv, tile = item[:3]
                 k_smem, v_smem = own_tiles(j)
                 k_base = tile * BLOCK_OWN + wg * bk
                 keys = pl.ds(k_base, bk)
@@ -606,15 +626,13 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                     with jax.named_scope("entry"):
                         k_seg = lax.broadcast_in_dim(
                             ops.load(kseg_ref, (b, keys), ops.row_layout), (bk, bq), [0])
-                alibi = (AlibiBlocks(ops, slopes_ref[h], bk, rows_are_queries=False)
-                         if cfg.alibi else None)
                 with jax.named_scope("wait_own"):
                     wait_own(j)
                 _load_next_own_tiles(cta_items, load, j, upcoming)
                 # The split dq partial reads the other warpgroup's K tile too.
                 buffer = lax.rem(j, buffers)
 
-                def add_dq_partial(ds_t, step, cols):
+                def add_dq_partial(ds_t, step, h, cols):
                     """dq[cols] += dS K, the fifth product: at D >= 128 this warpgroup's half
                     of the columns over both warpgroups' keys (their dS tiles meet in shared
                     memory, double-buffered over the CTA's steps: a tile is rewritten two
@@ -651,70 +669,94 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                     with jax.named_scope("reduce_add"):
                         ops.add_to_gmem(stage, target.at[b, h, cols, columns])
 
-                def step(it, carry, masked):
-                    dk, dv, slope_rows = carry
-                    slot = lax.rem(first_step + it, stages)
-                    q_base = cta_items.block(prefix, it, n_full) * bq
-                    cols = pl.ds(q_base, bq)
-                    with jax.named_scope("load_rows"):
-                        lse = streamed_row(lse_ring, lse_ready, lse_free, slot)
-                    with jax.named_scope("wait_q"):
-                        plgpu.barrier_wait(q_ready.at[slot])
-                        plgpu.barrier_wait(do_ready.at[slot])
-                    with jax.named_scope("products"):
-                        (s_t,) = ops.products((bk, bq), [(k_smem, q_ring.at[slot], True)])
-                    with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                        vis = None
-                        if masked:
-                            q_seg = None
-                            if has_segments:
-                                q_seg = lax.broadcast_in_dim(
-                                    ops.load(qseg_ref, (b, cols), ops.col_layout), (bk, bq), [1])
-                            vis = visible(cfg.terms, cfg.padded_kv_len,
-                                          q_base + ops.iota((bk, bq), 1),
-                                          k_base + ops.iota((bk, bq), 0), q_seg, k_seg,
-                                          ids_apart=True)
-                        term = None
-                        if alibi is not None:
-                            # The columns' part goes into their lse, the rows' into each
-                            # logit (both into each logit under a soft cap).
-                            far = alibi.streamed(bq, q_base - k_base)
-                            term = lax.broadcast_in_dim(alibi.own_term, (bk, bq), [0])
-                            if cfg.soft_cap:
-                                term = term + lax.broadcast_in_dim(far, (bk, bq), [1])
-                            else:
-                                lse = lse - far
-                        p_t, t = cfg.probabilities(s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]),
-                                                   vis, term)
-                    # dV's product and dP's in one group, dK's after dS: fewer live registers
-                    # than S and dP together beside the dk and dv accumulators.
-                    with jax.named_scope("dv_dp"):
-                        fresh = ops.cast(jnp.zeros((bk, bq), jnp.float32), ops.wgmma_layout)
-                        dv, dp_t = ops.accumulate((dv, fresh), [
-                            (p_t.astype(dtype), do_ring.at[slot]),
-                            (v_smem, do_ring.at[slot], True)])
-                    plgpu.barrier_arrive(do_free.at[slot])
-                    with jax.named_scope("load_rows"):
-                        delta = streamed_row(delta_ring, delta_ready, delta_free, slot)
-                    with jax.named_scope("ds"):
-                        ds_t = cfg.score_gradient(
-                            p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), t)
-                        if slope_out:
-                            slope_rows = slope_rows + alibi.gradient_rows(ds_t,
-                                                                          q_base - k_base)
-                        ds_t = ds_t.astype(dtype)
-                    with jax.named_scope("dk"):
-                        (dk,) = ops.accumulate((dk,), [(ds_t, q_ring.at[slot])])
-                    plgpu.barrier_arrive(q_free.at[slot])
-                    if fused:
-                        add_dq_partial(ds_t, first_step + it, cols)
-                    return dk, dv, slope_rows
+                def run_member(g, carry):
+                    """Walk the list of query head `g` of the kv head's group (the ring's
+                    steps from `step0` on), adding into dk and dv; with ALiBi, write that
+                    head's slope-gradient rows."""
+                    step0, dk, dv = carry
+                    h, prefix, n_full, n_steps = cta_items.member(item, g)
+                    alibi = (AlibiBlocks(ops, slopes_ref[h], bk, rows_are_queries=False)
+                             if cfg.alibi else None)
+
+                    def step(it, carry, masked):
+                        dk, dv, slope_rows = carry
+                        slot = lax.rem(step0 + it, stages)
+                        q_base = cta_items.block(prefix, it, n_full) * bq
+                        cols = pl.ds(q_base, bq)
+                        with jax.named_scope("load_rows"):
+                            lse = streamed_row(lse_ring, lse_ready, lse_free, slot)
+                        with jax.named_scope("wait_q"):
+                            plgpu.barrier_wait(q_ready.at[slot])
+                            plgpu.barrier_wait(do_ready.at[slot])
+                        with jax.named_scope("products"):
+                            (s_t,) = ops.products((bk, bq),
+                                                  [(k_smem, q_ring.at[slot], True)])
+                        with jax.named_scope("softmax_partial" if masked else "softmax_full"):
+                            vis = None
+                            if masked:
+                                q_seg = None
+                                if has_segments:
+                                    q_seg = lax.broadcast_in_dim(
+                                        ops.load(qseg_ref, (b, cols), ops.col_layout),
+                                        (bk, bq), [1])
+                                vis = visible(cfg.terms, cfg.padded_kv_len,
+                                              q_base + ops.iota((bk, bq), 1),
+                                              k_base + ops.iota((bk, bq), 0), q_seg, k_seg,
+                                              ids_apart=True)
+                            term = None
+                            if alibi is not None:
+                                # The columns' part goes into their lse, the rows' into
+                                # each logit (both into each logit under a soft cap).
+                                far = alibi.streamed(bq, q_base - k_base)
+                                term = lax.broadcast_in_dim(alibi.own_term, (bk, bq), [0])
+                                if cfg.soft_cap:
+                                    term = term + lax.broadcast_in_dim(far, (bk, bq), [1])
+                                else:
+                                    lse = lse - far
+                            p_t, t = cfg.probabilities(
+                                s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis, term)
+                        # dV's product and dP's in one group, dK's after dS: fewer live
+                        # registers than S and dP together beside the dk and dv accumulators.
+                        with jax.named_scope("dv_dp"):
+                            fresh = ops.cast(jnp.zeros((bk, bq), jnp.float32),
+                                             ops.wgmma_layout)
+                            dv, dp_t = ops.accumulate((dv, fresh), [
+                                (p_t.astype(dtype), do_ring.at[slot]),
+                                (v_smem, do_ring.at[slot], True)])
+                        plgpu.barrier_arrive(do_free.at[slot])
+                        with jax.named_scope("load_rows"):
+                            delta = streamed_row(delta_ring, delta_ready, delta_free, slot)
+                        with jax.named_scope("ds"):
+                            ds_t = cfg.score_gradient(
+                                p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), t)
+                            if slope_out:
+                                slope_rows = slope_rows + alibi.gradient_rows(
+                                    ds_t, q_base - k_base)
+                            ds_t = ds_t.astype(dtype)
+                        with jax.named_scope("dk"):
+                            (dk,) = ops.accumulate((dk,), [(ds_t, q_ring.at[slot])])
+                        plgpu.barrier_arrive(q_free.at[slot])
+                        if fused:
+                            add_dq_partial(ds_t, step0 + it, h, cols)
+                        return dk, dv, slope_rows
+
+                    slope_rows = (ops.cast(jnp.zeros((bk,), jnp.float32), ops.row_layout)
+                                  if slope_out else None)
+                    dk, dv, slope_rows = walk_list(n_full, n_steps, step,
+                                                   (dk, dv, slope_rows))
+                    if slope_out:
+                        with jax.named_scope("slope_rows"):
+                            _store_rows(rows_stage.at[wg], slope_rows,
+                                        rows_ref.at[b, h, keys],
+                                        wait=not cta_items.single or group > 1)
+                    return step0 + n_steps, dk, dv
 
                 zeros = ops.cast(jnp.zeros((bk, d), jnp.float32), ops.wgmma_layout)
-                slope_rows = (ops.cast(jnp.zeros((bk,), jnp.float32), ops.row_layout)
-                              if slope_out else None)
-                dk, dv, slope_rows = walk_list(n_full, n_steps, step,
-                                               (zeros, zeros, slope_rows))
+                if group == 1:
+                    _, dk, dv = run_member(0, (first_step, zeros, zeros))
+                else:
+                    _, dk, dv = lax.fori_loop(0, group, run_member,
+                                              (first_step, zeros, zeros))
                 if fused and split:
                     # Both warpgroups' last dq partials have read both K tiles before either
                     # is overwritten (by the gradient below, or the next item's tiles).
@@ -722,14 +764,11 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         plgpu.barrier_arrive(item_done)
                         plgpu.barrier_wait(item_done)
                 with jax.named_scope("epilogue"):
-                    if slope_out:
-                        _store_rows(cta_items, slope_rows, rows_stage.at[wg],
-                                    rows_ref.at[b, h, keys])
                     k_smem[...] = (dk * cfg.softmax_scale).astype(dtype)
                     v_smem[...] = dv.astype(dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, h, keys])
-                    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h, keys])
+                    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, h_kv, keys])
+                    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h_kv, keys])
 
             cta_items.run(run_item)
             plgpu.wait_smem_to_gmem(0)
@@ -755,9 +794,10 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                               plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2),
                               plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)))
         operands = (*operands, dq_accumulator)
-    grads = jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.kv_len, d), dtype)
+    grads = jax.ShapeDtypeStruct((cfg.batch, cfg.kv_heads, cfg.kv_len, d), dtype)
     out_type = (grads, grads)
     if slope_out:
         scratch = (*scratch, plgpu.SMEM((COMPUTE_WARPGROUPS, bk), jnp.float32))
-        out_type = (*out_type, jax.ShapeDtypeStruct(grads.shape[:3], jnp.float32))
+        out_type = (*out_type, jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.kv_len),
+                                                    jnp.float32))
     return _launch(body, scratch, items.shape[0], out_type, operands, interpret)

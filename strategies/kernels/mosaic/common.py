@@ -346,11 +346,13 @@ def memory_warpgroup(num_items, walk, streams, stages: int, registers: int = MEM
 
 
 def persistent_schedule(full_count, partial_count, batch: int, heads: int,
-                        ctas: int | None, heavy_tiles_last: bool = True):
+                        ctas: int | None, heavy_tiles_last: bool = True, group: int = 1):
     """``(items [ctas, n] int32, counts [ctas] int32)``: the work items CTA ``c`` of a
     persistent launch runs, in order, ``items[c, :counts[c]]``; an item is ``(b * heads + h)
     * tiles + tile``; ``ctas=None`` gives one CTA per item. Built on the host, so the launch
-    needs no extra device work.
+    needs no extra device work. With ``group > 1`` an item's head ``h`` stands for the lists
+    of heads ``h * group .. h * group + group - 1`` (a kv head's query heads), which it walks
+    one after another.
 
     The items are taken batch row by batch row, heavy tiles first (under a causal mask the
     last q-tiles, or with ``heavy_tiles_last=False`` the first kv-tiles), the heads of a
@@ -369,7 +371,8 @@ def persistent_schedule(full_count, partial_count, batch: int, heads: int,
         cost = np.asarray(full_count) + 1.5 * np.asarray(partial_count) + 1.0
     except jax.errors.TracerArrayConversionError:  # a layout built per call
         return dealt(grid.transpose(2, 0, 1).reshape(-1), ctas)
-    cost = np.broadcast_to(cost, (batch, heads, tiles)).reshape(-1)
+    cost = np.broadcast_to(cost - 1.0, (batch, heads * group, tiles))
+    cost = cost.reshape(batch, heads, group, tiles).sum(axis=2).reshape(-1) + 1.0
     return first_free(grid.transpose(0, 2, 1).reshape(-1), cost, ctas)
 
 

@@ -222,8 +222,10 @@ class MosaicBlockSparse(AbstractLseKernel):
             **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
             soft_cap=soft_cap, single_pass=self.single_pass(),
+            # A dk/dv item walks the lists of its kv head's group of query heads.
             persistent=short_lists((dq.full_count, dq.partial_count),
-                                   (dkdv.t_full_count, dkdv.t_partial_count)),
+                                   (dkdv.t_full_count * (heads // kv_heads),
+                                    dkdv.t_partial_count * (heads // kv_heads))),
             ctas=_multiprocessors(), alibi=alibi)
         # The backward launches' work items per CTA, built on the host too (the single pass
         # runs no dq launch).
@@ -291,9 +293,10 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     """``(dq, dk, dv, dslopes)`` of the Mosaic backward for unpadded inputs: pads to the
     tiles (dO with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute
     nothing), runs the single pass (`dkv_call` with a zeroed float32 dq accumulator, scaled
-    and cast after) or `dq_call` and `dkv_call` apart (`cfg.single_pass`), and sums each kv
-    head's group of query-head dk / dv. With ALiBi (``cfg.alibi``) `dslopes` ``[H]`` float32
-    is the slopes' gradient (the launch's per-row shares summed), else ``None``.
+    and cast after) or `dq_call` and `dkv_call` apart (`cfg.single_pass`); dk and dv come
+    out per kv head (the dk/dv launch sums each group of query heads). With ALiBi
+    (``cfg.alibi``) `dslopes` ``[H]`` float32 is the slopes' gradient (the launch's per-row
+    shares summed), else ``None``.
     `schedules` holds the dq and dk/dv launches' ``(items, counts)`` (``None``: built from
     the lists' counts, `dq_schedule` and `dkv_schedule`)."""
     q_len, kv_len = q.shape[2], k.shape[2]
@@ -318,10 +321,6 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
                                        schedule=schedules[1], interpret=interpret)
     # Each row's share of the slope's gradient, summed per head (padded rows' are zero).
     dslopes = slope_rows[0].sum(axis=(0, 2)) if cfg.alibi else None
-    group = cfg.heads // cfg.kv_heads
-    if group > 1:
-        shape = (cfg.batch, cfg.kv_heads, group, cfg.kv_len, cfg.head_dim)
-        dk, dv = (x.reshape(shape).astype(jnp.float32).sum(2).astype(x.dtype) for x in (dk, dv))
     return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], dslopes
 
 

@@ -372,11 +372,10 @@ def test_backward_persistence_choice():
     counts = (np.arange(tiles, dtype=np.int32)[None, None], np.ones((1, 1, tiles), np.int32))
     items, _ = dq_schedule(cfg, *counts)
     assert items.shape == (tiles, 1)  # fewer items than CTAs: one each
-    items, _ = dkv_schedule(_backward_config(128, persistent=True, heads=64), *counts,
-                            fused=False)
+    many_heads = _backward_config(128, persistent=True, heads=64, kv_heads=64)
+    items, _ = dkv_schedule(many_heads, *counts, fused=False)
     assert items.shape[0] == 132 and items.shape[1] > 1
-    items, _ = dkv_schedule(_backward_config(128, persistent=True, heads=64), *counts,
-                            fused=True)
+    items, _ = dkv_schedule(many_heads, *counts, fused=True)
     assert items.shape[1] == 1  # the single pass at D = 128 is not persistent
 
     flat = _backward_config(128)
@@ -424,6 +423,26 @@ def test_persistent_schedule(batch, heads, tiles, ctas, known):
     else:
         # Round-robin, alternately forwards and backwards: balanced over sorted costs.
         assert max(loads) - min(loads) <= 2 * (tiles + 2.5)
+
+
+def test_grouped_schedule_costs_each_items_query_heads():
+    """With ``group > 1`` an item is a kv head's tile over its group's query heads: every
+    such item is scheduled once, and its cost is the sum of its query heads' lists (plus
+    one), so two CTAs split the four items' work evenly, heaviest first."""
+    from eqx_bsattn.strategies.kernels.mosaic.common import decode_item, persistent_schedule
+
+    # Four query heads in two groups, one tile: per-head FULL counts 1, 9 | 4, 6 (sums 10
+    # and 10), and over two tiles the first much heavier.
+    full = np.array([[[1, 0], [9, 0], [4, 0], [6, 0]]], np.int32)
+    partial = np.zeros_like(full)
+    items, counts = persistent_schedule(full, partial, 1, 2, 2, heavy_tiles_last=False,
+                                        group=2)
+    taken = sorted(int(i) for c, n in enumerate(counts) for i in items[c, :n])
+    assert taken == [0, 1, 2, 3]
+    # Each CTA gets one heavy tile (cost 11) and one empty one (cost 1).
+    for c, n in enumerate(counts):
+        tiles = sorted(int(decode_item(jnp.int32(i), 2, 2)[2]) for i in items[c, :n])
+        assert tiles == [0, 1], (items, counts)
 
 
 def _mosaic_interpreter():
@@ -539,10 +558,11 @@ BACKWARD_INTERPRETER_CASES = {
     "empty_rows": (masks.Causal(offset=-140), 1, 1, 256, 130, 64, False, None, False),
     # Logits well beyond the cap (inputs scaled by 3 below), so its derivative matters.
     "soft_cap": (masks.PrefixLM(70), 2, 2, 200, 256, 64, False, 2.0, False),
-    # Learned ALiBi slopes (their gradient checked too): grouped heads, ragged keys, keys
+    # Learned ALiBi slopes (their gradient checked too): two kv heads of two query heads
+    # each (the dk/dv launch sums a group, each head with its own slope), ragged keys, keys
     # before and after the query index (bottom-right), full and partial blocks, D = 128
     # (the split single pass).
-    "alibi": (masks.Causal(bottom_right=True), 2, 1, 200, 300, 128, False, None, True),
+    "alibi": (masks.Causal(bottom_right=True), 4, 2, 200, 300, 128, False, None, True),
     # A window both ways: partial blocks only; one head, whose slope's gradient cancels to
     # 1/900 of its terms' magnitude (`_slope_gradient_scale`).
     "alibi_window": (masks.SlidingWindow(90, 40), 1, 1, 200, 300, 64, False, None, True),
@@ -592,7 +612,7 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     mask, heads, kv_heads, lq, lk, d, documents, soft_cap, alibi = \
         BACKWARD_INTERPRETER_CASES[case]
     # Slopes large enough that the term moves the softmax over these short rows.
-    slopes = jnp.asarray([0.25, -0.1][:heads], jnp.float32) if alibi else None
+    slopes = jnp.asarray([0.25, -0.1, 0.05, 0.15][:heads], jnp.float32) if alibi else None
     data, seg = {}, (None, None)
     if documents:
         ids = np.repeat(np.arange(3, dtype=np.int32), [60, 90, 50])
