@@ -19,7 +19,10 @@ python benchmarks/mosaic_ab.py --base HEAD other-branch --backward --mode single
 python benchmarks/mosaic_ab.py --base HEAD --alibi --cases causal:2:16384 window:2:16384
 ```
 
-`--alibi` adds ALiBi (the standard slopes) to every call.
+`--alibi` adds ALiBi (the standard slopes) to every call; `--kv-heads` gives K and V fewer
+heads than Q (GQA). A base's `dkv_call` builds its own schedule, and where it returns dk
+and dv per query head (before the launch summed a group itself) they are summed per kv head
+here, in float32, as the kernel did then.
 """
 
 import argparse
@@ -69,7 +72,26 @@ def launches_at(revision: str, module_name: str, names, number: int = 0) -> dict
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    return {n: _tolerant(getattr(module, n)) for n in names}
+    return {n: _summed_per_kv_head(_tolerant(getattr(module, n))) if n == "dkv_call"
+            else _tolerant(getattr(module, n)) for n in names}
+
+
+def _summed_per_kv_head(dkv_call):
+    """`dkv_call`, its dk and dv summed over each kv head's group of query heads where the
+    launch returns them per query head (a revision before the launch summed them). It builds
+    its own schedule: the working tree's may number its work items otherwise."""
+
+    @functools.wraps(dkv_call)
+    def call(cfg, q, k, v, *args, schedule=None, **kwargs):
+        del schedule
+        dk, dv, *rest = dkv_call(cfg, q, k, v, *args, **kwargs)
+        if dk.shape[1] != k.shape[1]:
+            shape = (dk.shape[0], k.shape[1], dk.shape[1] // k.shape[1], *dk.shape[2:])
+            dk, dv = (x.reshape(shape).astype(jnp.float32).sum(2).astype(x.dtype)
+                      for x in (dk, dv))
+        return (dk, dv, *rest)
+
+    return call
 
 
 def _tolerant(launch):
@@ -90,7 +112,8 @@ def set_launches(launches: dict):
 
 
 def compare(cases, bases, rounds: int, reps: int, heads: int, dim: int,
-            backward: bool = False, mode: str = "deterministic", alibi: bool = False):
+            backward: bool = False, mode: str = "deterministic", alibi: bool = False,
+            kv_heads: int | None = None):
     module_name, names = PASSES["backward" if backward else "forward"]
     working = {n: getattr(mosaic_kernel, n) for n in names}
     calls = {f"base ({rev})": launches_at(rev, module_name, names, i)
@@ -101,7 +124,9 @@ def compare(cases, bases, rounds: int, reps: int, heads: int, dim: int,
     if alibi:
         what += " with ALiBi"
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    print(f"\n{what}, H={heads} D={dim} bfloat16, median / best of {rounds} rounds")
+    kv_heads = kv_heads or heads
+    print(f"\n{what}, H={heads} H_kv={kv_heads} D={dim} bfloat16, median / best of {rounds} "
+          f"rounds")
     print("| pattern | L | B | " + " | ".join(calls) + " |")
     print("| --- | --- | --- |" + " --- |" * len(calls))
     try:
@@ -114,8 +139,8 @@ def compare(cases, bases, rounds: int, reps: int, heads: int, dim: int,
             if backward:
                 flops *= 3.5
             keys = jax.random.split(jax.random.key(length), 4)
-            q, k, v, do = (jax.random.normal(key, (batch, heads, length, dim), jnp.bfloat16)
-                           for key in keys)
+            q, k, v, do = (jax.random.normal(key, (batch, n, length, dim), jnp.bfloat16)
+                           for key, n in zip(keys, (heads, kv_heads, kv_heads, heads)))
             per_call = {n: jnp.broadcast_to(jnp.asarray(x), (batch, length))
                         for n, x in data.items()}
             fns = {}
@@ -158,9 +183,11 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--alibi", action="store_true", help="ALiBi in every call")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="heads of K and V (GQA; default: --heads)")
     args = p.parse_args()
     compare(args.cases, args.base, args.rounds, args.reps, args.heads, args.dim, args.backward,
-            args.mode, args.alibi)
+            args.mode, args.alibi, args.kv_heads)
 
 
 if __name__ == "__main__":
