@@ -13,7 +13,9 @@ warpgroups) and, where its lists are short, persistent like it (below).
   in turn. The memory warpgroup streams each q-block's Q and dO tiles, and its log-sum-exp
   and delta rows; each compute warpgroup (64 keys, its K and V tiles in shared memory) forms
   ``S^T = K Q^T`` and ``dP^T = V dO^T`` and accumulates ``dv += P^T dO`` and ``dk += dS^T
-  Q`` in float32 over the whole group (GQA's sum inside the kernel, in a fixed order).
+  Q`` in float32 over the whole group (GQA's sum inside the kernel, in a fixed order). In
+  the single pass an item is a query head's instead (`BackwardConfig.dkv_group`), and the
+  caller sums a group's dk and dv.
 - `dkv_call` with a dq accumulator is the single pass: it also forms each block's dq partial
   ``dS K`` and adds it into a float32 dq in global memory by TMA reduce-add (5 block products
   a block instead of the two kernels' 7; dq then varies from run to run in its last bits).
@@ -143,6 +145,13 @@ class BackwardConfig(AttentionShape):
         buffers = self.own_buffers(streamed_rows, fused)
         return ring_stages(self._fixed_bytes(streamed_rows, fused, buffers),
                            2 * streamed_rows * self.head_dim * 2)
+
+    def dkv_group(self, fused: bool) -> int:
+        """Query heads one work item of the dk/dv launch walks: the kv head's whole group
+        (dk and dv summed in the kernel), or in the single pass (`fused`) one, so that its
+        dk and dv come out per query head for the caller to sum. Whole groups measured 14 %
+        slower there (docs/mosaic.md, "Grouped heads in the dk/dv launch")."""
+        return 1 if fused else self.group
 
     def probabilities(self, s, lse, vis=None, term=None):
         """``(P, t)`` of one block from its raw products ``s = q . k`` (either orientation;
@@ -519,12 +528,13 @@ def dq_schedule(cfg: BackwardConfig, full_count, partial_count):
 
 def dkv_schedule(cfg: BackwardConfig, t_full_count, t_partial_count, fused: bool):
     """The dk/dv launch's ``(items, counts)``, `fused` for the single pass
-    (`persistent_schedule` of the transposed counts: kv heads' kv-tiles, each over its group
-    of query heads, heavy first tiles first; one item per CTA unless the launch is
-    persistent)."""
-    return persistent_schedule(t_full_count, t_partial_count, cfg.batch, cfg.kv_heads,
+    (`persistent_schedule` of the transposed counts: kv-tiles of each kv head over its group
+    of query heads, or of each query head in the single pass (`BackwardConfig.dkv_group`),
+    heavy first tiles first; one item per CTA unless the launch is persistent)."""
+    group = cfg.dkv_group(fused)
+    return persistent_schedule(t_full_count, t_partial_count, cfg.batch, cfg.heads // group,
                                cfg.launch_ctas(cfg.dkv_block_q, fused), heavy_tiles_last=False,
-                               group=cfg.group)
+                               group=group)
 
 
 def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, ...]:
@@ -543,7 +553,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     """``(dk, dv)``, each ``[B, H_kv, Lk, D]`` (a kv head's gradient summed over its group of
     query heads in float32, in the kernel), for padded inputs ``q, do [B, H, Lq, D]`` and
     ``k, v [B, H_kv, Lk, D]``; the lists are the dk/dv layout's transposed ones. `schedule`
-    is the launch's ``(items, counts)`` (`dkv_schedule` when ``None``).
+    is the launch's ``(items, counts)`` (`dkv_schedule` when ``None``). In the single pass
+    dk and dv are ``[B, H, Lk, D]``, per query head (`BackwardConfig.dkv_group`).
 
     With `dq_accumulator` (a zeroed float32 `jax.Ref` of `dq_accumulator_shape`) the pass is
     the whole backward: each block's dS also goes to shared memory (16-bit) for a fifth product,
@@ -567,7 +578,9 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     stages = cfg.stages(bq, fused)
     dq_cols = cfg.dq_columns
     split = dq_cols < d
-    group = cfg.group
+    # Query heads an item walks, and items a kv head has.
+    group = cfg.dkv_group(fused)
+    kv_share = cfg.group // group
     num_tiles = cfg.kv_len // BLOCK_OWN
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
     slopes = _slopes(cfg, slopes, "dkv_call")
@@ -592,7 +605,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
             (q_free, do_free) = scoped
         (lse_ring, delta_ring), (lse_ready, delta_ready), (lse_free, delta_free) = rows_scoped
         wg = lax.axis_index("wg")
-        cta_items = _Items(items_ref, counts_ref, num_tiles, cfg.kv_heads,
+        cta_items = _Items(items_ref, counts_ref, num_tiles, cfg.heads // group,
                            cfg.dkv_layout_axes, (fcnt_ref, fidx_ref, pcnt_ref, pidx_ref),
                            items.shape[1] == 1, group)
 
@@ -603,7 +616,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
             def source_of(n, item):
                 b, h, tile = item[:3]
                 keys = pl.ds(tile * BLOCK_OWN + wg * bk, bk)
-                return (k_ref, v_ref)[n].at[b, h, keys]
+                return (k_ref, v_ref)[n].at[b, lax.div(h, kv_share), keys]
 
             load, own_tiles, wait_own = _own_tiles(buffers, wg, (k_own, v_own),
                                                    (k_ready, v_ready), source_of)
@@ -617,7 +630,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 return row
 
             def run_item(j, first_step, item, upcoming):
-                b, h_kv, tile = item[:3]
+                b, h_item, tile = item[:3]
                 k_smem, v_smem = own_tiles(j)
                 k_base = tile * BLOCK_OWN + wg * bk
                 keys = pl.ds(k_base, bk)
@@ -767,8 +780,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                     k_smem[...] = (dk * cfg.softmax_scale).astype(dtype)
                     v_smem[...] = dv.astype(dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, h_kv, keys])
-                    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h_kv, keys])
+                    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, h_item, keys])
+                    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h_item, keys])
 
             cta_items.run(run_item)
             plgpu.wait_smem_to_gmem(0)
@@ -794,7 +807,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                               plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2),
                               plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)))
         operands = (*operands, dq_accumulator)
-    grads = jax.ShapeDtypeStruct((cfg.batch, cfg.kv_heads, cfg.kv_len, d), dtype)
+    grads = jax.ShapeDtypeStruct((cfg.batch, cfg.heads // group, cfg.kv_len, d), dtype)
     out_type = (grads, grads)
     if slope_out:
         scratch = (*scratch, plgpu.SMEM((COMPUTE_WARPGROUPS, bk), jnp.float32))

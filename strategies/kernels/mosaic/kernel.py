@@ -2,6 +2,7 @@
 backward `backward.dq_call` and `backward.dkv_call` apart (deterministic; the default) or
 `backward.dkv_call` alone in one pass (dq summed across kv tiles by TMA reduce-add)."""
 
+import dataclasses
 import functools
 import os
 from typing import ClassVar
@@ -221,12 +222,13 @@ class MosaicBlockSparse(AbstractLseKernel):
         bcfg = BackwardConfig(
             **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
-            soft_cap=soft_cap, single_pass=self.single_pass(),
-            # A dk/dv item walks the lists of its kv head's group of query heads.
-            persistent=short_lists((dq.full_count, dq.partial_count),
-                                   (dkdv.t_full_count * (heads // kv_heads),
-                                    dkdv.t_partial_count * (heads // kv_heads))),
-            ctas=_multiprocessors(), alibi=alibi)
+            soft_cap=soft_cap, single_pass=self.single_pass(), ctas=_multiprocessors(),
+            alibi=alibi)
+        # A dk/dv item walks the lists of `dkv_group` query heads.
+        walked = bcfg.dkv_group(bcfg.single_pass)
+        bcfg = dataclasses.replace(bcfg, persistent=short_lists(
+            (dq.full_count, dq.partial_count),
+            (dkdv.t_full_count * walked, dkdv.t_partial_count * walked)))
         # The backward launches' work items per CTA, built on the host too (the single pass
         # runs no dq launch).
         schedules = (None if bcfg.single_pass else dq_schedule(bcfg, dq.full_count,
@@ -294,7 +296,8 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     tiles (dO with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute
     nothing), runs the single pass (`dkv_call` with a zeroed float32 dq accumulator, scaled
     and cast after) or `dq_call` and `dkv_call` apart (`cfg.single_pass`); dk and dv come
-    out per kv head (the dk/dv launch sums each group of query heads). With ALiBi
+    out per kv head (the deterministic dk/dv launch sums each group of query heads; the
+    single pass's per query head are summed here, in float32). With ALiBi
     (``cfg.alibi``) `dslopes` ``[H]`` float32 is the slopes' gradient (the launch's per-row
     shares summed), else ``None``.
     `schedules` holds the dq and dk/dv launches' ``(items, counts)`` (``None``: built from
@@ -321,6 +324,9 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
                                        schedule=schedules[1], interpret=interpret)
     # Each row's share of the slope's gradient, summed per head (padded rows' are zero).
     dslopes = slope_rows[0].sum(axis=(0, 2)) if cfg.alibi else None
+    if dk.shape[1] != cfg.kv_heads:
+        shape = (cfg.batch, cfg.kv_heads, cfg.group, cfg.kv_len, cfg.head_dim)
+        dk, dv = (x.reshape(shape).astype(jnp.float32).sum(2).astype(x.dtype) for x in (dk, dv))
     return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], dslopes
 
 

@@ -377,6 +377,12 @@ def test_backward_persistence_choice():
     assert items.shape[0] == 132 and items.shape[1] > 1
     items, _ = dkv_schedule(many_heads, *counts, fused=True)
     assert items.shape[1] == 1  # the single pass at D = 128 is not persistent
+    # Grouped heads: a deterministic dk/dv item is a kv head's tile over its 4 query heads,
+    # a single-pass item one query head's tile.
+    grouped = _backward_config(128, heads=4, kv_heads=1)
+    assert grouped.dkv_group(False) == 4 and grouped.dkv_group(True) == 1
+    assert dkv_schedule(grouped, *counts, fused=False)[0].shape == (tiles, 1)
+    assert dkv_schedule(grouped, *counts, fused=True)[0].shape == (4 * tiles, 1)
 
     flat = _backward_config(128)
     x = jnp.zeros((1, 1, 1024, 128), jnp.bfloat16)
