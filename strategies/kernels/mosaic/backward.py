@@ -149,8 +149,9 @@ class BackwardConfig(AttentionShape):
     def dkv_group(self, fused: bool) -> int:
         """Query heads one work item of the dk/dv launch walks: the kv head's whole group
         (dk and dv summed in the kernel), or in the single pass (`fused`) one, so that its
-        dk and dv come out per query head for the caller to sum. Whole groups measured 14 %
-        slower there (docs/mosaic.md, "Grouped heads in the dk/dv launch")."""
+        dk and dv come out per query head for the caller to sum. Whole groups measured 12 to
+        14 % slower there on causal rows (docs/mosaic.md, "Grouped heads in the dk/dv
+        launch")."""
         return 1 if fused else self.group
 
     def probabilities(self, s, lse, vis=None, term=None):
