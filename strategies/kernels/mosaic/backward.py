@@ -50,9 +50,9 @@ import numpy as np
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     SMEM_BUDGET, AlibiBlocks, AttentionShape, Ops, decode_item, layout_prefix,
-                     list_bounds, list_entry, memory_warpgroup, persistent_schedule,
-                     ring_stages, segment_ids_apart, swizzled, visible, walk_list)
+                     SMEM_BUDGET, AlibiBlocks, AttentionShape, Ops, WorkItems,
+                     persistent_schedule, ring_stages, segment_ids_apart, swizzled, visible,
+                     walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -224,93 +224,6 @@ def _segments(q_segment_ids, kv_segment_ids):
     return True, *segment_ids_apart(q_segment_ids, kv_segment_ids)
 
 
-class _Items:
-    """A CTA's work items: one (``single``, statically), or in a persistent launch several,
-    their numbers read one item ahead so that the next item's list bounds are read while
-    this one runs. An item is ``(b, h, tile)``; with ``group > 1`` its head is a kv head, and
-    the item walks the lists of its `group` query heads one after another (`member`)."""
-
-    def __init__(self, items_ref, counts_ref, num_tiles, heads, layout_axes, list_refs,
-                 single: bool, group: int = 1):
-        self.items_ref, self.num_tiles, self.heads = items_ref, num_tiles, heads
-        self.layout_axes, self.single, self.group = layout_axes, single, group
-        self.fcnt_ref, self.fidx_ref, self.pcnt_ref, self.pidx_ref = list_refs
-        self.cta = lax.axis_index("ctas")
-        self.count = 1 if single else counts_ref[self.cta]  # at least one
-
-    def raw(self, j):
-        """The number of the CTA's item j (clamped to its last item)."""
-        if self.single:
-            return self.items_ref[self.cta, 0]
-        return self.items_ref[self.cta, jnp.minimum(j, self.count - 1)]
-
-    def _bounds(self, b, h, tile):
-        return list_bounds(self.layout_axes, b, h, tile, self.fcnt_ref, self.pcnt_ref)[1:]
-
-    def decoded(self, raw):
-        """``(b, h, tile, n_full, n_steps)`` of the item numbered `raw`: its list's FULL
-        count and length; with ``group > 1``, ``n_full`` is None and ``n_steps`` the length
-        of its query heads' lists together."""
-        b, h, tile = decode_item(raw, self.num_tiles, self.heads)
-        if self.group == 1:
-            return b, h, tile, *self._bounds(b, h, tile)
-        n_steps = lax.fori_loop(0, self.group, lambda g, n: n + self._bounds(
-            b, h * self.group + g, tile)[1], jnp.int32(0))
-        return b, h, tile, None, n_steps
-
-    def member(self, item, g):
-        """``(head, prefix, n_full, n_steps)`` of the list of the item's query head `g` of
-        its group: the head, its lists' index prefix (`layout_prefix`), FULL count and
-        length."""
-        b, h, tile, n_full, n_steps = item
-        if self.group > 1:
-            h = h * self.group + g
-            n_full, n_steps = self._bounds(b, h, tile)
-        return h, layout_prefix(self.layout_axes, b, h, tile), n_full, n_steps
-
-    def block(self, prefix, it, n_full):
-        """The block of entry `it` of a FULL-then-PARTIAL list (`list_entry`)."""
-        return list_entry(self.fidx_ref, self.pidx_ref, prefix, it, n_full)
-
-    def run(self, run_item):
-        """``run_item(j, first_step, item, upcoming)`` for each of the CTA's items in turn;
-        `first_step` counts the ring steps of the items before (their list lengths),
-        `upcoming` is item j + 1's `decoded` tuple (item j's again for the last; ``None``
-        for a single item)."""
-        if self.single:
-            run_item(0, jnp.int32(0), self.decoded(self.raw(0)), None)
-            return
-
-        def body(j, carry):
-            first_step, this_item, next_raw = carry
-            upcoming = self.decoded(next_raw)
-            after_next_raw = self.raw(j + 2)
-            run_item(j, first_step, this_item, upcoming)
-            return first_step + this_item[4], upcoming, after_next_raw
-
-        lax.fori_loop(0, self.count, body, (jnp.int32(0), self.decoded(self.raw(0)),
-                                            self.raw(1)))
-
-    def memory_warpgroup(self, streams, stages, tile_of_block):
-        """The memory warpgroup over these items (each query head of a group's in turn):
-        each list entry's tiles, ``tile_of_block(ref, b, h, block)``, streamed through
-        `streams`' rings (`common.memory_warpgroup`)."""
-
-        def walk(j):
-            b, h, tile = decode_item(self.raw(lax.div(j, self.group)), self.num_tiles,
-                                     self.heads)
-            n_full, n_steps = (None, None) if self.group > 1 else self._bounds(b, h, tile)
-            h, prefix, n_full, n_steps = self.member((b, h, tile, n_full, n_steps),
-                                                     lax.rem(j, self.group))
-
-            def tile_of(ref, it):
-                return tile_of_block(ref, b, h, self.block(prefix, it, n_full))
-
-            return n_steps, tile_of
-
-        memory_warpgroup(self.count * self.group, walk, streams, stages)
-
-
 def _own_tiles(buffers: int, wg, own, ready, source_of):
     """``(load(j, item), tiles(j), wait(j))`` of a compute warpgroup's own tiles: ``load``
     starts copying item j's two tiles (``source_of(n, item)``, the global-memory slice of
@@ -336,7 +249,7 @@ def _own_tiles(buffers: int, wg, own, ready, source_of):
     return load, tiles, wait
 
 
-def _load_next_own_tiles(cta_items: _Items, load, j, upcoming):
+def _load_next_own_tiles(cta_items: WorkItems, load, j, upcoming):
     """In a persistent launch, start loading item j + 1's own tiles into the other buffer
     (once item j - 1's gradient, which left through it, has been read out)."""
     import jax.experimental.pallas as pl
@@ -412,7 +325,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
         (q_own, do_own, k_ring, v_ring), (q_ready, do_ready, k_ready, v_ready), \
             (k_free, v_free) = scoped
         wg = lax.axis_index("wg")
-        cta_items = _Items(items_ref, counts_ref, num_tiles, cfg.heads, cfg.dq_layout_axes,
+        cta_items = WorkItems(items_ref, counts_ref, num_tiles, cfg.heads, cfg.dq_layout_axes,
                            (fcnt_ref, fidx_ref, pcnt_ref, pidx_ref), items.shape[1] == 1)
 
         @pl.when(wg < COMPUTE_WARPGROUPS)
@@ -454,8 +367,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                     if alibi is not None:
                         offset = k_base - q_base
                         if cfg.soft_cap:
-                            term = (lax.broadcast_in_dim(alibi.streamed(bk, offset), (bq, bk), [1])
-                                    + lax.broadcast_in_dim(alibi.own_term, (bq, bk), [0]))
+                            term = alibi.whole((bq, bk), offset)
                         else:
                             # The columns' part in each logit; the rows' part and the
                             # block's constant in the rows' log-sum-exp.
@@ -606,7 +518,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
             (q_free, do_free) = scoped
         (lse_ring, delta_ring), (lse_ready, delta_ready), (lse_free, delta_free) = rows_scoped
         wg = lax.axis_index("wg")
-        cta_items = _Items(items_ref, counts_ref, num_tiles, cfg.heads // group,
+        cta_items = WorkItems(items_ref, counts_ref, num_tiles, cfg.heads // group,
                            cfg.dkv_layout_axes, (fcnt_ref, fidx_ref, pcnt_ref, pidx_ref),
                            items.shape[1] == 1, group)
 
@@ -721,12 +633,11 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                             if alibi is not None:
                                 # The columns' part goes into their lse, the rows' into
                                 # each logit (both into each logit under a soft cap).
-                                far = alibi.streamed(bq, q_base - k_base)
-                                term = lax.broadcast_in_dim(alibi.own_term, (bk, bq), [0])
                                 if cfg.soft_cap:
-                                    term = term + lax.broadcast_in_dim(far, (bk, bq), [1])
+                                    term = alibi.whole((bk, bq), q_base - k_base)
                                 else:
-                                    lse = lse - far
+                                    term = lax.broadcast_in_dim(alibi.own_term, (bk, bq), [0])
+                                    lse = lse - alibi.streamed(bq, q_base - k_base)
                             p_t, t = cfg.probabilities(
                                 s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis, term)
                         # dV's product and dP's in one group, dK's after dS: fewer live

@@ -1,7 +1,9 @@
-"""What the forward and backward Mosaic GPU kernels share: the canonical predicate, the memory
-warpgroup that streams list entries through a ring of shared-memory slots, the walk of a
-FULL-then-PARTIAL block list, and the few operations that differ between the GPU and Pallas'
-CPU interpreter for Mosaic GPU (layout casts, iotas, loads and matrix products).
+"""What the forward and backward Mosaic GPU kernels share: the canonical predicate, a CTA's
+work items (`WorkItems`) and their persistent schedule, the memory warpgroup that streams
+list entries through a ring of shared-memory slots, the walk of a FULL-then-PARTIAL block
+list, ALiBi's terms over a work item's blocks (`AlibiBlocks`), and the few operations that
+differ between the GPU and Pallas' CPU interpreter for Mosaic GPU (layout casts, iotas,
+loads and matrix products).
 
 Mosaic GPU is imported inside the functions, so this module imports anywhere.
 """
@@ -259,6 +261,13 @@ class AlibiBlocks:
         offset)`` is ``streamed(columns, 0) + shift(offset)``."""
         return self.slope2 * (self.sign * offset.astype(jnp.float32))
 
+    def whole(self, shape, offset):
+        """A block's whole base-2 term, ``shape = (rows, columns)`` (`offset` as in
+        `streamed`): the columns' part along the columns plus the own rows' part along the
+        rows, as each logit takes it under a soft cap."""
+        return (lax.broadcast_in_dim(self.streamed(shape[1], offset), shape, [1])
+                + lax.broadcast_in_dim(self.own_term, shape, [0]))
+
     def gradient_rows(self, ds, offset):
         """Each row's ``sum_j dS_ij (k_pos - q_pos)`` over one block (`ds` float32, the
         logits' gradient; `offset` as in `streamed`): the rows' shares of the slope's
@@ -343,6 +352,95 @@ def memory_warpgroup(num_items, walk, streams, stages: int, registers: int = MEM
         for _, _, _, free in streams:
             pl.when(step >= 0)(
                 lambda free=free, step=step: plgpu.barrier_wait(free.at[lax.rem(step, stages)]))
+
+
+class WorkItems:
+    """The work items of one CTA of a launch over a layout's lists (inside the kernel): one
+    (``single``, statically), or in a persistent launch several, ``items_ref[cta,
+    :counts_ref[cta]]`` (`persistent_schedule`), their numbers read one item ahead so that
+    the next item's list bounds are read while this one runs. An item is ``(b, h, tile)``;
+    with ``group > 1`` its head stands for `group` heads of the lists (a kv head's query
+    heads), which the item walks one after another (`member`)."""
+
+    def __init__(self, items_ref, counts_ref, num_tiles, heads, layout_axes, list_refs,
+                 single: bool, group: int = 1):
+        self.items_ref, self.num_tiles, self.heads = items_ref, num_tiles, heads
+        self.layout_axes, self.single, self.group = layout_axes, single, group
+        self.fcnt_ref, self.fidx_ref, self.pcnt_ref, self.pidx_ref = list_refs
+        self.cta = lax.axis_index("ctas")
+        self.count = 1 if single else counts_ref[self.cta]  # at least one
+
+    def raw(self, j):
+        """The number of the CTA's item j (clamped to its last item)."""
+        if self.single:
+            return self.items_ref[self.cta, 0]
+        return self.items_ref[self.cta, jnp.minimum(j, self.count - 1)]
+
+    def _bounds(self, b, h, tile):
+        return list_bounds(self.layout_axes, b, h, tile, self.fcnt_ref, self.pcnt_ref)[1:]
+
+    def decoded(self, raw):
+        """``(b, h, tile, n_full, n_steps)`` of the item numbered `raw`: its list's FULL
+        count and length; with ``group > 1``, ``n_full`` is None and ``n_steps`` the length
+        of its query heads' lists together."""
+        b, h, tile = decode_item(raw, self.num_tiles, self.heads)
+        if self.group == 1:
+            return b, h, tile, *self._bounds(b, h, tile)
+        n_steps = lax.fori_loop(0, self.group, lambda g, n: n + self._bounds(
+            b, h * self.group + g, tile)[1], jnp.int32(0))
+        return b, h, tile, None, n_steps
+
+    def member(self, item, g):
+        """``(head, prefix, n_full, n_steps)`` of the list of the item's query head `g` of
+        its group: the head, its lists' index prefix (`layout_prefix`), FULL count and
+        length."""
+        b, h, tile, n_full, n_steps = item
+        if self.group > 1:
+            h = h * self.group + g
+            n_full, n_steps = self._bounds(b, h, tile)
+        return h, layout_prefix(self.layout_axes, b, h, tile), n_full, n_steps
+
+    def block(self, prefix, it, n_full):
+        """The block of entry `it` of a FULL-then-PARTIAL list (`list_entry`)."""
+        return list_entry(self.fidx_ref, self.pidx_ref, prefix, it, n_full)
+
+    def run(self, run_item):
+        """``run_item(j, first_step, item, upcoming)`` for each of the CTA's items in turn;
+        `first_step` counts the ring steps of the items before (their list lengths),
+        `upcoming` is item j + 1's `decoded` tuple (item j's again for the last; ``None``
+        for a single item)."""
+        if self.single:
+            run_item(0, jnp.int32(0), self.decoded(self.raw(0)), None)
+            return
+
+        def body(j, carry):
+            first_step, this_item, next_raw = carry
+            upcoming = self.decoded(next_raw)
+            after_next_raw = self.raw(j + 2)
+            run_item(j, first_step, this_item, upcoming)
+            return first_step + this_item[4], upcoming, after_next_raw
+
+        lax.fori_loop(0, self.count, body, (jnp.int32(0), self.decoded(self.raw(0)),
+                                            self.raw(1)))
+
+    def memory_warpgroup(self, streams, stages, tile_of_block):
+        """The memory warpgroup over these items (each head of a group's in turn): each list
+        entry's tiles, ``tile_of_block(ref, b, h, block)``, streamed through `streams`'
+        rings (`memory_warpgroup`)."""
+
+        def walk(j):
+            b, h, tile = decode_item(self.raw(lax.div(j, self.group)), self.num_tiles,
+                                     self.heads)
+            n_full, n_steps = (None, None) if self.group > 1 else self._bounds(b, h, tile)
+            h, prefix, n_full, n_steps = self.member((b, h, tile, n_full, n_steps),
+                                                     lax.rem(j, self.group))
+
+            def tile_of(ref, it):
+                return tile_of_block(ref, b, h, self.block(prefix, it, n_full))
+
+            return n_steps, tile_of
+
+        memory_warpgroup(self.count * self.group, walk, streams, stages)
 
 
 def persistent_schedule(full_count, partial_count, batch: int, heads: int,

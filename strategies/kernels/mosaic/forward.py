@@ -43,9 +43,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     AlibiBlocks, AttentionShape, Ops, decode_item, layout_prefix, list_bounds,
-                     list_entry, memory_warpgroup, persistent_schedule, ring_stages,
-                     segment_ids_apart, swizzled, visible, walk_list)
+                     AlibiBlocks, AttentionShape, Ops, WorkItems, persistent_schedule,
+                     ring_stages, segment_ids_apart, swizzled, visible, walk_list)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -104,20 +103,11 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                pidx_ref, qseg_ref, kseg_ref, slopes_ref, out_ref, lse_ref, scoped):
         (q_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), \
             (k_free, v_free), turn = scoped
-        cta = lax.axis_index("ctas")
-        count = counts_ref[cta]  # at least one
         wg = lax.axis_index("wg")
-        layout_axes = (cfg.layout_batch, cfg.layout_heads)
-
-        def decoded(raw):
-            """``(b, h, tile, n_full, n_steps)`` of the work item numbered `raw`."""
-            b, h, tile = decode_item(raw, num_q_tiles, cfg.heads)
-            _, n_full, n_steps = list_bounds(layout_axes, b, h, tile, fcnt_ref, pcnt_ref)
-            return b, h, tile, n_full, n_steps
-
-        def raw_item(j):
-            """The number of the CTA's item j (j clamped to its last item)."""
-            return items_ref[cta, jnp.minimum(j, count - 1)]
+        cta_items = WorkItems(items_ref, counts_ref, num_q_tiles, cfg.heads,
+                              (cfg.layout_batch, cfg.layout_heads),
+                              (fcnt_ref, fidx_ref, pcnt_ref, pidx_ref), single=False)
+        count = cta_items.count
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -136,19 +126,14 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                                         q_buffers.at[buffer, wg],
                                         q_ready.at[buffer * COMPUTE_WARPGROUPS + wg])
 
-            first_item = decoded(raw_item(0))
-            load_q(0, first_item)
+            load_q(0, cta_items.decoded(cta_items.raw(0)))
 
-            def run_item(j, carry):
-                first_step, this_item, next_raw = carry
+            def run_item(j, first_step, this_item, upcoming):
+                # Item j + 1's list bounds (`upcoming`) were read just before this item;
+                # they are used at its end (`WorkItems.run`).
                 with jax.named_scope("entry"):
-                    # Item j + 1's number was read during item j - 1, and its list bounds
-                    # are read now; they are used at the end of this item. Item j + 2's
-                    # number is read for the next one.
-                    upcoming = decoded(next_raw)
-                    after_next_raw = raw_item(j + 2)
-                    b, h, tile, n_full, n_steps = this_item
-                    prefix = layout_prefix(layout_axes, b, h, tile)
+                    b, _, tile = this_item[:3]
+                    h, prefix, n_full, n_steps = cta_items.member(this_item, 0)
                     buffer = lax.rem(j, 2)
                     q_smem = q_buffers.at[buffer, wg]
                     q_base = tile * BLOCK_Q + wg * bq
@@ -213,9 +198,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     or None for a full block), base-2 exponentials and the rescaled sums."""
                     shift = None  # a constant left out of every logit of the block
                     if k_base is not None and cfg.soft_cap:
-                        far = alibi.streamed(bk, k_base - q_base)
-                        s = (s * cfg.log2_factor + lax.broadcast_in_dim(far, s.shape, [1])
-                             + lax.broadcast_in_dim(alibi.own_term, s.shape, [0]))
+                        s = s * cfg.log2_factor + alibi.whole(s.shape, k_base - q_base)
                     elif k_base is not None:
                         s = s * cfg.log2_factor + lax.broadcast_in_dim(col_term, s.shape, [1])
                         shift = alibi.shift(k_base - q_base)
@@ -320,24 +303,16 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, h, pl.ds(q_base, bq)])
                     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, bq)])
-                return first_step + n_steps, upcoming, after_next_raw
 
-            lax.fori_loop(0, count, run_item, (jnp.int32(0), first_item, raw_item(1)))
+            cta_items.run(run_item)
             plgpu.wait_smem_to_gmem(0)
 
-        def walk(j):
-            b, h, tile, n_full, n_steps = decoded(raw_item(j))
-            prefix = layout_prefix(layout_axes, b, h, tile)
+        def tile_of_block(ref, b, h, block):
+            return ref.at[b, lax.div(h, group), pl.ds(block * bk, bk)]
 
-            def tile_of(ref, it):
-                block = list_entry(fidx_ref, pidx_ref, prefix, it, n_full)
-                return ref.at[b, lax.div(h, group), pl.ds(block * bk, bk)]
-
-            return n_steps, tile_of
-
-        pl.when(wg == COMPUTE_WARPGROUPS)(lambda: memory_warpgroup(
-            count, walk, ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)),
-            stages))
+        pl.when(wg == COMPUTE_WARPGROUPS)(lambda: cta_items.memory_warpgroup(
+            ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)), stages,
+            tile_of_block))
 
     def entry(*refs):
         smem = (
