@@ -122,10 +122,11 @@ def block_coords(
     def place(x):
         if x is None:
             return None
-        x = jnp.asarray(x)
+        xp = np if isinstance(x, np.ndarray) else jnp
+        x = xp.asarray(x)
         if x.ndim == 1:
             x = x[None]
-        return jnp.expand_dims(x, -1 if axis == -2 else -2)
+        return _on_device(xp.expand_dims(x, -1 if axis == -2 else -2))
 
     return BlockCoords(
         index_lo=place(index_lo),
@@ -138,6 +139,12 @@ def block_coords(
         block_size=block,
         positions_are_indices=positions is None,
     )
+
+
+def _on_device(x):
+    """`x` as a JAX array: a NumPy one by a transfer alone (`jnp.asarray` of a NumPy array
+    compiles a program per shape while a static layout is built), else `jnp.asarray`."""
+    return jax.device_put(x) if isinstance(x, np.ndarray) else jnp.asarray(x)
 
 
 def _q_rows(coords: BlockCoords, start, size: int) -> BlockCoords:
@@ -581,7 +588,9 @@ def layout_of_resolved(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads
                                              block_q=block_q, block_kv=block_kv, data=data)
                     for h in range(mh)]
         mb = max(c.shape[0] for c in per_head)
-        return jnp.stack([jnp.broadcast_to(c, (mb, nq, nk)) for c in per_head], axis=1)
+        xp = jnp if dynamic else np  # a static mask's classes on the host: no op compiled
+        return xp.stack([xp.broadcast_to(xp.asarray(c), (mb, nq, nk)) for c in per_head],
+                        axis=1)
 
     qc = block_coords(q_len, block_q, q_positions, q_segment_ids, axis=-2)
     kc = block_coords(kv_len, block_kv, kv_positions, kv_segment_ids, axis=-1)
@@ -593,9 +602,15 @@ def layout_of_resolved(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads
         per_head = [blocks(mask, qc, kc, h, np.int32(start), stop - start) for h in range(mh)]
         mb = max(c.shape[0] if c.ndim == 3 else 1 for c in per_head)
         shape = (mb, stop - start, nk)
-        return ragged(jnp.stack([jnp.broadcast_to(c, shape) for c in per_head], 1))
+        xp = jnp if dynamic else np
+        return ragged(xp.stack([xp.broadcast_to(xp.asarray(c), shape) for c in per_head], 1))
 
     def ragged(classes):
+        if not dynamic:
+            classes = np.array(classes, np.int8)
+            if kv_len % block_kv:
+                classes[..., -1] = np.minimum(classes[..., -1], PARTIAL)
+            return classes
         classes = classes.astype(jnp.int8)
         if kv_len % block_kv:
             # The ragged last kv-block must bound-check its keys, so it is never FULL.
@@ -634,19 +649,19 @@ def layout_of_resolved(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads
             q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
         )
         bitmaps, bitmap_index, t_bitmap_index = map(
-            jnp.asarray, (bitmaps, bitmap_index, t_bitmap_index)
+            _on_device, (bitmaps, bitmap_index, t_bitmap_index)
         )
 
     return BlockLayout(
-        classes=jnp.asarray(classes),
-        full_count=jnp.asarray(full_count),
-        full_index=jnp.asarray(full_index),
-        partial_count=jnp.asarray(partial_count),
-        partial_index=jnp.asarray(partial_index),
-        t_full_count=jnp.asarray(t_full_count),
-        t_full_index=jnp.asarray(t_full_index),
-        t_partial_count=jnp.asarray(t_partial_count),
-        t_partial_index=jnp.asarray(t_partial_index),
+        classes=_on_device(classes),
+        full_count=_on_device(full_count),
+        full_index=_on_device(full_index),
+        partial_count=_on_device(partial_count),
+        partial_index=_on_device(partial_index),
+        t_full_count=_on_device(t_full_count),
+        t_full_index=_on_device(t_full_index),
+        t_partial_count=_on_device(t_partial_count),
+        t_partial_index=_on_device(t_partial_index),
         bitmaps=bitmaps,
         bitmap_index=bitmap_index,
         t_bitmap_index=t_bitmap_index,
