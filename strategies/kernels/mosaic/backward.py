@@ -64,11 +64,14 @@ PERSISTENT_MAX_MEAN_BLOCKS = 32
 
 
 def short_lists(*counts) -> bool:
-    """Whether the layouts' lists, given as ``(full_count, partial_count)`` pairs, are known
-    on the host (a static mask; a layout built per call has device counts) and visit at most
-    `PERSISTENT_MAX_MEAN_BLOCKS` blocks a work item on average: `BackwardConfig.persistent`."""
+    """Whether the layouts' lists, given as ``(full_count, partial_count)`` pairs (or
+    ``(full_count, partial_count, lists)`` where a work item walks `lists` of them), are
+    known on the host (a static mask; a layout built per call has device counts) and visit
+    at most `PERSISTENT_MAX_MEAN_BLOCKS` blocks a work item on average:
+    `BackwardConfig.persistent`."""
     try:
-        means = [np.mean(np.asarray(full) + np.asarray(partial)) for full, partial in counts]
+        means = [np.mean(np.asarray(full) + np.asarray(partial)) * (walked[0] if walked else 1)
+                 for full, partial, *walked in counts]
     except jax.errors.TracerArrayConversionError:
         return False
     return max(means) <= PERSISTENT_MAX_MEAN_BLOCKS

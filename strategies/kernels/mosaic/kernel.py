@@ -228,7 +228,7 @@ class MosaicBlockSparse(AbstractLseKernel):
         walked = bcfg.dkv_group(bcfg.single_pass)
         bcfg = dataclasses.replace(bcfg, persistent=short_lists(
             (dq.full_count, dq.partial_count),
-            (dkdv.t_full_count * walked, dkdv.t_partial_count * walked)))
+            (dkdv.t_full_count, dkdv.t_partial_count, walked)))
         # The backward launches' work items per CTA, built on the host too (the single pass
         # runs no dq launch).
         schedules = (None if bcfg.single_pass else dq_schedule(bcfg, dq.full_count,

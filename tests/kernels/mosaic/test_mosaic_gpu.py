@@ -353,6 +353,9 @@ def test_backward_persistence_choice():
              np.ones((1, 1, 8), np.int32))
     long = (short[0] + 1, short[1])
     assert short_lists(short, short) and not short_lists(short, long)
+    # An item that walks two lists (a kv head's two query heads) visits twice the blocks.
+    assert not short_lists((*(jnp.asarray(c) for c in short), 2))
+    assert short_lists((*(c // 2 for c in short), 2))
     seen = {}
     jax.jit(lambda f, p: seen.setdefault("device", short_lists((f, p))))(*short)
     assert seen["device"] is False  # a layout built per call: counts on the device
