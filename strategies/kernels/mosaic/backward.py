@@ -74,7 +74,7 @@ def short_lists(*counts) -> bool:
                  for full, partial, *walked in counts]
     except jax.errors.TracerArrayConversionError:
         return False
-    return max(means) <= PERSISTENT_MAX_MEAN_BLOCKS
+    return bool(max(means) <= PERSISTENT_MAX_MEAN_BLOCKS)
 
 
 def backward_blocks(head_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:

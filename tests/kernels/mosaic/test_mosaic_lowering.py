@@ -1,0 +1,108 @@
+"""`MosaicBlockSparse` planned and lowered for a Hopper GPU on a host without one.
+
+JAX lowers a program for a platform it does not run on (``lower(lowering_platforms=("cuda",))``),
+and Pallas lowers Mosaic GPU kernels in Python, so on a CPU these tests check what the GPU
+tests cannot check without a GPU: that each kernel lowers (forward, the dq and the dk/dv
+launches) for masks, head dims, ragged lengths, grouped heads and segment ids, and that the
+launch configurations a call builds are the same under `jax.jit` as eagerly. The host is
+told it has a GPU: the default platform is "gpu", Mosaic GPU is taken as runnable, and the
+GPU has an H200's 132 multiprocessors. Nothing here runs a kernel.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqx_bsattn as bsa
+import eqx_bsattn._module as module_internals
+from eqx_bsattn import masks
+from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
+from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+H200_MULTIPROCESSORS = 132
+
+
+@pytest.fixture
+def hopper_host(monkeypatch):
+    """This host as a Hopper GPU's for planning and lowering (it runs nothing)."""
+    monkeypatch.setattr(module_internals, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(mosaic_kernel, "_mosaic_missing", lambda: None)
+    monkeypatch.setattr(mosaic_kernel, "_multiprocessors", lambda: H200_MULTIPROCESSORS)
+
+
+def _inputs(batch, heads, kv_heads, q_len, kv_len, dim):
+    keys = jax.random.split(jax.random.key(0), 3)
+    shapes = ((batch, heads, q_len, dim), (batch, kv_heads, kv_len, dim),
+              (batch, kv_heads, kv_len, dim))
+    return tuple(jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip(keys, shapes))
+
+
+def _launch_configs(monkeypatch, attn, q, k, v, jitted, **data):
+    """The ``(forward, backward)`` launch configurations the call builds, eagerly or inside
+    `jax.jit` (the kernels themselves are replaced by zeros)."""
+    seen = []
+
+    def record(fcfg, bcfg, q, k, v, *rest):
+        seen.append((fcfg, bcfg))
+        return jnp.zeros_like(q), jnp.zeros(q.shape[:3], jnp.float32)
+
+    monkeypatch.setattr(mosaic_kernel, "_attend", record)
+    call = (lambda q, k, v: attn(q, k, v, **data))
+    (jax.jit(call) if jitted else call)(q, k, v)
+    (configs,) = seen
+    return configs
+
+
+@pytest.mark.parametrize("mask, length, persistent", [
+    (masks.Causal() & masks.SlidingWindow(512, 0), 2048, True),
+    (masks.Causal(), 8192, False),
+], ids=["window_short_lists", "causal_long_lists"])
+def test_launch_configs_same_under_jit(hopper_host, monkeypatch, mask, length, persistent):
+    """A static mask's backward launches are persistent where its lists are short, whether
+    the call is traced or eager: the choice reads the layouts' counts on the host, never a
+    product traced with them (grouped heads: a dk/dv item walks its group's lists)."""
+    attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse())
+    q, k, v = _inputs(1, 4, 2, length, length, 128)
+    eager = _launch_configs(monkeypatch, attn, q, k, v, jitted=False)
+    traced = _launch_configs(monkeypatch, attn, q, k, v, jitted=True)
+    assert traced == eager
+    assert eager[1].persistent is persistent and not eager[1].single_pass
+
+
+LOWERED = {
+    "causal": (masks.Causal(), dict(batch=1, heads=2, kv_heads=2, q_len=1024, kv_len=1024,
+                                    dim=128), {}),
+    "window_gqa": (masks.Causal() & masks.SlidingWindow(256, 0),
+                   dict(batch=1, heads=4, kv_heads=2, q_len=1024, kv_len=1024, dim=128),
+                   {}),
+    "soft_cap_d64_ragged": (masks.Causal(bottom_right=True),
+                            dict(batch=2, heads=2, kv_heads=1, q_len=200, kv_len=333, dim=64),
+                            dict(logits_soft_cap=30.0)),
+    "segment_ids": (masks.Causal(), dict(batch=2, heads=2, kv_heads=2, q_len=512, kv_len=512,
+                                         dim=128), dict(segments=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(LOWERED))
+def test_forward_and_backward_lower_for_cuda(hopper_host, case):
+    """`jit(grad)` through the Mosaic kernels lowers for CUDA: three Mosaic GPU launches (the
+    forward, dq and dk/dv; the deterministic backward, which every JAX runs), and the
+    lowered program's outputs are the three gradients."""
+    mask, shape, options = LOWERED[case]
+    options = dict(options)
+    data = {}
+    if options.pop("segments", False):
+        ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), shape["q_len"] // 4)
+        ids = jnp.broadcast_to(ids, (shape["batch"], shape["q_len"]))
+        data = dict(q_segment_ids=ids, kv_segment_ids=ids)
+    attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(), **options)
+    q, k, v = _inputs(**shape)
+    loss = jax.jit(jax.grad(
+        lambda q, k, v, data: jnp.sum(attn(q, k, v, **data).astype(jnp.float32)),
+        argnums=(0, 1, 2)))
+    lowered = loss.trace(q, k, v, data).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3, case
+    assert [o.shape for o in jax.tree.leaves(lowered.out_info)] == [q.shape, k.shape, v.shape]
