@@ -96,7 +96,9 @@ class MosaicBlockSparse(AbstractLseKernel):
       (``--xla_gpu_deterministic_ops=true`` in ``XLA_FLAGS``); elsewhere the deterministic
       backward runs.
 
-    Grouped heads' dk / dv are summed after the kernel, in a fixed order. A logits soft cap
+    Grouped heads' dk / dv: the deterministic dk/dv launch sums a kv head's group of query
+    heads inside the kernel; the single pass writes them per query head, summed after it in
+    float32 in a fixed order. A logits soft cap
     runs in both passes; sinks join the kernel's output through its log-sum-exp
     (`add_sinks`), so their gradients flow; `attention_with_lse` returns the log-sum-exp,
     differentiable too. Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, D]``
