@@ -20,7 +20,7 @@ warpgroups) and, where its lists are short, persistent like it (below).
   ``dS K`` and adds it into a float32 dq in global memory by TMA reduce-add (5 block products
   a block instead of the two kernels' 7; dq then varies from run to run in its last bits).
 
-A persistent launch (`BackwardConfig.persistent`, for layouts whose lists are short) runs one
+A persistent launch (`BackwardConfig.persistent`, each launch whose lists are short) runs one
 CTA per SM: the memory warpgroup's ring runs on across a CTA's items, so the next item's
 first tiles load while this one finishes, and each compute warpgroup's own tiles (Q and dO,
 or K and V) have two buffers, so the next item's are copied in from the start of this one;
@@ -61,20 +61,21 @@ BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
 #: lose to the shallower ring, long ones the other way round (docs/mosaic.md, "Persistent
 #: backward").
 PERSISTENT_MAX_MEAN_BLOCKS = 32
+#: The backward's launches, as `BackwardConfig` names them: the dq kernel and the dk/dv
+#: kernel (the single pass is the dk/dv launch with a dq accumulator).
+LAUNCHES = ("dq", "dkv")
 
 
-def short_lists(*counts) -> bool:
-    """Whether the layouts' lists, given as ``(full_count, partial_count)`` pairs (or
-    ``(full_count, partial_count, lists)`` where a work item walks `lists` of them), are
-    known on the host (a static mask; a layout built per call has device counts) and visit
-    at most `PERSISTENT_MAX_MEAN_BLOCKS` blocks a work item on average:
-    `BackwardConfig.persistent`."""
+def short_lists(full_count, partial_count, lists_walked: int = 1) -> bool:
+    """Whether a launch's lists (its layout's counts; a work item walks `lists_walked` of
+    them) are known on the host (a static mask; a layout built per call has device counts)
+    and visit at most `PERSISTENT_MAX_MEAN_BLOCKS` blocks a work item on average: whether
+    the launch is among `BackwardConfig.persistent`."""
     try:
-        means = [np.mean(np.asarray(full) + np.asarray(partial)) * (walked[0] if walked else 1)
-                 for full, partial, *walked in counts]
+        blocks = np.asarray(full_count) + np.asarray(partial_count)
     except jax.errors.TracerArrayConversionError:
         return False
-    return bool(max(means) <= PERSISTENT_MAX_MEAN_BLOCKS)
+    return bool(np.mean(blocks) * lists_walked <= PERSISTENT_MAX_MEAN_BLOCKS)
 
 
 def backward_blocks(head_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -99,10 +100,10 @@ class BackwardConfig(AttentionShape):
     #: One pass (`dkv_call` with a dq accumulator) or the dq kernel and the dk/dv kernel
     #: apart (bit-identical from run to run).
     single_pass: bool = False
-    #: Persistent launches (`persistent_for`): `ctas` CTAs (one per SM; ``None``: one per
-    #: work item) each running several items, the next item's own tiles loading during this
-    #: one. Otherwise one item per CTA.
-    persistent: bool = False
+    #: The launches, of `LAUNCHES`, that may run persistent (`persistent_for`): `ctas` CTAs
+    #: (one per SM; ``None``: one per work item) each running several items, the next item's
+    #: own tiles loading during this one. Otherwise one item per CTA.
+    persistent: tuple[str, ...] = ()
     ctas: int | None = None
     #: ALiBi: ``slopes[h] * (k - q)`` added to each logit before the cap (`AlibiBlocks`);
     #: the slopes' gradient comes out per key row, from `dkv_call` in both modes.
@@ -126,35 +127,43 @@ class BackwardConfig(AttentionShape):
                 2 * ROWS_PER_WARPGROUP * 2 + self.dq_columns * 4)
         return fixed
 
-    def persistent_for(self, streamed_rows: int, fused: bool = False) -> bool:
-        """Whether a launch streaming tiles of `streamed_rows` is persistent: `persistent`,
+    def streamed_rows(self, launch: str) -> int:
+        """Rows of the tiles `launch` streams through its ring: the dq launch's kv-blocks,
+        the dk/dv launch's q-blocks."""
+        if launch not in LAUNCHES:
+            raise ValueError(f"`launch` must be one of {LAUNCHES}; got {launch!r}.")
+        return self.dq_block_kv if launch == "dq" else self.dkv_block_q
+
+    def persistent_for(self, launch: str, fused: bool = False) -> bool:
+        """Whether `launch` (`fused`: the single pass) is persistent: named in `persistent`,
         where two sets of own tiles leave room for two ring stages."""
-        stage = 2 * streamed_rows * self.head_dim * 2
-        return self.persistent and \
-            self._fixed_bytes(streamed_rows, fused, 2) + 2 * stage <= SMEM_BUDGET
+        rows = self.streamed_rows(launch)
+        stage = 2 * rows * self.head_dim * 2
+        return launch in self.persistent and \
+            self._fixed_bytes(rows, fused, 2) + 2 * stage <= SMEM_BUDGET
 
-    def own_buffers(self, streamed_rows: int, fused: bool = False) -> int:
+    def own_buffers(self, launch: str, fused: bool = False) -> int:
         """Buffers of each compute warpgroup's own tiles: 2 in a persistent launch, else 1."""
-        return 2 if self.persistent_for(streamed_rows, fused) else 1
+        return 2 if self.persistent_for(launch, fused) else 1
 
-    def launch_ctas(self, streamed_rows: int, fused: bool = False) -> int | None:
+    def launch_ctas(self, launch: str, fused: bool = False) -> int | None:
         """CTAs of the launch: `ctas` where it is persistent, else ``None`` (one per item)."""
-        return self.ctas if self.persistent_for(streamed_rows, fused) else None
+        return self.ctas if self.persistent_for(launch, fused) else None
 
-    def stages(self, streamed_rows: int, fused: bool = False) -> int:
-        """Ring depth for two streamed tiles of `streamed_rows` next to the own tiles
+    def stages(self, launch: str, fused: bool = False) -> int:
+        """Ring depth of `launch` for two streamed tiles next to the own tiles
         (`own_buffers` sets of four 64-row tiles) and, `fused`, the double-buffered dS
         tiles and each warpgroup's float32 dq stage."""
-        buffers = self.own_buffers(streamed_rows, fused)
-        return ring_stages(self._fixed_bytes(streamed_rows, fused, buffers),
-                           2 * streamed_rows * self.head_dim * 2)
+        rows = self.streamed_rows(launch)
+        buffers = self.own_buffers(launch, fused)
+        return ring_stages(self._fixed_bytes(rows, fused, buffers),
+                           2 * rows * self.head_dim * 2)
 
     def dkv_group(self, fused: bool) -> int:
         """Query heads one work item of the dk/dv launch walks: the kv head's whole group
         (dk and dv summed in the kernel), or in the single pass (`fused`) one, so that its
-        dk and dv come out per query head for the caller to sum. Whole groups measured 12 to
-        14 % slower there on causal rows (docs/mosaic.md, "Grouped heads in the dk/dv
-        launch")."""
+        dk and dv come out per query head for the caller to sum. Whole groups measured 5 to
+        14 % slower there (docs/mosaic.md, "Grouped heads in the dk/dv launch")."""
         return 1 if fused else self.group
 
     def probabilities(self, s, lse, vis=None, term=None):
@@ -290,11 +299,21 @@ def _store_rows(stage, rows, target, wait: bool):
     plgpu.copy_smem_to_gmem(stage, target)
 
 
-def _check_schedule(items, buffers: int, launch: str):
+def _check_schedule(items, buffers: int, launch: str, num_items: int):
+    """Refuse a schedule of several items a CTA for a launch that is not persistent, and,
+    where the items are known on the host, one that names an item the launch does not have
+    (`num_items` of them: a dk/dv item of grouped heads is a kv head's tile)."""
     if buffers == 1 and items.shape[1] != 1:
         raise ValueError(f"{launch}: a schedule of several items a CTA needs a persistent "
                          f"launch (`BackwardConfig.persistent_for`); got items of shape "
                          f"{items.shape}.")
+    try:
+        largest = int(np.max(np.asarray(items)))
+    except jax.errors.TracerArrayConversionError:
+        return
+    if largest >= num_items:
+        raise ValueError(f"{launch}: the schedule names item {largest}; the launch has "
+                         f"{num_items} (batch x heads it walks apart x tiles).")
 
 
 def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index,
@@ -312,15 +331,15 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     ops = Ops(interpreted=interpret is not None)
     bq, d, dtype = ROWS_PER_WARPGROUP, cfg.head_dim, q.dtype
     bk = cfg.dq_block_kv
-    buffers = cfg.own_buffers(bk)
-    stages = cfg.stages(bk)
+    buffers = cfg.own_buffers("dq")
+    stages = cfg.stages("dq")
     group = cfg.group
     num_tiles = cfg.q_len // BLOCK_OWN
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
     slopes = _slopes(cfg, slopes, "dq_call")
     items, counts = schedule if schedule is not None else dq_schedule(cfg, full_count,
                                                                        partial_count)
-    _check_schedule(items, buffers, "dq_call")
+    _check_schedule(items, buffers, "dq_call", cfg.batch * cfg.heads * num_tiles)
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
              fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, *refs):
@@ -439,7 +458,7 @@ def dq_schedule(cfg: BackwardConfig, full_count, partial_count):
     """The dq launch's ``(items, counts)`` (`persistent_schedule` of the dq layout's counts:
     q-tiles, heavy last tiles first; one item per CTA unless the launch is persistent)."""
     return persistent_schedule(full_count, partial_count, cfg.batch, cfg.heads,
-                               cfg.launch_ctas(cfg.dq_block_kv))
+                               cfg.launch_ctas("dq"))
 
 
 def dkv_schedule(cfg: BackwardConfig, t_full_count, t_partial_count, fused: bool):
@@ -449,7 +468,7 @@ def dkv_schedule(cfg: BackwardConfig, t_full_count, t_partial_count, fused: bool
     heavy first tiles first; one item per CTA unless the launch is persistent)."""
     group = cfg.dkv_group(fused)
     return persistent_schedule(t_full_count, t_partial_count, cfg.batch, cfg.heads // group,
-                               cfg.launch_ctas(cfg.dkv_block_q, fused), heavy_tiles_last=False,
+                               cfg.launch_ctas("dkv", fused), heavy_tiles_last=False,
                                group=group)
 
 
@@ -490,8 +509,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     bk, d, dtype = ROWS_PER_WARPGROUP, cfg.head_dim, q.dtype
     bq = cfg.dkv_block_q
     fused = dq_accumulator is not None
-    buffers = cfg.own_buffers(bq, fused)
-    stages = cfg.stages(bq, fused)
+    buffers = cfg.own_buffers("dkv", fused)
+    stages = cfg.stages("dkv", fused)
     dq_cols = cfg.dq_columns
     split = dq_cols < d
     # Query heads an item walks, and items a kv head has.
@@ -503,7 +522,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     slope_out = cfg.alibi
     items, counts = schedule if schedule is not None else dkv_schedule(
         cfg, t_full_count, t_partial_count, fused)
-    _check_schedule(items, buffers, "dkv_call")
+    _check_schedule(items, buffers, "dkv_call", cfg.batch * cfg.heads // group * num_tiles)
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
              fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, *refs):

@@ -313,8 +313,9 @@ def walk_list(n_full, n_steps, step, carry):
 
 
 def memory_warpgroup(num_items, walk, streams, stages: int, registers: int = MEMORY_REGISTERS):
-    """The memory warpgroup: for each of the CTA's `num_items` work items ``i`` in turn, and
-    each entry ``it`` of its list, copy each stream's tile ``tile_of(ref, it)`` into the next
+    """The memory warpgroup: for each of the CTA's `num_items` lists ``i`` in turn (a work
+    item's, or each of its heads' where an item walks a group of heads), and each entry
+    ``it`` of the list, copy each stream's tile ``tile_of(ref, it)`` into the next
     slot of its ring with TMA, where ``(n_steps, tile_of) = walk(i)``. The slots are used
     round-robin over all items together (step ``g`` of the CTA uses slot ``g % stages``), so
     the ring fills with the next item's tiles while the compute warpgroups finish this one;

@@ -226,11 +226,12 @@ class MosaicBlockSparse(AbstractLseKernel):
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
             soft_cap=soft_cap, single_pass=self.single_pass(), ctas=_multiprocessors(),
             alibi=alibi)
-        # A dk/dv item walks the lists of `dkv_group` query heads.
+        # Each launch is persistent where its items are short; a dk/dv item walks the lists
+        # of `dkv_group` query heads.
         walked = bcfg.dkv_group(bcfg.single_pass)
-        bcfg = dataclasses.replace(bcfg, persistent=short_lists(
-            (dq.full_count, dq.partial_count),
-            (dkdv.t_full_count, dkdv.t_partial_count, walked)))
+        bcfg = dataclasses.replace(bcfg, persistent=tuple(launch for launch, short in (
+            ("dq", short_lists(dq.full_count, dq.partial_count)),
+            ("dkv", short_lists(dkdv.t_full_count, dkdv.t_partial_count, walked))) if short))
         # The backward launches' work items per CTA, built on the host too (the single pass
         # runs no dq launch).
         schedules = (None if bcfg.single_pass else dq_schedule(bcfg, dq.full_count,

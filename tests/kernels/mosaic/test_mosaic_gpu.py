@@ -342,40 +342,50 @@ def _backward_config(dim, **kwargs):
 
 
 def test_backward_persistence_choice():
-    """The backward launches are persistent for static layouts whose lists are short, and
-    then only where two sets of own tiles leave room for two ring stages (not the single
-    pass at D = 128); otherwise each CTA runs one item and the ring is deeper. A schedule of
-    several items a CTA for a launch that is not persistent is refused."""
+    """Each backward launch is persistent where its static layout's lists are short (a dk/dv
+    item of grouped heads walks its group's lists), and then only where two sets of own
+    tiles leave room for two ring stages (not the single pass at D = 128); otherwise each
+    CTA runs one item and the ring is deeper. A schedule of several items a CTA for a launch
+    that is not persistent is refused, and so is one naming an item the launch lacks."""
     from eqx_bsattn.strategies.kernels.mosaic.backward import (
-        PERSISTENT_MAX_MEAN_BLOCKS, dq_call, dkv_schedule, dq_schedule, short_lists)
+        LAUNCHES, PERSISTENT_MAX_MEAN_BLOCKS, dkv_call, dkv_schedule, dq_call, dq_schedule,
+        short_lists)
 
     short = (np.full((1, 1, 8), PERSISTENT_MAX_MEAN_BLOCKS - 1, np.int32),
              np.ones((1, 1, 8), np.int32))
     long = (short[0] + 1, short[1])
-    assert short_lists(short, short) and not short_lists(short, long)
+    assert short_lists(*short) and not short_lists(*long)
+    # Concrete device arrays are read on the host like NumPy ones.
+    assert short_lists(*(jnp.asarray(c) for c in short))
     # An item that walks two lists (a kv head's two query heads) visits twice the blocks.
-    assert not short_lists((*(jnp.asarray(c) for c in short), 2))
-    assert short_lists((*(c // 2 for c in short), 2))
+    assert not short_lists(*(jnp.asarray(c) for c in short), 2)
+    assert short_lists(*(c // 2 for c in short), 2)
     seen = {}
-    jax.jit(lambda f, p: seen.setdefault("device", short_lists((f, p))))(*short)
+    jax.jit(lambda f, p: seen.setdefault("device", short_lists(f, p)))(*short)
     assert seen["device"] is False  # a layout built per call: counts on the device
 
     for dim, fused_fits, stages in ((128, False, 2), (64, True, 4)):
-        cfg = _backward_config(dim, persistent=True)
-        assert cfg.persistent_for(cfg.dq_block_kv) and cfg.persistent_for(cfg.dkv_block_q)
-        assert cfg.persistent_for(cfg.dkv_block_q, fused=True) == fused_fits
-        assert cfg.own_buffers(cfg.dkv_block_q) == 2 and cfg.stages(cfg.dkv_block_q) == stages
-        assert cfg.launch_ctas(cfg.dkv_block_q, fused=True) == (132 if fused_fits else None)
+        cfg = _backward_config(dim, persistent=LAUNCHES)
+        assert cfg.persistent_for("dq") and cfg.persistent_for("dkv")
+        assert cfg.persistent_for("dkv", fused=True) == fused_fits
+        assert cfg.own_buffers("dkv") == 2 and cfg.stages("dkv") == stages
+        assert cfg.launch_ctas("dkv", fused=True) == (132 if fused_fits else None)
         flat = _backward_config(dim)
-        assert not flat.persistent_for(flat.dq_block_kv) and flat.own_buffers(64) == 1
-        assert flat.stages(flat.dkv_block_q) == 4 and flat.launch_ctas(64) is None
+        assert not flat.persistent_for("dq") and flat.own_buffers("dq") == 1
+        assert flat.stages("dkv") == 4 and flat.launch_ctas("dkv") is None
+        # One launch persistent, the other not.
+        dq_only = _backward_config(dim, persistent=("dq",))
+        assert dq_only.own_buffers("dq") == 2 and dq_only.own_buffers("dkv") == 1
+        assert dq_only.launch_ctas("dq") == 132 and dq_only.launch_ctas("dkv") is None
+    with pytest.raises(ValueError, match="`launch` must be one of"):
+        cfg.persistent_for("dk")
 
-    cfg = _backward_config(128, persistent=True)
+    cfg = _backward_config(128, persistent=LAUNCHES)
     tiles = 1024 // 128
     counts = (np.arange(tiles, dtype=np.int32)[None, None], np.ones((1, 1, tiles), np.int32))
     items, _ = dq_schedule(cfg, *counts)
     assert items.shape == (tiles, 1)  # fewer items than CTAs: one each
-    many_heads = _backward_config(128, persistent=True, heads=64, kv_heads=64)
+    many_heads = _backward_config(128, persistent=LAUNCHES, heads=64, kv_heads=64)
     items, _ = dkv_schedule(many_heads, *counts, fused=False)
     assert items.shape[0] == 132 and items.shape[1] > 1
     items, _ = dkv_schedule(many_heads, *counts, fused=True)
@@ -385,15 +395,25 @@ def test_backward_persistence_choice():
     grouped = _backward_config(128, heads=4, kv_heads=1)
     assert grouped.dkv_group(False) == 4 and grouped.dkv_group(True) == 1
     assert dkv_schedule(grouped, *counts, fused=False)[0].shape == (tiles, 1)
-    assert dkv_schedule(grouped, *counts, fused=True)[0].shape == (4 * tiles, 1)
+    per_query_head = dkv_schedule(grouped, *counts, fused=True)
+    assert per_query_head[0].shape == (4 * tiles, 1)
 
     flat = _backward_config(128)
     x = jnp.zeros((1, 1, 1024, 128), jnp.bfloat16)
     rows = jnp.zeros((1, 1, 1024), jnp.float32)
+    lists = tuple(jnp.asarray(c) for c in counts * 2)
     several = (np.zeros((2, 4), np.int32), np.full((2,), 4, np.int32))
     with pytest.raises(ValueError, match="persistent launch"):
-        dq_call(flat, x, x, x, x, rows, rows, *(jnp.asarray(c) for c in counts * 2),
-                schedule=several)
+        dq_call(flat, x, x, x, x, rows, rows, *lists, schedule=several)
+    with pytest.raises(ValueError, match=f"names item {tiles}; the launch has {tiles}"):
+        dq_call(flat, x, x, x, x, rows, rows, *lists,
+                schedule=(np.arange(tiles + 1, dtype=np.int32)[:, None],
+                          np.ones(tiles + 1, np.int32)))
+    # The single pass's per-query-head items given to the grouped deterministic launch.
+    q4 = jnp.zeros((1, 4, 1024, 128), jnp.bfloat16)
+    rows4 = jnp.zeros((1, 4, 1024), jnp.float32)
+    with pytest.raises(ValueError, match=f"the launch has {tiles} "):
+        dkv_call(grouped, q4, x, x, q4, rows4, rows4, *lists, schedule=per_query_head)
 
 
 @pytest.mark.parametrize("batch,heads,tiles,ctas", [(1, 1, 1, 132), (1, 3, 7, 4),
@@ -435,23 +455,20 @@ def test_persistent_schedule(batch, heads, tiles, ctas, known):
 
 
 def test_grouped_schedule_costs_each_items_query_heads():
-    """With ``group > 1`` an item is a kv head's tile over its group's query heads: every
-    such item is scheduled once, and its cost is the sum of its query heads' lists (plus
-    one), so two CTAs split the four items' work evenly, heaviest first."""
-    from eqx_bsattn.strategies.kernels.mosaic.common import decode_item, persistent_schedule
+    """With ``group > 1`` an item is a kv head's tile over its group's query heads, and its
+    cost is the sum of its query heads' lists (plus one): the counts below give a schedule
+    that the group's mean, largest or first list, or a constant cost, would not give."""
+    from eqx_bsattn.strategies.kernels.mosaic.common import persistent_schedule
 
-    # Four query heads in two groups, one tile: per-head FULL counts 1, 9 | 4, 6 (sums 10
-    # and 10), and over two tiles the first much heavier.
-    full = np.array([[[1, 0], [9, 0], [4, 0], [6, 0]]], np.int32)
+    # Four query heads (two kv heads of two), two tiles: FULL counts per query head.
+    full = np.array([[[4, 2], [9, 8], [1, 4], [0, 7]]], np.int32)
     partial = np.zeros_like(full)
     items, counts = persistent_schedule(full, partial, 1, 2, 2, heavy_tiles_last=False,
                                         group=2)
-    taken = sorted(int(i) for c, n in enumerate(counts) for i in items[c, :n])
-    assert taken == [0, 1, 2, 3]
-    # Each CTA gets one heavy tile (cost 11) and one empty one (cost 1).
-    for c, n in enumerate(counts):
-        tiles = sorted(int(decode_item(jnp.int32(i), 2, 2)[2]) for i in items[c, :n])
-        assert tiles == [0, 1], (items, counts)
+    # Items (kv head, tile) are numbered 2 * head + tile and cost 14, 11, 2 and 12; taken
+    # tile by tile (0, 2, 1, 3), each to the CTA free first: CTA 0 takes item 0 (14), CTA 1
+    # the rest (2 + 11 + 12, each taken while its load was below 14).
+    assert [list(items[c, :n]) for c, n in enumerate(counts)] == [[0], [2, 1, 3]]
 
 
 def _mosaic_interpreter():
@@ -609,7 +626,8 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     params = _mosaic_interpreter()
     if params is None or jax.default_backend() != "cpu":
         pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
-    from eqx_bsattn.strategies.kernels.mosaic.backward import BackwardConfig, backward_blocks
+    from eqx_bsattn.strategies.kernels.mosaic.backward import (
+        LAUNCHES, BackwardConfig, backward_blocks)
     from eqx_bsattn.strategies.kernels.mosaic.forward import (
         BLOCK_Q, ForwardConfig, forward_call, rows_padded)
     from eqx_bsattn.strategies.kernels.mosaic.kernel import (
@@ -648,7 +666,8 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
                           dq_layout_axes=dq_layout.full_count.shape[:2],
                           dkv_layout_axes=dkv_layout.full_count.shape[:2],
                           soft_cap=soft_cap or 0.0, single_pass=single_pass,
-                          persistent=persistent, ctas=1, alibi=alibi)
+                          persistent=LAUNCHES if persistent else (), ctas=1,
+                          alibi=alibi)
 
     def arrays(*xs):
         return tuple(jnp.asarray(x, jnp.int32) for x in xs)

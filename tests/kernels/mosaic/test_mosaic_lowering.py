@@ -55,20 +55,24 @@ def _launch_configs(monkeypatch, attn, q, k, v, jitted, **data):
     return configs
 
 
-@pytest.mark.parametrize("mask, length, persistent", [
-    (masks.Causal() & masks.SlidingWindow(512, 0), 2048, True),
-    (masks.Causal(), 8192, False),
-], ids=["window_short_lists", "causal_long_lists"])
-def test_launch_configs_same_under_jit(hopper_host, monkeypatch, mask, length, persistent):
-    """A static mask's backward launches are persistent where its lists are short, whether
-    the call is traced or eager: the choice reads the layouts' counts on the host, never a
-    product traced with them (grouped heads: a dk/dv item walks its group's lists)."""
+@pytest.mark.parametrize("mask, length, heads, kv_heads, persistent", [
+    (masks.Causal() & masks.SlidingWindow(512, 0), 2048, 4, 4, ("dq", "dkv")),
+    # A dk/dv item walks four query heads' lists of about 9 blocks: too long for it alone.
+    (masks.Causal() & masks.SlidingWindow(512, 0), 2048, 8, 2, ("dq",)),
+    (masks.Causal(), 8192, 4, 4, ()),
+], ids=["window", "window_grouped_heads", "causal_long_lists"])
+def test_launch_configs_same_under_jit(hopper_host, monkeypatch, mask, length, heads, kv_heads,
+                                       persistent):
+    """Each backward launch of a static mask is persistent where its work items visit few
+    blocks, whether the call is traced or eager: the choice reads the layouts' counts on the
+    host, never a product traced with them; a dk/dv item of grouped heads walks its group's
+    lists."""
     attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse())
-    q, k, v = _inputs(1, 4, 2, length, length, 128)
+    q, k, v = _inputs(1, heads, kv_heads, length, length, 128)
     eager = _launch_configs(monkeypatch, attn, q, k, v, jitted=False)
     traced = _launch_configs(monkeypatch, attn, q, k, v, jitted=True)
     assert traced == eager
-    assert eager[1].persistent is persistent and not eager[1].single_pass
+    assert eager[1].persistent == persistent and not eager[1].single_pass
 
 
 LOWERED = {
