@@ -22,10 +22,13 @@ python benchmarks/mosaic_ab.py --base HEAD --alibi --cases causal:2:16384 window
 `--alibi` adds ALiBi (the standard slopes) to every call; `--kv-heads` gives K and V fewer
 heads than Q (GQA). A base's `dkv_call` builds its own schedule, and where it returns dk
 and dv per query head (before the launch summed a group itself) they are summed per kv head
-here, in float32, as the kernel did then.
+here, in float32, as the kernel did then. A base's launches take the working tree's
+configuration in their revision's class (`_as_base_config`): persistent where the working
+tree's launch of that name is, so both sides run the same way.
 """
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import inspect
@@ -52,9 +55,9 @@ MODES = {"deterministic": True, "single_pass": False}
 def launches_at(revision: str, module_name: str, names, number: int = 0) -> dict:
     """The launch functions `names` of the Mosaic module `module_name` at git `revision` (or
     in the file of that path), imported as a module of the installed package (so that its
-    relative imports resolve to the working tree's). The launches take the working tree's
-    configuration classes, and are called without the keyword arguments their revision does
-    not take yet (`_tolerant`)."""
+    relative imports resolve to the working tree's). The backward's launches take the working
+    tree's configuration in their revision's class (`_as_base_config`), and every launch is
+    called without the keyword arguments its revision does not take yet (`_tolerant`)."""
     if os.path.isfile(revision):  # a copy of the module's file instead of a revision
         with open(revision) as f:
             source = f.read()
@@ -72,8 +75,34 @@ def launches_at(revision: str, module_name: str, names, number: int = 0) -> dict
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    return {n: _summed_per_kv_head(_tolerant(getattr(module, n))) if n == "dkv_call"
-            else _tolerant(getattr(module, n)) for n in names}
+    launches = {n: _tolerant(getattr(module, n)) for n in names}
+    if module_name == "backward":
+        launches = {n: _with_base_config(module, f, "dq" if n == "dq_call" else "dkv")
+                    for n, f in launches.items()}
+        launches["dkv_call"] = _summed_per_kv_head(launches["dkv_call"])
+    return launches
+
+
+def _as_base_config(module, cfg, launch: str):
+    """The working tree's backward configuration `cfg` as the base `module`'s own class: the
+    fields that class has; where it has one persistence flag for both launches (a revision
+    before the choice per launch), the flag of `launch` (``"dq"`` or ``"dkv"``)."""
+    base = module.BackwardConfig
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    values = {name: getattr(cfg, name) for name in fields if hasattr(cfg, name)}
+    if isinstance(fields["persistent"].default, bool):
+        values["persistent"] = launch in cfg.persistent
+    return base(**values)
+
+
+def _with_base_config(module, launch_fn, launch: str):
+    """`launch_fn` of the base `module`, given its configuration in the module's class."""
+
+    @functools.wraps(launch_fn)
+    def call(cfg, *args, **kwargs):
+        return launch_fn(_as_base_config(module, cfg, launch), *args, **kwargs)
+
+    return call
 
 
 def _summed_per_kv_head(dkv_call):

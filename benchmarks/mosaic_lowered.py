@@ -8,9 +8,10 @@ a hash of its Mosaic module's text without source locations and the module's ope
 count, and a hash of the program's constants (the layouts and work items the plan built).
 Launches whose hashes match between two revisions are the same kernels on the GPU (with the
 same JAX), so a change that keeps them and the constants needs no GPU run to keep their
-speed. The working tree is one column; each ``--revision`` runs in a copy of
-that revision's package, in a process of its own. ALiBi is not among the cases: its slopes'
-run-time check is a host callback, which JAX cannot lower for another platform.
+speed. Each column (the working tree, each ``--revision``) runs in a copy of its package, in
+a process of its own, with Equinox's run-time checks of per-call values off
+(``EQX_ON_ERROR=off``): they are host callbacks, which JAX cannot lower for another
+platform.
 
 ```
 python benchmarks/mosaic_lowered.py --revision HEAD~1
@@ -23,10 +24,15 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The launches of a case, in the order they lower.
+LAUNCHES = ("forward", "dq", "dk/dv")
 
 CASES = {
     "causal 4096": dict(mask="causal", shape=(1, 16, 16, 4096, 4096, 128)),
@@ -36,6 +42,9 @@ CASES = {
         mask="bottom_right", shape=(2, 4, 4, 1000, 1500, 64), soft_cap=30.0),
     "16 documents, 1024, B=32": dict(mask="causal", shape=(32, 16, 16, 1024, 1024, 128),
                                      documents=16),
+    "causal 4096, ALiBi": dict(mask="causal", shape=(1, 16, 16, 4096, 4096, 128), alibi=True),
+    "window 1024, 4096, ALiBi, soft cap": dict(mask="window", shape=(1, 16, 16, 4096, 4096, 128),
+                                              alibi=True, soft_cap=30.0),
 }
 
 
@@ -53,21 +62,13 @@ def lowered_kernels(case: dict) -> dict:
     module_internals.default_platform = lambda: "gpu"
     mosaic_kernel._mosaic_missing = lambda: None
     mosaic_kernel._multiprocessors = lambda: 132
-    modules = []
-    serde = mosaic_core._run_serde_pass
-
-    def keep_text(module, serialize, **kwargs):
-        if serialize:  # the module as the launch will carry it, before it is serialised
-            modules.append(module.operation.get_asm(enable_debug_info=False))
-        return serde(module, serialize=serialize, **kwargs)
-
-    mosaic_core._run_serde_pass = keep_text
     masks = bsa.masks
     mask = {"causal": masks.Causal(), "bottom_right": masks.Causal(bottom_right=True),
             "window": masks.Causal() & masks.SlidingWindow(1024, 0)}[case["mask"]]
     batch, heads, kv_heads, q_len, kv_len, dim = case["shape"]
     attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(deterministic=True),
-                                    logits_soft_cap=case.get("soft_cap"))
+                                    logits_soft_cap=case.get("soft_cap"),
+                                    score=bsa.scores.ALiBi() if case.get("alibi") else None)
     q = jnp.ones((batch, heads, q_len, dim), jnp.bfloat16)
     k = jnp.ones((batch, kv_heads, kv_len, dim), jnp.bfloat16)
     data = {}
@@ -78,7 +79,22 @@ def lowered_kernels(case: dict) -> dict:
         data = dict(q_segment_ids=ids, kv_segment_ids=ids)
     loss = jax.jit(jax.grad(lambda q, k, v, d: jnp.sum(attn(q, k, v, **d).astype(jnp.float32)),
                             argnums=(0, 1, 2)))
-    program = loss.trace(q, k, k, data).lower(lowering_platforms=("cuda",)).as_text()
+    modules = []
+    serde = mosaic_core._run_serde_pass
+
+    def keep_text(module, *args, **kwargs):
+        if kwargs.get("serialize"):  # the module as the launch carries it, before serialising
+            modules.append(module.operation.get_asm(enable_debug_info=False))
+        return serde(module, *args, **kwargs)
+
+    mosaic_core._run_serde_pass = keep_text
+    try:
+        program = loss.trace(q, k, k, data).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        mosaic_core._run_serde_pass = serde
+    if len(modules) != len(LAUNCHES):
+        raise RuntimeError(f"{len(modules)} Mosaic launches lowered; expected "
+                           f"{len(LAUNCHES)} (was the call given to another kernel?)")
     # The arrays the plan built (layouts, work items) enter the program as constants; their
     # order in it follows the order the plan built them in, so they are compared sorted.
     constants = "\n".join(sorted(re.findall(r"stablehlo\.constant (dense<.*?> : tensor<[^>]*>)",
@@ -92,32 +108,56 @@ def lowered_kernels(case: dict) -> dict:
                          for m in modules]}
 
 
-def at_revision(revision: str) -> dict:
-    """`lowered_kernels` of every case, run in a copy of `revision`'s package."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def package_copy(revision: str | None) -> str:
+    """A folder holding the package as installed (`eqx_bsattn` with its `strategies`) at
+    `revision`, or of the working tree (``None``)."""
     folder = tempfile.mkdtemp()
-    archive = subprocess.run(["git", "-C", root, "archive", revision, "eqx_bsattn",
-                              "strategies"], check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(folder, filter="data")
-    # The package as installed: the strategies are its subpackage.
+    if revision is None:
+        for part in ("eqx_bsattn", "strategies"):
+            shutil.copytree(os.path.join(ROOT, part), os.path.join(folder, part),
+                            ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        archive = subprocess.run(["git", "-C", ROOT, "archive", revision, "eqx_bsattn",
+                                  "strategies"], check=True, capture_output=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(folder, filter="data")
     os.rename(os.path.join(folder, "strategies"),
               os.path.join(folder, "eqx_bsattn", "strategies"))
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--json"],
-                         capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": folder}, check=False)
-    if run.returncode:
-        raise SystemExit(f"{revision}: {run.stderr.strip().splitlines()[-1]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return folder
+
+
+def column(revision: str | None) -> dict:
+    """Every case's `lowered_kernels`, in a process of its own on `package_copy`."""
+    folder = package_copy(revision)
+    try:
+        run = subprocess.run([sys.executable, os.path.abspath(__file__), "--json"],
+                             capture_output=True, text=True, check=False,
+                             env={**os.environ, "PYTHONPATH": folder, "EQX_ON_ERROR": "off"})
+        lines = run.stdout.strip().splitlines()
+        if run.returncode or not lines:
+            raise SystemExit(f"{revision or 'working tree'}: "
+                             f"{(run.stderr.strip().splitlines() or ['no output'])[-1]}")
+        found = json.loads(lines[-1])
+        if not found["package"].startswith(folder):
+            raise SystemExit(f"{revision or 'working tree'}: imported {found['package']}, "
+                             f"not the copy in {folder}")
+        return found
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def all_cases() -> dict:
-    found = {}
+    import jax
+
+    import eqx_bsattn
+
+    found = {"package": eqx_bsattn.__file__, "jax": jax.__version__, "cases": {}}
     for name, case in CASES.items():
         try:
-            found[name] = lowered_kernels(case)
+            found["cases"][name] = lowered_kernels(case)
         except Exception as e:  # noqa: BLE001 - reported in its row
-            found[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            found["cases"][name] = {
+                "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"}
     return found
 
 
@@ -130,20 +170,19 @@ def main():
     if args.json:
         print(json.dumps(all_cases()))
         return
-    columns = {f"{r}": at_revision(r) for r in args.revision}
-    columns["working tree"] = all_cases()
-    import jax
-    print(f"jax {jax.__version__}, lowered for CUDA on {jax.default_backend()}; a launch: "
-          "hash (operations), = where it matches the first column")
+    columns = {r: column(r) for r in args.revision}
+    columns["working tree"] = column(None)
+    versions = sorted({c["jax"] for c in columns.values()})
+    print(f"jax {', '.join(versions)}, lowered for CUDA; a launch: hash (operations), = where "
+          "it matches the first column")
     print("| case | part | " + " | ".join(columns) + " |")
     print("| --- | --- |" + " --- |" * len(columns))
     for name in CASES:
-        found = [columns[c][name] for c in columns]
+        found = [c["cases"][name] for c in columns.values()]
         if any("error" in f for f in found):
             print(f"| {name} | | " + " | ".join(f.get("error", "") for f in found) + " |")
             continue
-        parts = ["constants"] + ["forward", "dq", "dk/dv"][:len(found[0]["launches"])]
-        for i, part in enumerate(parts):
+        for i, part in enumerate(("constants",) + LAUNCHES):
             cells = [f["constants"] if i == 0 else "{} ({})".format(*f["launches"][i - 1])
                      for f in found]
             marks = [cells[0]] + ["=" if c == cells[0] else c for c in cells[1:]]
