@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ._values import within as _within
@@ -234,8 +235,11 @@ def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding):
     # An infinite slope times a zero distance, or a +inf / NaN logit, has no softmax weight.
     slopes, table = terms.arrays
     if slopes is not None:
-        slopes = _within("slopes", slopes, lambda x: ~jnp.isfinite(x),
-                         "must be finite; got inf or NaN.")
+        # The standard slopes (`ALiBi()`) come as NumPy: checked here on the host, so the
+        # call carries no run-time check of constants. Given or learned ones are JAX arrays,
+        # checked at run time inside a trace.
+        slopes = jnp.asarray(_within("slopes", slopes, lambda x: ~(abs(x) < np.inf),
+                                     "must be finite; got inf or NaN."))
     if table is not None:
         table = _within("table", table, lambda x: jnp.isnan(x) | (x == jnp.inf),
                         "must be finite or -inf (which hides the pairs of that bucket); got "

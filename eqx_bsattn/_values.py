@@ -3,15 +3,20 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def within(name: str, x, bad, message: str):
     """Raise `ValueError` now if `x` is concrete and `bad(x)` holds anywhere; inside a trace,
-    check at run time (`eqx.error_if`: one reduction over the per-call array)."""
+    check at run time (`eqx.error_if`: one reduction over the per-call array). A NumPy `x`
+    is checked on the host (with NumPy where `bad` uses operators only)."""
     if isinstance(x, jax.core.Tracer):
         return eqx.error_if(x, jnp.any(bad(x)), f"`{name}` {message}")
-    with jax.ensure_compile_time_eval():  # a concrete array inside someone's trace, too
-        found = bool(jnp.any(bad(x)))
+    if isinstance(x, np.ndarray):
+        found = bool(np.any(np.asarray(bad(x))))
+    else:
+        with jax.ensure_compile_time_eval():  # a concrete array inside someone's trace, too
+            found = bool(jnp.any(bad(x)))
     if found:
         raise ValueError(f"`{name}` {message}")
     return x

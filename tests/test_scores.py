@@ -129,6 +129,24 @@ def test_non_finite_score_arrays_are_refused(score, message):
         jax.block_until_ready(eqx.filter_jit(lambda m: m(Q, K, K))(attn))
 
 
+def test_standard_slopes_carry_no_run_time_check():
+    """`ALiBi()`'s slopes are constants, checked on the host: the traced call holds no
+    run-time check (`eqx.error_if`, a conditional around a host callback), which slopes
+    passed into the trace keep."""
+    import re
+
+    def traced_checks(slopes):
+        def call(q, slopes):
+            score = scores.ALiBi() if slopes is None else scores.ALiBi(slopes)
+            return bsa.BlockSparseAttention(mask=masks.Causal(), score=score)(q, K, K)
+
+        text = str(jax.make_jaxpr(call)(Q, slopes))
+        return sorted(set(re.findall(r"\b(cond|pure_callback)\b", text)))
+
+    assert traced_checks(None) == []
+    assert traced_checks(jnp.asarray(scores.alibi_slopes(4))) == ["cond", "pure_callback"]
+
+
 def test_minus_inf_in_the_table_hides_its_bucket():
     table = jnp.zeros((4, 8)).at[:, 0].set(-jnp.inf)  # distance 0: the diagonal
     q = jax.random.normal(jax.random.key(0), (1, 4, 16, 8))

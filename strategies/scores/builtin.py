@@ -80,8 +80,8 @@ class ALiBi(AbstractScore):
         self.learned = learned
 
     def compile(self, num_heads: int) -> ScoreTerms:
-        if self.slopes is None:
-            return ScoreTerms(slopes=jnp.asarray(alibi_slopes(num_heads)))
+        if self.slopes is None:  # NumPy: constants, which the call checks on the host
+            return ScoreTerms(slopes=alibi_slopes(num_heads))
         if self.slopes.shape[0] != num_heads:
             raise ValueError(f"`slopes` must have one entry per query head, [{num_heads}]; "
                              f"got {tuple(self.slopes.shape)}.")

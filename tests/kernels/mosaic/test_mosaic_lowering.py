@@ -3,10 +3,10 @@
 JAX lowers a program for a platform it does not run on (``lower(lowering_platforms=("cuda",))``),
 and Pallas lowers Mosaic GPU kernels in Python, so on a CPU these tests check what the GPU
 tests cannot check without a GPU: that each kernel lowers (forward, the dq and the dk/dv
-launches) for masks, head dims, ragged lengths, grouped heads and segment ids, and that the
-launch configurations a call builds are the same under `jax.jit` as eagerly. The host is
-told it has a GPU: the default platform is "gpu", Mosaic GPU is taken as runnable, and the
-GPU has an H200's 132 multiprocessors. Nothing here runs a kernel.
+launches) for masks, head dims, ragged lengths, grouped heads, segment ids, a soft cap and
+ALiBi, and that the launch configurations a call builds are the same under `jax.jit` as
+eagerly. The host is told it has a GPU: the default platform is "gpu", Mosaic GPU is taken
+as runnable, and the GPU has an H200's 132 multiprocessors. Nothing here runs a kernel.
 """
 
 import jax
@@ -15,7 +15,7 @@ import pytest
 
 import eqx_bsattn as bsa
 import eqx_bsattn._module as module_internals
-from eqx_bsattn import masks
+from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
 
@@ -86,6 +86,11 @@ LOWERED = {
                             dict(logits_soft_cap=30.0)),
     "segment_ids": (masks.Causal(), dict(batch=2, heads=2, kv_heads=2, q_len=512, kv_len=512,
                                          dim=128), dict(segments=True)),
+    # ALiBi's standard slopes (constants: no run-time check, which is a host callback that
+    # JAX cannot lower for another platform), with a soft cap and grouped heads.
+    "alibi_soft_cap_gqa": (masks.Causal(), dict(batch=1, heads=4, kv_heads=2, q_len=512,
+                                                kv_len=512, dim=64),
+                           dict(score=scores.ALiBi(), logits_soft_cap=20.0)),
 }
 
 
