@@ -115,9 +115,7 @@ def _summed_per_kv_head(dkv_call):
         del schedule
         dk, dv, *rest = dkv_call(cfg, q, k, v, *args, **kwargs)
         if dk.shape[1] != k.shape[1]:
-            shape = (dk.shape[0], k.shape[1], dk.shape[1] // k.shape[1], *dk.shape[2:])
-            dk, dv = (x.reshape(shape).astype(jnp.float32).sum(2).astype(x.dtype)
-                      for x in (dk, dv))
+            dk, dv = (mosaic_kernel.summed_per_kv_head(x, k.shape[1]) for x in (dk, dv))
         return (dk, dv, *rest)
 
     return call

@@ -328,9 +328,16 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     # Each row's share of the slope's gradient, summed per head (padded rows' are zero).
     dslopes = slope_rows[0].sum(axis=(0, 2)) if cfg.alibi else None
     if dk.shape[1] != cfg.kv_heads:
-        shape = (cfg.batch, cfg.kv_heads, cfg.group, cfg.kv_len, cfg.head_dim)
-        dk, dv = (x.reshape(shape).astype(jnp.float32).sum(2).astype(x.dtype) for x in (dk, dv))
+        dk, dv = (summed_per_kv_head(x, cfg.kv_heads) for x in (dk, dv))
     return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], dslopes
+
+
+def summed_per_kv_head(x, kv_heads: int):
+    """A gradient per query head, ``[B, H, L, D]``, summed over each kv head's group of query
+    heads in float32 (a fixed order): ``[B, kv_heads, L, D]`` in `x`'s dtype."""
+    batch, heads, *rest = x.shape
+    shape = (batch, kv_heads, heads // kv_heads, *rest)
+    return x.reshape(shape).astype(jnp.float32).sum(2).astype(x.dtype)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
