@@ -105,3 +105,26 @@ def test_score_terms_benchmark_runs_on_cpu(tmp_path, capsys):
     assert [(r["mask"], r["score"]) for r in records] == [("window", "none"), ("window", "both")]
     assert all("error" not in r and r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 for r in records)
     assert records[0]["fwd_vs_none"] == 1.0 and "fwd+bwd / none" in capsys.readouterr().out
+
+
+def test_compile_time_script_reads_the_kernels_compile_events(tmp_path):
+    """benchmarks/mosaic_compile_time.py's `--profile` reads Mosaic GPU's `Compile` events
+    from the profiler's trace files (any depth under the folder), in the order they ran, and
+    nothing else; a child's error is its exception line, not a note printed after it."""
+    import gzip
+
+    script = _benchmark_script("mosaic_compile_time")
+    events = [{"ph": "X", "name": "Compile", "ts": 30, "dur": 800_000},
+              {"ph": "X", "name": "CompileToBackendResult", "ts": 5, "dur": 9_000_000},
+              {"ph": "X", "name": "Compile", "ts": 10, "dur": 1_250_000},
+              {"ph": "i", "name": "Compile", "ts": 20}]
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert script.kernel_compiles(str(tmp_path)) == [1.25, 0.8]
+    assert script.kernel_compiles(str(tmp_path / "plugins" / "none")) == []
+    stderr = "Traceback:\n  ...\nValueError: kernel mosaic cannot run this call\n" \
+             "For simplicity, JAX has removed its internal frames.\n"
+    assert script.last_error(stderr) == "ValueError: kernel mosaic cannot run this call"
+    assert script.last_error("") == "no output"
