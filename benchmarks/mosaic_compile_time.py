@@ -86,8 +86,9 @@ def kernel_compiles(trace_folder: str) -> list[float]:
 def profile():
     """Print the default kernel's compile stage and its kernels' own compilations."""
     with tempfile.TemporaryDirectory() as folder:
-        run = subprocess.run([sys.executable, "-c", PROFILED.format(kernel="MosaicBlockSparse()", folder=folder)],
-                             capture_output=True, text=True)
+        program = PROFILED.format(kernel=KERNELS["mosaic (deterministic, the default)"],
+                                  folder=folder)
+        run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
         if run.returncode:
             print("profile: error: " + last_error(run.stderr))
             return
