@@ -88,6 +88,23 @@ class RelativeBuckets:
             out.append(lo)
         return tuple(out)
 
+    @property
+    def far_distance(self) -> int:
+        """The least ``n`` from which every distance of a direction is in that direction's
+        last bucket: the last threshold (``max_exact`` when there is no logarithmic bucket
+        past the first). Kernels that visit blocks take such a block's entry as one scalar."""
+        return self.thresholds[-1] if self.thresholds else self.half // 2
+
+    def far_buckets(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``((gap, bucket), (gap, bucket))`` of the keys far before the query and far after
+        it: every ``d = q_pos - k_pos >= gap`` of the first is in its `bucket`, as is every
+        ``d <= -gap`` of the second (causal bucketing puts every later key in bucket 0, so
+        its gap is 0)."""
+        ahead = (self.far_distance, self.half - 1)
+        if self.bidirectional:
+            return ahead, (self.far_distance, 2 * self.half - 1)
+        return ahead, (0, 0)
+
     def bucket(self, distance: Int[Array, "..."]) -> Int[Array, "..."]:
         """Bucket ids (int32, same shape) of int32 distances ``q_pos - k_pos``."""
         distance = jnp.asarray(distance, jnp.int32)

@@ -208,6 +208,9 @@ CASES = {
                                     kv_len=37),
     "score_relative_causal_positions": Case(masks.Causal(), score="relative_causal",
                                             positions="sorted", q_len=30, kv_len=66),
+    # Causal buckets on a mask that sees later keys too: every later key is in bucket 0.
+    "score_relative_causal_full": Case(masks.Full(), score="relative_causal", q_len=70,
+                                       kv_len=100),
     "score_function_per_head": Case(masks.PerHead([masks.Causal(), masks.SlidingWindow(5),
                                                    masks.ChunkedCausal(16), ~masks.Causal()]),
                                     score="function", **R),

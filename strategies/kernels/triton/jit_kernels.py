@@ -97,6 +97,23 @@ def _bucket(d, THRESH, BIDIR: tl.constexpr, HALF: tl.constexpr, NT: tl.constexpr
 
 
 @triton.jit
+def _bucket_range(d_lo, d_hi, THRESH, BIDIR: tl.constexpr, HALF: tl.constexpr,
+                  NT: tl.constexpr):
+    """``(least, greatest)`` bucket of the distances ``d_lo .. d_hi`` (a tile of token
+    indices holds each of them): buckets grow with ``|d|`` on each side of the diagonal, the
+    later keys' side above the other's."""
+    b_lo = _bucket(d_lo, THRESH, BIDIR, HALF, NT)
+    b_hi = _bucket(d_hi, THRESH, BIDIR, HALF, NT)
+    if BIDIR:
+        least = tl.where(d_lo >= 0, b_lo, tl.where(d_hi >= 0, 0, b_hi))
+        greatest = tl.where(d_lo >= 0, b_hi, b_lo)
+    else:
+        least = b_lo
+        greatest = b_hi
+    return least, greatest
+
+
+@triton.jit
 def _span(pos, start, N: tl.constexpr, HAS_POS: tl.constexpr):
     """``(least, greatest)`` of the positions `pos` of `N` tokens from index `start`: from the
     index alone where the call gives no positions (no reduction)."""
@@ -112,42 +129,74 @@ def _span(pos, start, N: tl.constexpr, HAS_POS: tl.constexpr):
 @triton.jit
 def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.constexpr,
                 HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, BIDIR: tl.constexpr,
-                HALF: tl.constexpr, NT: tl.constexpr):
+                HALF: tl.constexpr, NT: tl.constexpr, PART: tl.constexpr, NPARTS: tl.constexpr,
+                LOW_B: tl.constexpr, HIGH_B: tl.constexpr):
     """``(term, distance, bucket, lowest, highest)`` on broadcastable query / key positions of
     query head `h` (a table of `NB` buckets, `NBP` its power of two), whose distances
     ``q_pos - k_pos`` lie in ``[d_lo, d_hi]``: the float32 score terms (`ScoreTerms.apply`),
     ``k_pos - q_pos`` as float32 (the slope's derivative), the table's bucket ids and their
-    least and greatest value (0 without a table)."""
-    delta = kp - qp
-    dist = delta.to(tl.float32)
-    term = dist * 0.0
-    if HAS_ALIBI:
-        term += tl.load(SLOPES + h) * dist
-    bucket = delta * 0
-    lowest = 0
-    highest = 0
-    if HAS_REL:
-        # Buckets grow with |distance| on each side of the diagonal, so the buckets of the
-        # tile's nearest and farthest distances (from the bounds of its positions, `_span`)
-        # bound it; where they agree (all tiles but those near the diagonal) the term is one
-        # scalar. Else the table's row, held in registers, is gathered at each pair's bucket
-        # (`tl.gather`; a load from the table at a [rows, cols] tile of addresses would be
-        # pipelined through shared memory like k and v, past the 227 KiB of a Hopper SM).
-        b_lo = _bucket(d_lo, THRESH, BIDIR, HALF, NT)
-        b_hi = _bucket(d_hi, THRESH, BIDIR, HALF, NT)
-        one_side = (d_lo >= 0) | (d_hi < 0) if BIDIR else d_lo == d_lo
-        lowest = b_lo
-        highest = b_hi
-        if one_side & (b_lo == b_hi):
-            bucket += b_lo
-            term += tl.load(TABLE + h * NB + b_lo)
+    least and greatest value (0 without a table).
+
+    A list walked in three parts (``NPARTS == 3``, `_list_part`) knows its tiles' buckets
+    from the part: in the first and last every pair is in bucket `LOW_B` / `HIGH_B`, so the
+    table's term is one scalar (no tile, no branch), and in the middle (near the diagonal)
+    each pair's bucket is computed. Walked whole, each tile decides at run time."""
+    if HAS_REL and NPARTS == 3:
+        if HAS_ALIBI:
+            dist = (kp - qp).to(tl.float32)
+            term = tl.load(SLOPES + h) * dist
         else:
-            bucket += _bucket(qp - kp, THRESH, BIDIR, HALF, NT)
-            lowest = tl.min(bucket)
-            highest = tl.max(bucket)
+            dist = 0.0
+            term = 0.0
+        if PART == 0:
+            term += tl.load(TABLE + h * NB + LOW_B)
+            bucket = LOW_B
+            lowest = LOW_B
+            highest = LOW_B
+        elif PART == 2:
+            term += tl.load(TABLE + h * NB + HIGH_B)
+            bucket = HIGH_B
+            lowest = HIGH_B
+            highest = HIGH_B
+        else:
+            bucket = _bucket(qp - kp, THRESH, BIDIR, HALF, NT)
+            lowest, highest = _bucket_range(d_lo, d_hi, THRESH, BIDIR, HALF, NT)
             offs_nb = tl.arange(0, NBP)
             row = tl.load(TABLE + h * NB + offs_nb, mask=offs_nb < NB, other=0.0)
             term += tl.gather(tl.broadcast_to(row[None, :], (bucket.shape[0], NBP)), bucket, 1)
+    else:
+        delta = kp - qp
+        dist = delta.to(tl.float32)
+        term = dist * 0.0
+        if HAS_ALIBI:
+            term += tl.load(SLOPES + h) * dist
+        bucket = delta * 0
+        lowest = 0
+        highest = 0
+        if HAS_REL:
+            # Buckets grow with |distance| on each side of the diagonal, so the buckets of the
+            # tile's nearest and farthest distances (from the bounds of its positions,
+            # `_span`) bound it; where they agree (all tiles but those near the diagonal) the
+            # term is one scalar. Else the table's row, held in registers, is gathered at each
+            # pair's bucket (`tl.gather`; a load from the table at a [rows, cols] tile of
+            # addresses would be pipelined through shared memory like k and v, past the 227
+            # KiB of a Hopper SM).
+            b_lo = _bucket(d_lo, THRESH, BIDIR, HALF, NT)
+            b_hi = _bucket(d_hi, THRESH, BIDIR, HALF, NT)
+            one_side = (d_lo >= 0) | (d_hi < 0) if BIDIR else d_lo == d_lo
+            lowest = b_lo
+            highest = b_hi
+            if one_side & (b_lo == b_hi):
+                bucket += b_lo
+                term += tl.load(TABLE + h * NB + b_lo)
+            else:
+                bucket += _bucket(qp - kp, THRESH, BIDIR, HALF, NT)
+                lowest = tl.min(bucket)
+                highest = tl.max(bucket)
+                offs_nb = tl.arange(0, NBP)
+                row = tl.load(TABLE + h * NB + offs_nb, mask=offs_nb < NB, other=0.0)
+                term += tl.gather(tl.broadcast_to(row[None, :], (bucket.shape[0], NBP)),
+                                  bucket, 1)
     return term, dist, bucket, lowest, highest
 
 
@@ -156,7 +205,8 @@ def _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs
                 LK: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_KPOS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr,
                 NB: tl.constexpr, NBP: tl.constexpr, BIDIR: tl.constexpr, HALF: tl.constexpr,
-                NT: tl.constexpr):
+                NT: tl.constexpr, PART: tl.constexpr, NPARTS: tl.constexpr,
+                LOW_B: tl.constexpr, HIGH_B: tl.constexpr):
     """`_score_tile` of queries at positions `qp` (rows, from `q_lo` to `q_hi`) and keys
     `offs_n` of kv-block `j` (columns) of batch `b`, its terms added to `bias`:
     ``(bias + term, distance, bucket, lowest, highest)``."""
@@ -164,7 +214,7 @@ def _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs
     k_lo, k_hi = _span(kp, j * BLOCK_N, BLOCK_N, HAS_KPOS)
     term, dist, bucket, lowest, highest = _score_tile(
         SLOPES, TABLE, THRESH, h, qp[:, None], kp[None, :], q_lo - k_hi, q_hi - k_lo,
-        HAS_ALIBI, HAS_REL, NB, NBP, BIDIR, HALF, NT)
+        HAS_ALIBI, HAS_REL, NB, NBP, BIDIR, HALF, NT, PART, NPARTS, LOW_B, HIGH_B)
     return bias + term, dist, bucket, lowest, highest
 
 
@@ -180,18 +230,29 @@ def _table_grad(dtab, ds, bucket, lowest, highest, NBP: tl.constexpr):
 
 
 @triton.jit
+def _table_grad_rows(dtab_rows, ds, bucket, lowest, highest, NBP: tl.constexpr):
+    """`dtab_rows` ``[rows, NBP]`` plus each row's per-bucket sums of `ds` over one tile
+    whose buckets run from `lowest` to `highest` (`_table_grad` without the sum over rows)."""
+    offs_nb = tl.arange(0, NBP)
+    for bb in range(lowest, highest + 1):
+        part = tl.sum(tl.where(bucket == bb, ds, 0.0), 1)
+        dtab_rows += tl.where(offs_nb[None, :] == bb, part[:, None], 0.0)
+    return dtab_rows
+
+
+@triton.jit
 def _logits(s, bias, SCALE: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Raw ``q.k`` to base-2 logits; also the tanh of the soft cap (for its gradient)."""
-    if HAS_BIAS or SOFTCAP > 0:
+    if SOFTCAP > 0:
         s = s * SCALE
         if HAS_BIAS:
             s = s + bias
-        if SOFTCAP > 0:
-            t = _tanh(s * (1.0 / SOFTCAP))
-            s = t * (SOFTCAP * LOG2E)
-        else:
-            t = s
-            s = s * LOG2E
+        t = _tanh(s * (1.0 / SOFTCAP))
+        s = t * (SOFTCAP * LOG2E)
+    elif HAS_BIAS:
+        # One multiply-add where the bias is a scalar (a far tile's table entry).
+        s = s * (SCALE * LOG2E) + bias * LOG2E
+        t = s
     else:
         t = s
         s = s * (SCALE * LOG2E)
@@ -294,6 +355,24 @@ def _phase_list(phase: tl.constexpr, lrow, FCNT, FIDX, PCNT, PIDX, CF: tl.conste
 
 
 @triton.jit
+def _list_part(split_ptr, PART: tl.constexpr, NPARTS: tl.constexpr, lo, hi):
+    """``(start, end)`` of part `PART` of a list walked as ``range(lo, hi)``: the whole walk
+    (``NPARTS == 1``), or its entries far before the row, near it, or far after it (parts 0,
+    1, 2), by the row's two counts at `split_ptr` (`launch.far_splits`)."""
+    start = lo
+    end = hi
+    if NPARTS == 3:
+        if PART == 0:
+            end = lo + tl.load(split_ptr)
+        elif PART == 1:
+            start = lo + tl.load(split_ptr)
+            end = lo + tl.load(split_ptr + 1)
+        else:
+            start = lo + tl.load(split_ptr + 1)
+    return start, end
+
+
+@triton.jit
 def _partial_visible(bm_ptr, it, BMAPS, b, offs_n, offs_bn, qp, qs, KPOS, KSEG,
                      LK: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_SEG: tl.constexpr,
                      CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr,
@@ -317,7 +396,7 @@ def _partial_visible(bm_ptr, it, BMAPS, b, offs_n, offs_bn, qp, qs, KPOS, KSEG,
 @triton.jit
 def forward_kernel(
     Q, K, V, BIAS, SINKS, SLOPES, TABLE, THRESH, QPOS, KPOS, QSEG, KSEG,
-    FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
+    FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS, SPLITS,
     O, LSE,
     H: tl.constexpr, HKV: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
@@ -331,6 +410,8 @@ def forward_kernel(
     FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
+    REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
+    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
@@ -371,45 +452,53 @@ def forward_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DVP], tl.float32)
 
+    # With a table, each list is walked in three parts: far before, near, far after.
+    NPARTS: tl.constexpr = 3 if REL_SPLIT else 1
     for phase in tl.static_range(2):
         idx_ptr, lo, hi, first, is_range = _phase_list(phase, lrow, FCNT, FIDX, PCNT, PIDX,
                                                        CF, CP, FULL_CONTIG, FULL_CHECK)
         j_next = first
-        for it in range(lo, hi):
-            j, j_next = _list_step(idx_ptr, it, hi, first, is_range, j_next,
-                                   phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK,
-                                   PREFETCH)
-            offs_n = j * BLOCK_N + offs_bn
-            col_ok = (offs_n < LK)[:, None]
-            # FULL blocks never hold the ragged last kv-block: no row check there.
-            k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
-                        phase == 1 and LK % BLOCK_N != 0, D != DP)
-            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
-            if HAS_BIAS:
-                bias = tl.load(bias_base + offs_m[:, None] * LK + offs_n[None, :],
-                               mask=row_ok & (offs_n < LK)[None, :], other=0.0).to(tl.float32)
-            else:
-                bias = 0.0
-            if HAS_ALIBI or HAS_REL:
-                bias, dist, bucket, lowest, highest = _with_score(
-                    bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
-                    BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT)
-            s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
-            if phase == 1:
-                vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp, qs,
-                                       KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL, CAUSAL_OFF,
-                                       WIN_L, WIN_R, CHUNK, PREFIX, USE_BITMAP, BLOCK_M, BLOCK_N)
-                s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row that has seen nothing yet keeps m = -inf: shift by 0 so exp2 gives 0, not NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
-                        phase == 1 and LK % BLOCK_N != 0, DV != DVP)
-            acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
-            m_i = m_new
+        for part in tl.static_range(NPARTS):
+            start, end = _list_part(SPLITS + lrow * 4 + phase * 2, part, NPARTS, lo, hi)
+            for it in tl.range(start, end, num_stages=NEAR_STAGES if part == 1 else STAGES):
+                j, j_next = _list_step(idx_ptr, it, hi, first, is_range, j_next,
+                                       phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK,
+                                       PREFETCH)
+                offs_n = j * BLOCK_N + offs_bn
+                col_ok = (offs_n < LK)[:, None]
+                # FULL blocks never hold the ragged last kv-block: no row check there.
+                k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
+                            phase == 1 and LK % BLOCK_N != 0, D != DP)
+                s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
+                if HAS_BIAS:
+                    bias = tl.load(bias_base + offs_m[:, None] * LK + offs_n[None, :],
+                                   mask=row_ok & (offs_n < LK)[None, :],
+                                   other=0.0).to(tl.float32)
+                else:
+                    bias = 0.0
+                if HAS_ALIBI or HAS_REL:
+                    bias, dist, bucket, lowest, highest = _with_score(
+                        bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
+                        BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT,
+                        part, NPARTS, REL_LOW_B, REL_HIGH_B)
+                s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
+                if phase == 1:
+                    vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp,
+                                           qs, KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL,
+                                           CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX, USE_BITMAP,
+                                           BLOCK_M, BLOCK_N)
+                    s = tl.where(vis, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # A row that has seen nothing yet keeps m = -inf: shift by 0 so exp2 gives 0,
+                # not NaN.
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
+                            phase == 1 and LK % BLOCK_N != 0, DV != DVP)
+                acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+                m_i = m_new
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -424,7 +513,7 @@ def forward_kernel(
 @triton.jit
 def dq_kernel(
     Q, K, V, BIAS, SLOPES, TABLE, THRESH, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
-    FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
+    FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS, SPLITS,
     DQ, DBIAS, DSLOPES, DTABLE,
     H: tl.constexpr, HKV: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
@@ -438,6 +527,8 @@ def dq_kernel(
     FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
+    REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
+    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
@@ -474,51 +565,73 @@ def dq_kernel(
     dq = tl.zeros([BLOCK_M, DP], tl.float32)
     dslope = tl.sum(tl.zeros([BLOCK_M], tl.float32))
     dtab = tl.zeros([NBP], tl.float32)
+    # With a table, each list is walked in three parts: far before, near, far after; the
+    # first and last hold one bucket each, whose gradient is summed per row (`ds_low`,
+    # `ds_high`) and added to `dtab` at the end.
+    NPARTS: tl.constexpr = 3 if REL_SPLIT else 1
+    ds_low = tl.zeros([BLOCK_M], tl.float32)
+    ds_high = tl.zeros([BLOCK_M], tl.float32)
+    # Near tiles' per-bucket sums, per row: each tile's rows reduce within their warps, and
+    # the rows are summed once at the end.
+    dtab_rows = tl.zeros([BLOCK_M, NBP if NPARTS == 3 else 2], tl.float32)
     for phase in tl.static_range(2):
         idx_ptr, lo, hi, first, is_range = _phase_list(phase, lrow, FCNT, FIDX, PCNT, PIDX,
                                                        CF, CP, FULL_CONTIG, FULL_CHECK)
         j_next = first
-        for it in range(lo, hi):
-            j, j_next = _list_step(idx_ptr, it, hi, first, is_range, j_next,
-                                   phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK,
-                                   PREFETCH)
-            offs_n = j * BLOCK_N + offs_bn
-            col_ok = (offs_n < LK)[:, None]
-            CHECK_K: tl.constexpr = phase == 1 and LK % BLOCK_N != 0
-            k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
-                        CHECK_K, D != DP)
-            v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
-                        CHECK_K, DV != DVP)
-            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
-            if HAS_BIAS:
-                bias = tl.load(bias_base + offs_m[:, None] * LK + offs_n[None, :],
-                               mask=row_ok & (offs_n < LK)[None, :], other=0.0).to(tl.float32)
-            else:
-                bias = 0.0
-            if HAS_ALIBI or HAS_REL:
-                bias, dist, bucket, lowest, highest = _with_score(
-                    bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
-                    BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT)
-            s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
-            if phase == 1:
-                vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp, qs,
-                                       KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL, CAUSAL_OFF,
-                                       WIN_L, WIN_R, CHUNK, PREFIX, USE_BITMAP, BLOCK_M, BLOCK_N)
-                s = tl.where(vis, s, float("-inf"))
-            p = tl.exp2(s - lse[:, None])
-            dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
-            ds = p * (dp - delta[:, None])
-            if SOFTCAP > 0:
-                ds = ds * (1.0 - t * t)
-            if HAS_BIAS:
-                tl.store(dbias_base + offs_m[:, None] * LK + offs_n[None, :], ds,
-                         mask=row_ok & (offs_n < LK)[None, :])
-            # dS is the gradient of each term too: invisible pairs hold dS = 0 (p = 0).
-            if HAS_ALIBI:
-                dslope += tl.sum(ds * dist)
-            if HAS_REL:
-                dtab = _table_grad(dtab, ds, bucket, lowest, highest, NBP)
-            dq = _dot(ds.to(k.dtype), k, dq, IEEE)
+        for part in tl.static_range(NPARTS):
+            start, end = _list_part(SPLITS + lrow * 4 + phase * 2, part, NPARTS, lo, hi)
+            for it in tl.range(start, end, num_stages=NEAR_STAGES if part == 1 else STAGES):
+                j, j_next = _list_step(idx_ptr, it, hi, first, is_range, j_next,
+                                       phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK,
+                                       PREFETCH)
+                offs_n = j * BLOCK_N + offs_bn
+                col_ok = (offs_n < LK)[:, None]
+                CHECK_K: tl.constexpr = phase == 1 and LK % BLOCK_N != 0
+                k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
+                            CHECK_K, D != DP)
+                v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
+                            CHECK_K, DV != DVP)
+                s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
+                if HAS_BIAS:
+                    bias = tl.load(bias_base + offs_m[:, None] * LK + offs_n[None, :],
+                                   mask=row_ok & (offs_n < LK)[None, :],
+                                   other=0.0).to(tl.float32)
+                else:
+                    bias = 0.0
+                if HAS_ALIBI or HAS_REL:
+                    bias, dist, bucket, lowest, highest = _with_score(
+                        bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
+                        BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT,
+                        part, NPARTS, REL_LOW_B, REL_HIGH_B)
+                s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
+                if phase == 1:
+                    vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp,
+                                           qs, KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL,
+                                           CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX, USE_BITMAP,
+                                           BLOCK_M, BLOCK_N)
+                    s = tl.where(vis, s, float("-inf"))
+                p = tl.exp2(s - lse[:, None])
+                dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
+                ds = p * (dp - delta[:, None])
+                if SOFTCAP > 0:
+                    ds = ds * (1.0 - t * t)
+                if HAS_BIAS:
+                    tl.store(dbias_base + offs_m[:, None] * LK + offs_n[None, :], ds,
+                             mask=row_ok & (offs_n < LK)[None, :])
+                # dS is the gradient of each term too: invisible pairs hold dS = 0 (p = 0).
+                if HAS_ALIBI:
+                    dslope += tl.sum(ds * dist)
+                if HAS_REL:
+                    if NPARTS == 3 and part == 0:
+                        ds_low += tl.sum(ds, 1)
+                    elif NPARTS == 3 and part == 2:
+                        ds_high += tl.sum(ds, 1)
+                    elif NPARTS == 3:
+                        dtab_rows = _table_grad_rows(dtab_rows, ds, bucket, lowest, highest,
+                                                     NBP)
+                    else:
+                        dtab = _table_grad(dtab, ds, bucket, lowest, highest, NBP)
+                dq = _dot(ds.to(k.dtype), k, dq, IEEE)
     dq = dq * SCALE
     # Each program writes its own row of partial sums; XLA adds the rows (deterministic).
     prog = bh * NQB + pid_m
@@ -526,6 +639,10 @@ def dq_kernel(
         tl.store(DSLOPES + prog, dslope)
     if HAS_REL:
         offs_nb = tl.arange(0, NBP)
+        if NPARTS == 3:
+            dtab += tl.sum(dtab_rows, 0)
+            dtab += tl.where(offs_nb == REL_LOW_B, tl.sum(ds_low), 0.0)
+            dtab += tl.where(offs_nb == REL_HIGH_B, tl.sum(ds_high), 0.0)
         tl.store(DTABLE + prog * NB + offs_nb, dtab, mask=offs_nb < NB)
     tl.store(DQ + bh * (LQ * D) + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok & d_ok)
@@ -534,7 +651,7 @@ def dq_kernel(
 @triton.jit
 def dkdv_kernel(
     Q, K, V, BIAS, SLOPES, TABLE, THRESH, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
-    FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS,
+    FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS, SPLITS,
     DK, DV_OUT,
     H: tl.constexpr, HKV: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
@@ -548,6 +665,8 @@ def dkdv_kernel(
     FULL_CONTIG: tl.constexpr, FULL_CHECK: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
+    REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
+    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One program per (kv-block, kv head, batch); it walks the q heads of its group too, so
@@ -585,65 +704,71 @@ def dkdv_kernel(
     FLAT: tl.constexpr = GROUP > 1 and MH == 1
     HEAD_LOOPS: tl.constexpr = 1 if FLAT else GROUP
     STEP_HEADS: tl.constexpr = GROUP if FLAT else 1
+    # With a table, each list is walked in three parts: far before, near, far after.
+    NPARTS: tl.constexpr = 3 if REL_SPLIT else 1
     for g0 in range(HEAD_LOOPS):
         lrow = ((b if MB > 1 else 0) * MH + (hk * GROUP + g0 if MH > 1 else 0)) * NKB + pid_n
         for phase in tl.static_range(2):
             idx_ptr, lo, hi, first, is_range = _phase_list(
                 phase, lrow, FCNT, FIDX, PCNT, PIDX, CF, CP, FULL_CONTIG, FULL_CHECK)
             i_next = first
-            for t in range(lo * STEP_HEADS, hi * STEP_HEADS):
-                it = t // STEP_HEADS
-                i, upcoming = _list_step(idx_ptr, it, hi, first, is_range, i_next,
-                                         phase == 0 and FULL_CONTIG,
-                                         phase == 0 and FULL_CHECK, PREFETCH)
-                if STEP_HEADS > 1:
-                    i_next = tl.where(t % STEP_HEADS == STEP_HEADS - 1, upcoming, i_next)
-                else:
-                    i_next = upcoming
-                h = hk * GROUP + g0 + t % STEP_HEADS
-                bh = (b * H + h).to(tl.int64)
-                offs_m = i * BLOCK_M + offs_bm
-                m_ok = (offs_m < LQ)[:, None]
-                q = _load2d(Q + bh * (LQ * D) + offs_m[:, None] * D + offs_d[None, :], m_ok,
-                            d_ok, CHECK_Q, D != DP)
-                do = _load2d(DO + bh * (LQ * DV) + offs_m[:, None] * DV + offs_dv[None, :],
-                             m_ok, dv_ok, CHECK_Q, DV != DVP)
-                lse = tl.load(LSE + bh * LQ + offs_m, mask=offs_m < LQ, other=float("inf"))
-                delta = tl.load(DELTA + bh * LQ + offs_m, mask=offs_m < LQ, other=0.0)
-                s = _dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
-                if HAS_BIAS:
-                    bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
-                    bias = tl.load(bias_base + offs_m[None, :] * LK + offs_n[:, None],
-                                   mask=(offs_m < LQ)[None, :] & n_ok, other=0.0).to(tl.float32)
-                else:
-                    bias = 0.0
-                if HAS_ALIBI or HAS_REL:
-                    qp_m, qs_m = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, False, 0)
-                    q_lo, q_hi = _span(qp_m, i * BLOCK_M, BLOCK_M, HAS_QPOS)
-                    term, dist, bucket, lowest, highest = _score_tile(
-                        SLOPES, TABLE, THRESH, h, qp_m[None, :], kp[:, None], q_lo - k_hi,
-                        q_hi - k_lo, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT)
-                    bias = bias + term
-                s, t_cap = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
-                if phase == 1:
-                    if USE_BITMAP:
-                        bid = tl.load(BMIDX + lrow * CP + it).to(tl.int64)
-                        bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
-                                       + offs_bm[None, :] * BLOCK_N
-                                       + tl.arange(0, BLOCK_N)[:, None])
-                        vis = bits != 0
+            for part in tl.static_range(NPARTS):
+                start, end = _list_part(SPLITS + lrow * 4 + phase * 2, part, NPARTS, lo, hi)
+                for t in tl.range(start * STEP_HEADS, end * STEP_HEADS,
+                                  num_stages=NEAR_STAGES if part == 1 else STAGES):
+                    it = t // STEP_HEADS
+                    i, upcoming = _list_step(idx_ptr, it, hi, first, is_range, i_next,
+                                             phase == 0 and FULL_CONTIG,
+                                             phase == 0 and FULL_CHECK, PREFETCH)
+                    if STEP_HEADS > 1:
+                        i_next = tl.where(t % STEP_HEADS == STEP_HEADS - 1, upcoming, i_next)
                     else:
-                        qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG, -1)
-                        vis = _visible(qp[None, :], kp[:, None], qs[None, :], ks[:, None], k_in,
-                                       CAUSAL, CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX, HAS_SEG)
-                    s = tl.where(vis, s, float("-inf"))
-                p = tl.exp2(s - lse[None, :])
-                dv = _dot(p.to(do.dtype), do, dv, IEEE)
-                dp = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
-                ds = p * (dp - delta[None, :])
-                if SOFTCAP > 0:
-                    ds = ds * (1.0 - t_cap * t_cap)
-                dk = _dot(ds.to(q.dtype), q, dk, IEEE)
+                        i_next = upcoming
+                    h = hk * GROUP + g0 + t % STEP_HEADS
+                    bh = (b * H + h).to(tl.int64)
+                    offs_m = i * BLOCK_M + offs_bm
+                    m_ok = (offs_m < LQ)[:, None]
+                    q = _load2d(Q + bh * (LQ * D) + offs_m[:, None] * D + offs_d[None, :], m_ok,
+                                d_ok, CHECK_Q, D != DP)
+                    do = _load2d(DO + bh * (LQ * DV) + offs_m[:, None] * DV + offs_dv[None, :],
+                                 m_ok, dv_ok, CHECK_Q, DV != DVP)
+                    lse = tl.load(LSE + bh * LQ + offs_m, mask=offs_m < LQ, other=float("inf"))
+                    delta = tl.load(DELTA + bh * LQ + offs_m, mask=offs_m < LQ, other=0.0)
+                    s = _dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
+                    if HAS_BIAS:
+                        bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
+                        bias = tl.load(bias_base + offs_m[None, :] * LK + offs_n[:, None],
+                                       mask=(offs_m < LQ)[None, :] & n_ok, other=0.0).to(tl.float32)
+                    else:
+                        bias = 0.0
+                    if HAS_ALIBI or HAS_REL:
+                        qp_m, qs_m = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, False, 0)
+                        q_lo, q_hi = _span(qp_m, i * BLOCK_M, BLOCK_M, HAS_QPOS)
+                        term, dist, bucket, lowest, highest = _score_tile(
+                            SLOPES, TABLE, THRESH, h, qp_m[None, :], kp[:, None], q_lo - k_hi,
+                            q_hi - k_lo, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT,
+                            part, NPARTS, REL_LOW_B, REL_HIGH_B)
+                        bias = bias + term
+                    s, t_cap = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
+                    if phase == 1:
+                        if USE_BITMAP:
+                            bid = tl.load(BMIDX + lrow * CP + it).to(tl.int64)
+                            bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
+                                           + offs_bm[None, :] * BLOCK_N
+                                           + tl.arange(0, BLOCK_N)[:, None])
+                            vis = bits != 0
+                        else:
+                            qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG, -1)
+                            vis = _visible(qp[None, :], kp[:, None], qs[None, :], ks[:, None], k_in,
+                                           CAUSAL, CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX, HAS_SEG)
+                        s = tl.where(vis, s, float("-inf"))
+                    p = tl.exp2(s - lse[None, :])
+                    dv = _dot(p.to(do.dtype), do, dv, IEEE)
+                    dp = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
+                    ds = p * (dp - delta[None, :])
+                    if SOFTCAP > 0:
+                        ds = ds * (1.0 - t_cap * t_cap)
+                    dk = _dot(ds.to(q.dtype), q, dk, IEEE)
     dk = dk * SCALE
     tl.store(DK + bhk * (LK * D) + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=n_ok & d_ok)

@@ -174,8 +174,10 @@ class TritonBlockSparse(AbstractLseKernel):
             dkdv_launch=bwd_launch,
             list_modes=(list_mode(fwd, False), list_mode(dq, False), list_mode(dkdv, True)),
         )
-        lists = layout_arrays(fwd, transposed=False)
-        bwd_lists = (layout_arrays(dq, transposed=False), layout_arrays(dkdv, transposed=True))
+        relative = cfg.relative if cfg.splits_far_blocks else None
+        lists = layout_arrays(fwd, transposed=False, relative=relative)
+        bwd_lists = (layout_arrays(dq, transposed=False, relative=relative),
+                     layout_arrays(dkdv, transposed=True, relative=relative))
         args = (cfg, query, key, value, bias_arg, sinks_arg, score_args, data, lists, bwd_lists)
         if with_lse:
             out, lse = attend_with_lse(*args)

@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eqx_bsattn.contract import BlockLayout, MaskTerms, RelativeBuckets
 
@@ -103,6 +104,30 @@ class LaunchConfig:
             **term_constexprs(t), **score_constexprs(self.alibi, self.relative),
         )
 
+    @property
+    def splits_far_blocks(self) -> bool:
+        """Whether the launches walk each list in three parts with a table: the blocks far
+        before the rows, those near them, those far after (`far_splits`). Per-call
+        positions leave a block's distances unknown on the host: the kernels then decide
+        per block."""
+        return (self.relative is not None and not self.has_q_positions
+                and not self.has_kv_positions)
+
+    def split_constexprs(self, transposed: bool, stages: int) -> dict:
+        """The launch's switches for `far_splits`: ``REL_SPLIT``, the buckets of the first
+        and last parts of a list (``REL_LOW_B``, ``REL_HIGH_B``: a forward or dq list runs
+        along the keys, from far before its queries to far after; a transposed one along the
+        queries, the other way), and the pipeline stages of the parts' loops: the launch's
+        `stages`, one fewer for the near part (``NEAR_STAGES``), whose float32 tile of table
+        entries takes the shared memory of a stage."""
+        if not self.splits_far_blocks:
+            return dict(REL_SPLIT=False, REL_LOW_B=0, REL_HIGH_B=0, STAGES=stages,
+                        NEAR_STAGES=stages)
+        (_, ahead), (_, behind) = self.relative.far_buckets()
+        low, high = (behind, ahead) if transposed else (ahead, behind)
+        return dict(REL_SPLIT=True, REL_LOW_B=low, REL_HIGH_B=high, STAGES=stages,
+                    NEAR_STAGES=max(1, stages - 1))
+
     def thresholds(self) -> jax.Array:
         """The table's bucket thresholds, int32 ``[NT]`` (a placeholder without a table)."""
         values = self.relative.thresholds if self.relative is not None else ()
@@ -130,10 +155,12 @@ def list_mode(layout: BlockLayout, transposed: bool) -> str:
     return "range" if lists_are_ranges(count, index) else "index"
 
 
-def layout_arrays(layout: BlockLayout, transposed: bool) -> tuple:
-    """The six arrays a launch reads of `layout`: full / partial counts and indices, the
-    bitmap index of each partial entry (the partial counts as a placeholder without bitmaps)
-    and the bitmaps (int8; a placeholder without)."""
+def layout_arrays(layout: BlockLayout, transposed: bool,
+                  relative: RelativeBuckets | None = None) -> tuple:
+    """The seven arrays a launch reads of `layout`: full / partial counts and indices, the
+    bitmap index of each partial entry (the partial counts as a placeholder without bitmaps),
+    the bitmaps (int8; a placeholder without) and the lists' `far_splits` for a table's
+    `relative` buckets (a placeholder without)."""
     bitmaps = layout.bitmaps
     if bitmaps is None:
         bitmaps = jnp.zeros((1,), jnp.int8)
@@ -147,11 +174,44 @@ def layout_arrays(layout: BlockLayout, transposed: bool) -> tuple:
     else:
         arrays = (layout.full_count, layout.full_index, layout.partial_count,
                   layout.partial_index, idx, bitmaps)
-    return tuple(jnp.asarray(a).astype(jnp.int32) if a.dtype != jnp.int8 else a for a in arrays)
+    splits = (jnp.zeros((1,), jnp.int32) if relative is None
+              else far_splits(*arrays[:4], transposed, layout.block_q, layout.block_kv, relative))
+    return tuple(jnp.asarray(a).astype(jnp.int32) if a.dtype != jnp.int8 else a
+                 for a in arrays) + (jnp.asarray(splits, jnp.int32),)
+
+
+def far_splits(full_count, full_index, partial_count, partial_index, transposed: bool,
+               block_q: int, block_kv: int, relative: RelativeBuckets):
+    """``[MB, MH, n, 4]`` int32: for each list row, its full list's and its partial list's
+    ``(far before, not far after)`` counts, where a row is a tile of queries (a tile of keys
+    where `transposed`) and its list's entries tiles of keys (of queries). The entries
+    ``[0, far before)`` of a list are tiles whose every pair is far enough from the row's
+    tokens, on the side of the lower entries, to share one bucket (`RelativeBuckets.far_buckets`);
+    so are ``[not far after, count)``, on the other side; the entries between are near. Lists
+    are sorted, so each far part is a run at one end. Computed with NumPy when the lists are
+    known on the host, else on the device."""
+    (ahead_gap, _), (behind_gap, _) = relative.far_buckets()
+    if transposed:
+        rows, entries, low_gap, high_gap = block_kv, block_q, behind_gap, ahead_gap
+    else:
+        rows, entries, low_gap, high_gap = block_q, block_kv, ahead_gap, behind_gap
+    arrays = (full_count, full_index, partial_count, partial_index)
+    xp = jnp if any(isinstance(a, jax.core.Tracer) for a in arrays) else np
+    parts = []
+    for count, index in ((full_count, full_index), (partial_count, partial_index)):
+        count, index = xp.asarray(count, xp.int32), xp.asarray(index, xp.int32)
+        first = xp.arange(count.shape[-1], dtype=xp.int32)[:, None] * rows
+        valid = xp.arange(index.shape[-1], dtype=xp.int32) < count[..., None]
+        # An entry is far before when its last token is `low_gap` or more before the row's
+        # first, far after when its first token is `high_gap` or more after the row's last.
+        before = valid & (index * entries + entries - 1 <= first - low_gap)
+        after = valid & (index * entries >= first + rows - 1 + high_gap)
+        parts += [before.sum(-1, dtype=xp.int32), count - after.sum(-1, dtype=xp.int32)]
+    return xp.stack(parts, axis=-1)
 
 
 def _list_params(arrays, mode: str, stages: int) -> dict:
-    fcnt, fidx, _, pidx, _, _ = arrays
+    fcnt, fidx, _, pidx = arrays[:4]
     return dict(CF=fidx.shape[-1], CP=pidx.shape[-1], MB=fcnt.shape[0], MH=fcnt.shape[1],
                 FULL_CONTIG=mode == "range", FULL_CHECK=mode == "check", PREFETCH=stages >= 3)
 
@@ -212,9 +272,9 @@ def batched_launch(run, cfg: LaunchConfig, roles: tuple[str, ...], out_roles: tu
 #: Roles (`batched_launch`) of each launch's arrays: q, k, v, bias (every launch's first
 #: "bcast" array), [sinks,] the score arrays (slopes, table), the data (q / kv positions,
 #: q / kv segment ids), [dO, lse, delta,] then the layout lists (`layout_arrays`: counts,
-#: indices, bitmap indices, bitmaps).
+#: indices, bitmap indices, bitmaps, far splits).
 _DATA_ROLES = (BATCH,) * 4
-_LIST_ROLES = (BCAST,) * 5 + (SHARED,)
+_LIST_ROLES = (BCAST,) * 5 + (SHARED, BCAST)
 FORWARD_ROLES = (BATCH,) * 3 + (BCAST,) + (SHARED,) * 3 + _DATA_ROLES + _LIST_ROLES
 BACKWARD_ROLES = (BATCH,) * 3 + (BCAST,) + (SHARED,) * 2 + _DATA_ROLES + (BATCH,) * 3 + _LIST_ROLES
 
@@ -240,6 +300,7 @@ def forward_launch(cfg: LaunchConfig, q, k, v, bias, sinks, score, data, lists):
             SP=max(2, 1 << max(cfg.num_sinks - 1, 0).bit_length()),
             HAS_SINKS=cfg.num_sinks > 0, BLOCK_M=bq, BLOCK_N=bk,
             **_list_params(lists, cfg.list_modes[0], stages), **cfg.common(),
+            **cfg.split_constexprs(False, stages),
         ))
 
     return batched_launch(run, cfg, FORWARD_ROLES, (BATCH, BATCH))(
@@ -276,7 +337,7 @@ def dq_launch(cfg: LaunchConfig, q, k, v, bias, score, data, lists, do, lse, del
             zeroed_outputs=(1,) if has_bias else (),
             grid=(nq, cfg.heads, cfg.batch), num_warps=warps, num_stages=stages,
             NQB=nq, BLOCK_M=bq, BLOCK_N=bk, **_list_params(lists, cfg.list_modes[1], stages),
-            **cfg.common(),
+            **cfg.common(), **cfg.split_constexprs(False, stages),
         ))
 
     return batched_launch(run, cfg, BACKWARD_ROLES, (BATCH,) * 4)(
@@ -299,7 +360,7 @@ def dkdv_launch(cfg: LaunchConfig, q, k, v, bias, score, data, t_lists, do, lse,
             grid=(nk, cfg.kv_heads, cfg.batch), num_warps=warps, num_stages=stages,
             NKB=nk, BLOCK_M=bq, BLOCK_N=bk,
             **_list_params(t_lists, cfg.list_modes[2], stages),
-            **cfg.common(),
+            **cfg.common(), **cfg.split_constexprs(True, stages),
         ))
 
     return batched_launch(run, cfg, BACKWARD_ROLES, (BATCH, BATCH))(

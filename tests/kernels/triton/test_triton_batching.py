@@ -33,7 +33,7 @@ def _stand_in(calls):
         calls.append((kernel, batch, grid))
         assert grid[-1] == batch
         data_at = 8 if kernel == "fwd" else 7
-        lists = args[12:18] if kernel == "fwd" else args[14:20]
+        lists = args[12:19] if kernel == "fwd" else args[14:21]
         seen = _per_element(args[0], batch) + 3 * _per_element(args[1], batch)
         if kernel == "fwd":
             assert args[4].ndim == 2  # sinks [H, S]: no batch axis
@@ -53,6 +53,9 @@ def _stand_in(calls):
                 seen = seen + (7 + i) * _per_element(x, batch)
         assert lists[0].shape[0] == meta["MB"] and meta["MB"] in (1, batch)
         seen = seen + 11 * _per_element(lists[0], batch) + 13 * _per_element(lists[1], batch)
+        # The lists' far splits [MB, MH, n, 4] are shared or per element like the lists.
+        assert lists[6].shape[0] == meta["MB"] and lists[6].shape[-1] == 4
+        seen = seen + 29 * _per_element(lists[6], batch)
         outs = []
         for i, s in enumerate(out_shape):
             if len(s.shape) == 1:
@@ -89,7 +92,8 @@ def _cfg(bias_shape):
 def _lists(rng, mb, n):
     counts = jnp.asarray(rng.integers(0, 3, (mb, 1, n)), jnp.int32)
     index = jnp.asarray(rng.integers(0, 3, (mb, 1, n, 3)), jnp.int32)
-    return (counts, index, counts + 1, index + 1, counts + 2, jnp.zeros((1,), jnp.int8))
+    splits = jnp.asarray(rng.integers(0, 3, (mb, 1, n, 4)), jnp.int32)
+    return (counts, index, counts + 1, index + 1, counts + 2, jnp.zeros((1,), jnp.int8), splits)
 
 
 def _stacked_lists(rng, mb, n):
@@ -133,7 +137,7 @@ def _launches(cfg):
 
 # in_axes of (q, k, v, bias, sinks, score, data, lists, t_lists, do, lse, delta) per case.
 _DATA_MAPPED = (None, None, 0, 0)
-_LISTS_MAPPED = (0,) * 5 + (None,)
+_LISTS_MAPPED = (0,) * 5 + (None, 0)
 _CASES = {
     "everything_mapped": (0, 0, 0, 0, None, None, _DATA_MAPPED, _LISTS_MAPPED, _LISTS_MAPPED,
                           0, 0, 0),
