@@ -97,6 +97,24 @@ def _bucket(d, THRESH, BIDIR: tl.constexpr, HALF: tl.constexpr, NT: tl.constexpr
 
 
 @triton.jit
+def _bucket_by_log(d, BIDIR: tl.constexpr, HALF: tl.constexpr, LA: tl.constexpr,
+                   LB: tl.constexpr):
+    """`_bucket` with one logarithm in place of a compare per threshold:
+    ``floor(LA * log2(n) + LB)`` past the exact buckets (`RelativeBuckets.log_line`, which
+    holds only where float32 keeps every bucket exact; distances past `max_distance` clip)."""
+    if BIDIR:
+        offset = tl.where(d < 0, HALF, 0)
+        n = tl.abs(d)
+    else:
+        offset = 0
+        n = tl.maximum(d, 0)
+    ME: tl.constexpr = HALF // 2
+    x = tl.log2(tl.maximum(n, 1).to(tl.float32)) * LA + (LB + 1e-4)
+    far = ME + tl.minimum(tl.floor(x).to(tl.int32), HALF - 1 - ME)
+    return offset + tl.where(n < ME, n, far)
+
+
+@triton.jit
 def _bucket_range(d_lo, d_hi, THRESH, BIDIR: tl.constexpr, HALF: tl.constexpr,
                   NT: tl.constexpr):
     """``(least, greatest)`` bucket of the distances ``d_lo .. d_hi`` (a tile of token
@@ -130,7 +148,8 @@ def _span(pos, start, N: tl.constexpr, HAS_POS: tl.constexpr):
 def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.constexpr,
                 HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, BIDIR: tl.constexpr,
                 HALF: tl.constexpr, NT: tl.constexpr, PART: tl.constexpr, NPARTS: tl.constexpr,
-                LOW_B: tl.constexpr, HIGH_B: tl.constexpr):
+                LOW_B: tl.constexpr, HIGH_B: tl.constexpr, BY_LOG: tl.constexpr,
+                LA: tl.constexpr, LB: tl.constexpr):
     """``(term, distance, bucket, lowest, highest)`` on broadcastable query / key positions of
     query head `h` (a table of `NB` buckets, `NBP` its power of two), whose distances
     ``q_pos - k_pos`` lie in ``[d_lo, d_hi]``: the float32 score terms (`ScoreTerms.apply`),
@@ -140,7 +159,8 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.cons
     A list walked in three parts (``NPARTS == 3``, `_list_part`) knows its tiles' buckets
     from the part: in the first and last every pair is in bucket `LOW_B` / `HIGH_B`, so the
     table's term is one scalar (no tile, no branch), and in the middle (near the diagonal)
-    each pair's bucket is computed. Walked whole, each tile decides at run time."""
+    each pair's bucket is computed (by a logarithm where `BY_LOG`: `_bucket_by_log`). Walked
+    whole, each tile decides at run time."""
     if HAS_REL and NPARTS == 3:
         if HAS_ALIBI:
             dist = (kp - qp).to(tl.float32)
@@ -159,7 +179,10 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.cons
             lowest = HIGH_B
             highest = HIGH_B
         else:
-            bucket = _bucket(qp - kp, THRESH, BIDIR, HALF, NT)
+            if BY_LOG:
+                bucket = _bucket_by_log(qp - kp, BIDIR, HALF, LA, LB)
+            else:
+                bucket = _bucket(qp - kp, THRESH, BIDIR, HALF, NT)
             lowest, highest = _bucket_range(d_lo, d_hi, THRESH, BIDIR, HALF, NT)
             offs_nb = tl.arange(0, NBP)
             row = tl.load(TABLE + h * NB + offs_nb, mask=offs_nb < NB, other=0.0)
@@ -206,7 +229,8 @@ def _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs
                 HAS_KPOS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr,
                 NB: tl.constexpr, NBP: tl.constexpr, BIDIR: tl.constexpr, HALF: tl.constexpr,
                 NT: tl.constexpr, PART: tl.constexpr, NPARTS: tl.constexpr,
-                LOW_B: tl.constexpr, HIGH_B: tl.constexpr):
+                LOW_B: tl.constexpr, HIGH_B: tl.constexpr, BY_LOG: tl.constexpr,
+                LA: tl.constexpr, LB: tl.constexpr):
     """`_score_tile` of queries at positions `qp` (rows, from `q_lo` to `q_hi`) and keys
     `offs_n` of kv-block `j` (columns) of batch `b`, its terms added to `bias`:
     ``(bias + term, distance, bucket, lowest, highest)``."""
@@ -214,7 +238,8 @@ def _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs
     k_lo, k_hi = _span(kp, j * BLOCK_N, BLOCK_N, HAS_KPOS)
     term, dist, bucket, lowest, highest = _score_tile(
         SLOPES, TABLE, THRESH, h, qp[:, None], kp[None, :], q_lo - k_hi, q_hi - k_lo,
-        HAS_ALIBI, HAS_REL, NB, NBP, BIDIR, HALF, NT, PART, NPARTS, LOW_B, HIGH_B)
+        HAS_ALIBI, HAS_REL, NB, NBP, BIDIR, HALF, NT, PART, NPARTS, LOW_B, HIGH_B, BY_LOG,
+        LA, LB)
     return bias + term, dist, bucket, lowest, highest
 
 
@@ -412,6 +437,7 @@ def forward_kernel(
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
     STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
+    REL_BY_LOG: tl.constexpr, REL_LA: tl.constexpr, REL_LB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
@@ -480,7 +506,7 @@ def forward_kernel(
                     bias, dist, bucket, lowest, highest = _with_score(
                         bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
                         BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT,
-                        part, NPARTS, REL_LOW_B, REL_HIGH_B)
+                        part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_BY_LOG, REL_LA, REL_LB)
                 s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
                 if phase == 1:
                     vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp,
@@ -529,6 +555,7 @@ def dq_kernel(
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
     STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
+    REL_BY_LOG: tl.constexpr, REL_LA: tl.constexpr, REL_LB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
@@ -602,7 +629,7 @@ def dq_kernel(
                     bias, dist, bucket, lowest, highest = _with_score(
                         bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
                         BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT,
-                        part, NPARTS, REL_LOW_B, REL_HIGH_B)
+                        part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_BY_LOG, REL_LA, REL_LB)
                 s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
                 if phase == 1:
                     vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp,
@@ -667,6 +694,7 @@ def dkdv_kernel(
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
     STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
+    REL_BY_LOG: tl.constexpr, REL_LA: tl.constexpr, REL_LB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One program per (kv-block, kv head, batch); it walks the q heads of its group too, so
@@ -747,7 +775,8 @@ def dkdv_kernel(
                         term, dist, bucket, lowest, highest = _score_tile(
                             SLOPES, TABLE, THRESH, h, qp_m[None, :], kp[:, None], q_lo - k_hi,
                             q_hi - k_lo, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT,
-                            part, NPARTS, REL_LOW_B, REL_HIGH_B)
+                            part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_BY_LOG, REL_LA,
+                            REL_LB)
                         bias = bias + term
                     s, t_cap = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
                     if phase == 1:

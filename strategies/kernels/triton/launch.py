@@ -117,16 +117,20 @@ class LaunchConfig:
         """The launch's switches for `far_splits`: ``REL_SPLIT``, the buckets of the first
         and last parts of a list (``REL_LOW_B``, ``REL_HIGH_B``: a forward or dq list runs
         along the keys, from far before its queries to far after; a transposed one along the
-        queries, the other way), and the pipeline stages of the parts' loops: the launch's
-        `stages`, one fewer for the near part (``NEAR_STAGES``), whose float32 tile of table
-        entries takes the shared memory of a stage."""
+        queries, the other way), the pipeline stages of the parts' loops (the launch's
+        `stages`, one fewer for the near part, ``NEAR_STAGES``, whose float32 tile of table
+        entries takes the shared memory of a stage), and the near part's bucket by a
+        logarithm (``REL_BY_LOG``, ``REL_LA``, ``REL_LB``: `RelativeBuckets.log_line`)."""
         if not self.splits_far_blocks:
             return dict(REL_SPLIT=False, REL_LOW_B=0, REL_HIGH_B=0, STAGES=stages,
-                        NEAR_STAGES=stages)
+                        NEAR_STAGES=stages, REL_BY_LOG=False, REL_LA=0.0, REL_LB=0.0)
         (_, ahead), (_, behind) = self.relative.far_buckets()
         low, high = (behind, ahead) if transposed else (ahead, behind)
+        line = self.relative.log_line
         return dict(REL_SPLIT=True, REL_LOW_B=low, REL_HIGH_B=high, STAGES=stages,
-                    NEAR_STAGES=max(1, stages - 1))
+                    NEAR_STAGES=max(1, stages - 1), REL_BY_LOG=line is not None,
+                    REL_LA=0.0 if line is None else line[0],
+                    REL_LB=0.0 if line is None else line[1])
 
     def thresholds(self) -> jax.Array:
         """The table's bucket thresholds, int32 ``[NT]`` (a placeholder without a table)."""
