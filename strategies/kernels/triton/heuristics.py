@@ -152,8 +152,8 @@ _STAGES = {"forward": "num_stages", "dq": "num_stages_dq", "dk/dv": "num_stages_
 
 def fewer_stages_where_over(tiling: TritonConfig, features: Features) -> TritonConfig:
     """`tiling` with each launch over the shared memory (`shared_memory`) given fewer stages,
-    down to two, until it fits (a relative-bias table's tile takes the 128x128 forward from
-    three stages to two)."""
+    down to two, until it fits (with per-call positions, a relative-bias table's tile takes
+    the 128x128 forward from three stages to two)."""
     for name, field in _STAGES.items():
         while shared_memory(tiling, features)[name] > SHARED_MEMORY_BYTES:
             stages = getattr(tiling.explicit(), field) or 2
