@@ -255,14 +255,51 @@ def _table_grad(dtab, ds, bucket, lowest, highest, NBP: tl.constexpr):
 
 
 @triton.jit
-def _table_grad_rows(dtab_rows, ds, bucket, lowest, highest, NBP: tl.constexpr):
-    """`dtab_rows` ``[rows, NBP]`` plus each row's per-bucket sums of `ds` over one tile
-    whose buckets run from `lowest` to `highest` (`_table_grad` without the sum over rows)."""
-    offs_nb = tl.arange(0, NBP)
-    for bb in range(lowest, highest + 1):
-        part = tl.sum(tl.where(bucket == bb, ds, 0.0), 1)
-        dtab_rows += tl.where(offs_nb[None, :] == bb, part[:, None], 0.0)
-    return dtab_rows
+def _bucket_spans(THRESH, NBP: tl.constexpr, BIDIR: tl.constexpr, HALF: tl.constexpr,
+                  NT: tl.constexpr):
+    """``(dmin, dmax)``, int32 ``[NBP]``: the distances ``d = q_pos - k_pos`` of each bucket,
+    ``dmin <= d <= dmax`` (a bucket holds a run of distances on its side of the diagonal;
+    an empty one has ``dmin > dmax``; +-2**30 stand for no bound)."""
+    BIG: tl.constexpr = 1 << 30
+    ME: tl.constexpr = HALF // 2
+    b = tl.arange(0, NBP)
+    k = b % HALF if BIDIR else b
+    # Within a side, bucket k >= ME holds n from threshold k - ME (ME for the first) to the
+    # next one less one (no bound for the last).
+    f = k - ME
+    t_lo = tl.where(f <= 0, ME, tl.load(THRESH + f - 1, mask=(f >= 1) & (f <= NT), other=BIG))
+    t_hi = tl.load(THRESH + f, mask=(f >= 0) & (f < NT), other=BIG) - 1
+    n_lo = tl.where(k < ME, k, t_lo)
+    n_hi = tl.where(k < ME, k, t_hi)
+    if BIDIR:
+        upper = b >= HALF
+        dmin = tl.where(upper, -n_hi, n_lo)
+        dmax = tl.where(upper, -n_lo, n_hi)
+        # The later keys' side has no distance 0 (its bucket HALF stays empty), and an odd
+        # bucket count leaves the last one, like the padding to NBP, empty.
+        dmin = tl.where((upper & (k == 0)) | (b >= 2 * HALF), BIG, dmin)
+    else:
+        # Causal bucketing: bucket 0 also holds every later key.
+        dmin = tl.where(b == 0, -BIG, n_lo)
+        dmax = n_hi
+    return dmin, dmax
+
+
+@triton.jit
+def _table_grad_rows(dtab_rows, ds, offset, dmin, dmax, BLOCK_N: tl.constexpr):
+    """`dtab_rows` ``[rows, NBP]`` plus each row's per-bucket sums of `ds` ``[rows,
+    BLOCK_N]``, a tile of token indices whose pair ``(i, j)`` is ``d = offset + i - j`` apart
+    (`_bucket_spans`' ``dmin`` / ``dmax``): a bucket's pairs in a row are the columns ``offset
+    + i - dmax .. offset + i - dmin``, so each row's sum is a difference of its prefix sums
+    (one scan of the row and two gathers; no pass per bucket)."""
+    rows = tl.arange(0, ds.shape[0])[:, None]
+    prefix = tl.cumsum(ds, 1)
+    hi = tl.minimum(offset + rows - dmin[None, :], BLOCK_N - 1)
+    lo = tl.maximum(offset + rows - dmax[None, :], 0)
+    upto_hi = tl.where(hi >= 0, tl.gather(prefix, tl.maximum(hi, 0), 1), 0.0)
+    before_lo = tl.where(lo >= 1, tl.gather(prefix, tl.minimum(tl.maximum(lo - 1, 0),
+                                                                BLOCK_N - 1), 1), 0.0)
+    return dtab_rows + tl.where(hi >= lo, upto_hi - before_lo, 0.0)
 
 
 @triton.jit
@@ -601,6 +638,8 @@ def dq_kernel(
     # Near tiles' per-bucket sums, per row: each tile's rows reduce within their warps, and
     # the rows are summed once at the end.
     dtab_rows = tl.zeros([BLOCK_M, NBP if NPARTS == 3 else 2], tl.float32)
+    if NPARTS == 3:
+        dmin, dmax = _bucket_spans(THRESH, NBP, REL_BIDIR, REL_HALF, NT)
     for phase in tl.static_range(2):
         idx_ptr, lo, hi, first, is_range = _phase_list(phase, lrow, FCNT, FIDX, PCNT, PIDX,
                                                        CF, CP, FULL_CONTIG, FULL_CHECK)
@@ -654,8 +693,8 @@ def dq_kernel(
                     elif NPARTS == 3 and part == 2:
                         ds_high += tl.sum(ds, 1)
                     elif NPARTS == 3:
-                        dtab_rows = _table_grad_rows(dtab_rows, ds, bucket, lowest, highest,
-                                                     NBP)
+                        dtab_rows = _table_grad_rows(dtab_rows, ds, pid_m * BLOCK_M - j * BLOCK_N,
+                                                     dmin, dmax, BLOCK_N)
                     else:
                         dtab = _table_grad(dtab, ds, bucket, lowest, highest, NBP)
                 dq = _dot(ds.to(k.dtype), k, dq, IEEE)

@@ -25,7 +25,8 @@ if "cpu" in TritonBlockSparse.platforms:  # Triton imports: the interpreter is i
     import triton
     import triton.language as tl
 
-    from eqx_bsattn.strategies.kernels.triton.jit_kernels import _bucket, _bucket_by_log
+    from eqx_bsattn.strategies.kernels.triton.jit_kernels import (_bucket, _bucket_by_log,
+                                                                  _bucket_spans)
 
     @triton.jit
     def _bucket_kernel(D, THRESH, OUT, N: tl.constexpr, BIDIR: tl.constexpr,
@@ -81,6 +82,37 @@ def test_kernel_buckets_by_log_follow_t5(num_buckets, bidirectional, max_distanc
         BIDIR=bidirectional, HALF=buckets.half, LA=a, LB=b)
     np.testing.assert_array_equal(np.asarray(got[0]), t5_bucket(d, num_buckets, bidirectional,
                                                              max_distance))
+
+
+if "cpu" in TritonBlockSparse.platforms:
+
+    @triton.jit
+    def _spans_kernel(THRESH, OUT, NBP: tl.constexpr, BIDIR: tl.constexpr,
+                      HALF: tl.constexpr, NT: tl.constexpr):
+        dmin, dmax = _bucket_spans(THRESH, NBP, BIDIR, HALF, NT)
+        offs = tl.arange(0, NBP)
+        tl.store(OUT + offs, dmin)
+        tl.store(OUT + NBP + offs, dmax)
+
+
+@pytest.mark.parametrize("num_buckets,bidirectional,max_distance",
+                         [(32, True, 128), (32, False, 128), (8, True, 20), (12, False, 40),
+                          (5, True, 9), (7, False, 20), (4, True, 3)])
+def test_bucket_spans_follow_t5(num_buckets, bidirectional, max_distance):
+    """The distances of each bucket (`_bucket_spans`, the dq kernel's near blocks' per-row
+    sums) are exactly T5's, and the buckets past the table's, padding, are empty."""
+    buckets = scores.RelativeBuckets(num_buckets, bidirectional, max_distance)
+    cfg = launch.score_constexprs(False, buckets)
+    nbp = cfg["NBP"]
+    got = launch.triton_call(
+        jnp.asarray(buckets.thresholds or (0,), jnp.int32), kernel=_spans_kernel,
+        out_shape=(jax.ShapeDtypeStruct((2 * nbp,), jnp.int32),), grid=(1,), NBP=nbp,
+        BIDIR=bidirectional, HALF=buckets.half, NT=cfg["NT"])
+    dmin, dmax = np.asarray(got[0]).reshape(2, nbp)
+    d = np.arange(-4 * max_distance - 50, 4 * max_distance + 50)
+    want = t5_bucket(d, num_buckets, bidirectional, max_distance)
+    for b in range(nbp):
+        np.testing.assert_array_equal((d >= dmin[b]) & (d <= dmax[b]), want == b, err_msg=str(b))
 
 
 def test_minus_inf_in_the_table_hides_its_bucket():
