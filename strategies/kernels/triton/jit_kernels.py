@@ -115,23 +115,6 @@ def _bucket_by_log(d, BIDIR: tl.constexpr, HALF: tl.constexpr, LA: tl.constexpr,
 
 
 @triton.jit
-def _bucket_range(d_lo, d_hi, THRESH, BIDIR: tl.constexpr, HALF: tl.constexpr,
-                  NT: tl.constexpr):
-    """``(least, greatest)`` bucket of the distances ``d_lo .. d_hi`` (a tile of token
-    indices holds each of them): buckets grow with ``|d|`` on each side of the diagonal, the
-    later keys' side above the other's."""
-    b_lo = _bucket(d_lo, THRESH, BIDIR, HALF, NT)
-    b_hi = _bucket(d_hi, THRESH, BIDIR, HALF, NT)
-    if BIDIR:
-        least = tl.where(d_lo >= 0, b_lo, tl.where(d_hi >= 0, 0, b_hi))
-        greatest = tl.where(d_lo >= 0, b_hi, b_lo)
-    else:
-        least = b_lo
-        greatest = b_hi
-    return least, greatest
-
-
-@triton.jit
 def _span(pos, start, N: tl.constexpr, HAS_POS: tl.constexpr):
     """``(least, greatest)`` of the positions `pos` of `N` tokens from index `start`: from the
     index alone where the call gives no positions (no reduction)."""
@@ -154,7 +137,7 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.cons
     query head `h` (a table of `NB` buckets, `NBP` its power of two), whose distances
     ``q_pos - k_pos`` lie in ``[d_lo, d_hi]``: the float32 score terms (`ScoreTerms.apply`),
     ``k_pos - q_pos`` as float32 (the slope's derivative), the table's bucket ids and their
-    least and greatest value (0 without a table).
+    least and greatest value where a tile walked whole decides at run time (else 0).
 
     A list walked in three parts (``NPARTS == 3``, `_list_part`) knows its tiles' buckets
     from the part: in the first and last every pair is in bucket `LOW_B` / `HIGH_B`, so the
@@ -183,7 +166,8 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.cons
                 bucket = _bucket_by_log(qp - kp, BIDIR, HALF, LA, LB)
             else:
                 bucket = _bucket(qp - kp, THRESH, BIDIR, HALF, NT)
-            lowest, highest = _bucket_range(d_lo, d_hi, THRESH, BIDIR, HALF, NT)
+            lowest = 0
+            highest = 0
             offs_nb = tl.arange(0, NBP)
             row = tl.load(TABLE + h * NB + offs_nb, mask=offs_nb < NB, other=0.0)
             term += tl.gather(tl.broadcast_to(row[None, :], (bucket.shape[0], NBP)), bucket, 1)
