@@ -263,7 +263,7 @@ def _bucket_spans(THRESH, NBP: tl.constexpr, BIDIR: tl.constexpr, HALF: tl.const
         # bucket count leaves the last one, like the padding to NBP, empty.
         dmin = tl.where((upper & (k == 0)) | (b >= 2 * HALF), BIG, dmin)
     else:
-        # Causal bucketing: bucket 0 also holds every later key.
+        # With causal bucketing, bucket 0 also holds every later key.
         dmin = tl.where(b == 0, -BIG, n_lo)
         dmax = n_hi
     return dmin, dmax
