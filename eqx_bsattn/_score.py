@@ -14,7 +14,6 @@ are passed).
 import abc
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -105,26 +104,6 @@ class RelativeBuckets:
         if self.bidirectional:
             return ahead, (self.far_distance, 2 * self.half - 1)
         return ahead, (0, 0)
-
-    @functools.cached_property
-    def log_line(self) -> tuple[float, float] | None:
-        """``(a, b)`` such that the logarithmic buckets past the first of a direction are
-        ``floor(a * log2(n) + b)`` (after ``max_exact``) for every ``n`` from ``max_exact``
-        to `far_distance`, by a margin that float32 arithmetic keeps (each value either an
-        integer, which ``+ 1e-4`` keeps on its side, or 1e-3 or more from one); ``None``
-        where a distance comes closer. Kernels then compute a bucket with one logarithm in
-        place of a compare per threshold."""
-        nb = self.half
-        me = nb // 2
-        a = (nb - me) / math.log2(self.max_distance / me)
-        b = -a * math.log2(me)
-        for n in range(me, self.far_distance + 1):
-            x = a * math.log2(n) + b
-            exact = sum(n >= t for t in self.thresholds)
-            gap = abs(x - round(x))
-            if not ((gap < 1e-9 and round(x) == exact) or (gap > 1e-3 and math.floor(x) == exact)):
-                return None
-        return a, b
 
     def bucket(self, distance: Int[Array, "..."]) -> Int[Array, "..."]:
         """Bucket ids (int32, same shape) of int32 distances ``q_pos - k_pos``."""

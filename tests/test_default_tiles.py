@@ -38,8 +38,8 @@ TRITON = {
     "bf16 D128 bias": (((128, 64), (64, 64), (64, 64)), ((8, 2), (8, 2), (8, 2))),
     "bf16 D128 documents": (((64, 64), (64, 64), (64, 64)), ((4, 3), (4, 2), (4, 2))),
     # With per-call positions a relative-bias table's float32 tile takes the forward to two
-    # stages (H200: 288 KiB asked at three); without, only the loop over the blocks near the
-    # diagonal holds it, with a stage fewer.
+    # stages (H200: 288 KiB asked at three); without, no loop holds it (the blocks near the
+    # diagonal load their entries by distance, unpipelined).
     "bf16 D128 relative": (((128, 128), (128, 64), (64, 128)), ((8, 3), (8, 3), (8, 3))),
     "bf16 D128 relative positions": (((128, 128), (128, 64), (64, 128)),
                                      ((8, 2), (8, 3), (8, 3))),

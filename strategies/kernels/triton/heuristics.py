@@ -130,8 +130,8 @@ def shared_memory(tiling: TritonConfig, features: Features) -> dict[str, int]:
         bias = stages * bias_tile * 4 if features.bias else 0
         # A relative-bias table's scores take one float32 tile once (measured on the H200:
         # the 128x128 forward asked 64 KiB more than without). Without per-call positions
-        # only the loop over the blocks near the diagonal holds it, with a stage fewer
-        # (`LaunchConfig.split_constexprs`).
+        # no loop holds it: the blocks near the diagonal load their entries by distance,
+        # unpipelined (`LaunchConfig.split_constexprs`).
         table = (bias_tile * 4 if "relative_bias" in features.score and features.positions
                  else 0)
         return (held_rows * held_width + stages * piped_rows * piped_width) * size + bias + table

@@ -97,24 +97,6 @@ def _bucket(d, THRESH, BIDIR: tl.constexpr, HALF: tl.constexpr, NT: tl.constexpr
 
 
 @triton.jit
-def _bucket_by_log(d, BIDIR: tl.constexpr, HALF: tl.constexpr, LA: tl.constexpr,
-                   LB: tl.constexpr):
-    """`_bucket` with one logarithm in place of a compare per threshold:
-    ``floor(LA * log2(n) + LB)`` past the exact buckets (`RelativeBuckets.log_line`, which
-    holds only where float32 keeps every bucket exact; distances past `max_distance` clip)."""
-    if BIDIR:
-        offset = tl.where(d < 0, HALF, 0)
-        n = tl.abs(d)
-    else:
-        offset = 0
-        n = tl.maximum(d, 0)
-    ME: tl.constexpr = HALF // 2
-    x = tl.log2(tl.maximum(n, 1).to(tl.float32)) * LA + (LB + 1e-4)
-    far = ME + tl.minimum(tl.floor(x).to(tl.int32), HALF - 1 - ME)
-    return offset + tl.where(n < ME, n, far)
-
-
-@triton.jit
 def _span(pos, start, N: tl.constexpr, HAS_POS: tl.constexpr):
     """``(least, greatest)`` of the positions `pos` of `N` tokens from index `start`: from the
     index alone where the call gives no positions (no reduction)."""
@@ -128,11 +110,11 @@ def _span(pos, start, N: tl.constexpr, HAS_POS: tl.constexpr):
 
 
 @triton.jit
-def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.constexpr,
+def _score_tile(SLOPES, TABLE, ENTRIES, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.constexpr,
                 HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, BIDIR: tl.constexpr,
                 HALF: tl.constexpr, NT: tl.constexpr, PART: tl.constexpr, NPARTS: tl.constexpr,
-                LOW_B: tl.constexpr, HIGH_B: tl.constexpr, BY_LOG: tl.constexpr,
-                LA: tl.constexpr, LB: tl.constexpr):
+                LOW_B: tl.constexpr, HIGH_B: tl.constexpr, DOFF: tl.constexpr,
+                ND: tl.constexpr):
     """``(term, distance, bucket, lowest, highest)`` on broadcastable query / key positions of
     query head `h` (a table of `NB` buckets, `NBP` its power of two), whose distances
     ``q_pos - k_pos`` lie in ``[d_lo, d_hi]``: the float32 score terms (`ScoreTerms.apply`),
@@ -142,8 +124,9 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.cons
     A list walked in three parts (``NPARTS == 3``, `_list_part`) knows its tiles' buckets
     from the part: in the first and last every pair is in bucket `LOW_B` / `HIGH_B`, so the
     table's term is one scalar (no tile, no branch), and in the middle (near the diagonal)
-    each pair's bucket is computed (by a logarithm where `BY_LOG`: `_bucket_by_log`). Walked
-    whole, each tile decides at run time."""
+    each pair reads its entry by its distance from `ENTRIES` (`LaunchConfig.distance_entries`:
+    ``[H, ND]``, distance ``d`` at ``d + DOFF``, clamped: past either end the entry is the far
+    one). Walked whole, each tile decides at run time."""
     if HAS_REL and NPARTS == 3:
         if HAS_ALIBI:
             dist = (kp - qp).to(tl.float32)
@@ -151,26 +134,16 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.cons
         else:
             dist = 0.0
             term = 0.0
+        bucket = 0
+        lowest = 0
+        highest = 0
         if PART == 0:
             term += tl.load(TABLE + h * NB + LOW_B)
-            bucket = LOW_B
-            lowest = LOW_B
-            highest = LOW_B
         elif PART == 2:
             term += tl.load(TABLE + h * NB + HIGH_B)
-            bucket = HIGH_B
-            lowest = HIGH_B
-            highest = HIGH_B
         else:
-            if BY_LOG:
-                bucket = _bucket_by_log(qp - kp, BIDIR, HALF, LA, LB)
-            else:
-                bucket = _bucket(qp - kp, THRESH, BIDIR, HALF, NT)
-            lowest = 0
-            highest = 0
-            offs_nb = tl.arange(0, NBP)
-            row = tl.load(TABLE + h * NB + offs_nb, mask=offs_nb < NB, other=0.0)
-            term += tl.gather(tl.broadcast_to(row[None, :], (bucket.shape[0], NBP)), bucket, 1)
+            at = tl.minimum(tl.maximum(qp - kp + DOFF, 0), ND - 1)
+            term += tl.load(ENTRIES + h * ND + at)
     else:
         delta = kp - qp
         dist = delta.to(tl.float32)
@@ -208,22 +181,21 @@ def _score_tile(SLOPES, TABLE, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.cons
 
 
 @triton.jit
-def _with_score(bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n,
+def _with_score(bias, SLOPES, TABLE, ENTRIES, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n,
                 LK: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_KPOS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr,
                 NB: tl.constexpr, NBP: tl.constexpr, BIDIR: tl.constexpr, HALF: tl.constexpr,
                 NT: tl.constexpr, PART: tl.constexpr, NPARTS: tl.constexpr,
-                LOW_B: tl.constexpr, HIGH_B: tl.constexpr, BY_LOG: tl.constexpr,
-                LA: tl.constexpr, LB: tl.constexpr):
+                LOW_B: tl.constexpr, HIGH_B: tl.constexpr, DOFF: tl.constexpr,
+                ND: tl.constexpr):
     """`_score_tile` of queries at positions `qp` (rows, from `q_lo` to `q_hi`) and keys
     `offs_n` of kv-block `j` (columns) of batch `b`, its terms added to `bias`:
     ``(bias + term, distance, bucket, lowest, highest)``."""
     kp, ks = _coords(KPOS, KPOS, b, offs_n, LK, HAS_KPOS, False, 0)
     k_lo, k_hi = _span(kp, j * BLOCK_N, BLOCK_N, HAS_KPOS)
     term, dist, bucket, lowest, highest = _score_tile(
-        SLOPES, TABLE, THRESH, h, qp[:, None], kp[None, :], q_lo - k_hi, q_hi - k_lo,
-        HAS_ALIBI, HAS_REL, NB, NBP, BIDIR, HALF, NT, PART, NPARTS, LOW_B, HIGH_B, BY_LOG,
-        LA, LB)
+        SLOPES, TABLE, ENTRIES, THRESH, h, qp[:, None], kp[None, :], q_lo - k_hi, q_hi - k_lo,
+        HAS_ALIBI, HAS_REL, NB, NBP, BIDIR, HALF, NT, PART, NPARTS, LOW_B, HIGH_B, DOFF, ND)
     return bias + term, dist, bucket, lowest, highest
 
 
@@ -441,7 +413,7 @@ def _partial_visible(bm_ptr, it, BMAPS, b, offs_n, offs_bn, qp, qs, KPOS, KSEG,
 
 @triton.jit
 def forward_kernel(
-    Q, K, V, BIAS, SINKS, SLOPES, TABLE, THRESH, QPOS, KPOS, QSEG, KSEG,
+    Q, K, V, BIAS, SINKS, SLOPES, TABLE, THRESH, ENTRIES, QPOS, KPOS, QSEG, KSEG,
     FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS, SPLITS,
     O, LSE,
     H: tl.constexpr, HKV: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr,
@@ -457,8 +429,8 @@ def forward_kernel(
     HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
+    REL_DOFF: tl.constexpr, REL_ND: tl.constexpr,
     STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
-    REL_BY_LOG: tl.constexpr, REL_LA: tl.constexpr, REL_LB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
@@ -525,9 +497,9 @@ def forward_kernel(
                     bias = 0.0
                 if HAS_ALIBI or HAS_REL:
                     bias, dist, bucket, lowest, highest = _with_score(
-                        bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
+                        bias, SLOPES, TABLE, ENTRIES, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
                         BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT,
-                        part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_BY_LOG, REL_LA, REL_LB)
+                        part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND)
                 s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
                 if phase == 1:
                     vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp,
@@ -559,7 +531,7 @@ def forward_kernel(
 
 @triton.jit
 def dq_kernel(
-    Q, K, V, BIAS, SLOPES, TABLE, THRESH, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
+    Q, K, V, BIAS, SLOPES, TABLE, THRESH, ENTRIES, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
     FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS, SPLITS,
     DQ, DBIAS, DSLOPES, DTABLE,
     H: tl.constexpr, HKV: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr,
@@ -575,8 +547,8 @@ def dq_kernel(
     HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
+    REL_DOFF: tl.constexpr, REL_ND: tl.constexpr,
     STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
-    REL_BY_LOG: tl.constexpr, REL_LA: tl.constexpr, REL_LB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
@@ -650,9 +622,9 @@ def dq_kernel(
                     bias = 0.0
                 if HAS_ALIBI or HAS_REL:
                     bias, dist, bucket, lowest, highest = _with_score(
-                        bias, SLOPES, TABLE, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
+                        bias, SLOPES, TABLE, ENTRIES, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
                         BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT,
-                        part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_BY_LOG, REL_LA, REL_LB)
+                        part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND)
                 s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
                 if phase == 1:
                     vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp,
@@ -700,7 +672,7 @@ def dq_kernel(
 
 @triton.jit
 def dkdv_kernel(
-    Q, K, V, BIAS, SLOPES, TABLE, THRESH, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
+    Q, K, V, BIAS, SLOPES, TABLE, THRESH, ENTRIES, QPOS, KPOS, QSEG, KSEG, DO, LSE, DELTA,
     FCNT, FIDX, PCNT, PIDX, BMIDX, BMAPS, SPLITS,
     DK, DV_OUT,
     H: tl.constexpr, HKV: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr,
@@ -716,8 +688,8 @@ def dkdv_kernel(
     HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
+    REL_DOFF: tl.constexpr, REL_ND: tl.constexpr,
     STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
-    REL_BY_LOG: tl.constexpr, REL_LA: tl.constexpr, REL_LB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One program per (kv-block, kv head, batch); it walks the q heads of its group too, so
@@ -796,10 +768,9 @@ def dkdv_kernel(
                         qp_m, qs_m = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, False, 0)
                         q_lo, q_hi = _span(qp_m, i * BLOCK_M, BLOCK_M, HAS_QPOS)
                         term, dist, bucket, lowest, highest = _score_tile(
-                            SLOPES, TABLE, THRESH, h, qp_m[None, :], kp[:, None], q_lo - k_hi,
-                            q_hi - k_lo, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT,
-                            part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_BY_LOG, REL_LA,
-                            REL_LB)
+                            SLOPES, TABLE, ENTRIES, THRESH, h, qp_m[None, :], kp[:, None],
+                            q_lo - k_hi, q_hi - k_lo, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR,
+                            REL_HALF, NT, part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND)
                         bias = bias + term
                     s, t_cap = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
                     if phase == 1:

@@ -113,29 +113,54 @@ class LaunchConfig:
         return (self.relative is not None and not self.has_q_positions
                 and not self.has_kv_positions)
 
+    def distance_entries(self, table: jax.Array) -> jax.Array:
+        """`entries_by_distance` of `table` where the launches walk three parts (else a
+        placeholder)."""
+        if not self.splits_far_blocks:
+            return jnp.zeros((1,), jnp.float32)
+        return entries_by_distance(table, self.relative)
+
     def split_constexprs(self, transposed: bool, stages: int) -> dict:
         """The launch's switches for `far_splits`: ``REL_SPLIT``, the buckets of the first
         and last parts of a list (``REL_LOW_B``, ``REL_HIGH_B``: a forward or dq list runs
         along the keys, from far before its queries to far after; a transposed one along the
-        queries, the other way), the pipeline stages of the parts' loops (the launch's
-        `stages`, one fewer for the near part, ``NEAR_STAGES``, whose float32 tile of table
-        entries takes the shared memory of a stage), and the near part's bucket by a
-        logarithm (``REL_BY_LOG``, ``REL_LA``, ``REL_LB``: `RelativeBuckets.log_line`)."""
+        queries, the other way), the run of `distance_entries` (``REL_DOFF``: minus its
+        lowest distance; ``REL_ND``: its length) and the pipeline stages of the parts' loops:
+        the launch's `stages` for the far parts (``STAGES``) and none for the near part
+        (``NEAR_STAGES``), whose per-pair load of entries the pipeliner would otherwise stage
+        in shared memory as a float32 tile per stage."""
         if not self.splits_far_blocks:
-            return dict(REL_SPLIT=False, REL_LOW_B=0, REL_HIGH_B=0, STAGES=stages,
-                        NEAR_STAGES=stages, REL_BY_LOG=False, REL_LA=0.0, REL_LB=0.0)
+            return dict(REL_SPLIT=False, REL_LOW_B=0, REL_HIGH_B=0, REL_DOFF=0, REL_ND=1,
+                        STAGES=stages, NEAR_STAGES=stages)
         (_, ahead), (_, behind) = self.relative.far_buckets()
         low, high = (behind, ahead) if transposed else (ahead, behind)
-        line = self.relative.log_line
-        return dict(REL_SPLIT=True, REL_LOW_B=low, REL_HIGH_B=high, STAGES=stages,
-                    NEAR_STAGES=max(1, stages - 1), REL_BY_LOG=line is not None,
-                    REL_LA=0.0 if line is None else line[0],
-                    REL_LB=0.0 if line is None else line[1])
+        lowest, count = near_distances(self.relative)
+        return dict(REL_SPLIT=True, REL_LOW_B=low, REL_HIGH_B=high, REL_DOFF=-lowest,
+                    REL_ND=count, STAGES=stages, NEAR_STAGES=1)
 
     def thresholds(self) -> jax.Array:
         """The table's bucket thresholds, int32 ``[NT]`` (a placeholder without a table)."""
         values = self.relative.thresholds if self.relative is not None else ()
         return jnp.asarray(values or (0,), jnp.int32)
+
+
+def near_distances(relative: RelativeBuckets) -> tuple[int, int]:
+    """``(lowest, count)``: the distances ``d = q_pos - k_pos`` from `lowest` on, `count` of
+    them, whose entries `entries_by_distance` holds. Past either end every distance is in its
+    side's far bucket (`RelativeBuckets.far_buckets`), so a kernel clamps ``d`` into the run
+    and reads the exact entry."""
+    (ahead_gap, _), (behind_gap, _) = relative.far_buckets()
+    return -behind_gap, ahead_gap + behind_gap + 1
+
+
+def entries_by_distance(table: jax.Array, relative: RelativeBuckets) -> jax.Array:
+    """The entry of `table` ``[H, num_buckets]`` at each of `near_distances`, float32 ``[H,
+    count]`` (an exact gather): the blocks near the diagonal read a pair's term by its
+    distance, with no bucket to compute."""
+    lowest, count = near_distances(relative)
+    with jax.ensure_compile_time_eval():  # constants, also inside a trace
+        buckets = np.asarray(relative.bucket(np.arange(lowest, lowest + count)))
+    return jnp.take(table.astype(jnp.float32), jnp.asarray(buckets), axis=1)
 
 
 def score_constexprs(alibi: bool, relative: RelativeBuckets | None) -> dict:
@@ -293,7 +318,8 @@ def forward_launch(cfg: LaunchConfig, q, k, v, bias, sinks, score, data, lists):
         nq = math.ceil(cfg.q_len / bq)
         warps, stages = cfg.fwd_launch
         return tuple(triton_call(
-            q, k, v, bias, sinks, slopes, table, cfg.thresholds(), *rest,
+            q, k, v, bias, sinks, slopes, table, cfg.thresholds(), cfg.distance_entries(table),
+            *rest,
             kernel=jit_kernels().forward_kernel,
             out_shape=(
                 jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.q_len, cfg.value_dim), q.dtype),
@@ -329,7 +355,8 @@ def dq_launch(cfg: LaunchConfig, q, k, v, bias, score, data, lists, do, lse, del
         dtable_shape = (programs + (cfg.relative.num_buckets,) if cfg.relative is not None
                         else (1,))
         return tuple(triton_call(
-            q, k, v, bias, slopes, table, cfg.thresholds(), *rest,
+            q, k, v, bias, slopes, table, cfg.thresholds(), cfg.distance_entries(table),
+            *rest,
             kernel=jit_kernels().dq_kernel,
             out_shape=(
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -357,7 +384,8 @@ def dkdv_launch(cfg: LaunchConfig, q, k, v, bias, score, data, t_lists, do, lse,
         nk = math.ceil(cfg.kv_len / bk)
         warps, stages = cfg.dkdv_launch
         return tuple(triton_call(
-            q, k, v, bias, slopes, table, cfg.thresholds(), *rest,
+            q, k, v, bias, slopes, table, cfg.thresholds(), cfg.distance_entries(table),
+            *rest,
             kernel=jit_kernels().dkdv_kernel,
             out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
                        jax.ShapeDtypeStruct(v.shape, v.dtype)),

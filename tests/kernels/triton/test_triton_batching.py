@@ -32,14 +32,17 @@ def _stand_in(calls):
         batch = args[0].shape[0]
         calls.append((kernel, batch, grid))
         assert grid[-1] == batch
-        data_at = 8 if kernel == "fwd" else 7
-        lists = args[12:19] if kernel == "fwd" else args[14:21]
+        data_at = 9 if kernel == "fwd" else 8
+        lists = args[13:20] if kernel == "fwd" else args[15:22]
         seen = _per_element(args[0], batch) + 3 * _per_element(args[1], batch)
         if kernel == "fwd":
             assert args[4].ndim == 2  # sinks [H, S]: no batch axis
             seen = seen + 17 * args[4].sum()
-        # Score slopes [H] and table [H, NB], then the thresholds: no batch axis.
-        slopes, table, thresholds = args[data_at - 3:data_at]
+        # Score slopes [H] and table [H, NB], then the thresholds and the table's entries by
+        # distance [H, REL_ND]: no batch axis.
+        slopes, table, thresholds, entries = args[data_at - 4:data_at]
+        if meta["REL_SPLIT"]:
+            assert entries.shape == (H, meta["REL_ND"])
         if meta["HAS_ALIBI"]:
             assert slopes.shape == (H,) and table.shape == (H, meta["NB"])
             assert thresholds.shape == (meta["NT"],)

@@ -74,3 +74,25 @@ def test_far_parts_hold_one_bucket(transposed, buckets, block_q, block_kv):
                         assert d.min() < ahead_gap and d.max() > -behind_gap, (which, h, r, slot)
                     parts_seen.add(0 if slot < before else 2 if slot >= not_after else 1)
     assert parts_seen == {0, 1, 2}
+
+
+@pytest.mark.parametrize("buckets", [
+    RelativeBuckets(32, True, 128), RelativeBuckets(32, False, 128), RelativeBuckets(8, True, 20),
+    RelativeBuckets(12, False, 40), RelativeBuckets(4, True, 3), RelativeBuckets(32, True, 256),
+    RelativeBuckets(64, True, 1000)],
+    ids=["t5", "t5_causal", "small", "small_causal", "tiny", "t5_256", "wide"])
+def test_entries_by_distance_clamped_are_the_table(buckets):
+    """A near tile's term, read from `entries_by_distance` at its distance clamped into
+    `near_distances` (as the kernels read it), is the table's entry at T5's bucket for every
+    distance, up to the ends of the position range."""
+    rng = np.random.default_rng(buckets.num_buckets)
+    table = rng.normal(size=(3, buckets.num_buckets)).astype(np.float32)
+    entries = np.asarray(tr.entries_by_distance(table, buckets))
+    lowest, count = tr.near_distances(buckets)
+    assert entries.shape == (3, count) and entries.dtype == np.float32
+    d = np.concatenate([np.arange(-4 * buckets.max_distance, 4 * buckets.max_distance),
+                        [2**30, -(2**30), 2**30 - 1]])
+    at = np.clip(d - lowest, 0, count - 1)
+    want = table[:, t5_bucket(d, buckets.num_buckets, buckets.bidirectional,
+                              buckets.max_distance)]
+    np.testing.assert_array_equal(entries[:, at], want)

@@ -25,20 +25,13 @@ if "cpu" in TritonBlockSparse.platforms:  # Triton imports: the interpreter is i
     import triton
     import triton.language as tl
 
-    from eqx_bsattn.strategies.kernels.triton.jit_kernels import (_bucket, _bucket_by_log,
-                                                                  _bucket_spans)
+    from eqx_bsattn.strategies.kernels.triton.jit_kernels import _bucket, _bucket_spans
 
     @triton.jit
     def _bucket_kernel(D, THRESH, OUT, N: tl.constexpr, BIDIR: tl.constexpr,
                        HALF: tl.constexpr, NT: tl.constexpr):
         offs = tl.arange(0, N)
         tl.store(OUT + offs, _bucket(tl.load(D + offs), THRESH, BIDIR, HALF, NT))
-
-    @triton.jit
-    def _bucket_by_log_kernel(D, OUT, N: tl.constexpr, BIDIR: tl.constexpr,
-                              HALF: tl.constexpr, LA: tl.constexpr, LB: tl.constexpr):
-        offs = tl.arange(0, N)
-        tl.store(OUT + offs, _bucket_by_log(tl.load(D + offs), BIDIR, HALF, LA, LB))
 
 
 @pytest.mark.parametrize("num_buckets,bidirectional,max_distance",
@@ -61,25 +54,6 @@ def test_kernel_buckets_follow_t5(num_buckets, bidirectional, max_distance):
         jnp.asarray(d), jnp.asarray(buckets.thresholds or (0,), jnp.int32),
         kernel=_bucket_kernel, out_shape=(jax.ShapeDtypeStruct((n,), jnp.int32),), grid=(1,),
         N=n, BIDIR=cfg["REL_BIDIR"], HALF=cfg["REL_HALF"], NT=cfg["NT"])
-    np.testing.assert_array_equal(np.asarray(got[0]), t5_bucket(d, num_buckets, bidirectional,
-                                                             max_distance))
-
-
-@pytest.mark.parametrize("num_buckets,bidirectional,max_distance",
-                         [(32, True, 128), (32, False, 128), (8, True, 20), (12, False, 40),
-                          (64, True, 1000)])
-def test_kernel_buckets_by_log_follow_t5(num_buckets, bidirectional, max_distance):
-    """The near tiles' buckets by a logarithm (`_bucket_by_log`) on every distance a near
-    tile can hold, and past it, against T5's formula."""
-    buckets = scores.RelativeBuckets(num_buckets, bidirectional, max_distance)
-    a, b = buckets.log_line
-    reach = buckets.far_distance + 600
-    n = 1 << (2 * reach).bit_length()
-    d = np.arange(-n // 2, n // 2, dtype=np.int32)
-    got = launch.triton_call(
-        jnp.asarray(d), kernel=_bucket_by_log_kernel,
-        out_shape=(jax.ShapeDtypeStruct((n,), jnp.int32),), grid=(1,), N=n,
-        BIDIR=bidirectional, HALF=buckets.half, LA=a, LB=b)
     np.testing.assert_array_equal(np.asarray(got[0]), t5_bucket(d, num_buckets, bidirectional,
                                                              max_distance))
 
