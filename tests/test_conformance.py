@@ -288,6 +288,9 @@ CASES = {
                                          score="alibi_learned", sinks="hs", soft_cap=3.0,
                                          documents=3, pad=5, **{**BIG, "dim": 128}),
     "tiled_score_relative": Case(masks.Causal(), score="relative_t5", **{**BIG, "q_len": 600}),
+    # Partial blocks read from bitmaps (no canonical terms), near blocks in slices.
+    "tiled_score_relative_bitmaps": Case(masks.Predicate(every_other_causal), score="relative_t5",
+                                         **{**BIG, "q_len": 400}),
     "tiled_score_function_positions": Case(masks.Causal() & masks.SlidingWindow(60, 0),
                                            score="function", positions="shifted", **BIG),
     "tiled_explicit_documents": Case(masks.Causal(), documents=4,

@@ -430,7 +430,7 @@ def forward_kernel(
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
     REL_DOFF: tl.constexpr, REL_ND: tl.constexpr,
-    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
+    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr, NEAR_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
@@ -440,7 +440,6 @@ def forward_kernel(
     b = tl.program_id(2)
     hk = h // (H // HKV)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_bn = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, DP)
     offs_dv = tl.arange(0, DVP)
     row_ok = (offs_m < LQ)[:, None]
@@ -479,45 +478,50 @@ def forward_kernel(
         j_next = first
         for part in tl.static_range(NPARTS):
             start, end = _list_part(SPLITS + lrow * 4 + phase * 2, part, NPARTS, lo, hi)
+            # Near tiles run in NEAR_SPLIT slices of keys: their per-pair load of entries
+            # would take the whole tile past the registers.
             for it in tl.range(start, end, num_stages=NEAR_STAGES if part == 1 else STAGES):
                 j, j_next = _list_step(idx_ptr, it, hi, first, is_range, j_next,
                                        phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK,
                                        PREFETCH)
-                offs_n = j * BLOCK_N + offs_bn
-                col_ok = (offs_n < LK)[:, None]
-                # FULL blocks never hold the ragged last kv-block: no row check there.
-                k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
-                            phase == 1 and LK % BLOCK_N != 0, D != DP)
-                s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
-                if HAS_BIAS:
-                    bias = tl.load(bias_base + offs_m[:, None] * LK + offs_n[None, :],
-                                   mask=row_ok & (offs_n < LK)[None, :],
-                                   other=0.0).to(tl.float32)
-                else:
-                    bias = 0.0
-                if HAS_ALIBI or HAS_REL:
-                    bias, dist, bucket, lowest, highest = _with_score(
-                        bias, SLOPES, TABLE, ENTRIES, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
-                        BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT,
-                        part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND)
-                s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
-                if phase == 1:
-                    vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp,
-                                           qs, KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL,
-                                           CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX, USE_BITMAP,
-                                           BLOCK_M, BLOCK_N)
-                    s = tl.where(vis, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                # A row that has seen nothing yet keeps m = -inf: shift by 0 so exp2 gives 0,
-                # not NaN.
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
-                            phase == 1 and LK % BLOCK_N != 0, DV != DVP)
-                acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
-                m_i = m_new
+                for sub in tl.static_range(NEAR_SPLIT if part == 1 else 1):
+                    offs_sub = (sub * (BLOCK_N // NEAR_SPLIT if part == 1 else BLOCK_N)
+                                + tl.arange(0, BLOCK_N // NEAR_SPLIT if part == 1 else BLOCK_N))
+                    offs_n = j * BLOCK_N + offs_sub
+                    col_ok = (offs_n < LK)[:, None]
+                    # FULL blocks never hold the ragged last kv-block: no row check there.
+                    k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
+                                phase == 1 and LK % BLOCK_N != 0, D != DP)
+                    s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, offs_sub.shape[0]], tl.float32), IEEE)
+                    if HAS_BIAS:
+                        bias = tl.load(bias_base + offs_m[:, None] * LK + offs_n[None, :],
+                                       mask=row_ok & (offs_n < LK)[None, :],
+                                       other=0.0).to(tl.float32)
+                    else:
+                        bias = 0.0
+                    if HAS_ALIBI or HAS_REL:
+                        bias, dist, bucket, lowest, highest = _with_score(
+                            bias, SLOPES, TABLE, ENTRIES, THRESH, KPOS, b, h, qp, q_lo, q_hi, j,
+                            offs_n, LK, BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR,
+                            REL_HALF, NT, part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND)
+                    s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
+                    if phase == 1:
+                        vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_sub,
+                                               qp, qs, KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL,
+                                               CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX,
+                                               USE_BITMAP, BLOCK_M, BLOCK_N)
+                        s = tl.where(vis, s, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    # A row that has seen nothing yet keeps m = -inf: shift by 0 so exp2 gives
+                    # 0, not NaN.
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    p = tl.exp2(s - m_safe[:, None])
+                    alpha = tl.exp2(m_i - m_safe)
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
+                                phase == 1 and LK % BLOCK_N != 0, DV != DVP)
+                    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+                    m_i = m_new
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -548,7 +552,7 @@ def dq_kernel(
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
     REL_DOFF: tl.constexpr, REL_ND: tl.constexpr,
-    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
+    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr, NEAR_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
@@ -558,7 +562,6 @@ def dq_kernel(
     b = tl.program_id(2)
     hk = h // (H // HKV)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_bn = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, DP)
     offs_dv = tl.arange(0, DVP)
     row_ok = (offs_m < LQ)[:, None]
@@ -606,54 +609,61 @@ def dq_kernel(
                 j, j_next = _list_step(idx_ptr, it, hi, first, is_range, j_next,
                                        phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK,
                                        PREFETCH)
-                offs_n = j * BLOCK_N + offs_bn
-                col_ok = (offs_n < LK)[:, None]
                 CHECK_K: tl.constexpr = phase == 1 and LK % BLOCK_N != 0
-                k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
-                            CHECK_K, D != DP)
-                v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
-                            CHECK_K, DV != DVP)
-                s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
-                if HAS_BIAS:
-                    bias = tl.load(bias_base + offs_m[:, None] * LK + offs_n[None, :],
-                                   mask=row_ok & (offs_n < LK)[None, :],
-                                   other=0.0).to(tl.float32)
-                else:
-                    bias = 0.0
-                if HAS_ALIBI or HAS_REL:
-                    bias, dist, bucket, lowest, highest = _with_score(
-                        bias, SLOPES, TABLE, ENTRIES, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
-                        BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT,
-                        part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND)
-                s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
-                if phase == 1:
-                    vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_bn, qp,
-                                           qs, KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL,
-                                           CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX, USE_BITMAP,
-                                           BLOCK_M, BLOCK_N)
-                    s = tl.where(vis, s, float("-inf"))
-                p = tl.exp2(s - lse[:, None])
-                dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
-                ds = p * (dp - delta[:, None])
-                if SOFTCAP > 0:
-                    ds = ds * (1.0 - t * t)
-                if HAS_BIAS:
-                    tl.store(dbias_base + offs_m[:, None] * LK + offs_n[None, :], ds,
-                             mask=row_ok & (offs_n < LK)[None, :])
-                # dS is the gradient of each term too: invisible pairs hold dS = 0 (p = 0).
-                if HAS_ALIBI:
-                    dslope += tl.sum(ds * dist)
-                if HAS_REL:
-                    if NPARTS == 3 and part == 0:
-                        ds_low += tl.sum(ds, 1)
-                    elif NPARTS == 3 and part == 2:
-                        ds_high += tl.sum(ds, 1)
-                    elif NPARTS == 3:
-                        dtab_rows = _table_grad_rows(dtab_rows, ds, pid_m * BLOCK_M - j * BLOCK_N,
-                                                     dmin, dmax, BLOCK_N)
+                # Near tiles run in NEAR_SPLIT slices of keys (as in the forward).
+                for sub in tl.static_range(NEAR_SPLIT if part == 1 else 1):
+                    offs_sub = (sub * (BLOCK_N // NEAR_SPLIT if part == 1 else BLOCK_N)
+                                + tl.arange(0, BLOCK_N // NEAR_SPLIT if part == 1 else BLOCK_N))
+                    offs_n = j * BLOCK_N + offs_sub
+                    col_ok = (offs_n < LK)[:, None]
+                    k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
+                                CHECK_K, D != DP)
+                    v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
+                                CHECK_K, DV != DVP)
+                    s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, offs_sub.shape[0]], tl.float32),
+                             IEEE)
+                    if HAS_BIAS:
+                        bias = tl.load(bias_base + offs_m[:, None] * LK + offs_n[None, :],
+                                       mask=row_ok & (offs_n < LK)[None, :],
+                                       other=0.0).to(tl.float32)
                     else:
-                        dtab = _table_grad(dtab, ds, bucket, lowest, highest, NBP)
-                dq = _dot(ds.to(k.dtype), k, dq, IEEE)
+                        bias = 0.0
+                    if HAS_ALIBI or HAS_REL:
+                        bias, dist, bucket, lowest, highest = _with_score(
+                            bias, SLOPES, TABLE, ENTRIES, THRESH, KPOS, b, h, qp, q_lo, q_hi, j,
+                            offs_n, LK, BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR,
+                            REL_HALF, NT, part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND)
+                    s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
+                    if phase == 1:
+                        vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_sub,
+                                               qp, qs, KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL,
+                                               CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX,
+                                               USE_BITMAP, BLOCK_M, BLOCK_N)
+                        s = tl.where(vis, s, float("-inf"))
+                    p = tl.exp2(s - lse[:, None])
+                    dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, offs_sub.shape[0]], tl.float32),
+                              IEEE)
+                    ds = p * (dp - delta[:, None])
+                    if SOFTCAP > 0:
+                        ds = ds * (1.0 - t * t)
+                    if HAS_BIAS:
+                        tl.store(dbias_base + offs_m[:, None] * LK + offs_n[None, :], ds,
+                                 mask=row_ok & (offs_n < LK)[None, :])
+                    # dS is the gradient of each term too: invisible pairs hold dS = 0 (p = 0).
+                    if HAS_ALIBI:
+                        dslope += tl.sum(ds * dist)
+                    if HAS_REL:
+                        if NPARTS == 3 and part == 0:
+                            ds_low += tl.sum(ds, 1)
+                        elif NPARTS == 3 and part == 2:
+                            ds_high += tl.sum(ds, 1)
+                        elif NPARTS == 3:
+                            dtab_rows = _table_grad_rows(
+                                dtab_rows, ds, pid_m * BLOCK_M - j * BLOCK_N - sub * ds.shape[1],
+                                dmin, dmax, ds.shape[1])
+                        else:
+                            dtab = _table_grad(dtab, ds, bucket, lowest, highest, NBP)
+                    dq = _dot(ds.to(k.dtype), k, dq, IEEE)
     dq = dq * SCALE
     # Each program writes its own row of partial sums; XLA adds the rows (deterministic).
     prog = bh * NQB + pid_m
@@ -689,7 +699,7 @@ def dkdv_kernel(
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
     REL_DOFF: tl.constexpr, REL_ND: tl.constexpr,
-    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
+    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr, NEAR_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One program per (kv-block, kv head, batch); it walks the q heads of its group too, so
@@ -701,7 +711,6 @@ def dkdv_kernel(
     b = tl.program_id(2)
     GROUP: tl.constexpr = H // HKV
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_bm = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DP)
     offs_dv = tl.arange(0, DVP)
     n_ok = (offs_n < LK)[:, None]
@@ -749,49 +758,62 @@ def dkdv_kernel(
                         i_next = upcoming
                     h = hk * GROUP + g0 + t % STEP_HEADS
                     bh = (b * H + h).to(tl.int64)
-                    offs_m = i * BLOCK_M + offs_bm
-                    m_ok = (offs_m < LQ)[:, None]
-                    q = _load2d(Q + bh * (LQ * D) + offs_m[:, None] * D + offs_d[None, :], m_ok,
-                                d_ok, CHECK_Q, D != DP)
-                    do = _load2d(DO + bh * (LQ * DV) + offs_m[:, None] * DV + offs_dv[None, :],
-                                 m_ok, dv_ok, CHECK_Q, DV != DVP)
-                    lse = tl.load(LSE + bh * LQ + offs_m, mask=offs_m < LQ, other=float("inf"))
-                    delta = tl.load(DELTA + bh * LQ + offs_m, mask=offs_m < LQ, other=0.0)
-                    s = _dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
-                    if HAS_BIAS:
-                        bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
-                        bias = tl.load(bias_base + offs_m[None, :] * LK + offs_n[:, None],
-                                       mask=(offs_m < LQ)[None, :] & n_ok, other=0.0).to(tl.float32)
-                    else:
-                        bias = 0.0
-                    if HAS_ALIBI or HAS_REL:
-                        qp_m, qs_m = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, False, 0)
-                        q_lo, q_hi = _span(qp_m, i * BLOCK_M, BLOCK_M, HAS_QPOS)
-                        term, dist, bucket, lowest, highest = _score_tile(
-                            SLOPES, TABLE, ENTRIES, THRESH, h, qp_m[None, :], kp[:, None],
-                            q_lo - k_hi, q_hi - k_lo, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR,
-                            REL_HALF, NT, part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND)
-                        bias = bias + term
-                    s, t_cap = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
-                    if phase == 1:
-                        if USE_BITMAP:
-                            bid = tl.load(BMIDX + lrow * CP + it).to(tl.int64)
-                            bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
-                                           + offs_bm[None, :] * BLOCK_N
-                                           + tl.arange(0, BLOCK_N)[:, None])
-                            vis = bits != 0
+                    # Near tiles run in NEAR_SPLIT slices of queries (as the forward's of keys).
+                    for sub in tl.static_range(NEAR_SPLIT if part == 1 else 1):
+                        offs_sub = (sub * (BLOCK_M // NEAR_SPLIT if part == 1 else BLOCK_M)
+                                    + tl.arange(0, BLOCK_M // NEAR_SPLIT if part == 1
+                                                else BLOCK_M))
+                        offs_m = i * BLOCK_M + offs_sub
+                        m_ok = (offs_m < LQ)[:, None]
+                        q = _load2d(Q + bh * (LQ * D) + offs_m[:, None] * D + offs_d[None, :],
+                                    m_ok, d_ok, CHECK_Q, D != DP)
+                        do = _load2d(DO + bh * (LQ * DV) + offs_m[:, None] * DV
+                                     + offs_dv[None, :], m_ok, dv_ok, CHECK_Q, DV != DVP)
+                        lse = tl.load(LSE + bh * LQ + offs_m, mask=offs_m < LQ,
+                                      other=float("inf"))
+                        delta = tl.load(DELTA + bh * LQ + offs_m, mask=offs_m < LQ, other=0.0)
+                        s = _dot(k, tl.trans(q), tl.zeros([BLOCK_N, offs_sub.shape[0]],
+                                                          tl.float32), IEEE)
+                        if HAS_BIAS:
+                            bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
+                            bias = tl.load(bias_base + offs_m[None, :] * LK + offs_n[:, None],
+                                           mask=(offs_m < LQ)[None, :] & n_ok,
+                                           other=0.0).to(tl.float32)
                         else:
-                            qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG, -1)
-                            vis = _visible(qp[None, :], kp[:, None], qs[None, :], ks[:, None], k_in,
-                                           CAUSAL, CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX, HAS_SEG)
-                        s = tl.where(vis, s, float("-inf"))
-                    p = tl.exp2(s - lse[None, :])
-                    dv = _dot(p.to(do.dtype), do, dv, IEEE)
-                    dp = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), IEEE)
-                    ds = p * (dp - delta[None, :])
-                    if SOFTCAP > 0:
-                        ds = ds * (1.0 - t_cap * t_cap)
-                    dk = _dot(ds.to(q.dtype), q, dk, IEEE)
+                            bias = 0.0
+                        if HAS_ALIBI or HAS_REL:
+                            qp_m, qs_m = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, False, 0)
+                            q_lo, q_hi = _span(qp_m, i * BLOCK_M, BLOCK_M, HAS_QPOS)
+                            term, dist, bucket, lowest, highest = _score_tile(
+                                SLOPES, TABLE, ENTRIES, THRESH, h, qp_m[None, :], kp[:, None],
+                                q_lo - k_hi, q_hi - k_lo, HAS_ALIBI, HAS_REL, NB, NBP,
+                                REL_BIDIR, REL_HALF, NT, part, NPARTS, REL_LOW_B, REL_HIGH_B,
+                                REL_DOFF, REL_ND)
+                            bias = bias + term
+                        s, t_cap = _logits(s, bias, SCALE, SOFTCAP,
+                                           HAS_BIAS or HAS_ALIBI or HAS_REL)
+                        if phase == 1:
+                            if USE_BITMAP:
+                                bid = tl.load(BMIDX + lrow * CP + it).to(tl.int64)
+                                bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
+                                               + offs_sub[None, :] * BLOCK_N
+                                               + tl.arange(0, BLOCK_N)[:, None])
+                                vis = bits != 0
+                            else:
+                                qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG,
+                                                 -1)
+                                vis = _visible(qp[None, :], kp[:, None], qs[None, :],
+                                               ks[:, None], k_in, CAUSAL, CAUSAL_OFF, WIN_L,
+                                               WIN_R, CHUNK, PREFIX, HAS_SEG)
+                            s = tl.where(vis, s, float("-inf"))
+                        p = tl.exp2(s - lse[None, :])
+                        dv = _dot(p.to(do.dtype), do, dv, IEEE)
+                        dp = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, offs_sub.shape[0]],
+                                                            tl.float32), IEEE)
+                        ds = p * (dp - delta[None, :])
+                        if SOFTCAP > 0:
+                            ds = ds * (1.0 - t_cap * t_cap)
+                        dk = _dot(ds.to(q.dtype), q, dk, IEEE)
     dk = dk * SCALE
     tl.store(DK + bhk * (LK * D) + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=n_ok & d_ok)

@@ -120,23 +120,29 @@ class LaunchConfig:
             return jnp.zeros((1,), jnp.float32)
         return entries_by_distance(table, self.relative)
 
-    def split_constexprs(self, transposed: bool, stages: int) -> dict:
+    def split_constexprs(self, transposed: bool, stages: int, entry_block: int) -> dict:
         """The launch's switches for `far_splits`: ``REL_SPLIT``, the buckets of the first
         and last parts of a list (``REL_LOW_B``, ``REL_HIGH_B``: a forward or dq list runs
         along the keys, from far before its queries to far after; a transposed one along the
         queries, the other way), the run of `distance_entries` (``REL_DOFF``: minus its
-        lowest distance; ``REL_ND``: its length) and the pipeline stages of the parts' loops:
-        the launch's `stages` for the far parts (``STAGES``) and none for the near part
-        (``NEAR_STAGES``), whose per-pair load of entries the pipeliner would otherwise stage
-        in shared memory as a float32 tile per stage."""
+        lowest distance; ``REL_ND``: its length), the pipeline stages of the parts' loops,
+        and the slices of a near tile:
+        - ``STAGES``, the launch's `stages`, for the far parts, and none for the near part
+          (``NEAR_STAGES``): the pipeliner stages every load of 32 bits or more that feeds a
+          product, the entries' per-pair load among them, as a float32 tile per stage.
+        - ``NEAR_SPLIT``: a near tile runs in two slices of its list's entries (of
+          `entry_block` tokens; kept whole below 32, the products' least width being 16):
+          whole, its per-pair addresses and entries beside the products' tiles spilled
+          registers in every launch (ptxas, sm_90a, the 16-bit D=128 tiles)."""
         if not self.splits_far_blocks:
             return dict(REL_SPLIT=False, REL_LOW_B=0, REL_HIGH_B=0, REL_DOFF=0, REL_ND=1,
-                        STAGES=stages, NEAR_STAGES=stages)
+                        STAGES=stages, NEAR_STAGES=stages, NEAR_SPLIT=1)
         (_, ahead), (_, behind) = self.relative.far_buckets()
         low, high = (behind, ahead) if transposed else (ahead, behind)
         lowest, count = near_distances(self.relative)
         return dict(REL_SPLIT=True, REL_LOW_B=low, REL_HIGH_B=high, REL_DOFF=-lowest,
-                    REL_ND=count, STAGES=stages, NEAR_STAGES=1)
+                    REL_ND=count, STAGES=stages, NEAR_STAGES=1,
+                    NEAR_SPLIT=2 if entry_block >= 32 else 1)
 
     def thresholds(self) -> jax.Array:
         """The table's bucket thresholds, int32 ``[NT]`` (a placeholder without a table)."""
@@ -330,7 +336,7 @@ def forward_launch(cfg: LaunchConfig, q, k, v, bias, sinks, score, data, lists):
             SP=max(2, 1 << max(cfg.num_sinks - 1, 0).bit_length()),
             HAS_SINKS=cfg.num_sinks > 0, BLOCK_M=bq, BLOCK_N=bk,
             **_list_params(lists, cfg.list_modes[0], stages), **cfg.common(),
-            **cfg.split_constexprs(False, stages),
+            **cfg.split_constexprs(False, stages, bk),
         ))
 
     return batched_launch(run, cfg, FORWARD_ROLES, (BATCH, BATCH))(
@@ -368,7 +374,7 @@ def dq_launch(cfg: LaunchConfig, q, k, v, bias, score, data, lists, do, lse, del
             zeroed_outputs=(1,) if has_bias else (),
             grid=(nq, cfg.heads, cfg.batch), num_warps=warps, num_stages=stages,
             NQB=nq, BLOCK_M=bq, BLOCK_N=bk, **_list_params(lists, cfg.list_modes[1], stages),
-            **cfg.common(), **cfg.split_constexprs(False, stages),
+            **cfg.common(), **cfg.split_constexprs(False, stages, bk),
         ))
 
     return batched_launch(run, cfg, BACKWARD_ROLES, (BATCH,) * 4)(
@@ -392,7 +398,7 @@ def dkdv_launch(cfg: LaunchConfig, q, k, v, bias, score, data, t_lists, do, lse,
             grid=(nk, cfg.kv_heads, cfg.batch), num_warps=warps, num_stages=stages,
             NKB=nk, BLOCK_M=bq, BLOCK_N=bk,
             **_list_params(t_lists, cfg.list_modes[2], stages),
-            **cfg.common(), **cfg.split_constexprs(True, stages),
+            **cfg.common(), **cfg.split_constexprs(True, stages, bq),
         ))
 
     return batched_launch(run, cfg, BACKWARD_ROLES, (BATCH, BATCH))(
