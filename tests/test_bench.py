@@ -128,3 +128,26 @@ def test_compile_time_script_reads_the_kernels_compile_events(tmp_path):
              "For simplicity, JAX has removed its internal frames.\n"
     assert script.last_error(stderr) == "ValueError: kernel mosaic cannot run this call"
     assert script.last_error("") == "no output"
+
+
+def test_ptxas_script_builds_signatures_and_reads_reports():
+    """benchmarks/triton_ptxas.py: a launch's arrays (inputs, then outputs) are pointers of
+    their dtype and the other parameters constexprs; ptxas' register and spill counts are
+    read from its report, and a report without them is refused."""
+    import numpy as np
+
+    script = _benchmark_script("triton_ptxas")
+    sig = script.signature(["Q", "LIST", "O", "H", "BLOCK_M"],
+                           [np.dtype("float32"), np.dtype("int32"), np.dtype("int16")])
+    assert sig == {"Q": "*fp32", "LIST": "*i32", "O": "*i16", "H": "constexpr",
+                   "BLOCK_M": "constexpr"}
+    with pytest.raises(ValueError, match="3 arrays for a kernel of 2 parameters"):
+        script.signature(["Q", "O"], [np.dtype("float32")] * 3)
+    report = ("ptxas info    : Compiling entry function 'dkdv_kernel' for 'sm_90a'\n"
+              "ptxas info    : Function properties for dkdv_kernel\n"
+              "    104 bytes stack frame, 216 bytes spill stores, 240 bytes spill loads\n"
+              "ptxas info    : Used 255 registers, used 1 barriers, 104 bytes cumulative stack\n")
+    assert script.ptxas_summary(report) == {"registers": 255, "spill_stores": 216,
+                                            "spill_loads": 240}
+    with pytest.raises(ValueError, match="no register or spill line"):
+        script.ptxas_summary("ptxas info    : Used 40 registers\n")
