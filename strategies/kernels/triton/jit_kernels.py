@@ -110,11 +110,26 @@ def _span(pos, start, N: tl.constexpr, HAS_POS: tl.constexpr):
 
 
 @triton.jit
+def _load_entries(ptrs, PTX_ENTRIES: tl.constexpr):
+    """float32 loads at a tile of addresses that stay in registers. With ``PTX_ENTRIES`` (an
+    NVIDIA GPU) each is one inline PTX load, so Triton's pipeliner, which stages every load
+    of 32 bits or more that feeds a product through shared memory (one float32 tile per
+    stage), leaves it to the loop's own step; else a `tl.load`, and the loop must not be
+    pipelined (`LaunchConfig.split_constexprs`)."""
+    if PTX_ENTRIES:
+        x = tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=r,l", [ptrs],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _score_tile(SLOPES, TABLE, ENTRIES, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI: tl.constexpr,
                 HAS_REL: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, BIDIR: tl.constexpr,
                 HALF: tl.constexpr, NT: tl.constexpr, PART: tl.constexpr, NPARTS: tl.constexpr,
                 LOW_B: tl.constexpr, HIGH_B: tl.constexpr, DOFF: tl.constexpr,
-                ND: tl.constexpr):
+                ND: tl.constexpr, PTX_ENTRIES: tl.constexpr):
     """``(term, distance, bucket, lowest, highest)`` on broadcastable query / key positions of
     query head `h` (a table of `NB` buckets, `NBP` its power of two), whose distances
     ``q_pos - k_pos`` lie in ``[d_lo, d_hi]``: the float32 score terms (`ScoreTerms.apply`),
@@ -143,7 +158,7 @@ def _score_tile(SLOPES, TABLE, ENTRIES, THRESH, h, qp, kp, d_lo, d_hi, HAS_ALIBI
             term += tl.load(TABLE + h * NB + HIGH_B)
         else:
             at = tl.minimum(tl.maximum(qp - kp + DOFF, 0), ND - 1)
-            term += tl.load(ENTRIES + h * ND + at)
+            term += _load_entries(ENTRIES + h * ND + at, PTX_ENTRIES)
     else:
         delta = kp - qp
         dist = delta.to(tl.float32)
@@ -187,7 +202,7 @@ def _with_score(bias, SLOPES, TABLE, ENTRIES, THRESH, KPOS, b, h, qp, q_lo, q_hi
                 NB: tl.constexpr, NBP: tl.constexpr, BIDIR: tl.constexpr, HALF: tl.constexpr,
                 NT: tl.constexpr, PART: tl.constexpr, NPARTS: tl.constexpr,
                 LOW_B: tl.constexpr, HIGH_B: tl.constexpr, DOFF: tl.constexpr,
-                ND: tl.constexpr):
+                ND: tl.constexpr, PTX_ENTRIES: tl.constexpr):
     """`_score_tile` of queries at positions `qp` (rows, from `q_lo` to `q_hi`) and keys
     `offs_n` of kv-block `j` (columns) of batch `b`, its terms added to `bias`:
     ``(bias + term, distance, bucket, lowest, highest)``."""
@@ -195,7 +210,8 @@ def _with_score(bias, SLOPES, TABLE, ENTRIES, THRESH, KPOS, b, h, qp, q_lo, q_hi
     k_lo, k_hi = _span(kp, j * BLOCK_N, BLOCK_N, HAS_KPOS)
     term, dist, bucket, lowest, highest = _score_tile(
         SLOPES, TABLE, ENTRIES, THRESH, h, qp[:, None], kp[None, :], q_lo - k_hi, q_hi - k_lo,
-        HAS_ALIBI, HAS_REL, NB, NBP, BIDIR, HALF, NT, PART, NPARTS, LOW_B, HIGH_B, DOFF, ND)
+        HAS_ALIBI, HAS_REL, NB, NBP, BIDIR, HALF, NT, PART, NPARTS, LOW_B, HIGH_B, DOFF, ND,
+        PTX_ENTRIES)
     return bias + term, dist, bucket, lowest, highest
 
 
@@ -391,7 +407,7 @@ def _list_part(split_ptr, PART: tl.constexpr, NPARTS: tl.constexpr, lo, hi):
 
 
 @triton.jit
-def _partial_visible(bm_ptr, it, BMAPS, b, offs_n, offs_bn, qp, qs, KPOS, KSEG,
+def _partial_visible(bm_ptr, it, BMAPS, b, offs_n, qp, qs, KPOS, KSEG,
                      LK: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_SEG: tl.constexpr,
                      CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr,
                      WIN_R: tl.constexpr, CHUNK: tl.constexpr, PREFIX: tl.constexpr,
@@ -401,7 +417,7 @@ def _partial_visible(bm_ptr, it, BMAPS, b, offs_n, offs_bn, qp, qs, KPOS, KSEG,
     if USE_BITMAP:
         bid = tl.load(bm_ptr + it).to(tl.int64)
         bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
-                       + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + offs_bn[None, :])
+                       + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
         vis = bits != 0
     else:
         kp, ks = _coords(KPOS, KSEG, b, offs_n, LK, HAS_KPOS, HAS_SEG, -2)
@@ -409,6 +425,56 @@ def _partial_visible(bm_ptr, it, BMAPS, b, offs_n, offs_bn, qp, qs, KPOS, KSEG,
                        (offs_n < LK)[None, :], CAUSAL, CAUSAL_OFF, WIN_L, WIN_R,
                        CHUNK, PREFIX, HAS_SEG)
     return vis
+
+
+@triton.jit
+def _row_tile(q, k_base, BIAS, SLOPES, TABLE, ENTRIES, THRESH, KPOS, KSEG, bm_ptr, BMAPS, b, h,
+              j, it, offs_m, offs_n, qp, qs, q_lo, q_hi, phase: tl.constexpr,
+              part: tl.constexpr, LQ: tl.constexpr, LK: tl.constexpr, D: tl.constexpr,
+              DP: tl.constexpr, BB: tl.constexpr, HB: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_SEG: tl.constexpr,
+              CAUSAL: tl.constexpr, CAUSAL_OFF: tl.constexpr, WIN_L: tl.constexpr,
+              WIN_R: tl.constexpr, CHUNK: tl.constexpr, PREFIX: tl.constexpr,
+              USE_BITMAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_REL: tl.constexpr,
+              NB: tl.constexpr, NBP: tl.constexpr, REL_BIDIR: tl.constexpr,
+              REL_HALF: tl.constexpr, NT: tl.constexpr, NPARTS: tl.constexpr,
+              REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr, REL_DOFF: tl.constexpr,
+              REL_ND: tl.constexpr, PTX_ENTRIES: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of a program that walks a q-block's row (the forward and dq kernels): the
+    queries `offs_m` (`q` ``[BLOCK_M, DP]``, positions `qp` from `q_lo` to `q_hi`, segments
+    `qs`) against the keys `offs_n` of kv-block `j`, step `it` of the list of `phase` (1:
+    partial, its visibility applied; `bm_ptr` its bitmap ids), in part `part` of `NPARTS`
+    (`_list_part`). ``(s, t, k, distance, bucket, lowest, highest)``: the base-2 logits
+    ``[BLOCK_M, BLOCK_N]`` (-inf where hidden), `_logits`' tanh, the key tile ``[BLOCK_N,
+    DP]``, and `_score_tile`'s terms for the gradients."""
+    # FULL blocks never hold the ragged last kv-block: no row check there.
+    k = _load2d(k_base + offs_n[:, None] * D + tl.arange(0, DP)[None, :],
+                (offs_n < LK)[:, None], (tl.arange(0, DP) < D)[None, :],
+                phase == 1 and LK % BLOCK_N != 0, D != DP)
+    s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
+    if HAS_BIAS:
+        bias = tl.load(_bias_plane(BIAS, b, h, BB, HB, LQ, LK) + offs_m[:, None] * LK
+                       + offs_n[None, :], mask=(offs_m < LQ)[:, None] & (offs_n < LK)[None, :],
+                       other=0.0).to(tl.float32)
+    else:
+        bias = 0.0
+    dist = 0.0
+    bucket = 0
+    lowest = 0
+    highest = 0
+    if HAS_ALIBI or HAS_REL:
+        bias, dist, bucket, lowest, highest = _with_score(
+            bias, SLOPES, TABLE, ENTRIES, THRESH, KPOS, b, h, qp, q_lo, q_hi, j, offs_n, LK,
+            BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR, REL_HALF, NT, part, NPARTS,
+            REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND, PTX_ENTRIES)
+    s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
+    if phase == 1:
+        vis = _partial_visible(bm_ptr, it, BMAPS, b, offs_n, qp, qs, KPOS, KSEG, LK,
+                               HAS_KPOS, HAS_SEG, CAUSAL, CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX,
+                               USE_BITMAP, BLOCK_M, BLOCK_N)
+        s = tl.where(vis, s, float("-inf"))
+    return s, t, k, dist, bucket, lowest, highest
 
 
 @triton.jit
@@ -430,7 +496,8 @@ def forward_kernel(
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
     REL_DOFF: tl.constexpr, REL_ND: tl.constexpr,
-    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr, NEAR_SPLIT: tl.constexpr,
+    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
+    PTX_ENTRIES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
@@ -451,8 +518,6 @@ def forward_kernel(
     v_base = V + (b * HKV + hk).to(tl.int64) * (LK * DV)
     q = _load2d(q_base + offs_m[:, None] * D + offs_d[None, :], row_ok, d_ok,
                 LQ % BLOCK_M != 0, D != DP)
-    if HAS_BIAS:
-        bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
     qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG, -1)
     q_lo, q_hi = _span(qp, pid_m * BLOCK_M, BLOCK_M, HAS_QPOS)
 
@@ -478,50 +543,31 @@ def forward_kernel(
         j_next = first
         for part in tl.static_range(NPARTS):
             start, end = _list_part(SPLITS + lrow * 4 + phase * 2, part, NPARTS, lo, hi)
-            # Near tiles run in NEAR_SPLIT slices of keys: their per-pair load of entries
-            # would take the whole tile past the registers.
             for it in tl.range(start, end, num_stages=NEAR_STAGES if part == 1 else STAGES):
                 j, j_next = _list_step(idx_ptr, it, hi, first, is_range, j_next,
                                        phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK,
                                        PREFETCH)
-                for sub in tl.static_range(NEAR_SPLIT if part == 1 else 1):
-                    offs_sub = (sub * (BLOCK_N // NEAR_SPLIT if part == 1 else BLOCK_N)
-                                + tl.arange(0, BLOCK_N // NEAR_SPLIT if part == 1 else BLOCK_N))
-                    offs_n = j * BLOCK_N + offs_sub
-                    col_ok = (offs_n < LK)[:, None]
-                    # FULL blocks never hold the ragged last kv-block: no row check there.
-                    k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
-                                phase == 1 and LK % BLOCK_N != 0, D != DP)
-                    s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, offs_sub.shape[0]], tl.float32), IEEE)
-                    if HAS_BIAS:
-                        bias = tl.load(bias_base + offs_m[:, None] * LK + offs_n[None, :],
-                                       mask=row_ok & (offs_n < LK)[None, :],
-                                       other=0.0).to(tl.float32)
-                    else:
-                        bias = 0.0
-                    if HAS_ALIBI or HAS_REL:
-                        bias, dist, bucket, lowest, highest = _with_score(
-                            bias, SLOPES, TABLE, ENTRIES, THRESH, KPOS, b, h, qp, q_lo, q_hi, j,
-                            offs_n, LK, BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR,
-                            REL_HALF, NT, part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND)
-                    s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
-                    if phase == 1:
-                        vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_sub,
-                                               qp, qs, KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL,
-                                               CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX,
-                                               USE_BITMAP, BLOCK_M, BLOCK_N)
-                        s = tl.where(vis, s, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(s, 1))
-                    # A row that has seen nothing yet keeps m = -inf: shift by 0 so exp2 gives
-                    # 0, not NaN.
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    p = tl.exp2(s - m_safe[:, None])
-                    alpha = tl.exp2(m_i - m_safe)
-                    l_i = l_i * alpha + tl.sum(p, 1)
-                    v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
-                                phase == 1 and LK % BLOCK_N != 0, DV != DVP)
-                    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
-                    m_i = m_new
+                offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+                col_ok = (offs_n < LK)[:, None]
+                s, t, k, dist, bucket, lowest, highest = _row_tile(
+                    q, k_base, BIAS, SLOPES, TABLE, ENTRIES, THRESH, KPOS, KSEG,
+                    BMIDX + lrow * CP, BMAPS, b, h, j, it, offs_m, offs_n, qp, qs,
+                    q_lo, q_hi, phase, part, LQ, LK, D, DP, BB, HB, BLOCK_M, BLOCK_N, SCALE,
+                    SOFTCAP, HAS_BIAS, HAS_KPOS, HAS_SEG, CAUSAL, CAUSAL_OFF, WIN_L, WIN_R,
+                    CHUNK, PREFIX, USE_BITMAP, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR,
+                    REL_HALF, NT, NPARTS, REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND,
+                    PTX_ENTRIES, IEEE)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # A row that has seen nothing yet keeps m = -inf: shift by 0 so exp2 gives
+                # 0, not NaN.
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
+                            phase == 1 and LK % BLOCK_N != 0, DV != DVP)
+                acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+                m_i = m_new
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -552,7 +598,8 @@ def dq_kernel(
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
     REL_DOFF: tl.constexpr, REL_ND: tl.constexpr,
-    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr, NEAR_SPLIT: tl.constexpr,
+    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
+    PTX_ENTRIES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Last q-blocks first: under causal-like masks they visit the most kv-blocks, and starting
@@ -579,7 +626,6 @@ def dq_kernel(
     k_base = K + (b * HKV + hk).to(tl.int64) * (LK * D)
     v_base = V + (b * HKV + hk).to(tl.int64) * (LK * DV)
     if HAS_BIAS:
-        bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
         dbias_base = DBIAS + bh * (LQ * LK)
     qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG, -1)
     q_lo, q_hi = _span(qp, pid_m * BLOCK_M, BLOCK_M, HAS_QPOS)
@@ -610,60 +656,41 @@ def dq_kernel(
                                        phase == 0 and FULL_CONTIG, phase == 0 and FULL_CHECK,
                                        PREFETCH)
                 CHECK_K: tl.constexpr = phase == 1 and LK % BLOCK_N != 0
-                # Near tiles run in NEAR_SPLIT slices of keys (as in the forward).
-                for sub in tl.static_range(NEAR_SPLIT if part == 1 else 1):
-                    offs_sub = (sub * (BLOCK_N // NEAR_SPLIT if part == 1 else BLOCK_N)
-                                + tl.arange(0, BLOCK_N // NEAR_SPLIT if part == 1 else BLOCK_N))
-                    offs_n = j * BLOCK_N + offs_sub
-                    col_ok = (offs_n < LK)[:, None]
-                    k = _load2d(k_base + offs_n[:, None] * D + offs_d[None, :], col_ok, d_ok,
-                                CHECK_K, D != DP)
-                    v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
-                                CHECK_K, DV != DVP)
-                    s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, offs_sub.shape[0]], tl.float32),
-                             IEEE)
-                    if HAS_BIAS:
-                        bias = tl.load(bias_base + offs_m[:, None] * LK + offs_n[None, :],
-                                       mask=row_ok & (offs_n < LK)[None, :],
-                                       other=0.0).to(tl.float32)
+                offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+                col_ok = (offs_n < LK)[:, None]
+                s, t, k, dist, bucket, lowest, highest = _row_tile(
+                    q, k_base, BIAS, SLOPES, TABLE, ENTRIES, THRESH, KPOS, KSEG,
+                    BMIDX + lrow * CP, BMAPS, b, h, j, it, offs_m, offs_n, qp, qs,
+                    q_lo, q_hi, phase, part, LQ, LK, D, DP, BB, HB, BLOCK_M, BLOCK_N, SCALE,
+                    SOFTCAP, HAS_BIAS, HAS_KPOS, HAS_SEG, CAUSAL, CAUSAL_OFF, WIN_L, WIN_R,
+                    CHUNK, PREFIX, USE_BITMAP, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR,
+                    REL_HALF, NT, NPARTS, REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND,
+                    PTX_ENTRIES, IEEE)
+                v = _load2d(v_base + offs_n[:, None] * DV + offs_dv[None, :], col_ok, dv_ok,
+                            CHECK_K, DV != DVP)
+                p = tl.exp2(s - lse[:, None])
+                dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+                          IEEE)
+                ds = p * (dp - delta[:, None])
+                if SOFTCAP > 0:
+                    ds = ds * (1.0 - t * t)
+                if HAS_BIAS:
+                    tl.store(dbias_base + offs_m[:, None] * LK + offs_n[None, :], ds,
+                             mask=row_ok & (offs_n < LK)[None, :])
+                # dS is the gradient of each term too: invisible pairs hold dS = 0 (p = 0).
+                if HAS_ALIBI:
+                    dslope += tl.sum(ds * dist)
+                if HAS_REL:
+                    if NPARTS == 3 and part == 0:
+                        ds_low += tl.sum(ds, 1)
+                    elif NPARTS == 3 and part == 2:
+                        ds_high += tl.sum(ds, 1)
+                    elif NPARTS == 3:
+                        dtab_rows = _table_grad_rows(
+                            dtab_rows, ds, pid_m * BLOCK_M - j * BLOCK_N, dmin, dmax, BLOCK_N)
                     else:
-                        bias = 0.0
-                    if HAS_ALIBI or HAS_REL:
-                        bias, dist, bucket, lowest, highest = _with_score(
-                            bias, SLOPES, TABLE, ENTRIES, THRESH, KPOS, b, h, qp, q_lo, q_hi, j,
-                            offs_n, LK, BLOCK_N, HAS_KPOS, HAS_ALIBI, HAS_REL, NB, NBP, REL_BIDIR,
-                            REL_HALF, NT, part, NPARTS, REL_LOW_B, REL_HIGH_B, REL_DOFF, REL_ND)
-                    s, t = _logits(s, bias, SCALE, SOFTCAP, HAS_BIAS or HAS_ALIBI or HAS_REL)
-                    if phase == 1:
-                        vis = _partial_visible(BMIDX + lrow * CP, it, BMAPS, b, offs_n, offs_sub,
-                                               qp, qs, KPOS, KSEG, LK, HAS_KPOS, HAS_SEG, CAUSAL,
-                                               CAUSAL_OFF, WIN_L, WIN_R, CHUNK, PREFIX,
-                                               USE_BITMAP, BLOCK_M, BLOCK_N)
-                        s = tl.where(vis, s, float("-inf"))
-                    p = tl.exp2(s - lse[:, None])
-                    dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, offs_sub.shape[0]], tl.float32),
-                              IEEE)
-                    ds = p * (dp - delta[:, None])
-                    if SOFTCAP > 0:
-                        ds = ds * (1.0 - t * t)
-                    if HAS_BIAS:
-                        tl.store(dbias_base + offs_m[:, None] * LK + offs_n[None, :], ds,
-                                 mask=row_ok & (offs_n < LK)[None, :])
-                    # dS is the gradient of each term too: invisible pairs hold dS = 0 (p = 0).
-                    if HAS_ALIBI:
-                        dslope += tl.sum(ds * dist)
-                    if HAS_REL:
-                        if NPARTS == 3 and part == 0:
-                            ds_low += tl.sum(ds, 1)
-                        elif NPARTS == 3 and part == 2:
-                            ds_high += tl.sum(ds, 1)
-                        elif NPARTS == 3:
-                            dtab_rows = _table_grad_rows(
-                                dtab_rows, ds, pid_m * BLOCK_M - j * BLOCK_N - sub * ds.shape[1],
-                                dmin, dmax, ds.shape[1])
-                        else:
-                            dtab = _table_grad(dtab, ds, bucket, lowest, highest, NBP)
-                    dq = _dot(ds.to(k.dtype), k, dq, IEEE)
+                        dtab = _table_grad(dtab, ds, bucket, lowest, highest, NBP)
+                dq = _dot(ds.to(k.dtype), k, dq, IEEE)
     dq = dq * SCALE
     # Each program writes its own row of partial sums; XLA adds the rows (deterministic).
     prog = bh * NQB + pid_m
@@ -699,7 +726,8 @@ def dkdv_kernel(
     REL_BIDIR: tl.constexpr, REL_HALF: tl.constexpr, NT: tl.constexpr,
     REL_SPLIT: tl.constexpr, REL_LOW_B: tl.constexpr, REL_HIGH_B: tl.constexpr,
     REL_DOFF: tl.constexpr, REL_ND: tl.constexpr,
-    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr, NEAR_SPLIT: tl.constexpr,
+    STAGES: tl.constexpr, NEAR_STAGES: tl.constexpr,
+    PTX_ENTRIES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One program per (kv-block, kv head, batch); it walks the q heads of its group too, so
@@ -758,62 +786,57 @@ def dkdv_kernel(
                         i_next = upcoming
                     h = hk * GROUP + g0 + t % STEP_HEADS
                     bh = (b * H + h).to(tl.int64)
-                    # Near tiles run in NEAR_SPLIT slices of queries (as the forward's of keys).
-                    for sub in tl.static_range(NEAR_SPLIT if part == 1 else 1):
-                        offs_sub = (sub * (BLOCK_M // NEAR_SPLIT if part == 1 else BLOCK_M)
-                                    + tl.arange(0, BLOCK_M // NEAR_SPLIT if part == 1
-                                                else BLOCK_M))
-                        offs_m = i * BLOCK_M + offs_sub
-                        m_ok = (offs_m < LQ)[:, None]
-                        q = _load2d(Q + bh * (LQ * D) + offs_m[:, None] * D + offs_d[None, :],
-                                    m_ok, d_ok, CHECK_Q, D != DP)
-                        do = _load2d(DO + bh * (LQ * DV) + offs_m[:, None] * DV
-                                     + offs_dv[None, :], m_ok, dv_ok, CHECK_Q, DV != DVP)
-                        lse = tl.load(LSE + bh * LQ + offs_m, mask=offs_m < LQ,
-                                      other=float("inf"))
-                        delta = tl.load(DELTA + bh * LQ + offs_m, mask=offs_m < LQ, other=0.0)
-                        s = _dot(k, tl.trans(q), tl.zeros([BLOCK_N, offs_sub.shape[0]],
-                                                          tl.float32), IEEE)
-                        if HAS_BIAS:
-                            bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
-                            bias = tl.load(bias_base + offs_m[None, :] * LK + offs_n[:, None],
-                                           mask=(offs_m < LQ)[None, :] & n_ok,
-                                           other=0.0).to(tl.float32)
+                    offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
+                    m_ok = (offs_m < LQ)[:, None]
+                    q = _load2d(Q + bh * (LQ * D) + offs_m[:, None] * D + offs_d[None, :],
+                                m_ok, d_ok, CHECK_Q, D != DP)
+                    do = _load2d(DO + bh * (LQ * DV) + offs_m[:, None] * DV
+                                 + offs_dv[None, :], m_ok, dv_ok, CHECK_Q, DV != DVP)
+                    lse = tl.load(LSE + bh * LQ + offs_m, mask=offs_m < LQ,
+                                  other=float("inf"))
+                    delta = tl.load(DELTA + bh * LQ + offs_m, mask=offs_m < LQ, other=0.0)
+                    s = _dot(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M],
+                                                      tl.float32), IEEE)
+                    if HAS_BIAS:
+                        bias_base = _bias_plane(BIAS, b, h, BB, HB, LQ, LK)
+                        bias = tl.load(bias_base + offs_m[None, :] * LK + offs_n[:, None],
+                                       mask=(offs_m < LQ)[None, :] & n_ok,
+                                       other=0.0).to(tl.float32)
+                    else:
+                        bias = 0.0
+                    if HAS_ALIBI or HAS_REL:
+                        qp_m, qs_m = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, False, 0)
+                        q_lo, q_hi = _span(qp_m, i * BLOCK_M, BLOCK_M, HAS_QPOS)
+                        term, dist, bucket, lowest, highest = _score_tile(
+                            SLOPES, TABLE, ENTRIES, THRESH, h, qp_m[None, :], kp[:, None],
+                            q_lo - k_hi, q_hi - k_lo, HAS_ALIBI, HAS_REL, NB, NBP,
+                            REL_BIDIR, REL_HALF, NT, part, NPARTS, REL_LOW_B, REL_HIGH_B,
+                            REL_DOFF, REL_ND, PTX_ENTRIES)
+                        bias = bias + term
+                    s, t_cap = _logits(s, bias, SCALE, SOFTCAP,
+                                       HAS_BIAS or HAS_ALIBI or HAS_REL)
+                    if phase == 1:
+                        if USE_BITMAP:
+                            bid = tl.load(BMIDX + lrow * CP + it).to(tl.int64)
+                            bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
+                                           + tl.arange(0, BLOCK_M)[None, :] * BLOCK_N
+                                           + tl.arange(0, BLOCK_N)[:, None])
+                            vis = bits != 0
                         else:
-                            bias = 0.0
-                        if HAS_ALIBI or HAS_REL:
-                            qp_m, qs_m = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, False, 0)
-                            q_lo, q_hi = _span(qp_m, i * BLOCK_M, BLOCK_M, HAS_QPOS)
-                            term, dist, bucket, lowest, highest = _score_tile(
-                                SLOPES, TABLE, ENTRIES, THRESH, h, qp_m[None, :], kp[:, None],
-                                q_lo - k_hi, q_hi - k_lo, HAS_ALIBI, HAS_REL, NB, NBP,
-                                REL_BIDIR, REL_HALF, NT, part, NPARTS, REL_LOW_B, REL_HIGH_B,
-                                REL_DOFF, REL_ND)
-                            bias = bias + term
-                        s, t_cap = _logits(s, bias, SCALE, SOFTCAP,
-                                           HAS_BIAS or HAS_ALIBI or HAS_REL)
-                        if phase == 1:
-                            if USE_BITMAP:
-                                bid = tl.load(BMIDX + lrow * CP + it).to(tl.int64)
-                                bits = tl.load(BMAPS + bid * (BLOCK_M * BLOCK_N)
-                                               + offs_sub[None, :] * BLOCK_N
-                                               + tl.arange(0, BLOCK_N)[:, None])
-                                vis = bits != 0
-                            else:
-                                qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG,
-                                                 -1)
-                                vis = _visible(qp[None, :], kp[:, None], qs[None, :],
-                                               ks[:, None], k_in, CAUSAL, CAUSAL_OFF, WIN_L,
-                                               WIN_R, CHUNK, PREFIX, HAS_SEG)
-                            s = tl.where(vis, s, float("-inf"))
-                        p = tl.exp2(s - lse[None, :])
-                        dv = _dot(p.to(do.dtype), do, dv, IEEE)
-                        dp = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, offs_sub.shape[0]],
-                                                            tl.float32), IEEE)
-                        ds = p * (dp - delta[None, :])
-                        if SOFTCAP > 0:
-                            ds = ds * (1.0 - t_cap * t_cap)
-                        dk = _dot(ds.to(q.dtype), q, dk, IEEE)
+                            qp, qs = _coords(QPOS, QSEG, b, offs_m, LQ, HAS_QPOS, HAS_SEG,
+                                             -1)
+                            vis = _visible(qp[None, :], kp[:, None], qs[None, :],
+                                           ks[:, None], k_in, CAUSAL, CAUSAL_OFF, WIN_L,
+                                           WIN_R, CHUNK, PREFIX, HAS_SEG)
+                        s = tl.where(vis, s, float("-inf"))
+                    p = tl.exp2(s - lse[None, :])
+                    dv = _dot(p.to(do.dtype), do, dv, IEEE)
+                    dp = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M],
+                                                        tl.float32), IEEE)
+                    ds = p * (dp - delta[None, :])
+                    if SOFTCAP > 0:
+                        ds = ds * (1.0 - t_cap * t_cap)
+                    dk = _dot(ds.to(q.dtype), q, dk, IEEE)
     dk = dk * SCALE
     tl.store(DK + bhk * (LK * D) + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=n_ok & d_ok)

@@ -10,7 +10,7 @@ from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Featur
 
 from .config import TritonConfig
 from .heuristics import default_tiling, tiling_candidates
-from .launch import LaunchConfig, layout_arrays, list_mode
+from .launch import LaunchConfig, gpu_takes_ptx, layout_arrays, list_mode
 from .vjp import attend, attend_with_lse
 
 _SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
@@ -173,6 +173,7 @@ class TritonBlockSparse(AbstractLseKernel):
             dq_launch=(tiling.num_warps_dq or bwd_launch[0], tiling.num_stages_dq or bwd_launch[1]),
             dkdv_launch=bwd_launch,
             list_modes=(list_mode(fwd, False), list_mode(dq, False), list_mode(dkdv, True)),
+            ptx=gpu_takes_ptx(),
         )
         relative = cfg.relative if cfg.splits_far_blocks else None
         lists = layout_arrays(fwd, transposed=False, relative=relative)

@@ -32,6 +32,17 @@ def jit_kernels():
     return jit_kernels
 
 
+@functools.cache
+def gpu_takes_ptx() -> bool:
+    """Whether the launches compile to PTX: the GPU JAX sees is not a ROCm one (as JAX tells
+    them apart, by its client's platform version). Also where no GPU is visible: a launch
+    traced there is compiled for an NVIDIA GPU (benchmarks/triton_ptxas.py) or run by
+    Triton's interpreter, which stands in for the kernels' one PTX instruction
+    (benchmarks/triton_interpret.py)."""
+    gpu = next((d for d in jax.devices() if d.platform == "gpu"), None)
+    return gpu is None or "rocm" not in gpu.client.platform_version
+
+
 def term_constexprs(terms: MaskTerms | None) -> dict:
     """The kernels' constexpr switches for the canonical terms (all off when ``None``)."""
     if terms is None:
@@ -80,6 +91,9 @@ class LaunchConfig:
     dkdv_launch: tuple[int, int]
     #: How the forward, dq and dk/dv launches walk their full lists (`list_mode`).
     list_modes: tuple[str, str, str]
+    #: Whether the launches compile to PTX (an NVIDIA GPU, `gpu_takes_ptx`): a table's near
+    #: entries then load through inline PTX, in pipelined loops (`split_constexprs`).
+    ptx: bool = True
 
     @property
     def has_score(self) -> bool:
@@ -120,29 +134,26 @@ class LaunchConfig:
             return jnp.zeros((1,), jnp.float32)
         return entries_by_distance(table, self.relative)
 
-    def split_constexprs(self, transposed: bool, stages: int, entry_block: int) -> dict:
+    def split_constexprs(self, transposed: bool, stages: int) -> dict:
         """The launch's switches for `far_splits`: ``REL_SPLIT``, the buckets of the first
         and last parts of a list (``REL_LOW_B``, ``REL_HIGH_B``: a forward or dq list runs
         along the keys, from far before its queries to far after; a transposed one along the
         queries, the other way), the run of `distance_entries` (``REL_DOFF``: minus its
-        lowest distance; ``REL_ND``: its length), the pipeline stages of the parts' loops,
-        and the slices of a near tile:
-        - ``STAGES``, the launch's `stages`, for the far parts, and none for the near part
-          (``NEAR_STAGES``): the pipeliner stages every load of 32 bits or more that feeds a
-          product, the entries' per-pair load among them, as a float32 tile per stage.
-        - ``NEAR_SPLIT``: a near tile runs in two slices of its list's entries (of
-          `entry_block` tokens; kept whole below 32, the products' least width being 16):
-          whole, its per-pair addresses and entries beside the products' tiles spilled
-          registers in every launch (ptxas, sm_90a, the 16-bit D=128 tiles)."""
+        lowest distance; ``REL_ND``: its length), and the pipeline stages of the parts'
+        loops: ``STAGES``, the launch's `stages`, for every part where the entries' per-pair
+        load is inline PTX (``PTX_ENTRIES``, `ptx`). A `tl.load` there would be staged
+        through shared memory, a float32 tile per stage, as the pipeliner stages every load
+        of 32 bits or more that feeds a product: without PTX the near part is not pipelined
+        (``NEAR_STAGES``)."""
         if not self.splits_far_blocks:
             return dict(REL_SPLIT=False, REL_LOW_B=0, REL_HIGH_B=0, REL_DOFF=0, REL_ND=1,
-                        STAGES=stages, NEAR_STAGES=stages, NEAR_SPLIT=1)
+                        STAGES=stages, NEAR_STAGES=stages, PTX_ENTRIES=False)
         (_, ahead), (_, behind) = self.relative.far_buckets()
         low, high = (behind, ahead) if transposed else (ahead, behind)
         lowest, count = near_distances(self.relative)
         return dict(REL_SPLIT=True, REL_LOW_B=low, REL_HIGH_B=high, REL_DOFF=-lowest,
-                    REL_ND=count, STAGES=stages, NEAR_STAGES=1,
-                    NEAR_SPLIT=2 if entry_block >= 32 else 1)
+                    REL_ND=count, STAGES=stages, NEAR_STAGES=stages if self.ptx else 1,
+                    PTX_ENTRIES=self.ptx)
 
     def thresholds(self) -> jax.Array:
         """The table's bucket thresholds, int32 ``[NT]`` (a placeholder without a table)."""
@@ -336,7 +347,7 @@ def forward_launch(cfg: LaunchConfig, q, k, v, bias, sinks, score, data, lists):
             SP=max(2, 1 << max(cfg.num_sinks - 1, 0).bit_length()),
             HAS_SINKS=cfg.num_sinks > 0, BLOCK_M=bq, BLOCK_N=bk,
             **_list_params(lists, cfg.list_modes[0], stages), **cfg.common(),
-            **cfg.split_constexprs(False, stages, bk),
+            **cfg.split_constexprs(False, stages),
         ))
 
     return batched_launch(run, cfg, FORWARD_ROLES, (BATCH, BATCH))(
@@ -374,7 +385,7 @@ def dq_launch(cfg: LaunchConfig, q, k, v, bias, score, data, lists, do, lse, del
             zeroed_outputs=(1,) if has_bias else (),
             grid=(nq, cfg.heads, cfg.batch), num_warps=warps, num_stages=stages,
             NQB=nq, BLOCK_M=bq, BLOCK_N=bk, **_list_params(lists, cfg.list_modes[1], stages),
-            **cfg.common(), **cfg.split_constexprs(False, stages, bk),
+            **cfg.common(), **cfg.split_constexprs(False, stages),
         ))
 
     return batched_launch(run, cfg, BACKWARD_ROLES, (BATCH,) * 4)(
@@ -398,7 +409,7 @@ def dkdv_launch(cfg: LaunchConfig, q, k, v, bias, score, data, t_lists, do, lse,
             grid=(nk, cfg.kv_heads, cfg.batch), num_warps=warps, num_stages=stages,
             NKB=nk, BLOCK_M=bq, BLOCK_N=bk,
             **_list_params(t_lists, cfg.list_modes[2], stages),
-            **cfg.common(), **cfg.split_constexprs(True, stages, bq),
+            **cfg.common(), **cfg.split_constexprs(True, stages),
         ))
 
     return batched_launch(run, cfg, BACKWARD_ROLES, (BATCH, BATCH))(

@@ -169,6 +169,48 @@ def test_slopes_and_table_together_with_gqa_and_vmap():
                                    atol=1e-4 * np.abs(np.asarray(w)).max(), err_msg=name)
 
 
+@pytest.mark.parametrize("ptx", [True, False])
+def test_near_entries_with_and_without_ptx(ptx, monkeypatch):
+    """A table's near entries load through inline PTX (an NVIDIA GPU, pipelined near loops)
+    or through `tl.load` (a ROCm GPU, unpipelined): both against the reference, forward and
+    every gradient, on windowed causal blocks at 32-token tiles (two slices per near tile),
+    ragged, with the launches seen to take the path asked."""
+    from eqx_bsattn.strategies.kernels.triton import kernel as triton_kernel
+
+    monkeypatch.setattr(triton_kernel, "gpu_takes_ptx", lambda: ptx)
+    seen = []
+    run_launch = launch.triton_call
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["PTX_ENTRIES"], kwargs["NEAR_STAGES"], kwargs["STAGES"]))
+        return run_launch(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "triton_call", spy)
+    ks = jax.random.split(jax.random.key(4), 5)
+    q, k, v = (jax.random.normal(kk, (1, 2, 150, 16)) for kk in ks[:3])
+    table = jax.random.normal(ks[3], (2, 32))
+    cot = jax.random.normal(ks[4], (1, 2, 150, 16))
+    mask = masks.Causal() & masks.SlidingWindow(100, 0)
+
+    def run(kernel, tiling=None):
+        def f(q, k, v, table):
+            score = scores.RelativePositionBias(table, bidirectional=False, max_distance=40)
+            attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, tiling=tiling, score=score)
+            return attn(q, k, v)
+
+        out, pullback = jax.vjp(f, q, k, v, table)
+        return (out,) + pullback(cot)
+
+    got = run(TritonBlockSparse(),
+              bsa.kernels.TritonConfig(block_q=32, block_kv=32, num_stages=2))
+    with jax.default_matmul_precision("highest"):
+        want = run(DenseReference())
+    assert {(p, n) for p, n, _ in seen} == {(ptx, 2 if ptx else 1)}, seen
+    for name, g, w in zip(("out", "q", "k", "v", "table"), got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4,
+                                   atol=1e-4 * np.abs(np.asarray(w)).max(), err_msg=name)
+
+
 @pytest.mark.parametrize("form", ["heads", "ring"])
 def test_inside_shard_map_on_a_one_device_mesh(form):
     """`ShardMap` and `RingAttention` (one step) run the launches inside `shard_map`: each
