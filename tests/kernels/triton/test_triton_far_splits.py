@@ -96,3 +96,24 @@ def test_entries_by_distance_clamped_are_the_table(buckets):
     want = table[:, t5_bucket(d, buckets.num_buckets, buckets.bidirectional,
                               buckets.max_distance)]
     np.testing.assert_array_equal(entries[:, at], want)
+
+
+@pytest.mark.parametrize("devices,want", [
+    ([("cpu", "")], True),
+    ([("gpu", "cuda 13000")], True),
+    ([("gpu", "rocm 60302")], False),
+    ([("cpu", ""), ("gpu", "rocm 60302")], False),
+], ids=["no_gpu", "cuda", "rocm", "rocm_after_cpu"])
+def test_gpu_takes_ptx_by_the_platform_version(devices, want, monkeypatch):
+    """The PTX load of a table's entries is used unless the GPU is a ROCm one, which JAX
+    tells by its client's platform version; with no GPU (the CPU tools) it is used."""
+    from types import SimpleNamespace
+
+    fake = [SimpleNamespace(platform=p, client=SimpleNamespace(platform_version=v))
+            for p, v in devices]
+    monkeypatch.setattr(tr.jax, "devices", lambda: fake)
+    tr.gpu_takes_ptx.cache_clear()
+    try:
+        assert tr.gpu_takes_ptx() is want
+    finally:
+        tr.gpu_takes_ptx.cache_clear()
