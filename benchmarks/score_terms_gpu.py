@@ -4,7 +4,7 @@ forward+backward at 16k tokens, causal and causal window 1024).
 
     python benchmarks/score_terms_gpu.py [--length 16384] [--batch 2] [--heads 16] [--dim 128]
         [--window 1024] [--buckets 32] [--reps 20] [--rounds 3]
-        [--kernel TritonBlockSparse ...] [--no-flex] [--out score_terms.json]
+        [--kernel TritonBlockSparse ...] [--no-flex] [--device-times] [--out score_terms.json]
 
 For each mask (``causal``, ``window``: causal and a window of `--window` keys) and each score
 (``none``, ``alibi``: learned slopes, ``relative``: a learned `--buckets`-bucket causal T5
@@ -17,12 +17,18 @@ machine's speed during the run falls on every score alike.
 FlexAttention runs the same masks and score_mods as a peer when torch with CUDA imports
 (`benchmarks/flex_peer.py`, in its own process: `torch.compile`d `flex_attention`; gradients
 of q, k, v and the captured slopes / table).
+With `--device-times`, each of our rows also gives where its device time goes: the mean
+microseconds per call of each GPU kernel (the kernels' own launches and XLA's, by name), from a
+`jax.profiler` trace of `--reps` calls; unlike the wall times, these hold no dispatch.
 Not a test: numbers depend on the machine. On a CPU, ``--kernel XlaBlockSparse`` with small
 sizes runs the same code (tests/test_bench.py does).
 """
 
 import argparse
+import collections
 import functools
+import glob
+import gzip
 import json
 import os
 import statistics
@@ -79,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--flex-learned", action="store_true",
                    help="FlexAttention differentiates the slopes and table too (default: "
                         "constants; see benchmarks/flex_peer.py)")
+    p.add_argument("--device-times", action="store_true",
+                   help="also each GPU kernel's device time per call (a profiler trace)")
     p.add_argument("--out", default=None, help="write the records to this JSON file")
     args = p.parse_args(argv)
     for name in args.kernel:
@@ -122,6 +130,39 @@ def median_ms(fn, *xs, reps: int, sync=jax.block_until_ready) -> float:
     return statistics.median(times)
 
 
+def kernel_microseconds(trace_folder: str) -> dict[str, float]:
+    """Device microseconds of each GPU kernel name in the profiler trace under `trace_folder`:
+    the events of a GPU process's stream lines (not its per-op summary lines), summed by
+    name."""
+    events = []
+    for path in glob.glob(f"{trace_folder}/**/*.trace.json.gz", recursive=True):
+        with gzip.open(path) as f:
+            events += json.load(f)["traceEvents"]
+    names = {(e.get("name"), e["pid"], e.get("tid")): e.get("args", {}).get("name", "")
+             for e in events if e.get("ph") == "M"}
+    gpus = {pid for (kind, pid, _), name in names.items()
+            if kind == "process_name" and "GPU" in name}
+    totals = collections.Counter()
+    for e in events:
+        if (e.get("ph") == "X" and e["pid"] in gpus
+                and names.get(("thread_name", e["pid"], e.get("tid")), "").startswith("Stream")):
+            totals[e["name"]] += e["dur"]
+    return dict(totals)
+
+
+def device_times(fn, *xs, reps: int) -> dict[str, float]:
+    """Mean device microseconds per call of ``fn(*xs)`` by GPU kernel (`kernel_microseconds`
+    of `reps` traced calls, after one untraced)."""
+    jax.block_until_ready(fn(*xs))
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            for _ in range(reps):
+                out = fn(*xs)
+            jax.block_until_ready(out)
+        totals = kernel_microseconds(folder)
+    return {name: us / reps for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
 def time_ours(args, kernel_name: str, mask_name: str, score_name: str, inputs) -> dict:
     """``{"fwd_ms": timer, "fwdbwd_ms": timer}`` for one row, compiled and run once (so that
     a declined score raises here); each timer returns `median_ms` of `--reps` calls."""
@@ -139,8 +180,14 @@ def time_ours(args, kernel_name: str, mask_name: str, score_name: str, inputs) -
     calls = {"fwd_ms": (fwd, (q, k, v, arrays)), "fwdbwd_ms": (fwdbwd, (q, k, v, arrays, do))}
     for fn, xs in calls.values():
         jax.block_until_ready(fn(*xs))
-    return {key: functools.partial(median_ms, fn, *xs, reps=args.reps)
-            for key, (fn, xs) in calls.items()}
+    timers = {key: functools.partial(median_ms, fn, *xs, reps=args.reps)
+              for key, (fn, xs) in calls.items()}
+    if args.device_times:
+        # One trace per row, after its timed rounds' compilation; not a timer.
+        timers["device_us"] = lambda: {key.removesuffix("_ms"): device_times(fn, *xs,
+                                                                             reps=args.reps)
+                                       for key, (fn, xs) in calls.items()}
+    return timers
 
 
 def flex_records(args) -> list[dict] | None:
@@ -203,6 +250,19 @@ def _table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _device_table(records: list[dict], top: int = 6) -> str:
+    """Per row and pass, the device microseconds per call in all and of its `top` kernels."""
+    lines = ["| impl | mask | score | pass | device us | largest kernels, us |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        for key, kernels_us in r.get("device_us", {}).items():
+            largest = ", ".join(f"{name[:40]} {us:.1f}"
+                                for name, us in list(kernels_us.items())[:top])
+            lines.append(f"| {r['impl']} | {r['mask']} | {r['score']} | {key} | "
+                         f"{sum(kernels_us.values()):.1f} | {largest} |")
+    return "\n".join(lines)
+
+
 def run(args) -> list[dict]:
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(0), 4)
@@ -223,6 +283,8 @@ def run(args) -> list[dict]:
                 except Exception as e:  # noqa: BLE001 - one failed call is a row, not a crash
                     record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 rows.append(record)
+            traces = {name: timed.pop("device_us") for name, timed in calls.items()
+                      if "device_us" in timed}
             samples = {name: {key: [] for key in timed} for name, timed in calls.items()}
             for _ in range(args.rounds):
                 for name, timed in calls.items():
@@ -231,6 +293,8 @@ def run(args) -> list[dict]:
             for record in rows:
                 record.update({key: statistics.median(times)
                                for key, times in samples.get(record["score"], {}).items()})
+                if record["score"] in traces:
+                    record["device_us"] = traces[record["score"]]()
                 records.append(record)
                 print(record, flush=True)
     flex = None if args.no_flex else flex_records(args)
@@ -249,6 +313,8 @@ def main(argv=None) -> None:
           f"(max_distance {args.max_distance}); median of {args.rounds} rounds of {args.reps} "
           "calls each, interleaved\n")
     print(_table(records))
+    if args.device_times:
+        print("\n" + _device_table(records))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "environment": environment(), "records": records}, f,

@@ -94,17 +94,51 @@ def test_score_terms_benchmark_parses_its_arguments():
 
 @pytest.mark.slow
 def test_score_terms_benchmark_runs_on_cpu(tmp_path, capsys):
-    """The same code on the XLA kernel at a small size: every row timed, ratios to `none`."""
+    """The same code on the XLA kernel at a small size: every row timed, ratios to `none`,
+    and traced (`--device-times`)."""
     out = tmp_path / "scores.json"
     _score_terms_script().main(["--kernel", "XlaBlockSparse", "--length", "128", "--window",
                                 "32", "--batch", "1", "--heads", "2", "--dim", "16", "--reps",
                                 "1", "--buckets", "8", "--max-distance", "20", "--masks",
                                 "window", "--scores", "none", "both", "--no-flex", "--out",
-                                str(out)])
+                                str(out), "--device-times"])
     records = json.loads(out.read_text())["records"]
     assert [(r["mask"], r["score"]) for r in records] == [("window", "none"), ("window", "both")]
     assert all("error" not in r and r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 for r in records)
+    # A CPU has no GPU stream: each pass is traced, and holds no kernel.
+    assert all(r["device_us"] == {"fwd": {}, "fwdbwd": {}} for r in records)
     assert records[0]["fwd_vs_none"] == 1.0 and "fwd+bwd / none" in capsys.readouterr().out
+
+
+def test_score_terms_device_times_read_the_gpu_streams(tmp_path):
+    """`--device-times` sums each kernel's events on a GPU process's stream lines, by name,
+    and leaves the host's events and the GPU's per-op summary lines out."""
+    import gzip
+
+    script = _score_terms_script()
+    assert script.parse_args(["--device-times"]).device_times
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 7, "tid": 2,
+             "args": {"name": "Stream #13(Compute)"}},
+            {"ph": "M", "name": "thread_name", "pid": 7, "tid": 3, "args": {"name": "XLA Ops"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": "Stream"}}]
+    events = [{"ph": "X", "name": "forward_kernel", "pid": 7, "tid": 2, "ts": 0, "dur": 30.0},
+              {"ph": "X", "name": "forward_kernel", "pid": 7, "tid": 2, "ts": 50, "dur": 10.0},
+              {"ph": "X", "name": "loop_fusion", "pid": 7, "tid": 2, "ts": 70, "dur": 2.5},
+              {"ph": "X", "name": "forward_kernel", "pid": 7, "tid": 3, "ts": 0, "dur": 99.0},
+              {"ph": "X", "name": "forward_kernel", "pid": 1, "tid": 2, "ts": 0, "dur": 99.0},
+              {"ph": "i", "name": "forward_kernel", "pid": 7, "tid": 2, "ts": 5}]
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "gpu.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    assert script.kernel_microseconds(str(tmp_path)) == {"forward_kernel": 40.0,
+                                                        "loop_fusion": 2.5}
+    record = {"impl": "ours", "mask": "causal", "score": "none",
+              "device_us": {"fwd": {"forward_kernel": 40.0, "loop_fusion": 2.5}}}
+    assert "| ours | causal | none | fwd | 42.5 | forward_kernel 40.0, loop_fusion 2.5 |" in (
+        script._device_table([record]))
 
 
 def test_compile_time_script_reads_the_kernels_compile_events(tmp_path):
