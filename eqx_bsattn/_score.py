@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ._values import within as _within
+from ._values import poisoned as _poisoned
 
 _F32 = jnp.float32
 
@@ -250,15 +250,15 @@ def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding):
             f"(passes_score); this module's sharding {type(sharding).__name__} does not. "
             f"Drop the sharding or the score.")
     # An infinite slope times a zero distance, or a +inf / NaN logit, has no softmax weight.
+    # Concrete arrays (the standard slopes of `ALiBi()` come as NumPy) are checked here;
+    # traced ones, learned in a training step, are poisoned whole instead (`_poisoned`: a
+    # run-time check would cost each call a wait on the host).
     slopes, table = terms.arrays
     if slopes is not None:
-        # The standard slopes (`ALiBi()`) come as NumPy: checked here on the host, so the
-        # call carries no run-time check of constants. Given or learned ones are JAX arrays,
-        # checked at run time inside a trace.
-        slopes = jnp.asarray(_within("slopes", slopes, lambda x: ~(abs(x) < np.inf),
-                                     "must be finite; got inf or NaN."))
+        slopes = jnp.asarray(_poisoned("slopes", slopes, lambda x: ~(abs(x) < np.inf),
+                                       "must be finite; got inf or NaN."))
     if table is not None:
-        table = _within("table", table, lambda x: jnp.isnan(x) | (x == jnp.inf),
-                        "must be finite or -inf (which hides the pairs of that bucket); got "
-                        "+inf or NaN.")
+        table = _poisoned("table", table, lambda x: jnp.isnan(x) | (x == jnp.inf),
+                          "must be finite or -inf (which hides the pairs of that bucket); "
+                          "got +inf or NaN.")
     return dataclasses.replace(inputs, score=terms.with_arrays(slopes, table))

@@ -20,3 +20,14 @@ def within(name: str, x, bad, message: str):
     if found:
         raise ValueError(f"`{name}` {message}")
     return x
+
+
+def poisoned(name: str, x, bad, message: str):
+    """Raise `ValueError` now if `x` is concrete and `bad(x)` holds anywhere (as `within`);
+    inside a trace, `x` with NaN added to every entry where `bad(x)` holds anywhere: no
+    run-time conditional (`eqx.error_if` waits on the host for its predicate before the
+    kernel can start), and every logit that reads `x`, so every row that sees a key, is NaN,
+    its gradients too (a learned array that has gone bad shows in the loss)."""
+    if not isinstance(x, jax.core.Tracer):
+        return within(name, x, bad, message)
+    return x + jnp.where(jnp.any(bad(x)), jnp.nan, 0.0).astype(x.dtype)

@@ -128,38 +128,98 @@ def test_head_count_is_checked_per_call(score, message):
         bsa.MultiheadBlockSparseAttention(4, 32, score=score, key=jax.random.key(0))
 
 
+BAD_SLOPES = jnp.array([0.5, jnp.inf, 0.1, 0.2])
+BAD_TABLE = TABLE.at[1, 3].set(jnp.nan)
+SLOPES_MESSAGE = r"^`slopes` must be finite; got inf or NaN\.$"
+TABLE_MESSAGE = (r"^`table` must be finite or -inf \(which hides the pairs of that bucket\); "
+                 r"got \+inf or NaN\.$")
+
+
 @pytest.mark.parametrize("score,message", [
-    (scores.ALiBi(jnp.array([0.5, jnp.inf, 0.1, 0.2]), learned=True),
-     r"^`slopes` must be finite; got inf or NaN\.$"),
-    (scores.RelativePositionBias(TABLE.at[1, 3].set(jnp.nan)),
-     r"^`table` must be finite or -inf \(which hides the pairs of that bucket\); got \+inf "
-     r"or NaN\.$"),
+    (scores.ALiBi(BAD_SLOPES, learned=True), SLOPES_MESSAGE),
+    (scores.RelativePositionBias(BAD_TABLE), TABLE_MESSAGE),
+    (scores.RelativePositionBias(TABLE.at[0, 0].set(jnp.inf)), TABLE_MESSAGE),
 ])
 def test_non_finite_score_arrays_are_refused(score, message):
-    """Eagerly, and inside `jit` at run time (`eqx.error_if`); a -inf table entry hides."""
+    """A concrete array is refused when the call is planned or made."""
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), score=score)
     with pytest.raises(ValueError, match=message):
         attn.plan(Q, K, K)
-    with pytest.raises(Exception, match=message[1:-1]):
-        jax.block_until_ready(eqx.filter_jit(lambda m: m(Q, K, K))(attn))
+    with pytest.raises(ValueError, match=message):
+        attn(Q, K, K)
 
 
-def test_standard_slopes_carry_no_run_time_check():
-    """`ALiBi()`'s slopes are constants, checked on the host: the traced call holds no
-    run-time check (`eqx.error_if`, a conditional around a host callback), which slopes
-    passed into the trace keep."""
+@pytest.mark.parametrize("kernel", [kernels.XlaBlockSparse(), kernels.DenseReference()])
+@pytest.mark.parametrize("bad", [
+    lambda s, t: (s.at[2].set(jnp.nan), t),
+    lambda s, t: (s.at[0].set(-jnp.inf), t),
+    lambda s, t: (s, t.at[3, 5].set(jnp.inf)),
+    lambda s, t: (s, t.at[1, 0].set(jnp.nan)),
+], ids=["nan-slope", "inf-slope", "inf-entry", "nan-entry"])
+def test_traced_score_arrays_gone_bad_make_every_row_nan(kernel, bad):
+    """Learned slopes or a learned table that hold a bad entry inside a trace (a training
+    step) make every row that sees a key NaN, and every gradient too: the whole array is
+    poisoned, not just the pairs that read the entry, with no run-time conditional. A row
+    that sees no key stays zero; -inf entries alone are valid (they hide)."""
+    q = jax.random.normal(jax.random.key(0), (1, 4, 16, 8))
+    slopes = jnp.asarray(scores.alibi_slopes(4))
+    table = 0.1 * jax.random.normal(jax.random.key(1), (4, 8))
+    mask = masks.Causal(offset=-4)  # the first four queries see no key
+
+    def loss(q, slopes, table):
+        score = SlopesAndTable(slopes, table)
+        out = bsa.BlockSparseAttention(mask=mask, kernel=kernel, score=score)(q, q, q)
+        return jnp.sum(out), out
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (dq, dslopes, dtable), out = step(q, slopes, table.at[:, 0].set(-jnp.inf))
+    assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(dq)).all()
+    (dq, dslopes, dtable), out = step(q, *bad(slopes, table))
+    out = np.asarray(out)
+    assert np.isnan(out[:, :, 4:]).all() and (out[:, :, :4] == 0).all()
+    # q is also the keys and values here, so its gradient reaches every row.
+    assert np.isnan(np.asarray(dq)).all() and np.isnan(np.asarray(dslopes)).all()
+    # An entry that no visible pair reads (the hidden distances 0 to 3, a bucket between
+    # this sequence's distances) may have a zero gradient; the others are NaN.
+    dtable = np.asarray(dtable)
+    assert np.isnan(dtable[:, [4, 6, 7]]).all() and (np.isnan(dtable) | (dtable == 0)).all()
+
+
+class SlopesAndTable(bsa.contract.AbstractScore):
+    """Learned slopes and a learned table in one call."""
+
+    slopes: jax.Array
+    table: jax.Array
+
+    def compile(self, num_heads):
+        table = scores.RelativePositionBias(self.table, bidirectional=False,
+                                            max_distance=6).compile(num_heads)
+        return bsa.contract.ScoreTerms(slopes=self.slopes, table=table.table,
+                                       buckets=table.buckets)
+
+
+def test_score_arrays_carry_no_run_time_check():
+    """No score array puts a run-time check (`eqx.error_if`, a conditional around a host
+    callback, which waits on the host before the kernel starts) in the trace: the standard
+    slopes are constants checked on the host, and traced slopes and tables are poisoned
+    instead (above)."""
     import re
 
-    def traced_checks(slopes):
-        def call(q, slopes):
-            score = scores.ALiBi() if slopes is None else scores.ALiBi(slopes)
+    def traced_checks(score_of, *arrays):
+        def call(q, *arrays):
+            score = score_of(*arrays)
             return bsa.BlockSparseAttention(mask=masks.Causal(), score=score)(q, K, K)
 
-        text = str(jax.make_jaxpr(call)(Q, slopes))
+        text = str(jax.make_jaxpr(call)(Q, *arrays))
         return sorted(set(re.findall(r"\b(cond|pure_callback)\b", text)))
 
-    assert traced_checks(None) == []
-    assert traced_checks(jnp.asarray(scores.alibi_slopes(4))) == ["cond", "pure_callback"]
+    slopes = jnp.asarray(scores.alibi_slopes(4))
+    assert traced_checks(scores.ALiBi) == []
+    assert traced_checks(scores.ALiBi, slopes) == []
+    assert traced_checks(scores.RelativePositionBias, TABLE) == []
+    # The same tracer test sees the checks that remain elsewhere (a traced bias).
+    bias_call = lambda q, b: bsa.BlockSparseAttention(mask=masks.Causal())(q, K, K, bias=b)
+    assert "pure_callback" in str(jax.make_jaxpr(bias_call)(Q, jnp.zeros((16, 16))))
 
 
 def test_minus_inf_in_the_table_hides_its_bucket():
