@@ -10,6 +10,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ._score import ScoreTerms
+from ._values import poisoned as _poisoned
 from ._values import within as _within
 
 
@@ -277,8 +278,10 @@ def _sinks(sinks, heads: int, name: str) -> Array | None:
         return None
     # -inf is a sink that never weighs (no sink); +inf would take every row's whole weight
     # (inf / inf) and NaN has no weight at all: refuse both, as for the bias.
-    sinks = _within(name, sinks, lambda s: jnp.isnan(s) | (s == jnp.inf),
-                    "must be finite or -inf (no sink); got +inf or NaN.")
+    # Traced sinks (learned) are poisoned rather than checked at run time: a NaN sink makes
+    # every row that sees a key NaN (`_values.poisoned`).
+    sinks = _poisoned(name, sinks, lambda s: jnp.isnan(s) | (s == jnp.inf),
+                      "must be finite or -inf (no sink); got +inf or NaN.")
     if sinks.ndim == 2:
         return sinks
     if sinks.shape[0] == heads:

@@ -51,10 +51,11 @@ class Features:
 
 def sink_logsumexp(sinks):
     """Each head's sinks ``[H, S]`` as one float32 logit ``[H]``: their log-sum-exp, ``-inf``
-    for a head whose sinks are all ``-inf`` (it has none). The gradient of a ``-inf`` sink is
-    zero, never NaN. The plan refuses ``+inf`` and NaN sinks."""
+    for a head whose sinks are all ``-inf`` (it has none), NaN for a head with a NaN sink.
+    The gradient of a ``-inf`` sink is zero, never NaN. The plan refuses ``+inf`` and NaN
+    sinks; traced sinks that hold one arrive as NaN (poisoned), and stay NaN here."""
     sinks = sinks.astype(jnp.float32)
-    present = jnp.any(sinks > -jnp.inf, axis=-1)
+    present = jnp.any(sinks != -jnp.inf, axis=-1)
     lse = jax.nn.logsumexp(jnp.where(present[:, None], sinks, 0.0), axis=-1)
     return jnp.where(present, lse, -jnp.inf)
 
@@ -64,10 +65,11 @@ def add_sinks(out, lse, sinks):
     `AbstractLseKernel.attention_with_lse` returns them (``[B, H, Lq, Dv]``, ``[B, H, Lq]``)
     and `sinks` ``[H, S]``. Returns the float32 output and log-sum-exp with the sinks in each
     row's denominator; a row that sees no key keeps zeros and ``-inf``, a head whose sinks are
-    all ``-inf`` keeps its result. Differentiable (never NaN on those rows).
+    all ``-inf`` keeps its result. Differentiable (never NaN on those rows). A NaN sink
+    makes each row of its head that sees a key NaN.
     """
     sink_lse = sink_logsumexp(sinks)[None, :, None]
-    joined = jnp.isfinite(lse) & jnp.isfinite(sink_lse)
+    joined = jnp.isfinite(lse) & (sink_lse != -jnp.inf)
     row = jnp.where(joined, lse, 0.0)
     total = jnp.logaddexp(row, jnp.where(joined, sink_lse, 0.0))
     scale = jnp.where(joined, jnp.exp(row - total), jnp.where(jnp.isfinite(lse), 1.0, 0.0))

@@ -199,10 +199,10 @@ class SlopesAndTable(bsa.contract.AbstractScore):
 
 
 def test_score_arrays_carry_no_run_time_check():
-    """No score array puts a run-time check (`eqx.error_if`, a conditional around a host
-    callback, which waits on the host before the kernel starts) in the trace: the standard
-    slopes are constants checked on the host, and traced slopes and tables are poisoned
-    instead (above)."""
+    """No score array, and no sinks array, puts a run-time check (`eqx.error_if`, a
+    conditional around a host callback, which waits on the host before the kernel starts) in
+    the trace: the standard slopes are constants checked on the host, and traced slopes,
+    tables and sinks are poisoned instead (above)."""
     import re
 
     def traced_checks(score_of, *arrays):
@@ -217,6 +217,10 @@ def test_score_arrays_carry_no_run_time_check():
     assert traced_checks(scores.ALiBi) == []
     assert traced_checks(scores.ALiBi, slopes) == []
     assert traced_checks(scores.RelativePositionBias, TABLE) == []
+    # Learned sinks are poisoned the same way (tests/test_conformance.py).
+    sinks_call = lambda q, s: bsa.BlockSparseAttention(mask=masks.Causal())(q, K, K, sinks=s)
+    assert not re.findall(r"\b(cond|pure_callback)\b",
+                          str(jax.make_jaxpr(sinks_call)(Q, jnp.zeros((4,)))))
     # The same tracer test sees the checks that remain elsewhere (a traced bias).
     bias_call = lambda q, b: bsa.BlockSparseAttention(mask=masks.Causal())(q, K, K, bias=b)
     assert "pure_callback" in str(jax.make_jaxpr(bias_call)(Q, jnp.zeros((16, 16))))

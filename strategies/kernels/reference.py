@@ -89,7 +89,7 @@ def reference_attention(q, k, v, *, mask: CompiledMask, inputs: AttentionInputs,
     any_visible = jnp.any(visible, axis=-1)
     # m is a visible logit, so denom >= 1, unless a -inf bias hides every visible key: then the
     # row sees no key, and its zero weights over 1 give zeros (never 0 / 0).
-    denom = jnp.where(denom > 0, denom, 1.0)
+    denom = jnp.where(denom == 0, 1.0, denom)  # a NaN (poisoned) sink stays NaN
     out = jnp.einsum("bhqk,bhkd->bhqd", p, v_rep) / denom[..., None]
     out = jnp.where(any_visible[..., None], out, 0.0)
     if not return_lse:
