@@ -163,9 +163,10 @@ def device_times(fn, *xs, reps: int) -> dict[str, float]:
     return {name: us / reps for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-def time_ours(args, kernel_name: str, mask_name: str, score_name: str, inputs) -> dict:
-    """``{"fwd_ms": timer, "fwdbwd_ms": timer}`` for one row, compiled and run once (so that
-    a declined score raises here); each timer returns `median_ms` of `--reps` calls."""
+def time_ours(args, kernel_name: str, mask_name: str, score_name: str, inputs):
+    """``({"fwd_ms": timer, "fwdbwd_ms": timer}, trace)`` for one row, compiled and run once
+    (so that a declined score raises here); each timer returns `median_ms` of `--reps` calls.
+    `trace` (``--device-times``, else ``None``) returns each pass's `device_times`."""
     q, k, v, do = inputs
     arrays = _arrays(args)
     kernel = getattr(kernels, kernel_name)()
@@ -182,12 +183,10 @@ def time_ours(args, kernel_name: str, mask_name: str, score_name: str, inputs) -
         jax.block_until_ready(fn(*xs))
     timers = {key: functools.partial(median_ms, fn, *xs, reps=args.reps)
               for key, (fn, xs) in calls.items()}
-    if args.device_times:
-        # One trace per row, after its timed rounds' compilation; not a timer.
-        timers["device_us"] = lambda: {key.removesuffix("_ms"): device_times(fn, *xs,
-                                                                             reps=args.reps)
-                                       for key, (fn, xs) in calls.items()}
-    return timers
+    if not args.device_times:
+        return timers, None
+    return timers, lambda: {key.removesuffix("_ms"): device_times(fn, *xs, reps=args.reps)
+                            for key, (fn, xs) in calls.items()}
 
 
 def flex_records(args) -> list[dict] | None:
@@ -275,16 +274,17 @@ def run(args) -> list[dict]:
     records = []
     for mask_name in args.masks:
         for impl, timers in peers.items():
-            rows, calls = [], {}
+            rows, calls, traces = [], {}, {}
             for score_name in args.scores:
                 record = {"impl": impl, "mask": mask_name, "score": score_name}
                 try:
-                    calls[score_name] = timers(mask_name, score_name)
+                    calls[score_name], trace = timers(mask_name, score_name)
                 except Exception as e:  # noqa: BLE001 - one failed call is a row, not a crash
                     record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                else:
+                    if trace is not None:  # traced after the timed rounds
+                        traces[score_name] = trace
                 rows.append(record)
-            traces = {name: timed.pop("device_us") for name, timed in calls.items()
-                      if "device_us" in timed}
             samples = {name: {key: [] for key in timed} for name, timed in calls.items()}
             for _ in range(args.rounds):
                 for name, timed in calls.items():
