@@ -273,13 +273,14 @@ def _check_sinks(sinks, heads: int, name: str, kv_heads: int | None = None):
 
 
 def _sinks(sinks, heads: int, name: str) -> Array | None:
-    """Checked sinks (`_check_sinks`) as ``[heads, num_sinks]``, refusing ``+inf`` and NaN."""
+    """Checked sinks (`_check_sinks`) as ``[heads, num_sinks]``: ``+inf`` and NaN refused in
+    concrete sinks, poisoned in traced ones."""
     if sinks is None:
         return None
     # -inf is a sink that never weighs (no sink); +inf would take every row's whole weight
-    # (inf / inf) and NaN has no weight at all: refuse both, as for the bias.
-    # Traced sinks (learned) are poisoned rather than checked at run time: a NaN sink makes
-    # every row that sees a key NaN (`_values.poisoned`).
+    # (inf / inf) and NaN has no weight at all. Concrete sinks holding either are refused;
+    # traced (learned) ones are poisoned rather than checked at run time, so every row that
+    # sees a key is NaN (`_values.poisoned`).
     sinks = _poisoned(name, sinks, lambda s: jnp.isnan(s) | (s == jnp.inf),
                       "must be finite or -inf (no sink); got +inf or NaN.")
     if sinks.ndim == 2:
