@@ -43,6 +43,7 @@ traced, so this module imports anywhere.
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +52,8 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      SMEM_BUDGET, AlibiBlocks, AttentionShape, Ops, WorkItems,
-                     persistent_schedule, ring_stages, segment_ids_apart, swizzled, visible,
-                     walk_list)
+                     persistent_schedule, ring_stages, score_function_tile, segment_ids_apart,
+                     swizzled, visible, walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -108,6 +109,16 @@ class BackwardConfig(AttentionShape):
     #: ALiBi: ``slopes[h] * (k - q)`` added to each logit before the cap (`AlibiBlocks`);
     #: the slopes' gradient comes out per key row, from `dkv_call` in both modes.
     alibi: bool = False
+    #: A score function, ``function(s, batch, head, q_pos, k_pos, params)`` on each block's
+    #: logits in natural units (after ALiBi, before the cap and the mask); its derivative in
+    #: `s` joins dS (`probabilities`). ``None``: none.
+    function: Callable | None = None
+
+    @property
+    def whole_terms(self) -> bool:
+        """Whether each logit takes ALiBi's whole term (a soft cap or a score function
+        follows it, neither shift-invariant) rather than a part of it (`AlibiBlocks`)."""
+        return bool(self.soft_cap) or self.function is not None
 
     @property
     def dq_columns(self) -> int:
@@ -166,35 +177,48 @@ class BackwardConfig(AttentionShape):
         14 % slower there (docs/mosaic.md, "Grouped heads in the dk/dv launch")."""
         return 1 if fused else self.group
 
-    def probabilities(self, s, lse, vis=None, term=None):
-        """``(P, t)`` of one block from its raw products ``s = q . k`` (either orientation;
-        `lse` (base 2) broadcast to it, `vis` the partial block's predicate, `term` a base-2
-        addition to the logits before the cap, ALiBi's): ``P = exp2(logit - lse)``, and the
-        soft cap's ``t = tanh(scaled logit / c)`` (None without one)."""
-        t = None
+    def probabilities(self, s, lse, vis=None, term=None, function=None):
+        """``(P, factors)`` of one block from its raw products ``s = q . k`` (either
+        orientation; `lse` (base 2) broadcast to it, `vis` the partial block's predicate,
+        `term` a base-2 addition to the logits before the cap, ALiBi's, `function` the score
+        function on the block's natural-unit logits, returning its value and derivative):
+        ``P = exp2(logit - lse)``, and `factors` for `score_gradient`: the soft cap's ``t =
+        tanh(capped logit / c)`` and the score function's derivative (each None without
+        it)."""
+        t = derivative = None
+        base2 = term is not None
+        logits = s if term is None else s * self.log2_factor + term
+        if function is not None:
+            value, derivative = function(logits * (1.0 / LOG2E) if base2
+                                         else s * self.softmax_scale)
+            logits, base2 = value * LOG2E, True
         if self.soft_cap:
             # tanh(x) = 1 - 2 / (exp(2x) + 1), as in the forward: no NaN at any logit.
-            if term is None:
-                e = jnp.exp2(s * (2.0 * self.log2_factor / self.soft_cap))
-            else:
-                e = jnp.exp2((s * self.log2_factor + term) * (2.0 / self.soft_cap))
+            e = jnp.exp2(logits * (2.0 / self.soft_cap) if base2
+                         else s * (2.0 * self.log2_factor / self.soft_cap))
             t = 1.0 - 2.0 / (e + 1.0)
             logits = t * (self.soft_cap * LOG2E)
-        elif term is None:
+        elif not base2:
             logits = s * self.log2_factor
-        else:
-            logits = s * self.log2_factor + term
         if vis is not None:
             logits = jnp.where(vis, logits, -jnp.inf)
-        return jnp.exp2(logits - lse), t
+        p = jnp.exp2(logits - lse)
+        if derivative is not None:
+            # Pairs the function or the mask hide (P = 0) take no gradient, whatever the
+            # derivative is there (inf or NaN at -inf).
+            derivative = jnp.where(p > 0.0, derivative, 0.0)
+        return p, (t, derivative)
 
-    def score_gradient(self, p, dp, delta, t):
-        """``dS = P (dp - delta)`` from `probabilities`' ``(P, t)`` and the block's raw
+    def score_gradient(self, p, dp, delta, factors):
+        """``dS = P (dp - delta)`` from `probabilities`' ``(P, factors)`` and the block's raw
         ``dp = dO . v`` (`delta` broadcast to it), times the soft cap's derivative ``1 -
-        t^2`` where there is one. dS is the gradient of the logits before the softmax scale:
-        dq and dk take the scale afterwards."""
+        t^2`` and the score function's where there are they. dS is the gradient of the
+        products before the softmax scale: dq and dk take the scale afterwards."""
+        t, derivative = factors
         ds = p * (dp - delta)
-        return ds if t is None else ds * (1.0 - t * t)
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        return ds if derivative is None else ds * derivative
 
 
 def _launch(body, scratch, ctas: int, out_type, operands, interpret):
@@ -284,6 +308,15 @@ def _slopes(cfg: BackwardConfig, slopes, launch: str):
     if slopes is None:
         raise ValueError(f"{launch}: `slopes` must be given when cfg.alibi is on.")
     return slopes.astype(jnp.float32)
+
+
+def _function_tiles(cfg: BackwardConfig, b, h, positions):
+    """The score function of a block as `BackwardConfig.probabilities` takes it (natural-unit
+    logits to their value and derivative), on the query and key position tiles
+    ``positions()`` (in the block's orientation), or ``None`` without one."""
+    if cfg.function is None:
+        return None
+    return lambda s: score_function_tile(cfg.function, s, b, h, *positions(), derivative=True)
 
 
 def _store_rows(stage, rows, target, wait: bool):
@@ -388,7 +421,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                     row_lse = lse
                     if alibi is not None:
                         offset = k_base - q_base
-                        if cfg.soft_cap:
+                        if cfg.whole_terms:
                             term = alibi.whole((bq, bk), offset)
                         else:
                             # The columns' part in each logit; the rows' part and the
@@ -405,16 +438,18 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                                       q_base + ops.iota((bq, bk), 0),
                                       k_base + ops.iota((bq, bk), 1), q_seg, k_seg,
                                       ids_apart=True)
-                    p, t = cfg.probabilities(s, lax.broadcast_in_dim(row_lse, (bq, bk), [0]),
-                                             vis, term)
+                    p, factors = cfg.probabilities(
+                        s, lax.broadcast_in_dim(row_lse, (bq, bk), [0]), vis, term,
+                        _function_tiles(cfg, b, h, lambda: (q_base + ops.iota((bq, bk), 0),
+                                                            k_base + ops.iota((bq, bk), 1))))
                     return cfg.score_gradient(p, dp, lax.broadcast_in_dim(delta, (bq, bk), [0]),
-                                              t)
+                                              factors)
 
                 def step(it, carry, masked):
                     (acc,) = carry
                     slot = lax.rem(first_step + it, stages)
                     k_base = None
-                    if masked or alibi is not None:
+                    if masked or alibi is not None or cfg.function is not None:
                         k_base = cta_items.block(prefix, it, n_full) * bk
                     with jax.named_scope("wait_kv"):
                         plgpu.barrier_wait(k_ready.at[slot])
@@ -654,14 +689,18 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                             term = None
                             if alibi is not None:
                                 # The columns' part goes into their lse, the rows' into
-                                # each logit (both into each logit under a soft cap).
-                                if cfg.soft_cap:
+                                # each logit (both into each logit under a soft cap or
+                                # before a score function).
+                                if cfg.whole_terms:
                                     term = alibi.whole((bk, bq), q_base - k_base)
                                 else:
                                     term = lax.broadcast_in_dim(alibi.own_term, (bk, bq), [0])
                                     lse = lse - alibi.streamed(bq, q_base - k_base)
-                            p_t, t = cfg.probabilities(
-                                s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis, term)
+                            p_t, factors = cfg.probabilities(
+                                s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis, term,
+                                _function_tiles(cfg, b, h, lambda: (
+                                    q_base + ops.iota((bk, bq), 1),
+                                    k_base + ops.iota((bk, bq), 0))))
                         # dV's product and dP's in one group, dK's after dS: fewer live
                         # registers than S and dP together beside the dk and dv accumulators.
                         with jax.named_scope("dv_dp"):
@@ -675,7 +714,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                             delta = streamed_row(delta_ring, delta_ready, delta_free, slot)
                         with jax.named_scope("ds"):
                             ds_t = cfg.score_gradient(
-                                p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), t)
+                                p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), factors)
                             if slope_out:
                                 slope_rows = slope_rows + alibi.gradient_rows(
                                     ds_t, q_base - k_base)

@@ -280,6 +280,24 @@ class AlibiBlocks:
         return near * total + self.sign * weighted
 
 
+def score_function_tile(function, s, batch, head, q_pos, k_pos, params=None,
+                        derivative: bool = False):
+    """A score function (`ScoreTerms`' canonical ``term(s, batch, head, q_pos, k_pos,
+    params)``) on one block's tile of logits `s` (float32, natural units, before the soft
+    cap), `q_pos` and `k_pos` int32 tiles of its shape, `batch` and `head` int32 scalars.
+
+    With `derivative`, ``(value, d value / d s)``: score functions are elementwise in `s`,
+    so one forward-mode product with a tangent of ones gives both in one trace. Where the
+    value is ``-inf`` (a hidden pair) the derivative is the caller's to discard."""
+
+    def term(x):
+        return jnp.asarray(function(x, batch, head, q_pos, k_pos, params), jnp.float32)
+
+    if not derivative:
+        return term(s)
+    return jax.jvp(term, (s,), (jnp.ones_like(s),))
+
+
 def list_entry(full_ref, partial_ref, prefix, it, n_full):
     """The block of entry `it` of a FULL-then-PARTIAL list: ``full_ref[*prefix, it]`` while
     ``it < n_full``, else ``partial_ref[*prefix, it - n_full]`` (indices clamped in range)."""

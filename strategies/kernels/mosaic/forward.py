@@ -37,6 +37,7 @@ Mosaic GPU is imported when a launch is traced, so this module imports anywhere.
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,8 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AlibiBlocks, AttentionShape, Ops, WorkItems, persistent_schedule,
-                     ring_stages, segment_ids_apart, swizzled, visible, walk_list)
+                     ring_stages, score_function_tile, segment_ids_apart, swizzled, visible,
+                     walk_list)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -65,6 +67,15 @@ class ForwardConfig(AttentionShape):
     soft_cap: float = 0.0
     #: ALiBi: ``slopes[h] * (k - q)`` added to each logit before the cap (`AlibiBlocks`).
     alibi: bool = False
+    #: A score function, ``function(s, batch, head, q_pos, k_pos, params)`` on each block's
+    #: logits in natural units (after ALiBi, before the cap and the mask); ``None``: none.
+    function: Callable | None = None
+
+    @property
+    def whole_terms(self) -> bool:
+        """Whether each logit takes ALiBi's whole term (a soft cap or a score function
+        follows it, neither shift-invariant) rather than a part of it (`AlibiBlocks`)."""
+        return bool(self.soft_cap) or self.function is not None
 
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
@@ -91,9 +102,10 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     has_segments = q_segment_ids is not None
     # s * scale * log2(e), kept in base 2; with a positive factor the row maximum of the raw
     # products scales to the row maximum of the logits, so full blocks fold the factor into
-    # the exponent's operand. ALiBi and a soft cap turn the products into base-2 logits first
-    # (factor 1: no product).
-    factor = 1.0 if cfg.soft_cap or cfg.alibi else cfg.log2_factor
+    # the exponent's operand. ALiBi, a score function and a soft cap turn the products into
+    # base-2 logits first (factor 1: no product).
+    function = cfg.function
+    factor = 1.0 if cfg.whole_terms or cfg.alibi else cfg.log2_factor
     if cfg.alibi and slopes is None:
         raise ValueError("forward_call: `slopes` must be given when cfg.alibi is on.")
     # Partial blocks test k < true_kv_len only where keys were padded.
@@ -180,10 +192,11 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     return k_base, ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
 
                 def alibi_key(it, partial):
-                    """Step `it`'s first key where ALiBi needs it (else None): a full
-                    block's is read here, before the step's products, so that the load's
-                    latency is hidden; a partial one's is in `partial`."""
-                    if alibi is None:
+                    """Step `it`'s first key where ALiBi or the score function needs it
+                    (else None): a full block's is read here, before the step's products,
+                    so that the load's latency is hidden; a partial one's is in
+                    `partial`."""
+                    if alibi is None and function is None:
                         return None
                     if partial is not None:
                         return partial[0]
@@ -197,18 +210,29 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     the block's mask (`partial_block`'s,
                     or None for a full block), base-2 exponentials and the rescaled sums."""
                     shift = None  # a constant left out of every logit of the block
-                    if k_base is not None and cfg.soft_cap:
+                    if alibi is not None and cfg.whole_terms:
                         s = s * cfg.log2_factor + alibi.whole(s.shape, k_base - q_base)
-                    elif k_base is not None:
+                    elif alibi is not None:
                         s = s * cfg.log2_factor + lax.broadcast_in_dim(col_term, s.shape, [1])
                         shift = alibi.shift(k_base - q_base)
+                    if function is not None:
+                        # The function sees natural units; base 2 again after it.
+                        natural = (s * (1.0 / LOG2E) if alibi is not None
+                                   else s * cfg.softmax_scale)
+                        s = score_function_tile(
+                            function, natural, b, h, q_base + ops.iota((bq, bk), 0),
+                            k_base + ops.iota((bq, bk), 1)) * LOG2E
                     if cfg.soft_cap:
                         # c log2(e) tanh(s scale / c), tanh(x) = 1 - 2 / (exp(2x) + 1): an
                         # exponential overflowing to inf gives 1, never NaN.
-                        already_base2 = k_base is not None
+                        already_base2 = alibi is not None or function is not None
                         e = jnp.exp2(s * (2.0 / cfg.soft_cap if already_base2
                                           else 2.0 * cfg.log2_factor / cfg.soft_cap))
                         s = (1.0 - 2.0 / (e + 1.0)) * (cfg.soft_cap * LOG2E)
+                    if partial is not None or function is not None:
+                        # A score function may hide pairs (-inf) in any block: each block
+                        # then takes the guard of rows with nothing visible yet.
+                        s = _times(s, factor)
                     if partial is not None:
                         k_base, k_seg = partial
                         rows = q_base + ops.iota((bq, bk), 0)
@@ -218,7 +242,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                             segs = (lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
                                     lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
                         vis = visible(cfg.terms, padded_keys, rows, cols, *segs, ids_apart=True)
-                        s = jnp.where(vis, _times(s, factor), -jnp.inf)
+                        s = jnp.where(vis, s, -jnp.inf)
+                    if partial is not None or function is not None:
                         m_new = jnp.maximum(m_i, _plus(s.max(axis=1), shift))
                         # A row with nothing visible yet keeps m = -inf: subtract 0 instead,
                         # so its p and alpha are exp2(-inf) = 0, never NaN.
@@ -295,7 +320,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     inv = 1.0 / jnp.where(empty, 1.0, l_i)
                     acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
                     lse = jnp.where(empty, jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
-                    if alibi is not None and not cfg.soft_cap:
+                    if alibi is not None and not cfg.whole_terms:
                         lse = lse + alibi.own_term  # the rows' part of ALiBi, left out above
                     q_smem[...] = acc.astype(dtype)
                     lse_smem = lse_buffers.at[buffer, wg]

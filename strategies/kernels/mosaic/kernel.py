@@ -17,7 +17,7 @@ from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Featur
 
 from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
                        dq_accumulator_shape, dq_call, dq_schedule, short_lists)
-from .common import persistent_schedule
+from .common import ROWS_PER_WARPGROUP, persistent_schedule, score_function_tile
 from .config import MosaicConfig
 from .forward import BLOCK_Q, ForwardConfig, forward_call, rows_padded, stages_for
 
@@ -45,6 +45,67 @@ def _mosaic_missing() -> str | None:
     capability = getattr(gpu, "compute_capability", None)
     if capability is not None and str(capability) not in ("9.0",):
         return f"needs a Hopper GPU (compute capability 9.0); found {capability}."
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Positional:
+    """A score function ``fn(score, head, q_pos, k_pos)`` as the canonical term
+    ``term(score, batch, head, q_pos, k_pos, params)`` the kernels call (hashable: equal
+    functions give equal terms)."""
+
+    fn: object
+
+    def __call__(self, score, batch, head, q_pos, k_pos, params):
+        return self.fn(score, head, q_pos, k_pos)
+
+
+def score_function(score) -> tuple[object, object]:
+    """``(term, params)`` of a call's score terms (`AttentionInputs.score`): its score
+    function as the canonical ``term(s, batch, head, q_pos, k_pos, params)`` and its
+    parameters (``None`` where it has none), or ``(None, None)`` without a function."""
+    function = None if score is None else getattr(score, "function", None)
+    if function is None:
+        return None, None
+    params = getattr(score, "params", None)
+    return _Positional(function), params
+
+
+@functools.lru_cache(maxsize=256)
+def function_lowering_failure(term) -> str | None:
+    """Why Pallas Mosaic GPU cannot lower the score function `term` (the first line of the
+    error) or ``None``: the function and its derivative are lowered once for CUDA inside a
+    one-warpgroup kernel, on a 64 x 128 float32 tile of logits and int32 position tiles in
+    the wgmma layout, with traced batch and head scalars, as the attention kernels trace it.
+    Cached per term: a verdict costs one lowering (runs nothing; no GPU needed)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    shape = (ROWS_PER_WARPGROUP, 128)
+
+    def body(coords_ref, out_ref, stage):
+        layout = plgpu.Layout.WGMMA
+        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+        s = plgpu.broadcasted_iota(jnp.float32, shape, 1, layout=layout) * 0.01
+        batch, head = coords_ref[0], coords_ref[1]
+        value = score_function_tile(term, s, batch, head, rows, cols)
+        again, derivative = score_function_tile(term, s, batch, head, rows, cols,
+                                                derivative=True)
+        stage[...] = value + again * derivative
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage, out_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    launch = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(shape, jnp.float32),
+                          scratch_types=[plgpu.SMEM(shape, jnp.float32)],
+                          compiler_params=plgpu.CompilerParams(approx_math=True))
+    try:
+        jax.jit(launch).trace(jax.ShapeDtypeStruct((2,), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+    except Exception as e:  # noqa: BLE001 - any failure to lower is the verdict
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"Pallas Mosaic GPU cannot lower the score function: {first}"
     return None
 
 
@@ -122,7 +183,7 @@ class MosaicBlockSparse(AbstractLseKernel):
 
     name: ClassVar[str] = "mosaic"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
-    score_kinds: ClassVar[tuple[str, ...]] = ("alibi",)
+    score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "function")
     reads: ClassVar[MaskReads] = "terms"
     config_type: ClassVar[type[AbstractKernelConfig]] = MosaicConfig
 
@@ -212,10 +273,11 @@ class MosaicBlockSparse(AbstractLseKernel):
             raise ValueError(f"MosaicBlockSparse evaluates the score terms {self.score_kinds}; "
                              f"got {inputs.score.kinds}.")
         alibi = slopes is not None
+        function = _checked_function(inputs.score)
         fcfg = ForwardConfig(**shape, block_kv=block_kv, stages=stages_for(dim, block_kv),
                              layout_batch=fwd.full_count.shape[0],
                              layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors(),
-                             soft_cap=soft_cap, alibi=alibi)
+                             soft_cap=soft_cap, alibi=alibi, function=function)
         # The persistent forward's work items per CTA, built on the host.
         schedule = persistent_schedule(fwd.full_count, fwd.partial_count, batch, heads,
                                        fcfg.ctas)
@@ -225,7 +287,7 @@ class MosaicBlockSparse(AbstractLseKernel):
             **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
             soft_cap=soft_cap, single_pass=self.single_pass(), ctas=_multiprocessors(),
-            alibi=alibi)
+            alibi=alibi, function=function)
         # Each launch is persistent where its items are short; a dk/dv item walks the lists
         # of `dkv_group` query heads.
         walked = bcfg.dkv_group(bcfg.single_pass)
@@ -246,6 +308,26 @@ class MosaicBlockSparse(AbstractLseKernel):
         # Without ALiBi a one-element placeholder stands for the slopes (a zero gradient).
         slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes
         return _attend(fcfg, bcfg, query, key, value, slopes, seg, lists, bwd_lists)
+
+
+def _checked_function(score):
+    """The call's score function as the kernels call it (`score_function`), or ``None``;
+    a function with parameters, or one Mosaic GPU cannot lower, is refused in one line."""
+    function, params = score_function(score)
+    if function is None:
+        return None
+    why = _function_decline(function, params)
+    if why is not None:
+        raise ValueError(f"MosaicBlockSparse: {why}")
+    return function
+
+
+def _function_decline(function, params) -> str | None:
+    """Why the kernels cannot take this score function, or ``None``."""
+    if params is not None and jax.tree.leaves(params):
+        return ("score functions with parameters are not supported (their gradient is not "
+                "formed in the kernel).")
+    return function_lowering_failure(function)
 
 
 def _pad(x, length: int, fill=0):

@@ -594,7 +594,37 @@ BACKWARD_INTERPRETER_CASES = {
     "alibi_window": (masks.SlidingWindow(90, 40), 1, 1, 200, 300, 64, False, None, True),
     # ALiBi under a soft cap (both parts of the distance in each logit), a prefix.
     "alibi_soft_cap": (masks.PrefixLM(70), 2, 2, 200, 256, 64, False, 2.0, True),
+    # Score functions (`SCORE_FUNCTIONS`): ALiBi written as one, with grouped heads, ragged
+    # keys and D = 128; a tanh cap that hides pairs and whole rows (-inf) under a prefix;
+    # built-in ALiBi then a function then the module's soft cap, with documents.
+    "function_alibi": (masks.Causal(bottom_right=True), 4, 2, 200, 300, 128, False, None,
+                       False),
+    "function_hiding": (masks.PrefixLM(70), 2, 1, 200, 256, 64, False, None, False),
+    "function_after_alibi_soft_cap": (masks.Causal() & masks.Document(), 2, 2, 200, 200, 64,
+                                      True, 2.0, True),
 }
+
+
+def alibi_function(score, head, q_pos, k_pos):
+    """ALiBi as a score function: slope ``2^-(head + 3)``."""
+    slope = jnp.exp2(-3.0 - jnp.asarray(head).astype(jnp.float32))
+    return score + slope * (k_pos - q_pos).astype(jnp.float32)
+
+
+def capped_and_hiding(score, head, q_pos, k_pos):
+    """A tanh cap of 3 that hides every pair with ``q + k = 2 (mod 5)`` and rows 0..23."""
+    hidden = ((q_pos + k_pos) % 5 == 2) | (q_pos < 24)
+    return jnp.where(hidden, -jnp.inf, 3.0 * jnp.tanh(score / 3.0))
+
+
+def squared_distance(score, head, q_pos, k_pos):
+    """A head-dependent quadratic penalty on the distance, nonlinear in the score."""
+    distance = (q_pos - k_pos).astype(jnp.float32) * 0.05
+    return score * (1.0 + 0.1 * jnp.asarray(head).astype(jnp.float32)) - distance * distance
+
+
+SCORE_FUNCTIONS = {"function_alibi": alibi_function, "function_hiding": capped_and_hiding,
+                   "function_after_alibi_soft_cap": squared_distance}
 
 
 def _slope_gradient_scale(reference, q, k, v, slopes, cot, q_len, kv_len):
@@ -613,7 +643,8 @@ def _slope_gradient_scale(reference, q, k, v, slopes, cot, q_len, kv_len):
 @pytest.mark.parametrize("persistent", [False, True], ids=["item_a_cta", "persistent"])
 @pytest.mark.parametrize("single_pass", [True, False], ids=["single_pass", "deterministic"])
 @pytest.mark.parametrize("case", [  # the default run takes these two; the rest is extended
-    pytest.param(name, marks=[] if name in ("soft_cap", "alibi") else [pytest.mark.extended])
+    pytest.param(name, marks=[] if name in ("soft_cap", "alibi", "function_hiding")
+                 else [pytest.mark.extended])
     for name in sorted(BACKWARD_INTERPRETER_CASES)])
 def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     """The Mosaic backward after the Mosaic forward, both in Pallas' CPU interpreter, against
@@ -631,13 +662,17 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     from eqx_bsattn.strategies.kernels.mosaic.forward import (
         BLOCK_Q, ForwardConfig, forward_call, rows_padded)
     from eqx_bsattn.strategies.kernels.mosaic.kernel import (
-        _pad, mosaic_backward, refs_reach_kernels)
+        _pad, mosaic_backward, refs_reach_kernels, score_function)
 
     if single_pass and not refs_reach_kernels():
         pytest.skip(f"the single pass needs JAX >= 0.11 (jax.Ref operands); this is "
                     f"{jax.__version__}")
     mask, heads, kv_heads, lq, lk, d, documents, soft_cap, alibi = \
         BACKWARD_INTERPRETER_CASES[case]
+    fn = SCORE_FUNCTIONS.get(case)
+    function = None
+    if fn is not None:
+        function, _ = score_function(scores.ScoreFunction(fn).compile(heads))
     # Slopes large enough that the term moves the softmax over these short rows.
     slopes = jnp.asarray([0.25, -0.1, 0.05, 0.15][:heads], jnp.float32) if alibi else None
     data, seg = {}, (None, None)
@@ -659,7 +694,7 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
                          layout_batch=fwd.full_count.shape[0],
                          layout_heads=fwd.full_count.shape[1],
                          # Persistent on 2 CTAs: items follow one another, some empty.
-                         ctas=2, alibi=alibi)
+                         ctas=2, alibi=alibi, function=function)
     bcfg = BackwardConfig(batch=1, heads=heads, kv_heads=kv_heads, q_len=plq, kv_len=plk,
                           true_kv_len=lk, head_dim=d, dq_block_kv=dq_tile[1],
                           dkv_block_q=dkv_tile[0], softmax_scale=d ** -0.5, terms=terms,
@@ -667,7 +702,7 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
                           dkv_layout_axes=dkv_layout.full_count.shape[:2],
                           soft_cap=soft_cap or 0.0, single_pass=single_pass,
                           persistent=LAUNCHES if persistent else (), ctas=1,
-                          alibi=alibi)
+                          alibi=alibi, function=function)
 
     def arrays(*xs):
         return tuple(jnp.asarray(x, jnp.int32) for x in xs)
@@ -692,6 +727,12 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
 
     def reference(q, k, v, slopes, bias=None):
         score = None if slopes is None else scores.ALiBi(slopes, learned=True)
+        if fn is not None and slopes is not None:
+            # Built-in ALiBi, then the function: one function for the reference.
+            score = scores.ScoreFunction(lambda s, h, qp, kp: fn(
+                s + slopes[h] * (kp - qp).astype(jnp.float32), h, qp, kp))
+        elif fn is not None:
+            score = scores.ScoreFunction(fn)
         ref = bsa.BlockSparseAttention(mask=mask, kernel=DenseReference(),
                                        logits_soft_cap=soft_cap, score=score)
         return ref(q, k, v, bias=bias, **data)
@@ -705,7 +746,7 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert g.shape == w.shape, name
         assert _rel(g, w) < TOL[jnp.float16], name
-    if alibi:
+    if alibi and fn is None:  # the reference's function closes over the slopes
         # The slopes' gradient sums dS (k - q) over every pair, and each row's dS sums to
         # zero, so it can cancel far below its terms: its error is measured against their
         # magnitude (float16 rounding of dS, about 1e-5 of it) as well as against its value.

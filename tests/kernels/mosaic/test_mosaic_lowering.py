@@ -24,6 +24,22 @@ pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 H200_MULTIPROCESSORS = 132
 
 
+def _head_slopes(score, head, q_pos, k_pos):
+    """ALiBi written as a score function (slope ``2^-(head + 1)``)."""
+    slope = jnp.exp2(-1.0 - jnp.asarray(head).astype(jnp.float32))
+    return score + slope * (k_pos - q_pos).astype(jnp.float32)
+
+
+def _hiding(score, head, q_pos, k_pos):
+    """A tanh cap that hides every third key (-inf)."""
+    return jnp.where(k_pos % 3 == 0, -jnp.inf, 4.0 * jnp.tanh(score / 4.0))
+
+
+def _running_sum(score, head, q_pos, k_pos):
+    """Not elementwise: a running sum along the keys (Mosaic GPU has no cumsum)."""
+    return jnp.cumsum(score, axis=-1)
+
+
 @pytest.fixture
 def hopper_host(monkeypatch):
     """This host as a Hopper GPU's for planning and lowering (it runs nothing)."""
@@ -91,6 +107,15 @@ LOWERED = {
     "alibi_soft_cap_gqa": (masks.Causal(), dict(batch=1, heads=4, kv_heads=2, q_len=512,
                                                 kv_len=512, dim=64),
                            dict(score=scores.ALiBi(), logits_soft_cap=20.0)),
+    # Score functions: ALiBi as one with grouped heads; one that hides pairs, under a soft
+    # cap, with segment ids and ragged lengths.
+    "function_alibi_gqa": (masks.Causal() & masks.SlidingWindow(256, 0),
+                           dict(batch=1, heads=4, kv_heads=2, q_len=1024, kv_len=1024,
+                                dim=128), dict(score=scores.ScoreFunction(_head_slopes))),
+    "function_hiding_soft_cap": (masks.Causal(), dict(batch=2, heads=2, kv_heads=2, q_len=300,
+                                                      kv_len=300, dim=64),
+                                 dict(score=scores.ScoreFunction(_hiding),
+                                      logits_soft_cap=10.0, segments=True)),
 }
 
 
@@ -103,7 +128,8 @@ def test_forward_and_backward_lower_for_cuda(hopper_host, case):
     options = dict(options)
     data = {}
     if options.pop("segments", False):
-        ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), shape["q_len"] // 4)
+        ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), -(-shape["q_len"] // 4))
+        ids = ids[:shape["q_len"]]
         ids = jnp.broadcast_to(ids, (shape["batch"], shape["q_len"]))
         data = dict(q_segment_ids=ids, kv_segment_ids=ids)
     attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(), **options)
@@ -115,3 +141,30 @@ def test_forward_and_backward_lower_for_cuda(hopper_host, case):
     text = lowered.as_text()
     assert text.count("custom_call @mosaic_gpu") == 3, case
     assert [o.shape for o in jax.tree.leaves(lowered.out_info)] == [q.shape, k.shape, v.shape]
+
+
+def test_score_function_mosaic_cannot_lower_is_declined(hopper_host):
+    """A score function Pallas Mosaic GPU cannot lower gives the first line of the reason
+    (once per function: the verdict is cached), and the call is refused in one line when the
+    kernel is asked for it; a function with parameters is declined by name."""
+    from eqx_bsattn.strategies.kernels.mosaic.kernel import (
+        _function_decline, function_lowering_failure, score_function)
+
+    def term(fn):
+        return score_function(scores.ScoreFunction(fn).compile(2))[0]
+
+    assert score_function(None) == (None, None)
+    assert term(_hiding) == term(_hiding) and hash(term(_hiding)) == hash(term(_hiding))
+    assert _function_decline(term(_hiding), None) is None
+    why = _function_decline(term(_running_sum), None)
+    assert why.startswith("Pallas Mosaic GPU cannot lower the score function: ")
+    assert "cumsum" in why and "\n" not in why
+    hits = function_lowering_failure.cache_info().hits
+    assert _function_decline(term(_running_sum), None) == why
+    assert function_lowering_failure.cache_info().hits == hits + 1
+    assert "parameters" in _function_decline(term(_hiding), {"w": jnp.ones(3)})
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
+                                    score=scores.ScoreFunction(_running_sum))
+    q, k, v = _inputs(1, 2, 2, 256, 256, 64)
+    with pytest.raises(ValueError, match="cannot lower the score function: .*cumsum"):
+        jax.jit(attn).trace(q, k, v)
