@@ -44,7 +44,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     AlibiBlocks, AttentionShape, Ops, WorkItems, persistent_schedule,
+                     AlibiBlocks, AttentionShape, Ops, WorkItems, alibi_positions_term,
+                     persistent_schedule,
                      ring_stages, score_function_tile, segment_ids_apart, swizzled, visible,
                      walk_list)
 
@@ -70,20 +71,26 @@ class ForwardConfig(AttentionShape):
     #: A score function, ``function(s, batch, head, q_pos, k_pos, params)`` on each block's
     #: logits in natural units (after ALiBi, before the cap and the mask); ``None``: none.
     function: Callable | None = None
+    #: Per-call positions (``[B, L]`` int32 operands) in place of the token indices, for the
+    #: mask's terms, ALiBi and the score function.
+    positions: bool = False
 
     @property
     def whole_terms(self) -> bool:
         """Whether each logit takes ALiBi's whole term (a soft cap or a score function
-        follows it, neither shift-invariant) rather than a part of it (`AlibiBlocks`)."""
-        return bool(self.soft_cap) or self.function is not None
+        follows it, neither shift-invariant, or positions make the distance no sum of a
+        row's and a column's parts) rather than a part of it (`AlibiBlocks`)."""
+        return bool(self.soft_cap) or self.function is not None or self.positions
 
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
                  partial_index, q_segment_ids=None, kv_segment_ids=None, *, slopes=None,
-                 schedule=None, interpret=None):
+                 positions=None, schedule=None, interpret=None):
     """``(out [B, H, Lq, D], lse [B, H, Lq] float32, base 2)`` for padded inputs.
     `schedule` is the launch's ``(items, counts)`` (`persistent_schedule` of the counts on
-    ``cfg.ctas`` CTAs when ``None``); `slopes` ``[H]`` float32 are ALiBi's (``cfg.alibi``)."""
+    ``cfg.ctas`` CTAs when ``None``); `slopes` ``[H]`` float32 are ALiBi's (``cfg.alibi``);
+    `positions` the padded ``(q_positions [B, Lq], kv_positions [B, Lk])`` int32
+    (``cfg.positions``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -112,7 +119,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     padded_keys = cfg.padded_kv_len
 
     def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref,
-               pidx_ref, qseg_ref, kseg_ref, slopes_ref, out_ref, lse_ref, scoped):
+               pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref, out_ref, lse_ref,
+               scoped):
         (q_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), \
             (k_free, v_free), turn = scoped
         wg = lax.axis_index("wg")
@@ -151,9 +159,14 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     q_base = tile * BLOCK_Q + wg * bq
                     if has_segments:
                         q_seg = ops.load(qseg_ref, (b, pl.ds(q_base, bq)), row_layout)
+                    if cfg.positions:
+                        q_pos = lax.broadcast_in_dim(
+                            ops.load(qpos_ref, (b, pl.ds(q_base, bq)), row_layout), (bq, bk),
+                            [0])
                     alibi = col_term = None
                     if cfg.alibi:
                         alibi = AlibiBlocks(ops, slopes_ref[h], bq, rows_are_queries=True)
+                    if cfg.alibi and not cfg.whole_terms:
                         # Without a cap, a block's logits take ALiBi's columns' part as
                         # this item's `col_term` (columns 0..bk-1) plus a scalar for the
                         # block, which the online softmax carries through the row maxima.
@@ -191,18 +204,33 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         return k_base, None
                     return k_base, ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
 
-                def alibi_key(it, partial):
-                    """Step `it`'s first key where ALiBi or the score function needs it
-                    (else None): a full block's is read here, before the step's products,
-                    so that the load's latency is hidden; a partial one's is in
-                    `partial`."""
-                    if alibi is None and function is None:
+                def block_keys(it, partial):
+                    """``(first key, key positions)`` of step `it` where its logits need
+                    them (ALiBi or the score function in every block, the mask in partial
+                    ones), else ``None``: read before the step's products, so that the
+                    loads' latency is hidden (a partial block's first key is in
+                    `partial`). The key positions, a column vector, are the per-call
+                    positions' (``cfg.positions``), else ``None``."""
+                    if alibi is None and function is None and partial is None:
                         return None
                     if partial is not None:
-                        return partial[0]
-                    return fidx_ref[(*prefix, jnp.minimum(it, cf - 1))] * bk
+                        k_base = partial[0]
+                    else:
+                        k_base = fidx_ref[(*prefix, jnp.minimum(it, cf - 1))] * bk
+                    k_pos = None
+                    if cfg.positions:
+                        k_pos = ops.load(kpos_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
+                    return k_base, k_pos
 
-                def online_softmax(s, acc, m_i, l_i, partial, k_base):
+                def position_tiles(keys):
+                    """Query and key positions of the block with `block_keys` `keys`, as
+                    tiles: the per-call positions, or the token indices."""
+                    k_base, k_pos = keys
+                    if k_pos is not None:
+                        return q_pos, lax.broadcast_in_dim(k_pos, (bq, bk), [1])
+                    return q_base + ops.iota((bq, bk), 0), k_base + ops.iota((bq, bk), 1)
+
+                def online_softmax(s, acc, m_i, l_i, partial, keys):
                     """``(acc, m, l, p)`` after one block's raw products `s`: ALiBi's term
                     (from the block's first key `k_base`: the item's `col_term` in each
                     logit, the block's constant through the row maxima, the rows' part in
@@ -210,7 +238,11 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     the block's mask (`partial_block`'s,
                     or None for a full block), base-2 exponentials and the rescaled sums."""
                     shift = None  # a constant left out of every logit of the block
-                    if alibi is not None and cfg.whole_terms:
+                    k_base = None if keys is None else keys[0]
+                    if alibi is not None and cfg.positions:
+                        s = s * cfg.log2_factor + alibi_positions_term(slopes_ref[h],
+                                                                       *position_tiles(keys))
+                    elif alibi is not None and cfg.whole_terms:
                         s = s * cfg.log2_factor + alibi.whole(s.shape, k_base - q_base)
                     elif alibi is not None:
                         s = s * cfg.log2_factor + lax.broadcast_in_dim(col_term, s.shape, [1])
@@ -219,9 +251,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         # The function sees natural units; base 2 again after it.
                         natural = (s * (1.0 / LOG2E) if alibi is not None
                                    else s * cfg.softmax_scale)
-                        s = score_function_tile(
-                            function, natural, b, h, q_base + ops.iota((bq, bk), 0),
-                            k_base + ops.iota((bq, bk), 1)) * LOG2E
+                        s = score_function_tile(function, natural, b, h,
+                                                *position_tiles(keys)) * LOG2E
                     if cfg.soft_cap:
                         # c log2(e) tanh(s scale / c), tanh(x) = 1 - 2 / (exp(2x) + 1): an
                         # exponential overflowing to inf gives 1, never NaN.
@@ -234,14 +265,16 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         # then takes the guard of rows with nothing visible yet.
                         s = _times(s, factor)
                     if partial is not None:
-                        k_base, k_seg = partial
-                        rows = q_base + ops.iota((bq, bk), 0)
-                        cols = k_base + ops.iota((bq, bk), 1)
+                        k_seg = partial[1]
+                        rows, cols = position_tiles(keys)
                         segs = (None, None)
                         if has_segments:
                             segs = (lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
                                     lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
-                        vis = visible(cfg.terms, padded_keys, rows, cols, *segs, ids_apart=True)
+                        tokens = (k_base + ops.iota((bq, bk), 1) if cfg.positions and padded_keys
+                                  else None)
+                        vis = visible(cfg.terms, padded_keys, rows, cols, *segs, ids_apart=True,
+                                      signed=cfg.positions, k_token=tokens)
                         s = jnp.where(vis, s, -jnp.inf)
                     if partial is not None or function is not None:
                         m_new = jnp.maximum(m_i, _plus(s.max(axis=1), shift))
@@ -272,7 +305,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     acc, m_i, l_i = carry
                     slot = lax.rem(first_step + it, stages)
                     partial = partial_block(it) if masked else None
-                    alibi_k_base = alibi_key(it, partial)
+                    keys = block_keys(it, partial)
 
                     def qk(acc_ref):
                         plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -290,8 +323,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         take_turn()
                     plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                        acc, m_new, l_i, p16 = online_softmax(s, acc, m_i, l_i, partial,
-                                                              alibi_k_base)
+                        acc, m_new, l_i, p16 = online_softmax(s, acc, m_i, l_i, partial, keys)
                     with jax.named_scope("turn_pv"):
                         plgpu.barrier_arrive(turn)
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -358,6 +390,9 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes.astype(jnp.float32)
     if has_segments:
         qseg, kseg = segment_ids_apart(q_segment_ids, kv_segment_ids)
+    if cfg.positions and positions is None:
+        raise ValueError("forward_call: `positions` must be given when cfg.positions is on.")
+    qpos, kpos = positions if cfg.positions else (dummy, dummy)
     kwargs = {} if interpret is None else {"interpret": interpret}
     out, lse = plgpu.kernel(
         entry,
@@ -370,7 +405,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(items, counts, q, k, v, full_count, full_index, partial_count, partial_index, qseg, kseg,
-      slopes)
+      slopes, qpos, kpos)
     return out, lse
 
 

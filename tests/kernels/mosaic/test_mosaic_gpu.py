@@ -325,13 +325,13 @@ def test_declines_with_reasons():
     assert kernel.decline_reason(resolved, bsa.Features(**base)) is None
     for change, word in ((dict(dtype="float32"), "dtype"), (dict(head_dim=96, value_dim=96),
                          "head dims"), (dict(value_dim=64), "head dims"),
-                         (dict(bias=True), "bias"), (dict(positions=True), "positions")):
+                         (dict(bias=True), "bias")):
         why = kernel.decline_reason(resolved, bsa.Features(**{**base, **change}))
         assert why is not None and word in why, (change, why)
-    full = bsa.ResolvedMask(masks.Full(), q_len=128, kv_len=128, num_heads=2)
-    assert kernel.decline_reason(full, bsa.Features(**base, positions=True)) is None
-    why = kernel.decline_reason(full, bsa.Features(**base, positions=True, score=("alibi",)))
-    assert why is not None and "positions" in why and "ALiBi" in why
+    # Per-call positions, with the mask's terms and the score terms.
+    assert kernel.decline_reason(resolved, bsa.Features(**base, positions=True)) is None
+    assert kernel.decline_reason(resolved, bsa.Features(**base, positions=True,
+                                                        score=("alibi", "function"))) is None
     dilated = bsa.ResolvedMask(masks.Causal() | masks.Dilated(2), q_len=128, kv_len=128,
                                num_heads=2)
     why = kernel.decline_reason(dilated, bsa.Features(**base))
@@ -657,6 +657,20 @@ BACKWARD_INTERPRETER_CASES = {
     "function_hiding": (masks.PrefixLM(70), 2, 1, 200, 256, 64, False, None, False),
     "function_after_alibi_soft_cap": (masks.Causal() & masks.Document(), 2, 2, 200, 200, 64,
                                       True, 2.0, True),
+    # Per-call positions (`POSITIONS`), negative ones too, for the mask's terms, ALiBi and a
+    # score function; ragged keys.
+    "positions_alibi_window": (masks.Causal() & masks.SlidingWindow(60, 0), 2, 1, 200, 300,
+                               64, False, None, True),
+    "positions_function_chunks": (masks.ChunkedCausal(48), 2, 2, 200, 256, 64, False, None,
+                                  False),
+}
+
+#: Per-call ``(q_positions, kv_positions)`` of a case's lengths: queries at odd steps from
+#: -31, keys at every index from -50 (so that partial blocks, whole empty rows and negative
+#: chunks occur).
+POSITIONS = {
+    "positions_alibi_window": lambda lq, lk: (2 * np.arange(lq) - 31, np.arange(lk) - 50),
+    "positions_function_chunks": lambda lq, lk: (2 * np.arange(lq) - 31, np.arange(lk) - 50),
 }
 
 
@@ -679,18 +693,22 @@ def squared_distance(score, head, q_pos, k_pos):
 
 
 SCORE_FUNCTIONS = {"function_alibi": alibi_function, "function_hiding": capped_and_hiding,
-                   "function_after_alibi_soft_cap": squared_distance}
+                   "function_after_alibi_soft_cap": squared_distance,
+                   "positions_function_chunks": squared_distance}
 
 
-def _slope_gradient_scale(reference, q, k, v, slopes, cot, q_len, kv_len):
-    """Per head, ``sum |dS (k - q)|`` over every pair: the magnitude of the terms the
-    slopes' gradient sums, from the float32 reference's dS (its gradient in a zero bias)."""
+def _slope_gradient_scale(reference, q, k, v, slopes, cot, q_len, kv_len, positions=None):
+    """Per head, ``sum |dS (k - q)|`` over every pair (`positions` ``(q [1, Lq], k [1, Lk])``
+    in place of the indices where given): the magnitude of the terms the slopes' gradient
+    sums, from the float32 reference's dS (its gradient in a zero bias)."""
     bias = jnp.zeros((1, q.shape[1], q_len, kv_len), jnp.float32)
     with jax.default_matmul_precision("highest"):
         _, pullback = jax.vjp(lambda b: reference(*(x.astype(jnp.float32) for x in (q, k, v)),
                                                   slopes, b), bias)
         (ds,) = pullback(cot.astype(jnp.float32))
-    distance = jnp.arange(kv_len)[None, :] - jnp.arange(q_len)[:, None]
+    q_pos, k_pos = (jnp.arange(q_len), jnp.arange(kv_len)) if positions is None else (
+        positions[0][0], positions[1][0])
+    distance = k_pos[None, :] - q_pos[:, None]
     return np.asarray(jnp.sum(jnp.abs(ds * distance), axis=(0, 2, 3)))
 
 
@@ -698,7 +716,8 @@ def _slope_gradient_scale(reference, q, k, v, slopes, cot, q_len, kv_len):
 @pytest.mark.parametrize("persistent", [False, True], ids=["item_a_cta", "persistent"])
 @pytest.mark.parametrize("single_pass", [True, False], ids=["single_pass", "deterministic"])
 @pytest.mark.parametrize("case", [  # the default run takes these two; the rest is extended
-    pytest.param(name, marks=[] if name in ("soft_cap", "alibi", "function_hiding")
+    pytest.param(name, marks=[] if name in ("soft_cap", "alibi", "function_hiding",
+                                            "positions_alibi_window")
                  else [pytest.mark.extended])
     for name in sorted(BACKWARD_INTERPRETER_CASES)])
 def test_backward_in_cpu_interpreter(case, single_pass, persistent):
@@ -730,11 +749,14 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
         function, _ = score_function(scores.ScoreFunction(fn).compile(heads))
     # Slopes large enough that the term moves the softmax over these short rows.
     slopes = jnp.asarray([0.25, -0.1, 0.05, 0.15][:heads], jnp.float32) if alibi else None
-    data, seg = {}, (None, None)
+    data, seg, positions = {}, (None, None), None
     if documents:
         ids = np.repeat(np.arange(3, dtype=np.int32), [60, 90, 50])
         ids[-11:] = -1
         data = {"q_segment_ids": jnp.asarray(ids[None]), "kv_segment_ids": jnp.asarray(ids[None])}
+    if case in POSITIONS:
+        positions = tuple(jnp.asarray(x[None], jnp.int32) for x in POSITIONS[case](lq, lk))
+        data = {"q_positions": positions[0], "kv_positions": positions[1]}
     resolved = bsa.ResolvedMask(mask, q_len=lq, kv_len=lk, num_heads=heads, **data)
     dq_tile, dkv_tile = backward_blocks(d)
     terms = resolved.kernel_terms([(BLOCK_Q, 128), dq_tile, dkv_tile])
@@ -749,7 +771,8 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
                          layout_batch=fwd.full_count.shape[0],
                          layout_heads=fwd.full_count.shape[1],
                          # Persistent on 2 CTAs: items follow one another, some empty.
-                         ctas=2, alibi=alibi, function=function)
+                         ctas=2, alibi=alibi, function=function,
+                         positions=positions is not None)
     bcfg = BackwardConfig(batch=1, heads=heads, kv_heads=kv_heads, q_len=plq, kv_len=plk,
                           true_kv_len=lk, head_dim=d, dq_block_kv=dq_tile[1],
                           dkv_block_q=dkv_tile[0], softmax_scale=d ** -0.5, terms=terms,
@@ -757,7 +780,7 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
                           dkv_layout_axes=dkv_layout.full_count.shape[:2],
                           soft_cap=soft_cap or 0.0, single_pass=single_pass,
                           persistent=LAUNCHES if persistent else (), ctas=1,
-                          alibi=alibi, function=function)
+                          alibi=alibi, function=function, positions=positions is not None)
 
     def arrays(*xs):
         return tuple(jnp.asarray(x, jnp.int32) for x in xs)
@@ -770,6 +793,8 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     out, lse = forward_call(fcfg, _pad(q, plq), _pad(k, plk), _pad(v, plk),
                             *arrays(fwd.full_count, fwd.full_index, fwd.partial_count,
                                     fwd.partial_index), *segments, slopes=slopes,
+                            positions=None if positions is None else (
+                                _pad(positions[0], plq), _pad(positions[1], plk)),
                             interpret=params())
     out, lse = out[:, :, :lq], lse[:, :, :lq]
     delta = jnp.sum(cot.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
@@ -778,7 +803,8 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
         arrays(dq_layout.full_count, dq_layout.full_index, dq_layout.partial_count,
                dq_layout.partial_index),
         arrays(dkv_layout.t_full_count, dkv_layout.t_full_index, dkv_layout.t_partial_count,
-               dkv_layout.t_partial_index), slopes=slopes, interpret=params())
+               dkv_layout.t_partial_index), slopes=slopes, positions=positions,
+        interpret=params())
 
     def reference(q, k, v, slopes, bias=None):
         score = None if slopes is None else scores.ALiBi(slopes, learned=True)
@@ -805,7 +831,7 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
         # The slopes' gradient sums dS (k - q) over every pair, and each row's dS sums to
         # zero, so it can cancel far below its terms: its error is measured against their
         # magnitude (float16 rounding of dS, about 1e-5 of it) as well as against its value.
-        scale = _slope_gradient_scale(reference, q, k, v, slopes, cot, lq, lk)
+        scale = _slope_gradient_scale(reference, q, k, v, slopes, cot, lq, lk, positions)
         error = np.abs(np.asarray(got[3]) - np.asarray(want[3]))
         assert np.all(error <= TOL[jnp.float16] * np.abs(np.asarray(want[3])) + 1e-4 * scale), (
             got[3], want[3], scale)

@@ -11,9 +11,11 @@ as runnable, and the GPU has an H200's 132 multiprocessors. Nothing here runs a 
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
+import eqx_bsattn._layout as layout_internals
 import eqx_bsattn._module as module_internals
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
@@ -116,26 +118,43 @@ LOWERED = {
                                                       kv_len=300, dim=64),
                                  dict(score=scores.ScoreFunction(_hiding),
                                       logits_soft_cap=10.0, segments=True)),
+    # Per-call positions (a layout built per call): ALiBi under a window, and a score
+    # function under chunks, ragged keys.
+    "positions_alibi_window": (masks.Causal() & masks.SlidingWindow(256, 0),
+                               dict(batch=2, heads=2, kv_heads=1, q_len=512, kv_len=640,
+                                    dim=128), dict(score=scores.ALiBi(), positions=True)),
+    "positions_function_chunks": (masks.ChunkedCausal(96),
+                                  dict(batch=1, heads=2, kv_heads=2, q_len=300, kv_len=300,
+                                       dim=64),
+                                  dict(score=scores.ScoreFunction(_head_slopes),
+                                       positions=True)),
 }
 
 
 @pytest.mark.parametrize("case", list(LOWERED))
-def test_forward_and_backward_lower_for_cuda(hopper_host, case):
+def test_forward_and_backward_lower_for_cuda(hopper_host, monkeypatch, case):
     """`jit(grad)` through the Mosaic kernels lowers for CUDA: three Mosaic GPU launches (the
     forward, dq and dk/dv; the deterministic backward, which every JAX runs), and the
     lowered program's outputs are the three gradients."""
     mask, shape, options = LOWERED[case]
     options = dict(options)
-    data = {}
+    data, constants = {}, {}
     if options.pop("segments", False):
         ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), -(-shape["q_len"] // 4))
         ids = ids[:shape["q_len"]]
         ids = jnp.broadcast_to(ids, (shape["batch"], shape["q_len"]))
         data = dict(q_segment_ids=ids, kv_segment_ids=ids)
+    if options.pop("positions", False):
+        # Constants: traced positions get a run-time range check, a host callback that JAX
+        # cannot lower for another platform; so does the layout built on the device from
+        # them (its capacity check), which is taken out here.
+        monkeypatch.setattr(layout_internals.eqx, "error_if", lambda x, *_: x)
+        constants = dict(q_positions=np.arange(shape["q_len"], dtype=np.int32) * 2 - 40,
+                         kv_positions=np.arange(shape["kv_len"], dtype=np.int32) - 7)
     attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(), **options)
     q, k, v = _inputs(**shape)
     loss = jax.jit(jax.grad(
-        lambda q, k, v, data: jnp.sum(attn(q, k, v, **data).astype(jnp.float32)),
+        lambda q, k, v, data: jnp.sum(attn(q, k, v, **data, **constants).astype(jnp.float32)),
         argnums=(0, 1, 2)))
     lowered = loss.trace(q, k, v, data).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
