@@ -48,27 +48,14 @@ def _mosaic_missing() -> str | None:
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Positional:
-    """A score function ``fn(score, head, q_pos, k_pos)`` as the canonical term
-    ``term(score, batch, head, q_pos, k_pos, params)`` the kernels call (hashable: equal
-    functions give equal terms)."""
-
-    fn: object
-
-    def __call__(self, score, batch, head, q_pos, k_pos, params):
-        return self.fn(score, head, q_pos, k_pos)
-
-
 def score_function(score) -> tuple[object, object]:
     """``(term, params)`` of a call's score terms (`AttentionInputs.score`): its score
-    function as the canonical ``term(s, batch, head, q_pos, k_pos, params)`` and its
-    parameters (``None`` where it has none), or ``(None, None)`` without a function."""
-    function = None if score is None else getattr(score, "function", None)
-    if function is None:
+    function as the hashable ``term(s, batch, head, q_pos, k_pos, params)`` the kernels call
+    (`ScoreTerm`) and its parameters (``None`` where it has none), or ``(None, None)``
+    without a function."""
+    if score is None or score.function is None:
         return None, None
-    params = getattr(score, "params", None)
-    return _Positional(function), params
+    return score.function, score.params
 
 
 @functools.lru_cache(maxsize=256)
@@ -215,6 +202,10 @@ class MosaicBlockSparse(AbstractLseKernel):
                     f"(equal q / v head dims in {_HEAD_DIMS} are).")
         if features.bias:
             return "bias is not supported."
+        if features.score_function is not None:
+            why = _function_decline(features.score_function, features.score_params)
+            if why is not None:
+                return why
         terms = mask.terms
         tiles = list(MosaicConfig.for_head_dim(features.head_dim).blocks)
         if terms is None or (terms.tables and mask.kernel_terms(tiles) is None):
@@ -332,15 +323,16 @@ def _checked_function(score):
     function, params = score_function(score)
     if function is None:
         return None
-    why = _function_decline(function, params)
+    why = _function_decline(function, bool(jax.tree.leaves(params)))
     if why is not None:
         raise ValueError(f"MosaicBlockSparse: {why}")
     return function
 
 
-def _function_decline(function, params) -> str | None:
-    """Why the kernels cannot take this score function, or ``None``."""
-    if params is not None and jax.tree.leaves(params):
+def _function_decline(function, has_params: bool) -> str | None:
+    """Why the kernels cannot take this score function (`has_params`: whether it reads
+    parameters), or ``None``."""
+    if has_params:
         return ("score functions with parameters are not supported (their gradient is not "
                 "formed in the kernel).")
     return function_lowering_failure(function)

@@ -174,16 +174,30 @@ def test_score_function_mosaic_cannot_lower_is_declined(hopper_host):
 
     assert score_function(None) == (None, None)
     assert term(_hiding) == term(_hiding) and hash(term(_hiding)) == hash(term(_hiding))
-    assert _function_decline(term(_hiding), None) is None
-    why = _function_decline(term(_running_sum), None)
+    assert _function_decline(term(_hiding), False) is None
+    why = _function_decline(term(_running_sum), False)
     assert why.startswith("Pallas Mosaic GPU cannot lower the score function: ")
     assert "cumsum" in why and "\n" not in why
     hits = function_lowering_failure.cache_info().hits
-    assert _function_decline(term(_running_sum), None) == why
+    assert _function_decline(term(_running_sum), False) == why
     assert function_lowering_failure.cache_info().hits == hits + 1
-    assert "parameters" in _function_decline(term(_hiding), {"w": jnp.ones(3)})
+    assert "parameters" in _function_decline(term(_hiding), True)
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
                                     score=scores.ScoreFunction(_running_sum))
     q, k, v = _inputs(1, 2, 2, 256, 256, 64)
     with pytest.raises(ValueError, match="cannot lower the score function: .*cumsum"):
         jax.jit(attn).trace(q, k, v)
+    # The selector, at plan time: this kernel for a function it lowers, another (with the
+    # reason in `explain`) for one it cannot lower or one with parameters.
+    for score, chosen, word in (
+            (scores.ScoreFunction(_hiding), True, None),
+            (scores.ScoreFunction(_running_sum), False, "cumsum"),
+            (scores.ScoreFunction(_scaled, {"w": jnp.ones(2)}), False, "parameters")):
+        plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=score).plan(q, k, v)
+        assert (plan.choice.kernel.name == "mosaic") == chosen, plan.choice.explain()
+        assert word is None or word in plan.choice.explain()
+
+
+def _scaled(score, head, q_pos, k_pos, params):
+    """A score function with parameters: one learned factor per head."""
+    return score * params["w"][head]
