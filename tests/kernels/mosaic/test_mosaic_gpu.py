@@ -273,6 +273,56 @@ def test_score_function_deterministic_mode_is_bit_identical():
         assert np.array_equal(a, c), name
 
 
+POSITION_CASES = {
+    # name: (mask, heads, kv_heads, q_len, kv_len, head dim, score)
+    "causal": (masks.Causal(), 4, 2, 384, 384, 128, None),
+    "window_alibi": (masks.Causal() & masks.SlidingWindow(100, 0), 2, 2, 500, 700, 64,
+                     "alibi"),
+    "chunks_function": (masks.ChunkedCausal(96), 2, 1, 300, 300, 128,
+                        "function_after_alibi_soft_cap"),
+}
+
+
+def _positions_run(kernel, case, dtype):
+    """Output and gradients (q, k, v and, with ALiBi, the slopes) of `POSITION_CASES[case]`
+    with per-call positions through `kernel`: two batch rows, queries at odd steps and keys
+    at every step, from negative positions on, each row shifted."""
+    mask, h, hkv, lq, lk, d, score = POSITION_CASES[case]
+    q, k, v, cot = _inputs(51, 2, h, hkv, lq, lk, d)
+    shift = np.arange(2)[:, None] * 5
+    data = {"q_positions": jnp.asarray(2 * np.arange(lq)[None] - 31 + shift, jnp.int32),
+            "kv_positions": jnp.asarray(np.arange(lk)[None] - 50 + shift, jnp.int32)}
+    slopes = jnp.asarray(scores.alibi_slopes(h)) * 4.0
+
+    def f(q, k, v, slopes):
+        term = {None: None, "alibi": scores.ALiBi(slopes, learned=True)}.get(score)
+        if term is None and score is not None:
+            term = scores.ScoreFunction(SCORE_FUNCTIONS[score])
+        attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, score=term)
+        return attn(q.astype(dtype), k.astype(dtype), v.astype(dtype), **data)
+
+    def both(q, k, v, slopes):
+        out, pullback = jax.vjp(f, q, k, v, slopes)
+        return (out, *pullback(cot.astype(out.dtype)))
+
+    return jax.jit(both)(q, k, v, slopes)
+
+
+@on_gpu
+@MODES
+@pytest.mark.parametrize("case", sorted(POSITION_CASES))
+def test_per_call_positions_match_reference(case, deterministic):
+    """Per-call positions (a layout built per call) for the mask's terms, ALiBi (its slopes'
+    gradient too) and a score function: against the float32 reference in both modes."""
+    got = _positions_run(MosaicBlockSparse(deterministic=deterministic), case, jnp.bfloat16)
+    with jax.default_matmul_precision("highest"):
+        want = _positions_run(DenseReference(), case, jnp.float32)
+    names = ("out", "dq", "dk", "dv") + (("dslopes",) if POSITION_CASES[case][-1] == "alibi"
+                                         else ())
+    for name, g, w in zip(names, got, want):
+        assert _rel(g, w) < TOL[jnp.bfloat16], name
+
+
 @on_gpu
 def test_fully_masked_rows_are_zero():
     q, k, v, _ = _inputs(5, 1, 2, 2, 256, 256, 128)
