@@ -212,6 +212,12 @@ class MosaicBlockSparse(AbstractLseKernel):
             return ("the mask has no in-kernel terms shared by every head at this kernel's "
                     "tiles (causal / window / chunk / prefix / document); this kernel reads "
                     "no element bitmaps.")
+        if features.positions and features.in_loop and (terms.uses_positions
+                                                        or features.score):
+            # Per-call positions run in the kernels, but not yet tested inside a sharding's
+            # loop (RingAttention passes each step its shards' global positions).
+            return ("per-call positions inside a sharding's loop (RingAttention) are not "
+                    "supported.")
         return None
 
     def default_tiling(self, features: Features, mask: ResolvedMask) -> MosaicConfig:

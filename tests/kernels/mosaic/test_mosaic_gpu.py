@@ -382,6 +382,8 @@ def test_declines_with_reasons():
     assert kernel.decline_reason(resolved, bsa.Features(**base, positions=True)) is None
     assert kernel.decline_reason(resolved, bsa.Features(**base, positions=True,
                                                         score=("alibi", "function"))) is None
+    why = kernel.decline_reason(resolved, bsa.Features(**base, positions=True, in_loop=True))
+    assert why is not None and "positions" in why and "RingAttention" in why
     dilated = bsa.ResolvedMask(masks.Causal() | masks.Dilated(2), q_len=128, kv_len=128,
                                num_heads=2)
     why = kernel.decline_reason(dilated, bsa.Features(**base))
