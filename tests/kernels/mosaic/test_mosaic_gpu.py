@@ -710,7 +710,7 @@ BACKWARD_INTERPRETER_CASES = {
     "function_after_alibi_soft_cap": (masks.Causal() & masks.Document(), 2, 2, 200, 200, 64,
                                       True, 2.0, True),
     # Per-call positions (`POSITIONS`), negative ones too, for the mask's terms, ALiBi and a
-    # score function; ragged keys.
+    # score function (one that hides pairs and rows); ragged keys.
     "positions_alibi_window": (masks.Causal() & masks.SlidingWindow(60, 0), 2, 1, 200, 300,
                                64, False, None, True),
     "positions_function_chunks": (masks.ChunkedCausal(48), 2, 2, 200, 256, 64, False, None,
@@ -746,7 +746,7 @@ def squared_distance(score, head, q_pos, k_pos):
 
 SCORE_FUNCTIONS = {"function_alibi": alibi_function, "function_hiding": capped_and_hiding,
                    "function_after_alibi_soft_cap": squared_distance,
-                   "positions_function_chunks": squared_distance}
+                   "positions_function_chunks": capped_and_hiding}
 
 
 def _slope_gradient_scale(reference, q, k, v, slopes, cot, q_len, kv_len, positions=None):
@@ -768,8 +768,7 @@ def _slope_gradient_scale(reference, q, k, v, slopes, cot, q_len, kv_len, positi
 @pytest.mark.parametrize("persistent", [False, True], ids=["item_a_cta", "persistent"])
 @pytest.mark.parametrize("single_pass", [True, False], ids=["single_pass", "deterministic"])
 @pytest.mark.parametrize("case", [  # the default run takes these two; the rest is extended
-    pytest.param(name, marks=[] if name in ("soft_cap", "alibi", "function_hiding",
-                                            "positions_alibi_window")
+    pytest.param(name, marks=[] if name in ("soft_cap", "alibi", "positions_function_chunks")
                  else [pytest.mark.extended])
     for name in sorted(BACKWARD_INTERPRETER_CASES)])
 def test_backward_in_cpu_interpreter(case, single_pass, persistent):
