@@ -112,7 +112,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     # the exponent's operand. ALiBi, a score function and a soft cap turn the products into
     # base-2 logits first (factor 1: no product).
     function = cfg.function
-    factor = 1.0 if cfg.whole_terms or cfg.alibi else cfg.log2_factor
+    factor = 1.0 if cfg.soft_cap or cfg.alibi or function is not None else cfg.log2_factor
     if cfg.alibi and slopes is None:
         raise ValueError("forward_call: `slopes` must be given when cfg.alibi is on.")
     # Partial blocks test k < true_kv_len only where keys were padded.

@@ -715,6 +715,9 @@ BACKWARD_INTERPRETER_CASES = {
                                64, False, None, True),
     "positions_function_chunks": (masks.ChunkedCausal(48), 2, 2, 200, 256, 64, False, None,
                                   False),
+    # Positions for the mask alone (no score term), documents beside them.
+    "positions_documents_window": (masks.Causal() & masks.SlidingWindow(60, 0)
+                                   & masks.Document(), 1, 1, 200, 200, 128, True, None, False),
 }
 
 #: Per-call ``(q_positions, kv_positions)`` of a case's lengths: queries at odd steps from
@@ -723,6 +726,7 @@ BACKWARD_INTERPRETER_CASES = {
 POSITIONS = {
     "positions_alibi_window": lambda lq, lk: (2 * np.arange(lq) - 31, np.arange(lk) - 50),
     "positions_function_chunks": lambda lq, lk: (2 * np.arange(lq) - 31, np.arange(lk) - 50),
+    "positions_documents_window": lambda lq, lk: (np.arange(lq) - 31, np.arange(lk) - 50),
 }
 
 
@@ -807,7 +811,7 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
         data = {"q_segment_ids": jnp.asarray(ids[None]), "kv_segment_ids": jnp.asarray(ids[None])}
     if case in POSITIONS:
         positions = tuple(jnp.asarray(x[None], jnp.int32) for x in POSITIONS[case](lq, lk))
-        data = {"q_positions": positions[0], "kv_positions": positions[1]}
+        data = {**data, "q_positions": positions[0], "kv_positions": positions[1]}
     resolved = bsa.ResolvedMask(mask, q_len=lq, kv_len=lk, num_heads=heads, **data)
     dq_tile, dkv_tile = backward_blocks(d)
     terms = resolved.kernel_terms([(BLOCK_Q, 128), dq_tile, dkv_tile])
