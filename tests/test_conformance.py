@@ -629,7 +629,8 @@ def _mosaic_lowers(fn) -> bool:
 #: bias, ALiBi and score functions that Mosaic GPU lowers but no other score term.
 _MOSAIC_RUNS = {"tiled_positions",
                 *(("tiled_score_function_positions",) if _mosaic_lowers(distance_and_scale)
-                  else ()),"tiled_full", "tiled_causal", "tiled_causal_window", "tiled_causal_open_window",
+                  else ()),
+                "tiled_full", "tiled_causal", "tiled_causal_window", "tiled_causal_open_window",
                 "tiled_sinks_soft_cap", "tiled_fully_masked_rows_sinks", "tiled_gqa_long",
                 "tiled_symmetric_window", "tiled_chunked", "tiled_prefix",
                 "tiled_block_layout", "tiled_offset_window_chunk", "tiled_documents_window",

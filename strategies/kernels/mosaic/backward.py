@@ -52,9 +52,8 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      SMEM_BUDGET, AlibiBlocks, AttentionShape, Ops, WorkItems,
-                     alibi_positions_term,
-                     persistent_schedule, ring_stages, score_function_tile, segment_ids_apart,
-                     swizzled, visible, walk_list)
+                     alibi_positions_term, persistent_schedule, ring_stages,
+                     score_function_tile, segment_ids_apart, swizzled, visible, walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS

@@ -45,9 +45,8 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AlibiBlocks, AttentionShape, Ops, WorkItems, alibi_positions_term,
-                     persistent_schedule,
-                     ring_stages, score_function_tile, segment_ids_apart, swizzled, visible,
-                     walk_list)
+                     persistent_schedule, ring_stages, score_function_tile,
+                     segment_ids_apart, swizzled, visible, walk_list)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS

@@ -157,9 +157,11 @@ class MosaicBlockSparse(AbstractLseKernel):
     in the logits taken by JAX in the kernel. Per-call positions replace the token indices
     in the mask's terms, ALiBi and the score function. Declines bias, other score terms
     (`score_kinds`), score functions with parameters or that Mosaic GPU cannot lower, masks
-    without in-kernel terms and masks whose block tables do not align with its tiles, each
-    with a reason, so the selector gives the whole call to another kernel. Its tiles are fixed (`MosaicConfig.for_head_dim`): another
-    kernel's config or a `Tiling` gives way to them, and a `MosaicConfig` must be that one.
+    without in-kernel terms, masks whose block tables do not align with its tiles and
+    per-call positions inside a sharding's loop, each with a reason, so the selector gives
+    the whole call to another kernel. Its tiles are fixed (`MosaicConfig.for_head_dim`):
+    another kernel's config or a `Tiling` gives way to them, and a `MosaicConfig` must be
+    that one.
     Its priority on a GPU (35) is above Triton's (30) and below cuDNN's (40) (docs/mosaic.md
     has the measurements behind that order).
 
