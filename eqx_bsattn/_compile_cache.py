@@ -22,6 +22,7 @@ import tempfile
 from typing import Any
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 #: The jax-triton release whose lowering the Triton disk cache wraps (its function's signature).
 _TRITON_CACHE_JAX_TRITON = "0.3.1"
@@ -53,8 +54,9 @@ def enable_compilation_cache(
     ``jax_persistent_cache_min_entry_size_bytes``) for the whole process: every jitted program
     is cached, ours and the rest. With `triton` (and jax-triton 0.3.1 installed) it also keeps
     the PTX of `TritonBlockSparse`'s kernels under ``<path>/triton``, which JAX's cache does
-    not hold. Call it once, before the first compilation; calling again with another folder
-    moves both caches.
+    not hold. Call it once, early; programs compiled before the call are not written (a call
+    compiles them again to write them), and calling again with another folder moves both
+    caches.
 
     **Arguments:**
 
@@ -84,6 +86,8 @@ def enable_compilation_cache(
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_secs))
     # JAX reads 0 as "its default for the backend"; -1 means no minimum.
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", min_entry_size_bytes or -1)
+    # JAX opens its cache folder once per process: start afresh, so a new folder takes effect.
+    compilation_cache.reset_cache()
     if triton:
         install_triton_cache(folder / "triton")
     return folder
@@ -109,8 +113,29 @@ def _triton_kernel_key(fn, platform, arg_dtypes, scalar_args, options: dict) -> 
         "arg_dtypes": [str(x) for x in arg_dtypes],
         "scalar_args": [[int(i), str(dtype), repr(value)] for i, dtype, value in scalar_args],
         "options": {name: repr(value) for name, value in sorted(options.items())},
+        # Triton's own cache treats its TRITON_* settings as part of a kernel's identity.
+        "environment": sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_")),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _encode(value):
+    """JSON for the specialisation attributes, keeping tuples apart from lists."""
+    if isinstance(value, tuple):
+        return {"tuple": [_encode(x) for x in value]}
+    if isinstance(value, list):
+        return [_encode(x) for x in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"cannot store a {type(value).__name__}")
+
+
+def _decode(value):
+    if isinstance(value, dict):
+        return tuple(_decode(x) for x in value["tuple"])
+    if isinstance(value, list):
+        return [_decode(x) for x in value]
+    return value
 
 
 def _write_json(file: pathlib.Path, record: dict) -> None:
@@ -170,7 +195,7 @@ def install_triton_cache(folder: str | os.PathLike) -> bool:
                 record["name"], record["num_warps"], record["num_ctas"],
                 record["shared_mem_bytes"], record["ptx"], record["ttir"],
                 record["compute_capability"])
-            attrs = {(int(i),): value for i, value in record["attrs"]}
+            attrs = {(int(i),): _decode(value) for i, value in record["attrs"]}
             return kernel, attrs
         triton_cache_stats["misses"] += 1
         compiled: list[tuple[Any, str]] = []
@@ -195,11 +220,11 @@ def install_triton_cache(folder: str | os.PathLike) -> bool:
                     "num_ctas": num_ctas, "shared_mem_bytes": int(result.shared_mem_bytes),
                     "ptx": result.binary, "ttir": ttir,
                     "compute_capability": int(compute_capability),
-                    "attrs": [[i, value] for (i,), value in attrs.items()],
+                    "attrs": [[i, _encode(value)] for (i,), value in attrs.items()],
                 })
                 triton_cache_stats["writes"] += 1
             except (OSError, TypeError, ValueError):
-                pass  # an unwritable folder or an attribute JSON cannot hold: not cached
+                pass  # an unwritable folder or an attribute that JSON cannot hold: not cached
         return kernel, attrs
 
     get_or_create.disk_cache_state = state
