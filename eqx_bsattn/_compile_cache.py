@@ -140,9 +140,10 @@ def _decode(value):
 
 def _write_json(file: pathlib.Path, record: dict) -> None:
     file.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(record)  # before any file exists: a record JSON cannot hold leaves none
     with tempfile.NamedTemporaryFile("w", dir=file.parent, delete=False, suffix=".tmp") as f:
-        json.dump(record, f)
-    os.replace(f.name, file)
+        f.write(text)
+    os.replace(f.name, file)  # atomic: a reader sees the old file or the whole new one
 
 
 def install_triton_cache(folder: str | os.PathLike) -> bool:
