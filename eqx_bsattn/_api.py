@@ -16,7 +16,8 @@ from ._inputs import (MaskInfo, as_array, check_call_data, check_qkv, hide_keys,
                       python_scalar)
 from ._kernel import AbstractKernel, registered_kernels
 from ._mask import AbstractMask, Full, and_masks
-from ._module import BlockSparseAttention, check_layout, merge_alias, run_plan
+from ._module import (BlockSparseAttention, check_layout, merge_alias, run_plan,
+                      with_layout_hint)
 from ._score import AbstractScore
 from ._selector import DEVICE_PLATFORMS
 from ._sharding import on_auto_axes
@@ -415,9 +416,12 @@ def _validate(arguments: dict):
             "`qkv_layouts` other than 'bhsd' needs [batch, ...] inputs of 4 dimensions; got shapes "
             f"{', '.join(str(tuple(x.shape)) for x in qkv)}."
         )
-    check_layout(*qkv, layout=None if a["qkv_layouts"] is None else "bhsd",
-                 argument="qkv_layouts")
-    q, k, v = check_qkv(*(_to_bhsd(x, s) for x, s in zip(qkv, seq_first)))
+    hint = None
+    if len(set(seq_first)) == 1:  # one layout for all three: check it (mixed ones are named)
+        named = None if a["qkv_layouts"] is None else ("bshd" if seq_first[0] else "bhsd")
+        hint = check_layout(*qkv, layout=named, argument="qkv_layouts", stacklevel=4)
+    q, k, v = with_layout_hint(hint, check_qkv,
+                               *(_to_bhsd(x, s) for x, s in zip(qkv, seq_first)))
     a.update(query=q, key=k, value=v, qkv_layouts=None)
     a.update(_merge_mask_info(
         a["mask_info"], q_segment_ids=a["q_segment_ids"], kv_segment_ids=a["kv_segment_ids"],
@@ -585,8 +589,8 @@ def blocksparse_attention(
       Hopper GPU.
     - `qkv_layouts`: ``"bhsd"`` or ``"bshd"`` (``[B, L, H, D]`` in and out), or one name each
       for query, key, value; inputs are transposed (no kernel reads ``bshd``). Default
-      ``None``: ``"bhsd"``, checked as `BlockSparseAttention`'s default `qkv_layout` is
-      (shapes that fit both layouts with more heads than tokens must name theirs).
+      ``None``: ``"bhsd"``, checked as `BlockSparseAttention`'s default `qkv_layout` is (a
+      warning where the shapes fit both layouts with more heads than tokens).
     - `mesh`: a `jax.sharding.Mesh` to spread the call over, with `in_specs` (the
       PartitionSpecs of query, key, value, ...; batch and head axes give `ShardMap`, a
       sequence axis `RingAttention`), `out_specs` (``None`` or the query's spec) and/or

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import warnings
 from typing import NamedTuple
 
 import equinox as eqx
@@ -118,40 +119,56 @@ def _swapped(shape: tuple) -> tuple:
 
 
 def check_layout(query, key, value, *, layout: str | None, num_heads: int | None = None,
-                 argument: str = "qkv_layout") -> None:
-    """Refuse arrays whose layout is probably not the one the call reads, in one line.
+                 argument: str = "qkv_layout", stacklevel: int = 5) -> str | None:
+    """Say in one line when arrays are probably not in the layout the call reads.
 
-    With `num_heads` known, the query's heads axis (in `layout`, ``None`` being ``"bhsd"``)
-    must hold it. Without it, only the default (``layout=None``) is checked, and only where
-    the shapes fit both layouts and read as ``[B, L, H, D]`` would make sense of them: more
-    heads than queries and more kv heads than keys in the ``"bhsd"`` reading. Such inputs
-    (sequences shorter than the head count) must name their layout; an explicit ``"bhsd"``
-    is never second-guessed.
+    `layout` is the caller's (``None``: the default, ``"bhsd"``). Refused: a query whose heads
+    axis does not hold `num_heads` (when known), naming the layout whose axis does. Returned:
+    for shapes that fit only the other layout, the hint that `check_qkv`'s error gains
+    (`with_layout_hint`). Warned of (`UserWarning`), in the default layout only:
+    shapes that fit both layouts and read as ``[B, H, L, D]`` give more heads than tokens to
+    the query and to the key, as jax.nn's ``[B, L, H, D]`` arrays read that way do (short
+    sequences in ``[B, H, L, D]`` do too: naming the layout silences it).
     """
-    seq_first = QKV_LAYOUTS[layout or "bhsd"]
-    q_shape = tuple(np.shape(query))
-    if num_heads is not None and len(q_shape) >= 3:
-        heads, seq = (q_shape[-2], q_shape[-3]) if seq_first else (q_shape[-3], q_shape[-2])
-        if heads != num_heads:
-            other = "bhsd" if seq_first else "bshd"
-            hint = (f": it looks like {other}; pass {argument}={other!r}" if seq == num_heads
-                    else "")
-            raise ValueError(
-                f"`query` of shape {q_shape} has {heads} heads in {argument}="
-                f"{layout or 'bhsd'!r}, not num_heads={num_heads}{hint}."
-            )
-        return
-    k_shape, v_shape = tuple(np.shape(key)), tuple(np.shape(value))
-    if layout is not None or not _fits_bhsd(q_shape, k_shape, v_shape):
-        return
-    more_heads = q_shape[-3] > q_shape[-2] and k_shape[-3] > k_shape[-2]
-    if more_heads and _fits_bhsd(*map(_swapped, (q_shape, k_shape, v_shape))):
+    name = layout or "bhsd"
+    other = "bhsd" if QKV_LAYOUTS[name] else "bshd"
+    given = tuple(tuple(np.shape(x)) for x in (query, key, value))
+    if not all(len(shape) in (3, 4) for shape in given):
+        return None  # `check_qkv` (or the bshd transpose) says what is wrong
+    read = tuple(map(_swapped, given)) if QKV_LAYOUTS[name] else given  # as [B, H, L, D]
+    if num_heads is not None and read[0][-3] != num_heads:
+        hint = (f": it looks like {other}; pass {argument}={other!r}"
+                if read[0][-2] == num_heads else "")
         raise ValueError(
-            f"`query` {q_shape} and `key` {k_shape} read as [batch, heads, seq, dim] (the "
-            f"default) have more heads than tokens ({q_shape[-3]} > {q_shape[-2]}): for "
-            f"jax.nn's [batch, seq, heads, dim] pass {argument}='bshd'; to keep "
-            f"[batch, heads, seq, dim] pass {argument}='bhsd'."
+            f"`query` of shape {given[0]} has {read[0][-3]} heads in {argument}={name!r}, not "
+            f"num_heads={num_heads}{hint}."
         )
+    fits_other = _fits_bhsd(*map(_swapped, read))
+    if not _fits_bhsd(*read):
+        if not fits_other:
+            return None
+        axes = "[batch, heads, seq, dim]" if other == "bhsd" else "[batch, seq, heads, dim]"
+        return f"these shapes fit {argument}={other!r}: pass it if they are {axes}"
+    (q, k, _) = read
+    if layout is None and num_heads is None and fits_other and q[-3] > q[-2] and k[-3] > k[-2]:
+        warnings.warn(
+            f"`query` {q} and `key` {k} read as [batch, heads, seq, dim] (the default "
+            f"{argument}) have more heads than tokens ({q[-3]} > {q[-2]}): for jax.nn's "
+            f"[batch, seq, heads, dim] pass {argument}='bshd'; pass {argument}='bhsd' to "
+            "keep this reading without this warning.",
+            UserWarning, stacklevel=stacklevel,
+        )
+    return None
+
+
+def with_layout_hint(hint: str | None, check, *args, **kwargs):
+    """``check(*args, **kwargs)``, its `ValueError` given `hint` (from `check_layout`)."""
+    try:
+        return check(*args, **kwargs)
+    except ValueError as e:
+        if hint is None:
+            raise
+        raise ValueError(f"{str(e).rstrip('.')}; {hint}.") from None
 
 
 def _layout_to_bhsd(layout: str | None, *arrays):
@@ -188,9 +205,9 @@ def merge_alias(arguments: dict, name: str, alias: str, *, default=None) -> None
 def _checked(attn: "BlockSparseAttention", query, key, value, data: dict) -> tuple:
     """A call's arguments checked (`check_call`, the one place), query, key and value brought
     from the module's `qkv_layout` to ``[B, H, L, D]``: ``(query, key, value, data)``."""
-    check_layout(query, key, value, layout=attn.qkv_layout, num_heads=attn.num_heads)
+    hint = check_layout(query, key, value, layout=attn.qkv_layout, num_heads=attn.num_heads)
     query, key, value = _layout_to_bhsd(attn.qkv_layout, query, key, value)
-    return check_call(query, key, value, **data)
+    return with_layout_hint(hint, check_call, query, key, value, **data)
 
 
 def _validate_call(arguments: dict):
@@ -241,9 +258,10 @@ class BlockSparseAttention(eqx.Module):
     - `qkv_layout`: ``"bhsd"`` (``[B, H, L, D]``) or ``"bshd"`` (``[B, L, H, D]``, the layout
       of `jax.nn.dot_product_attention`, for query, key, value and the output; unbatched
       ``[L, H, D]``). The arrays are transposed; no kernel reads ``bshd`` in place. Default
-      ``None``: ``"bhsd"``, checked: where the shapes fit both layouts and the ``"bhsd"``
-      reading has more heads than tokens (as jax.nn's arrays read that way often do), the
-      call refuses and asks for the layout by name. An explicit ``"bhsd"`` is not checked.
+      ``None``: ``"bhsd"``, with a `UserWarning` where the shapes fit both layouts and the
+      ``"bhsd"`` reading has more heads than tokens (as jax.nn's arrays read that way do);
+      naming the layout silences it. Shapes that fit only the other layout are refused,
+      naming it.
     - `num_heads`: the query head count, or ``None`` (default). When given, every call checks
       that the query's heads axis (in `qkv_layout`) holds it, and names the layout that fits
       when the other axis does.

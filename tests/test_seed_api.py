@@ -315,4 +315,5 @@ def test_softmax_aux_of_kv_head_length_is_one_sink_per_kv_head(qkv):
         assert_close(attn(q, k, v, sinks=aux), out, 1e-6)
         assert_close(attn(q, k, v, sinks=aux2), out2, 1e-6)
     shared = attn(q, k, v, sinks=jnp.broadcast_to(aux, (H, HKV)))  # HKV sinks shared by all
-    assert_close(shared, np_attention(q, k, v, _causal(), sinks=np.asarray(aux)), 2e-5)
+    want_shared = np_attention(q, k, v, _causal(), sinks=np.broadcast_to(aux, (H, HKV)))
+    assert_close(shared, want_shared, 2e-5)

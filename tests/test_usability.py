@@ -35,16 +35,43 @@ def _one_line(info, *needles):
 
 # --- a layout passed by mistake ------------------------------------------------------------
 
-def test_jax_nn_layout_on_the_default_module_is_refused():
+def _warned_once(record, *needles):
+    texts = [str(w.message) for w in record if issubclass(w.category, UserWarning)]
+    assert len(texts) == 1, texts
+    assert "\n" not in texts[0], texts[0]
+    for needle in needles:
+        assert needle in texts[0], texts[0]
+
+
+def test_jax_nn_layout_on_the_default_module_warns():
+    with pytest.warns(UserWarning) as record:
+        read_as_bhsd = bsa.BlockSparseAttention(kernel=kernels.DenseReference())(X, X, X)
+    _warned_once(record, "qkv_layout='bshd'", "(2, 64, 4, 16)", "64 > 4")
+    assert_close(read_as_bhsd, np_attention(X, X, X, True), 2e-5)  # 64 heads of 4 tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        want = jax.nn.dot_product_attention(X, X, X)
+        assert_close(bsa.BlockSparseAttention(qkv_layout="bshd")(X, X, X), want, 2e-5)
+        explicit = bsa.BlockSparseAttention(qkv_layout="bhsd", kernel=kernels.DenseReference())
+        assert_close(explicit(X, X, X), read_as_bhsd, 1e-6)
+
+
+def test_layout_that_fits_only_bshd_is_refused():
+    # jax.nn's cross attention with grouped kv heads: 64 queries, 48 keys, 4 and 2 heads.
+    k, v = random_array(4, (2, 48, 2, 16)), random_array(5, (2, 48, 2, 16))
     with pytest.raises(ValueError) as info:
-        bsa.BlockSparseAttention()(X, X, X)
-    _one_line(info, "qkv_layout='bshd'", "(2, 64, 4, 16)")
-    want = jax.nn.dot_product_attention(X, X, X)
-    assert_close(bsa.BlockSparseAttention(qkv_layout="bshd")(X, X, X), want, 2e-5)
-    # Named, the layout is taken as given: [B, H, L, D] with 64 heads of 4 tokens.
-    explicit = bsa.BlockSparseAttention(qkv_layout="bhsd", kernel=kernels.DenseReference())
-    heads_first = np_attention(X, X, X, True)
-    assert_close(explicit(X, X, X), heads_first, 2e-5)
+        bsa.BlockSparseAttention()(X, k, v)
+    _one_line(info, "query heads (64) must be a multiple of key/value heads (48)",
+              "; these shapes fit qkv_layout='bshd': pass it if they are [batch, seq, heads, dim].")
+    with pytest.raises(ValueError) as info:
+        bsa.blocksparse_attention(X, k, v, causal=False)
+    _one_line(info, "these shapes fit qkv_layouts='bshd'")
+    want = jax.nn.dot_product_attention(X, k, v)
+    assert_close(bsa.BlockSparseAttention(qkv_layout="bshd")(X, k, v), want, 2e-5)
+    with pytest.raises(ValueError) as info:  # and the other way round
+        bsa.BlockSparseAttention(qkv_layout="bshd")(*(jnp.swapaxes(x, 1, 2) for x in (X, k, v)))
+    _one_line(info, "these shapes fit qkv_layout='bhsd': pass it if they are [batch, heads, seq, "
+              "dim].")
 
 
 def test_num_heads_names_the_layout_that_fits():
@@ -62,11 +89,13 @@ def test_num_heads_names_the_layout_that_fits():
         bsa.BlockSparseAttention(num_heads=0)
 
 
-def test_jax_nn_layout_in_the_function_is_refused():
-    with pytest.raises(ValueError) as info:
+def test_jax_nn_layout_in_the_function_warns():
+    with pytest.warns(UserWarning) as record:
         bsa.blocksparse_attention(X, X, X, causal=False)
-    _one_line(info, "qkv_layouts='bshd'")
-    out = bsa.blocksparse_attention(X, X, X, causal=False, qkv_layouts="bshd")
+    _warned_once(record, "qkv_layouts='bshd'")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = bsa.blocksparse_attention(X, X, X, causal=False, qkv_layouts="bshd")
     assert_close(out, jax.nn.dot_product_attention(X, X, X), 2e-5)
 
 
@@ -80,9 +109,11 @@ def test_heads_first_inputs_that_cannot_be_bshd_run_by_default(q_shape, kv_shape
     q, k, v = random_array(4, q_shape), random_array(5, kv_shape), random_array(6, kv_shape)
     want = np_attention(q, k, v, True)
     attn = bsa.BlockSparseAttention(kernel=kernels.DenseReference())
-    assert_close(attn(q, k, v), want, 2e-5)
-    assert_close(bsa.blocksparse_attention(q, k, v, causal=False, platform="reference"), want,
-                 2e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_close(attn(q, k, v), want, 2e-5)
+        out = bsa.blocksparse_attention(q, k, v, causal=False, platform="reference")
+    assert_close(out, want, 2e-5)
 
 
 def test_the_layer_checks_its_heads():
