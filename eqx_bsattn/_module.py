@@ -288,7 +288,9 @@ class BlockSparseAttention(eqx.Module):
             not isinstance(self.num_heads, int) or isinstance(self.num_heads, bool)
             or self.num_heads <= 0
         ):
-            raise ValueError(f"`num_heads` must be a positive int or None; got {self.num_heads!r}.")
+            raise ValueError(
+                f"`num_heads` must be a positive int or None; got {self.num_heads!r}."
+            )
         if self.qkv_layout is not None and self.qkv_layout not in QKV_LAYOUTS:
             raise ValueError(
                 "`qkv_layout` must be 'bhsd' ([batch, heads, seq, dim], the default) or 'bshd' "
@@ -300,10 +302,7 @@ class BlockSparseAttention(eqx.Module):
             if hasattr(self.mask, "shape") and hasattr(self.mask, "dtype"):
                 hint = (f" of shape {tuple(self.mask.shape)}: an element mask is "
                         "masks.ArrayMask(array)")
-            raise TypeError(
-                "`mask` must be an AbstractMask such as masks.Causal() or masks.ArrayMask(array); "
-                f"got {type(self.mask).__name__}{hint}."
-            )
+            raise TypeError(f"`mask` must be an AbstractMask; got {type(self.mask).__name__}{hint}.")
         if not isinstance(self.kernel, (AbstractKernel, AutoKernel)):
             raise TypeError(f"`kernel` must be an AbstractKernel or None; got {type(self.kernel).__name__}.")
         if not isinstance(self.tiling, AbstractTiling):
