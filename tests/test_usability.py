@@ -282,9 +282,12 @@ def _dense_lse(q, k, visible, *, sinks=None, scale=None):
                      -jnp.inf)
 
 
-@pytest.mark.parametrize("kernel", [kernels.DenseReference(), kernels.XlaBlockSparse()],
-                         ids=["reference", "xla"])
-@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("kernel, with_sinks", [
+    (kernels.DenseReference(), False),
+    (kernels.XlaBlockSparse(), True),
+    pytest.param(kernels.DenseReference(), True, marks=pytest.mark.extended),
+    pytest.param(kernels.XlaBlockSparse(), False, marks=pytest.mark.extended),
+], ids=["reference", "xla-sinks", "reference-sinks", "xla"])
 def test_return_lse_forward_and_gradient_against_dense(kernel, with_sinks):
     # Query 3 of example 0 is padding (segment -1): it sees no key, its lse is -inf.
     ids = np.zeros((B, L), np.int32)
