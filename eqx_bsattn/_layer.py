@@ -305,9 +305,9 @@ class MultiheadBlockSparseAttention(eqx.Module):
         - `value`: ``[Lk, value_size]``.
         - `mask`: booleans ``[Lq, Lk]`` or ``[num_heads or 1, Lq, Lk]`` (True: attend; integers
           count where nonzero), as in `eqx.nn.MultiheadAttention`; and'ed with the layer's
-          mask (a mask strategy such as `masks.Causal()` goes in the constructor). It is per-call data (a
-          `masks.ArrayMask`): its block layout is built on the device, so a new mask never
-          recompiles, and blocks it leaves empty are skipped.
+          mask (a mask strategy such as `masks.Causal()` goes in the constructor). It is
+          per-call data (a `masks.ArrayMask`): its block layout is built on the device, so a
+          new mask never recompiles, and blocks it leaves empty are skipped.
         - `bias`: additive logits bias broadcasting to ``[num_heads, Lq, Lk]``.
         - `sinks`: attention sinks, read as `BlockSparseAttention`'s `sinks` (``[S]``,
           ``[num_heads]``, ``[num_kv_heads]``, ``[num_heads, S]``, ``[num_kv_heads, S]``).

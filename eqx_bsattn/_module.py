@@ -302,7 +302,9 @@ class BlockSparseAttention(eqx.Module):
             if hasattr(self.mask, "shape") and hasattr(self.mask, "dtype"):
                 hint = (f" of shape {tuple(self.mask.shape)}: an element mask is "
                         "masks.ArrayMask(array)")
-            raise TypeError(f"`mask` must be an AbstractMask; got {type(self.mask).__name__}{hint}.")
+            raise TypeError(
+                f"`mask` must be an AbstractMask; got {type(self.mask).__name__}{hint}."
+            )
         if not isinstance(self.kernel, (AbstractKernel, AutoKernel)):
             raise TypeError(f"`kernel` must be an AbstractKernel or None; got {type(self.kernel).__name__}.")
         if not isinstance(self.tiling, AbstractTiling):
@@ -459,7 +461,8 @@ class BlockSparseAttention(eqx.Module):
         key_value_seq_lengths: Integer[ArrayOrNumpy, "*_"] | int | None = None,
         return_lse: bool = False,
     ) -> (Float[Array, "*batch heads q_len value_dim"]
-          | tuple[Float[Array, "*batch heads q_len value_dim"], Float[Array, "*batch heads q_len"]]):
+          | tuple[Float[Array, "*batch heads q_len value_dim"],
+                  Float[Array, "*batch heads q_len"]]):
         """Attend.
 
         **Arguments** (in the default `qkv_layout`, ``"bhsd"``; with ``"bshd"`` query, key,

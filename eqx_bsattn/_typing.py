@@ -74,8 +74,7 @@ def _hint_text(hint) -> str:
     [q_len, dim] or None``."""
     if hint is None or hint is type(None):
         return "None"
-    if isinstance(hint, (types.UnionType, typing._UnionGenericAlias)) or \
-            typing.get_origin(hint) is typing.Union:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
         words = []
         for arg in typing.get_args(hint):
             text = _hint_text(arg)
