@@ -16,7 +16,8 @@ from ._inputs import (MaskInfo, as_array, check_call_data, check_qkv, hide_keys,
                       python_scalar)
 from ._kernel import AbstractKernel, registered_kernels
 from ._mask import AbstractMask, Full, and_masks
-from ._module import BlockSparseAttention, run_plan
+from ._module import (BlockSparseAttention, check_layout, merge_alias, run_plan,
+                      with_layout_hint)
 from ._score import AbstractScore
 from ._selector import DEVICE_PLATFORMS
 from ._sharding import on_auto_axes
@@ -332,26 +333,6 @@ def _to_bhsd(x, seq_first: bool):
     return jnp.swapaxes(x, -2, -3) if seq_first else x
 
 
-def _seed_sinks(sinks, heads: int, kv_heads: int):
-    """`softmax_aux` as ejKernel reads it: a 1-D array of length ``Hkv`` (``!= H``) is one sink
-    per kv head and ``[Hkv, S]`` sinks per kv head, each shared by that kv head's query heads;
-    every other shape is read as `BlockSparseAttention` reads `sinks`."""
-    if sinks is None or kv_heads == heads:
-        return sinks
-    sinks = as_array("softmax_aux", sinks)
-    if sinks.ndim == 1 and sinks.shape[0] == kv_heads:
-        return jnp.repeat(sinks, heads // kv_heads)[:, None]
-    if sinks.ndim == 2 and sinks.shape[0] == kv_heads:
-        return jnp.repeat(sinks, heads // kv_heads, axis=0)
-    if sinks.ndim == 2 and sinks.shape[0] != heads:
-        raise ValueError(
-            f"`softmax_aux` (sinks) must have shape [num_sinks] (shared by all heads), "
-            f"[{heads}] (one per head), [{kv_heads}] (one per kv head), [{heads}, num_sinks] or "
-            f"[{kv_heads}, num_sinks]; got {tuple(sinks.shape)}."
-        )
-    return sinks
-
-
 def _attention_mask(mask, batch: int, heads: int, q_len: int, kv_len: int, batched: bool):
     """`attention_mask` as ``[B or 1, H or 1, Lq, Lk]`` booleans, or ``[B, Lk]`` key padding
     (``(mask, is_key_padding)``), or the error saying why not, quoting the shape given."""
@@ -414,6 +395,18 @@ def _validate(arguments: dict):
     output back to the query's layout, or ``None``.
     """
     a = arguments
+    merge_alias(a, "kv_seq_lengths", "key_value_seq_lengths")
+    merge_alias(a, "softmax_scale", "scale")
+    merge_alias(a, "causal", "is_causal")
+    a["causal"] = True if a["causal"] is None else a["causal"]
+    builder = a["mask_builder"]
+    if not isinstance(builder, AbstractMask) and hasattr(builder, "shape") \
+            and hasattr(builder, "dtype"):
+        raise TypeError(
+            f"`mask_builder` must be {_BUILDER_FORMS}; got an array of shape "
+            f"{tuple(builder.shape)}: pass an element mask as `attention_mask` (or "
+            "masks.ArrayMask(array) as `mask_builder`)."
+        )
     if a["fused_backward"] is not None:
         warnings.warn(FUSED_BACKWARD_DEPRECATION, DeprecationWarning, stacklevel=3)
     seq_first = _seq_first(a["qkv_layouts"])
@@ -423,7 +416,12 @@ def _validate(arguments: dict):
             "`qkv_layouts` other than 'bhsd' needs [batch, ...] inputs of 4 dimensions; got shapes "
             f"{', '.join(str(tuple(x.shape)) for x in qkv)}."
         )
-    q, k, v = check_qkv(*(_to_bhsd(x, s) for x, s in zip(qkv, seq_first)))
+    hint = None
+    if len(set(seq_first)) == 1:  # one layout for all three: check it (mixed ones are named)
+        named = None if a["qkv_layouts"] is None else ("bshd" if seq_first[0] else "bhsd")
+        hint = check_layout(*qkv, layout=named, argument="qkv_layouts", stacklevel=4)
+    q, k, v = with_layout_hint(hint, check_qkv,
+                               *(_to_bhsd(x, s) for x, s in zip(qkv, seq_first)))
     a.update(query=q, key=k, value=v, qkv_layouts=None)
     a.update(_merge_mask_info(
         a["mask_info"], q_segment_ids=a["q_segment_ids"], kv_segment_ids=a["kv_segment_ids"],
@@ -439,11 +437,16 @@ def _validate(arguments: dict):
             )
         a["kv_segment_ids"] = a["q_segment_ids"]
     names = ("bias", "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
-    sinks = _seed_sinks(a["softmax_aux"], q.shape[-3], k.shape[-3])
-    data = check_call_data(q, k, v, sinks_name="softmax_aux", sinks=sinks,
+    data = check_call_data(q, k, v, sinks_name="softmax_aux", sinks=a["softmax_aux"],
+                           kv_seq_lengths=a["kv_seq_lengths"],
                            **{name: a[name] for name in names})
     a.update({name: data[name] for name in names}, softmax_aux=data["sinks"])
     batched = q.ndim == 4
+    if data["kv_seq_lengths"] is not None:
+        keep = jnp.arange(k.shape[-2])[None, :] < data["kv_seq_lengths"][:, None]
+        ids = hide_keys(keep, a["q_segment_ids"], a["kv_segment_ids"], q_len=q.shape[-2])
+        a["q_segment_ids"], a["kv_segment_ids"] = ids if batched else (ids[0][0], ids[1][0])
+    a["kv_seq_lengths"] = None
     mask, key_padding = _attention_mask(
         a["attention_mask"], q.shape[0] if batched else 1, q.shape[-3], q.shape[-2], k.shape[-2],
         batched,
@@ -455,10 +458,14 @@ def _validate(arguments: dict):
     a["attention_mask"] = mask
     a.update(softmax_scale=python_scalar(a["softmax_scale"]),
              logits_soft_cap=python_scalar(a["logits_soft_cap"]))
-    return (lambda out: _to_bhsd(out, True)) if seq_first[0] else None
+    if not seq_first[0]:
+        return None
+    if a["return_lse"]:
+        return lambda result: (_to_bhsd(result[0], True), result[1])
+    return lambda out: _to_bhsd(out, True)
 
 
-def _attend(attn, platform, purify, query, key, value, mask_array, data):
+def _attend(attn, platform, purify, return_lse, query, key, value, mask_array, data):
     """Plan and run one call of `attn` (its mask and'ed with `mask_array` when given) on the
     arguments `_validate` has checked."""
     from .strategies import masks
@@ -468,8 +475,9 @@ def _attend(attn, platform, purify, query, key, value, mask_array, data):
         attn = eqx.tree_at(lambda m: m.mask, attn, mask)
 
     def plan_and_run(query, key, value, data):
-        plan = attn._plan(query, key, value, platform=platform, **data)
-        return run_plan(plan, query, key, value, attn.sharding, attn.logits_soft_cap, purify)
+        plan = attn._plan(query, key, value, platform=platform, return_lse=return_lse, **data)
+        return run_plan(plan, query, key, value, attn.sharding, attn.logits_soft_cap, purify,
+                        return_lse=return_lse)
 
     leaves = jax.tree.leaves((mask_array, data))
     return on_auto_axes(plan_and_run, query, key, value, *leaves)(query, key, value, data)
@@ -514,7 +522,7 @@ def blocksparse_attention(
     mask_builder: AbstractMask | Callable[..., AbstractMask] | None = None,
     sliding_window: int | tuple[int | None, int | None] | list[int | None] | None = None,
     chunk_size: int | None = None,
-    causal: bool = True,
+    causal: bool | None = None,
     fused_backward: bool | None = None,
     purify: bool = False,
     platform: str | None = None,
@@ -525,17 +533,26 @@ def blocksparse_attention(
     sequence_parallelism_mesh_axis_name: str | None = None,
     qkv_layouts: str | tuple[str, str, str] | None = None,
     score: AbstractScore | None = None,
-) -> Float[Array, "*batch heads q_len value_dim"]:
+    kv_seq_lengths: Integer[Array, "*_"] | int | None = None,
+    return_lse: bool = False,
+    key_value_seq_lengths: Integer[Array, "*_"] | int | None = None,
+    scale: float | int | None = None,
+    is_causal: bool | None = None,
+) -> (Float[Array, "*batch heads q_len value_dim"]
+      | tuple[Float[Array, "*batch heads q_len value_dim"], Float[Array, "*batch heads q_len"]]):
     """Block-sparse attention, function style: ``[B, H, Lq, D]`` in, ``[B, H, Lq, Dv]`` out.
 
     Builds a `BlockSparseAttention` from the options and calls it. Array arguments may be JAX
     or NumPy arrays. `docs/seed_api.md` maps each argument of the library this replaces.
+    jax.nn's names are accepted beside ours (one of each pair): `scale` for `softmax_scale`,
+    `is_causal` for `causal`, `key_value_seq_lengths` for `kv_seq_lengths`.
 
     **Arguments:**
 
     - `query`, `key`, `value`: ``[B, H, Lq, D]``, ``[B, Hkv, Lk, D]``, ``[B, Hkv, Lk, Dv]``
       (GQA when ``H % Hkv == 0``); unbatched ``[H, L, D]`` also works.
-    - `softmax_aux`: attention sinks, ``[S]``, ``[H]`` or ``[H, S]`` (positional).
+    - `softmax_aux`: attention sinks (positional), read as `BlockSparseAttention`'s `sinks`:
+      ``[S]``, ``[H]``, ``[Hkv]`` (one per kv head), ``[H, S]`` or ``[Hkv, S]``.
     - `bias`: additive bias broadcasting to ``[B, H, Lq, Lk]`` (positional).
     - `q_segment_ids`, `kv_segment_ids`, `q_positions`, `kv_positions`: ``[B, L]`` ints;
       `kv_segment_ids` defaults to `q_segment_ids` when ``Lq == Lk``.
@@ -552,7 +569,11 @@ def blocksparse_attention(
       are combined with it by ``&``.
     - `causal` (default ``True``), `sliding_window` (int, or ``(left, right)``),
       `chunk_size` (chunked causal).
+    - `kv_seq_lengths`: ``[B]`` ints (or a scalar): only the first ``kv_seq_lengths[b]`` keys
+      of example ``b`` are seen.
     - `purify`: zero the rows of padded queries (``q_segment_ids < 0``).
+    - `return_lse`: return ``(out, lse)``, `lse` ``[B, H, Lq]`` float32 as in
+      `BlockSparseAttention.__call__`.
     - `platform`: ``None`` or ``"auto"`` (select for JAX's default device), ``"cpu"`` /
       ``"gpu"`` (or ``"cuda"``) / ``"tpu"`` (select for that platform, which must be
       present), or a kernel name (``"reference"``, ``"xla"``, ``"triton"``, ...).
@@ -566,8 +587,10 @@ def blocksparse_attention(
       a single-pass backward run
       ``BlockSparseAttention(kernel=kernels.MosaicBlockSparse(deterministic=False))`` on a
       Hopper GPU.
-    - `qkv_layouts`: ``"bhsd"`` (default) or ``"bshd"`` (``[B, L, H, D]`` in and out), or one
-      name each for query, key, value; inputs are transposed (no kernel reads ``bshd``).
+    - `qkv_layouts`: ``"bhsd"`` or ``"bshd"`` (``[B, L, H, D]`` in and out), or one name each
+      for query, key, value; inputs are transposed (no kernel reads ``bshd``). Default
+      ``None``: ``"bhsd"``, checked as `BlockSparseAttention`'s default `qkv_layout` is (a
+      warning where the shapes fit both layouts with more heads than tokens).
     - `mesh`: a `jax.sharding.Mesh` to spread the call over, with `in_specs` (the
       PartitionSpecs of query, key, value, ...; batch and head axes give `ShardMap`, a
       sequence axis `RingAttention`), `out_specs` (``None`` or the query's spec) and/or
@@ -595,7 +618,7 @@ def blocksparse_attention(
                 kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_positions=kv_positions)
 
     def attend(q, k, v, mask_array, data):
-        return _attend(attn, device, purify, q, k, v, mask_array, data)
+        return _attend(attn, device, purify, return_lse, q, k, v, mask_array, data)
 
     if attention_mask is None or attention_mask.shape[0] == 1:
         mask_array = None if attention_mask is None else attention_mask[0]

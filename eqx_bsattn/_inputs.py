@@ -1,7 +1,6 @@
 """Per-call data (bias, sinks, segment ids, positions), checked and brought to kernel shapes."""
 
 import dataclasses
-import warnings
 
 import equinox as eqx
 import jax
@@ -249,26 +248,33 @@ def full_bias(inputs: AttentionInputs, q_len: int, kv_len: int) -> AttentionInpu
     return eqx.tree_at(lambda x: x.bias, inputs, bias)
 
 
+def _sink_shapes(heads: int, kv_heads: int) -> str:
+    """The sink shapes every entry point accepts (the module's and the layer's `sinks`, the
+    function's `softmax_aux`), read as `BlockSparseAttention.__call__`'s docstring says."""
+    if kv_heads == heads:
+        return (f"[num_sinks] (shared by all heads), [{heads}] (one per head) or "
+                f"[{heads}, num_sinks]")
+    return (f"[num_sinks] (shared by all heads), [{heads}] (one per head), [{kv_heads}] (one "
+            f"per kv head), [{heads}, num_sinks] or [{kv_heads}, num_sinks]")
+
+
 def _check_sinks(sinks, heads: int, name: str, kv_heads: int | None = None):
+    """Checked sinks, those given per kv head (``[Hkv]``, ``[Hkv, S]`` with ``Hkv != H``)
+    repeated over each kv head's query heads to ``[H, S]``."""
     if sinks is None:
         return None
     sinks = as_array(name, sinks)
     label = f"`{name}`" if name == "sinks" else f"`{name}` (sinks)"
+    kv_heads = heads if kv_heads is None else kv_heads
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
         raise TypeError(f"{label} must be a floating array; got dtype {_dtype_name(sinks)}.")
-    if not (sinks.ndim == 1 or (sinks.ndim == 2 and sinks.shape[0] == heads)):
+    if not (sinks.ndim == 1 or (sinks.ndim == 2 and sinks.shape[0] in (heads, kv_heads))):
         raise ValueError(
-            f"{label} must have shape [num_sinks] (shared by all heads), "
-            f"[{heads}] (one per head) or [{heads}, num_sinks]; got {_shape(sinks)}."
+            f"{label} must have shape {_sink_shapes(heads, kv_heads)}; got {_shape(sinks)}."
         )
-    if sinks.ndim == 1 and kv_heads is not None and sinks.shape[0] == kv_heads != heads:
-        # ejKernel reads this length as one sink per kv head: say which reading this is.
-        warnings.warn(
-            f"{label} of shape {_shape(sinks)} has one entry per kv head ({kv_heads}): it is "
-            f"read as {kv_heads} sinks shared by all {heads} heads. For one sink per kv head "
-            f"pass jnp.repeat(sinks, {heads // kv_heads})[:, None] ([{heads}, 1]).",
-            stacklevel=4,
-        )
+    if kv_heads != heads and sinks.shape[0] == kv_heads:
+        per_kv = sinks[:, None] if sinks.ndim == 1 else sinks
+        return jnp.repeat(per_kv, heads // kv_heads, axis=0)
     return sinks
 
 

@@ -9,8 +9,10 @@ from jaxtyping import Array, Bool, Float, Int, Integer, PRNGKeyArray
 from ._inputs import as_array
 from ._kernel import AbstractKernel
 from ._mask import AbstractMask, Full, and_masks
-from ._module import BlockSparseAttention
+from ._module import BlockSparseAttention, merge_alias
 from ._score import AbstractScore, compile_score
+from ._sharding import AbstractSharding, Unsharded
+from ._swap import AutoKernel, AutoTiling
 from ._tiling import AbstractTiling
 from ._typing import ArrayOrNumpy, typechecked
 
@@ -61,17 +63,61 @@ def _validate_layer_call(arguments: dict) -> None:
             f"{tuple(arrays['key_'].shape)} and {tuple(arrays['value'].shape)}."
         )
     mask = arguments["mask"]
+    if isinstance(mask, AbstractMask):
+        raise TypeError(
+            f"the call's `mask` is an array (booleans [q_len, kv_len]); a mask strategy such as "
+            f"{type(mask).__name__} goes in the constructor: "
+            f"MultiheadBlockSparseAttention(..., mask={type(mask).__name__}(...))."
+        )
     if mask is not None:
-        mask = as_array("mask", mask)
-        if mask.dtype != jnp.bool_:
-            raise TypeError(f"`mask` must hold booleans; got dtype {jnp.dtype(mask.dtype).name}.")
-        if mask.shape not in ((q_len, kv_len), (layer.num_heads, q_len, kv_len)):
-            raise ValueError(
-                f"`mask` must have shape [{q_len}, {kv_len}] or [{layer.num_heads}, {q_len}, "
-                f"{kv_len}] ([num_heads,] q_len, kv_len); got {tuple(mask.shape)}."
-            )
-        arguments["mask"] = mask
+        arguments["mask"] = _call_mask(mask, layer.num_heads, q_len, kv_len)
+    merge_alias(arguments, "kv_seq_lengths", "key_value_seq_lengths")
+    lengths = arguments["kv_seq_lengths"]
+    if lengths is not None and not (
+        (isinstance(lengths, int) and not isinstance(lengths, bool))
+        or (hasattr(lengths, "dtype") and jnp.issubdtype(lengths.dtype, jnp.integer)
+            and jnp.ndim(lengths) == 0)
+    ):
+        raise TypeError(
+            "`kv_seq_lengths` must be an int or an integer scalar array (the layer is "
+            f"unbatched: jax.vmap it over a batch of lengths); got {_given(lengths)}."
+        )
     arguments.update(arrays)
+
+
+def _given(x) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"an array of shape {tuple(x.shape)} and dtype {jnp.dtype(x.dtype).name}"
+    return f"{type(x).__name__} {x!r}"
+
+
+def _call_mask(mask, heads: int, q_len: int, kv_len: int):
+    """The call's element mask as booleans ``[Lq, Lk]`` or ``[H, Lq, Lk]``: integers count
+    where nonzero (as `blocksparse_attention`'s `attention_mask`), a size-1 heads axis is
+    shared by all heads."""
+    mask = as_array("mask", mask)
+    if mask.dtype != jnp.bool_ and not jnp.issubdtype(mask.dtype, jnp.integer):
+        raise TypeError(
+            "`mask` must hold booleans (or integers, nonzero = attend); got dtype "
+            f"{jnp.dtype(mask.dtype).name}."
+        )
+    if mask.shape not in ((q_len, kv_len), (1, q_len, kv_len), (heads, q_len, kv_len)):
+        raise ValueError(
+            f"`mask` must have shape [{q_len}, {kv_len}] or [{heads} or 1, {q_len}, {kv_len}] "
+            f"([num_heads,] q_len, kv_len); got {tuple(mask.shape)}."
+        )
+    mask = mask if mask.dtype == jnp.bool_ else mask != 0
+    return mask[0] if mask.shape[0] == 1 and mask.ndim == 3 else mask
+
+
+def _with_standard_slopes(score, num_heads: int):
+    """`score`, with ``ALiBi(learned=True)`` given no slopes starting from the standard ones
+    for `num_heads` (the layer knows its head count; the score term alone does not)."""
+    from .strategies.scores import ALiBi, alibi_slopes
+
+    if isinstance(score, ALiBi) and score.learned and score.slopes is None:
+        return ALiBi(alibi_slopes(num_heads), learned=True)
+    return score
 
 
 class MultiheadBlockSparseAttention(eqx.Module):
@@ -105,7 +151,8 @@ class MultiheadBlockSparseAttention(eqx.Module):
     - `num_kv_heads`: key/value heads ``Hkv`` (grouped-query attention; ``H % Hkv == 0``,
       query head ``h`` reads kv head ``h // (H // Hkv)``); default `num_heads`.
     - `mask`: an `AbstractMask`; default `masks.Full()`.
-    - `kernel`, `tiling`: as in `BlockSparseAttention`; default: chosen per call.
+    - `kernel`, `tiling`, `sharding`: as in `BlockSparseAttention`, with its defaults
+      (`AutoKernel()`, `AutoTiling()`: chosen per call; `Unsharded()`).
     - `rotary_theta`: if set, rotary position embedding with this base (``10_000.0`` is the
       usual value) on the query and key heads; `qk_size` must be even. Default ``None``: off.
     - `use_query_bias`, `use_key_bias`, `use_value_bias`, `use_output_bias`: biases of the
@@ -116,6 +163,8 @@ class MultiheadBlockSparseAttention(eqx.Module):
     - `score`: a score term added to every logit (`scores.ALiBi`,
       `scores.RelativePositionBias`, `scores.ScoreFunction`), as in `BlockSparseAttention`;
       its learned slopes or table are parameters of the layer (``layer.attention.score``).
+      ``scores.ALiBi(learned=True)`` without slopes starts from the standard slopes of
+      `num_heads` (`scores.alibi_slopes`).
     - `dtype`: dtype of the weights; default float32 (float64 in 64-bit mode).
     - `key`: a `jax.random` key for the initial weights (keyword only).
 
@@ -159,8 +208,8 @@ class MultiheadBlockSparseAttention(eqx.Module):
         vo_size: int | None = None,
         num_kv_heads: int | None = None,
         mask: AbstractMask = Full(),
-        kernel: AbstractKernel | None = None,
-        tiling: AbstractTiling | None = None,
+        kernel: AbstractKernel | AutoKernel | None = AutoKernel(),
+        tiling: AbstractTiling | None = AutoTiling(),
         rotary_theta: float | None = None,
         use_query_bias: bool = False,
         use_key_bias: bool = False,
@@ -174,6 +223,7 @@ class MultiheadBlockSparseAttention(eqx.Module):
         *,
         key: PRNGKeyArray,
         score: AbstractScore | None = None,
+        sharding: AbstractSharding = Unsharded(),
     ):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
@@ -199,6 +249,7 @@ class MultiheadBlockSparseAttention(eqx.Module):
                 "rotary embedding needs an even `qk_size` and a positive `rotary_theta`; got "
                 f"qk_size={qk_size}, rotary_theta={rotary_theta!r}."
             )
+        score = _with_standard_slopes(score, num_heads)
         compile_score(score, num_heads)  # a table or slopes of the wrong head count: say now
         # The key split of eqx.nn.MultiheadAttention: equal keys give equal initial weights.
         qkey, kkey, vkey, okey = jax.random.split(key, 4)
@@ -211,8 +262,9 @@ class MultiheadBlockSparseAttention(eqx.Module):
         self.output_proj = eqx.nn.Linear(num_heads * vo_size, output_size,
                                          use_bias=use_output_bias, dtype=dtype, key=okey)
         self.attention = BlockSparseAttention(
-            mask=mask, kernel=kernel, tiling=tiling, softmax_scale=softmax_scale,
-            logits_soft_cap=logits_soft_cap, score=score,
+            mask=mask, kernel=kernel, tiling=tiling, sharding=sharding,
+            softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap, score=score,
+            qkv_layout="bhsd", num_heads=num_heads,
         )
         self.dropout = eqx.nn.Dropout(dropout_p, inference=inference)
         self.num_heads = num_heads
@@ -242,29 +294,36 @@ class MultiheadBlockSparseAttention(eqx.Module):
         kv_segment_ids: Integer[ArrayOrNumpy, " kv_len"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
-    ) -> Float[Array, "q_len output_size"]:
+        key_value_seq_lengths: Integer[ArrayOrNumpy, ""] | int | None = None,
+        return_lse: bool = False,
+    ) -> Float[Array, "q_len output_size"] | tuple[Float[Array, "q_len output_size"],
+                                                     Float[Array, "heads q_len"]]:
         """**Arguments:**
 
         - `query`: ``[Lq, query_size]``.
         - `key_`: ``[Lk, key_size]``.
         - `value`: ``[Lk, value_size]``.
-        - `mask`: booleans ``[Lq, Lk]`` or ``[num_heads, Lq, Lk]`` (True: attend), as in
-          `eqx.nn.MultiheadAttention`; and'ed with the layer's mask. It is per-call data (a
-          `masks.ArrayMask`): its block layout is built on the device, so a new mask never
-          recompiles, and blocks it leaves empty are skipped.
+        - `mask`: booleans ``[Lq, Lk]`` or ``[num_heads or 1, Lq, Lk]`` (True: attend; integers
+          count where nonzero), as in `eqx.nn.MultiheadAttention`; and'ed with the layer's
+          mask (a mask strategy such as `masks.Causal()` goes in the constructor). It is
+          per-call data (a `masks.ArrayMask`): its block layout is built on the device, so a
+          new mask never recompiles, and blocks it leaves empty are skipped.
         - `bias`: additive logits bias broadcasting to ``[num_heads, Lq, Lk]``.
-        - `sinks`: attention sinks, ``[S]`` shared, ``[num_heads]`` one per head or
-          ``[num_heads, S]`` (as `BlockSparseAttention`'s `sinks`).
-        - `kv_seq_lengths`: an int (or a scalar array): only the first `kv_seq_lengths` keys
-          are seen, the rest is padding (per example under `jax.vmap`).
+        - `sinks`: attention sinks, read as `BlockSparseAttention`'s `sinks` (``[S]``,
+          ``[num_heads]``, ``[num_kv_heads]``, ``[num_heads, S]``, ``[num_kv_heads, S]``).
+        - `kv_seq_lengths` (or jax.nn's `key_value_seq_lengths`): an int (or an integer
+          scalar array): only the first `kv_seq_lengths` keys are seen, the rest is padding
+          (per example under `jax.vmap`).
         - `q_positions`, `kv_positions`: ``[Lq]``, ``[Lk]`` ints; the rotary embedding and
           the positional masks read them. Default: the token indices.
         - `q_segment_ids`, `kv_segment_ids`: ``[Lq]``, ``[Lk]`` ints for packed documents (a
           query sees a key only in its own document; ``-1`` marks padding).
         - `key`: a `jax.random` key for dropout (keyword only).
         - `inference`: overrides the module's `inference` for this call.
+        - `return_lse`: also return each head's log-sum-exp ``[num_heads, Lq]`` (as
+          `BlockSparseAttention`'s `return_lse`).
 
-        **Returns:** ``[Lq, output_size]``.
+        **Returns:** ``[Lq, output_size]``; with `return_lse`, ``(out, lse)``.
         """
         q_len, kv_len = query.shape[0], key_.shape[0]
         q = self._heads(self.query_proj, query, self.num_heads)        # [H, Lq, qk]
@@ -284,11 +343,13 @@ class MultiheadBlockSparseAttention(eqx.Module):
         out = attention(
             q, k, v, bias=bias, sinks=sinks, kv_seq_lengths=kv_seq_lengths,
             q_positions=q_positions, kv_positions=kv_positions,
-            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, return_lse=return_lse,
         )                                                              # [H, Lq, vo]
+        out, lse = out if return_lse else (out, None)
         out = self.dropout(out, key=key, inference=inference)
         out = jnp.transpose(out, (1, 0, 2)).reshape(q_len, self.num_heads * self.vo_size)
-        return jax.vmap(self.output_proj)(out)
+        out = jax.vmap(self.output_proj)(out)
+        return out if lse is None else (out, lse)
 
     @staticmethod
     def _heads(proj: eqx.nn.Linear, x, heads: int):

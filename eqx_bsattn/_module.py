@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import warnings
 from typing import NamedTuple
 
 import equinox as eqx
@@ -13,7 +14,7 @@ from jaxtyping import Array, Float, Integer
 from ._compile import CompiledMask, ResolvedMask, describe_terms
 from ._inputs import (AttentionInputs, check_call, full_bias, hide_keys, prepare_inputs,
                       python_scalar)
-from ._kernel import AbstractBroadcastBiasKernel, AbstractKernel, Features
+from ._kernel import AbstractBroadcastBiasKernel, AbstractKernel, AbstractLseKernel, Features
 from ._mask import EMPTY, AbstractMask, Document, Full
 from ._score import AbstractScore, attach_score, check_score, describe_score
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
@@ -103,10 +104,77 @@ def _with_document(mask: AbstractMask, has_segments: bool) -> AbstractMask:
 QKV_LAYOUTS = {"bhsd": False, "bshd": True}
 
 
-def _layout_to_bhsd(layout: str, *arrays):
+def _fits_bhsd(q: tuple, k: tuple, v: tuple) -> bool:
+    """Whether shapes could be ``[(B,) H, Lq, D]``, ``[(B,) Hkv, Lk, D]``, ``[(B,) Hkv, Lk, Dv]``
+    (``H % Hkv == 0``, key and value alike, query and key of one head dim)."""
+    if not (len(q) == len(k) == len(v) and len(q) in (3, 4)):
+        return False
+    return (k[-3] > 0 and q[-3] % k[-3] == 0 and k[-3:-1] == v[-3:-1] and q[-1] == k[-1]
+            and q[:-3] == k[:-3] == v[:-3])
+
+
+def _swapped(shape: tuple) -> tuple:
+    """`shape` with its heads and sequence axes exchanged."""
+    return (*shape[:-3], shape[-2], shape[-3], shape[-1])
+
+
+def check_layout(query, key, value, *, layout: str | None, num_heads: int | None = None,
+                 argument: str = "qkv_layout", stacklevel: int = 5) -> str | None:
+    """Say in one line when arrays are probably not in the layout the call reads.
+
+    `layout` is the caller's (``None``: the default, ``"bhsd"``). Refused: a query whose heads
+    axis does not hold `num_heads` (when known), naming the layout whose axis does. Returned:
+    for shapes that fit only the other layout, the hint that `check_qkv`'s error gains
+    (`with_layout_hint`). Warned of (`UserWarning`), in the default layout only:
+    shapes that fit both layouts and read as ``[B, H, L, D]`` give more heads than tokens to
+    the query and to the key, as jax.nn's ``[B, L, H, D]`` arrays read that way do (short
+    sequences in ``[B, H, L, D]`` do too: naming the layout silences it).
+    """
+    name = layout or "bhsd"
+    other = "bhsd" if QKV_LAYOUTS[name] else "bshd"
+    given = tuple(tuple(np.shape(x)) for x in (query, key, value))
+    if not all(len(shape) in (3, 4) for shape in given):
+        return None  # `check_qkv` (or the bshd transpose) says what is wrong
+    read = tuple(map(_swapped, given)) if QKV_LAYOUTS[name] else given  # as [B, H, L, D]
+    if num_heads is not None and read[0][-3] != num_heads:
+        hint = (f": it looks like {other}; pass {argument}={other!r}"
+                if read[0][-2] == num_heads else "")
+        raise ValueError(
+            f"`query` of shape {given[0]} has {read[0][-3]} heads in {argument}={name!r}, not "
+            f"num_heads={num_heads}{hint}."
+        )
+    fits_other = _fits_bhsd(*map(_swapped, read))
+    if not _fits_bhsd(*read):
+        if not fits_other:
+            return None
+        axes = "[batch, heads, seq, dim]" if other == "bhsd" else "[batch, seq, heads, dim]"
+        return f"these shapes fit {argument}={other!r}: pass it if they are {axes}"
+    (q, k, _) = read
+    if layout is None and num_heads is None and fits_other and q[-3] > q[-2] and k[-3] > k[-2]:
+        warnings.warn(
+            f"`query` {q} and `key` {k} read as [batch, heads, seq, dim] (the default "
+            f"{argument}) have more heads than tokens ({q[-3]} > {q[-2]}): for jax.nn's "
+            f"[batch, seq, heads, dim] pass {argument}='bshd'; pass {argument}='bhsd' to "
+            "keep this reading without this warning.",
+            UserWarning, stacklevel=stacklevel,
+        )
+    return None
+
+
+def with_layout_hint(hint: str | None, check, *args, **kwargs):
+    """``check(*args, **kwargs)``, its `ValueError` given `hint` (from `check_layout`)."""
+    try:
+        return check(*args, **kwargs)
+    except ValueError as e:
+        if hint is None:
+            raise
+        raise ValueError(f"{str(e).rstrip('.')}; {hint}.") from None
+
+
+def _layout_to_bhsd(layout: str | None, *arrays):
     """`arrays` from the module's `qkv_layout` to ``[B, H, L, D]`` (and back: it is its own
     inverse)."""
-    if not QKV_LAYOUTS[layout]:
+    if not QKV_LAYOUTS[layout or "bhsd"]:
         return arrays
     for name, x in zip(("query", "key", "value"), arrays):
         if np.ndim(x) not in (3, 4):
@@ -122,19 +190,37 @@ _CALL_DATA = ("bias", "sinks", "q_segment_ids", "kv_segment_ids", "q_positions",
               "kv_seq_lengths")
 
 
-def _checked(layout: str, query, key, value, data: dict) -> tuple:
+def merge_alias(arguments: dict, name: str, alias: str, *, default=None) -> None:
+    """`arguments[name]` from jax.nn's `alias` when only that is given (the alias then
+    ``default``); both given is an error."""
+    value, other = arguments.get(name, default), arguments.pop(alias, default)
+    if other is default:
+        return
+    if value is not default:
+        raise TypeError(f"`{name}` and `{alias}` (its jax.nn name) are the same argument; "
+                        "pass one.")
+    arguments[name] = other
+
+
+def _checked(attn: "BlockSparseAttention", query, key, value, data: dict) -> tuple:
     """A call's arguments checked (`check_call`, the one place), query, key and value brought
     from the module's `qkv_layout` to ``[B, H, L, D]``: ``(query, key, value, data)``."""
-    query, key, value = _layout_to_bhsd(layout, query, key, value)
-    return check_call(query, key, value, **data)
+    hint = check_layout(query, key, value, layout=attn.qkv_layout, num_heads=attn.num_heads)
+    query, key, value = _layout_to_bhsd(attn.qkv_layout, query, key, value)
+    return with_layout_hint(hint, check_call, query, key, value, **data)
 
 
 def _validate_call(arguments: dict):
-    layout = arguments["self"].qkv_layout
-    q, k, v, data = _checked(layout, arguments["query"], arguments["key"], arguments["value"],
+    attn = arguments["self"]
+    merge_alias(arguments, "kv_seq_lengths", "key_value_seq_lengths")
+    q, k, v, data = _checked(attn, arguments["query"], arguments["key"], arguments["value"],
                              {name: arguments[name] for name in _CALL_DATA})
-    arguments.update(query=q, key=k, value=v, **data)
-    return (lambda out: _layout_to_bhsd(layout, out)[0]) if QKV_LAYOUTS[layout] else None
+    arguments.update(query=q, key=k, value=v, key_value_seq_lengths=None, **data)
+    if not QKV_LAYOUTS[attn.qkv_layout or "bhsd"]:
+        return None
+    if arguments["return_lse"]:
+        return lambda result: (_layout_to_bhsd(attn.qkv_layout, result[0])[0], result[1])
+    return lambda out: _layout_to_bhsd(attn.qkv_layout, out)[0]
 
 
 #: The accepted `logits_soft_cap` values. Kernels compute ``c * tanh(s / c)`` in float32,
@@ -169,9 +255,16 @@ class BlockSparseAttention(eqx.Module):
     - `softmax_scale`: multiplies ``q . k``; default ``1 / sqrt(head_dim)``.
     - `logits_soft_cap`: if set to ``c``, logits become ``c * tanh(logits / c)``; ``c`` in
       ``[1e-30, 1e30]`` (beyond that float32 loses the logits).
-    - `qkv_layout`: ``"bhsd"`` (default: ``[B, H, L, D]``) or ``"bshd"`` (``[B, L, H, D]``,
-      the layout of `jax.nn.dot_product_attention`, for query, key, value and the output;
-      unbatched ``[L, H, D]``). The arrays are transposed; no kernel reads ``bshd`` in place.
+    - `qkv_layout`: ``"bhsd"`` (``[B, H, L, D]``) or ``"bshd"`` (``[B, L, H, D]``, the layout
+      of `jax.nn.dot_product_attention`, for query, key, value and the output; unbatched
+      ``[L, H, D]``). The arrays are transposed; no kernel reads ``bshd`` in place. Default
+      ``None``: ``"bhsd"``, with a `UserWarning` where the shapes fit both layouts and the
+      ``"bhsd"`` reading has more heads than tokens (as jax.nn's arrays read that way do);
+      naming the layout silences it. Shapes that fit only the other layout are refused,
+      naming it.
+    - `num_heads`: the query head count, or ``None`` (default). When given, every call checks
+      that the query's heads axis (in `qkv_layout`) holds it, and names the layout that fits
+      when the other axis does.
 
     ```python
     import eqx_bsattn as bsa
@@ -186,18 +279,32 @@ class BlockSparseAttention(eqx.Module):
     sharding: AbstractSharding = Unsharded()
     softmax_scale: float | None = eqx.field(default=None, static=True, converter=python_scalar)
     logits_soft_cap: float | None = eqx.field(default=None, static=True, converter=python_scalar)
-    qkv_layout: str = eqx.field(default="bhsd", static=True)
+    qkv_layout: str | None = eqx.field(default=None, static=True)
     score: AbstractScore | None = None
+    num_heads: int | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
-        if self.qkv_layout not in QKV_LAYOUTS:
+        if self.num_heads is not None and (
+            not isinstance(self.num_heads, int) or isinstance(self.num_heads, bool)
+            or self.num_heads <= 0
+        ):
+            raise ValueError(
+                f"`num_heads` must be a positive int or None; got {self.num_heads!r}."
+            )
+        if self.qkv_layout is not None and self.qkv_layout not in QKV_LAYOUTS:
             raise ValueError(
                 "`qkv_layout` must be 'bhsd' ([batch, heads, seq, dim], the default) or 'bshd' "
                 f"([batch, seq, heads, dim], jax.nn.dot_product_attention's); got "
                 f"{self.qkv_layout!r}."
             )
         if not isinstance(self.mask, AbstractMask):
-            raise TypeError(f"`mask` must be an AbstractMask; got {type(self.mask).__name__}.")
+            hint = ""
+            if hasattr(self.mask, "shape") and hasattr(self.mask, "dtype"):
+                hint = (f" of shape {tuple(self.mask.shape)}: an element mask is "
+                        "masks.ArrayMask(array)")
+            raise TypeError(
+                f"`mask` must be an AbstractMask; got {type(self.mask).__name__}{hint}."
+            )
         if not isinstance(self.kernel, (AbstractKernel, AutoKernel)):
             raise TypeError(f"`kernel` must be an AbstractKernel or None; got {type(self.kernel).__name__}.")
         if not isinstance(self.tiling, AbstractTiling):
@@ -237,6 +344,8 @@ class BlockSparseAttention(eqx.Module):
         kv_positions=None,
         kv_seq_lengths=None,
         platform: str | None = None,
+        key_value_seq_lengths=None,
+        return_lse: bool = False,
     ) -> CallPlan:
         """Everything a call decides before it runs, once: the mask resolved and compiled,
         the per-call data normalised, the kernel and the tiling.
@@ -245,18 +354,24 @@ class BlockSparseAttention(eqx.Module):
         would run and why, with which tiling, and how dense each pass's layout is. Runs no
         attention.
         """
-        query, key, value, data = _checked(
-            self.qkv_layout, query, key, value,
-            dict(bias=bias, sinks=sinks, q_segment_ids=q_segment_ids,
-                 kv_segment_ids=kv_segment_ids, q_positions=q_positions,
-                 kv_positions=kv_positions, kv_seq_lengths=kv_seq_lengths))
-        return self._plan(query, key, value, platform=platform, **data)
+        data = dict(bias=bias, sinks=sinks, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                    kv_positions=kv_positions, kv_seq_lengths=kv_seq_lengths,
+                    key_value_seq_lengths=key_value_seq_lengths)
+        merge_alias(data, "kv_seq_lengths", "key_value_seq_lengths")
+        query, key, value, data = _checked(self, query, key, value, data)
+        return self._plan(query, key, value, platform=platform, return_lse=return_lse, **data)
 
     def _plan(self, query, key, value, *, kv_seq_lengths=None, platform=None,
-              **data) -> CallPlan:
+              return_lse: bool = False, **data) -> CallPlan:
         """`plan` for ``[B, H, L, D]`` (or ``[H, L, D]``) arrays that `check_call` has checked
         (`__call__`'s decorator, `plan` or the function door): nothing is checked twice."""
         platform = check_platform(platform)
+        if return_lse and not isinstance(self.sharding, Unsharded):
+            raise ValueError(
+                f"`return_lse=True` runs unsharded only; this module's sharding is "
+                f"{type(self.sharding).__name__}."
+            )
         batched = query.ndim == 4
         batch = query.shape[0] if batched else 1
         heads, q_len, dim = query.shape[-3:]
@@ -293,7 +408,7 @@ class BlockSparseAttention(eqx.Module):
             segment_ids=inputs.q_segment_ids is not None,
             positions=(inputs.q_positions is not None or inputs.kv_positions is not None
                        or self.sharding.passes_positions),
-            lse=self.sharding.needs_lse,
+            lse=self.sharding.needs_lse or return_lse,
             in_loop=self.sharding.loops_kernel,
             score=() if inputs.score is None else inputs.score.kinds,
             score_function=None if inputs.score is None else inputs.score.function,
@@ -306,6 +421,11 @@ class BlockSparseAttention(eqx.Module):
         else:
             choice = None
             kernel = self.kernel
+            if return_lse and not isinstance(kernel, AbstractLseKernel):
+                raise ValueError(
+                    f"`return_lse=True` needs a kernel that returns the log-sum-exp (an "
+                    f"AbstractLseKernel); kernel {kernel.name} does not."
+                )
             why = decline_reason(kernel, resolved, features)
             if why is not None:
                 raise ValueError(f"kernel {kernel.name} cannot run this call: {why}")
@@ -341,19 +461,28 @@ class BlockSparseAttention(eqx.Module):
         kv_positions: Integer[ArrayOrNumpy, "*_ kv_len"] | None = None,
         kv_seq_lengths: Integer[ArrayOrNumpy, "*_"] | int | None = None,
         purify: bool = False,
-    ) -> Float[Array, "*batch heads q_len value_dim"]:
+        key_value_seq_lengths: Integer[ArrayOrNumpy, "*_"] | int | None = None,
+        return_lse: bool = False,
+    ) -> (Float[Array, "*batch heads q_len value_dim"]
+          | tuple[Float[Array, "*batch heads q_len value_dim"],
+                  Float[Array, "*batch heads q_len"]]):
         """Attend.
 
         **Arguments** (in the default `qkv_layout`, ``"bhsd"``; with ``"bshd"`` query, key,
-        value and the output are ``[B, L, H, D]``):
+        value and the output are ``[B, L, H, D]``). jax.nn's names are accepted beside ours:
+        `key_value_seq_lengths` for `kv_seq_lengths` (one of the two).
 
         - `query`: ``[B, H, Lq, D]`` or unbatched ``[H, Lq, D]``.
         - `key`: ``[B, Hkv, Lk, D]`` (``H % Hkv == 0``: query head ``h`` reads kv head
           ``h // (H // Hkv)``).
         - `value`: ``[B, Hkv, Lk, Dv]``.
         - `bias`: additive logits bias broadcasting to ``[B, H, Lq, Lk]``; differentiable.
-        - `sinks`: extra logits joining every row's softmax denominator with a zero value:
-          ``[S]`` shared by all heads, ``[H]`` one per head, or ``[H, S]``; differentiable.
+        - `sinks`: extra logits joining every row's softmax denominator with a zero value;
+          differentiable. Every entry point reads their shape this way: ``[H]`` one per head;
+          ``[Hkv]`` (when ``Hkv != H``) one per kv head, shared by its ``H // Hkv`` query
+          heads; any other length ``[S]`` shared by all heads; ``[H, S]``, or ``[Hkv, S]`` per
+          kv head. (``S`` sinks shared by all heads when ``S == Hkv``:
+          ``jnp.broadcast_to(sinks, (H, S))``.)
         - `q_segment_ids`, `kv_segment_ids`: ``[B, L]`` (or ``[L]``) ints; a query sees a key
           only when their ids are equal and non-negative (``-1`` marks padding).
         - `q_positions`, `kv_positions`: ``[B, L]`` (or ``[L]``) ints; positional masks act on
@@ -363,17 +492,25 @@ class BlockSparseAttention(eqx.Module):
           `jax.nn.dot_product_attention`). It rides on the segment ids, so new lengths never
           recompile and padding blocks are skipped.
         - `purify`: zero the output rows of padded queries (``q_segment_ids < 0``).
+        - `return_lse`: also return each row's log-sum-exp (below); needs an unsharded module
+          and a kernel that returns it (an `AbstractLseKernel`: the selector picks one, a
+          named kernel that is not one is refused).
 
         **Returns:** ``[B, H, Lq, Dv]`` (or ``[H, Lq, Dv]``) in the query dtype; a query that
-        sees no key gets zeros.
+        sees no key gets zeros. With `return_lse`, ``(out, lse)``: `lse` ``[B, H, Lq]`` (or
+        ``[H, Lq]``, in every `qkv_layout`) float32, the natural log of each row's softmax
+        denominator, ``log(sum_j exp(s_ij) + sum_s exp(sink_s))`` over the keys the row sees,
+        ``-inf`` on a row that sees no key (and on purified rows); differentiable, with the
+        kernel's own gradient (`eqx_bsattn.contract.public_lse`'s convention).
         """
         data = dict(bias=bias, sinks=sinks, q_segment_ids=q_segment_ids,
                     kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                     kv_positions=kv_positions, kv_seq_lengths=kv_seq_lengths)
 
         def attend(query, key, value, data):
-            plan = self._plan(query, key, value, **data)
-            return run_plan(plan, query, key, value, self.sharding, self.logits_soft_cap, purify)
+            plan = self._plan(query, key, value, return_lse=return_lse, **data)
+            return run_plan(plan, query, key, value, self.sharding, self.logits_soft_cap, purify,
+                            return_lse=return_lse)
 
         return on_auto_axes(attend, query, key, value, *jax.tree.leaves(data))(
             query, key, value, data)
@@ -401,8 +538,10 @@ def _hide_padding(mask: CompiledMask, inputs: AttentionInputs, query, key, value
             keep(value, inputs.kv_segment_ids))
 
 
-def run_plan(plan: CallPlan, query, key, value, sharding, logits_soft_cap, purify: bool):
-    """Run a `CallPlan` (batching unbatched inputs, hiding padding, sharding, purify)."""
+def run_plan(plan: CallPlan, query, key, value, sharding, logits_soft_cap, purify: bool, *,
+             return_lse: bool = False):
+    """Run a `CallPlan` (batching unbatched inputs, hiding padding, sharding, purify); with
+    `return_lse` (unsharded: `_plan` has refused the rest), ``(out, lse)``."""
     if purify and plan.inputs.q_segment_ids is None:
         raise ValueError("`purify=True` zeroes rows whose q_segment_ids are negative: pass segment ids.")
     batched = query.ndim == 4
@@ -418,8 +557,14 @@ def run_plan(plan: CallPlan, query, key, value, sharding, logits_soft_cap, purif
             softmax_scale=plan.softmax_scale, logits_soft_cap=logits_soft_cap,
         )
 
-    out = sharding.wrap(attend)(query, key, value, plan.inputs, plan.mask)
+    if return_lse:
+        out, lse = attend(query, key, value, plan.inputs, plan.mask, return_lse=True)
+    else:
+        out, lse = sharding.wrap(attend)(query, key, value, plan.inputs, plan.mask), None
     if purify:
-        padded = (plan.inputs.q_segment_ids < 0)[:, None, :, None]
-        out = jnp.where(padded, jnp.zeros((), out.dtype), out)
-    return out if batched else out[0]
+        padded = (plan.inputs.q_segment_ids < 0)[:, None, :]
+        out = jnp.where(padded[..., None], jnp.zeros((), out.dtype), out)
+        lse = None if lse is None else jnp.where(padded, -jnp.inf, lse)
+    if not batched:
+        out, lse = out[0], None if lse is None else lse[0]
+    return out if lse is None else (out, lse)

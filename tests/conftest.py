@@ -233,11 +233,15 @@ def np_visibility(mask, *, batch, heads, q_len, kv_len, q_pos=None, kv_pos=None,
 # The float64 attention oracle.
 
 
-def _sinks_hs(sinks, heads):
-    """Bring sinks to [H, S] by the documented rule ([S] shared, [H] per head, [H, S])."""
+def _sinks_hs(sinks, heads, kv_heads=None):
+    """Bring sinks to [H, S] by the documented rule ([H] per head, [Hkv] per kv head when
+    Hkv != H, any other [S] shared, [H, S], [Hkv, S] per kv head)."""
+    kv_heads = heads if kv_heads is None else kv_heads
     if sinks is None:
         return None
     sinks = np.asarray(sinks, np.float64)
+    if kv_heads != heads and sinks.shape[0] == kv_heads:
+        return np.repeat(sinks.reshape(kv_heads, -1), heads // kv_heads, axis=0)
     if sinks.ndim == 1 and sinks.shape[0] == heads:
         return sinks[:, None]
     if sinks.ndim == 1:
@@ -260,7 +264,7 @@ def np_attention(q, k, v, visible, *, scale=None, bias=None, sinks=None, soft_ca
     visible = np.broadcast_to(np.asarray(visible, bool), (b, h, lq, k.shape[2]))
     bias = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64),
                                                      (b, h, lq, k.shape[2]))
-    sinks = _sinks_hs(sinks, h)
+    sinks = _sinks_hs(sinks, h, hkv)
     for bi in range(b):
         for hi in range(h):
             g = hi // (h // hkv)
@@ -351,7 +355,9 @@ def jnp_attention_f64(q, k, v, visible, *, scale=None, bias=None, sinks=None, so
     vis = jnp.broadcast_to(jnp.asarray(visible), (b, h, lq, lk))
     row_max = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1, keepdims=True)
     if sinks is not None:
-        if sinks.ndim == 1 and sinks.shape[0] == h:
+        if hkv != h and sinks.shape[0] == hkv:  # per kv head
+            sinks = jnp.repeat(sinks.reshape(hkv, -1), group, axis=0)
+        elif sinks.ndim == 1 and sinks.shape[0] == h:
             sinks = sinks[:, None]
         elif sinks.ndim == 1:
             sinks = jnp.broadcast_to(sinks[None], (h, sinks.shape[0]))

@@ -102,7 +102,8 @@ CASES = [
     ("int bias", _call(Q, K, V, bias=np.zeros((L, L), np.int32)), TypeError,
      "`bias` must be a floating array; got dtype int32."),
     ("sinks shape", _call(Q, K, V, sinks=np.zeros((3, 2), np.float32)), ValueError,
-     "`sinks` must have shape [num_sinks] (shared by all heads), [4] (one per head) or [4, num_sinks]; got (3, 2)."),
+     "`sinks` must have shape [num_sinks] (shared by all heads), [4] (one per head), [2] (one "
+     "per kv head), [4, num_sinks] or [2, num_sinks]; got (3, 2)."),
     ("softmax_aux shape", lambda: bsa.blocksparse_attention(Q, K, V, np.zeros((3, 2), np.float32)),
      ValueError,
      "`softmax_aux` (sinks) must have shape [num_sinks]"),

@@ -270,7 +270,7 @@ def test_tree_at_needs_no_is_leaf_and_swap_strategy_reaches_the_tiling():
     (lambda q, k, v: (q, k, v[:3]), "`key_` and `value` must have the same length; got shapes "
      "(56, 32) and (3, 32)."),
     (lambda q, k, v: (q, k, v, np.ones((3, 56), bool)), "`mask` must have shape [40, 56] or "
-     "[4, 40, 56] ([num_heads,] q_len, kv_len); got (3, 56)."),
+     "[4 or 1, 40, 56] ([num_heads,] q_len, kv_len); got (3, 56)."),
 ], ids=["no queries", "no keys", "batched", "value channels", "query channels", "lengths",
         "mask shape"])
 def test_layer_errors_are_one_line(args, message):

@@ -4,6 +4,7 @@ per-head `mask_builder` form, `kv_segment_ids` defaulting to `q_segment_ids`, `q
 names and `MaskInfo`."""
 
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -297,8 +298,8 @@ def test_key_padding_attention_mask(qkv, spelled):
 
 def test_softmax_aux_of_kv_head_length_is_one_sink_per_kv_head(qkv):
     """ejKernel's XLA backend reads `softmax_aux` of length ``Hkv`` (``!= H``) as one sink per
-    kv head, repeated over its query heads (and ``[Hkv, S]`` likewise); this door does too.
-    The module, whose `sinks` of any length but ``H`` are shared, warns at that length."""
+    kv head, repeated over its query heads (and ``[Hkv, S]`` likewise); so does every entry
+    point here: the module's `sinks` agree with the function, without a warning."""
     q, k, v = qkv
     aux = random_array(5, (HKV,)) * 3.0
     out = bsa.blocksparse_attention(q, k, v, aux, platform="reference")
@@ -309,6 +310,10 @@ def test_softmax_aux_of_kv_head_length_is_one_sink_per_kv_head(qkv):
     want2 = np_attention(q, k, v, _causal(), sinks=np.repeat(np.asarray(aux2), H // HKV, 0))
     assert_close(out2, want2, 2e-5)
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=bsa.kernels.DenseReference())
-    with pytest.warns(UserWarning, match=r"read as 2 sinks shared by all 4 heads"):
-        shared = attn(q, k, v, sinks=aux)
-    assert_close(shared, np_attention(q, k, v, _causal(), sinks=np.asarray(aux)), 2e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_close(attn(q, k, v, sinks=aux), out, 1e-6)
+        assert_close(attn(q, k, v, sinks=aux2), out2, 1e-6)
+    shared = attn(q, k, v, sinks=jnp.broadcast_to(aux, (H, HKV)))  # HKV sinks shared by all
+    want_shared = np_attention(q, k, v, _causal(), sinks=np.broadcast_to(aux, (H, HKV)))
+    assert_close(shared, want_shared, 2e-5)

@@ -58,7 +58,8 @@ class ALiBi(AbstractScore):
     - `slopes`: ``[H]`` floats, one per query head; ``None`` (default) takes the standard
       geometric sequence for the call's head count (`alibi_slopes`).
     - `learned`: whether `slopes` are trained (their gradient flows); default ``False``, the
-      slopes are constants (a zero gradient). Learned slopes must be given.
+      slopes are constants (a zero gradient). Learned slopes are given, or filled with the
+      standard ones by `MultiheadBlockSparseAttention`, which knows its head count.
 
     A key behind the query (``k_pos < q_pos``) gets a negative bias growing with its distance.
 
@@ -74,13 +75,15 @@ class ALiBi(AbstractScore):
     def __init__(self, slopes=None, learned: bool = False):
         if not isinstance(learned, bool):
             raise TypeError(f"`learned` must be a bool; got {type(learned).__name__}.")
-        if slopes is None and learned:
-            raise ValueError("`slopes` must be given when `learned=True` (they are trained "
-                             "from them), e.g. ALiBi(alibi_slopes(num_heads), learned=True).")
         self.slopes = None if slopes is None else _float_array("slopes", slopes, "[heads]", 1)
         self.learned = learned
 
     def compile(self, num_heads: int) -> ScoreTerms:
+        if self.slopes is None and self.learned:
+            raise ValueError(
+                "ALiBi(learned=True) needs its initial `slopes`, e.g. ALiBi(alibi_slopes("
+                f"{num_heads}), learned=True) (MultiheadBlockSparseAttention fills them)."
+            )
         if self.slopes is None:  # NumPy: constants, which the call checks on the host
             return ScoreTerms(slopes=alibi_slopes(num_heads))
         if self.slopes.shape[0] != num_heads:
