@@ -150,7 +150,8 @@ class ScoreTerm:
     takes_params: bool = False
 
     @classmethod
-    def of(cls, fn: Callable, takes_params: bool = False, *, what: str = "ScoreFunction") -> "ScoreTerm":
+    def of(cls, fn: Callable, takes_params: bool = False, *,
+           what: str = "ScoreFunction") -> "ScoreTerm":
         """The term calling `fn`, whose signature is read once here: a one-line `TypeError`
         names the expected signature when its positional parameters do not fit."""
         if isinstance(fn, ScoreTerm):
@@ -314,7 +315,9 @@ def describe_score(terms: ScoreTerms | None) -> str:
         parts.append(f"relative_bias ({b.num_buckets} buckets, bidirectional={b.bidirectional}, "
                      f"max_distance={b.max_distance})")
     for term in terms.function_terms:
-        params = "" if not term.takes_params else f", params {len(jax.tree.leaves(terms.params))} arrays"
+        params = ""
+        if term.takes_params:
+            params = f", params {len(jax.tree.leaves(terms.params))} arrays"
         parts.append(f"function {term.__name__}{params}")
     return ", ".join(parts)
 

@@ -55,6 +55,18 @@ def fits(sig: Signature | None, positional: int) -> bool:
     return not flex and 0 <= sig.required <= positional <= sig.capacity
 
 
+def check_flex(fn, what: str, names: str, params) -> None:
+    """Raise the one-line `TypeError` unless `fn` (the argument `what`) is callable and takes
+    FlexAttention's positional arguments `names` (``"b, h, q_idx, kv_idx"``), then ``params``
+    where `params` is not ``None``."""
+    if not callable(fn):
+        raise TypeError(f"`{what}` must be callable; got {type(fn).__name__}.")
+    sig = read_signature(fn, ())
+    want = names.split(", ") + ([] if params is None else ["params"])
+    if sig is not None and not 0 <= sig.required <= len(want) <= sig.capacity:
+        raise TypeError(f"`{what}` must take ({', '.join(want)}); got {sig.text}.")
+
+
 def params_tree(params):
     """`params` with every leaf a jnp array (NumPy arrays and Python numbers converted); a
     one-line `TypeError` names a leaf that is not numeric."""

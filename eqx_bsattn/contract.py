@@ -90,6 +90,7 @@ from ._sharding import (
     typed_like as typed_like,
 )
 from ._signature import (
+    check_flex as check_flex,
     fits as fits,
     params_tree as params_tree,
     read_signature as read_signature,

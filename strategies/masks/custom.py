@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from eqx_bsattn.contract import (
     AbstractBlockMask,
     AbstractMask,
+    check_flex,
     fits,
     params_tree,
     read_signature,
@@ -126,13 +127,7 @@ def from_flex(mask_mod: Callable, params: Any = None) -> Predicate:
     mask = masks.from_flex(sliding_window_causal)
     ```
     """
-    if not callable(mask_mod):
-        raise TypeError(f"`mask_mod` must be callable; got {type(mask_mod).__name__}.")
-    sig = read_signature(mask_mod, ())
-    n = 5 if params is not None else 4
-    if sig is not None and not 0 <= sig.required <= n <= sig.capacity:
-        want = "(b, h, q_idx, kv_idx" + (", params" if params is not None else "") + ")"
-        raise TypeError(f"`mask_mod` must take {want}; got {sig.text}.")
+    check_flex(mask_mod, "mask_mod", "b, h, q_idx, kv_idx", params)
     zero = jnp.zeros((), jnp.int32)
     if reads_first_argument(mask_mod, params, lambda b: (b, zero)):
         raise TypeError(f"`mask_mod` {getattr(mask_mod, '__name__', '')} reads the batch index "

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_bsattn.contract import params_tree, read_signature
+from eqx_bsattn.contract import check_flex
 
 from .builtin import ScoreFunction
 
@@ -44,13 +44,7 @@ def from_flex(score_mod: Callable, params: Any = None) -> ScoreFunction:
     score = scores.from_flex(relative_positional)
     ```
     """
-    if not callable(score_mod):
-        raise TypeError(f"`score_mod` must be callable; got {type(score_mod).__name__}.")
-    sig = read_signature(score_mod, ())
-    n = 6 if params is not None else 5
-    if sig is not None and not 0 <= sig.required <= n <= sig.capacity:
-        want = "(score, b, h, q_idx, kv_idx" + (", params" if params is not None else "") + ")"
-        raise TypeError(f"`score_mod` must take {want}; got {sig.text}.")
+    check_flex(score_mod, "score_mod", "score, b, h, q_idx, kv_idx", params)
     score = ScoreFunction(_FlexScore(score_mod), params)
     if _masks_only(score_mod, score.params):
         warnings.warn(f"`score_mod` {getattr(score_mod, '__name__', '')} only keeps the score or "
