@@ -16,6 +16,7 @@ class Signature(NamedTuple):
     required: int  # positional parameters without a default (-1: a keyword-only one we never pass)
     capacity: float  # positional parameters it takes (``inf`` with ``*args``)
     keywords: frozenset  # the optional keywords it takes, of those offered
+    named: frozenset  # those of `keywords` its signature names (not through ``**kwargs``)
     names: tuple[str, ...]  # its positional parameters' names
     text: str  # ``name(params)``, for errors
 
@@ -28,10 +29,11 @@ def read_signature(fn, keywords: tuple[str, ...]) -> Signature | None:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
-    required, capacity, names, taken = 0, 0.0, [], set()
+    required, capacity, names, taken, named = 0, 0.0, [], set(), set()
     for p in sig.parameters.values():
         if p.name in keywords and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
             taken.add(p.name)
+            named.add(p.name)
         elif p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             capacity += 1
             names.append(p.name)
@@ -43,7 +45,8 @@ def read_signature(fn, keywords: tuple[str, ...]) -> Signature | None:
         elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
             required = -1
     name = getattr(fn, "__name__", None) or type(fn).__name__
-    return Signature(required, capacity, frozenset(taken), tuple(names), f"{name}{sig}")
+    return Signature(required, capacity, frozenset(taken), frozenset(named), tuple(names),
+                     f"{name}{sig}")
 
 
 def fits(sig: Signature | None, positional: int) -> bool:

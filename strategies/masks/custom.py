@@ -64,7 +64,7 @@ class Predicate(AbstractMask):
             raise TypeError(f"Predicate needs a callable; got {type(fn).__name__}.")
         sig = read_signature(fn, ("head", "batch"))
         want = "(q_pos, k_pos" + (", params" if params is not None else "") + ")"
-        if sig is not None and "batch" in sig.keywords and "batch" in sig.text:
+        if sig is not None and "batch" in sig.named:
             raise TypeError(f"Predicate's `fn` takes `batch`, which masks do not receive; got "
                             f"{sig.text}: per-sequence data goes in segment ids "
                             f"(masks.Document) or positions.")
@@ -129,15 +129,15 @@ def from_flex(mask_mod: Callable, params: Any = None) -> Predicate:
     """
     check_flex(mask_mod, "mask_mod", "b, h, q_idx, kv_idx", params)
     zero = jnp.zeros((), jnp.int32)
-    if reads_first_argument(mask_mod, params, lambda b: (b, zero)):
+    if _reads_argument(mask_mod, params, lambda b: (b, zero)):
         raise TypeError(f"`mask_mod` {getattr(mask_mod, '__name__', '')} reads the batch index "
                         f"`b`, which masks do not receive: pass per-sequence data as segment "
                         f"ids (masks.Document) or positions.")
-    by_head = reads_first_argument(mask_mod, params, lambda h: (zero, h))
+    by_head = _reads_argument(mask_mod, params, lambda h: (zero, h))
     return Predicate((_FlexHeadMask if by_head else _FlexMask)(mask_mod), params)
 
 
-def reads_first_argument(fn: Callable, params, lead) -> bool:
+def _reads_argument(fn: Callable, params, lead) -> bool:
     """Whether `fn(*lead(x), q_idx, kv_idx[, params])` depends on the int32 scalar ``x`` (read
     from its jaxpr on a 2 x 2 tile: an argument that reaches no equation is not read)."""
     idx = jnp.arange(2, dtype=jnp.int32)
