@@ -6,10 +6,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-#: Parameter names that mark a FlexAttention ``score_mod`` / ``mask_mod``.
-FLEX_NAMES = frozenset({"b", "h", "q_idx", "kv_idx"})
-
-
 class Signature(NamedTuple):
     """What a strategy needs of a user function's parameters."""
 
@@ -51,10 +47,10 @@ def read_signature(fn, keywords: tuple[str, ...]) -> Signature | None:
 
 def fits(sig: Signature | None, positional: int) -> bool:
     """Whether `fn` takes exactly `positional` positional arguments (and looks like no
-    FlexAttention function, whose index names say so)."""
+    FlexAttention function: no parameters ``b, h`` in a row)."""
     if sig is None:
         return True
-    flex = "kv_idx" in sig.names and FLEX_NAMES & set(sig.names[:-1])
+    flex = any(sig.names[i:i + 2] == ("b", "h") for i in range(len(sig.names)))
     return not flex and 0 <= sig.required <= positional <= sig.capacity
 
 
