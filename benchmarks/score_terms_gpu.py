@@ -8,7 +8,9 @@ forward+backward at 16k tokens, causal and causal window 1024).
 
 For each mask (``causal``, ``window``: causal and a window of `--window` keys) and each score
 (``none``, ``alibi``: learned slopes, ``relative``: a learned `--buckets`-bucket causal T5
-table, ``both``: slopes and table together), the median wall time of a jitted forward and of a
+table, ``both``: slopes and table together, ``function``: ALiBi's standard slopes written as
+a `scores.ScoreFunction`, ``positions``: no score, but per-call positions, the token indices
+passed as ``q_positions`` / ``kv_positions``), the median wall time of a jitted forward and of a
 forward+backward (gradients of q, k, v and the learned arrays), and the ratio to ``none``,
 for each kernel of `--kernel` (a kernel that declines a score gives an error row). Our scores
 of one mask and kernel are compiled first, then timed in turn, `--rounds` times (each time the
@@ -19,7 +21,9 @@ FlexAttention runs the same masks and score_mods as a peer when torch with CUDA 
 of q, k, v and the captured slopes / table).
 With `--device-times`, each of our rows also gives where its device time goes: the mean
 microseconds per call of each GPU kernel (the kernels' own launches and XLA's, by name), from a
-`jax.profiler` trace of `--reps` calls; unlike the wall times, these hold no dispatch.
+`jax.profiler` trace of `--reps` calls; unlike the wall times, these hold no dispatch. A last
+table then gives the ratios of the rows' device times (``alibi / none``, ``function / none``,
+``function / alibi``, ``positions / none``), forward and forward+backward.
 Not a test: numbers depend on the machine. On a CPU, ``--kernel XlaBlockSparse`` with small
 sizes runs the same code (tests/test_bench.py does).
 """
@@ -47,7 +51,12 @@ from eqx_bsattn.bench import environment
 from eqx_bsattn.contract import AbstractScore, ScoreTerms
 
 MASKS = ("causal", "window")
-SCORES = ("none", "alibi", "relative", "both")
+SCORES = ("none", "alibi", "relative", "both", "function", "positions")
+#: The scores FlexAttention's peer runs (`benchmarks/flex_peer.py`).
+FLEX_SCORES = ("none", "alibi", "relative", "both")
+#: The device-time ratios of the last table: (row, the row it is divided by).
+DEVICE_RATIOS = (("alibi", "none"), ("function", "none"), ("function", "alibi"),
+                 ("positions", "none"))
 #: Issue 27's bounds on the ratio to the same call without score terms.
 TARGET = {"fwd": 1.10, "fwdbwd": 1.15}
 
@@ -61,6 +70,26 @@ class SlopesAndTable(AbstractScore):
     def compile(self, num_heads: int) -> ScoreTerms:
         table = self.relative.compile(num_heads)
         return ScoreTerms(slopes=self.slopes, table=table.table, buckets=table.buckets)
+
+
+class AlibiFunction:
+    """ALiBi with the standard slopes of `heads` heads (``2^(-8 (h + 1) / heads)``, as
+    `scores.alibi_slopes` gives them for a power of two), written as a score function:
+    ``fn(score, head, q_pos, k_pos)``. Equal for equal `heads` (a score function is part of
+    the module's static identity)."""
+
+    def __init__(self, heads: int):
+        self.heads = heads
+
+    def __eq__(self, other):
+        return isinstance(other, AlibiFunction) and other.heads == self.heads
+
+    def __hash__(self):
+        return hash((AlibiFunction, self.heads))
+
+    def __call__(self, score, head, q_pos, k_pos):
+        exponent = (jnp.asarray(head).astype(jnp.float32) + 1.0) * (-8.0 / self.heads)
+        return score + jnp.exp2(exponent) * (k_pos - q_pos).astype(jnp.float32)
 
 
 def parse_args(argv=None):
@@ -115,7 +144,9 @@ def _score(name: str, arrays: dict, args):
     relative = scores.RelativePositionBias(arrays["table"], bidirectional=False,
                                            max_distance=args.max_distance)
     return {"none": None, "alibi": scores.ALiBi(arrays["slopes"], learned=True),
-            "relative": relative, "both": SlopesAndTable(arrays["slopes"], relative)}[name]
+            "relative": relative, "both": SlopesAndTable(arrays["slopes"], relative),
+            "function": scores.ScoreFunction(AlibiFunction(args.heads)),
+            "positions": None}[name]
 
 
 def median_ms(fn, *xs, reps: int, sync=jax.block_until_ready) -> float:
@@ -171,10 +202,16 @@ def time_ours(args, kernel_name: str, mask_name: str, score_name: str, inputs):
     arrays = _arrays(args)
     kernel = getattr(kernels, kernel_name)()
 
+    data = {}
+    if score_name == "positions":
+        positions = jnp.broadcast_to(jnp.arange(args.length, dtype=jnp.int32),
+                                     (args.batch, args.length))
+        data = {"q_positions": positions, "kv_positions": positions}
+
     def attend(q, k, v, arrays):
         attn = bsa.BlockSparseAttention(mask=_mask(mask_name, args.window), kernel=kernel,
                                         score=_score(score_name, arrays, args))
-        return attn(q, k, v)
+        return attn(q, k, v, **data)
 
     fwd = jax.jit(attend)
     fwdbwd = jax.jit(lambda q, k, v, arrays, do: jax.vjp(attend, q, k, v, arrays)[1](do))
@@ -210,7 +247,8 @@ def flex_records(args) -> list[dict] | None:
                    path, "--batch", str(args.batch), "--heads", str(args.heads),
                    "--kv-heads", str(args.kv_heads), "--length", str(args.length),
                    "--dim", str(args.dim), "--dtype", args.dtype, "--window", str(args.window),
-                   "--reps", str(args.reps), "--masks", *args.masks, "--scores", *args.scores,
+                   "--reps", str(args.reps), "--masks", *args.masks,
+                   "--scores", *[name for name in args.scores if name in FLEX_SCORES],
                    *(["--learned"] if args.flex_learned else [])]
         done = subprocess.run(command, capture_output=True, text=True)
     records = [json.loads(line[len("RECORD "):]) for line in done.stdout.splitlines()
@@ -259,6 +297,23 @@ def _device_table(records: list[dict], top: int = 6) -> str:
                                 for name, us in list(kernels_us.items())[:top])
             lines.append(f"| {r['impl']} | {r['mask']} | {r['score']} | {key} | "
                          f"{sum(kernels_us.values()):.1f} | {largest} |")
+    return "\n".join(lines)
+
+
+def _device_ratio_table(records: list[dict]) -> str:
+    """`DEVICE_RATIOS` of our rows' device times per call (all kernels summed), forward and
+    forward+backward, per kernel and mask."""
+    total = {(r["impl"], r["mask"], r["score"]): {key: sum(us.values())
+                                                  for key, us in r["device_us"].items()}
+             for r in records if "device_us" in r}
+    lines = ["| impl | mask | ratio | fwd | fwd+bwd |", "| --- | --- | --- | --- | --- |"]
+    for impl, mask in dict.fromkeys((i, m) for i, m, _ in total):
+        for top, bottom in DEVICE_RATIOS:
+            a, b = total.get((impl, mask, top)), total.get((impl, mask, bottom))
+            if a is None or b is None or not (b["fwd"] and b["fwdbwd"]):
+                continue  # a row missing, or no device time (no GPU)
+            lines.append(f"| {impl} | {mask} | {top} / {bottom} | "
+                         f"{a['fwd'] / b['fwd']:.3f} | {a['fwdbwd'] / b['fwdbwd']:.3f} |")
     return "\n".join(lines)
 
 
@@ -315,6 +370,7 @@ def main(argv=None) -> None:
     print(_table(records))
     if args.device_times:
         print("\n" + _device_table(records))
+        print("\nDevice-time ratios\n\n" + _device_ratio_table(records))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "environment": environment(), "records": records}, f,

@@ -15,6 +15,7 @@ from ._autotune import (
     autotune as autotune,
 )
 from ._compile import CompiledMask as CompiledMask, ResolvedMask as ResolvedMask
+from ._compile_cache import enable_compilation_cache as enable_compilation_cache
 from ._inputs import AttentionInputs as AttentionInputs, MaskInfo as MaskInfo
 from ._kernel import (
     AbstractBroadcastBiasKernel as AbstractBroadcastBiasKernel,

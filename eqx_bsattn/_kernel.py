@@ -2,7 +2,7 @@
 
 import abc
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.interpreters.ad  # noqa: F401  (JVPTracer)
@@ -47,6 +47,11 @@ class Features:
     in_loop: bool = False
     #: The score terms the call adds (`ScoreTerms.kinds`): e.g. ``("alibi",)``; ``()``: none.
     score: tuple[str, ...] = ()
+    #: The call's score function (`ScoreTerms.function`, a hashable `ScoreTerm`) or ``None``,
+    #: and whether it reads `ScoreTerms.params`: a kernel that traces the function may check
+    #: it at plan time.
+    score_function: Any = None
+    score_params: bool = False
 
 
 def sink_logsumexp(sinks):

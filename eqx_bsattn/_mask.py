@@ -3,13 +3,18 @@ as the in-kernel terms a GPU or TPU kernel evaluates inside a partial block."""
 
 import abc
 import dataclasses
+import inspect
+import threading
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_origin
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from equinox import AbstractClassVar, AbstractVar
 from jaxtyping import Array, Bool, Int
+
+from ._strategy import _DECLARED_ABSTRACT, _abstract_class_vars
 
 #: Block classes, as stored in :class:`eqx_bsattn.BlockLayout` ``classes``.
 EMPTY = 0  # no pair of the block attends: the kernel skips it
@@ -131,7 +136,129 @@ class MaskTerms:
         return dataclasses.replace(self, tables=())
 
 
-class AbstractMask(eqx.Module):
+# --- Masks as values: a pytree leaf unless they hold arrays ------------------------------------
+
+_initialising = threading.local()
+
+
+def _abstract_vars(cls: type) -> frozenset[str]:
+    """The names `cls` or a base annotates `eqx.AbstractVar[...]` that no class has defined
+    since (as a field, a class variable or a property): equinox's rule, for masks."""
+    names: set[str] = set()
+    for klass in reversed(cls.__mro__):
+        annotations = inspect.get_annotations(klass)
+        names |= {name for name, annotation in annotations.items()
+                  if get_origin(annotation) is AbstractVar and name not in vars(klass)}
+        names -= vars(klass).keys()
+        names -= {name for name, annotation in annotations.items()
+                  if get_origin(annotation) not in (AbstractVar, AbstractClassVar)}
+    return frozenset(names)
+
+
+def _holds_arrays(mask) -> bool:
+    values = [getattr(mask, f.name) for f in dataclasses.fields(mask)
+              if not f.metadata.get("static", False)]
+    return any(eqx.is_array(leaf) for leaf in jax.tree_util.tree_leaves(values))
+
+
+class _MaskMeta(abc.ABCMeta):
+    """Makes each mask class a dataclass, and each mask a pytree leaf unless it holds arrays.
+
+    A mask that holds no array (every built-in mask but `ArrayMask`, and any combination of
+    them) is one leaf that is not an array, like a kernel or a tiling: swapping it with
+    `eqx.tree_at` keeps the structure of the model, of its gradients and of an optimizer state
+    built from it, and `eqx.filter_jit` treats it as static (hashed by value). A mask that holds
+    arrays is an instance of its class's pytree twin (a registered subclass): its non-static
+    fields are children, so `jit` traces its arrays and new values never recompile.
+    """
+
+    def __new__(mcs, name, bases, namespace, *, pytree_twin_of=None, is_abstract=False,
+                **kwargs):
+        cls = super().__new__(mcs, name, bases, namespace, **kwargs)
+        if pytree_twin_of is not None:
+            return cls
+        if is_abstract:  # equinox's keyword: abstract although nothing is left undefined
+            _DECLARED_ABSTRACT.add(cls)
+        cls.__abstractclassvars__ = _abstract_class_vars(cls)
+        cls.__abstractvars__ = _abstract_vars(cls)
+        own = inspect.get_annotations(cls)
+        # Abstract variables are declarations, not fields (equinox's rule).
+        cls.__annotations__ = {n: a for n, a in own.items()
+                               if get_origin(a) not in (AbstractVar, AbstractClassVar)}
+        custom_init = "__init__" in namespace or any(
+            getattr(base, "__mask_custom_init__", False) for base in bases)
+        dataclasses.dataclass(init=not custom_init, eq=False, repr=False)(cls)
+        cls.__annotations__ = own
+        cls.__mask_custom_init__ = custom_init
+        cls.__mask_value_class__ = cls
+        cls.__mask_pytree_class__ = _pytree_twin(mcs, cls)
+        return cls
+
+    def __call__(cls, *args, **kwargs):
+        cls = cls.__mask_value_class__
+        if cls in _DECLARED_ABSTRACT:
+            raise TypeError(f"Can't instantiate abstract class {cls.__name__}.")
+        if cls.__abstractvars__ or cls.__abstractclassvars__:
+            missing = ", ".join(sorted(cls.__abstractvars__ | cls.__abstractclassvars__))
+            raise TypeError(f"Can't instantiate abstract class {cls.__name__} without "
+                            f"{missing}.")
+        self = cls.__new__(cls)
+        pending = _initialising.__dict__.setdefault("ids", set())
+        pending.add(id(self))
+        try:
+            cls.__init__(self, *args, **kwargs)
+        finally:
+            pending.discard(id(self))
+        for field in dataclasses.fields(cls):
+            try:
+                object.__setattr__(self, field.name, getattr(self, field.name))  # or its default
+            except AttributeError:
+                raise TypeError(
+                    f"{cls.__name__}: field {field.name!r} was not initialised.") from None
+            converter = field.metadata.get("converter")
+            if converter is not None:
+                object.__setattr__(self, field.name, converter(getattr(self, field.name)))
+        for klass in reversed(cls.__mro__):
+            check = vars(klass).get("__check_init__")
+            if check is not None:
+                check(self)
+        if _holds_arrays(self):
+            object.__setattr__(self, "__class__", cls.__mask_pytree_class__)
+        return self
+
+
+def _pytree_twin(meta: type, cls: type) -> type:
+    """`cls`'s pytree twin: a subclass registered with JAX, whose instances are the masks of
+    class `cls` that hold arrays (non-static fields are children, static ones auxiliary)."""
+    twin = meta.__new__(meta, cls.__name__, (cls,), {
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+    }, pytree_twin_of=cls)
+    fields = dataclasses.fields(cls)
+    dynamic = tuple(f.name for f in fields if not f.metadata.get("static", False))
+    static = tuple(f.name for f in fields if f.metadata.get("static", False))
+
+    def flatten(mask):
+        return [getattr(mask, n) for n in dynamic], tuple(getattr(mask, n) for n in static)
+
+    def flatten_with_keys(mask):
+        children = [(jax.tree_util.GetAttrKey(n), getattr(mask, n)) for n in dynamic]
+        return children, tuple(getattr(mask, n) for n in static)
+
+    def unflatten(aux, children):
+        mask = object.__new__(twin)
+        for name, value in (*zip(dynamic, children), *zip(static, aux)):
+            object.__setattr__(mask, name, value)
+        return mask
+
+    jax.tree_util.register_pytree_with_keys(twin, flatten_with_keys, unflatten, flatten)
+    return twin
+
+
+def _short(value) -> str:
+    return eqx.tree_pformat(value, short_arrays=True) if eqx.is_array(value) else repr(value)
+
+
+class AbstractMask(metaclass=_MaskMeta):
     """Which (query, key) pairs attend.
 
     A mask answers up to three questions:
@@ -163,6 +290,31 @@ class AbstractMask(eqx.Module):
 
     reads_segment_ids: AbstractClassVar[bool]
     varies_by_head: AbstractVar[bool]
+
+    def __setattr__(self, name, value):
+        if id(self) not in getattr(_initialising, "ids", ()):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to field {name!r}: masks are immutable (use eqx.tree_at or "
+                "build a new mask).")
+        object.__setattr__(self, name, value)
+
+    def _values(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        if getattr(other, "__mask_value_class__", None) is not self.__mask_value_class__:
+            return False
+        return eqx.tree_equal(self._values(), other._values())
+
+    def __hash__(self):
+        return hash((self.__mask_value_class__, self._values()))
+
+    def __repr__(self):
+        fields = ", ".join(f"{f.name}={_short(getattr(self, f.name))}"
+                           for f in dataclasses.fields(self))
+        return f"{self.__mask_value_class__.__name__}({fields})"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -296,6 +296,9 @@ class BlockSparseAttention(eqx.Module):
             lse=self.sharding.needs_lse,
             in_loop=self.sharding.loops_kernel,
             score=() if inputs.score is None else inputs.score.kinds,
+            score_function=None if inputs.score is None else inputs.score.function,
+            score_params=bool(jax.tree.leaves(None if inputs.score is None
+                                              else inputs.score.params)),
         )
         if is_auto(self.kernel):
             choice = choose_kernel(resolved, features)

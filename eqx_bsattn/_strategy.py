@@ -58,7 +58,8 @@ class AbstractStrategy(abc.ABC):
     optimizer state built from them hold ``None`` there whichever strategy it is, and a model
     whose kernel was swapped with `eqx.tree_at` keeps the pytree structure of the optimizer
     state (and of its twin's gradients); `eqx.filter_jit` treats the leaf as static, so a swap
-    retraces. (Masks stay pytrees: they may hold per-call arrays, `masks.ArrayMask`.)
+    retraces. (Masks that hold no arrays are such leaves too; one that holds arrays,
+    `masks.ArrayMask`, is a pytree node, so that its arrays are traced.)
 
     Abstract members follow equinox: `abc.abstractmethod`, and `eqx.AbstractClassVar[T]` for a
     class variable every concrete subclass sets (a `ClassVar[T]` with a value); a class that

@@ -42,9 +42,9 @@ def _structure(tree):
     return jax.tree_util.tree_structure(tree, is_leaf=lambda x: x is None)
 
 
-def _array_paths(tree) -> list[str]:
+def _trainable_paths(tree) -> list[str]:
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return [jax.tree_util.keystr(path) for path, leaf in leaves if eqx.is_array(leaf)]
+    return [jax.tree_util.keystr(path) for path, leaf in leaves if eqx.is_inexact_array(leaf)]
 
 
 def swap_strategy(
@@ -52,15 +52,17 @@ def swap_strategy(
 ) -> tuple[Model, State]:
     """Swap a strategy in the middle of training, keeping the optimizer state.
 
-    Kernels, tilings and shardings are leaves of the model that are not arrays: an
-    optimizer state holds ``None`` there, so `eqx.tree_at` alone swaps them and the state stays
-    valid. A mask is a pytree node (it may hold per-call arrays): a new mask changes the
-    model's structure, not its parameters, and an optimizer state built from the model (for
-    example ``optim.init(eqx.filter(model, eqx.is_array))``) holds copies of that structure
+    Kernels, tilings, shardings and masks that hold no arrays are leaves of the model that are
+    not arrays: an optimizer state holds ``None`` there, so `eqx.tree_at` alone swaps them and
+    the state stays valid. A mask that holds arrays (`masks.ArrayMask`, or a combination with
+    one) is a pytree node: swapping it in or out changes the model's structure, not its
+    parameters, and an optimizer state built from the model (for example
+    ``optim.init(eqx.filter(model, eqx.is_inexact_array))``) holds copies of that structure
     (Adam's moments, say), so after an `eqx.tree_at` alone the next ``optim.update`` fails
     with "different types at key path ...". This swaps the strategy in the model and in
-    every copy of the model's structure inside `opt_state`; the arrays (the parameters and
-    the moments) are untouched. It takes any strategy, so one call works for all of them.
+    every copy of the model's structure inside `opt_state` (with ``None`` at the new mask's
+    arrays, which are not trained); the parameters and the moments are untouched. It takes
+    any strategy, so one call works for all of them.
 
     **Arguments:**
 
@@ -70,31 +72,33 @@ def swap_strategy(
       tuple of nodes.
     - `model`: the model being trained.
     - `replacement`: the new strategy (a tuple of them when `where` returns a tuple).
-    - `opt_state`: the optimizer state, built from the model or a filtered copy of it.
+    - `opt_state`: the optimizer state, built from the model or a filtered copy of it that
+      keeps only floating-point arrays (``eqx.is_inexact_array``, equinox's usual filter).
 
     **Returns:** ``(new_model, new_opt_state)``.
 
-    **Raises:** `ValueError` if the replaced node or its replacement holds arrays: their
-    optimizer state could not be carried over.
+    **Raises:** `ValueError` if the replaced node or its replacement holds arrays of floating
+    point (parameters): their optimizer state could not be carried over.
 
     ```python
     model, opt_state = bsa.swap_strategy(
-        lambda m: m.attention.attention.mask, model, bsa.masks.Causal(), opt_state)
+        lambda m: m.attention.attention.mask, model,
+        bsa.masks.Causal() & bsa.masks.ArrayMask(keep), opt_state)
     ```
     """
     old = where(model)
     for name, tree in (("the node `where` picks", old), ("`replacement`", replacement)):
-        paths = _array_paths(tree)
+        paths = _trainable_paths(tree)
         if paths:
             raise ValueError(
                 f"swap_strategy carries the optimizer state over only when the swap changes no "
-                f"arrays, but {name} holds arrays at {', '.join(paths)}; use `eqx.tree_at` and "
-                "re-initialise the optimizer instead."
+                f"parameters, but {name} holds arrays of floating point (parameters) at "
+                f"{', '.join(paths)}; use `eqx.tree_at` and re-initialise the optimizer instead."
             )
     new_model = eqx.tree_at(where, model, replacement)
     model_type = type(model)
     model_structure = _structure(model)
-    # In the state's copies, the replacement carries None where it has leaves (it has no arrays).
+    # In the state's copies, the replacement carries None where it has leaves (no parameters).
     replacement_in_state = jax.tree.map(lambda _: None, replacement)
 
     def is_model_copy(node) -> bool:

@@ -613,9 +613,24 @@ _CUDNN_RUNS = {"tiled_full", "tiled_causal", "tiled_causal_window",
                "tiled_causal_open_window", "tiled_gqa_long",
                "tiled_head_dim_80", "tiled_head_dim_96", "tiled_head_dim_128", "tiled_explicit",
                "tiled_explicit_dq"}
+def _mosaic_lowers(fn) -> bool:
+    """Whether Pallas Mosaic GPU lowers the score function `fn` with this JAX (its lowering
+    rules grow from version to version; no GPU needed)."""
+    try:
+        from eqx_bsattn.contract import ScoreTerm
+        from eqx_bsattn.strategies.kernels.mosaic.kernel import function_lowering_failure
+
+        return function_lowering_failure(ScoreTerm.of(fn)) is None
+    except ImportError:
+        return False
+
+
 #: MosaicBlockSparse: 16-bit, D = Dv in {64, 128}, masks with shared in-kernel terms, no
-#: positions or bias, ALiBi but no other score term.
-_MOSAIC_RUNS = {"tiled_full", "tiled_causal", "tiled_causal_window", "tiled_causal_open_window",
+#: bias, ALiBi and score functions that Mosaic GPU lowers but no other score term.
+_MOSAIC_RUNS = {"tiled_positions",
+                *(("tiled_score_function_positions",) if _mosaic_lowers(distance_and_scale)
+                  else ()),
+                "tiled_full", "tiled_causal", "tiled_causal_window", "tiled_causal_open_window",
                 "tiled_sinks_soft_cap", "tiled_fully_masked_rows_sinks", "tiled_gqa_long",
                 "tiled_symmetric_window", "tiled_chunked", "tiled_prefix",
                 "tiled_block_layout", "tiled_offset_window_chunk", "tiled_documents_window",

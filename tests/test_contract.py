@@ -191,12 +191,12 @@ def _load_examples():
 
 
 def _package_classes():
-    """Every class of the package that is a module or a strategy, in definition order."""
+    """Every class of the package that is a module, a strategy or a mask, in definition order."""
     seen = {}
     for module_name, module in list(sys.modules.items()):
         if module_name == "eqx_bsattn" or module_name.startswith("eqx_bsattn."):
             for obj in vars(module).values():
-                if inspect.isclass(obj) and issubclass(obj, (eqx.Module, bsa.AbstractStrategy)) \
+                if inspect.isclass(obj) and issubclass(obj, (eqx.Module, bsa.AbstractStrategy, bsa.AbstractMask)) \
                         and obj.__module__.startswith("eqx_bsattn"):
                     seen[obj] = None
     return list(seen)
@@ -229,7 +229,9 @@ def test_every_class_is_abstract_or_final():
         assert is_abstract(cls) == named, (
             f"{cls.__name__} is {'' if is_abstract(cls) else 'not '}abstract; abstract classes, "
             "and only they, are named AbstractX")
-        subclasses = [s for s in cls.__subclasses__() if s.__module__.startswith("eqx_bsattn")]
+        # A mask class's pytree twin (its instances that hold arrays) is the class itself.
+        subclasses = [s for s in cls.__subclasses__() if s.__module__.startswith("eqx_bsattn")
+                      and getattr(s, "__mask_value_class__", s) is s]
         if not is_abstract(cls):
             assert not subclasses, f"{cls.__name__} is concrete but subclassed by {subclasses}"
 

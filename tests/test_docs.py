@@ -218,7 +218,8 @@ def test_readme_says_how_to_run_the_notebooks_with_an_extra():
 
     text = " ".join((ROOT / "README.md").read_text().split())
     assert 'pip install -e ".[notebooks]"' in text
-    assert "jupyter execute --inplace notebooks/" in text
+    assert "--inplace" not in text  # it rewrites the committed notebook
+    _notebook_command()
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     for extra in ("notebooks", "dev"):
@@ -241,8 +242,72 @@ def test_notebook_is_committed_executed_with_its_pictures(path):
     assert not any("matplotlib.use(" in c.source for c in cells)
 
 
+def _notebook_command() -> str:
+    """The README's command that runs a notebook, `jupyter execute notebooks/<name>.ipynb
+    --output="$HOME/<name>"`: the executed copy goes to the home folder, not the checkout."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    found = re.findall(r'`(jupyter execute notebooks/(\w+)\.ipynb --output="\$HOME/\2")`', text)
+    assert len(found) == 1, "the README gives no single `jupyter execute` command"
+    return found[0][0]
+
+
+def _jupyter_shim(folder: pathlib.Path) -> pathlib.Path:
+    """A `jupyter` command in `folder` whose `execute` is nbclient's, run by this Python (so the
+    notebook's kernel imports the package under test, as in a user's environment)."""
+    import sys
+
+    folder.mkdir()
+    shim = folder / "jupyter"
+    shim.write_text(f"""#!/bin/sh
+[ "$1" = execute ] || exit 2
+shift
+exec "{sys.executable}" -c "import sys; from nbclient.cli import main; sys.exit(main())" "$@"
+""")
+    shim.chmod(0o755)
+    return folder
+
+
+def _tree_state() -> tuple[str, dict[str, bytes]]:
+    import subprocess
+
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout
+    return status, {str(p.relative_to(ROOT)): p.read_bytes()
+                    for p in (ROOT / "notebooks").rglob("*") if p.is_file()}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_readme_notebook_command_leaves_the_checkout_clean(tmp_path):
+    """The README's command as typed, on the quickest notebook, with a temporary home folder:
+    it executes every cell and writes the copy there, and git sees no change (`--inplace`,
+    the command it replaces, rewrote the committed notebook)."""
+    import shutil
+    import subprocess
+
+    import nbformat
+
+    if shutil.which("git") is None or shutil.which("bash") is None:
+        pytest.skip("needs git and bash")
+    command = _notebook_command()
+    name = re.search(r"notebooks/(\w+)\.ipynb", command).group(1)
+    command = command.replace(name, "quickstart")
+    before = _tree_state()
+    shim = _jupyter_shim(tmp_path / "bin")
+    env = {**os.environ, "HOME": str(tmp_path),
+           "PATH": os.pathsep.join([str(shim), os.environ.get("PATH", "")])}
+    done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _tree_state() == before, "running a notebook changed the checkout"
+    nb = nbformat.read(tmp_path / "quickstart.ipynb", as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in cells] == list(range(1, len(cells) + 1))
+    assert not [o for c in cells for o in c.outputs if o.output_type == "error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.name != "quickstart.ipynb"],
+                         ids=lambda p: p.name)  # quickstart runs through the README's command
 def test_notebook_executes(path):
     import nbclient
     import nbformat

@@ -107,9 +107,10 @@ def test_grad_and_checkpoint_agree(qkv):
 
 def test_module_is_a_pytree_of_strategies():
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.5)
-    # The kernel, tiling and sharding are leaves that are not arrays; no parameters.
-    assert jax.tree_util.tree_leaves(attn) == [bsa.AutoKernel(), bsa.AutoTiling(),
-                                               bsa.sharding.Unsharded()]
+    # The mask (it holds no arrays), kernel, tiling and sharding are leaves that are not
+    # arrays; no parameters.
+    assert jax.tree_util.tree_leaves(attn) == [masks.Causal(), bsa.AutoKernel(),
+                                               bsa.AutoTiling(), bsa.sharding.Unsharded()]
     assert jax.tree_util.tree_leaves(eqx.filter(attn, eqx.is_array)) == []
     assert attn == bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.5)
     assert attn != bsa.BlockSparseAttention(mask=masks.Causal(), softmax_scale=0.25)

@@ -43,6 +43,7 @@ traced, so this module imports anywhere.
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +52,8 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      SMEM_BUDGET, AlibiBlocks, AttentionShape, Ops, WorkItems,
-                     persistent_schedule, ring_stages, segment_ids_apart, swizzled, visible,
-                     walk_list)
+                     alibi_positions_term, persistent_schedule, ring_stages,
+                     score_function_tile, segment_ids_apart, swizzled, visible, walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -108,6 +109,25 @@ class BackwardConfig(AttentionShape):
     #: ALiBi: ``slopes[h] * (k - q)`` added to each logit before the cap (`AlibiBlocks`);
     #: the slopes' gradient comes out per key row, from `dkv_call` in both modes.
     alibi: bool = False
+    #: A score function, ``function(s, batch, head, q_pos, k_pos, params)`` on each block's
+    #: logits in natural units (after ALiBi, before the cap and the mask); its derivative in
+    #: `s` joins dS (`probabilities`). ``None``: none.
+    function: Callable | None = None
+    #: Per-call positions (``[B, L]`` int32 operands) in place of the token indices, for the
+    #: mask's terms, ALiBi and the score function.
+    positions: bool = False
+
+    @property
+    def whole_terms(self) -> bool:
+        """Whether each logit takes ALiBi's whole term (a soft cap or a score function
+        follows it, neither shift-invariant, or positions make the distance no sum of a
+        row's and a column's parts) rather than a part of it (`AlibiBlocks`)."""
+        return bool(self.soft_cap) or self.function is not None or self.positions
+
+    def reads_keys(self, masked: bool) -> bool:
+        """Whether a block's logits read its first key (and its positions): the mask in a
+        partial block, ALiBi and the score function in every block."""
+        return masked or self.alibi or self.function is not None
 
     @property
     def dq_columns(self) -> int:
@@ -166,35 +186,48 @@ class BackwardConfig(AttentionShape):
         14 % slower there (docs/mosaic.md, "Grouped heads in the dk/dv launch")."""
         return 1 if fused else self.group
 
-    def probabilities(self, s, lse, vis=None, term=None):
-        """``(P, t)`` of one block from its raw products ``s = q . k`` (either orientation;
-        `lse` (base 2) broadcast to it, `vis` the partial block's predicate, `term` a base-2
-        addition to the logits before the cap, ALiBi's): ``P = exp2(logit - lse)``, and the
-        soft cap's ``t = tanh(scaled logit / c)`` (None without one)."""
-        t = None
+    def probabilities(self, s, lse, vis=None, term=None, function=None):
+        """``(P, factors)`` of one block from its raw products ``s = q . k`` (either
+        orientation; `lse` (base 2) broadcast to it, `vis` the partial block's predicate,
+        `term` a base-2 addition to the logits before the cap, ALiBi's, `function` the score
+        function on the block's natural-unit logits, returning its value and derivative):
+        ``P = exp2(logit - lse)``, and `factors` for `score_gradient`: the soft cap's ``t =
+        tanh(capped logit / c)`` and the score function's derivative (each None without
+        it)."""
+        t = derivative = None
+        base2 = term is not None
+        logits = s if term is None else s * self.log2_factor + term
+        if function is not None:
+            value, derivative = function(logits * (1.0 / LOG2E) if base2
+                                         else s * self.softmax_scale)
+            logits, base2 = value * LOG2E, True
         if self.soft_cap:
             # tanh(x) = 1 - 2 / (exp(2x) + 1), as in the forward: no NaN at any logit.
-            if term is None:
-                e = jnp.exp2(s * (2.0 * self.log2_factor / self.soft_cap))
-            else:
-                e = jnp.exp2((s * self.log2_factor + term) * (2.0 / self.soft_cap))
+            e = jnp.exp2(logits * (2.0 / self.soft_cap) if base2
+                         else s * (2.0 * self.log2_factor / self.soft_cap))
             t = 1.0 - 2.0 / (e + 1.0)
             logits = t * (self.soft_cap * LOG2E)
-        elif term is None:
+        elif not base2:
             logits = s * self.log2_factor
-        else:
-            logits = s * self.log2_factor + term
         if vis is not None:
             logits = jnp.where(vis, logits, -jnp.inf)
-        return jnp.exp2(logits - lse), t
+        p = jnp.exp2(logits - lse)
+        if derivative is not None:
+            # Pairs the function or the mask hide (P = 0) take no gradient, whatever the
+            # derivative is there (inf or NaN at -inf).
+            derivative = jnp.where(p > 0.0, derivative, 0.0)
+        return p, (t, derivative)
 
-    def score_gradient(self, p, dp, delta, t):
-        """``dS = P (dp - delta)`` from `probabilities`' ``(P, t)`` and the block's raw
+    def score_gradient(self, p, dp, delta, factors):
+        """``dS = P (dp - delta)`` from `probabilities`' ``(P, factors)`` and the block's raw
         ``dp = dO . v`` (`delta` broadcast to it), times the soft cap's derivative ``1 -
-        t^2`` where there is one. dS is the gradient of the logits before the softmax scale:
-        dq and dk take the scale afterwards."""
+        t^2`` and the score function's where there are they. dS is the gradient of the
+        products before the softmax scale: dq and dk take the scale afterwards."""
+        t, derivative = factors
         ds = p * (dp - delta)
-        return ds if t is None else ds * (1.0 - t * t)
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        return ds if derivative is None else ds * derivative
 
 
 def _launch(body, scratch, ctas: int, out_type, operands, interpret):
@@ -286,6 +319,47 @@ def _slopes(cfg: BackwardConfig, slopes, launch: str):
     return slopes.astype(jnp.float32)
 
 
+def _position_tiles(cfg: BackwardConfig, ops: Ops, shape, q_axis: int, q_base, k_base,
+                    q_vector, k_vector):
+    """``(query positions, key positions)`` of a block of `shape` whose queries run along
+    `q_axis`, as tiles: the per-call positions (``cfg.positions``; `q_vector` and `k_vector`
+    the block's rows' and columns' vectors in that orientation), else the token indices from
+    `q_base` and `k_base`."""
+    k_axis = 1 - q_axis
+    if cfg.positions:
+        return (lax.broadcast_in_dim(q_vector, shape, [q_axis]),
+                lax.broadcast_in_dim(k_vector, shape, [k_axis]))
+    return q_base + ops.iota(shape, q_axis), k_base + ops.iota(shape, k_axis)
+
+
+def _padding_tokens(cfg: BackwardConfig, ops: Ops, shape, k_axis: int, k_base):
+    """The keys' token indices for `visible`'s padding test where positions stand in for
+    them and keys were padded, else ``None``."""
+    if cfg.positions and cfg.padded_kv_len is not None:
+        return k_base + ops.iota(shape, k_axis)
+    return None
+
+
+def _positions_operands(cfg: BackwardConfig, positions, launch: str):
+    """The launch's ``(q_positions, kv_positions)`` operands: the padded per-call positions,
+    or one-element placeholders without them."""
+    if not cfg.positions:
+        dummy = jnp.zeros((1, 1), jnp.int32)
+        return dummy, dummy
+    if positions is None:
+        raise ValueError(f"{launch}: `positions` must be given when cfg.positions is on.")
+    return positions
+
+
+def _function_tiles(cfg: BackwardConfig, b, h, positions):
+    """The score function of a block as `BackwardConfig.probabilities` takes it (natural-unit
+    logits to their value and derivative), on the query and key position tiles
+    ``positions()`` (in the block's orientation), or ``None`` without one."""
+    if cfg.function is None:
+        return None
+    return lambda s: score_function_tile(cfg.function, s, b, h, *positions(), derivative=True)
+
+
 def _store_rows(stage, rows, target, wait: bool):
     """Write a row vector (e.g. one head's slope-gradient rows) to global memory through the
     warpgroup's shared-memory `stage`, once the copy out of it before has read it (`wait`:
@@ -318,13 +392,14 @@ def _check_schedule(items, buffers: int, launch: str, num_items: int):
 
 def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index,
             partial_count, partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-            slopes=None, schedule=None, interpret=None):
+            slopes=None, positions=None, schedule=None, interpret=None):
     """dq ``[B, H, Lq, D]`` (the query's dtype) for padded inputs; `lse` (base 2) and `delta`
     are ``[B, H, Lq]`` float32; the lists are the dq layout's. `schedule` is the launch's
     ``(items, counts)`` (`dq_schedule` when ``None``).
 
     With ALiBi (``cfg.alibi``, `slopes` ``[H]`` float32) each logit takes its term; the
-    slopes' gradient comes from `dkv_call`."""
+    slopes' gradient comes from `dkv_call`. `positions` are the padded ``(q_positions,
+    kv_positions)`` ``[B, L]`` int32 (``cfg.positions``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -337,12 +412,14 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     num_tiles = cfg.q_len // BLOCK_OWN
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
     slopes = _slopes(cfg, slopes, "dq_call")
+    qpos, kpos = _positions_operands(cfg, positions, "dq_call")
     items, counts = schedule if schedule is not None else dq_schedule(cfg, full_count,
                                                                        partial_count)
     _check_schedule(items, buffers, "dq_call", cfg.batch * cfg.heads * num_tiles)
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
-             fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, *refs):
+             fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref,
+             *refs):
         dq_ref, scoped = refs
         (q_own, do_own, k_ring, v_ring), (q_ready, do_ready, k_ready, v_ready), \
             (k_free, v_free) = scoped
@@ -377,18 +454,28 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                             ops.load(qseg_ref, (b, rows), ops.row_layout), (bq, bk), [0])
                     alibi = (AlibiBlocks(ops, slopes_ref[h], bq, rows_are_queries=True)
                              if cfg.alibi else None)
+                    q_pos = (ops.load(qpos_ref, (b, rows), ops.row_layout) if cfg.positions
+                             else None)
                 with jax.named_scope("wait_own"):
                     wait_own(j)
                 _load_next_own_tiles(cta_items, load, j, upcoming)
 
-                def block_grad(s, dp, k_base, masked):
-                    """dS from the block's products S and dP (`k_base` its first key, read
-                    before them where the mask or ALiBi needs it)."""
+                def block_grad(s, dp, k_base, k_pos, masked):
+                    """dS from the block's products S and dP (`k_base` its first key and
+                    `k_pos` its keys' positions, read before them where its logits need
+                    them: `BackwardConfig.reads_keys`)."""
                     vis = term = None
                     row_lse = lse
-                    if alibi is not None:
+
+                    def tiles():
+                        return _position_tiles(cfg, ops, (bq, bk), 0, q_base, k_base, q_pos,
+                                               k_pos)
+
+                    if alibi is not None and cfg.positions:
+                        term = alibi_positions_term(slopes_ref[h], *tiles())
+                    elif alibi is not None:
                         offset = k_base - q_base
-                        if cfg.soft_cap:
+                        if cfg.whole_terms:
                             term = alibi.whole((bq, bk), offset)
                         else:
                             # The columns' part in each logit; the rows' part and the
@@ -401,21 +488,23 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                             k_seg = lax.broadcast_in_dim(
                                 ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout),
                                 (bq, bk), [1])
-                        vis = visible(cfg.terms, cfg.padded_kv_len,
-                                      q_base + ops.iota((bq, bk), 0),
-                                      k_base + ops.iota((bq, bk), 1), q_seg, k_seg,
-                                      ids_apart=True)
-                    p, t = cfg.probabilities(s, lax.broadcast_in_dim(row_lse, (bq, bk), [0]),
-                                             vis, term)
+                        vis = visible(cfg.terms, cfg.padded_kv_len, *tiles(), q_seg, k_seg,
+                                      ids_apart=True, signed=cfg.positions,
+                                      k_token=_padding_tokens(cfg, ops, (bq, bk), 1, k_base))
+                    p, factors = cfg.probabilities(
+                        s, lax.broadcast_in_dim(row_lse, (bq, bk), [0]), vis, term,
+                        _function_tiles(cfg, b, h, tiles))
                     return cfg.score_gradient(p, dp, lax.broadcast_in_dim(delta, (bq, bk), [0]),
-                                              t)
+                                              factors)
 
                 def step(it, carry, masked):
                     (acc,) = carry
                     slot = lax.rem(first_step + it, stages)
-                    k_base = None
-                    if masked or alibi is not None:
+                    k_base = k_pos = None
+                    if cfg.reads_keys(masked):
                         k_base = cta_items.block(prefix, it, n_full) * bk
+                        if cfg.positions:
+                            k_pos = ops.load(kpos_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
                     with jax.named_scope("wait_kv"):
                         plgpu.barrier_wait(k_ready.at[slot])
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -424,7 +513,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                                               (do_smem, v_ring.at[slot], True)])
                     plgpu.barrier_arrive(v_free.at[slot])
                     with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                        ds = block_grad(s, dp, k_base, masked)
+                        ds = block_grad(s, dp, k_base, k_pos, masked)
                     with jax.named_scope("accumulate"):
                         (acc,) = ops.accumulate((acc,), [(ds.astype(dtype), k_ring.at[slot])])
                     plgpu.barrier_arrive(k_free.at[slot])
@@ -451,7 +540,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
     return _launch(body, scratch, items.shape[0], out_type,
                    (items, counts, q, k, v, do, lse, delta, full_count, full_index,
-                    partial_count, partial_index, qseg, kseg, slopes), interpret)
+                    partial_count, partial_index, qseg, kseg, slopes, qpos, kpos), interpret)
 
 
 def dq_schedule(cfg: BackwardConfig, full_count, partial_count):
@@ -484,7 +573,7 @@ def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, .
 
 def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_index,
              t_partial_count, t_partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-             dq_accumulator=None, slopes=None, schedule=None, interpret=None):
+             dq_accumulator=None, slopes=None, positions=None, schedule=None, interpret=None):
     """``(dk, dv)``, each ``[B, H_kv, Lk, D]`` (a kv head's gradient summed over its group of
     query heads in float32, in the kernel), for padded inputs ``q, do [B, H, Lq, D]`` and
     ``k, v [B, H_kv, Lk, D]``; the lists are the dk/dv layout's transposed ones. `schedule`
@@ -501,7 +590,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     With ALiBi (``cfg.alibi``, `slopes` ``[H]`` float32) it also returns `slope_rows`
     ``[B, H, Lk]`` float32, each key's ``sum_q dS (k - q)`` (the slope's gradient summed
     over the batch and the rows), as ``(dk, dv, slope_rows)``, in both modes (docs/mosaic.md,
-    "ALiBi", says why not in the dq kernel)."""
+    "ALiBi", says why not in the dq kernel). `positions` are the padded ``(q_positions,
+    kv_positions)`` ``[B, L]`` int32 (``cfg.positions``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -519,13 +609,15 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     num_tiles = cfg.kv_len // BLOCK_OWN
     has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
     slopes = _slopes(cfg, slopes, "dkv_call")
+    qpos, kpos = _positions_operands(cfg, positions, "dkv_call")
     slope_out = cfg.alibi
     items, counts = schedule if schedule is not None else dkv_schedule(
         cfg, t_full_count, t_partial_count, fused)
     _check_schedule(items, buffers, "dkv_call", cfg.batch * cfg.heads // group * num_tiles)
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
-             fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, *refs):
+             fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref,
+             *refs):
         # Inputs (the dq accumulator), outputs, then the scratch buffers in one tuple.
         *refs, scoped = refs
         if slope_out:
@@ -569,11 +661,13 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 k_smem, v_smem = own_tiles(j)
                 k_base = tile * BLOCK_OWN + wg * bk
                 keys = pl.ds(k_base, bk)
-                k_seg = None
-                if has_segments:
-                    with jax.named_scope("entry"):
+                k_seg = k_pos = None
+                with jax.named_scope("entry"):
+                    if has_segments:
                         k_seg = lax.broadcast_in_dim(
                             ops.load(kseg_ref, (b, keys), ops.row_layout), (bk, bq), [0])
+                    if cfg.positions:
+                        k_pos = ops.load(kpos_ref, (b, keys), ops.row_layout)
                 with jax.named_scope("wait_own"):
                     wait_own(j)
                 _load_next_own_tiles(cta_items, load, j, upcoming)
@@ -631,6 +725,14 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         slot = lax.rem(step0 + it, stages)
                         q_base = cta_items.block(prefix, it, n_full) * bq
                         cols = pl.ds(q_base, bq)
+                        q_pos = None
+                        if cfg.positions and cfg.reads_keys(masked):
+                            q_pos = ops.load(qpos_ref, (b, cols), ops.col_layout)
+
+                        def tiles():
+                            return _position_tiles(cfg, ops, (bk, bq), 1, q_base, k_base,
+                                                   q_pos, k_pos)
+
                         with jax.named_scope("load_rows"):
                             lse = streamed_row(lse_ring, lse_ready, lse_free, slot)
                         with jax.named_scope("wait_q"):
@@ -647,21 +749,25 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                     q_seg = lax.broadcast_in_dim(
                                         ops.load(qseg_ref, (b, cols), ops.col_layout),
                                         (bk, bq), [1])
-                                vis = visible(cfg.terms, cfg.padded_kv_len,
-                                              q_base + ops.iota((bk, bq), 1),
-                                              k_base + ops.iota((bk, bq), 0), q_seg, k_seg,
-                                              ids_apart=True)
+                                vis = visible(cfg.terms, cfg.padded_kv_len, *tiles(), q_seg,
+                                              k_seg, ids_apart=True, signed=cfg.positions,
+                                              k_token=_padding_tokens(cfg, ops, (bk, bq), 0,
+                                                                      k_base))
                             term = None
-                            if alibi is not None:
+                            if alibi is not None and cfg.positions:
+                                term = alibi_positions_term(slopes_ref[h], *tiles())
+                            elif alibi is not None:
                                 # The columns' part goes into their lse, the rows' into
-                                # each logit (both into each logit under a soft cap).
-                                if cfg.soft_cap:
+                                # each logit (both into each logit under a soft cap or
+                                # before a score function).
+                                if cfg.whole_terms:
                                     term = alibi.whole((bk, bq), q_base - k_base)
                                 else:
                                     term = lax.broadcast_in_dim(alibi.own_term, (bk, bq), [0])
                                     lse = lse - alibi.streamed(bq, q_base - k_base)
-                            p_t, t = cfg.probabilities(
-                                s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis, term)
+                            p_t, factors = cfg.probabilities(
+                                s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis, term,
+                                _function_tiles(cfg, b, h, tiles))
                         # dV's product and dP's in one group, dK's after dS: fewer live
                         # registers than S and dP together beside the dk and dv accumulators.
                         with jax.named_scope("dv_dp"):
@@ -675,8 +781,13 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                             delta = streamed_row(delta_ring, delta_ready, delta_free, slot)
                         with jax.named_scope("ds"):
                             ds_t = cfg.score_gradient(
-                                p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), t)
-                            if slope_out:
+                                p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), factors)
+                            if slope_out and cfg.positions:
+                                # Each key's sum of dS (k_pos - q_pos) over the block.
+                                q_tile, k_tile = tiles()
+                                distance = (k_tile - q_tile).astype(jnp.float32)
+                                slope_rows = slope_rows + (ds_t * distance).sum(axis=1)
+                            elif slope_out:
                                 slope_rows = slope_rows + alibi.gradient_rows(
                                     ds_t, q_base - k_base)
                             ds_t = ds_t.astype(dtype)
@@ -734,7 +845,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 (plgpu.Barrier(num_barriers=stages),) * 2,
                 (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2))
     operands = (items, counts, q, k, v, do, lse, delta, t_full_count, t_full_index,
-                t_partial_count, t_partial_index, qseg, kseg, slopes)
+                t_partial_count, t_partial_index, qseg, kseg, slopes, qpos, kpos)
     if fused:
         scratch = (*scratch, (swizzled((2, COMPUTE_WARPGROUPS, bk, bq), dtype),
                               swizzled((COMPUTE_WARPGROUPS, bq, dq_cols), jnp.float32),

@@ -66,14 +66,17 @@ class AttentionShape:
 
 
 def visible(terms: MaskTerms, true_kv_len: int | None, q_index, k_index, q_seg=None,
-            k_seg=None, *, ids_apart: bool = False):
+            k_seg=None, *, ids_apart: bool = False, signed: bool = False, k_token=None):
     """The canonical predicate on broadcast token indices (and segment ids, when given): the
     switched-on terms of `terms`, and ``k_index < true_kv_len`` (padded keys are hidden;
     ``None`` when no key is padded). With `ids_apart` the segment ids went through
-    `segment_ids_apart`, so equal ids are never padding and equality alone decides."""
+    `segment_ids_apart`, so equal ids are never padding and equality alone decides.
+
+    With per-call positions, `q_index` and `k_index` are the positions (`signed`: any sign)
+    and `k_token` the keys' token indices, which the padding test reads where given."""
     terms_on = []
     if true_kv_len is not None:
-        terms_on.append(k_index < true_kv_len)
+        terms_on.append((k_index if k_token is None else k_token) < true_kv_len)
     if terms.causal_offset is not None:
         terms_on.append(k_index <= q_index + terms.causal_offset)
     if terms.window_left is not None:
@@ -81,8 +84,11 @@ def visible(terms: MaskTerms, true_kv_len: int | None, q_index, k_index, q_seg=N
     if terms.window_right is not None:
         terms_on.append(k_index <= q_index + terms.window_right)
     if terms.chunk is not None:
-        # Indices are non-negative: truncating division is floor division here.
-        terms_on.append(lax.div(q_index, terms.chunk) == lax.div(k_index, terms.chunk))
+        # Indices are non-negative: truncating division is floor division there; positions
+        # may be negative.
+        chunk_of = (functools.partial(_floor_div, divisor=terms.chunk) if signed
+                    else functools.partial(lax.div, y=terms.chunk))
+        terms_on.append(chunk_of(q_index) == chunk_of(k_index))
     if terms.prefix is not None:
         terms_on.append((k_index < terms.prefix) | (k_index <= q_index))
     if q_seg is not None:
@@ -92,6 +98,18 @@ def visible(terms: MaskTerms, true_kv_len: int | None, q_index, k_index, q_seg=N
     if not terms_on:
         return k_index >= 0
     return functools.reduce(operator.and_, terms_on)
+
+
+def _floor_div(x, divisor: int):
+    """``floor(x / divisor)`` of int32 `x` for a positive `divisor` (truncating division
+    rounds negative quotients up)."""
+    return lax.div(x - jnp.where(x < 0, divisor - 1, 0), divisor)
+
+
+def alibi_positions_term(slope, q_pos, k_pos):
+    """ALiBi's base-2 term ``slope log2(e) (k_pos - q_pos)`` on position tiles (per-call
+    positions: no split into row and column parts)."""
+    return (slope * LOG2E) * (k_pos - q_pos).astype(jnp.float32)
 
 
 def segment_ids_apart(q_segment_ids, kv_segment_ids):
@@ -278,6 +296,24 @@ class AlibiBlocks:
         weighted = (ds * lax.broadcast_in_dim(index, ds.shape, [1])).sum(axis=1)
         near = self.own + self.sign * offset.astype(jnp.float32)
         return near * total + self.sign * weighted
+
+
+def score_function_tile(function, s, batch, head, q_pos, k_pos, params=None,
+                        derivative: bool = False):
+    """A score function (`ScoreTerms`' canonical ``term(s, batch, head, q_pos, k_pos,
+    params)``) on one block's tile of logits `s` (float32, natural units, before the soft
+    cap), `q_pos` and `k_pos` int32 tiles of its shape, `batch` and `head` int32 scalars.
+
+    With `derivative`, ``(value, d value / d s)``: score functions are elementwise in `s`,
+    so one forward-mode product with a tangent of ones gives both in one trace. Where the
+    value is ``-inf`` (a hidden pair) the derivative is the caller's to discard."""
+
+    def term(x):
+        return jnp.asarray(function(x, batch, head, q_pos, k_pos, params), jnp.float32)
+
+    if not derivative:
+        return term(s)
+    return jax.jvp(term, (s,), (jnp.ones_like(s),))
 
 
 def list_entry(full_ref, partial_ref, prefix, it, n_full):

@@ -37,14 +37,16 @@ Mosaic GPU is imported when a launch is traced, so this module imports anywhere.
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     AlibiBlocks, AttentionShape, Ops, WorkItems, persistent_schedule,
-                     ring_stages, segment_ids_apart, swizzled, visible, walk_list)
+                     AlibiBlocks, AttentionShape, Ops, WorkItems, alibi_positions_term,
+                     persistent_schedule, ring_stages, score_function_tile,
+                     segment_ids_apart, swizzled, visible, walk_list)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -65,14 +67,29 @@ class ForwardConfig(AttentionShape):
     soft_cap: float = 0.0
     #: ALiBi: ``slopes[h] * (k - q)`` added to each logit before the cap (`AlibiBlocks`).
     alibi: bool = False
+    #: A score function, ``function(s, batch, head, q_pos, k_pos, params)`` on each block's
+    #: logits in natural units (after ALiBi, before the cap and the mask); ``None``: none.
+    function: Callable | None = None
+    #: Per-call positions (``[B, L]`` int32 operands) in place of the token indices, for the
+    #: mask's terms, ALiBi and the score function.
+    positions: bool = False
+
+    @property
+    def whole_terms(self) -> bool:
+        """Whether each logit takes ALiBi's whole term (a soft cap or a score function
+        follows it, neither shift-invariant, or positions make the distance no sum of a
+        row's and a column's parts) rather than a part of it (`AlibiBlocks`)."""
+        return bool(self.soft_cap) or self.function is not None or self.positions
 
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
                  partial_index, q_segment_ids=None, kv_segment_ids=None, *, slopes=None,
-                 schedule=None, interpret=None):
+                 positions=None, schedule=None, interpret=None):
     """``(out [B, H, Lq, D], lse [B, H, Lq] float32, base 2)`` for padded inputs.
     `schedule` is the launch's ``(items, counts)`` (`persistent_schedule` of the counts on
-    ``cfg.ctas`` CTAs when ``None``); `slopes` ``[H]`` float32 are ALiBi's (``cfg.alibi``)."""
+    ``cfg.ctas`` CTAs when ``None``); `slopes` ``[H]`` float32 are ALiBi's (``cfg.alibi``);
+    `positions` the padded ``(q_positions [B, Lq], kv_positions [B, Lk])`` int32
+    (``cfg.positions``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -91,16 +108,18 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     has_segments = q_segment_ids is not None
     # s * scale * log2(e), kept in base 2; with a positive factor the row maximum of the raw
     # products scales to the row maximum of the logits, so full blocks fold the factor into
-    # the exponent's operand. ALiBi and a soft cap turn the products into base-2 logits first
-    # (factor 1: no product).
-    factor = 1.0 if cfg.soft_cap or cfg.alibi else cfg.log2_factor
+    # the exponent's operand. ALiBi, a score function and a soft cap turn the products into
+    # base-2 logits first (factor 1: no product).
+    function = cfg.function
+    factor = 1.0 if cfg.soft_cap or cfg.alibi or function is not None else cfg.log2_factor
     if cfg.alibi and slopes is None:
         raise ValueError("forward_call: `slopes` must be given when cfg.alibi is on.")
     # Partial blocks test k < true_kv_len only where keys were padded.
     padded_keys = cfg.padded_kv_len
 
     def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref,
-               pidx_ref, qseg_ref, kseg_ref, slopes_ref, out_ref, lse_ref, scoped):
+               pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref, out_ref, lse_ref,
+               scoped):
         (q_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), \
             (k_free, v_free), turn = scoped
         wg = lax.axis_index("wg")
@@ -139,9 +158,14 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     q_base = tile * BLOCK_Q + wg * bq
                     if has_segments:
                         q_seg = ops.load(qseg_ref, (b, pl.ds(q_base, bq)), row_layout)
+                    if cfg.positions:
+                        q_pos = lax.broadcast_in_dim(
+                            ops.load(qpos_ref, (b, pl.ds(q_base, bq)), row_layout), (bq, bk),
+                            [0])
                     alibi = col_term = None
                     if cfg.alibi:
                         alibi = AlibiBlocks(ops, slopes_ref[h], bq, rows_are_queries=True)
+                    if cfg.alibi and not cfg.whole_terms:
                         # Without a cap, a block's logits take ALiBi's columns' part as
                         # this item's `col_term` (columns 0..bk-1) plus a scalar for the
                         # block, which the online softmax carries through the row maxima.
@@ -179,17 +203,33 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         return k_base, None
                     return k_base, ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
 
-                def alibi_key(it, partial):
-                    """Step `it`'s first key where ALiBi needs it (else None): a full
-                    block's is read here, before the step's products, so that the load's
-                    latency is hidden; a partial one's is in `partial`."""
-                    if alibi is None:
+                def block_keys(it, partial):
+                    """``(first key, key positions)`` of step `it` where its logits need
+                    them (ALiBi or the score function in every block, the mask in partial
+                    ones), else ``None``: read before the step's products, so that the
+                    loads' latency is hidden (a partial block's first key is in
+                    `partial`). The key positions, a column vector, are the per-call
+                    positions' (``cfg.positions``), else ``None``."""
+                    if alibi is None and function is None and partial is None:
                         return None
                     if partial is not None:
-                        return partial[0]
-                    return fidx_ref[(*prefix, jnp.minimum(it, cf - 1))] * bk
+                        k_base = partial[0]
+                    else:
+                        k_base = fidx_ref[(*prefix, jnp.minimum(it, cf - 1))] * bk
+                    k_pos = None
+                    if cfg.positions:
+                        k_pos = ops.load(kpos_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
+                    return k_base, k_pos
 
-                def online_softmax(s, acc, m_i, l_i, partial, k_base):
+                def position_tiles(keys):
+                    """Query and key positions of the block with `block_keys` `keys`, as
+                    tiles: the per-call positions, or the token indices."""
+                    k_base, k_pos = keys
+                    if k_pos is not None:
+                        return q_pos, lax.broadcast_in_dim(k_pos, (bq, bk), [1])
+                    return q_base + ops.iota((bq, bk), 0), k_base + ops.iota((bq, bk), 1)
+
+                def online_softmax(s, acc, m_i, l_i, partial, keys):
                     """``(acc, m, l, p)`` after one block's raw products `s`: ALiBi's term
                     (from the block's first key `k_base`: the item's `col_term` in each
                     logit, the block's constant through the row maxima, the rows' part in
@@ -197,28 +237,45 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     the block's mask (`partial_block`'s,
                     or None for a full block), base-2 exponentials and the rescaled sums."""
                     shift = None  # a constant left out of every logit of the block
-                    if k_base is not None and cfg.soft_cap:
+                    k_base = None if keys is None else keys[0]
+                    if alibi is not None and cfg.positions:
+                        s = s * cfg.log2_factor + alibi_positions_term(slopes_ref[h],
+                                                                       *position_tiles(keys))
+                    elif alibi is not None and cfg.whole_terms:
                         s = s * cfg.log2_factor + alibi.whole(s.shape, k_base - q_base)
-                    elif k_base is not None:
+                    elif alibi is not None:
                         s = s * cfg.log2_factor + lax.broadcast_in_dim(col_term, s.shape, [1])
                         shift = alibi.shift(k_base - q_base)
+                    if function is not None:
+                        # The function sees natural units; base 2 again after it.
+                        natural = (s * (1.0 / LOG2E) if alibi is not None
+                                   else s * cfg.softmax_scale)
+                        s = score_function_tile(function, natural, b, h,
+                                                *position_tiles(keys)) * LOG2E
                     if cfg.soft_cap:
                         # c log2(e) tanh(s scale / c), tanh(x) = 1 - 2 / (exp(2x) + 1): an
                         # exponential overflowing to inf gives 1, never NaN.
-                        already_base2 = k_base is not None
+                        already_base2 = alibi is not None or function is not None
                         e = jnp.exp2(s * (2.0 / cfg.soft_cap if already_base2
                                           else 2.0 * cfg.log2_factor / cfg.soft_cap))
                         s = (1.0 - 2.0 / (e + 1.0)) * (cfg.soft_cap * LOG2E)
+                    if partial is not None or function is not None:
+                        # A score function may hide pairs (-inf) in any block: each block
+                        # then takes the guard of rows with nothing visible yet.
+                        s = _times(s, factor)
                     if partial is not None:
-                        k_base, k_seg = partial
-                        rows = q_base + ops.iota((bq, bk), 0)
-                        cols = k_base + ops.iota((bq, bk), 1)
+                        k_seg = partial[1]
+                        rows, cols = position_tiles(keys)
                         segs = (None, None)
                         if has_segments:
                             segs = (lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
                                     lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
-                        vis = visible(cfg.terms, padded_keys, rows, cols, *segs, ids_apart=True)
-                        s = jnp.where(vis, _times(s, factor), -jnp.inf)
+                        tokens = (k_base + ops.iota((bq, bk), 1) if cfg.positions and padded_keys
+                                  else None)
+                        vis = visible(cfg.terms, padded_keys, rows, cols, *segs, ids_apart=True,
+                                      signed=cfg.positions, k_token=tokens)
+                        s = jnp.where(vis, s, -jnp.inf)
+                    if partial is not None or function is not None:
                         m_new = jnp.maximum(m_i, _plus(s.max(axis=1), shift))
                         # A row with nothing visible yet keeps m = -inf: subtract 0 instead,
                         # so its p and alpha are exp2(-inf) = 0, never NaN.
@@ -247,7 +304,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     acc, m_i, l_i = carry
                     slot = lax.rem(first_step + it, stages)
                     partial = partial_block(it) if masked else None
-                    alibi_k_base = alibi_key(it, partial)
+                    keys = block_keys(it, partial)
 
                     def qk(acc_ref):
                         plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -265,8 +322,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         take_turn()
                     plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                        acc, m_new, l_i, p16 = online_softmax(s, acc, m_i, l_i, partial,
-                                                              alibi_k_base)
+                        acc, m_new, l_i, p16 = online_softmax(s, acc, m_i, l_i, partial, keys)
                     with jax.named_scope("turn_pv"):
                         plgpu.barrier_arrive(turn)
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -295,7 +351,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     inv = 1.0 / jnp.where(empty, 1.0, l_i)
                     acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
                     lse = jnp.where(empty, jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
-                    if alibi is not None and not cfg.soft_cap:
+                    if alibi is not None and not cfg.whole_terms:
                         lse = lse + alibi.own_term  # the rows' part of ALiBi, left out above
                     q_smem[...] = acc.astype(dtype)
                     lse_smem = lse_buffers.at[buffer, wg]
@@ -333,6 +389,9 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes.astype(jnp.float32)
     if has_segments:
         qseg, kseg = segment_ids_apart(q_segment_ids, kv_segment_ids)
+    if cfg.positions and positions is None:
+        raise ValueError("forward_call: `positions` must be given when cfg.positions is on.")
+    qpos, kpos = positions if cfg.positions else (dummy, dummy)
     kwargs = {} if interpret is None else {"interpret": interpret}
     out, lse = plgpu.kernel(
         entry,
@@ -345,7 +404,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(items, counts, q, k, v, full_count, full_index, partial_count, partial_index, qseg, kseg,
-      slopes)
+      slopes, qpos, kpos)
     return out, lse
 
 

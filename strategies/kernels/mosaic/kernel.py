@@ -17,7 +17,7 @@ from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Featur
 
 from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
                        dq_accumulator_shape, dq_call, dq_schedule, short_lists)
-from .common import persistent_schedule
+from .common import ROWS_PER_WARPGROUP, persistent_schedule, score_function_tile
 from .config import MosaicConfig
 from .forward import BLOCK_Q, ForwardConfig, forward_call, rows_padded, stages_for
 
@@ -45,6 +45,54 @@ def _mosaic_missing() -> str | None:
     capability = getattr(gpu, "compute_capability", None)
     if capability is not None and str(capability) not in ("9.0",):
         return f"needs a Hopper GPU (compute capability 9.0); found {capability}."
+    return None
+
+
+def score_function(score) -> tuple[object, object]:
+    """``(term, params)`` of a call's score terms (`AttentionInputs.score`): its score
+    function as the hashable ``term(s, batch, head, q_pos, k_pos, params)`` the kernels call
+    (`ScoreTerm`) and its parameters (``None`` where it has none), or ``(None, None)``
+    without a function."""
+    if score is None or score.function is None:
+        return None, None
+    return score.function, score.params
+
+
+@functools.lru_cache(maxsize=256)
+def function_lowering_failure(term) -> str | None:
+    """Why Pallas Mosaic GPU cannot lower the score function `term` (the first line of the
+    error) or ``None``: the function and its derivative are lowered once for CUDA inside a
+    one-warpgroup kernel, on a 64 x 128 float32 tile of logits and int32 position tiles in
+    the wgmma layout, with traced batch and head scalars, as the attention kernels trace it.
+    Cached per term: a verdict costs one lowering (runs nothing; no GPU needed)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    shape = (ROWS_PER_WARPGROUP, 128)
+
+    def body(coords_ref, out_ref, stage):
+        layout = plgpu.Layout.WGMMA
+        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+        s = plgpu.broadcasted_iota(jnp.float32, shape, 1, layout=layout) * 0.01
+        batch, head = coords_ref[0], coords_ref[1]
+        value = score_function_tile(term, s, batch, head, rows, cols)
+        again, derivative = score_function_tile(term, s, batch, head, rows, cols,
+                                                derivative=True)
+        stage[...] = value + again * derivative
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage, out_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    launch = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(shape, jnp.float32),
+                          scratch_types=[plgpu.SMEM(shape, jnp.float32)],
+                          compiler_params=plgpu.CompilerParams(approx_math=True))
+    try:
+        jax.jit(launch).trace(jax.ShapeDtypeStruct((2,), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+    except Exception as e:  # noqa: BLE001 - any failure to lower is the verdict
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"Pallas Mosaic GPU cannot lower the score function: {first}"
     return None
 
 
@@ -104,11 +152,16 @@ class MosaicBlockSparse(AbstractLseKernel):
     differentiable too. Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, D]``
     in bfloat16 or float16, D in {64, 128}, ``Dv == D``, any lengths (padded to the tiles
     inside). ALiBi (`scores.ALiBi`, fixed or learned slopes) is evaluated inside the forward
-    and backward kernels, with the slopes' gradient. Declines bias, other score terms
-    (`score_kinds`), per-call positions, masks without in-kernel terms and masks whose
-    block tables do not align with its tiles, each with a reason, so the selector gives the
-    whole call to another kernel. Its tiles are fixed (`MosaicConfig.for_head_dim`): another
-    kernel's config or a `Tiling` gives way to them, and a `MosaicConfig` must be that one.
+    and backward kernels, with the slopes' gradient; so is a score function
+    (`scores.ScoreFunction`), traced into each kernel on its register tiles, its derivative
+    in the logits taken by JAX in the kernel. Per-call positions replace the token indices
+    in the mask's terms, ALiBi and the score function. Declines bias, other score terms
+    (`score_kinds`), score functions with parameters or that Mosaic GPU cannot lower, masks
+    without in-kernel terms, masks whose block tables do not align with its tiles and
+    per-call positions inside a sharding's loop, each with a reason, so the selector gives
+    the whole call to another kernel. Its tiles are fixed (`MosaicConfig.for_head_dim`):
+    another kernel's config or a `Tiling` gives way to them, and a `MosaicConfig` must be
+    that one.
     Its priority on a GPU (35) is above Triton's (30) and below cuDNN's (40) (docs/mosaic.md
     has the measurements behind that order).
 
@@ -122,7 +175,7 @@ class MosaicBlockSparse(AbstractLseKernel):
 
     name: ClassVar[str] = "mosaic"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
-    score_kinds: ClassVar[tuple[str, ...]] = ("alibi",)
+    score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "function")
     reads: ClassVar[MaskReads] = "terms"
     config_type: ClassVar[type[AbstractKernelConfig]] = MosaicConfig
 
@@ -151,15 +204,22 @@ class MosaicBlockSparse(AbstractLseKernel):
                     f"(equal q / v head dims in {_HEAD_DIMS} are).")
         if features.bias:
             return "bias is not supported."
+        if features.score_function is not None:
+            why = _function_decline(features.score_function, features.score_params)
+            if why is not None:
+                return why
         terms = mask.terms
         tiles = list(MosaicConfig.for_head_dim(features.head_dim).blocks)
         if terms is None or (terms.tables and mask.kernel_terms(tiles) is None):
             return ("the mask has no in-kernel terms shared by every head at this kernel's "
                     "tiles (causal / window / chunk / prefix / document); this kernel reads "
                     "no element bitmaps.")
-        if features.positions and (terms.uses_positions or features.score):
-            return ("per-call positions are not supported: partial blocks and ALiBi use token "
-                    "indices.")
+        if features.positions and features.in_loop and (terms.uses_positions
+                                                        or features.score):
+            # Per-call positions run in the kernels, but not yet tested inside a sharding's
+            # loop (RingAttention passes each step its shards' global positions).
+            return ("per-call positions inside a sharding's loop (RingAttention) are not "
+                    "supported.")
         return None
 
     def default_tiling(self, features: Features, mask: ResolvedMask) -> MosaicConfig:
@@ -212,10 +272,14 @@ class MosaicBlockSparse(AbstractLseKernel):
             raise ValueError(f"MosaicBlockSparse evaluates the score terms {self.score_kinds}; "
                              f"got {inputs.score.kinds}.")
         alibi = slopes is not None
+        function = _checked_function(inputs.score)
+        positions = _positions(inputs, batch, q_len, kv_len,
+                               mask.terms.uses_positions or inputs.score is not None)
         fcfg = ForwardConfig(**shape, block_kv=block_kv, stages=stages_for(dim, block_kv),
                              layout_batch=fwd.full_count.shape[0],
                              layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors(),
-                             soft_cap=soft_cap, alibi=alibi)
+                             soft_cap=soft_cap, alibi=alibi, function=function,
+                             positions=positions is not None)
         # The persistent forward's work items per CTA, built on the host.
         schedule = persistent_schedule(fwd.full_count, fwd.partial_count, batch, heads,
                                        fcfg.ctas)
@@ -225,7 +289,7 @@ class MosaicBlockSparse(AbstractLseKernel):
             **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
             soft_cap=soft_cap, single_pass=self.single_pass(), ctas=_multiprocessors(),
-            alibi=alibi)
+            alibi=alibi, function=function, positions=positions is not None)
         # Each launch is persistent where its items are short; a dk/dv item walks the lists
         # of `dkv_group` query heads.
         walked = bcfg.dkv_group(bcfg.single_pass)
@@ -245,7 +309,41 @@ class MosaicBlockSparse(AbstractLseKernel):
              dkdv.t_partial_index), *schedules))
         # Without ALiBi a one-element placeholder stands for the slopes (a zero gradient).
         slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes
-        return _attend(fcfg, bcfg, query, key, value, slopes, seg, lists, bwd_lists)
+        return _attend(fcfg, bcfg, query, key, value, slopes, seg, positions, lists,
+                       bwd_lists)
+
+
+def _positions(inputs, batch: int, q_len: int, kv_len: int, read: bool):
+    """The call's ``(q_positions [B, Lq], kv_positions [B, Lk])`` int32 where it passes
+    either (the other then the token indices) and the kernels `read` positions (the mask's
+    terms or a score term), else ``None``."""
+    given = (inputs.q_positions, inputs.kv_positions)
+    if not read or given == (None, None):
+        return None
+    return tuple(jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+                 if x is None else x.astype(jnp.int32)
+                 for x, length in zip(given, (q_len, kv_len)))
+
+
+def _checked_function(score):
+    """The call's score function as the kernels call it (`score_function`), or ``None``;
+    a function with parameters, or one Mosaic GPU cannot lower, is refused in one line."""
+    function, params = score_function(score)
+    if function is None:
+        return None
+    why = _function_decline(function, bool(jax.tree.leaves(params)))
+    if why is not None:
+        raise ValueError(f"MosaicBlockSparse: {why}")
+    return function
+
+
+def _function_decline(function, has_params: bool) -> str | None:
+    """Why the kernels cannot take this score function (`has_params`: whether it reads
+    parameters), or ``None``."""
+    if has_params:
+        return ("score functions with parameters are not supported (their gradient is not "
+                "formed in the kernel).")
+    return function_lowering_failure(function)
 
 
 def _pad(x, length: int, fill=0):
@@ -253,48 +351,52 @@ def _pad(x, length: int, fill=0):
     return pad_axis(x, 2 if x.ndim == 4 else x.ndim - 1, length, fill)
 
 
-def _forward(fcfg: ForwardConfig, q, k, v, slopes, seg, lists):
+def _forward(fcfg: ForwardConfig, q, k, v, slopes, seg, positions, lists):
     """The forward launch's ``(out, lse)``, typed like q, k and v inside `shard_map` (a
     launch's outputs vary over no mesh axis)."""
     q_len = q.shape[2]
     *layout_lists, items, counts = lists
+    if positions is not None:
+        positions = (_pad(positions[0], fcfg.q_len), _pad(positions[1], fcfg.kv_len))
     out, lse = forward_call(fcfg, _pad(q, fcfg.q_len), _pad(k, fcfg.kv_len),
                             _pad(v, fcfg.kv_len), *layout_lists, *seg,
-                            slopes=slopes if fcfg.alibi else None, schedule=(items, counts))
+                            slopes=slopes if fcfg.alibi else None, positions=positions,
+                            schedule=(items, counts))
     return typed_like((out[:, :, :q_len], lse[:, :, :q_len]), q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(fcfg, bcfg, q, k, v, slopes, seg, lists, bwd_lists):
+def _attend(fcfg, bcfg, q, k, v, slopes, seg, positions, lists, bwd_lists):
     """``(out [B, H, Lq, D], lse [B, H, Lq])``, the log-sum-exp as the contract has it
     (`public_lse`); differentiable in both, and in ALiBi's `slopes` ``[H]``."""
-    out, lse = _forward(fcfg, q, k, v, slopes, seg, lists)
+    out, lse = _forward(fcfg, q, k, v, slopes, seg, positions, lists)
     return out, public_lse(lse, base2=True)
 
 
-def _attend_fwd(fcfg, bcfg, q, k, v, slopes, seg, lists, bwd_lists):
-    out, lse = _forward(fcfg, q, k, v, slopes, seg, lists)
-    return (out, public_lse(lse, base2=True)), (q, k, v, slopes, seg, lists, bwd_lists, out,
-                                                lse)
+def _attend_fwd(fcfg, bcfg, q, k, v, slopes, seg, positions, lists, bwd_lists):
+    out, lse = _forward(fcfg, q, k, v, slopes, seg, positions, lists)
+    return (out, public_lse(lse, base2=True)), (q, k, v, slopes, seg, positions, lists,
+                                                bwd_lists, out, lse)
 
 
 def _attend_bwd(fcfg, bcfg, res, cotangents):
-    q, k, v, slopes, seg, lists, bwd_lists, out, lse = res
+    q, k, v, slopes, seg, positions, lists, bwd_lists, out, lse = res
     do, dlse = cotangents
     delta = backward_delta(do, out, dlse, lse)
     dq_lists, t_lists, dq_items, dkv_items = bwd_lists
     dq, dk, dv, dslopes = mosaic_backward(
         bcfg, q, k, v, do.astype(q.dtype), lse, delta, seg, dq_lists, t_lists,
-        slopes=slopes if bcfg.alibi else None, schedules=(dq_items, dkv_items))
+        slopes=slopes if bcfg.alibi else None, positions=positions,
+        schedules=(dq_items, dkv_items))
     dslopes = jnp.zeros_like(slopes) if dslopes is None else dslopes.astype(slopes.dtype)
-    zeros = jax.tree.map(zero_cotangent, (seg, lists, bwd_lists))
+    zeros = jax.tree.map(zero_cotangent, (seg, positions, lists, bwd_lists))
     # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none).
     return tuple(typed_like(g, x) for g, x in zip((dq, dk, dv, dslopes),
                                                   (q, k, v, slopes))) + zeros
 
 
 def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists, t_lists, *,
-                    slopes=None, schedules=(None, None), interpret=None):
+                    slopes=None, positions=None, schedules=(None, None), interpret=None):
     """``(dq, dk, dv, dslopes)`` of the Mosaic backward for unpadded inputs: pads to the
     tiles (dO with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute
     nothing), runs the single pass (`dkv_call` with a zeroed float32 dq accumulator, scaled
@@ -302,7 +404,8 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     out per kv head (the deterministic dk/dv launch sums each group of query heads; the
     single pass's per query head are summed here, in float32). With ALiBi
     (``cfg.alibi``) `dslopes` ``[H]`` float32 is the slopes' gradient (the launch's per-row
-    shares summed), else ``None``.
+    shares summed), else ``None``. `positions` are the unpadded ``(q_positions [B, Lq],
+    kv_positions [B, Lk])`` int32 (``cfg.positions``; padded here).
     `schedules` holds the dq and dk/dv launches' ``(items, counts)`` (``None``: built from
     the lists' counts, `dq_schedule` and `dkv_schedule`)."""
     q_len, kv_len = q.shape[2], k.shape[2]
@@ -311,20 +414,24 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     operands = (pad_q(q), pad_k(k), pad_k(v), pad_q(do), _pad(lse, cfg.q_len, jnp.inf),
                 pad_q(delta))
     segments = () if seg[0] is None else seg
+    if positions is not None:
+        positions = (pad_q(positions[0]), pad_k(positions[1]))
     if cfg.single_pass:
         interpreted = interpret is not None
         accumulator = jax.new_ref(jnp.zeros(dq_accumulator_shape(cfg, interpreted), jnp.float32))
         dk, dv, *slope_rows = dkv_call(cfg, *operands, *t_lists, *segments,
                                        dq_accumulator=accumulator, slopes=slopes,
-                                       schedule=schedules[1], interpret=interpret)
+                                       positions=positions, schedule=schedules[1],
+                                       interpret=interpret)
         dq = jax.freeze(accumulator)
         dq = (dq.sum(0) if interpreted else dq) * cfg.softmax_scale
         dq = dq.astype(q.dtype)
     else:
         dq = dq_call(cfg, *operands, *dq_lists, *segments, slopes=slopes,
-                     schedule=schedules[0], interpret=interpret)
+                     positions=positions, schedule=schedules[0], interpret=interpret)
         dk, dv, *slope_rows = dkv_call(cfg, *operands, *t_lists, *segments, slopes=slopes,
-                                       schedule=schedules[1], interpret=interpret)
+                                       positions=positions, schedule=schedules[1],
+                                       interpret=interpret)
     # Each row's share of the slope's gradient, summed per head (padded rows' are zero).
     dslopes = slope_rows[0].sum(axis=(0, 2)) if cfg.alibi else None
     if dk.shape[1] != cfg.kv_heads:

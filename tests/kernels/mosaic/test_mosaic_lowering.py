@@ -11,9 +11,11 @@ as runnable, and the GPU has an H200's 132 multiprocessors. Nothing here runs a 
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
+import eqx_bsattn._layout as layout_internals
 import eqx_bsattn._module as module_internals
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
@@ -22,6 +24,22 @@ from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 H200_MULTIPROCESSORS = 132
+
+
+def _head_slopes(score, head, q_pos, k_pos):
+    """ALiBi written as a score function (slope ``2^-(head + 1)``)."""
+    slope = jnp.exp2(-1.0 - jnp.asarray(head).astype(jnp.float32))
+    return score + slope * (k_pos - q_pos).astype(jnp.float32)
+
+
+def _hiding(score, head, q_pos, k_pos):
+    """A tanh cap that hides every third key (-inf)."""
+    return jnp.where(k_pos % 3 == 0, -jnp.inf, 4.0 * jnp.tanh(score / 4.0))
+
+
+def _running_sum(score, head, q_pos, k_pos):
+    """Not elementwise: a running sum along the keys (Mosaic GPU has no cumsum)."""
+    return jnp.cumsum(score, axis=-1)
 
 
 @pytest.fixture
@@ -91,27 +109,95 @@ LOWERED = {
     "alibi_soft_cap_gqa": (masks.Causal(), dict(batch=1, heads=4, kv_heads=2, q_len=512,
                                                 kv_len=512, dim=64),
                            dict(score=scores.ALiBi(), logits_soft_cap=20.0)),
+    # Score functions: ALiBi as one with grouped heads; one that hides pairs, under a soft
+    # cap, with segment ids and ragged lengths.
+    "function_alibi_gqa": (masks.Causal() & masks.SlidingWindow(256, 0),
+                           dict(batch=1, heads=4, kv_heads=2, q_len=1024, kv_len=1024,
+                                dim=128), dict(score=scores.ScoreFunction(_head_slopes))),
+    "function_hiding_soft_cap": (masks.Causal(), dict(batch=2, heads=2, kv_heads=2, q_len=300,
+                                                      kv_len=300, dim=64),
+                                 dict(score=scores.ScoreFunction(_hiding),
+                                      logits_soft_cap=10.0, segments=True)),
+    # Per-call positions (a layout built per call): ALiBi under a window, and a score
+    # function under chunks, ragged keys.
+    "positions_alibi_window": (masks.Causal() & masks.SlidingWindow(256, 0),
+                               dict(batch=2, heads=2, kv_heads=1, q_len=512, kv_len=640,
+                                    dim=128), dict(score=scores.ALiBi(), positions=True)),
+    "positions_function_chunks": (masks.ChunkedCausal(96),
+                                  dict(batch=1, heads=2, kv_heads=2, q_len=300, kv_len=300,
+                                       dim=64),
+                                  dict(score=scores.ScoreFunction(_head_slopes),
+                                       positions=True)),
 }
 
 
 @pytest.mark.parametrize("case", list(LOWERED))
-def test_forward_and_backward_lower_for_cuda(hopper_host, case):
+def test_forward_and_backward_lower_for_cuda(hopper_host, monkeypatch, case):
     """`jit(grad)` through the Mosaic kernels lowers for CUDA: three Mosaic GPU launches (the
     forward, dq and dk/dv; the deterministic backward, which every JAX runs), and the
     lowered program's outputs are the three gradients."""
     mask, shape, options = LOWERED[case]
     options = dict(options)
-    data = {}
+    data, constants = {}, {}
     if options.pop("segments", False):
-        ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), shape["q_len"] // 4)
+        ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), -(-shape["q_len"] // 4))
+        ids = ids[:shape["q_len"]]
         ids = jnp.broadcast_to(ids, (shape["batch"], shape["q_len"]))
         data = dict(q_segment_ids=ids, kv_segment_ids=ids)
+    if options.pop("positions", False):
+        # Constants: traced positions get a run-time range check, a host callback that JAX
+        # cannot lower for another platform; so does the layout built on the device from
+        # them (its capacity check), which is taken out here.
+        monkeypatch.setattr(layout_internals.eqx, "error_if", lambda x, *_: x)
+        constants = dict(q_positions=np.arange(shape["q_len"], dtype=np.int32) * 2 - 40,
+                         kv_positions=np.arange(shape["kv_len"], dtype=np.int32) - 7)
     attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(), **options)
     q, k, v = _inputs(**shape)
     loss = jax.jit(jax.grad(
-        lambda q, k, v, data: jnp.sum(attn(q, k, v, **data).astype(jnp.float32)),
+        lambda q, k, v, data: jnp.sum(attn(q, k, v, **data, **constants).astype(jnp.float32)),
         argnums=(0, 1, 2)))
     lowered = loss.trace(q, k, v, data).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.count("custom_call @mosaic_gpu") == 3, case
     assert [o.shape for o in jax.tree.leaves(lowered.out_info)] == [q.shape, k.shape, v.shape]
+
+
+def test_score_function_mosaic_cannot_lower_is_declined(hopper_host):
+    """A score function Pallas Mosaic GPU cannot lower gives the first line of the reason
+    (once per function: the verdict is cached), and the call is refused in one line when the
+    kernel is asked for it; a function with parameters is declined by name."""
+    from eqx_bsattn.strategies.kernels.mosaic.kernel import (
+        _function_decline, function_lowering_failure, score_function)
+
+    def term(fn):
+        return score_function(scores.ScoreFunction(fn).compile(2))[0]
+
+    assert score_function(None) == (None, None)
+    assert term(_hiding) == term(_hiding) and hash(term(_hiding)) == hash(term(_hiding))
+    assert _function_decline(term(_hiding), False) is None
+    why = _function_decline(term(_running_sum), False)
+    assert why.startswith("Pallas Mosaic GPU cannot lower the score function: ")
+    assert "cumsum" in why and "\n" not in why
+    hits = function_lowering_failure.cache_info().hits
+    assert _function_decline(term(_running_sum), False) == why
+    assert function_lowering_failure.cache_info().hits == hits + 1
+    assert "parameters" in _function_decline(term(_hiding), True)
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
+                                    score=scores.ScoreFunction(_running_sum))
+    q, k, v = _inputs(1, 2, 2, 256, 256, 64)
+    with pytest.raises(ValueError, match="cannot lower the score function: .*cumsum"):
+        jax.jit(attn).trace(q, k, v)
+    # The selector, at plan time: this kernel for a function it lowers, another (with the
+    # reason in `explain`) for one it cannot lower or one with parameters.
+    for score, chosen, word in (
+            (scores.ScoreFunction(_hiding), True, None),
+            (scores.ScoreFunction(_running_sum), False, "cumsum"),
+            (scores.ScoreFunction(_scaled, {"w": jnp.ones(2)}), False, "parameters")):
+        plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=score).plan(q, k, v)
+        assert (plan.choice.kernel.name == "mosaic") == chosen, plan.choice.explain()
+        assert word is None or word in plan.choice.explain()
+
+
+def _scaled(score, head, q_pos, k_pos, params):
+    """A score function with parameters: one learned factor per head."""
+    return score * params["w"][head]
