@@ -174,8 +174,14 @@ class ResolvedMask:
 
                 if self.is_static:
                     # Concrete even under jit, so heuristics and kernels can read it on the host.
-                    with jax.ensure_compile_time_eval():
-                        self._layouts[key] = build()
+                    try:
+                        with jax.ensure_compile_time_eval():
+                            self._layouts[key] = build()
+                    except jax.errors.TracerArrayConversionError:
+                        raise TypeError(
+                            "the mask's function closes over a traced array, so its layout "
+                            "cannot be built when traced; pass the array as `params` "
+                            "(masks.Predicate(fn, params)).") from None
                 else:
                     self._layouts[key] = build()
         return self._layouts[key]

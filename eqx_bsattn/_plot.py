@@ -57,7 +57,8 @@ def plot_score(score, *, num_heads: int, q_len: int = 64, kv_len: int | None = N
     head = jnp.asarray(heads, jnp.int32)[:, None, None]
     qp = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]
     kp = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
-    values = np.asarray(terms.apply(jnp.zeros((len(heads), q_len, kv_len)), head, qp, kp))
+    values = np.asarray(terms.apply(jnp.zeros((len(heads), q_len, kv_len)), head, qp, kp,
+                                    batch=jnp.zeros((), jnp.int32)))  # the first sequence
     if axes is None:
         fig, axes = plt.subplots(1, len(heads), figsize=(2.6 * len(heads), 2.8), squeeze=False)
         axes = axes[0]

@@ -14,7 +14,6 @@ are passed).
 import abc
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from ._signature import fits, read_signature
 from ._values import poisoned as _poisoned
 
 _F32 = jnp.float32
@@ -131,37 +131,6 @@ class RelativeBuckets:
 # The contract: what a kernel reads.
 
 
-def _positional_capacity(fn) -> tuple[int, float, bool, tuple[str, ...]] | None:
-    """``(required, capacity, takes_batch, names)`` of `fn`'s positional parameters (``capacity``
-    is ``inf`` with ``*args``; a parameter named ``batch`` is left out: it is passed by keyword),
-    or ``None`` where Python cannot read the signature (a builtin)."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    required, capacity, names = 0, 0.0, []
-    takes_batch = False
-    for p in sig.parameters.values():
-        if p.name == "batch" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            takes_batch = True
-            continue
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            capacity += 1
-            names.append(p.name)
-            required += p.default is p.empty
-        elif p.kind is p.VAR_POSITIONAL:
-            capacity = float("inf")
-        elif p.kind is p.VAR_KEYWORD:
-            takes_batch = True
-        elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
-            required = -1  # a keyword we never pass: refused below
-    return required, capacity, takes_batch, tuple(names)
-
-
-#: Parameter names that mark a FlexAttention ``score_mod`` / ``mask_mod``.
-_FLEX_NAMES = frozenset({"b", "h", "q_idx", "kv_idx"})
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScoreTerm:
     """A user score function in the one form kernels call:
@@ -181,7 +150,8 @@ class ScoreTerm:
     takes_params: bool = False
 
     @classmethod
-    def of(cls, fn: Callable, takes_params: bool = False, *, what: str = "ScoreFunction") -> "ScoreTerm":
+    def of(cls, fn: Callable, takes_params: bool = False, *,
+           what: str = "ScoreFunction") -> "ScoreTerm":
         """The term calling `fn`, whose signature is read once here: a one-line `TypeError`
         names the expected signature when its positional parameters do not fit."""
         if isinstance(fn, ScoreTerm):
@@ -189,17 +159,13 @@ class ScoreTerm:
         if not callable(fn):
             raise TypeError(f"`fn` must be callable; got {type(fn).__name__}.")
         want = "(score, head, q_pos, k_pos" + (", params" if takes_params else "") + ")"
-        sig = _positional_capacity(fn)
-        if sig is None:  # no readable signature: trust it
-            return cls(fn, False, takes_params)
-        required, capacity, takes_batch, names = sig
-        n = 5 if takes_params else 4
-        flex = _FLEX_NAMES & set(names[1:]) and "kv_idx" in names
-        if flex or required < 0 or required > n or capacity < n:
+        sig = read_signature(fn, ("batch",))
+        if not fits(sig, 5 if takes_params else 4):
             raise TypeError(
                 f"{what}'s `fn` must take {want} (and `batch=` by keyword if it wants it); got "
-                f"{_name(fn)}{_signature(fn)}; a FlexAttention score_mod "
-                f"(score, b, h, q_idx, kv_idx) goes through scores.from_flex.")
+                f"{sig.text}; a FlexAttention score_mod (score, b, h, q_idx, kv_idx) goes "
+                f"through scores.from_flex.")
+        takes_batch = sig is not None and "batch" in sig.keywords
         return cls(fn, takes_batch, takes_params)
 
     @property
@@ -238,13 +204,6 @@ class ScoreTerm:
 
 def _name(fn) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _signature(fn) -> str:
-    try:
-        return str(inspect.signature(fn))
-    except (TypeError, ValueError):
-        return "(...)"
 
 
 class ScoreTerms(eqx.Module):
@@ -356,7 +315,9 @@ def describe_score(terms: ScoreTerms | None) -> str:
         parts.append(f"relative_bias ({b.num_buckets} buckets, bidirectional={b.bidirectional}, "
                      f"max_distance={b.max_distance})")
     for term in terms.function_terms:
-        params = "" if not term.takes_params else f", params {len(jax.tree.leaves(terms.params))} arrays"
+        params = ""
+        if term.takes_params:
+            params = f", params {len(jax.tree.leaves(terms.params))} arrays"
         parts.append(f"function {term.__name__}{params}")
     return ", ".join(parts)
 

@@ -89,6 +89,12 @@ from ._sharding import (
     mesh_in_context as mesh_in_context,
     typed_like as typed_like,
 )
+from ._signature import (
+    check_flex as check_flex,
+    fits as fits,
+    params_tree as params_tree,
+    read_signature as read_signature,
+)
 from ._strategy import AbstractStrategy as AbstractStrategy, is_abstract as is_abstract
 from ._tiling import (
     AbstractKernelConfig as AbstractKernelConfig,

@@ -1067,5 +1067,5 @@ class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
                 raise
             raise TypeError(
                 "XlaBlockSparse: the score function or mask closes over an array that is being "
-                "differentiated; pass it as `params` (scores.ScoreFunction(fn, params), "
-                "masks.Predicate(fn, params)) so that it gets its gradient.") from None
+                "differentiated; pass it as `params` (scores.ScoreFunction(fn, params)) so "
+                "that it gets its gradient.") from None

@@ -17,7 +17,7 @@ from eqx_bsattn.contract import (
     classify as classify,
 )
 
-from .custom import PerHead as PerHead, Predicate as Predicate
+from .custom import PerHead as PerHead, Predicate as Predicate, from_flex as from_flex
 from .positional import (
     Causal as Causal,
     ChunkedCausal as ChunkedCausal,

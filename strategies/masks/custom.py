@@ -1,46 +1,152 @@
 """Masks from user code: any predicate of positions, and a different mask per head."""
 
+import dataclasses
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractBlockMask, AbstractMask
+from eqx_bsattn.contract import (
+    AbstractBlockMask,
+    AbstractMask,
+    check_flex,
+    fits,
+    params_tree,
+    read_signature,
+)
 
 
 class Predicate(AbstractMask):
-    """Any JAX function of query and key positions: ``fn(q_pos, k_pos) -> bool array``.
+    """Any JAX function of query and key positions: ``fn(q_pos, k_pos) -> bool array``, or
+    ``fn(q_pos, k_pos, params)`` with per-call or learned data `params`.
 
-    `fn` receives broadcastable int32 arrays (queries ``[..., n, 1]``, keys ``[..., 1, m]``)
-    and must return their broadcast boolean. It has no `blocks`, so layouts evaluate `fn` one
-    q-block at a time (once per trace when no positions are passed), and no `terms`, so GPU
-    kernels read element bitmaps. Define `fn` once, not as a fresh lambda per call: the
-    function is part of the module's static identity.
+    **Arguments:**
+
+    - `fn`: receives broadcastable int32 arrays (queries ``[..., n, 1]``, keys ``[..., 1, m]``)
+      and returns their broadcast boolean. A parameter named ``head`` receives the query head
+      (an int32 scalar, maybe traced) by keyword: the mask then varies by head.
+    - `params`: a pytree of arrays passed as the third argument (default ``None``: `fn` takes
+      two). They are leaves of the mask, so a new value (traced under `jit`, swapped in with
+      `eqx.tree_at`) never recompiles; the layouts are then built on the device, as for
+      per-call positions.
+
+    The signature is read once, here: other positional parameters raise a one-line `TypeError`
+    (a FlexAttention ``mask_mod`` ``(b, h, q_idx, kv_idx)`` goes through `masks.from_flex`).
+    Masks see no batch index: per-sequence data is segment ids (`Document`) or positions.
+    It has no `blocks`, so layouts evaluate `fn` one q-block at a time (once per trace when
+    nothing is per call), and no `terms`, so GPU kernels read element bitmaps (static masks
+    only). Define `fn` once, not as a fresh lambda per call: it is part of the module's static
+    identity; data it closes over is a constant (a traced array there is refused: pass it as
+    `params`).
 
     ```python
     def every_other(q, k):
         return (k <= q) & (k % 2 == 0)
 
+    def window_per_head(q, k, widths, head):   # widths [H], per call
+        return (k <= q) & (q - k < widths[head])
+
     masks.Predicate(every_other)
+    masks.Predicate(window_per_head, jnp.array([4, 8, 16, 32]))
     ```
     """
 
     fn: Callable = eqx.field(static=True)
+    params: Any = None
+    takes_head: bool = eqx.field(default=False, static=True)
 
     reads_segment_ids: ClassVar[bool] = False
-    varies_by_head: ClassVar[bool] = False
 
-    def __check_init__(self):
-        if not callable(self.fn):
-            raise TypeError(f"Predicate needs a callable; got {type(self.fn).__name__}.")
+    def __init__(self, fn: Callable, params: Any = None):
+        if not callable(fn):
+            raise TypeError(f"Predicate needs a callable; got {type(fn).__name__}.")
+        sig = read_signature(fn, ("head", "batch"))
+        want = "(q_pos, k_pos" + (", params" if params is not None else "") + ")"
+        if sig is not None and "batch" in sig.named:
+            raise TypeError(f"Predicate's `fn` takes `batch`, which masks do not receive; got "
+                            f"{sig.text}: per-sequence data goes in segment ids "
+                            f"(masks.Document) or positions.")
+        if not fits(sig, 3 if params is not None else 2):
+            raise TypeError(f"Predicate's `fn` must take {want} (and `head=` by keyword if it "
+                            f"wants it); got {sig.text}; a FlexAttention mask_mod (b, h, q_idx, "
+                            f"kv_idx) goes through masks.from_flex.")
+        self.fn = fn
+        self.params = None if params is None else params_tree(params)
+        self.takes_head = sig is not None and "head" in sig.keywords
+
+    @property
+    def varies_by_head(self) -> bool:
+        return self.takes_head
 
     def elements(self, q, k, head):
-        out = jnp.asarray(self.fn(q.position, k.position))
+        args = (q.position, k.position) + (() if self.params is None else (self.params,))
+        kwargs = {"head": jnp.asarray(head, jnp.int32)} if self.takes_head else {}
+        out = jnp.asarray(self.fn(*args, **kwargs))
         if out.dtype != jnp.bool_:
             raise TypeError(f"Predicate function must return booleans; got dtype {out.dtype}.")
         return jnp.broadcast_to(out, jnp.broadcast_shapes(q.position.shape, k.position.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlexMask:
+    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx[, params])`` that reads neither `b` nor
+    `h`, as a `Predicate` function (`from_flex` has checked it: both are given as 0)."""
+
+    mask_mod: Callable
+
+    def __call__(self, q_pos, k_pos, *params):
+        zero = jnp.zeros((), jnp.int32)
+        return self.mask_mod(zero, zero, q_pos, k_pos, *params)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlexHeadMask(_FlexMask):
+    """`_FlexMask` for a `mask_mod` that reads `h`: the mask varies by head."""
+
+    def __call__(self, q_pos, k_pos, *params, head):
+        return self.mask_mod(jnp.zeros((), jnp.int32), head, q_pos, k_pos, *params)
+
+
+def from_flex(mask_mod: Callable, params: Any = None) -> Predicate:
+    """A `Predicate` from a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` (or
+    ``mask_mod(b, h, q_idx, kv_idx, params)`` with `params`).
+
+    `q_idx` and `kv_idx` are the call's positions (the token indices when none are passed),
+    `h` the query head. Masks see no batch index: a `mask_mod` that reads `b` (a per-sequence
+    document table, say) raises a one-line `TypeError`; pass such data as segment ids with
+    `masks.Document`. Where a built-in mask says the same (causal, sliding window, prefix LM,
+    documents), prefer it: it classifies blocks without evaluating every pair and runs
+    inside every kernel (docs/flex.md).
+
+    ```python
+    def sliding_window_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= 256)
+
+    mask = masks.from_flex(sliding_window_causal)
+    ```
+    """
+    check_flex(mask_mod, "mask_mod", "b, h, q_idx, kv_idx", params)
+    zero = jnp.zeros((), jnp.int32)
+    if _reads_argument(mask_mod, params, lambda b: (b, zero)):
+        raise TypeError(f"`mask_mod` {getattr(mask_mod, '__name__', '')} reads the batch index "
+                        f"`b`, which masks do not receive: pass per-sequence data as segment "
+                        f"ids (masks.Document) or positions.")
+    by_head = _reads_argument(mask_mod, params, lambda h: (zero, h))
+    return Predicate((_FlexHeadMask if by_head else _FlexMask)(mask_mod), params)
+
+
+def _reads_argument(fn: Callable, params, lead) -> bool:
+    """Whether `fn(*lead(x), q_idx, kv_idx[, params])` depends on the int32 scalar ``x`` (read
+    from its jaxpr on a 2 x 2 tile: an argument that reaches no equation is not read)."""
+    idx = jnp.arange(2, dtype=jnp.int32)
+    extra = () if params is None else (params_tree(params),)
+    jaxpr = jax.make_jaxpr(lambda x: fn(*lead(x), idx[:, None], idx[None, :], *extra))(
+        jnp.zeros((), jnp.int32)).jaxpr
+    var = jaxpr.invars[0]
+    used = any(var is v for eqn in jaxpr.eqns for v in eqn.invars)
+    return used or any(var is v for v in jaxpr.outvars)
 
 
 class PerHead(AbstractBlockMask):

@@ -9,6 +9,7 @@ as `BlockSparseAttention(score=...)`; see docs/scores.md. Kernels read the compi
 from eqx_bsattn.contract import (
     AbstractScore as AbstractScore,
     RelativeBuckets as RelativeBuckets,
+    ScoreTerm as ScoreTerm,
     ScoreTerms as ScoreTerms,
 )
 
@@ -18,3 +19,4 @@ from .builtin import (
     ScoreFunction as ScoreFunction,
     alibi_slopes as alibi_slopes,
 )
+from .flex import from_flex as from_flex

@@ -10,7 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from eqx_bsattn.contract import AbstractScore, RelativeBuckets, ScoreTerm, ScoreTerms
+from eqx_bsattn.contract import (
+    AbstractScore,
+    RelativeBuckets,
+    ScoreTerm,
+    ScoreTerms,
+    params_tree,
+)
 
 
 def _float_array(name: str, x, shape_text: str, ndim: int) -> Array:
@@ -182,23 +188,7 @@ class ScoreFunction(AbstractScore):
     def __init__(self, fn: Callable, params: Any = None):
         self.term = ScoreTerm.of(fn, params is not None)
         self.fn = fn
-        self.params = None if params is None else _params_tree(params)
+        self.params = None if params is None else params_tree(params)
 
     def compile(self, num_heads: int) -> ScoreTerms:
         return ScoreTerms(function=self.term, params=self.params)
-
-
-def _params_tree(params):
-    """`params` with every leaf a jnp array (NumPy arrays and Python numbers converted); a
-    one-line `TypeError` names a leaf that is not numeric."""
-    def leaf(path, x):
-        try:
-            y = None if isinstance(x, (str, bytes)) else jnp.asarray(x)
-        except (TypeError, ValueError):
-            y = None
-        if y is None or not (jnp.issubdtype(y.dtype, jnp.number) or y.dtype == bool):
-            raise TypeError(f"`params` must be a pytree of arrays; got "
-                            f"{type(x).__name__} at {jax.tree_util.keystr(path) or 'the root'}.")
-        return y
-
-    return jax.tree_util.tree_map_with_path(leaf, params)

@@ -223,29 +223,41 @@ def local_head_offset(head_axis: str | None, local_heads: int):
 @dataclasses.dataclass(frozen=True)
 class GlobalHeads:
     """A score function called with the call's query-head ids on a device that holds
-    `local_heads` of them (a contiguous run, split over mesh axis `head_axis`).
+    `local_heads` of them (a contiguous run, split over mesh axis `head_axis`), and with the
+    call's batch index where it reads one and `batch_axis` splits the batch.
 
     The kernel passes local head ids; the device's offset is read from its mesh position when
     the function runs, so this holds no traced value and stays hashable (a kernel keeps the
     score function in its static configuration)."""
 
     fn: Callable
-    head_axis: str
+    head_axis: str | None
     local_heads: int
+    #: The mesh axis that splits the batch, and each device's share of it: a function that
+    #: reads the batch index gets the call's (``None``: the batch is not split).
+    batch_axis: str | None = None
+    local_batch: int = 0
 
     def __call__(self, score, head, q_pos, k_pos, *params, **batch):
-        offset = local_head_offset(self.head_axis, self.local_heads)
-        return self.fn(score, head + offset, q_pos, k_pos, *params, **batch)
+        if self.head_axis is not None:
+            head = head + local_head_offset(self.head_axis, self.local_heads)
+        if self.batch_axis is not None and "batch" in batch:
+            start = jax.lax.axis_index(self.batch_axis).astype(jnp.int32) * self.local_batch
+            batch = {"batch": batch["batch"] + start}
+        return self.fn(score, head, q_pos, k_pos, *params, **batch)
 
 
 def local_score(terms: ScoreTerms | None, slopes, table, *, head_axis: str | None,
-                local_heads: int) -> ScoreTerms | None:
+                local_heads: int, batch_axis: str | None = None,
+                local_batch: int = 0) -> ScoreTerms | None:
     """The `ScoreTerms` one shard's kernel call reads: `slopes` ``[local_heads]`` and `table`
     ``[local_heads, buckets]`` are the rows of its query heads, and a score function gets the
     call's head ids, so every term means the same as unsharded."""
     if terms is None:
         return None
-    fn = terms.function  # a `ScoreTerm`: its user function gets the global head ids
-    if fn is not None and head_axis is not None:
-        fn = dataclasses.replace(fn, fn=GlobalHeads(fn.fn, head_axis, local_heads))
+    fn = terms.function  # a `ScoreTerm`: its user function gets the global head (batch) ids
+    batch_axis = batch_axis if fn is not None and fn.takes_batch else None
+    if fn is not None and (head_axis is not None or batch_axis is not None):
+        fn = dataclasses.replace(fn, fn=GlobalHeads(fn.fn, head_axis, local_heads, batch_axis,
+                                                    local_batch))
     return ScoreTerms(slopes, table, terms.buckets, fn, terms.params)

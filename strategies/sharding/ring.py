@@ -809,10 +809,14 @@ class RingAttention(AbstractSharding):
             # shard holds its query heads' rows); each step's call reads them at the tokens'
             # global positions, and a score function gets the call's head ids.
             terms = inputs.score
+            if terms is not None and terms.params is not None:
+                raise ValueError("RingAttention does not pass a score function's `params` to "
+                                 "its steps yet; use ShardMap or no sharding for this score.")
             slopes, table = (None, None) if terms is None else terms.arrays
             score_slots = (ops.add(slopes, P(h_axis)), ops.add(table, P(h_axis, None)))
             score_like = local_score(terms, None, None, head_axis=h_axis,
-                                     local_heads=local_heads)
+                                     local_heads=local_heads, batch_axis=b_axis,
+                                     local_batch=batch // axis_size(mesh, b_axis))
             walk = _Walk(n, *sched.hops)
             # Each pass's layout per device: its lists at every position of the walk
             # ([n, positions, mb, mh, ...]), or the class rows its steps build them from

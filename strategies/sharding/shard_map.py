@@ -142,7 +142,8 @@ class ShardMap(AbstractSharding):
                 k, v = local_kv(k, v, split=split_kv, head_axis=h_axis, heads=heads,
                                 kv_heads=kv_heads, local_heads=local_heads)
                 score = local_score(terms, *map(read, score_slots), head_axis=h_axis,
-                                    local_heads=local_heads)
+                                    local_heads=local_heads, batch_axis=b_axis,
+                                    local_batch=batch // axis_size(mesh, b_axis))
                 local_inputs = AttentionInputs(**{n: read(s) for n, s in data.items()},
                                                score=score)
                 pred = jax.tree.unflatten(jax.tree.structure(arrays),
