@@ -17,13 +17,15 @@ _CHILD = "EQX_BSATTN_SHARDING_CHILD"
 _DEVICES = 8
 
 
-def _run_child(marker: str, keyword: str | None = None):
+def run_child(marker: str, keyword: str | None = None, path: str = __file__):
+    """Run the tests of `path` with `marker` (and `keyword`) in a child process with 8
+    virtual CPU devices; assert that they pass."""
     env = dict(os.environ, **{_CHILD: "1"})
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={_DEVICES}").strip()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", marker,
-           *(["-k", keyword] if keyword else []), os.path.abspath(__file__)]
+           *(["-k", keyword] if keyword else []), os.path.abspath(path)]
     result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
 
@@ -31,7 +33,7 @@ def _run_child(marker: str, keyword: str | None = None):
 if os.environ.get(_CHILD) != "1":
 
     def test_sharding_on_eight_devices():
-        _run_child("not slow")
+        run_child("not slow")
 
     # The slow cases in two children, so that the suite's workers run them side by side: the
     # extended tier.
@@ -39,7 +41,7 @@ if os.environ.get(_CHILD) != "1":
     @pytest.mark.extended
     @pytest.mark.parametrize("part", ["ring", "not ring"])
     def test_sharding_on_eight_devices_slow_cases(part):
-        _run_child("slow", part)
+        run_child("slow", part)
 
 else:
     from typing import ClassVar

@@ -1,0 +1,130 @@
+"""`AllToAll` (heads over the sequence axis) and the ring-by-heads hybrid on 8 virtual CPU
+devices, against the unsharded call, forward and every gradient (in a child process, as
+tests/test_sharding.py runs its own)."""
+
+import os
+
+import pytest
+
+from tests.test_sharding import _CHILD, run_child
+
+if os.environ.get(_CHILD) != "1":
+
+    def test_all_to_all_on_eight_devices():
+        run_child("not slow", path=__file__)
+
+    @pytest.mark.slow
+    @pytest.mark.extended
+    def test_all_to_all_on_eight_devices_slow_cases():
+        run_child("slow", path=__file__)
+
+else:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from eqx_bsattn import sharding
+    from tests.conftest import masks, random_array, random_inputs, sorted_segments
+    from tests.test_sharding import (
+        check_score_oracle,
+        compare,
+        make_mesh,
+        module,
+        scored,
+    )
+
+    slow = pytest.mark.slow
+    L = 64  # 8 tokens per device on the way in; each device then holds 1 of 8 heads whole
+
+    def skewed_documents(batch: int, length: int) -> np.ndarray:
+        """Segment ids of documents of very different lengths (one long, several short), the
+        last tokens padding (-1)."""
+        lengths = [[37, 3, 5, 2, 9], [4, 41, 1, 6, 4]]
+        out = np.full((batch, length), -1, np.int32)
+        for b in range(batch):
+            out[b, :sum(lengths[b])] = np.repeat(np.arange(5), lengths[b])
+        return out
+
+    def a2a(**kw):
+        return sharding.AllToAll(make_mesh((8,), ("s",)), "s", **kw)
+
+    def case(name):
+        seg = jnp.asarray(skewed_documents(2, L))
+        return {
+            "documents": (masks.Causal(), dict(q_segment_ids=seg, kv_segment_ids=seg)),
+            "window": (masks.Causal() & masks.SlidingWindow(12), {}),
+            "bigbird": (masks.Causal() & (masks.SlidingWindow(8, 0) | masks.GlobalTokens(8)
+                                          | masks.BigBirdRandom(8, 2)), {}),
+            "bias_sinks": (masks.Causal(), dict(bias=random_array(8, (2, 8, L, L)),
+                                                sinks=random_array(9, (8, 2)))),
+            "per_head": (masks.PerHead([masks.Causal(), masks.SlidingWindow(5)] * 4),
+                         dict(bias=random_array(6, (1, 1, 1, L)))),
+        }[name]
+
+    @pytest.mark.parametrize("kernel, name", [
+        ("XlaBlockSparse", "documents"), ("DenseReference", "window"),
+        ("XlaBlockSparse", "bigbird"),
+        *[pytest.param(k, n, marks=slow) for k, n in [
+            ("DenseReference", "documents"), ("XlaBlockSparse", "window"),
+            ("DenseReference", "bigbird"), ("XlaBlockSparse", "bias_sinks"),
+            ("DenseReference", "bias_sinks"), ("XlaBlockSparse", "per_head")]],
+    ])
+    def test_all_to_all(kernel, name):
+        """GQA with 2 kv heads over 8 devices: each kv head goes to the 4 devices that hold
+        its query heads."""
+        mask, extra = case(name)
+        q, k, v = random_inputs(5, batch=2, heads=8, kv_heads=2, q_len=L, value_dim=4)
+        compare(module(mask, kernel), module(mask, kernel, a2a()), (q, k, v), extra)
+
+    @pytest.mark.parametrize("kernel, kind", [
+        ("XlaBlockSparse", "alibi"), ("DenseReference", "table"),
+        pytest.param("XlaBlockSparse", "table", marks=slow),
+        pytest.param("DenseReference", "function", marks=slow),
+    ])
+    def test_all_to_all_score_terms(kernel, kind):
+        """Each device reads its heads' slopes or table rows: output and the gradients of q, k,
+        v and the score arrays equal the unsharded call's and the float64 oracle's."""
+        q, k, v = random_inputs(22, batch=2, heads=8, kv_heads=8, q_len=L, value_dim=4)
+        pos = jnp.asarray(np.stack([np.arange(L) * 3 + 7 * b for b in range(2)]), jnp.int32)
+        base, arrays = scored(kind, kernel)
+        sharded, _ = scored(kind, kernel, a2a(batch_axis=None))
+        extra = dict(arrays, q_positions=pos, kv_positions=pos)
+        out, (grads, d_arrays) = compare(base, sharded, (q, k, v), extra)
+        check_score_oracle(kind, out, grads, d_arrays, (q, k, v), arrays,
+                           np.tril(np.ones((L, L), bool)), pos)
+
+    def test_all_to_all_with_a_batch_axis():
+        mesh = make_mesh((2, 4), ("b", "s"))
+        mask, extra = case("documents")
+        q, k, v = random_inputs(6, batch=2, heads=4, kv_heads=4, q_len=L)
+        compare(module(mask, "XlaBlockSparse"),
+                module(mask, "XlaBlockSparse", sharding.AllToAll(mesh, "s", batch_axis="b")),
+                (q, k, v), extra)
+
+    @pytest.mark.parametrize("heads, kv_heads, match", [
+        (12, 12, r"query heads \(12\) must be a multiple of 8"),
+        (24, 3, r"cannot split 3 key/value heads"),
+    ])
+    def test_all_to_all_refuses_layouts_it_cannot_split(heads, kv_heads, match):
+        q, k, v = random_inputs(1, batch=1, heads=heads, kv_heads=kv_heads, q_len=L)
+        attn = module(masks.Causal(), "XlaBlockSparse", a2a())
+        with pytest.raises(ValueError, match=match):
+            attn(q, k, v)
+
+    def test_all_to_all_sends_two_all_to_alls_each_way():
+        """The compiled forward holds one all-to-all per q, k, v and one for the output, each
+        moving a device's ``[B, H, L / n, D]`` shard; output and gradients together (`vjp`)
+        the same again for the cotangents."""
+        attn = module(masks.Causal(), "XlaBlockSparse", a2a())
+        q, k, v = random_inputs(2, batch=1, heads=8, kv_heads=8, q_len=L)
+        proj = random_array(3, q.shape)  # a cotangent XLA cannot fold
+
+        def both(q, k, v):
+            out, pullback = jax.vjp(attn, q, k, v)
+            return out, pullback(proj)
+
+        shard = q.size // 8 * 4  # float32 bytes of one device's shard
+        fwd = sharding.collective_bytes(jax.jit(attn).lower(q, k, v).compile().as_text())
+        assert fwd == {"all-to-all": [shard] * 4}, fwd
+        grad = sharding.collective_bytes(jax.jit(both).lower(q, k, v).compile().as_text())
+        assert grad == {"all-to-all": [shard] * 8}, grad
