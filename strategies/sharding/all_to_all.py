@@ -11,7 +11,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from eqx_bsattn.contract import AbstractSharding, mesh_in_context
 
-from ._local import Operands, axis_size, check_divides, check_mesh
+from ._local import Operands, axis_size, check_divides, check_mesh, unsplit_like_query
 from .shard_map import head_shard_call
 
 
@@ -113,7 +113,8 @@ class AllToAll(AbstractSharding):
                 out = call(read, fn, *map(to_heads, (q, k, v)))
                 return jax.lax.all_to_all(out, s_axis, 2, 1, tiled=True)
 
-            return jax.shard_map(body, mesh=mesh, in_specs=tuple(ops.specs),
+            out = jax.shard_map(body, mesh=mesh, in_specs=tuple(ops.specs),
                                  out_specs=P(b_axis, None, s_axis, None))(*ops.inputs())
+            return unsplit_like_query(out, mesh)
 
         return run

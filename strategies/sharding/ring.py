@@ -39,6 +39,7 @@ from ._local import (
     local_head_offset,
     local_mask,
     local_score,
+    unsplit_like_query,
 )
 from .shard_map import kv_head_plan, local_kv, split_inputs
 
@@ -889,6 +890,6 @@ class RingAttention(AbstractSharding):
             out_spec = P(b_axis, h_axis, s_axis, None)
             out = jax.shard_map(body, mesh=mesh, in_specs=tuple(ops.specs),
                                 out_specs=out_spec)(*ops.inputs())
-            return out
+            return unsplit_like_query(out, mesh)
 
         return run

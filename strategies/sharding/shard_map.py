@@ -19,6 +19,7 @@ from ._local import (
     local_mask,
     local_score,
     read_layout,
+    unsplit_like_query,
 )
 
 
@@ -172,7 +173,8 @@ class ShardMap(AbstractSharding):
                                 kv_heads=kv_heads, local_heads=local_heads)
                 return call(read, fn, q, k, v)
 
-            return jax.shard_map(body, mesh=mesh, in_specs=tuple(ops.specs),
+            out = jax.shard_map(body, mesh=mesh, in_specs=tuple(ops.specs),
                                  out_specs=P(b_axis, h_axis, None, None))(*ops.inputs())
+            return unsplit_like_query(out, mesh)
 
         return run
