@@ -803,6 +803,24 @@ else:
         with pytest.raises(ValueError, match="no-positions-test cannot run this call.*positions"):
             attn(q, k, v)
 
+    def test_ring_fits_the_automatic_tiling_to_its_slices():
+        """At L=512 on 8 devices the default tiles (128) do not divide a slice: the ring's
+        automatic tiling shrinks to the zig-zag slices of 32 tokens (it was refused), a causal
+        mask then takes the zig-zag order as documented, and the call matches unsharded; a
+        module's own tiling is kept."""
+        mesh = make_mesh((8,), ("s",))
+        q, k, v = random_inputs(12, batch=1, heads=2, q_len=512)
+        attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.XlaBlockSparse(),
+                                        sharding=sharding.RingAttention(mesh, "s"))
+        plan = attn.plan(q, k, v)
+        assert {b for pass_blocks in plan.tiling.blocks for b in pass_blocks} == {32}
+        assert attn.sharding.schedule(plan.mask).order == "zigzag"
+        compare(bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.XlaBlockSparse()),
+                attn, (q, k, v), {})
+        own = module(masks.Causal(), "XlaBlockSparse", sharding.RingAttention(mesh, "s"),
+                     tiling=bsa.Tiling(block_q=64, block_kv=64))
+        assert own.plan(q, k, v).tiling.blocks.forward == (64, 64)
+
     def test_ring_declines_kernels_without_lse():
         class NoLse(bsa.AbstractKernel):
             name: ClassVar[str] = "no-lse-test"

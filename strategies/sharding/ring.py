@@ -15,6 +15,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from eqx_bsattn.contract import (
     EMPTY,
+    PassBlocks,
+    Tiling,
     mesh_in_context,
     AbstractSharding,
     ScoreTerms,
@@ -618,6 +620,27 @@ class RingAttention(AbstractSharding):
             raise ValueError(
                 f"`order` must be 'auto', 'contiguous' or 'zigzag'; got {self.order!r}."
             )
+
+    def fit_tiling(self, tiling, kernel, features):
+        """An automatic tiling shrunk so that each pass's tiles divide every slice of the
+        sequence: the ``2n`` slices of the zig-zag order where the lengths split into them
+        (and `order` allows it), so that ``"auto"`` may choose either order, else the ``n``
+        contiguous ones. Each tile becomes its greatest common divisor with the slice."""
+        n = axis_size(self.mesh, self.seq_axis)
+        zigzag = (self.order != "contiguous" and features.q_len % (2 * n) == 0
+                  and features.kv_len % (2 * n) == 0)
+        pieces = 2 * n if zigzag else n
+        if features.q_len % pieces or features.kv_len % pieces:
+            return tiling  # the call refuses the lengths (`_orders`), saying what fits
+        slice_q, slice_k = features.q_len // pieces, features.kv_len // pieces
+        blocks = tiling.blocks
+        fitted = PassBlocks(*((math.gcd(q, slice_q), math.gcd(k, slice_k)) for q, k in blocks))
+        if fitted == blocks:
+            return tiling
+        (bq, bk), (dq_q, dq_k), (kv_q, kv_k) = fitted
+        return kernel.adapt_tiling(
+            Tiling(block_q=bq, block_kv=bk, block_q_bwd=kv_q, block_kv_bwd=kv_k,
+                   block_q_dq=dq_q, block_kv_dq=dq_k), features)
 
     # --------------------------------------------------------------------------------------
     # The schedule, at trace time.
