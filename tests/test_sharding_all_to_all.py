@@ -128,3 +128,30 @@ else:
         assert fwd == {"all-to-all": [shard] * 4}, fwd
         grad = sharding.collective_bytes(jax.jit(both).lower(q, k, v).compile().as_text())
         assert grad == {"all-to-all": [shard] * 8}, grad
+
+    # ---------------------------------------------------------------------------------------
+    # The hybrid: all-to-all over one axis, the ring over the other.
+
+    @pytest.mark.parametrize("kernel, name", [
+        ("XlaBlockSparse", "documents"),
+        pytest.param("DenseReference", "window", marks=slow),
+        pytest.param("XlaBlockSparse", "bias_sinks", marks=slow),
+    ])
+    def test_all_to_all_ring(kernel, name):
+        """A ring of 2 over rows of 4 all-to-all devices; 2 kv heads replicated over each row's
+        4 head shards."""
+        mesh = make_mesh((2, 4), ("r", "h"))
+        mask, extra = case(name)
+        q, k, v = random_inputs(7, batch=2, heads=8, kv_heads=2, q_len=L, value_dim=4)
+        hybrid = sharding.AllToAllRing(mesh, "h", "r")
+        compare(module(mask, kernel), module(mask, kernel, hybrid), (q, k, v), extra)
+
+    @slow
+    def test_all_to_all_ring_score_terms():
+        mesh = make_mesh((2, 4), ("r", "h"))
+        q, k, v = random_inputs(23, batch=2, heads=8, kv_heads=8, q_len=L, value_dim=4)
+        pos = jnp.asarray(np.stack([np.arange(L) * 3 + 7 * b for b in range(2)]), jnp.int32)
+        base, arrays = scored("table", "XlaBlockSparse")
+        sharded, _ = scored("table", "XlaBlockSparse", sharding.AllToAllRing(mesh, "h", "r"))
+        extra = dict(arrays, q_positions=pos, kv_positions=pos)
+        compare(base, sharded, (q, k, v), extra)

@@ -4,5 +4,5 @@ from eqx_bsattn.contract import AbstractSharding as AbstractSharding, Unsharded 
 
 from .shard_map import ShardMap as ShardMap
 from .ring import RingAttention as RingAttention, RingSchedule as RingSchedule
-from .all_to_all import AllToAll as AllToAll
+from .all_to_all import AllToAll as AllToAll, AllToAllRing as AllToAllRing
 from .cost import collective_bytes as collective_bytes

@@ -11,7 +11,15 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from eqx_bsattn.contract import AbstractSharding, mesh_in_context
 
-from ._local import Operands, axis_size, check_divides, check_mesh, unsplit_like_query
+from ._local import (
+    Operands,
+    axis_size,
+    check_divides,
+    check_mesh,
+    place,
+    unsplit_like_query,
+)
+from .ring import RingAttention
 from .shard_map import head_shard_call
 
 
@@ -116,5 +124,92 @@ class AllToAll(AbstractSharding):
             out = jax.shard_map(body, mesh=mesh, in_specs=tuple(ops.specs),
                                  out_specs=P(b_axis, None, s_axis, None))(*ops.inputs())
             return unsplit_like_query(out, mesh)
+
+        return run
+
+
+class AllToAllRing(AbstractSharding):
+    """Sequence parallelism on a 2-D mesh: an all-to-all over `heads_axis`, the ring over
+    `ring_axis`.
+
+    The sequence arrives split over both axes (``P(batch, None, (ring_axis, heads_axis),
+    None)``: the ``n_ring x n_heads`` devices hold consecutive slices, `heads_axis` the minor
+    one). One all-to-all over `heads_axis` gives each device ``H / n_heads`` heads of the
+    ``n_ring``-th of the sequence that its row of the ring holds; a `RingAttention` over
+    `ring_axis` (with `heads_axis` as its head axis and `order`) runs there, and one
+    all-to-all returns the output split like the input. The all-to-all stays within a group
+    of `heads_axis` devices (one host, say) while the ring's hops cross the other axis. GQA
+    with fewer kv heads than `heads_axis` devices replicates each kv head to the devices of
+    its group, as `AllToAll` does; everything else follows `RingAttention` (an
+    `AbstractLseKernel`, lengths that split into the ring's slices, score terms, segment
+    ids, positions and every mask keep their meaning).
+
+    **Arguments:**
+
+    - `mesh`: a `jax.sharding.Mesh`.
+    - `heads_axis`: the mesh axis of the all-to-all (the heads are split over it inside).
+    - `ring_axis`: the mesh axis of the ring.
+    - `batch_axis`: a mesh axis that splits the batch, or ``None``.
+    - `order`: the ring's order, as `RingAttention`'s.
+
+    ```python
+    mesh = jax.make_mesh((4, 8), ("ring", "heads"))   # 4 hosts of 8 GPUs
+    attn = BlockSparseAttention(mask=masks.Causal(),
+                                sharding=sharding.AllToAllRing(mesh, "heads", "ring"))
+    ```
+    """
+
+    mesh: Mesh = eqx.field(static=True)
+    heads_axis: str = eqx.field(static=True)
+    ring_axis: str = eqx.field(static=True)
+    batch_axis: str | None = eqx.field(default=None, static=True)
+    order: str = eqx.field(default="auto", static=True)
+
+    needs_lse: ClassVar[bool] = True
+    passes_positions: ClassVar[bool] = True
+    passes_score: ClassVar[bool] = True
+    loops_kernel: ClassVar[bool] = True
+    keeps_bias_axes: ClassVar[bool] = True
+
+    def __check_init__(self):
+        for arg in ("heads_axis", "ring_axis"):
+            if not isinstance(getattr(self, arg), str):
+                raise TypeError(f"`{arg}` must be a mesh axis name; got {getattr(self, arg)!r}.")
+        check_mesh(self.mesh, {"heads_axis": self.heads_axis, "ring_axis": self.ring_axis,
+                               "batch_axis": self.batch_axis})
+        self.ring  # noqa: B018  (checks `order`)
+
+    @property
+    def ring(self) -> RingAttention:
+        """The ring that runs between the two all-to-alls."""
+        return RingAttention(self.mesh, self.ring_axis, batch_axis=self.batch_axis,
+                             head_axis=self.heads_axis, order=self.order)
+
+    def fit_tiling(self, tiling, kernel, features):
+        return self.ring.fit_tiling(tiling, kernel, features)
+
+    def wrap(self, fn: Callable) -> Callable:
+        h_axis, r_axis, b_axis = self.heads_axis, self.ring_axis, self.batch_axis
+        ring_call = self.ring.wrap(fn)
+
+        def run(query, key, value, inputs, mask):
+            mesh = mesh_in_context(self.mesh)
+            n = axis_size(mesh, h_axis)
+            heads, kv_heads = query.shape[1], key.shape[1]
+            copies = kv_replication(heads, kv_heads, n)
+            if copies > 1:  # each kv head once per device of its group after the all-to-all
+                key, value = (jnp.repeat(x, copies, axis=1) for x in (key, value))
+            flat = P(b_axis, None, (r_axis, h_axis), None)
+            split = P(b_axis, h_axis, r_axis, None)
+
+            def exchange(x, spec_in, spec_out, split_axis, concat_axis):
+                body = lambda x: jax.lax.all_to_all(  # noqa: E731
+                    x, h_axis, split_axis, concat_axis, tiled=True)
+                return jax.shard_map(body, mesh=mesh, in_specs=spec_in,
+                                     out_specs=spec_out)(place(x, mesh, spec_in))
+
+            q, k, v = (exchange(x, flat, split, 1, 2) for x in (query, key, value))
+            out = ring_call(q, k, v, inputs, mask)
+            return unsplit_like_query(exchange(out, split, flat, 2, 1), mesh)
 
         return run
