@@ -6,3 +6,8 @@ from .shard_map import ShardMap as ShardMap
 from .ring import RingAttention as RingAttention, RingSchedule as RingSchedule
 from .all_to_all import AllToAll as AllToAll, AllToAllRing as AllToAllRing
 from .cost import collective_bytes as collective_bytes
+from .balance import (
+    balanced_chunks as balanced_chunks,
+    Dispatch as Dispatch,
+    dispatch_documents as dispatch_documents,
+)
