@@ -155,3 +155,54 @@ else:
         sharded, _ = scored("table", "XlaBlockSparse", sharding.AllToAllRing(mesh, "h", "r"))
         extra = dict(arrays, q_positions=pos, kv_positions=pos)
         compare(base, sharded, (q, k, v), extra)
+
+    # ---------------------------------------------------------------------------------------
+    # The cost model against the bytes the CPU mesh moves, and the choice it makes.
+
+    def test_cost_model_bytes_match_the_compiled_collectives():
+        """The model's bytes per device (float32 here) equal what the compiled programs'
+        collectives move: the all-to-all's forward and backward all-to-alls (less the
+        ``1 / n`` each device keeps), and the ring's hops, each a float32 k, v (dk, dv)
+        shard."""
+        from eqx_bsattn.strategies.sharding import cost
+
+        batch, heads, dim, n = 1, 8, 8, 8
+        q, k, v = random_inputs(2, batch=batch, heads=heads, kv_heads=heads, q_len=L, dim=dim)
+        proj = random_array(3, q.shape)
+        sizes = dict(devices=n, batch=batch, heads=heads, kv_heads=heads, length=L, dim=dim,
+                     dtype_bytes=4, link_bytes_s=1e9, flops_s=1e12)
+
+        def compiled(shard):
+            attn = module(masks.Causal(), "XlaBlockSparse", shard)
+
+            def both(q, k, v):
+                out, pullback = jax.vjp(attn, q, k, v)
+                return out, pullback(proj)
+
+            return sharding.collective_bytes(jax.jit(both).lower(q, k, v).compile().as_text())
+
+        moved = compiled(a2a())
+        want = cost.all_to_all_cost(**sizes).sent_bytes
+        assert sum(moved["all-to-all"]) * (n - 1) / n == want, (moved, want)
+        moved = compiled(sharding.RingAttention(make_mesh((8,), ("s",)), "s",
+                                                order="contiguous"))
+        ring = cost.ring_cost(**sizes)
+        hop_tensor = ring.sent_bytes / (n - 1) / 6  # k, v forward; k, v, dk, dv backward
+        floats = {b for b in moved["collective-permute"] if b % (batch * heads * dim) == 0
+                  and b >= batch * heads * (L // n) * dim}
+        assert floats == {hop_tensor}, (moved, hop_tensor)
+
+    def test_choose_sequence_sharding_explains_its_pick():
+        mesh = make_mesh((8,), ("s",))
+        many = sharding.choose_sequence_sharding(mesh, "s", heads=32, kv_heads=8,
+                                                 length=131072, dim=128, density=0.5)
+        assert isinstance(many.sharding, sharding.AllToAll)
+        assert many.explain().startswith("picked AllToAll")
+        few = sharding.choose_sequence_sharding(mesh, "s", heads=4, kv_heads=4,
+                                                length=131072, dim=128)
+        assert isinstance(few.sharding, sharding.RingAttention)
+        assert "AllToAll: cannot run: the query heads (4)" in few.explain()
+        grid = make_mesh((2, 4), ("s", "h"))
+        hybrid = sharding.choose_sequence_sharding(grid, "s", heads_axis="h", heads=8,
+                                                   kv_heads=8, length=1 << 20, dim=128)
+        assert set(hybrid.costs) == {"RingAttention", "AllToAll", "AllToAllRing"}
