@@ -63,8 +63,8 @@ else:
 
     @pytest.mark.parametrize("kernel, name", [
         ("XlaBlockSparse", "documents"), ("DenseReference", "window"),
-        ("XlaBlockSparse", "bigbird"),
         *[pytest.param(k, n, marks=slow) for k, n in [
+            ("XlaBlockSparse", "bigbird"),
             ("DenseReference", "documents"), ("XlaBlockSparse", "window"),
             ("DenseReference", "bigbird"), ("XlaBlockSparse", "bias_sinks"),
             ("DenseReference", "bias_sinks"), ("XlaBlockSparse", "per_head")]],
@@ -77,7 +77,7 @@ else:
         compare(module(mask, kernel), module(mask, kernel, a2a()), (q, k, v), extra)
 
     @pytest.mark.parametrize("kernel, kind", [
-        ("XlaBlockSparse", "alibi"), ("DenseReference", "table"),
+        ("DenseReference", "table"), pytest.param("XlaBlockSparse", "alibi", marks=slow),
         pytest.param("XlaBlockSparse", "table", marks=slow),
         pytest.param("DenseReference", "function", marks=slow),
     ])
@@ -93,6 +93,7 @@ else:
         check_score_oracle(kind, out, grads, d_arrays, (q, k, v), arrays,
                            np.tril(np.ones((L, L), bool)), pos)
 
+    @slow
     def test_all_to_all_with_a_batch_axis():
         mesh = make_mesh((2, 4), ("b", "s"))
         mask, extra = case("documents")
@@ -111,6 +112,7 @@ else:
         with pytest.raises(ValueError, match=match):
             attn(q, k, v)
 
+    @slow
     def test_all_to_all_sends_two_all_to_alls_each_way():
         """The compiled forward holds one all-to-all per q, k, v and one for the output, each
         moving a device's ``[B, H, L / n, D]`` shard; output and gradients together (`vjp`)
@@ -133,8 +135,8 @@ else:
     # The hybrid: all-to-all over one axis, the ring over the other.
 
     @pytest.mark.parametrize("kernel, name", [
-        ("XlaBlockSparse", "documents"),
-        pytest.param("DenseReference", "window", marks=slow),
+        ("DenseReference", "window"),
+        pytest.param("XlaBlockSparse", "documents", marks=slow),
         pytest.param("XlaBlockSparse", "bias_sinks", marks=slow),
     ])
     def test_all_to_all_ring(kernel, name):
