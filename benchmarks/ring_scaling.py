@@ -21,6 +21,7 @@ Run from the repository root::
 
     python benchmarks/ring_scaling.py                 # the table in docs/sharding.md
     python benchmarks/ring_scaling.py --heads 32 --kv-heads 8 --dim 128
+    python benchmarks/ring_scaling.py --strategies --heads 64 --kv-heads 8   # ring, all-to-all, hybrid
 """
 
 import argparse
@@ -138,6 +139,44 @@ def advice(*, heads: int, kv_heads: int, rates: dict) -> str:
     return "\n".join(out)
 
 
+def strategies_table(*, heads: int, kv_heads: int, dim: int, rates: dict, lengths, devices,
+                     group: int = 8, density: float = 0.5) -> str:
+    """Per layer and device, forward+backward: the ring, the all-to-all and the hybrid
+    (all-to-all over `group` devices on NVLink, the ring over the rest on InfiniBand), from
+    the cost model of `eqx_bsattn.sharding` (`choose_sequence_sharding`)."""
+    from eqx_bsattn.strategies.sharding import cost
+
+    flops_s = rates["forward_backward_tflops"] * 1e12
+    head = ["tokens", "devices", "ring (IB)", "all-to-all (IB)", f"hybrid ({group} NVLink x ring IB)",
+            "picked"]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    for tokens in lengths:
+        for n in devices:
+            common = dict(batch=1, heads=heads, kv_heads=kv_heads, length=tokens, dim=dim,
+                          density=density, flops_s=flops_s)
+            costs = {
+                "ring": cost.ring_cost(devices=n, link_bytes_s=LINKS["IB"], **common),
+                "all-to-all": cost.all_to_all_cost(devices=n, link_bytes_s=LINKS["IB"],
+                                                   **common),
+            }
+            if n > group:
+                costs["hybrid"] = cost.hybrid_cost(
+                    heads_devices=group, ring_devices=n // group,
+                    heads_link_bytes_s=LINKS["NVLink"], ring_link_bytes_s=LINKS["IB"], **common)
+            cells = [f"{tokens:,}", str(n)]
+            for name in ("ring", "all-to-all", "hybrid"):
+                c = costs.get(name)
+                if c is None or c.runs is not None:
+                    cells.append("cannot run" if c is not None else "-")
+                else:
+                    cells.append(f"{_ms(c.time_s)} ms ({_ms(c.comm_s)} exposed, "
+                                 f"{c.sent_bytes / 1e9:.3g} GB)")
+            ok = {k: c for k, c in costs.items() if c.runs is None}
+            cells.append(min(ok, key=lambda k: ok[k].time_s))
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=32)
@@ -147,8 +186,18 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2**20, 10 * 2**20])
     parser.add_argument("--devices", type=int, nargs="+",
                         default=[8, 16, 32, 64, 128, 256, 512, 1024])
+    parser.add_argument("--strategies", action="store_true",
+                        help="the ring, the all-to-all and the hybrid per layer instead")
     args = parser.parse_args(argv)
     rates = load_rates(args.rates)
+    if args.strategies:
+        print(f"B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.dim}, bfloat16, causal "
+              f"(density 0.5); forward+backward per layer and device at "
+              f"{rates['forward_backward_tflops']} TFLOP/s; IB {LINKS['IB'] / 1e9:.0f} GB/s, "
+              f"NVLink {LINKS['NVLink'] / 1e9:.0f} GB/s.\n")
+        print(strategies_table(heads=args.heads, kv_heads=args.kv_heads, dim=args.dim,
+                               rates=rates, lengths=args.lengths, devices=args.devices))
+        return
     print(f"B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.dim}, bfloat16, causal "
           f"(zig-zag), per device and ring step. Rates: {rates['forward_tflops']} / "
           f"{rates['forward_backward_tflops']} TFLOP/s forward / forward+backward "

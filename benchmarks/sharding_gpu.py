@@ -8,7 +8,17 @@ with the same kernel (`TritonBlockSparse` on a GPU, else the platform's default)
 
 - ``single``: unsharded, on the first device;
 - ``heads``: `ShardMap` over all devices on the head axis (no communication);
-- ``ring``: `RingAttention` over all devices on the sequence axis (keys and values move).
+- ``ring``: `RingAttention` over all devices on the sequence axis (keys and values move);
+- ``all_to_all``: `AllToAll` over all devices on the sequence axis (one all-to-all in, one
+  out), with the same kernel;
+- ``all_to_all_auto``: the same with the kernel the selector picks for each device's whole
+  sequences (on a GPU cuDNN where the mask allows; the ring cannot run it).
+
+The sequence-parallel forms get their inputs split on the sequence, ``heads`` on the heads.
+`AllToAll` needs the heads to be a multiple of the devices. For the L=131072 comparison of
+two GPUs against one::
+
+    python benchmarks/sharding_gpu.py --length 131072 --heads 16 --patterns causal document
 
 For each sharded form it reports the largest relative error (in norm) of the output and of the
 three gradients against the unsharded call, forward and forward+backward median milliseconds,
@@ -25,6 +35,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_bsattn as bsa
 from eqx_bsattn.bench import median_ms, pattern, visible_pairs
@@ -96,7 +107,11 @@ def main(argv=None) -> None:
         "single": bsa.sharding.Unsharded(),
         "heads": bsa.sharding.ShardMap(flat, head_axis="x"),
         "ring": bsa.sharding.RingAttention(flat, seq_axis="x"),
+        "all_to_all": bsa.sharding.AllToAll(flat, seq_axis="x"),
+        "all_to_all_auto": bsa.sharding.AllToAll(flat, seq_axis="x"),
     }
+    split = {"heads": P(None, "x", None, None), "ring": P(None, None, "x", None),
+             "all_to_all": P(None, None, "x", None), "all_to_all_auto": P(None, None, "x", None)}
     records = []
     print(f"{n} x {devices[0].device_kind}; B={args.batch} H={heads} L={length} D={dim} "
           f"{jnp.dtype(dtype).name}; kernel {type(kernel).__name__}")
@@ -107,11 +122,12 @@ def main(argv=None) -> None:
         flops = 4 * args.batch * heads * dim * pairs
         results, single = {}, None
         for form, sharding in forms.items():
-            attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, tiling=tiling,
-                                            sharding=sharding)
+            auto = form == "all_to_all_auto"
+            attn = bsa.BlockSparseAttention(mask=mask, kernel=None if auto else kernel,
+                                            tiling=None if auto else tiling, sharding=sharding)
             forward, forward_backward = _calls(attn, data)
-            inputs = (q, k, v) if form != "single" else jax.device_put((q, k, v), devices[0])
-            w_in = w if form != "single" else jax.device_put(w, devices[0])
+            where = devices[0] if form == "single" else NamedSharding(flat, split[form])
+            inputs, w_in = jax.device_put(((q, k, v), w), where)
             out, grads = forward_backward(*inputs, w_in)
             results[form] = (out, grads)
             fwd_ms = median_ms(forward, inputs, reps)
@@ -119,7 +135,8 @@ def main(argv=None) -> None:
             record = {
                 "pattern": name, "form": form, "devices": n, "device_kind": devices[0].device_kind,
                 "batch": args.batch, "heads": heads, "length": length, "dim": dim,
-                "dtype": jnp.dtype(dtype).name, "kernel": type(kernel).__name__,
+                "dtype": jnp.dtype(dtype).name,
+                "kernel": attn.plan(q, k, v, **data).kernel.name if auto else type(kernel).__name__,
                 "visible_pairs": pairs, "fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms,
                 "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_tflops": 3.5 * flops / fb_ms / 1e9,
             }

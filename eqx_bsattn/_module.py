@@ -441,6 +441,8 @@ class BlockSparseAttention(eqx.Module):
             tiling = kernel.adapt_tiling(tiling, features)
         except ValueError as e:
             raise ValueError(f"the {source} tiling cannot run on kernel {kernel.name}: {e}") from None
+        if source != "module":  # an automatic tiling fits the sharding's shards
+            tiling = self.sharding.fit_tiling(tiling, kernel, features)
         compiled = resolved.compile(tiling, kernel.reads)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
         return CallPlan(kernel, choice, tiling, source, compiled, features, inputs, float(scale),

@@ -55,6 +55,13 @@ class AbstractSharding(AbstractStrategy):
     def wrap(self, fn: Callable) -> Callable:
         """Return `fn` wrapped to run over devices."""
 
+    def fit_tiling(self, tiling, kernel, features):
+        """The config each shard's kernel call runs, for an automatic `tiling` (the cache's or
+        the kernel's heuristic, already `kernel.adapt_tiling`-ed) of a call with these
+        `Features`; a sharding whose shards are shorter than the call shrinks its tiles to
+        fit them. A module's own tiling is never changed. Default: `tiling` itself."""
+        return tiling
+
 
 class Unsharded(AbstractSharding):
     """Run on whatever devices the inputs already live on; no explicit partitioning."""

@@ -17,13 +17,15 @@ _CHILD = "EQX_BSATTN_SHARDING_CHILD"
 _DEVICES = 8
 
 
-def _run_child(marker: str, keyword: str | None = None):
+def run_child(marker: str, keyword: str | None = None, path: str = __file__):
+    """Run the tests of `path` with `marker` (and `keyword`) in a child process with 8
+    virtual CPU devices; assert that they pass."""
     env = dict(os.environ, **{_CHILD: "1"})
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={_DEVICES}").strip()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", marker,
-           *(["-k", keyword] if keyword else []), os.path.abspath(__file__)]
+           *(["-k", keyword] if keyword else []), os.path.abspath(path)]
     result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
 
@@ -31,7 +33,7 @@ def _run_child(marker: str, keyword: str | None = None):
 if os.environ.get(_CHILD) != "1":
 
     def test_sharding_on_eight_devices():
-        _run_child("not slow")
+        run_child("not slow")
 
     # The slow cases in two children, so that the suite's workers run them side by side: the
     # extended tier.
@@ -39,7 +41,7 @@ if os.environ.get(_CHILD) != "1":
     @pytest.mark.extended
     @pytest.mark.parametrize("part", ["ring", "not ring"])
     def test_sharding_on_eight_devices_slow_cases(part):
-        _run_child("slow", part)
+        run_child("slow", part)
 
 else:
     from typing import ClassVar
@@ -292,6 +294,68 @@ else:
         q, k, v = random_inputs(5, batch=2, heads=4, kv_heads=kv_heads, q_len=L)
         compare(module(mask, kernel), module(mask, kernel, ring(mesh_name, **kw)),
                 (q, k, v), extra)
+
+    @pytest.mark.parametrize("kernel, case", [
+        ("XlaBlockSparse", "block_table"),
+        *[pytest.param(k, c, marks=slow) for k, c in [
+            ("DenseReference", "causal"), ("XlaBlockSparse", "bias_sinks"),
+            ("XlaBlockSparse", "array")]],
+    ])
+    def test_ring_balanced_order(kernel, case):
+        """The balanced order: slices dealt from the layout, routed in and out by
+        ppermutes; output and every gradient as unsharded. A mask known only from per-call
+        data is refused with the way out."""
+        check_ring(case, kernel, "1d", order="balanced")
+        if case == "block_table":
+            with pytest.raises(ValueError, match="dispatch_documents on the host"):
+                check_ring("document", kernel, "1d", order="balanced")
+
+    def test_ring_schedule_reports_balanced_work():
+        """Static skewed documents (an `ArrayMask`), 1024 tokens on 8 devices: the schedule
+        reports each device's visible blocks; the balanced order keeps them within 5 % of the
+        mean where contiguous and zig-zag do not."""
+        length = 1024
+        ids = np.repeat(np.arange(6), [500, 40, 300, 20, 100, 64])
+        visible = (ids[:, None] == ids[None, :]) & np.tril(np.ones((length, length), bool))
+        x = jnp.zeros((1, 2, length, 8))
+        spread = {}
+        for order in ("contiguous", "zigzag", "balanced"):
+            attn = module(masks.ArrayMask(visible), "XlaBlockSparse",
+                          sharding.RingAttention(make_mesh((8,), ("s",)), "s", order=order),
+                          tiling=bsa.Tiling(block_q=16, block_kv=16))
+            sched = attn.sharding.schedule(attn.plan(x, x, x).mask)
+            work = np.asarray(sched.work)
+            assert work.sum() == (visible.reshape(64, 16, 64, 16).any(axis=(1, 3))).sum()
+            spread[order] = work.max() / work.mean()
+        assert spread["balanced"] <= 1.05 < spread["zigzag"] < spread["contiguous"], spread
+
+    def test_dispatch_documents():
+        """Host-side dispatch of skewed documents: the ring's contiguous order on the
+        reordered batch (positions passed) gives the unsharded output and gradients back in
+        the user's order, and each device's visible blocks are within 5 % of the mean."""
+        seg = np.stack([np.repeat(np.arange(5), lengths) for lengths in
+                        ([90, 10, 8, 12, 8], [6, 70, 2, 30, 20])]).astype(np.int32)
+        d = sharding.dispatch_documents(seg, 8, block=8)
+        assert (np.take_along_axis(d.permutation, d.inverse, axis=1) == np.arange(L)).all()
+        q, k, v = random_inputs(13, batch=2, heads=4, kv_heads=2, q_len=L)
+        base = module(masks.Causal(), "XlaBlockSparse")
+        ring_attn = module(masks.Causal(), "XlaBlockSparse",
+                           ring("1d", order="contiguous"))
+        perm, inv, pos = (jnp.asarray(a) for a in (d.permutation, d.inverse, d.positions))
+        take = lambda x, p: jnp.take_along_axis(x, p[:, None, :, None], axis=2)  # noqa: E731
+        seg_p = jnp.take_along_axis(jnp.asarray(seg), perm, axis=1)
+
+        def dispatched(q, k, v):
+            out = ring_attn(take(q, perm), take(k, perm), take(v, perm), q_segment_ids=seg_p,
+                            kv_segment_ids=seg_p, q_positions=pos, kv_positions=pos)
+            return take(out, inv)
+
+        compare(lambda q, k, v: base(q, k, v, q_segment_ids=jnp.asarray(seg),
+                                     kv_segment_ids=jnp.asarray(seg)),
+                dispatched, (q, k, v), {})
+        big = np.stack([np.repeat(np.arange(4), [5000, 200, 2500, 492])])
+        work = sharding.dispatch_documents(big, 8, block=16).work
+        assert work.max() / work.mean() <= 1.05, work
 
     @pytest.mark.slow
     @pytest.mark.parametrize("case", ["causal", "document", "block_table", "window", "bias_sinks"])
@@ -549,6 +613,27 @@ else:
             with jax.set_mesh(mesh):
                 assert_close(jax.grad(loss)(q), want)
 
+    @pytest.mark.parametrize("kind", ["all_to_all", pytest.param("ring", marks=slow),
+                                      pytest.param("shard_map", marks=slow)])
+    def test_explicit_mesh_vjp_with_an_unsplit_cotangent(kind):
+        """Inside `jax.set_mesh` on an Explicit mesh, unsplit inputs give an unsplit output:
+        `jax.vjp`'s pullback takes a cotangent of the query's type (it was refused: the output
+        was typed as split), and the gradients match the unsharded call's."""
+        mesh = jax.make_mesh((4, 2), ("s", "h"))
+        q, k, v = random_inputs(8, batch=2, heads=4, kv_heads=2, q_len=64)
+        proj = random_array(7, q.shape)
+        base = module(masks.Causal(), "XlaBlockSparse")
+        want = jax.vjp(lambda q: base(q, k, v), q)[1](proj)[0]
+        shard = {"ring": lambda: sharding.RingAttention(mesh, "s", head_axis="h",
+                                                        order="contiguous"),
+                 "shard_map": lambda: sharding.ShardMap(mesh, None, "h"),
+                 "all_to_all": lambda: sharding.AllToAll(mesh, "s")}[kind]()
+        attn = module(masks.Causal(), "XlaBlockSparse", shard)
+        with jax.set_mesh(mesh):
+            out, pullback = jax.vjp(lambda q: attn(q, k, v), q)
+            assert jax.typeof(out).sharding.spec == P(None, None, None, None)
+            assert_close(pullback(proj)[0], want)
+
     @pytest.mark.slow
     def test_explicit_mesh_zigzag():  # the zig-zag order's output gather moves tokens
         mesh = jax.make_mesh((4, 2), ("s", "h"))
@@ -785,6 +870,24 @@ else:
         attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=NoPositions(), sharding=ring)
         with pytest.raises(ValueError, match="no-positions-test cannot run this call.*positions"):
             attn(q, k, v)
+
+    def test_ring_fits_the_automatic_tiling_to_its_slices():
+        """At L=512 on 8 devices the default tiles (128) do not divide a slice: the ring's
+        automatic tiling shrinks to the zig-zag slices of 32 tokens (it was refused), a causal
+        mask then takes the zig-zag order as documented, and the call matches unsharded; a
+        module's own tiling is kept."""
+        mesh = make_mesh((8,), ("s",))
+        q, k, v = random_inputs(12, batch=1, heads=2, q_len=512)
+        attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.XlaBlockSparse(),
+                                        sharding=sharding.RingAttention(mesh, "s"))
+        plan = attn.plan(q, k, v)
+        assert {b for pass_blocks in plan.tiling.blocks for b in pass_blocks} == {32}
+        assert attn.sharding.schedule(plan.mask).order == "zigzag"
+        compare(bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.XlaBlockSparse()),
+                attn, (q, k, v), {})
+        own = module(masks.Causal(), "XlaBlockSparse", sharding.RingAttention(mesh, "s"),
+                     tiling=bsa.Tiling(block_q=64, block_kv=64))
+        assert own.plan(q, k, v).tiling.blocks.forward == (64, 64)
 
     def test_ring_declines_kernels_without_lse():
         class NoLse(bsa.AbstractKernel):

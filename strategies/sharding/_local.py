@@ -78,6 +78,17 @@ def place(x, mesh: Mesh, spec: P):
     return x
 
 
+def unsplit_like_query(out, mesh: Mesh):
+    """The output of a `jax.shard_map` on `mesh` as its unsplit query was typed: where the
+    mesh has Explicit axes (inputs split over them run on Auto axes, `on_auto_axes`, so the
+    query reached the sharding whole), the output's type would say it is split, and a
+    cotangent of the query's type (`jax.vjp`'s pullback given an unsplit array under
+    `jax.set_mesh`) would be refused; it is gathered to the query's type instead."""
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.reshard(out, NamedSharding(mesh, P()))
+    return out
+
+
 def lead_spec(size_b: int, size_h: int, batch: int, heads: int, batch_axis, head_axis):
     """Spec entries for leading ``[b, h]`` axes of size 1 (shared) or the call's size (split)."""
     return (batch_axis if size_b == batch and size_b > 1 else None,

@@ -15,6 +15,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from eqx_bsattn.contract import (
     EMPTY,
+    PassBlocks,
+    Tiling,
     mesh_in_context,
     AbstractSharding,
     ScoreTerms,
@@ -39,53 +41,86 @@ from ._local import (
     local_head_offset,
     local_mask,
     local_score,
+    unsplit_like_query,
 )
+from .balance import balanced_chunks
 from .shard_map import kv_head_plan, local_kv, split_inputs
 
 _F32 = jnp.float32
+#: The most slices per device of the ``"balanced"`` order (each pair of slots one ppermute).
+_BALANCED_SLICES = 8
 
 
 class RingSchedule(NamedTuple):
     """What `RingAttention` does for one call, decided at trace time.
 
     - `order`: ``"contiguous"`` (device ``d`` holds the ``d``-th of ``n`` slices of the
-      sequence) or ``"zigzag"`` (slices ``d`` and ``2n - 1 - d`` of ``2n``: under a causal
-      mask every device then does the same work at every step).
+      sequence), ``"zigzag"`` (slices ``d`` and ``2n - 1 - d`` of ``2n``: under a causal
+      mask every device then does the same work at every step) or ``"balanced"`` (``c``
+      slices of ``c n`` per device, dealt from the block layout so that the devices' visible
+      blocks are even: `balanced_chunks`).
     - `steps`: the ring steps computed; at step ``t`` device ``d`` attends to the keys of
       device ``(d - t) mod n``.
     - `pairs`: the (query shard, kv shard) pairs computed, or ``None`` where the mask depends
       on per-call data (then each device decides per step on its own data).
     - `hops`: how many times the key/value shards move one device forward and backward along
       the ring.
+    - `work`: the visible blocks each device visits over the whole ring (at the schedule's
+      tiles), or ``None`` where the mask depends on per-call data.
     """
 
     order: str
     steps: tuple[int, ...]
     pairs: frozenset[tuple[int, int]] | None
     hops: tuple[int, int]
+    work: tuple[int, ...] | None = None
+    #: The slices each device holds, ``chunks[d]`` (sorted) of ``n * len(chunks[d])``.
+    chunks: tuple[tuple[int, ...], ...] = ()
 
 
-def _chunks(order: str, n: int, device: int) -> tuple[int, ...]:
-    return (device,) if order == "contiguous" else (device, 2 * n - 1 - device)
+def _table(order: str, n: int) -> tuple[tuple[int, ...], ...]:
+    """The slices of each device in the contiguous or the zig-zag order."""
+    return tuple((d,) if order == "contiguous" else (d, 2 * n - 1 - d) for d in range(n))
 
 
-def _shard_tokens(order: str, n: int, device, length: int) -> ShardTokens:
+def _shard_tokens(chunks, device, length: int) -> ShardTokens:
     """Where device `device`'s (traced) shard of a `length`-token sequence sits in it."""
-    piece = length // (n if order == "contiguous" else 2 * n)
-    starts = jnp.stack([jnp.asarray(c, jnp.int32) * piece for c in _chunks(order, n, device)])
+    piece = length // (len(chunks) * len(chunks[0]))
+    starts = jnp.asarray(np.asarray(chunks, np.int32) * piece)[device]
     return ShardTokens(starts, piece)
 
 
-def _token_order(order: str, n: int, length: int) -> np.ndarray:
+def _token_order(chunks, length: int) -> np.ndarray:
     """Global token index of each position of the sharded sequence (device by device)."""
-    pieces = n if order == "contiguous" else 2 * n
-    size = length // pieces
-    return np.concatenate([np.arange(c * size, (c + 1) * size)
-                           for d in range(n) for c in _chunks(order, n, d)])
+    piece = length // (len(chunks) * len(chunks[0]))
+    return np.concatenate([np.arange(c * piece, (c + 1) * piece)
+                           for row in chunks for c in row])
 
 
-def _block_order(order: str, n: int, length: int, block: int) -> np.ndarray:
-    return _token_order(order, n, length)[::block] // block
+def _block_order(chunks, length: int, block: int) -> np.ndarray:
+    return _token_order(chunks, length)[::block] // block
+
+
+def _route(x, axis: int, chunks, axis_name: str, *, back: bool = False):
+    """Inside `jax.shard_map`: this device's contiguous shard (slices ``c e .. c e + c - 1``
+    of ``c n``) -> its slices `chunks[e]` (`back`: the inverse), by one ``ppermute`` of one
+    slice per (source slot, target slot) pair that some device uses: no device gathers the
+    sequence. Each target slot receives exactly one slice (the others add zeros)."""
+    n, c = len(chunks), len(chunks[0])
+    home = {g: (d, i) for d, row in enumerate(chunks) for i, g in enumerate(row)}
+    parts = jnp.split(x, c, axis=axis)
+    out = [jnp.zeros_like(part) for part in parts]
+    for j in range(c):
+        for i in range(c):
+            pairs = [(e, home[e * c + j][0]) for e in range(n) if home[e * c + j][1] == i]
+            if not pairs:
+                continue
+            if back:  # slot i of the holder goes home to slot j
+                out[j] = out[j] + jax.lax.ppermute(parts[i], axis_name,
+                                                   [(d, e) for e, d in pairs])
+            else:
+                out[i] = out[i] + jax.lax.ppermute(parts[j], axis_name, pairs)
+    return jnp.concatenate(out, axis=axis)
 
 
 def _zigzag_target(c: int, n: int) -> int:
@@ -287,7 +322,7 @@ class _DeviceRing:
     arrays: Any
     rest: Any
     mask: CompiledMask
-    order: str
+    chunks: tuple
     q_len: int  # per device
     kv_len: int
     local_heads: int
@@ -328,8 +363,8 @@ class _DeviceRing:
             step_mask = local_mask(
                 call_mask, layouts, q_len=self.q_len, kv_len=self.kv_len,
                 num_heads=self.local_heads, head_offset=head_offset,
-                q_tokens=_shard_tokens(self.order, n, me, n * self.q_len),
-                kv_tokens=_shard_tokens(self.order, n, src, n * self.kv_len))
+                q_tokens=_shard_tokens(self.chunks, me, n * self.q_len),
+                kv_tokens=_shard_tokens(self.chunks, src, n * self.kv_len))
             work = None
             if self.sched.pairs is None and layouts["forward"] is not None:
                 # Known on the device only: skip a pair this device's layout leaves empty.
@@ -599,7 +634,8 @@ class RingAttention(AbstractSharding):
     seq_axis: str = eqx.field(static=True)
     batch_axis: str | None = eqx.field(default=None, static=True)
     head_axis: str | None = eqx.field(default=None, static=True)
-    order: Literal["auto", "contiguous", "zigzag"] = eqx.field(default="auto", static=True)
+    order: Literal["auto", "contiguous", "zigzag", "balanced"] = eqx.field(default="auto",
+                                                                           static=True)
 
     needs_lse: ClassVar[bool] = True
     passes_positions: ClassVar[bool] = True
@@ -613,46 +649,79 @@ class RingAttention(AbstractSharding):
             raise TypeError(f"`seq_axis` must be a mesh axis name; got {self.seq_axis!r}.")
         check_mesh(self.mesh, {"seq_axis": self.seq_axis, "batch_axis": self.batch_axis,
                                "head_axis": self.head_axis})
-        if self.order not in ("auto", "contiguous", "zigzag"):
+        if self.order not in ("auto", "contiguous", "zigzag", "balanced"):
             raise ValueError(
-                f"`order` must be 'auto', 'contiguous' or 'zigzag'; got {self.order!r}."
+                "`order` must be 'auto', 'contiguous', 'zigzag' or 'balanced'; got "
+                f"{self.order!r}."
             )
+
+    def fit_tiling(self, tiling, kernel, features):
+        """An automatic tiling shrunk so that each pass's tiles divide every slice of the
+        sequence: the ``2n`` slices of the zig-zag order where the lengths split into them
+        (and `order` allows it), so that ``"auto"`` may choose either order, else the ``n``
+        contiguous ones. Each tile becomes its greatest common divisor with the slice."""
+        n = axis_size(self.mesh, self.seq_axis)
+        zigzag = (self.order != "contiguous" and features.q_len % (2 * n) == 0
+                  and features.kv_len % (2 * n) == 0)
+        pieces = 2 * n if zigzag else n
+        if features.q_len % pieces or features.kv_len % pieces:
+            return tiling  # the call refuses the lengths (`_orders`), saying what fits
+        slice_q, slice_k = features.q_len // pieces, features.kv_len // pieces
+        blocks = tiling.blocks
+        fitted = PassBlocks(*((math.gcd(q, slice_q), math.gcd(k, slice_k)) for q, k in blocks))
+        if fitted == blocks:
+            return tiling
+        (bq, bk), (dq_q, dq_k), (kv_q, kv_k) = fitted
+        return kernel.adapt_tiling(
+            Tiling(block_q=bq, block_kv=bk, block_q_bwd=kv_q, block_kv_bwd=kv_k,
+                   block_q_dq=dq_q, block_kv_dq=dq_k), features)
 
     # --------------------------------------------------------------------------------------
     # The schedule, at trace time.
 
-    def _orders(self, mask: CompiledMask) -> list[str]:
+    def _slices(self, mask: CompiledMask, order: str) -> int | None:
+        """Slices per device of `order` for this call (the most, up to `_BALANCED_SLICES`,
+        for ``"balanced"``), or ``None`` where the lengths and tiles do not split into them."""
         n = axis_size(self.mesh, self.seq_axis)
-        wanted = ["contiguous", "zigzag"] if self.order == "auto" else [self.order]
-        fits = []
-        for order in wanted:
-            pieces = n if order == "contiguous" else 2 * n
+        tiles = [(lay.block_q, lay.block_kv) for lay in mask.layouts().values()]
+        options = {"contiguous": (1,), "zigzag": (2,),
+                   "balanced": tuple(range(_BALANCED_SLICES, 1, -1))}[order]
+        for c in options:
+            pieces = n * c
             if mask.q_len % pieces or mask.kv_len % pieces:
                 continue
-            tiles = [(lay.block_q, lay.block_kv) for lay in mask.layouts().values()]
             if any((mask.q_len // pieces) % bq or (mask.kv_len // pieces) % bk
                    for bq, bk in tiles):
                 continue
-            fits.append(order)
+            return c
+        return None
+
+    def _orders(self, mask: CompiledMask) -> dict[str, int]:
+        """``{order: slices per device}`` of the orders that fit this call."""
+        n = axis_size(self.mesh, self.seq_axis)
+        wanted = (["contiguous", "zigzag", "balanced"] if self.order == "auto"
+                  else [self.order])
+        fits = {order: c for order in wanted
+                if (c := self._slices(mask, order)) is not None}
         if not fits:
             tiles = sorted({(lay.block_q, lay.block_kv) for lay in mask.layouts().values()})
             raise ValueError(
                 f"RingAttention over {n} devices (`seq_axis`={self.seq_axis!r}) splits the "
-                f"sequence into {n} slices (contiguous) or {2 * n} (zig-zag) with `order`="
-                f"{self.order!r}; q_len={mask.q_len} and kv_len={mask.kv_len} must be "
-                f"multiples of that, and each slice a multiple of the kernel's tiles {tiles}: "
-                "pick lengths or a `Tiling` that fit."
+                f"sequence into {n} slices (contiguous), {2 * n} (zig-zag) or more (balanced) "
+                f"with `order`={self.order!r}; q_len={mask.q_len} and kv_len={mask.kv_len} "
+                f"must be multiples of that, and each slice a multiple of the kernel's tiles "
+                f"{tiles}: pick lengths or a `Tiling` that fit."
             )
         return fits
 
-    def _coarse_classes(self, mask: CompiledMask, inputs: AttentionInputs | None):
-        """A block matrix of the whole call at tiles that divide every slice (static: NumPy)."""
+    def _coarse_classes(self, mask: CompiledMask, inputs: AttentionInputs | None,
+                        slices: int):
+        """A block matrix of the whole call at tiles that divide every slice (static: NumPy),
+        `slices` per device."""
         n = axis_size(self.mesh, self.seq_axis)
         fwd = mask.forward
-        unit_q = mask.q_len // (2 * n) if mask.q_len % (2 * n) == 0 else mask.q_len // n
-        unit_k = mask.kv_len // (2 * n) if mask.kv_len % (2 * n) == 0 else mask.kv_len // n
-        bq = math.gcd(unit_q, fwd.block_q if fwd is not None else 128)
-        bk = math.gcd(unit_k, fwd.block_kv if fwd is not None else 128)
+        bq = math.gcd(mask.q_len // (n * slices), fwd.block_q if fwd is not None else 128)
+        bk = math.gcd(mask.kv_len // (n * slices), fwd.block_kv if fwd is not None else 128)
         if inputs is not None and (
             inputs.q_positions is not None or inputs.kv_positions is not None
             or (mask.uses_segment_ids and inputs.q_segment_ids is not None)
@@ -663,12 +732,20 @@ class RingAttention(AbstractSharding):
                                   num_heads=mask.num_heads, block_q=bq, block_kv=bk)
         return np.asarray(layout.classes), bq, bk
 
-    def _pair_work(self, classes, order: str, bq: int, bk: int, q_len: int, kv_len: int):
+    def _balanced_table(self, classes, slices: int, bq: int):
+        """The ``"balanced"`` order's slices per device, from the visible blocks of each
+        query slice (`balanced_chunks`)."""
+        n = axis_size(self.mesh, self.seq_axis)
+        rows = (classes != EMPTY).any(axis=(0, 1)).sum(axis=1)  # per coarse query block
+        work = rows.reshape(n * slices, -1).sum(axis=1)
+        return tuple(tuple(int(c) for c in row) for row in balanced_chunks(work, n))
+
+    def _pair_work(self, classes, chunks, bq: int, bk: int, q_len: int, kv_len: int):
         """``[n, n]``: how many blocks each (query shard, kv shard) pair visits."""
         n = axis_size(self.mesh, self.seq_axis)
         visited = (classes != EMPTY).any(axis=(0, 1))  # [nq, nk], over batch and heads
-        qo = _block_order(order, n, q_len, bq)
-        ko = _block_order(order, n, kv_len, bk)
+        qo = _block_order(chunks, q_len, bq)
+        ko = _block_order(chunks, kv_len, bk)
         grid = visited[qo][:, ko].reshape(n, len(qo) // n, n, len(ko) // n)
         return grid.sum(axis=(1, 3))
 
@@ -676,33 +753,42 @@ class RingAttention(AbstractSharding):
         """The `RingSchedule` of a call with this compiled mask (and per-call data)."""
         n = axis_size(self.mesh, self.seq_axis)
         orders = self._orders(mask)
-        classes, bq, bk = self._coarse_classes(mask, inputs)
+        classes, bq, bk = self._coarse_classes(mask, inputs, max(orders.values()))
         if classes is None:  # known at run time only
+            orders.pop("balanced", None)  # dealt from a layout known at trace time
+            if not orders:
+                raise ValueError("RingAttention(order='balanced') deals slices from a layout "
+                                 "known at trace time; this mask depends on per-call data: "
+                                 "use dispatch_documents on the host, or another order.")
             terms = mask.terms
             causal = terms is not None and terms.causal_offset is not None
-            order = "zigzag" if causal and "zigzag" in orders else orders[0]
+            order = "zigzag" if causal and "zigzag" in orders else next(iter(orders))
+            chunks = _table(order, n)
             steps = tuple(range(n))
             pairs = None
         else:
             best = None
-            for order in orders:
-                work = self._pair_work(classes, order, bq, bk, mask.q_len, mask.kv_len)
+            for order, slices in orders.items():  # contiguous, zig-zag, balanced: ties to
+                chunks = (self._balanced_table(classes, slices, bq) if order == "balanced"
+                          else _table(order, n))  # the earlier
+                work = self._pair_work(classes, chunks, bq, bk, mask.q_len, mask.kv_len)
                 # The busiest device sets each step's time.
                 cost = sum(max(work[d, (d - t) % n] for d in range(n)) for t in range(n))
                 if best is None or cost < best[0]:
-                    best = (cost, order, work)
-            _, order, work = best
+                    best = (cost, order, work, chunks)
+            _, order, work, chunks = best
             pairs = frozenset((d, e) for d in range(n) for e in range(n) if work[d, e] > 0)
             steps = tuple(t for t in range(n) if any((d, (d - t) % n) in pairs for d in range(n)))
         signed = [_signed(t, n) for t in steps]
         hops = (max([s for s in signed if s > 0], default=0),
                 max([-s for s in signed if s < 0], default=0))
-        return RingSchedule(order, steps, pairs, hops)
+        per_device = None if classes is None else tuple(int(w) for w in work.sum(axis=1))
+        return RingSchedule(order, steps, pairs, hops, per_device, chunks)
 
     # --------------------------------------------------------------------------------------
     # The run.
 
-    def _cut_layouts(self, mask: CompiledMask, order: str, steps) -> dict:
+    def _cut_layouts(self, mask: CompiledMask, chunks, steps) -> dict:
         """``{pass: (_Cut, {name: array with a leading [n] axis})}``: how each pass's layout
         reaches the devices. Passes with equal tiles share one dict.
 
@@ -731,8 +817,8 @@ class RingAttention(AbstractSharding):
             classes = layout.classes
             stacked = not isinstance(classes, jax.core.Tracer)
             classes = np.asarray(classes) if stacked else classes
-            qo = _block_order(order, n, mask.q_len, layout.block_q)
-            ko = _block_order(order, n, mask.kv_len, layout.block_kv)
+            qo = _block_order(chunks, mask.q_len, layout.block_q)
+            ko = _block_order(chunks, mask.kv_len, layout.block_kv)
             nq, nk = len(qo) // n, len(ko) // n
             grid = classes[:, :, qo][:, :, :, ko]
             cut = _Cut(stacked, q_len=mask.q_len // n, kv_len=mask.kv_len // n,
@@ -777,7 +863,7 @@ class RingAttention(AbstractSharding):
             local_heads = heads // axis_size(mesh, h_axis)
             sched = self.schedule(mask, inputs)
             order = sched.order
-            k_order = _token_order(order, n, kv_len)
+            k_order = _token_order(sched.chunks, kv_len)
             permute = order != "contiguous"
 
             # Global positions travel with the tokens, so every shard's mask is the call's.
@@ -821,7 +907,7 @@ class RingAttention(AbstractSharding):
             # Each pass's layout per device: its lists at every position of the walk
             # ([n, positions, mb, mh, ...]), or the class rows its steps build them from
             # ([n, mb, mh, nq, n * nk]).
-            cuts = self._cut_layouts(mask, order, walk.steps)
+            cuts = self._cut_layouts(mask, sched.chunks, walk.steps)
             layout_cuts, layout_slots, slots_of_cut = {}, {}, {}
             for name, (cut, parts) in cuts.items():
                 if id(parts) not in slots_of_cut:
@@ -849,7 +935,7 @@ class RingAttention(AbstractSharding):
                 fn=fn, ops=ops, sched=sched, walk=walk, n=n, seq_axis=s_axis, data=data,
                 layout_cuts=layout_cuts, layout_slots=layout_slots, work_slot=work_slot,
                 pred_slots=pred_slots, arrays=arrays,
-                rest=rest, mask=mask, order=order, q_len=q_local, kv_len=kv_local,
+                rest=rest, mask=mask, chunks=sched.chunks, q_len=q_local, kv_len=kv_local,
                 local_heads=local_heads, head_offset=lambda: local_head_offset(h_axis,
                                                                                local_heads),
                 score=score_like,
@@ -863,9 +949,14 @@ class RingAttention(AbstractSharding):
             seq_dims.update({data.get(name): 1 for name in (
                 "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")})
 
+            def reorder(x, axis, back=False):  # contiguous slices <-> the order's
+                if order == "zigzag":
+                    return (_from_zigzag if back else _to_zigzag)(x, axis, n, s_axis)
+                return _route(x, axis, sched.chunks, s_axis, back=back)
+
             def body(*local):
                 if permute:  # contiguous slices in, zig-zag slices on the devices
-                    local = [_to_zigzag(x, seq_dims[slot], n, s_axis) if slot in seq_dims else x
+                    local = [reorder(x, seq_dims[slot]) if slot in seq_dims else x
                              for (slot, _), x in zip(ops.arrays, local)]
                 read = ops.reader(list(local))
                 q, k, v = read(q_slot), read(k_slot), read(v_slot)
@@ -888,11 +979,11 @@ class RingAttention(AbstractSharding):
                     # Sinks join each row's denominator once, after every shard is merged.
                     out, _ = add_sinks(out, lse, sinks)
                 out = out.astype(q.dtype)
-                return _from_zigzag(out, 2, n, s_axis) if permute else out
+                return reorder(out, 2, back=True) if permute else out
 
             out_spec = P(b_axis, h_axis, s_axis, None)
             out = jax.shard_map(body, mesh=mesh, in_specs=tuple(ops.specs),
                                 out_specs=out_spec)(*ops.inputs())
-            return out
+            return unsplit_like_query(out, mesh)
 
         return run

@@ -19,6 +19,7 @@ from ._local import (
     local_mask,
     local_score,
     read_layout,
+    unsplit_like_query,
 )
 
 
@@ -65,6 +66,48 @@ def local_kv(k, v, *, split: bool, head_axis, heads: int, kv_heads: int, local_h
     first = local_head_offset(head_axis, local_heads) // group
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, first, 1, axis=1)  # noqa: E731
     return take(k), take(v)
+
+
+def head_shard_call(ops: Operands, inputs: AttentionInputs, mask, *, batch: int, heads: int,
+                    batch_axis, head_axis) -> Callable:
+    """Register a call's per-call data, score arrays, layouts and mask arrays for devices that
+    each hold every token of their batch and head shard; returns ``call(read, fn, q, k, v)``,
+    which runs `fn` on one device's shard inside `jax.shard_map` (`read`: `ops.reader` of
+    the body's operands) with the per-call data, score terms and compiled mask as that shard
+    sees them (global head ids, the rows of its heads)."""
+    local_heads = heads // axis_size(ops.mesh, head_axis)
+    data = split_inputs(ops, inputs, batch=batch, heads=heads, batch_axis=batch_axis,
+                        head_axis=head_axis)
+    terms = inputs.score
+    # The score arrays split over the heads like the sinks: each device holds its query
+    # heads' rows, and autodiff sums their gradients over the batch shards.
+    slopes, table = (None, None) if terms is None else terms.arrays
+    score_slots = (ops.add(slopes, P(head_axis)), ops.add(table, P(head_axis, None)))
+    layouts = {}
+    for name, layout in mask.layouts().items():
+        mb, mh = layout.classes.shape[:2]
+        layouts[name] = ops.add_layout(
+            layout, lead_spec(mb, mh, batch, heads, batch_axis, head_axis))
+    arrays, rest = eqx.partition(mask.predicate, eqx.is_array)
+    pred_slots = [ops.add(x, P(), constant_ok=True) for x in jax.tree.leaves(arrays)]
+
+    def call(read, fn, q, k, v):
+        score = local_score(terms, *map(read, score_slots), head_axis=head_axis,
+                            local_heads=local_heads, batch_axis=batch_axis,
+                            local_batch=batch // axis_size(ops.mesh, batch_axis))
+        local_inputs = AttentionInputs(**{n: read(s) for n, s in data.items()}, score=score)
+        pred = jax.tree.unflatten(jax.tree.structure(arrays), [read(s) for s in pred_slots])
+        shard = mask.layouts()
+        shard_layouts = {n: read_layout(read, layouts.get(n), shard.get(n))
+                         for n in ("forward", "dq", "dkv")}
+        local = local_mask(
+            eqx.tree_at(lambda m: m.predicate, mask, eqx.combine(pred, rest)),
+            shard_layouts, q_len=mask.q_len, kv_len=mask.kv_len, num_heads=local_heads,
+            head_offset=local_head_offset(head_axis, local_heads),
+        )
+        return fn(q, k, v, local_inputs, local)
+
+    return call
 
 
 class ShardMap(AbstractSharding):
@@ -121,45 +164,18 @@ class ShardMap(AbstractSharding):
             q_slot = ops.add(query, P(b_axis, h_axis, None, None))
             kv_spec = P(b_axis, h_axis if split_kv else None, None, None)
             k_slot, v_slot = ops.add(key, kv_spec), ops.add(value, kv_spec)
-            data = split_inputs(ops, inputs, batch=batch, heads=heads, batch_axis=b_axis,
-                                head_axis=h_axis)
-            terms = inputs.score
-            # The score arrays split over the heads like the sinks: each device holds its query
-            # heads' rows, and autodiff sums their gradients over the batch shards.
-            slopes, table = (None, None) if terms is None else terms.arrays
-            score_slots = (ops.add(slopes, P(h_axis)), ops.add(table, P(h_axis, None)))
-            layouts = {}
-            for name, layout in mask.layouts().items():
-                mb, mh = layout.classes.shape[:2]
-                layouts[name] = ops.add_layout(
-                    layout, lead_spec(mb, mh, batch, heads, b_axis, h_axis))
-            arrays, rest = eqx.partition(mask.predicate, eqx.is_array)
-            pred_slots = [ops.add(x, P(), constant_ok=True) for x in jax.tree.leaves(arrays)]
+            call = head_shard_call(ops, inputs, mask, batch=batch, heads=heads,
+                                   batch_axis=b_axis, head_axis=h_axis)
 
             def body(*local):
                 read = ops.reader(list(local))
                 q, k, v = read(q_slot), read(k_slot), read(v_slot)
                 k, v = local_kv(k, v, split=split_kv, head_axis=h_axis, heads=heads,
                                 kv_heads=kv_heads, local_heads=local_heads)
-                score = local_score(terms, *map(read, score_slots), head_axis=h_axis,
-                                    local_heads=local_heads, batch_axis=b_axis,
-                                    local_batch=batch // axis_size(mesh, b_axis))
-                local_inputs = AttentionInputs(**{n: read(s) for n, s in data.items()},
-                                               score=score)
-                pred = jax.tree.unflatten(jax.tree.structure(arrays),
-                                          [read(s) for s in pred_slots])
-                shard = mask.layouts()
-                shard_layouts = {n: read_layout(read, layouts.get(n), shard.get(n))
-                                 for n in ("forward", "dq", "dkv")}
-                local = local_mask(
-                    eqx.tree_at(lambda m: m.predicate, mask, eqx.combine(pred, rest)),
-                    shard_layouts, q_len=mask.q_len, kv_len=mask.kv_len,
-                    num_heads=local_heads,
-                    head_offset=local_head_offset(h_axis, local_heads),
-                )
-                return fn(q, k, v, local_inputs, local)
+                return call(read, fn, q, k, v)
 
-            return jax.shard_map(body, mesh=mesh, in_specs=tuple(ops.specs),
+            out = jax.shard_map(body, mesh=mesh, in_specs=tuple(ops.specs),
                                  out_specs=P(b_axis, h_axis, None, None))(*ops.inputs())
+            return unsplit_like_query(out, mesh)
 
         return run
