@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import FULL, PARTIAL, TileMath, Visits, tile_coords
+from .common import FULL, PARTIAL, TileMath, Visits, lanes, tile_coords
 from .config import LANES, SUBLANES
-from .forward import NN, NT, named_refs, smem_specs
+from .forward import NN, NT, dot, named_refs, smem_specs
 
 
 
@@ -73,13 +73,13 @@ def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits
 
     def step(masked: bool):
         q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-        s = jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32)
-        dp = jax.lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
+        s = dot(q, k, NT)
+        dp = dot(do, v, NT)
         coords = tile_coords(s.shape, 0, i * bq, kv * bk, r)
-        lse = r["lse"][...][:, :1]
+        lse = lanes(r["lse"][...], bk)
         _, ds, qp, kp = _ds(math, s, h, coords, r, lambda x: jnp.exp(x - lse), dp,
-                            r["delta"][...][:, :1], masked)
-        dq = jax.lax.dot_general(ds.astype(k.dtype), k, NN, preferred_element_type=jnp.float32)
+                            lanes(r["delta"][...], bk), masked)
+        dq = dot(ds.astype(k.dtype), k, NN)
         acc_ref[...] += dq * math.scale
         if dslopes_ref is not None:
             part = _total(ds * (kp - qp).astype(jnp.float32))
@@ -115,15 +115,14 @@ def _dkv_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visit
 
     def step(masked: bool):
         q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-        s = jax.lax.dot_general(k, q, NT, preferred_element_type=jnp.float32)  # [bk, bq]
-        dp = jax.lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
+        s = dot(k, q, NT)  # [bk, bq]
+        dp = dot(v, do, NT)
         coords = tile_coords(s.shape, 1, qb * bq, n * bk, r)
-        lse = r["lse"][...][:1, :]
+        lse = r["lse"][:1, :]
         p, ds, _, _ = _ds(math, s, h, coords, r, lambda x: jnp.exp(x - lse), dp,
-                          r["delta"][...][:1, :], masked)
-        dv_acc[...] += jax.lax.dot_general(p.astype(do.dtype), do, NN,
-                                           preferred_element_type=jnp.float32)
-        dk = jax.lax.dot_general(ds.astype(q.dtype), q, NN, preferred_element_type=jnp.float32)
+                          r["delta"][:1, :], masked)
+        dv_acc[...] += dot(p.astype(do.dtype), do, NN)
+        dk = dot(ds.astype(q.dtype), q, NN)
         dk_acc[...] += dk * math.scale
 
     pl.when(kind == FULL)(lambda: step(False))

@@ -165,10 +165,22 @@ class TileMath:
         return ok
 
 
+def lanes(x, width: int):
+    """A ``[rows, 128]`` value whose lanes are equal (a per-row value) widened or narrowed to
+    ``[rows, width]`` in the forms Mosaic lowers: whole lane tiles repeated, or a slice."""
+    if width % x.shape[1] == 0:
+        return jnp.tile(x, (1, width // x.shape[1])) if width != x.shape[1] else x
+    if width < x.shape[1]:
+        return x[:, :width]
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))  # interpreted odd tiles only
+
+
 def _side(ref, axis: int, shape):
     """A per-token block (`as_column` when the tokens run along the tile's rows, ``axis``
     0; `as_row` along its columns) broadcast to the tile."""
-    return jnp.broadcast_to(ref[:, :1] if axis == 0 else ref[:1, :], shape)
+    if axis == 0:
+        return lanes(ref[...], shape[1])
+    return jnp.broadcast_to(ref[:1, :], shape)
 
 
 def tile_coords(shape, q_axis: int, q_start, k_start, refs: dict):

@@ -10,12 +10,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import FULL, PARTIAL, TileMath, Visits, tile_coords
+from .common import FULL, PARTIAL, TileMath, Visits, lanes, tile_coords
 from .config import LANES
 
-#: ``q . k^T`` with both operands' head dim contracted.
+#: ``a . b^T`` (both operands' last axis contracted) and ``a . b``.
 NT = (((1,), (1,)), ((), ()))
 NN = (((1,), (0,)), ((), ()))
+
+
+def dot(a, b, dims):
+    """A float32-accumulated tile product; float32 operands at full precision (16-bit ones
+    run at the MXU's native precision)."""
+    full = a.dtype == jnp.float32 and b.dtype == jnp.float32
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32,
+                               precision=jax.lax.Precision.HIGHEST if full else None)
 
 
 def named_refs(names, refs):
@@ -52,7 +60,7 @@ def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: V
 
     def step(masked: bool):
         q, k, v = r["q"][...], r["k"][...], r["v"][...]
-        s = jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32)
+        s = dot(q, k, NT)
         qi, ki, qp, kp, qs, ks = tile_coords(s.shape, 0, i * bq, kv * bk, r)
         s, _ = math.logits(s, h, qp, kp, r.get("slopes"), r.get("table"), grad=False)
         if masked:
@@ -61,12 +69,12 @@ def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: V
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         # A row that has seen no logit yet keeps m = -inf: shift it by 0 instead.
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        p = jnp.exp(s - m_safe[:, :1])
+        p = jnp.exp(s - lanes(m_safe, s.shape[1]))
         alpha = jnp.exp(m_prev - m_safe)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = m_next
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
-        acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
+        pv = dot(p.astype(v.dtype), v, NN)
+        acc_ref[...] = lanes(alpha, pv.shape[1]) * acc_ref[...] + pv
 
     pl.when(kind == FULL)(lambda: step(False))
     pl.when(kind == PARTIAL)(lambda: step(True))
@@ -76,7 +84,7 @@ def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: V
         l, m = l_ref[...], m_ref[...]
         empty = l == 0.0
         inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-        o_ref[...] = (acc_ref[...] * inv[:, :1]).astype(o_ref.dtype)
+        o_ref[...] = (acc_ref[...] * lanes(inv, o_ref.shape[-1])).astype(o_ref.dtype)
         # +inf on a row that sees no key: the backward's exp(s - lse) is 0 there.
         lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
 
