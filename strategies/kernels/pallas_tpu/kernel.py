@@ -148,7 +148,8 @@ class PallasTpuBlockSparse(AbstractLseKernel):
                              "the compiled mask has none.")
         if inputs.bias is not None:
             raise ValueError("PallasTpuBlockSparse has no additive bias; got one.")
-        interpret = features.platform != "tpu" if self.interpret is None else self.interpret
+        on_tpu = features.platform == "tpu" and jax.default_backend() == "tpu"
+        interpret = not on_tpu if self.interpret is None else self.interpret
         _, _, q_len, dim = query.shape
         kv_len, value_dim = value.shape[2], value.shape[3]
         fwd, dq, dkv = (mask.forward, mask.dq, mask.dkv)
