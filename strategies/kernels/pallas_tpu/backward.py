@@ -33,12 +33,13 @@ def table_rows(num_buckets: int) -> int:
     return -(-num_buckets // SUBLANES) * SUBLANES
 
 
-def _ds(math: TileMath, s, head, coords, r, p_of, dp, delta, masked: bool):
+def _ds(math: TileMath, s, head, coords, r, p_of, dp, delta, masked: bool, far):
     """``(dS, qp, kp, bucket)`` of a tile: the gradient of its logits before the score
     function and the soft cap (that of ``softmax_scale * q . k``, the slopes' and the
     table's terms alike), and the tile's positions and buckets for the terms' gradients."""
     qi, ki, qp, kp, qs, ks = coords
-    s, factor = math.logits(s, head, qp, kp, r.get("slopes"), r.get("table"), grad=True)
+    s, factor = math.logits(s, head, qp, kp, r.get("slopes"), r.get("table"), grad=True,
+                            far=far)
     visible = math.visible(qi, ki, qp, kp, qs, ks) if masked else None
     if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
@@ -49,6 +50,30 @@ def _ds(math: TileMath, s, head, coords, r, p_of, dp, delta, masked: bool):
     if visible is not None:  # a factor may be NaN where the logit is -inf
         ds = jnp.where(visible, ds, 0.0)
     return p, ds, qp, kp
+
+
+def _table_grad(math: TileMath, dtable_ref, ds, qp, kp, far):
+    """Add a tile's share of the table's gradient to its ``[rows, 128]`` block (bucket
+    ``n``'s in row ``n``, every lane): the sum of dS over the tile's pairs in each bucket;
+    one sum for a tile that lies in a far bucket (`TileMath.far_tile`)."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, dtable_ref.shape, 0)
+
+    def near():
+        bucket = math.buckets.bucket(qp - kp)
+        acc = jnp.zeros(dtable_ref.shape, jnp.float32)
+        for n in range(math.buckets.num_buckets):
+            acc = jnp.where(rows == n, _total(jnp.where(bucket == n, ds, 0.0)), acc)
+        dtable_ref[...] += acc
+
+    if far is None:
+        near()
+        return
+    (_, ahead), (_, behind) = math.buckets.far_buckets()
+    add = lambda n: dtable_ref.__setitem__(  # noqa: E731
+        Ellipsis, dtable_ref[...] + jnp.where(rows == n, _total(ds), 0.0))
+    pl.when(far[0])(lambda: add(ahead))
+    pl.when(jnp.logical_and(jnp.logical_not(far[0]), far[1]))(lambda: add(behind))
+    pl.when(jnp.logical_not(jnp.logical_or(far[0], far[1])))(near)
 
 
 def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits, bq: int,
@@ -76,19 +101,17 @@ def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits
         s = dot(q, k, NT)
         dp = dot(do, v, NT)
         coords = tile_coords(s.shape, 0, i * bq, kv * bk, r)
+        far = math.far_tile(i * bq, kv * bk, bq, bk)
         lse = lanes(r["lse"][...], bk)
         _, ds, qp, kp = _ds(math, s, h, coords, r, lambda x: jnp.exp(x - lse), dp,
-                            lanes(r["delta"][...], bk), masked)
+                            lanes(r["delta"][...], bk), masked, far)
         dq = dot(ds.astype(k.dtype), k, NN)
         acc_ref[...] += dq * math.scale
         if dslopes_ref is not None:
             part = _total(ds * (kp - qp).astype(jnp.float32))
             dslopes_ref[...] += jnp.broadcast_to(part, dslopes_ref.shape)
         if dtable_ref is not None:
-            bucket = math.buckets.bucket(qp - kp)
-            for n in range(math.buckets.num_buckets):
-                part = _total(jnp.where(bucket == n, ds, 0.0))
-                dtable_ref[n:n + 1, :] += jnp.broadcast_to(part, (1, LANES))
+            _table_grad(math, dtable_ref, ds, qp, kp, far)
 
     pl.when(kind == FULL)(lambda: step(False))
     pl.when(kind == PARTIAL)(lambda: step(True))
@@ -120,7 +143,7 @@ def _dkv_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visit
         coords = tile_coords(s.shape, 1, qb * bq, n * bk, r)
         lse = r["lse"][:1, :]
         p, ds, _, _ = _ds(math, s, h, coords, r, lambda x: jnp.exp(x - lse), dp,
-                          r["delta"][:1, :], masked)
+                          r["delta"][:1, :], masked, math.far_tile(qb * bq, n * bk, bq, bk))
         dv_acc[...] += dot(p.astype(do.dtype), do, NN)
         dk = dot(ds.astype(q.dtype), q, NN)
         dk_acc[...] += dk * math.scale

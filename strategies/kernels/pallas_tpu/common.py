@@ -110,15 +110,36 @@ class TileMath:
         """Whether the logits' derivative in ``q . k`` is more than the scale."""
         return self.function is not None or self.soft_cap is not None
 
-    def logits(self, s, head, qp, kp, slopes_ref, table_ref, *, grad: bool):
+    def far_tile(self, q_start, k_start, num_q: int, num_k: int):
+        """``(ahead, behind)``: scalar booleans saying that every pair of a tile (queries
+        `q_start` ..., keys `k_start` ...) lies in the table's last bucket ahead / behind
+        (`RelativeBuckets.far_buckets`), whose entry is then one scalar; ``None`` without a
+        table or with per-call positions."""
+        if self.buckets is None or self.positions:
+            return None
+        (gap_ahead, _), (gap_behind, _) = self.buckets.far_buckets()
+        d_min = q_start - (k_start + num_k - 1)
+        d_max = q_start + num_q - 1 - k_start
+        return d_min >= gap_ahead, d_max <= -gap_behind
+
+    def logits(self, s, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None):
         """``(s, factor)``: the tile's logits from ``q . k`` (float32), and where `grad` and
         `has_factor` the derivative of the terms after the table and of the soft cap
-        (``None`` otherwise). `qp`, `kp` are int32 tiles of `s`'s shape."""
+        (``None`` otherwise). `qp`, `kp` are int32 tiles of `s`'s shape; `far` is the tile's
+        `far_tile`."""
         s = s * self.scale if self.scale != 1.0 else s
         if self.slopes:
             s = s + slopes_ref[head] * (kp - qp).astype(jnp.float32)
         if self.buckets is not None:
-            s = s + self.table_tile(self.buckets.bucket(qp - kp), head, table_ref)
+            base = s
+            near = lambda: base + self.table_tile(  # noqa: E731
+                self.buckets.bucket(qp - kp), head, table_ref)
+            if far is None:
+                s = near()
+            else:
+                (_, ahead), (_, behind) = self.buckets.far_buckets()
+                s = jax.lax.cond(far[0], lambda: base + table_ref[head, ahead], lambda: (
+                    jax.lax.cond(far[1], lambda: base + table_ref[head, behind], near)))
         factor = None
         if self.function is not None:
             fn = lambda x: jnp.asarray(self.function(x, head, qp, kp), jnp.float32)  # noqa: E731
