@@ -7,12 +7,12 @@
 # Run from the repository root with the folder .whl-tpu (equinox, jaxtyping, beartype,
 # wadler_lindig, platformdirs, tqdm, typing_extensions for Python 3.11) beside it:
 #   bash benchmarks/tpu_run.sh            # extra arguments go to benchmarks/splash_tpu.py
-# It installs those wheels only (offline, into /tmp/site, appended to PYTHONPATH so the
+# It installs those wheels only (offline, into $TMPDIR/site, appended to PYTHONPATH so the
 # machine's JAX stays first), and runs everything in one process (one program at a time
 # can hold the chip). Logs go to $OUT (default ./tpu_out).
 set -u
 OUT=${OUT:-$PWD/tpu_out}
-SITE=${SITE:-/tmp/site}
+SITE=${SITE:-${TMPDIR:-/tmp}/site}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target "$SITE" .whl-tpu/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }

@@ -89,7 +89,7 @@ class PallasTpuBlockSparse(AbstractLseKernel):
       everywhere but on a TPU.
 
     ```python
-    attn = BlockSparseAttention(mask=masks.Causal(), score=scores.ALiBi(),
+    attn = BlockSparseAttention(mask=mask, score=scores.ALiBi(),
                                 kernel=kernels.PallasTpuBlockSparse())
     out = attn(q, k, v)          # q [B, H, L, D] on a TPU; interpreted elsewhere
     ```
