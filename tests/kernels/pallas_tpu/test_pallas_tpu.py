@@ -230,3 +230,51 @@ def test_pallas_platform_takes_score_terms_through_the_selector():
     plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=scores.ALiBi()).plan(
         q, k, v, platform="tpu")
     assert plan.kernel.name == "pallas_tpu"
+
+
+def test_log_sum_exp_and_its_gradient():
+    """`attention_with_lse`: the log-sum-exp (-inf on rows that see no key) and the
+    gradients of a loss on the output and the log-sum-exp, against float64 (what
+    `RingAttention` merges shards by)."""
+    b, h, hkv, lq, lk, d = 1, 2, 1, 150, 140, 16
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((b, h, lq, d), (b, hkv, lk, d), (b, hkv, lk, d)))
+    w_out, w_lse = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+                    for s in ((b, h, lq, d), (b, h, lq)))
+    mask = masks.Causal(offset=-9)
+    visible = np_visibility(mask, batch=b, heads=1, q_len=lq, kv_len=lk)
+    seen = visible.any(-1)
+
+    def ours(q, k, v):
+        attn = bsa.BlockSparseAttention(mask=mask, kernel=kernels.PallasTpuBlockSparse(),
+                                        tiling=TILES)
+        plan = attn.plan(q, k, v)
+        return plan.kernel.attention_with_lse(
+            q, k, v, mask=plan.mask, inputs=plan.inputs, features=plan.features,
+            tiling=plan.tiling, softmax_scale=plan.softmax_scale, logits_soft_cap=None)
+
+    def oracle(q, k, v):
+        k, v = jnp.repeat(k, h // hkv, axis=1), jnp.repeat(v, h // hkv, axis=1)
+        s = jnp.where(visible, jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(d), -jnp.inf)
+        lse = jax.nn.logsumexp(jnp.where(seen[..., None], s, 0.0), axis=-1)
+        out = jnp.einsum("bhqk,bhkd->bhqd", jnp.exp(s - lse[..., None]), v)
+        return jnp.where(seen[..., None], out, 0.0), jnp.where(seen, lse, -jnp.inf)
+
+    def loss(fn, q, k, v):
+        out, lse = fn(q, k, v)
+        return jnp.sum(out * w_out) + jnp.sum(jnp.where(seen, lse, 0.0) * w_lse)
+
+    with jax.default_matmul_precision("highest"):
+        out, lse = jax.jit(ours)(q, k, v)
+        grads = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2)))(q, k, v)
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
+        want_out, want_lse = oracle(*f64)
+        want_grads = jax.grad(lambda *a: loss(oracle, *a), argnums=(0, 1, 2))(*f64)
+    rows = np.broadcast_to(seen, lse.shape)
+    assert lse.dtype == jnp.float32 and np.isneginf(np.asarray(lse)[~rows]).all()
+    assert _rel(np.asarray(lse)[rows], np.asarray(want_lse)[rows]) < 2e-6
+    assert _rel(out, want_out) < 2e-5
+    for g, w in zip(grads, want_grads):
+        assert _rel(g, w) < 2e-5
