@@ -14,10 +14,12 @@ are passed).
 import abc
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -62,6 +64,10 @@ class RelativeBuckets:
             raise ValueError(
                 f"`max_distance` must be an integer above max_exact = {nb // 2} (half the "
                 f"buckets of a direction); got {self.max_distance!r}.")
+        if self.max_distance >= 2**31:
+            # Distances are int32: a threshold past them would not convert when bucketing.
+            raise ValueError(f"`max_distance` must be below 2**31 (distances are int32); got "
+                             f"{self.max_distance}.")
 
     @property
     def half(self) -> int:
@@ -125,6 +131,122 @@ class RelativeBuckets:
 # The contract: what a kernel reads.
 
 
+def _positional_capacity(fn) -> tuple[int, float, bool, tuple[str, ...]] | None:
+    """``(required, capacity, takes_batch, names)`` of `fn`'s positional parameters (``capacity``
+    is ``inf`` with ``*args``; a parameter named ``batch`` is left out: it is passed by keyword),
+    or ``None`` where Python cannot read the signature (a builtin)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    required, capacity, names = 0, 0.0, []
+    takes_batch = False
+    for p in sig.parameters.values():
+        if p.name == "batch" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            takes_batch = True
+            continue
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            capacity += 1
+            names.append(p.name)
+            required += p.default is p.empty
+        elif p.kind is p.VAR_POSITIONAL:
+            capacity = float("inf")
+        elif p.kind is p.VAR_KEYWORD:
+            takes_batch = True
+        elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
+            required = -1  # a keyword we never pass: refused below
+    return required, capacity, takes_batch, tuple(names)
+
+
+#: Parameter names that mark a FlexAttention ``score_mod`` / ``mask_mod``.
+_FLEX_NAMES = frozenset({"b", "h", "q_idx", "kv_idx"})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScoreTerm:
+    """A user score function in the one form kernels call:
+    ``term(s, batch, head, q_pos, k_pos, params) -> s``.
+
+    It wraps `fn`, called as ``fn(s, head, q_pos, k_pos)``, with ``params`` as a fifth
+    positional argument where `takes_params`, and ``batch=`` by keyword where `takes_batch`
+    (the signature has a parameter named ``batch``, or ``**kwargs``). Equal (and hashed) by
+    `fn` and the flags, so equal modules trace once. Build it with `ScoreTerm.of`.
+
+    The result must have the logits' shape (a one-line `ValueError` names `fn` otherwise) and
+    is cast to their dtype.
+    """
+
+    fn: Callable
+    takes_batch: bool = False
+    takes_params: bool = False
+
+    @classmethod
+    def of(cls, fn: Callable, takes_params: bool = False, *, what: str = "ScoreFunction") -> "ScoreTerm":
+        """The term calling `fn`, whose signature is read once here: a one-line `TypeError`
+        names the expected signature when its positional parameters do not fit."""
+        if isinstance(fn, ScoreTerm):
+            return fn
+        if not callable(fn):
+            raise TypeError(f"`fn` must be callable; got {type(fn).__name__}.")
+        want = "(score, head, q_pos, k_pos" + (", params" if takes_params else "") + ")"
+        sig = _positional_capacity(fn)
+        if sig is None:  # no readable signature: trust it
+            return cls(fn, False, takes_params)
+        required, capacity, takes_batch, names = sig
+        n = 5 if takes_params else 4
+        flex = _FLEX_NAMES & set(names[1:]) and "kv_idx" in names
+        if flex or required < 0 or required > n or capacity < n:
+            raise TypeError(
+                f"{what}'s `fn` must take {want} (and `batch=` by keyword if it wants it); got "
+                f"{_name(fn)}{_signature(fn)}; a FlexAttention score_mod "
+                f"(score, b, h, q_idx, kv_idx) goes through scores.from_flex.")
+        return cls(fn, takes_batch, takes_params)
+
+    @property
+    def __name__(self) -> str:
+        return _name(self.fn)
+
+    def __eq__(self, other):
+        if not isinstance(other, ScoreTerm):
+            return NotImplemented
+        if (self.takes_batch, self.takes_params) != (other.takes_batch, other.takes_params):
+            return False
+        if self.fn is other.fn:
+            return True
+        try:
+            return bool(self.fn == other.fn)
+        except Exception:  # noqa: BLE001  (an object whose == is not a bool)
+            return False
+
+    def __hash__(self):
+        try:
+            key = hash(self.fn)
+        except TypeError:
+            key = id(self.fn)
+        return hash((ScoreTerm, key, self.takes_batch, self.takes_params))
+
+    def __call__(self, s, batch, head, q_pos, k_pos, params):
+        args = (s, head, q_pos, k_pos) + ((params,) if self.takes_params else ())
+        out = self.fn(*args, **({"batch": batch} if self.takes_batch else {}))
+        shape = jnp.shape(out)
+        if shape != jnp.shape(s):
+            raise ValueError(
+                f"the score function {_name(self.fn)} must return the logits' shape "
+                f"{tuple(jnp.shape(s))}; got {shape} (write e.g. `score + term`, not `term`).")
+        return jnp.asarray(out, s.dtype)
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _signature(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
 class ScoreTerms(eqx.Module):
     """The score terms of a call, as every kernel reads them (`AttentionInputs.score`).
 
@@ -133,24 +255,37 @@ class ScoreTerms(eqx.Module):
     - `slopes` ``[H]`` float: ALiBi, ``s += slopes[h] * (k_pos - q_pos)``.
     - `table` ``[H, num_buckets]`` float with `buckets` (`RelativeBuckets`): relative
       position bias, ``s += table[h, buckets.bucket(q_pos - k_pos)]``.
-    - `function` (static): ``s = function(s, head, q_pos, k_pos)``, a jnp function.
+    - `function` (static, a `ScoreTerm`): ``s = function(s, batch, head, q_pos, k_pos,
+      params)``, a jnp function; `params` is a pytree of arrays (or ``None``) it reads.
 
-    `slopes` and `table` are differentiable inputs of the kernel (their gradients are the
-    sums of ``dS`` times the term's derivative over every visible pair). `kinds` names the
-    parts that are on, for `decline_reason` and the selector.
+    `slopes`, `table` and `params` are differentiable inputs of the kernel (their gradients
+    are the sums of ``dS`` times the term's derivative over every visible pair). `kinds`
+    names the parts that are on, for `decline_reason` and the selector. A plain callable
+    ``fn(s, head, q_pos, k_pos)`` (``fn(..., params)`` with `params`) given as `function` is
+    wrapped into a `ScoreTerm`; a `ScoreTerm` is kept as it is.
 
     ```python
-    terms.apply(s, head, q_pos, k_pos)   # s [..., bq, bk]; head, q_pos, k_pos broadcastable
+    terms.apply(s, head, q_pos, k_pos, batch=b)   # s [..., bq, bk]; the rest broadcastable
     ```
     """
 
     slopes: Float[Array, " h"] | None = None
     table: Float[Array, "h buckets"] | None = None
     buckets: RelativeBuckets | None = eqx.field(default=None, static=True)
-    function: Callable | None = eqx.field(default=None, static=True)
+    function: ScoreTerm | None = eqx.field(default=None, static=True)
+    params: Any = None
 
     #: The names `kinds` gives each part.
     KINDS: ClassVar[tuple[str, ...]] = ("alibi", "relative_bias", "function")
+
+    def __init__(self, slopes=None, table=None, buckets=None, function=None, params=None):
+        self.slopes = slopes
+        self.table = table
+        self.buckets = buckets
+        if function is not None:
+            function = ScoreTerm.of(function, params is not None, what="ScoreTerms")
+        self.function = function
+        self.params = params
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -159,25 +294,40 @@ class ScoreTerms(eqx.Module):
         return tuple(name for name, flag in zip(self.KINDS, on) if flag)
 
     @property
+    def function_terms(self) -> tuple[ScoreTerm, ...]:
+        """The user functions, in the order they apply (``()`` or one `ScoreTerm`)."""
+        return () if self.function is None else (self.function,)
+
+    @property
+    def takes_batch(self) -> bool:
+        """Whether a function reads the batch index (`apply` then needs ``batch=``)."""
+        return any(t.takes_batch for t in self.function_terms)
+
+    @property
     def arrays(self) -> tuple:
-        """``(slopes, table)``: the differentiable parts (``None`` where off)."""
+        """``(slopes, table)``: the per-head differentiable parts (``None`` where off);
+        `params`, the function's, is a field of its own."""
         return self.slopes, self.table
 
-    def with_arrays(self, slopes, table) -> "ScoreTerms":
-        """These terms with `slopes` and `table` replaced (e.g. by per-unit rows)."""
-        return ScoreTerms(slopes, table, self.buckets, self.function)
+    def with_arrays(self, slopes, table, params=...) -> "ScoreTerms":
+        """These terms with `slopes` and `table` (and `params`, where given) replaced."""
+        params = self.params if params is ... else params
+        return ScoreTerms(slopes, table, self.buckets, self.function, params)
 
     def rows(self, heads: Int[Array, "..."]) -> "ScoreTerms":
         """These terms with each array's head axis gathered at `heads` (``slopes[heads]``,
-        ``table[heads]``); `apply` then takes ``row`` indices into that axis."""
+        ``table[heads]``); `apply` then takes ``row`` indices into that axis. `params` stay
+        whole: the function reads them by the `head` it is given."""
         return self.with_arrays(None if self.slopes is None else self.slopes[heads],
                                 None if self.table is None else self.table[heads])
 
-    def apply(self, s: Float[Array, "..."], head, q_pos, k_pos, *, row=None):
+    def apply(self, s: Float[Array, "..."], head, q_pos, k_pos, *, row=None, batch=None):
         """The logits `s` with the terms added (float32 where `s` is).
 
         `head` (query-head ids), `q_pos` and `k_pos` (int32 positions) broadcast against `s`;
         `row` (default `head`) indexes the arrays' first axis, for terms gathered by `rows`.
+        `batch` is the batch index, an int32 scalar or an array broadcastable against `s`: a
+        kernel must pass it when `takes_batch` (a `ValueError` otherwise).
         """
         row = head if row is None else row
         if self.slopes is not None:
@@ -187,7 +337,10 @@ class ScoreTerms(eqx.Module):
             bucket = self.buckets.bucket(jnp.asarray(q_pos) - jnp.asarray(k_pos))
             s = s + self.table.astype(_F32)[row, bucket]
         if self.function is not None:
-            s = jnp.asarray(self.function(s, head, q_pos, k_pos), s.dtype)
+            if batch is None and self.function.takes_batch:
+                raise ValueError(f"the score function {self.function.__name__} reads the "
+                                 f"batch index: `apply` needs `batch=` (an int32 array).")
+            s = self.function(s, batch, head, q_pos, k_pos, self.params)
         return s
 
 
@@ -202,8 +355,9 @@ def describe_score(terms: ScoreTerms | None) -> str:
         b = terms.buckets
         parts.append(f"relative_bias ({b.num_buckets} buckets, bidirectional={b.bidirectional}, "
                      f"max_distance={b.max_distance})")
-    if terms.function is not None:
-        parts.append(f"function {getattr(terms.function, '__name__', repr(terms.function))}")
+    for term in terms.function_terms:
+        params = "" if not term.takes_params else f", params {len(jax.tree.leaves(terms.params))} arrays"
+        parts.append(f"function {term.__name__}{params}")
     return ", ".join(parts)
 
 

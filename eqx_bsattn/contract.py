@@ -79,6 +79,7 @@ from ._mask import (
 from ._score import (
     AbstractScore as AbstractScore,
     RelativeBuckets as RelativeBuckets,
+    ScoreTerm as ScoreTerm,
     ScoreTerms as ScoreTerms,
 )
 from ._sharding import (

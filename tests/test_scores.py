@@ -10,7 +10,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks, scores
-from tests.conftest import jnp_attention_f64, score_f64, t5_bucket
+from tests.conftest import assert_close, jnp_attention_f64, np_visibility, score_f64, t5_bucket
 
 # ---------------------------------------------------------------------------------------------
 # Definitions.
@@ -96,6 +96,10 @@ K = jnp.ones((1, 2, 16, 8))
      r"^`max_distance` must be an integer; got 2\.5\.$"),
     (lambda: scores.RelativePositionBias(TABLE, max_distance=2), ValueError,
      r"^`max_distance` must be an integer above max_exact = 2 .*; got 2\.$"),
+    (lambda: scores.RelativePositionBias(TABLE, max_distance=2**36), ValueError,
+     r"^`max_distance` must be below 2\*\*31 \(distances are int32\); got 68719476736\.$"),
+    (lambda: scores.RelativeBuckets(8, max_distance=2**31), ValueError,
+     r"^`max_distance` must be below 2\*\*31 "),
     (lambda: scores.RelativePositionBias(jnp.zeros((4, 3))), ValueError,
      r"^`num_buckets` must be at least 4 \(bidirectional=True\); got 3\.$"),
     (lambda: scores.ALiBi(jnp.zeros((4, 1))), ValueError,
@@ -434,3 +438,233 @@ def test_fixed_slopes_have_no_gradient_and_learned_ones_do():
 
     assert np.all(np.asarray(grad_of(False)) == 0)
     assert np.all(np.abs(np.asarray(grad_of(True))) > 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Score functions: params (learned or per call), the batch index, the signature's errors.
+
+B, H, HKV, LQ, LK, D = 2, 4, 2, 37, 45, 8
+
+
+def _table_by_distance(score, head, q_pos, k_pos, params):
+    """A learned table of clipped distances and a per-batch scale read by keyword."""
+    return score + params["table"][head, jnp.clip(q_pos - k_pos, 0, 15)] * params["scale"]
+
+
+def _table_and_batch(score, head, q_pos, k_pos, params, batch):
+    return _table_by_distance(score, head, q_pos, k_pos, params) - 0.25 * batch * (head + 1)
+
+
+def _batch_only(score, head, q_pos, k_pos, *, batch):
+    return jnp.tanh(score) * (1.0 + batch) + 0.1 * jnp.sin(q_pos * 0.7 + k_pos * 1.3 + head)
+
+
+def _score_case(fn, with_params):
+    keys = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(keys[0], (B, H, LQ, D))
+    k = jax.random.normal(keys[1], (B, HKV, LK, D))
+    v = jax.random.normal(keys[2], (B, HKV, LK, D))
+    params = None
+    if with_params:
+        params = {"table": jax.random.normal(keys[3], (H, 16)), "scale": jnp.float32(0.8)}
+    return (q, k, v), params
+
+
+SCORE_FUNCTIONS = {"params": (_table_by_distance, True, False),
+                   "params_batch": (_table_and_batch, True, True),
+                   "batch": (_batch_only, False, True)}
+#: The default tier runs params with the batch index on XLA; the rest is extended.
+SCORE_DEFAULT = {("xla", "params_batch"), ("reference", "params"), ("reference", "batch")}
+# bottom-right causal with a window over Lq != Lk, so both FULL and PARTIAL blocks of 16.
+SCORE_MASK = masks.Causal(bottom_right=True) & masks.SlidingWindow(20, 0)
+
+
+@pytest.mark.parametrize("kernel,name", [
+    pytest.param(k, n, id=f"{n}-{i}",
+                 marks=() if (i, n) in SCORE_DEFAULT else (pytest.mark.extended,))
+    for i, k in (("xla", kernels.XlaBlockSparse()), ("reference", kernels.DenseReference()))
+    for n in SCORE_FUNCTIONS])
+def test_score_function_with_params_and_batch_matches_the_oracle(kernel, name):
+    """Forward and every gradient (q, k, v and the params) against the float64 oracle, with
+    GQA, Lq != Lk, and the batch index where the function asks for it."""
+    fn, with_params, with_batch = SCORE_FUNCTIONS[name]
+    (q, k, v), params = _score_case(fn, with_params)
+    tiling = bsa.Tiling(block_q=16, block_kv=16)
+    attn = bsa.BlockSparseAttention(mask=SCORE_MASK, kernel=kernel, tiling=tiling,
+                                    score=scores.ScoreFunction(fn, params))
+    assert attn.score.term.takes_batch == with_batch
+
+    def loss(args):
+        out = args[0](*args[1:])
+        return jnp.sum(jnp.sin(out)), out
+
+    (_, out), (grads, dq, dk, dv) = eqx.filter_value_and_grad(loss, has_aux=True)(
+        (attn, q, k, v))
+    vis = np_visibility(SCORE_MASK, batch=1, heads=H, q_len=LQ, kv_len=LK)
+    with jax.enable_x64(True):
+        f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))  # noqa: E731
+        qp = np.arange(LQ)[None, None, :, None]
+        kp = np.arange(LK)[None, None, None, :]
+        head = np.arange(H)[None, :, None, None]
+        batch = np.arange(B)[:, None, None, None]
+
+        def oracle(q, k, v, params):
+            args = (jnp.asarray(head), jnp.asarray(qp), jnp.asarray(kp))
+            kw = {"batch": jnp.asarray(batch)} if with_batch else {}
+
+            def score(s):
+                return fn(s, *args, *(() if params is None else (params,)), **kw)
+
+            return jnp_attention_f64(q, k, v, vis, score=score)
+
+        p64 = None if params is None else jax.tree.map(f64, params)
+        want = oracle(f64(q), f64(k), f64(v), p64)
+        wants = jax.grad(lambda *a: jnp.sum(jnp.sin(oracle(*a))), argnums=(0, 1, 2, 3))(
+            f64(q), f64(k), f64(v), p64)
+    assert_close(out, want, 2e-5, "out")
+    for got, w, what in zip((dq, dk, dv), wants[:3], ("dq", "dk", "dv")):
+        assert_close(got, w, 5e-5, what)
+    if with_params:
+        assert_close(grads.score.params["table"], wants[3]["table"], 5e-5, "dtable")
+        assert np.abs(np.asarray(wants[3]["table"])).max() > 0
+        assert_close(grads.score.params["scale"], wants[3]["scale"], 5e-5, "dscale")
+
+
+def test_score_function_params_get_gradients_under_jit_per_call():
+    """Per-call params (traced under jit, swapped in with eqx.tree_at) give the same result
+    as concrete ones, with no retrace for a new value."""
+    (q, k, v), params = _score_case(_table_by_distance, True)
+    attn = bsa.BlockSparseAttention(mask=SCORE_MASK, kernel=kernels.XlaBlockSparse(),
+                                    score=scores.ScoreFunction(_table_by_distance, params))
+    traces = []
+
+    @jax.jit
+    def call(table):
+        traces.append(1)
+        swapped = eqx.tree_at(lambda a: a.score.params["table"], attn, table)
+        return swapped(q, k, v)
+
+    for scale in (1.0, 2.0):
+        got = call(params["table"] * scale)
+        swapped = eqx.tree_at(lambda a: a.score.params["table"], attn, params["table"] * scale)
+        np.testing.assert_allclose(got, swapped(q, k, v), rtol=1e-5, atol=1e-6)
+    assert len(traces) == 1
+
+
+def test_equal_score_functions_are_one_static_term():
+    """The compiled term is equal and hashed by the user function and its flags, so two
+    modules built from the same function share their kernel's compiled function; a callable
+    object's ``__call__`` is read like a function's signature."""
+    a = scores.ScoreFunction(_batch_only).compile(4)
+    b = scores.ScoreFunction(_batch_only).compile(4)
+    assert a.function == b.function and hash(a.function) == hash(b.function)
+    assert a.function != scores.ScoreFunction(_table_by_distance, {"t": 1.0}).compile(4).function
+
+    class Shift:
+        def __call__(self, score, head, q_pos, k_pos, params, batch=None):
+            return score + params * batch
+
+    term = scores.ScoreFunction(Shift(), jnp.float32(1.0)).term
+    assert term.takes_batch and term.takes_params
+    assert scores.ScoreTerms(function=lambda s, h, q, k: s).kinds == ("function",)
+
+
+def flex_score(score, b, h, q_idx, kv_idx):
+    return score
+
+
+@pytest.mark.parametrize("fn,params,want", [
+    (flex_score, None, "(score, head, q_pos, k_pos)"),
+    (flex_score, 1.0, "(score, head, q_pos, k_pos, params)"),
+    (lambda s, h, q: s, None, "(score, head, q_pos, k_pos)"),
+    (lambda s, h, q, k: s, jnp.ones(2), "(score, head, q_pos, k_pos, params)"),
+    (lambda s, h, q, k, p, extra: s, 1.0, "(score, head, q_pos, k_pos, params)"),
+])
+def test_score_function_signature_is_checked_when_made(fn, params, want):
+    """One line naming the expected signature and the FlexAttention port."""
+    with pytest.raises(TypeError) as info:
+        scores.ScoreFunction(fn, params)
+    message = str(info.value)
+    assert "\n" not in message and want in message and "scores.from_flex" in message
+
+
+def test_score_function_params_must_be_arrays():
+    with pytest.raises(TypeError, match=r"^`params` must be a pytree of arrays; got str at "
+                                        r"\['name'\]\.$"):
+        scores.ScoreFunction(_table_by_distance, {"name": "table"})
+
+
+def _distance_only(score, head, q_pos, k_pos):
+    return -jnp.abs(q_pos - k_pos).astype(jnp.float32)  # broadcasts, but drops the logits
+
+
+@pytest.mark.parametrize("kernel", [kernels.XlaBlockSparse(), kernels.DenseReference()],
+                         ids=["xla", "reference"])
+def test_score_function_of_the_wrong_shape_names_itself(kernel):
+    """A result that broadcasts against the logits but is not their shape is refused in one
+    line naming the function and the expected shape (forward and gradient)."""
+    q = jax.random.normal(jax.random.key(0), (1, 2, 16, 8))
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel,
+                                    score=scores.ScoreFunction(_distance_only))
+    message = r"^the score function _distance_only must return the logits' shape \("
+    with pytest.raises(ValueError, match=message):
+        jax.grad(lambda q: jnp.sum(attn(q, q, q)))(q)
+    with pytest.raises(ValueError, match=message):
+        attn(q, q, q)
+
+
+def test_a_closure_over_a_differentiated_array_names_params():
+    """XlaBlockSparse's custom gradient cannot reach an array a score function closes over
+    while it is being differentiated: a one-line error names `params` (DenseReference, plain
+    autodiff, differentiates it); as `params` both agree."""
+    q = jax.random.normal(jax.random.key(0), (1, 2, 16, 8))
+    table = jax.random.normal(jax.random.key(1), (2, 8))
+
+    def loss(table, kernel, as_params):
+        def closed(s, h, qp, kp):
+            return s + table[h, jnp.clip(qp - kp, 0, 7)]
+
+        def explicit(s, h, qp, kp, t):
+            return s + t[h, jnp.clip(qp - kp, 0, 7)]
+
+        score = (scores.ScoreFunction(explicit, table) if as_params
+                 else scores.ScoreFunction(closed))
+        attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel, score=score)
+        return jnp.sum(jnp.sin(attn(q, q, q)))
+
+    with pytest.raises(TypeError, match=r"closes over an array that is being differentiated; "
+                                        r"pass it as `params`"):
+        jax.grad(loss)(table, kernels.XlaBlockSparse(), False)
+    want = jax.grad(loss)(table, kernels.DenseReference(), False)
+    got = jax.grad(loss)(table, kernels.XlaBlockSparse(), True)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+    assert np.abs(np.asarray(want)).max() > 0
+
+
+@pytest.mark.parametrize("kernel", [kernels.XlaBlockSparse(), kernels.DenseReference()],
+                         ids=["xla", "reference"])
+def test_poisoned_table_keeps_a_zero_gradient_where_no_visible_pair_reads(kernel):
+    """A traced table with a NaN entry makes every row NaN, and the gradient of every entry a
+    visible pair reads; each entry that no visible pair reads (later keys, hidden distances,
+    padding of ragged blocks) keeps exactly zero, as documented."""
+    length, heads = 37, 4
+    q = jax.random.normal(jax.random.key(0), (1, heads, length, 8))
+    table = 0.1 * jax.random.normal(jax.random.key(1), (heads, 32))
+    mask = masks.Causal(offset=-4)
+    buckets = scores.RelativeBuckets(32, True, 20)
+
+    @jax.jit
+    def dtable(table):
+        score = scores.RelativePositionBias(table, max_distance=20)
+        attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, score=score,
+                                        tiling=bsa.Tiling(block_q=16, block_kv=16))
+        return jax.grad(lambda t: jnp.sum(eqx.tree_at(lambda a: a.score.table, attn, t)(
+            q, q, q)))(table)
+
+    d = np.arange(length)[:, None] - np.arange(length)[None, :]
+    read = np.unique(np.asarray(buckets.bucket(jnp.asarray(d[d >= 4], jnp.int32))))
+    unread = np.setdiff1d(np.arange(32), read)
+    assert len(unread) > 16
+    grad = np.asarray(dtable(table.at[2, 1].set(jnp.nan)))
+    assert np.isnan(grad[:, read]).all()
+    assert (grad[:, unread] == 0).all(), np.isnan(grad[:, unread]).mean()

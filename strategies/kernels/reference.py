@@ -41,7 +41,8 @@ def dense_visibility(mask: CompiledMask, inputs: AttentionInputs):
 
 
 def _with_score(s, inputs: AttentionInputs):
-    """`s` ``[B, H, Lq, Lk]`` with the score terms at the call's positions (dense)."""
+    """`s` ``[B, H, Lq, Lk]`` with the score terms at the call's positions (dense); the score
+    function's params are read from `inputs.score`, so autodiff reaches them."""
     _, heads, q_len, kv_len = s.shape
 
     def positions(x, length):
@@ -52,7 +53,8 @@ def _with_score(s, inputs: AttentionInputs):
     qp = positions(inputs.q_positions, q_len)[:, None, :, None]
     kp = positions(inputs.kv_positions, kv_len)[:, None, None, :]
     head = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
-    return inputs.score.apply(s, head, qp, kp)
+    batch = jnp.arange(s.shape[0], dtype=jnp.int32)[:, None, None, None]
+    return inputs.score.apply(s, head, qp, kp, batch=batch)
 
 
 def reference_attention(q, k, v, *, mask: CompiledMask, inputs: AttentionInputs, softmax_scale,

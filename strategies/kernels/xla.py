@@ -208,12 +208,13 @@ def _scores(cfg: _Config, q_blk, k_blk, bias_blk, score=None, pull: bool = False
     Also returns ``tanh(s / c)`` under a soft cap (the backward pass needs its derivative).
     `score` (`_block_score`) adds the score terms before the cap; with `pull`, a third result
     maps the gradient at the logits before the cap to the gradient at ``q . k`` and at the
-    score arrays (``None`` without score terms: the gradient passes unchanged).
+    score arrays (``None`` without score terms: the gradient passes unchanged), and a fourth
+    is the logits before the terms (the `params` gradient's input, `_params_grad`).
     """
     s = jnp.einsum("gqd,kd->gqk", q_blk, k_blk, preferred_element_type=_F32) * cfg.scale
     if bias_blk is not None:
         s = s + bias_blk.astype(_F32)
-    back = None
+    back, s_pre = None, s
     if score is not None:
         apply, arrays = score
         if pull:
@@ -225,7 +226,7 @@ def _scores(cfg: _Config, q_blk, k_blk, bias_blk, score=None, pull: bool = False
     else:
         t = jnp.tanh(s / cfg.soft_cap)
         s = cfg.soft_cap * t
-    return (s, t, back) if pull else (s, t)
+    return (s, t, back, s_pre) if pull else (s, t)
 
 
 def _block_positions(data, index, block: int):
@@ -235,9 +236,11 @@ def _block_positions(data, index, block: int):
     return idx if data is None else jnp.take(data, idx, mode="clip")
 
 
-def _block_score(cfg: _Config, sc, i, j, data, blocks):
+def _block_score(cfg: _Config, sc, i, j, data, blocks, batch=None, params=None):
     """``(apply, arrays)`` for `_scores`: the score terms of block ``(i, j)`` of one unit, or
-    ``None`` without them. `sc` is the unit's ``(heads [G], slopes [G], table [G, nb])``."""
+    ``None`` without them. `sc` is the unit's ``(heads [G], slopes [G], table [G, nb])``;
+    `batch` its batch index (a scalar, where the function reads it); `params` the function's
+    arrays, whole (``apply`` closes over them: their gradient is `_params_grad`'s)."""
     if cfg.score is None:
         return None
     heads, slopes, table = sc
@@ -247,10 +250,26 @@ def _block_score(cfg: _Config, sc, i, j, data, blocks):
     rows = jnp.arange(heads.shape[0], dtype=jnp.int32)[:, None, None]
 
     def apply(s, arrays):
-        terms = cfg.score.with_arrays(*arrays)
-        return terms.apply(s, heads[:, None, None], qp, kp, row=rows)
+        terms = cfg.score.with_arrays(*arrays, params)
+        return terms.apply(s, heads[:, None, None], qp, kp, row=rows, batch=batch)
 
     return apply, (slopes, table)
+
+
+def _params_grad(cfg: _Config, arr: "_Arranged", params, j, s_pre, ds, blocks):
+    """The gradient of the score function's `params` from one slot of the dq pass: `s_pre`
+    (the logits before the terms) and `ds` (the gradient after them), in levels ``[B, Hkv,
+    U, n, G, bq, bk]``, at each unit's kv block `j`. The term is evaluated again on the whole
+    slot under `jax.vjp`, so autodiff sums the units' shares (no per-unit copy of `params`)."""
+    def terms(params):
+        def unit(s, j, i, qp, kp, sc, b):
+            apply, arrays = _block_score(cfg, sc, i, j, (qp, kp), blocks, b, params)
+            return apply(s, arrays)
+
+        return _map_levels(unit, arr.sizes, s_pre, j, arr.blocks, *arr.data[:2], arr.score,
+                           arr.batch)
+
+    return jax.vjp(terms, params)[1](ds)[0]
 
 
 def _masked_scores(mask: CompiledMask, s, head, i, j, masked: bool, live, data, blocks):
@@ -325,6 +344,7 @@ class _Arranged(NamedTuple):
     data: list  # positions / segment ids, [B, 1, 1, 1, L] or None
     bias: Any  # [bb, Hkv|1, U|1, 1, Gb, Lq'|1, Lk'|1] or None
     score: Any  # (heads [1, Hkv, U, 1, G], slopes [..., G] | None, table [..., G, nb] | None)
+    batch: Any = None  # [B, 1, 1, 1] batch ids where the score function reads them
 
 
 def _per_head_layout(layout: BlockLayout) -> bool:
@@ -332,7 +352,7 @@ def _per_head_layout(layout: BlockLayout) -> bool:
     return layout.full_count.shape[1] > 1
 
 
-def _arrange(aux, per_head: bool, bias, q, k, bq: int, bk: int, last: int,
+def _arrange(cfg: _Config, aux, per_head: bool, bias, q, k, bq: int, bk: int, last: int,
              score=None) -> _Arranged:
     batch, heads = q.shape[:2]
     kv_heads = k.shape[1]
@@ -345,13 +365,16 @@ def _arrange(aux, per_head: bool, bias, q, k, bq: int, bk: int, last: int,
     data = [None if x is None else x[:, None, None, None] for x in aux["data"]]
     if bias is not None:
         bias = _bias_to_units(bias, heads, group, per_head, bq, bk)[:, :, :, None]
-    sc = None
+    sc = batch_ids = None
     if score is not None:
-        # Each unit's query heads, and the rows of the score arrays for them.
+        # Each unit's query heads, and the rows of the per-head score arrays for them (the
+        # function's params stay whole, outside the mapped levels).
         ids = np.arange(heads, dtype=np.int32).reshape(1, kv_heads, units, 1, -1)
-        sc = (jnp.asarray(ids),) + tuple(None if x is None else x[ids] for x in score)
+        sc = (jnp.asarray(ids),) + tuple(None if x is None else x[ids] for x in score[:2])
+        if cfg.score.takes_batch:
+            batch_ids = jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1)
     return _Arranged((batch, kv_heads, units, last), per_head, head_ids, block_ids, data, bias,
-                     sc)
+                     sc, batch_ids)
 
 
 #: The default of `XlaConfig.slot_elements`: the most score elements (``rows x keys``, all
@@ -444,21 +467,22 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
     per_head = _per_head_layout(layout)
     fc, fi, pc, pi = (_lists_to_units(getattr(layout, name), group, per_head) for name in _FWD_LISTS)
     nq = fc.shape[3]
-    arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq, score)
+    arr = _arrange(cfg, aux, per_head, bias, q, k, bq, bk, nq, score)
     units, g = arr.sizes[2], (1 if per_head else group)
     q_r = _q_rows(q, bq, group, per_head)
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
+    params = None if score is None else score[2]
 
     def run_list(arr, q_r, trips, count, index, masked, carry):
         def body(t, j, live, carry):
             def unit(carry, j, live, q_blk, k_blocks, v_blocks, bias_u, head, i, qp, kp, qs, ks,
-                     sc):
+                     sc, bt):
                 m, l, acc = carry
                 q_blk = _zero_padding(q_blk, None if pad_q is None else qs, i, bq)
                 k_blk, v_blk = (_zero_padding(x[j], None if pad_kv is None else ks, j, bk)
                                 for x in (k_blocks, v_blocks))
                 s, _ = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
-                               _block_score(cfg, sc, i, j, (qp, kp), (bq, bk)))
+                               _block_score(cfg, sc, i, j, (qp, kp), (bq, bk), bt, params))
                 s, hidden = _masked_scores(mask, s, head, i, j, masked, live,
                                            (qp, kp, qs, ks), (bq, bk))
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -476,7 +500,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
             k_b, v_b = (_kv_units(x, bk)[:, :, None, None] for x in (k_r, v_r))
             return _map_levels(
                 unit, arr.sizes, carry, j, live, q_u, k_b, v_b, arr.bias,
-                arr.heads, arr.blocks, *arr.data, arr.score,
+                arr.heads, arr.blocks, *arr.data, arr.score, arr.batch,
             )
 
         return _slot_loop(trips, count, index, body, carry)
@@ -538,7 +562,7 @@ def _q_side_rows(q, d_out, lse, delta, block: int, group: int, per_head: bool):
 def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
     """``dq [B, H, Lq, D]`` float32; with a bias whose gradient this pass sums (`pairs`, `rows`:
     `_bias_grad_kind`), ``dbias`` in the bias's shape (else ``None``); with score arrays, their
-    float32 gradients ``(dslopes [H], dtable [H, nb])`` (``None`` where off)."""
+    float32 gradients ``(dslopes [H], dtable [H, nb], dparams)`` (``None`` where off)."""
     mask = eqx.combine(aux["mask"], cfg.mask)
     layout = mask.dq
     pad_q, pad_kv = _padding_ids(mask, aux)
@@ -551,32 +575,40 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
     nq = fc.shape[3]
     nk = layout.num_kv_blocks
     cf, cp = fi.shape[-1], pi.shape[-1]
-    arr = _arrange(aux, per_head, bias, q, k, bq, bk, nq, score)
+    arr = _arrange(cfg, aux, per_head, bias, q, k, bq, bk, nq, score)
     units, g = arr.sizes[2], (1 if per_head else group)
     q_side = _q_side_rows(q, d_out, lse, delta, bq, group, per_head)
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
+    params = None if score is None else score[2]
 
     kind = _bias_grad_kind(bias)
 
     def run_list(arr, q_side, trips, count, index, masked, offset, carry):
         def body(t, j, live, carry):
-            dq, d_score, rows, ds_buf = carry
+            dq, d_score, rows, ds_buf, d_params = carry
 
             def unit(acc, j, live, q_blk, do_blk, lse_blk, delta_blk, k_blocks, v_blocks,
-                     bias_u, head, i, qp, kp, qs, ks, sc):
+                     bias_u, head, i, qp, kp, qs, ks, sc, bt):
                 dq, d_score, rows = acc
                 q_blk = _zero_padding(q_blk, None if pad_q is None else qs, i, bq)
                 k_blk, v_blk = (_zero_padding(x[j], None if pad_kv is None else ks, j, bk)
                                 for x in (k_blocks, v_blocks))
-                s, tc, back = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
-                                      _block_score(cfg, sc, i, j, (qp, kp), (bq, bk)),
-                                      pull=True)
-                s, _ = _masked_scores(mask, s, head, i, j, masked, live, (qp, kp, qs, ks),
-                                      (bq, bk))
+                s, tc, back, s_pre = _scores(
+                    cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
+                    _block_score(cfg, sc, i, j, (qp, kp), (bq, bk), bt, params), pull=True)
+                s, hidden = _masked_scores(mask, s, head, i, j, masked, live,
+                                           (qp, kp, qs, ks), (bq, bk))
                 p = jnp.exp(s - lse_blk[..., None])
                 dp = jnp.einsum("gqe,ke->gqk", do_blk, v_blk, preferred_element_type=_F32)
                 ds = _ds(p, dp, delta_blk, tc)
+                pulled = None
                 if back is not None:  # through the score terms, to q . k and their arrays
+                    if hidden:
+                        # A hidden pair reads no entry of the score arrays: its ds is zero
+                        # even where the row is NaN (a poisoned array, lse NaN).
+                        ds = jnp.where(s == -jnp.inf, 0.0, ds)
+                    if params is not None:
+                        pulled = (s_pre, ds)
                     ds, d_arrays = back(ds)
                     d_score = jax.tree.map(jnp.add, d_score, d_arrays)
                 # ds in float32: p * (dp - delta) cancels, so 8 bits of it lose the small terms.
@@ -584,17 +616,20 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
                                      preferred_element_type=_F32)
                 if rows is not None:  # a bias without a key axis: each row's sum of ds
                     rows = rows + jnp.sum(ds, axis=-1)
-                return (dq, d_score, rows), (ds if ds_buf is not None else None)
+                return (dq, d_score, rows), (ds if ds_buf is not None else None, pulled)
 
             q_u, do_u, lse_u, delta_u = (_q_units(x, kv_heads, units, g, bq) for x in q_side)
             k_b, v_b = (_kv_units(x, bk)[:, :, None, None] for x in (k_r, v_r))
-            (dq, d_score, rows), ds = _map_levels(
+            (dq, d_score, rows), (ds, pulled) = _map_levels(
                 unit, arr.sizes, (dq, d_score, rows), j, live, q_u, do_u, lse_u, delta_u, k_b,
-                v_b, arr.bias, arr.heads, arr.blocks, *arr.data, arr.score,
+                v_b, arr.bias, arr.heads, arr.blocks, *arr.data, arr.score, arr.batch,
             )
             if ds_buf is not None:
                 ds_buf = jax.lax.dynamic_update_index_in_dim(ds_buf, ds, offset + t, 0)
-            return dq, d_score, rows, ds_buf
+            if pulled is not None:
+                d_params = jax.tree.map(
+                    jnp.add, d_params, _params_grad(cfg, arr, params, j, *pulled, (bq, bk)))
+            return dq, d_score, rows, ds_buf, d_params
 
         return _slot_loop(trips, count, index, body, carry)
 
@@ -609,23 +644,30 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
         d_score = None if arr.score is None else tuple(
             None if x is None else jnp.zeros(lead[:4] + x.shape[4:], _F32)
             for x in arr.score[1:])
-        carry = (jnp.zeros(lead + (q.shape[-1],), _F32), d_score, rows, ds_buf)
+        # The params' gradient, float32, summed over the slots (and the chunks, below).
+        d_params = jax.tree.map(lambda x: jnp.zeros(x.shape, _F32), params)
+        carry = (jnp.zeros(lead + (q.shape[-1],), _F32), d_score, rows, ds_buf, d_params)
         carry = _carry_like(carry, q, k, v, bias, score, aux, d_out, lse, delta)
         carry = run_list(*sides, cfg.dq_trips[0], fc, fi, False, 0, carry)
-        dq, d_score, rows, ds_buf = run_list(*sides, cfg.dq_trips[1], pc, pi, True, cf, carry)
+        dq, d_score, rows, ds_buf, d_params = run_list(*sides, cfg.dq_trips[1], pc, pi, True,
+                                                       cf, carry)
         dq = _zero_padding_rows(dq, pad_q, block_ids, bq)
-        # The slot axis last, so that the block level is axis 3 as `_by_chunks` joins it.
-        return dq, d_score, rows, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1))
+        # The slot axis last, so that the block level is axis 3 as `_by_chunks` joins it; the
+        # params' gradient gets a block axis of one (summed below).
+        d_params = jax.tree.map(lambda x: x.reshape((1, 1, 1, 1) + x.shape), d_params)
+        return (dq, d_score, rows, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1)),
+                d_params)
 
     width = _chunk_width(arr.sizes, g * bq * bk, cfg.slot)
-    dq, d_score, rows, ds_buf = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), q_side,
-                                           g * bq, (q, k, v, bias, score, aux, d_out, lse,
-                                                    delta))
+    dq, d_score, rows, ds_buf, d_params = _by_chunks(
+        run_chunk, nq, width, (fc, fi, pc, pi), q_side, g * bq,
+        (q, k, v, bias, score, aux, d_out, lse, delta))
     if d_score is not None:
         # Units hold the query heads in order (kv head, unit, group member): sum the batch
         # and the q-blocks, and the head axis is the flat rest.
         d_score = tuple(None if x is None else x.sum(axis=(0, 3)).reshape(heads, *x.shape[5:])
                         for x in d_score)
+        d_score += (jax.tree.map(lambda x: x.sum(axis=(0, 1, 2, 3)), d_params),)
     dq = _units_to_rows(dq * cfg.scale, q_len, per_head)
     if kind == "rows":
         rows = _summed_to(_units_to_rows(rows, q_len, per_head)[..., None], bias.shape)
@@ -668,22 +710,23 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
     per_head = _per_head_layout(layout)
     fc, fi, pc, pi = (_lists_to_units(getattr(layout, name), group, per_head) for name in _T_LISTS)
     nk = fc.shape[3]
-    arr = _arrange(aux, per_head, bias, q, k, bq, bk, nk, score)
+    arr = _arrange(cfg, aux, per_head, bias, q, k, bq, bk, nk, score)
     units, g = arr.sizes[2], (1 if per_head else group)
     q_side = _q_side_rows(q, d_out, lse, delta, bq, group, per_head)
+    params = None if score is None else score[2]
 
     def run_list(arr, k_c, v_c, trips, count, index, masked, carry):
         def body(t, i, live, carry):
             def unit(carry, i, live, k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_u,
-                     head, j, qp, kp, qs, ks, sc):
+                     head, j, qp, kp, qs, ks, sc, bt):
                 dk, dv, keys = carry
                 q_blk = _zero_padding(q_all[i], None if pad_q is None else qs, i, bq)
                 k_blk, v_blk = (_zero_padding(x, None if pad_kv is None else ks, j, bk)
                                 for x in (k_blk, v_blk))
                 do_blk = do_all[i]
-                s, tc, back = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
-                                      _block_score(cfg, sc, i, j, (qp, kp), (bq, bk)),
-                                      pull=True)
+                s, tc, back, _ = _scores(
+                    cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
+                    _block_score(cfg, sc, i, j, (qp, kp), (bq, bk), bt, params), pull=True)
                 s, _ = _masked_scores(mask, s, head, i, j, masked, live, (qp, kp, qs, ks),
                                       (bq, bk))
                 p = jnp.exp(s - lse_all[i][..., None])
@@ -705,7 +748,7 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
             k_b, v_b = (_kv_units(x, bk)[:, :, None] for x in (k_c, v_c))
             return _map_levels(
                 unit, arr.sizes, carry, i, live, k_b, v_b, q_u, do_u, lse_u, delta_u, arr.bias,
-                arr.heads, arr.blocks, *arr.data, arr.score,
+                arr.heads, arr.blocks, *arr.data, arr.score, arr.batch,
             )
 
         return _slot_loop(trips, count, index, body, carry)
@@ -744,8 +787,8 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
 @functools.lru_cache(maxsize=128)
 def _attention_fn(cfg: _Config, with_lse: bool = False):
     """A jitted `custom_vjp` function ``(q, k, v, bias, sinks, score, aux) -> out`` for `cfg`
-    (``-> (out, lse)`` `with_lse`); `score` is ``(slopes, table)`` of the score terms, or
-    ``None``.
+    (``-> (out, lse)`` `with_lse`); `score` is ``(slopes, table, params)`` of the score terms
+    (the function's params a pytree), or ``None``.
 
     `aux` carries the integer inputs (layouts, positions, segment ids) and the array leaves of
     the mask: never differentiated. Cached so that eager calls reuse one compilation.
@@ -788,8 +831,7 @@ def _attention_fn(cfg: _Config, with_lse: bool = False):
         if dbias is not None:
             dbias = dbias.astype(bias.dtype)
         if score is not None:
-            dscore = tuple(None if x is None else d.astype(x.dtype)
-                           for x, d in zip(score, dscore))
+            dscore = jax.tree.map(lambda x, d: d.astype(x.dtype), score, dscore)
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, dsinks,
                 dscore, None)
 
@@ -988,7 +1030,7 @@ class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
     def _run(self, query, key, value, mask, inputs, tiling, softmax_scale, logits_soft_cap,
              with_lse):
         terms = inputs.score
-        score = None if terms is None else terms.arrays
+        score = None if terms is None else (*terms.arrays, terms.params)
         refuse_forward_mode(type(self).__name__, query, key, value, inputs.bias, inputs.sinks,
                             *jax.tree.leaves(score))
         data = (inputs.q_positions, inputs.kv_positions, inputs.q_segment_ids,
@@ -1006,7 +1048,7 @@ class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
             # The plan hands the kernel its own config (`adapt_tiling`); unset: the default.
             slot=(tiling.slot_elements if isinstance(tiling, XlaConfig) else None)
             or _SLOT_ELEMENTS,
-            score=None if terms is None else terms.with_arrays(None, None),
+            score=None if terms is None else terms.with_arrays(None, None, None),
         )
         aux = {"mask": mask_arrays, "data": data}
         # Inside `jax.shard_map`, a custom backward must give each input's cotangent that
@@ -1018,4 +1060,12 @@ class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
             fn = _attention_fn(cfg, with_lse)
         except TypeError:  # an unhashable user mask: build the function afresh
             fn = _attention_fn.__wrapped__(cfg, with_lse)
-        return fn(*diff_args, aux)
+        try:
+            return fn(*diff_args, aux)
+        except Exception as error:  # noqa: BLE001  (jax's class for it is private)
+            if type(error).__name__ != "CustomVJPException":
+                raise
+            raise TypeError(
+                "XlaBlockSparse: the score function or mask closes over an array that is being "
+                "differentiated; pass it as `params` (scores.ScoreFunction(fn, params), "
+                "masks.Predicate(fn, params)) so that it gets its gradient.") from None

@@ -2,6 +2,7 @@
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from eqx_bsattn.contract import AbstractScore, RelativeBuckets, ScoreTerms
+from eqx_bsattn.contract import AbstractScore, RelativeBuckets, ScoreTerm, ScoreTerms
 
 
 def _float_array(name: str, x, shape_text: str, ndim: int) -> Array:
@@ -134,29 +135,67 @@ class RelativePositionBias(AbstractScore):
 
 
 class ScoreFunction(AbstractScore):
-    """Any jnp function of the logits and coordinates: ``fn(score, head, q_pos, k_pos)``.
+    """Any jnp function of the logits and coordinates: ``fn(score, head, q_pos, k_pos)``, or
+    ``fn(score, head, q_pos, k_pos, params)`` with learned or per-call arrays `params`.
 
-    `fn` receives float32 logits ``[..., n, m]`` and broadcastable int32 arrays (`head` the
-    query head, `q_pos` ``[..., n, 1]``, `k_pos` ``[..., 1, m]``) and returns the new logits
-    of the same shape, finite or ``-inf`` (which hides a pair). It runs before the soft cap
-    and the mask, on every visited block, in the kernels that trace JAX functions
-    (`kernels.DenseReference`, `kernels.XlaBlockSparse`); the others decline it. Gradients
-    flow through `score` (not into arrays `fn` closes over). Define `fn` once, not as a fresh
-    lambda per call: it is part of the module's static identity.
+    **Arguments:**
+
+    - `fn`: a function (or callable object) of float32 logits `score` ``[..., n, m]`` and
+      broadcastable int32 arrays (`head` the query head, `q_pos` ``[..., n, 1]``, `k_pos`
+      ``[..., 1, m]``) that returns new logits of the same shape, finite or ``-inf`` (which
+      hides a pair). A parameter named ``batch`` receives the batch index (an int32 array
+      broadcastable against `score`) by keyword.
+    - `params`: a pytree of arrays passed as the fifth argument (default ``None``: `fn`
+      takes four). They are leaves of the module: they get gradients, as learned arrays
+      (a Graphormer-style table), and may be traced per call (`eqx.tree_at` a new value in).
+
+    The signature is read once, here: a function whose positional parameters do not fit
+    raises a one-line `TypeError` (a FlexAttention ``score_mod`` ``(score, b, h, q_idx,
+    kv_idx)`` goes through `scores.from_flex`).
+
+    It runs before the soft cap and the mask, on every visited block, in the kernels that
+    trace JAX functions (`kernels.DenseReference`, `kernels.XlaBlockSparse`); the others
+    decline it. Gradients flow through `score` and `params`. Data that changes per call or is
+    learned must be in `params`: an array `fn` closes over is a constant of the module's
+    static identity (and a traced one cannot be differentiated through the kernel). Define
+    `fn` once, not as a fresh lambda per call.
 
     ```python
     def distance_penalty(score, head, q_pos, k_pos):
         return score - 0.1 * (head + 1) * jnp.abs(q_pos - k_pos) ** 0.5
 
+    def learned_table(score, head, q_pos, k_pos, table):   # table [H, 2 L - 1]
+        return score + table[head, q_pos - k_pos + L - 1]
+
     attn = BlockSparseAttention(mask=masks.Causal(), score=ScoreFunction(distance_penalty))
+    learned = ScoreFunction(learned_table, jnp.zeros((8, 2 * L - 1)))
     ```
     """
 
     fn: Callable = eqx.field(static=True)
+    params: Any = None
+    term: ScoreTerm = eqx.field(static=True, repr=False)
 
-    def __check_init__(self):
-        if not callable(self.fn):
-            raise TypeError(f"`fn` must be callable; got {type(self.fn).__name__}.")
+    def __init__(self, fn: Callable, params: Any = None):
+        self.term = ScoreTerm.of(fn, params is not None)
+        self.fn = fn
+        self.params = None if params is None else _params_tree(params)
 
     def compile(self, num_heads: int) -> ScoreTerms:
-        return ScoreTerms(function=self.fn)
+        return ScoreTerms(function=self.term, params=self.params)
+
+
+def _params_tree(params):
+    """`params` with every leaf a jnp array (NumPy arrays and Python numbers converted); a
+    one-line `TypeError` names a leaf that is not numeric."""
+    def leaf(path, x):
+        try:
+            y = None if isinstance(x, (str, bytes)) else jnp.asarray(x)
+        except (TypeError, ValueError):
+            y = None
+        if y is None or not (jnp.issubdtype(y.dtype, jnp.number) or y.dtype == bool):
+            raise TypeError(f"`params` must be a pytree of arrays; got "
+                            f"{type(x).__name__} at {jax.tree_util.keystr(path) or 'the root'}.")
+        return y
+
+    return jax.tree_util.tree_map_with_path(leaf, params)

@@ -233,9 +233,9 @@ class GlobalHeads:
     head_axis: str
     local_heads: int
 
-    def __call__(self, score, head, q_pos, k_pos):
+    def __call__(self, score, head, q_pos, k_pos, *params, **batch):
         offset = local_head_offset(self.head_axis, self.local_heads)
-        return self.fn(score, head + offset, q_pos, k_pos)
+        return self.fn(score, head + offset, q_pos, k_pos, *params, **batch)
 
 
 def local_score(terms: ScoreTerms | None, slopes, table, *, head_axis: str | None,
@@ -245,7 +245,7 @@ def local_score(terms: ScoreTerms | None, slopes, table, *, head_axis: str | Non
     call's head ids, so every term means the same as unsharded."""
     if terms is None:
         return None
-    fn = terms.function
+    fn = terms.function  # a `ScoreTerm`: its user function gets the global head ids
     if fn is not None and head_axis is not None:
-        fn = GlobalHeads(fn, head_axis, local_heads)
-    return ScoreTerms(slopes, table, terms.buckets, fn)
+        fn = dataclasses.replace(fn, fn=GlobalHeads(fn.fn, head_axis, local_heads))
+    return ScoreTerms(slopes, table, terms.buckets, fn, terms.params)
