@@ -33,13 +33,13 @@ def table_rows(num_buckets: int) -> int:
     return -(-num_buckets // SUBLANES) * SUBLANES
 
 
-def _ds(math: TileMath, s, head, coords, r, p_of, dp, delta, masked: bool, far):
+def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool, far):
     """``(dS, qp, kp, bucket)`` of a tile: the gradient of its logits before the score
     function and the soft cap (that of ``softmax_scale * q . k``, the slopes' and the
     table's terms alike), and the tile's positions and buckets for the terms' gradients."""
     qi, ki, qp, kp, qs, ks = coords
-    s, factor = math.logits(s, head, qp, kp, r.get("slopes"), r.get("table"), grad=True,
-                            far=far)
+    s, factor = math.logits(s, batch, head, qp, kp, r.get("slopes"), r.get("table"),
+                            grad=True, far=far)
     visible = math.visible(qi, ki, qp, kp, qs, ks) if masked else None
     if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
@@ -103,7 +103,7 @@ def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits
         coords = tile_coords(s.shape, 0, i * bq, kv * bk, r)
         far = math.far_tile(i * bq, kv * bk, bq, bk)
         lse = lanes(r["lse"][...], bk)
-        _, ds, qp, kp = _ds(math, s, h, coords, r, lambda x: jnp.exp(x - lse), dp,
+        _, ds, qp, kp = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse), dp,
                             lanes(r["delta"][...], bk), masked, far)
         dq = dot(ds.astype(k.dtype), k, NN)
         acc_ref[...] += dq * math.scale
@@ -142,7 +142,7 @@ def _dkv_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visit
         dp = dot(v, do, NT)
         coords = tile_coords(s.shape, 1, qb * bq, n * bk, r)
         lse = r["lse"][:1, :]
-        p, ds, _, _ = _ds(math, s, h, coords, r, lambda x: jnp.exp(x - lse), dp,
+        p, ds, _, _ = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse), dp,
                           r["delta"][:1, :], masked, math.far_tile(qb * bq, n * bk, bq, bk))
         dv_acc[...] += dot(p.astype(do.dtype), do, NN)
         dk = dot(ds.astype(q.dtype), q, NN)

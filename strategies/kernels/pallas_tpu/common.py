@@ -102,7 +102,7 @@ class TileMath:
     soft_cap: float | None
     slopes: bool = False
     buckets: Any = None  # RelativeBuckets, with a table
-    function: Callable | None = None
+    function: Callable | None = None  # a ScoreTerm without params
     positions: bool = False  # per-call positions (else the token indices)
     segment_ids: bool = False
 
@@ -122,11 +122,11 @@ class TileMath:
         d_max = q_start + num_q - 1 - k_start
         return d_min >= gap_ahead, d_max <= -gap_behind
 
-    def logits(self, s, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None):
+    def logits(self, s, batch, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None):
         """``(s, factor)``: the tile's logits from ``q . k`` (float32), and where `grad` and
         `has_factor` the derivative of the terms after the table and of the soft cap
-        (``None`` otherwise). `qp`, `kp` are int32 tiles of `s`'s shape; `far` is the tile's
-        `far_tile`."""
+        (``None`` otherwise). `batch`, `head` are the tile's indices (int32 scalars); `qp`,
+        `kp` int32 tiles of `s`'s shape; `far` is the tile's `far_tile`."""
         s = s * self.scale if self.scale != 1.0 else s
         if self.slopes:
             s = s + slopes_ref[head] * (kp - qp).astype(jnp.float32)
@@ -142,7 +142,7 @@ class TileMath:
                     jax.lax.cond(far[1], lambda: base + table_ref[head, behind], near)))
         factor = None
         if self.function is not None:
-            fn = lambda x: jnp.asarray(self.function(x, head, qp, kp), jnp.float32)  # noqa: E731
+            fn = lambda x: self.function(x, batch, head, qp, kp, None)  # noqa: E731
             if grad:
                 s, factor = jax.jvp(fn, (s,), (jnp.ones_like(s),))
             else:

@@ -63,7 +63,8 @@ def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: V
         s = dot(q, k, NT)
         qi, ki, qp, kp, qs, ks = tile_coords(s.shape, 0, i * bq, kv * bk, r)
         far = math.far_tile(i * bq, kv * bk, bq, bk)
-        s, _ = math.logits(s, h, qp, kp, r.get("slopes"), r.get("table"), grad=False, far=far)
+        s, _ = math.logits(s, b, h, qp, kp, r.get("slopes"), r.get("table"), grad=False,
+                           far=far)
         if masked:
             s = jnp.where(math.visible(qi, ki, qp, kp, qs, ks), s, -jnp.inf)
         m_prev = m_ref[...]

@@ -161,6 +161,10 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         lq = _multiple(q_len, [bq for bq, _ in blocks])
         lk = _multiple(kv_len, [bk for _, bk in blocks])
         score = inputs.score
+        if score is not None and score.function is not None and score.function.takes_params:
+            raise ValueError(
+                f"PallasTpuBlockSparse does not read a score function's `params` (got "
+                f"{score.function.__name__} with params); pass kernel=kernels.XlaBlockSparse().")
         math = TileMath(
             terms=mask.terms, kv_len=kv_len, scale=float(softmax_scale),
             soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),

@@ -24,6 +24,14 @@ def scaled_distance(s, head, q, k):
     return s * (1.0 + 0.25 * head) - 0.1 * jnp.sqrt(jnp.abs(q - k))
 
 
+def by_batch(s, head, q, k, *, batch):
+    """A score function that reads the batch index."""
+    return s + (0.5 - 0.75 * batch) * jnp.tanh(0.05 * (k - q).astype(jnp.float32)) + 0.1 * head
+
+
+FUNCTIONS = {"function": scaled_distance, "function_batch": by_batch}
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     mask: object
@@ -56,6 +64,8 @@ CASES = {
     "prefix_table_cap": Case(masks.PrefixLM(70), heads=2, score="table", soft_cap=3.0),
     "full_function_sinks": Case(masks.Full(), heads=2, kv_heads=2, q_len=140, kv_len=260,
                                 score="function", sinks=True),
+    "window_function_batch": Case(masks.SlidingWindow(60, 20), batch=2, heads=2, kv_heads=1,
+                                  q_len=200, kv_len=200, score="function_batch"),
 }
 QUICK = {"causal_gqa_alibi_sinks_cap", "documents_table", "window_cross_function",
          "fully_masked_rows"}
@@ -66,8 +76,8 @@ def _score(case: Case, arrays: dict):
         return scores.ALiBi(arrays["slopes"], learned=True)
     if case.score == "table":
         return scores.RelativePositionBias(arrays["table"])
-    if case.score == "function":
-        return scores.ScoreFunction(scaled_distance)
+    if case.score in FUNCTIONS:
+        return scores.ScoreFunction(FUNCTIONS[case.score])
     return None
 
 
@@ -124,13 +134,21 @@ def _oracle(case: Case, args, truth, visible, cot):
         def loss(a):
             score = lambda s: score_f64(  # noqa: E731
                 s, q_pos=q_pos, kv_pos=kv_pos, slopes=a.get("slopes"), table=a.get("table"),
-                fn=scaled_distance if case.score == "function" else None)
+                fn=_oracle_function(case))
             out = jnp_attention_f64(a["q"], a["k"], a["v"], visible, sinks=a.get("sinks"),
                                     soft_cap=case.soft_cap, score=score)
             return jnp.vdot(out, jnp.asarray(np.asarray(cot, np.float64))), out
 
         grads, out = jax.grad(loss, has_aux=True)(a)
         return np.asarray(out), {n: np.asarray(g) for n, g in grads.items()}
+
+
+def _oracle_function(case: Case):
+    """The case's score function as `score_f64` calls it (the batch index broadcast)."""
+    if case.score == "function_batch":
+        batch = jnp.arange(case.batch)[:, None, None, None]
+        return lambda s, h, q, k: by_batch(s, h, q, k, batch=batch)
+    return FUNCTIONS.get(case.score)
 
 
 def _rel(got, want) -> float:
@@ -278,3 +296,14 @@ def test_log_sum_exp_and_its_gradient():
     assert _rel(out, want_out) < 2e-5
     for g, w in zip(grads, want_grads):
         assert _rel(g, w) < 2e-5
+
+
+def test_a_score_function_with_params_is_refused_by_name():
+    q = jnp.ones((1, 2, 32, 8))
+    slopes = jnp.asarray([0.5, 0.25])
+    score = scores.ScoreFunction(lambda s, h, qp, kp, p: s + p[h] * (kp - qp), slopes)
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), score=score,
+                                    kernel=kernels.PallasTpuBlockSparse())
+    with pytest.raises(ValueError, match=r"^PallasTpuBlockSparse does not read a score "
+                                         r"function's `params` .*XlaBlockSparse\(\)\.$"):
+        attn(q, q, q)
