@@ -16,6 +16,11 @@ from eqx_bsattn.strategies.kernels.pallas_tpu.common import FULL, PARTIAL, SKIP,
 from tests.conftest import jnp_attention_f64, np_visibility, score_f64, sorted_segments
 
 ON_TPU = jax.default_backend() == "tpu"
+#: Relative error in norm, float32 inputs. On a TPU v5e exp, log and tanh agree with float64 to
+#: four or five digits even at the highest matmul precision: the backward's probabilities
+#: exp(s - lse) carry that error (2.5e-5 to 5.3e-5 measured on the gradients; the forward's
+#: normalisation cancels most of it in the output).
+TOL = 1e-4 if ON_TPU else 2e-5
 TILES = kernels.PallasTpuConfig(block_q=128, block_kv=128)
 
 
@@ -168,7 +173,7 @@ def test_matches_the_oracle(name):
     errors = {"out": _rel(out, want_out)}
     errors.update({n: _rel(grads[n], want_grads[n]) for n in args})
     assert set(errors) >= {"out", "q", "k", "v"}
-    bad = {n: e for n, e in errors.items() if e > 2e-5}
+    bad = {n: e for n, e in errors.items() if e > TOL}
     assert not bad, errors
     dead = ~visible.any(-1)  # rows that see no key: exact zeros, output and dq
     if dead.any():
@@ -242,9 +247,10 @@ def test_pallas_platform_takes_score_terms_through_the_selector():
     keys = jax.random.split(jax.random.key(4), 3)
     q, k, v = (jax.random.normal(key, (1, 2, 64, 16)) for key in keys)
     kw = dict(causal=True, sliding_window=20, score=scores.ALiBi())
-    got = bsa.blocksparse_attention(q, k, v, platform="pallas", **kw)
-    want = bsa.blocksparse_attention(q, k, v, platform="dense", **kw)
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    with jax.default_matmul_precision("highest"):
+        got = bsa.blocksparse_attention(q, k, v, platform="pallas", **kw)
+        want = bsa.blocksparse_attention(q, k, v, platform="dense", **kw)
+    assert _rel(got, want) < TOL
     plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=scores.ALiBi()).plan(
         q, k, v, platform="tpu")
     assert plan.kernel.name == "pallas_tpu"
@@ -292,10 +298,10 @@ def test_log_sum_exp_and_its_gradient():
         want_grads = jax.grad(lambda *a: loss(oracle, *a), argnums=(0, 1, 2))(*f64)
     rows = np.broadcast_to(seen, lse.shape)
     assert lse.dtype == jnp.float32 and np.isneginf(np.asarray(lse)[~rows]).all()
-    assert _rel(np.asarray(lse)[rows], np.asarray(want_lse)[rows]) < 2e-6
-    assert _rel(out, want_out) < 2e-5
+    assert _rel(np.asarray(lse)[rows], np.asarray(want_lse)[rows]) < TOL / 10
+    assert _rel(out, want_out) < TOL
     for g, w in zip(grads, want_grads):
-        assert _rel(g, w) < 2e-5
+        assert _rel(g, w) < TOL
 
 
 def test_a_score_function_with_params_is_refused_by_name():
