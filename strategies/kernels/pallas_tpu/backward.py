@@ -69,11 +69,12 @@ def _table_grad(math: TileMath, dtable_ref, ds, qp, kp, far):
         near()
         return
     (_, ahead), (_, behind) = math.buckets.far_buckets()
+    ahead_far, behind_far = far[:2]
     add = lambda n: dtable_ref.__setitem__(  # noqa: E731
         Ellipsis, dtable_ref[...] + jnp.where(rows == n, _total(ds), 0.0))
-    pl.when(far[0])(lambda: add(ahead))
-    pl.when(jnp.logical_and(jnp.logical_not(far[0]), far[1]))(lambda: add(behind))
-    pl.when(jnp.logical_not(jnp.logical_or(far[0], far[1])))(near)
+    pl.when(ahead_far)(lambda: add(ahead))
+    pl.when(jnp.logical_and(jnp.logical_not(ahead_far), behind_far))(lambda: add(behind))
+    pl.when(jnp.logical_not(jnp.logical_or(ahead_far, behind_far)))(near)
 
 
 def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits, bq: int,
@@ -143,7 +144,7 @@ def _dkv_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visit
         coords = tile_coords(s.shape, 1, qb * bq, n * bk, r)
         lse = r["lse"][:1, :]
         p, ds, _, _ = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse), dp,
-                          r["delta"][:1, :], masked, math.far_tile(qb * bq, n * bk, bq, bk))
+                          r["delta"][:1, :], masked, math.far_tile(qb * bq, n * bk, bq, bk, q_rows=False))
         dv_acc[...] += dot(p.astype(do.dtype), do, NN)
         dk = dot(ds.astype(q.dtype), q, NN)
         dk_acc[...] += dk * math.scale

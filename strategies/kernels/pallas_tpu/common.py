@@ -8,6 +8,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 from eqx_bsattn.contract import BlockLayout, MaskTerms, pad_axis
 
@@ -110,17 +111,33 @@ class TileMath:
         """Whether the logits' derivative in ``q . k`` is more than the scale."""
         return self.function is not None or self.soft_cap is not None
 
-    def far_tile(self, q_start, k_start, num_q: int, num_k: int):
-        """``(ahead, behind)``: scalar booleans saying that every pair of a tile (queries
-        `q_start` ..., keys `k_start` ...) lies in the table's last bucket ahead / behind
-        (`RelativeBuckets.far_buckets`), whose entry is then one scalar; ``None`` without a
+    def far_tile(self, q_start, k_start, num_q: int, num_k: int, *, q_rows: bool = True):
+        """Where positions are the token indices, ``(ahead, behind, d0, sign)`` of a tile
+        (queries `q_start` ..., keys `k_start` ...; along its rows where `q_rows`): scalar
+        booleans saying that every pair lies in the table's last bucket ahead / behind
+        (`RelativeBuckets.far_buckets`), whose entry is then one scalar, and the distance of
+        pair ``(r, c)``, ``d0 + sign * (c - r)`` (`table_toeplitz`). ``None`` without a
         table or with per-call positions."""
         if self.buckets is None or self.positions:
             return None
         (gap_ahead, _), (gap_behind, _) = self.buckets.far_buckets()
         d_min = q_start - (k_start + num_k - 1)
         d_max = q_start + num_q - 1 - k_start
-        return d_min >= gap_ahead, d_max <= -gap_behind
+        return d_min >= gap_ahead, d_max <= -gap_behind, q_start - k_start, -1 if q_rows else 1
+
+    def table_toeplitz(self, table_ref, head, d0, shape, sign: int):
+        """``table[head, bucket(d)]`` on a tile whose pairs have ``d = d0 + sign * (c - r)``
+        (row ``r``, column ``c``; positions are the token indices, so the term is constant
+        along each diagonal): the buckets and the table's entries are formed once per
+        diagonal, on one ``[8, W]`` row block (``W >= rows + cols - 1``, whole lanes), and
+        each row of the tile is that row rotated by its row index (a strided lane roll)."""
+        rows, cols = shape
+        width = -(-(rows + cols - 1) // LANES) * LANES
+        j = jax.lax.broadcasted_iota(jnp.int32, (SUBLANES, width), 1)
+        offset = jnp.where(j < cols, j, j - width)  # c - r of the pairs that lane j serves
+        values = self.table_tile(self.buckets.bucket(d0 + sign * offset), head, table_ref)
+        tile = jnp.broadcast_to(values[:1, :], (rows, width))
+        return pltpu.roll(tile, 0, 1, stride=1, stride_axis=0)[:, :cols]
 
     def logits(self, s, batch, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None):
         """``(s, factor)``: the tile's logits from ``q . k`` (float32), and where `grad` and
@@ -132,14 +149,15 @@ class TileMath:
             s = s + slopes_ref[head] * (kp - qp).astype(jnp.float32)
         if self.buckets is not None:
             base = s
-            near = lambda: base + self.table_tile(  # noqa: E731
-                self.buckets.bucket(qp - kp), head, table_ref)
             if far is None:
-                s = near()
+                s = base + self.table_tile(self.buckets.bucket(qp - kp), head, table_ref)
             else:
+                ahead_far, behind_far, d0, sign = far
+                near = lambda: base + self.table_toeplitz(  # noqa: E731
+                    table_ref, head, d0, s.shape, sign)
                 (_, ahead), (_, behind) = self.buckets.far_buckets()
-                s = jax.lax.cond(far[0], lambda: base + table_ref[head, ahead], lambda: (
-                    jax.lax.cond(far[1], lambda: base + table_ref[head, behind], near)))
+                s = jax.lax.cond(ahead_far, lambda: base + table_ref[head, ahead], lambda: (
+                    jax.lax.cond(behind_far, lambda: base + table_ref[head, behind], near)))
         factor = None
         if self.function is not None:
             fn = lambda x: self.function(x, batch, head, qp, kp, None)  # noqa: E731
