@@ -24,8 +24,9 @@ from .forward import NN, NT, dot, named_refs, smem_specs
 
 
 def _total(x):
-    """The sum of a tile as a ``[1, 1]`` array."""
-    return jnp.sum(jnp.sum(x, axis=1, keepdims=True), axis=0, keepdims=True)
+    """The sum of a tile as a ``[1, 1]`` array: over its rows first (adds of whole
+    registers), then across the lanes of the one row left."""
+    return jnp.sum(jnp.sum(x, axis=0, keepdims=True), axis=1, keepdims=True)
 
 
 def table_rows(num_buckets: int) -> int:
@@ -55,11 +56,15 @@ def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool
 def _table_grad(math: TileMath, dtable_ref, ds, qp, kp, far):
     """Add a tile's share of the table's gradient to its ``[rows, 128]`` block (bucket
     ``n``'s in row ``n``, every lane): the sum of dS over the tile's pairs in each bucket;
-    one sum for a tile that lies in a far bucket (`TileMath.far_tile`)."""
+    one sum for a tile that lies in a far bucket (`TileMath.far_tile`); the buckets of a
+    near tile by diagonals where positions are the token indices."""
     rows = jax.lax.broadcasted_iota(jnp.int32, dtable_ref.shape, 0)
 
     def near():
-        bucket = math.buckets.bucket(qp - kp)
+        if far is None:
+            bucket = math.buckets.bucket(qp - kp)
+        else:
+            bucket = math.diagonal_tile(math.buckets.bucket, far[2], ds.shape, far[3])
         acc = jnp.zeros(dtable_ref.shape, jnp.float32)
         for n in range(math.buckets.num_buckets):
             acc = jnp.where(rows == n, _total(jnp.where(bucket == n, ds, 0.0)), acc)

@@ -125,19 +125,23 @@ class TileMath:
         d_max = q_start + num_q - 1 - k_start
         return d_min >= gap_ahead, d_max <= -gap_behind, q_start - k_start, -1 if q_rows else 1
 
-    def table_toeplitz(self, table_ref, head, d0, shape, sign: int):
-        """``table[head, bucket(d)]`` on a tile whose pairs have ``d = d0 + sign * (c - r)``
-        (row ``r``, column ``c``; positions are the token indices, so the term is constant
-        along each diagonal): the buckets and the table's entries are formed once per
-        diagonal, on one ``[8, W]`` row block (``W >= rows + cols - 1``, whole lanes), and
-        each row of the tile is that row rotated by its row index (a strided lane roll)."""
+    def diagonal_tile(self, fn, d0, shape, sign: int):
+        """``fn(d)`` on a tile whose pairs have ``d = d0 + sign * (c - r)`` (row ``r``, column
+        ``c``; positions are the token indices, so ``fn(d)`` is constant along each diagonal):
+        formed once per diagonal on one ``[8, W]`` block (``W >= rows + cols - 1``, whole
+        lanes), each row of the tile being that row rotated by its row index (a strided lane
+        roll). `fn` maps int32 distances to a 32-bit array of their shape."""
         rows, cols = shape
         width = -(-(rows + cols - 1) // LANES) * LANES
         j = jax.lax.broadcasted_iota(jnp.int32, (SUBLANES, width), 1)
         offset = jnp.where(j < cols, j, j - width)  # c - r of the pairs that lane j serves
-        values = self.table_tile(self.buckets.bucket(d0 + sign * offset), head, table_ref)
-        tile = jnp.broadcast_to(values[:1, :], (rows, width))
+        tile = jnp.broadcast_to(fn(d0 + sign * offset)[:1, :], (rows, width))
         return pltpu.roll(tile, 0, 1, stride=1, stride_axis=0)[:, :cols]
+
+    def table_toeplitz(self, table_ref, head, d0, shape, sign: int):
+        """``table[head, bucket(d)]`` on a tile (`diagonal_tile`)."""
+        return self.diagonal_tile(
+            lambda d: self.table_tile(self.buckets.bucket(d), head, table_ref), d0, shape, sign)
 
     def logits(self, s, batch, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None):
         """``(s, factor)``: the tile's logits from ``q . k`` (float32), and where `grad` and
