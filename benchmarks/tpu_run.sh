@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # PallasTpuBlockSparse on a TPU v5e chip: its tests compiled on the chip (float32 compared
 # at the highest matmul precision), then forward and forward+backward times beside
-# SplashBlockSparse (B=1, H=16, L=8192, D=128, bfloat16: causal, window 1024, 16 documents)
-# and with ALiBi, a 32-bucket T5 table and ALiBi as a ScoreFunction; a short table last.
+# SplashBlockSparse (B=1, H=16, L=8192 then 32768, D=128, bfloat16: causal, window 1024, 16
+# documents) and with ALiBi, a 32-bucket T5 table and ALiBi as a ScoreFunction; a short
+# table after each length.
 #
 # Run from the repository root with the folder .whl-tpu (equinox, jaxtyping, beartype,
 # wadler_lindig, platformdirs, tqdm, typing_extensions for Python 3.11) beside it:
@@ -33,8 +34,9 @@ print(jax.__version__, jax.devices(), flush=True)
 rc = pytest.main(["-p", "no:xdist", "-p", "no:cacheprovider", "-q", "--extended",
                   "tests/kernels/pallas_tpu"])
 print(f"tests: exit code {int(rc)} after {time.time() - start:.0f} s", flush=True)
-sys.argv = ["splash_tpu.py", "--skip-errors", "--skip-splash", "--pallas", "--reps", "10",
-            *sys.argv[1:]]
-runpy.run_path("benchmarks/splash_tpu.py", run_name="__main__")
+for extra in (["--reps", "10"], ["--length", "32768", "--reps", "5"]):
+    sys.argv = ["splash_tpu.py", "--skip-errors", "--skip-splash", "--pallas", *extra,
+                *sys.argv[1:]]
+    runpy.run_path("benchmarks/splash_tpu.py", run_name="__main__")
 print(f"total {time.time() - start:.0f} s", flush=True)
 PY
