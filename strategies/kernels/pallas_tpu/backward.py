@@ -21,8 +21,6 @@ from .config import LANES, SUBLANES
 from .forward import NN, NT, dot, named_refs, smem_specs
 
 
-
-
 def _total(x):
     """The sum of a tile as a ``[1, 1]`` array: over its rows first (adds of whole
     registers), then across the lanes of the one row left."""
@@ -35,9 +33,9 @@ def table_rows(num_buckets: int) -> int:
 
 
 def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool, far):
-    """``(dS, qp, kp, bucket)`` of a tile: the gradient of its logits before the score
-    function and the soft cap (that of ``softmax_scale * q . k``, the slopes' and the
-    table's terms alike), and the tile's positions and buckets for the terms' gradients."""
+    """``(P, dS, qp, kp)`` of a tile: its probabilities, the gradient of its logits before
+    the score function and the soft cap (that of ``softmax_scale * q . k``, the slopes' and
+    the table's terms alike), and its positions for the terms' gradients."""
     qi, ki, qp, kp, qs, ks = coords
     s, factor = math.logits(s, batch, head, qp, kp, r.get("slopes"), r.get("table"),
                             grad=True, far=far)
@@ -148,8 +146,9 @@ def _dkv_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visit
         dp = dot(v, do, NT)
         coords = tile_coords(s.shape, 1, qb * bq, n * bk, r)
         lse = r["lse"][:1, :]
+        far = math.far_tile(qb * bq, n * bk, bq, bk, q_rows=False)
         p, ds, _, _ = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse), dp,
-                          r["delta"][:1, :], masked, math.far_tile(qb * bq, n * bk, bq, bk, q_rows=False))
+                          r["delta"][:1, :], masked, far)
         dv_acc[...] += dot(p.astype(do.dtype), do, NN)
         dk = dot(ds.astype(q.dtype), q, NN)
         dk_acc[...] += dk * math.scale

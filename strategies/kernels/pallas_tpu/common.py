@@ -60,11 +60,11 @@ def visits(layout: BlockLayout, *, transposed: bool, rows: int) -> Visits:
     fc, fi, pc, pi = (xp.asarray(a).astype(np.int32) for a in (fc, fi, pc, pi))
     width = max(int((fc + pc).max()) if static and fc.size else fi.shape[-1], 1)
     count = (fc + pc)[..., None]
-    slot = xp.arange(width, dtype=np.int32)
+    slot = xp.broadcast_to(xp.arange(width, dtype=np.int32), fc.shape + (width,))
     in_full = slot < fc[..., None]
     take = lambda a, i: xp.take_along_axis(  # noqa: E731
         a, xp.clip(i, 0, a.shape[-1] - 1), axis=-1)
-    block = xp.where(in_full, take(fi, slot + 0 * count), take(pi, slot - fc[..., None]))
+    block = xp.where(in_full, take(fi, slot), take(pi, slot - fc[..., None]))
     last = take(block, count - 1)
     block = xp.where(slot < count, block, last)
     kind = xp.where(in_full, FULL, xp.where(slot < count, PARTIAL, SKIP)).astype(np.int32)
@@ -107,16 +107,12 @@ class TileMath:
     positions: bool = False  # per-call positions (else the token indices)
     segment_ids: bool = False
 
-    def has_factor(self) -> bool:
-        """Whether the logits' derivative in ``q . k`` is more than the scale."""
-        return self.function is not None or self.soft_cap is not None
-
     def far_tile(self, q_start, k_start, num_q: int, num_k: int, *, q_rows: bool = True):
         """Where positions are the token indices, ``(ahead, behind, d0, sign)`` of a tile
         (queries `q_start` ..., keys `k_start` ...; along its rows where `q_rows`): scalar
         booleans saying that every pair lies in the table's last bucket ahead / behind
         (`RelativeBuckets.far_buckets`), whose entry is then one scalar, and the distance of
-        pair ``(r, c)``, ``d0 + sign * (c - r)`` (`table_toeplitz`). ``None`` without a
+        pair ``(r, c)``, ``d0 + sign * (c - r)`` (`diagonal_tile`). ``None`` without a
         table or with per-call positions."""
         if self.buckets is None or self.positions:
             return None
@@ -144,10 +140,10 @@ class TileMath:
             lambda d: self.table_tile(self.buckets.bucket(d), head, table_ref), d0, shape, sign)
 
     def logits(self, s, batch, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None):
-        """``(s, factor)``: the tile's logits from ``q . k`` (float32), and where `grad` and
-        `has_factor` the derivative of the terms after the table and of the soft cap
-        (``None`` otherwise). `batch`, `head` are the tile's indices (int32 scalars); `qp`,
-        `kp` int32 tiles of `s`'s shape; `far` is the tile's `far_tile`."""
+        """``(s, factor)``: the tile's logits from ``q . k`` (float32), and where `grad` the
+        derivative of the score function and of the soft cap (``None`` without either).
+        `batch`, `head` are the tile's indices (int32 scalars); `qp`, `kp` int32 tiles of
+        `s`'s shape; `far` is the tile's `far_tile`."""
         s = s * self.scale if self.scale != 1.0 else s
         if self.slopes:
             s = s + slopes_ref[head] * (kp - qp).astype(jnp.float32)

@@ -235,7 +235,8 @@ def _attend_bwd(static, res, cotangents):
     do = do.astype(q.dtype)
     _, dq_visits, dkv_visits = _with_lists(static, arrays)
     column = lambda x: jnp.broadcast_to(x[..., None], x.shape + (LANES,))  # noqa: E731
-    row = lambda x: jnp.broadcast_to(x[..., None, :], x.shape[:2] + (SUBLANES, x.shape[-1]))  # noqa: E731
+    row = lambda x: jnp.broadcast_to(  # noqa: E731
+        x[..., None, :], x.shape[:2] + (SUBLANES, x.shape[-1]))
     (bq, bk), m = static.bwd, static.math
     dq, dslopes, dtable = dq_call(q, k, v, do, column(lse), column(delta), tokens[0], slopes,
                                   table, dq_visits, math=m, bq=bq, bk=bk,
