@@ -1,7 +1,9 @@
-"""`SplashBlockSparse` on a TPU: the selector's choice and the error against the float32
-dense reference (forward and every gradient) per case, then forward and forward+backward
-speed against JAX's own Splash with its own mask at the same block sizes, and our speed at
-other block sizes.
+"""`SplashBlockSparse` and `PallasTpuBlockSparse` on a TPU: the selector's choice and the
+error against the float32 dense reference (forward and every gradient) per case, then forward
+and forward+backward speed against JAX's own Splash with its own mask at the same block sizes,
+and our speed at other block sizes; with ``--pallas``, the two kernels side by side without a
+score term (causal, window 1024, 16 documents) and `PallasTpuBlockSparse` with ALiBi, a
+32-bucket T5 table and ALiBi written as a `ScoreFunction`.
 
 Runs in one process (one program at a time can hold a TPU). On a CPU it runs too, with
 Splash interpreted (slow: pass a short ``--length``). TF/s count visible pairs only
@@ -10,10 +12,12 @@ Splash interpreted (slow: pass a short ``--length``). TF/s count visible pairs o
 ```
 python benchmarks/splash_tpu.py                               # errors, speed at L = 8192
 python benchmarks/splash_tpu.py --skip-errors --blocks 256 512 1024
+python benchmarks/splash_tpu.py --skip-errors --skip-splash --pallas    # the two kernels
 ```
 """
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -118,9 +122,90 @@ def speed(length: int, batch: int, heads: int, dim: int, reps: int, blocks=None)
                   flush=True)
 
 
+def alibi_function(heads: int):
+    """ALiBi written as a `ScoreFunction`: the standard slopes picked by the head id with
+    scalar selects (the function runs inside the kernel, where it cannot index an array it
+    closes over)."""
+    slopes = [float(x) for x in bsa.scores.alibi_slopes(heads)]
+
+    def alibi(s, head, q, k):
+        slope = functools.reduce(lambda acc, h: jnp.where(head == h, slopes[h], acc),
+                                 range(heads), jnp.float32(0.0))
+        return s + slope * (k - q).astype(jnp.float32)
+
+    return alibi
+
+
+def pallas_runs(length: int, heads: int):
+    """``(label, pattern, kernel, score)`` of each timed call: both kernels without a term on
+    each pattern, then `PallasTpuBlockSparse` with each score term on the causal mask."""
+    table = 0.1 * jax.random.normal(jax.random.key(1), (heads, 32))
+    runs = [(name, pattern_name, kernel, None)
+            for pattern_name in ("causal", "window", "document")
+            for name, kernel in (("splash", kernels.SplashBlockSparse()),
+                                 ("pallas_tpu", kernels.PallasTpuBlockSparse()))]
+    for label, score in (("alibi", bsa.scores.ALiBi()),
+                         ("t5 table 32", bsa.scores.RelativePositionBias(table)),
+                         ("alibi function", bsa.scores.ScoreFunction(alibi_function(heads)))):
+        runs.append((f"pallas_tpu + {label}", "causal", kernels.PallasTpuBlockSparse(), score))
+    return runs
+
+
+def pallas_speed(length: int, batch: int, heads: int, dim: int, reps: int) -> list[tuple]:
+    """Forward and forward+backward (of q, k, v) of each of `pallas_runs`, the heuristic's
+    blocks; prints a row per call as it goes and returns them."""
+    print("\n| call | pattern | selector picks | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    ks = jax.random.split(jax.random.key(length), 4)
+    q, k, v, do = (jax.random.normal(x, (batch, heads, length, dim), jnp.bfloat16) for x in ks)
+    rows = []
+    for label, name, kernel, score in pallas_runs(length, heads):
+        mask, data = pattern(name, length, window=1024)
+        data = {n: jnp.broadcast_to(jnp.asarray(x), (batch, length)) for n, x in data.items()}
+        seg = data.get("q_segment_ids")
+        flops = 4.0 * batch * heads * dim * visible_pairs(
+            mask, length, length, None if seg is None else seg[0])
+        picks = bsa.BlockSparseAttention(mask=mask, score=score).plan(q, k, v, **data).kernel.name
+        attn = bsa.BlockSparseAttention(mask=mask, score=score, kernel=kernel)
+        fn = lambda q, k, v, attn=attn, data=data: attn(q, k, v, **data)  # noqa: E731
+        fwd = jax.jit(fn)
+        bwd = jax.jit(lambda q, k, v, fn=fn: jax.vjp(fn, q, k, v)[1](do))
+        try:
+            f_ms = median_ms(fwd, (q, k, v), reps, warmup=1)
+            b_ms = median_ms(bwd, (q, k, v), reps, warmup=1)
+        except Exception as e:  # one failing call must not hide the others' times
+            print(f"| {label} | {name} | {picks} | failed: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200]} |", flush=True)
+            rows.append((label, name, picks, float("nan"), float("nan")))
+            continue
+        print(f"| {label} | {name} | {picks} | {f_ms:.2f} | {flops / f_ms / 1e9:.1f} | "
+              f"{b_ms:.2f} | {3.5 * flops / b_ms / 1e9:.1f} |", flush=True)
+        rows.append((label, name, picks, f_ms, b_ms))
+    return rows
+
+
+def summary(rows: list[tuple]) -> None:
+    """The short table: each call's times and its ratio to the same pattern's call without a
+    term by the same kernel (terms) or to Splash (no term)."""
+    base = {(label, name): (f, b) for label, name, _, f, b in rows}
+    print("\n| call | pattern | fwd ms | fwd+bwd ms | vs | fwd ratio | fwd+bwd ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, name, _, f, b in rows:
+        ref = "splash" if label == "pallas_tpu" else "pallas_tpu" if "+" in label else None
+        if ref is None:
+            print(f"| {label} | {name} | {f:.2f} | {b:.2f} | - | - | - |")
+            continue
+        rf, rb = base[(ref, name)]
+        print(f"| {label} | {name} | {f:.2f} | {b:.2f} | {ref} | {f / rf:.2f} | {b / rb:.2f} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--skip-errors", action="store_true")
+    p.add_argument("--skip-splash", action="store_true",
+                   help="skip the Splash-against-JAX's-Splash speed table")
+    p.add_argument("--pallas", action="store_true",
+                   help="time PallasTpuBlockSparse beside SplashBlockSparse, and with terms")
     p.add_argument("--length", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=16)
@@ -132,7 +217,10 @@ def main():
     print(jax.__version__, jax.devices(), flush=True)
     if not args.skip_errors:
         errors()
-    speed(args.length, args.batch, args.heads, args.dim, args.reps, args.blocks)
+    if not args.skip_splash:
+        speed(args.length, args.batch, args.heads, args.dim, args.reps, args.blocks)
+    if args.pallas:
+        summary(pallas_speed(args.length, args.batch, args.heads, args.dim, args.reps))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from ._typing import typechecked
 #: ejKernel's platform names that pick a device, not a kernel (``"auto"``: JAX's default).
 _DEVICE_ALIASES = {"auto": None, "cuda": "gpu"}
 #: Other names of kernels.
-_KERNEL_ALIASES = {"dense": "reference", "flash": "triton", "pallas": "splash"}
+_KERNEL_ALIASES = {"dense": "reference", "flash": "triton"}
 #: Tensor layout names for `qkv_layouts`: True when the sequence axis comes before the heads.
 _LAYOUT_NAMES = {"bhsd": False, "bhtd": False, "bshd": True, "bthd": True}
 _LAYOUTS_ACCEPTED = (
@@ -212,6 +212,10 @@ def _kernel_for(platform) -> tuple[AbstractKernel | None, str | None]:
         if device is not None:
             _check_present(device)
         return None, device
+    if platform == "pallas":
+        # The selector's pick on a TPU (SplashBlockSparse, else PallasTpuBlockSparse, which
+        # take what Splash declines); off a TPU the Pallas kernels run interpreted.
+        return None, "tpu"
     wanted = _KERNEL_ALIASES.get(platform, platform)
     for cls in registered_kernels():
         if cls.name == wanted:

@@ -333,18 +333,20 @@ def _marks(kernel_cls, runs: bool) -> list:
 #: The cases each kernel runs in the quick subset (``-m "not slow"``): the one that combines
 #: every feature, and a single query (the default CPU kernel: an element predicate instead,
 #: and a learned score term with GQA, sinks and a soft cap);
-#: cuDNN, which declines both, runs causal; Splash (interpreted on the CPU, seconds a case) a
-#: few of the features it takes. The rest are marked `slow`.
+#: cuDNN, which declines both, runs causal; Splash and PallasTpuBlockSparse (interpreted on the
+#: CPU, seconds a case) a few of the features they take. The rest are marked `slow`.
 QUICK_CASES = {"xla": {"everything", "predicate", "score_alibi_learned_gqa"},
                "cudnn": {"tiled_causal"},
-               "splash": {"window", "gqa_causal_sinks_s", "sinks_minus_inf"}}
+               "splash": {"window", "gqa_causal_sinks_s", "sinks_minus_inf"},
+               "pallas_tpu": {"score_alibi_learned_gqa", "segments_padded_lq_ne_lk",
+                              "score_relative_causal_positions"}}
 
 
 #: Kernels whose cases beyond the quick subset are the `extended` tier on the CPU: the dense
-#: reference, the gather kernel and Splash (interpreted here, seconds a case), since
-#: XlaBlockSparse, the default CPU kernel, runs every case in the default run. Off the CPU
+#: reference, the gather kernel, Splash and PallasTpuBlockSparse (interpreted here, seconds a
+#: case), since XlaBlockSparse, the default CPU kernel, runs every case in the default run. Off the CPU
 #: every kernel runs every case.
-EXTENDED_KERNELS = {"reference", "gather", "splash"}
+EXTENDED_KERNELS = {"reference", "gather", "splash", "pallas_tpu"}
 
 
 def _quick(cls, name: str) -> list:
@@ -639,6 +641,13 @@ _MOSAIC_RUNS = {"tiled_positions",
                 "tiled_cross_lengths", "tiled_fully_masked_rows", "tiled_explicit",
                 "tiled_explicit_dq", "tiled_explicit_documents", "tiled_score_alibi_window",
                 "tiled_score_alibi_everything"}
+#: Cases whose masks have no in-kernel terms shared by every head, or block tables the
+#: layouts do not hold at a TPU kernel's tiles.
+_NO_SHARED_TERMS = {"global_window", "dilated_window", "bigbird", "block_layout", "aligned_table",
+                    "predicate", "not_window", "per_head", "positions_edges_offsets",
+                    "score_function_per_head", "tiled_global", "tiled_dilated", "tiled_bigbird",
+                    "tiled_block_layout", "tiled_predicate", "tiled_per_head", "tiled_not_causal",
+                    "tiled_score_relative_bitmaps"}
 EXPECTED_DECLINES = {
     "mosaic": {(name, dtype) for name, case in CASES.items()
                for dtype in (case.dtypes or ("bfloat16",))
@@ -653,6 +662,11 @@ EXPECTED_DECLINES = {
                for dtype in (case.dtypes or ("float32",))
                if case.bias is not None or case.positions is not None or dtype == "float16"
                or case.score is not None},
+    # PallasTpuBlockSparse: no bias, no float16; masks need in-kernel terms shared by every
+    # head (block tables held by the layouts at its tiles).
+    "pallas_tpu": {(name, dtype) for name, case in CASES.items()
+                   for dtype in (case.dtypes or ("float32",))
+                   if case.bias is not None or dtype == "float16" or name in _NO_SHARED_TERMS},
     # Triton: ALiBi and the relative bias run in the kernel, a jnp score function does not.
     # (bfloat16 on a GPU, float32 in Triton's interpreter on the CPU.)
     # A union of terms with a dilation has no in-kernel terms, so it needs element bitmaps,
@@ -729,5 +743,5 @@ def test_plus_inf_and_nan_sinks_are_refused(kernel_cls, bad):
 
 def test_every_built_in_kernel_is_in_the_suite():
     names = {cls.name for cls in KERNELS}
-    assert {"reference", "xla", "triton", "cudnn", "splash", "mosaic"} <= names
+    assert {"reference", "xla", "triton", "cudnn", "splash", "mosaic", "pallas_tpu"} <= names
     assert "gather" in names  # the worked example of docs/custom_kernel.md

@@ -14,7 +14,8 @@ TILES = bsa.Tiling(block_q=16, block_kv=16)
 
 #: Kernels that decline this file's case (float32, D = 8, a bias), with where their
 #: log-sum-exp is tested instead.
-_OWN_TESTS = {"mosaic": "16-bit, D in {64, 128}, no bias: tests/kernels/mosaic/test_mosaic_gpu.py"}
+_OWN_TESTS = {"mosaic": "16-bit, D in {64, 128}, no bias: tests/kernels/mosaic/test_mosaic_gpu.py",
+              "pallas_tpu": "no bias: tests/kernels/pallas_tpu/test_pallas_tpu.py"}
 
 
 def _lse_kernels():

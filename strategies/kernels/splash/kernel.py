@@ -3,6 +3,7 @@
 from typing import ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 
 from eqx_bsattn.contract import (AbstractKernel, AbstractKernelConfig, Features, MaskReads,
@@ -93,7 +94,8 @@ class SplashBlockSparse(AbstractKernel):
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
-        interpret = features.platform != "tpu" if self.interpret is None else self.interpret
+        on_tpu = features.platform == "tpu" and jax.default_backend() == "tpu"
+        interpret = not on_tpu if self.interpret is None else self.interpret
         _, heads, q_len, dim = query.shape
         kv_len, value_dim = value.shape[2], value.shape[3]
         passes = tiling.blocks._asdict()

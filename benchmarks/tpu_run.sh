@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# PallasTpuBlockSparse on a TPU v5e chip: its tests compiled on the chip (float32 compared
+# at the highest matmul precision), then forward and forward+backward times beside
+# SplashBlockSparse (B=1, H=16, L=8192 then 32768, D=128, bfloat16: causal, window 1024, 16
+# documents) and with ALiBi, a 32-bucket T5 table and ALiBi as a ScoreFunction; a short
+# table after each length.
+#
+# Run from the repository root with the folder .whl-tpu (equinox, jaxtyping, beartype,
+# wadler_lindig, platformdirs, tqdm, typing_extensions for Python 3.11) beside it:
+#   bash benchmarks/tpu_run.sh            # extra arguments go to benchmarks/splash_tpu.py
+# It installs those wheels only (offline, into $TMPDIR/site, appended to PYTHONPATH so the
+# machine's JAX stays first), and runs everything in one process (one program at a time
+# can hold the chip). Logs go to $OUT (default ./tpu_out).
+set -u
+OUT=${OUT:-$PWD/tpu_out}
+SITE=${SITE:-${TMPDIR:-/tmp}/site}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target "$SITE" .whl-tpu/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$SITE:$PWD
+# The package maps the top-level strategies/ folder to eqx_bsattn.strategies; without an
+# install, a link inside the package does the same.
+[ -e eqx_bsattn/strategies ] || ln -s ../strategies eqx_bsattn/strategies
+python3 - "$@" 2>&1 <<'PY' | tee "$OUT/tpu_run.log"
+import runpy
+import sys
+import time
+
+import jax
+import pytest
+
+start = time.time()
+print(jax.__version__, jax.devices(), flush=True)
+rc = pytest.main(["-p", "no:xdist", "-p", "no:cacheprovider", "-q", "--extended",
+                  "tests/kernels/pallas_tpu"])
+print(f"tests: exit code {int(rc)} after {time.time() - start:.0f} s", flush=True)
+for extra in (["--reps", "10"], ["--length", "32768", "--reps", "5"]):
+    sys.argv = ["splash_tpu.py", "--skip-errors", "--skip-splash", "--pallas", *extra,
+                *sys.argv[1:]]
+    runpy.run_path("benchmarks/splash_tpu.py", run_name="__main__")
+print(f"total {time.time() - start:.0f} s", flush=True)
+PY

@@ -1,0 +1,280 @@
+"""The two backward kernels, each gradient block written by one grid row in a fixed order
+(deterministic, no atomics):
+
+- dq: for each (batch, head, q-block) the dq layout's visit list, as the forward; it also
+  sums, per (batch, head, q-block), the gradients of the ALiBi slopes and of the table's
+  buckets into rows of a float32 output that XLA adds up after it;
+- dk/dv: for each (batch, kv head, kv-block) the transposed lists of the kv-block, for each
+  query head of the kv head's group in turn (K / V are never repeated for GQA); its tiles are
+  ``[keys, queries]``, so the log-sum-exp and the row term arrive as rows.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .common import FULL, PARTIAL, TileMath, Visits, lanes, tile_coords
+from .config import LANES, SUBLANES
+from .forward import NN, NT, dot, named_refs, smem_specs
+
+
+def _total(x):
+    """The sum of a tile as a ``[1, 1]`` array: over its rows first (adds of whole
+    registers), then across the lanes of the one row left."""
+    return jnp.sum(jnp.sum(x, axis=0, keepdims=True), axis=1, keepdims=True)
+
+
+def table_rows(num_buckets: int) -> int:
+    """Rows of one table-gradient block: the buckets, rounded up to whole sublanes."""
+    return -(-num_buckets // SUBLANES) * SUBLANES
+
+
+def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool, far):
+    """``(P, dS, qp, kp)`` of a tile: its probabilities, the gradient of its logits before
+    the score function and the soft cap (that of ``softmax_scale * q . k``, the slopes' and
+    the table's terms alike), and its positions for the terms' gradients."""
+    qi, ki, qp, kp, qs, ks = coords
+    s, factor = math.logits(s, batch, head, qp, kp, r.get("slopes"), r.get("table"),
+                            grad=True, far=far)
+    visible = math.visible(qi, ki, qp, kp, qs, ks) if masked else None
+    if visible is not None:
+        s = jnp.where(visible, s, -jnp.inf)
+    p = p_of(s)
+    ds = p * (dp - delta)
+    if factor is not None:
+        ds = ds * factor
+    if visible is not None:  # a factor may be NaN where the logit is -inf
+        ds = jnp.where(visible, ds, 0.0)
+    return p, ds, qp, kp
+
+
+def _table_grad(math: TileMath, dtable_ref, ds, qp, kp, far):
+    """Add a tile's share of the table's gradient to its ``[rows, 128]`` block (bucket
+    ``n``'s in row ``n``, every lane): the sum of dS over the tile's pairs in each bucket;
+    one sum for a tile that lies in a far bucket (`TileMath.far_tile`); the buckets of a
+    near tile by diagonals where positions are the token indices."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, dtable_ref.shape, 0)
+
+    def near():
+        if far is None:
+            bucket = math.buckets.bucket(qp - kp)
+        else:
+            bucket = math.diagonal_tile(math.buckets.bucket, far[2], ds.shape, far[3])
+        acc = jnp.zeros(dtable_ref.shape, jnp.float32)
+        for n in range(math.buckets.num_buckets):
+            acc = jnp.where(rows == n, _total(jnp.where(bucket == n, ds, 0.0)), acc)
+        dtable_ref[...] += acc
+
+    if far is None:
+        near()
+        return
+    (_, ahead), (_, behind) = math.buckets.far_buckets()
+    ahead_far, behind_far = far[:2]
+    add = lambda n: dtable_ref.__setitem__(  # noqa: E731
+        Ellipsis, dtable_ref[...] + jnp.where(rows == n, _total(ds), 0.0))
+    pl.when(ahead_far)(lambda: add(ahead))
+    pl.when(jnp.logical_and(jnp.logical_not(ahead_far), behind_far))(lambda: add(behind))
+    pl.when(jnp.logical_not(jnp.logical_or(ahead_far, behind_far)))(near)
+
+
+def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits, bq: int,
+               bk: int):
+    n_in = len(names)
+    r = named_refs(names, refs[:n_in])
+    outs = list(refs[n_in:])
+    dq_ref = outs.pop(0)
+    dslopes_ref = outs.pop(0) if math.slopes else None
+    dtable_ref = outs.pop(0) if math.buckets is not None else None
+    (acc_ref,) = outs
+    b, h, i, j = (pl.program_id(a) for a in range(4))
+    at = visits.at(b, h, i, j)
+    kind, kv = kind_ref[at], block_ref[at]
+
+    @pl.when(j == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        for ref in (dslopes_ref, dtable_ref):
+            if ref is not None:
+                ref[...] = jnp.zeros(ref.shape, jnp.float32)
+
+    def step(masked: bool):
+        q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+        s = dot(q, k, NT)
+        dp = dot(do, v, NT)
+        coords = tile_coords(s.shape, 0, i * bq, kv * bk, r)
+        far = math.far_tile(i * bq, kv * bk, bq, bk)
+        lse = lanes(r["lse"][...], bk)
+        _, ds, qp, kp = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse), dp,
+                            lanes(r["delta"][...], bk), masked, far)
+        dq = dot(ds.astype(k.dtype), k, NN)
+        acc_ref[...] += dq * math.scale
+        if dslopes_ref is not None:
+            part = _total(ds * (kp - qp).astype(jnp.float32))
+            dslopes_ref[...] += jnp.broadcast_to(part, dslopes_ref.shape)
+        if dtable_ref is not None:
+            _table_grad(math, dtable_ref, ds, qp, kp, far)
+
+    pl.when(kind == FULL)(lambda: step(False))
+    pl.when(kind == PARTIAL)(lambda: step(True))
+
+    @pl.when(j == visits.width - 1)
+    def _end():
+        dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
+
+
+def _dkv_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits, bq: int,
+                bk: int, group: int):
+    n_in = len(names)
+    r = named_refs(names, refs[:n_in])
+    dk_ref, dv_ref, dk_acc, dv_acc = refs[n_in:]
+    b, hk, n, t = (pl.program_id(a) for a in range(4))
+    h = hk * group + t // visits.width
+    at = visits.at(b, h, n, t % visits.width)
+    kind, qb = kind_ref[at], block_ref[at]
+
+    @pl.when(t == 0)
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    def step(masked: bool):
+        q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+        s = dot(k, q, NT)  # [bk, bq]
+        dp = dot(v, do, NT)
+        coords = tile_coords(s.shape, 1, qb * bq, n * bk, r)
+        lse = r["lse"][:1, :]
+        far = math.far_tile(qb * bq, n * bk, bq, bk, q_rows=False)
+        p, ds, _, _ = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse), dp,
+                          r["delta"][:1, :], masked, far)
+        dv_acc[...] += dot(p.astype(do.dtype), do, NN)
+        dk = dot(ds.astype(q.dtype), q, NN)
+        dk_acc[...] += dk * math.scale
+
+    pl.when(kind == FULL)(lambda: step(False))
+    pl.when(kind == PARTIAL)(lambda: step(True))
+
+    @pl.when(t == group * visits.width - 1)
+    def _end():
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _token_specs(tokens: dict, q_spec, kv_spec):
+    """The per-token inputs in name order with their specs (query-side or key-side)."""
+    names = sorted(tokens)
+    return ([tokens[n] for n in names], [q_spec(tokens[n]) if n.startswith("q")
+                                         else kv_spec(tokens[n]) for n in names], names)
+
+
+_PARAMS = pltpu.CompilerParams(
+    dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+
+
+def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits, *,
+            math: TileMath, bq: int, bk: int, interpret: bool):
+    """``(dq [B, H, Lq, D], dslopes [B, H, nq * 8, 128] | None, dtable [B, H, nq * rows, 128]
+    | None)`` on padded inputs; `lse`, `delta` ``[B, H, Lq, 128]`` (lane-broadcast). The
+    score arrays' gradients sit at element 0 of each lane row: one row per q-block for the
+    slopes, one per bucket for the table."""
+    batch, heads, lq, dim = q.shape
+    kv_heads, lk, dim_v = v.shape[1], v.shape[2], v.shape[3]
+    group = heads // kv_heads
+    vb = visits.static()
+    nq = lq // bq
+
+    def kv_map(b, h, i, j, block_ref, kind_ref):
+        return b, h // group, block_ref[vb.at(b, h, i, j)], 0
+
+    def kv_token_map(b, h, i, j, block_ref, kind_ref):
+        return b, 0, block_ref[vb.at(b, h, i, j)]
+
+    row = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, None, bq, width), lambda b, h, i, j, *_: (b, h, i, 0))
+    toks, tok_specs, tok_names = _token_specs(
+        tokens, lambda x: pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
+        lambda x: pl.BlockSpec((None, x.shape[1], bk), kv_token_map))
+    more, more_specs, more_names = smem_specs(math, slopes, table)
+    arrays = [q, k, v, do, lse, delta, *toks, *more]
+    specs = [row(dim), pl.BlockSpec((None, None, bk, dim), kv_map),
+             pl.BlockSpec((None, None, bk, dim_v), kv_map), row(dim_v), row(LANES),
+             row(LANES), *tok_specs, *more_specs]
+    names = ("q", "k", "v", "do", "lse", "delta", *tok_names, *more_names)
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_specs = [row(dim)]
+    for on, rows in ((math.slopes, SUBLANES), (math.buckets is not None,
+                                               table_rows(math.buckets.num_buckets)
+                                               if math.buckets is not None else 0)):
+        if on:
+            out_shape.append(jax.ShapeDtypeStruct((batch, heads, nq * rows, LANES),
+                                                  jnp.float32))
+            out_specs.append(pl.BlockSpec((None, None, rows, LANES),
+                                          lambda b, h, i, j, *_: (b, h, i, 0)))
+    kernel = functools.partial(_dq_kernel, names=names, math=math, visits=vb, bq=bq, bk=bk)
+    outs = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(batch, heads, nq, vb.width), in_specs=specs,
+            out_specs=out_specs, scratch_shapes=[pltpu.VMEM((bq, dim), jnp.float32)]),
+        out_shape=out_shape, compiler_params=_PARAMS, interpret=interpret,
+        name="pallas_tpu_dq",
+    )(visits.block, visits.kind, *arrays)
+    outs = list(outs)
+    dq = outs.pop(0)
+    dslopes = outs.pop(0) if math.slopes else None
+    dtable = outs.pop(0) if math.buckets is not None else None
+    return dq, dslopes, dtable
+
+
+def dkv_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits, *,
+             math: TileMath, bq: int, bk: int, interpret: bool):
+    """``(dk [B, Hkv, Lk, D], dv [B, Hkv, Lk, Dv])`` on padded inputs; `lse`, `delta`
+    ``[B, H, 8, Lq]`` (sublane-broadcast rows); `visits` the transposed lists."""
+    batch, heads, lq, dim = q.shape
+    kv_heads, lk, dim_v = v.shape[1], v.shape[2], v.shape[3]
+    group = heads // kv_heads
+    vb = visits.static()
+    width = vb.width
+
+    def head(hk, t):
+        return hk * group + t // width
+
+    def q_map(b, hk, n, t, block_ref, kind_ref):
+        h = head(hk, t)
+        return b, h, block_ref[vb.at(b, h, n, t % width)], 0
+
+    def q_row_map(b, hk, n, t, block_ref, kind_ref):
+        h = head(hk, t)
+        return b, h, 0, block_ref[vb.at(b, h, n, t % width)]
+
+    def q_token_map(b, hk, n, t, block_ref, kind_ref):
+        h = head(hk, t)
+        return b, 0, block_ref[vb.at(b, h, n, t % width)]
+
+    kv_spec = lambda width_: pl.BlockSpec(  # noqa: E731
+        (None, None, bk, width_), lambda b, hk, n, t, *_: (b, hk, n, 0))
+    toks, tok_specs, tok_names = _token_specs(
+        tokens, lambda x: pl.BlockSpec((None, x.shape[1], bq), q_token_map),
+        lambda x: pl.BlockSpec((None, bk, LANES), lambda b, hk, n, t, *_: (b, n, 0)))
+    more, more_specs, more_names = smem_specs(math, slopes, table)
+    arrays = [q, k, v, do, lse, delta, *toks, *more]
+    specs = [pl.BlockSpec((None, None, bq, dim), q_map), kv_spec(dim), kv_spec(dim_v),
+             pl.BlockSpec((None, None, bq, dim_v), q_map),
+             pl.BlockSpec((None, None, SUBLANES, bq), q_row_map),
+             pl.BlockSpec((None, None, SUBLANES, bq), q_row_map), *tok_specs, *more_specs]
+    names = ("q", "k", "v", "do", "lse", "delta", *tok_names, *more_names)
+    kernel = functools.partial(_dkv_kernel, names=names, math=math, visits=vb, bq=bq, bk=bk,
+                               group=group)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(batch, kv_heads, lk // bk, group * width),
+            in_specs=specs, out_specs=[kv_spec(dim), kv_spec(dim_v)],
+            scratch_shapes=[pltpu.VMEM((bk, dim), jnp.float32),
+                            pltpu.VMEM((bk, dim_v), jnp.float32)]),
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=_PARAMS, interpret=interpret, name="pallas_tpu_dkv",
+    )(visits.block, visits.kind, *arrays)

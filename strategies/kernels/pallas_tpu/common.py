@@ -1,0 +1,251 @@
+"""What the forward and both backward kernels share: the visit lists they prefetch into
+scalar memory, and the logits of one tile (score terms, soft cap, mask terms) evaluated on
+its coordinates inside the kernel body."""
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+from eqx_bsattn.contract import BlockLayout, MaskTerms, pad_axis
+
+from .config import LANES, SUBLANES
+
+#: Each slot of a visit list: skipped, a block whose mask is evaluated, a block seen whole.
+SKIP, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Visits:
+    """One pass's visit lists, flattened for scalar memory: for row ``r`` (a q-block, or a
+    kv-block in the dk/dv pass) of batch ``b`` and head ``h`` (each 1 where the layout has
+    no such axis), slot ``s`` sits at ``((b * mh + h) * rows + r) * width + s``.
+
+    `block` holds the block of the other side each slot visits and `kind` its class (`FULL`,
+    `PARTIAL`, `SKIP`). Slots past a row's list repeat its last block, so the pipeline
+    fetches nothing new for them.
+    """
+
+    block: Any  # int32 [mb * mh * rows * width]
+    kind: Any
+    mb: int
+    mh: int
+    rows: int
+    width: int
+
+    def at(self, b, h, row, slot):
+        """The flat index of a slot (traced scalars; `b`, `h` the call's batch and head)."""
+        b = b if self.mb > 1 else 0
+        h = h if self.mh > 1 else 0
+        return ((b * self.mh + h) * self.rows + row) * self.width + slot
+
+    def static(self) -> "Visits":
+        """The lists' shape alone, for a kernel body (which reads the lists from its refs)."""
+        return dataclasses.replace(self, block=None, kind=None)
+
+
+def visits(layout: BlockLayout, *, transposed: bool, rows: int) -> Visits:
+    """The visit lists of `layout` (its transposed lists when `transposed`): FULL blocks
+    first, then PARTIAL ones, each row padded to `rows` rows (the extra ones are padding and
+    visit nothing). NumPy at trace time for a static layout (width: the longest list),
+    `jax.numpy` for one built from per-call data (width: its capacity)."""
+    prefix = "t_" if transposed else ""
+    names = ("full_count", "full_index", "partial_count", "partial_index")
+    fc, fi, pc, pi = (getattr(layout, prefix + n) for n in names)
+    static = layout.is_static and not isinstance(fc, jax.core.Tracer)
+    xp = np if static else jnp
+    fc, fi, pc, pi = (xp.asarray(a).astype(np.int32) for a in (fc, fi, pc, pi))
+    width = max(int((fc + pc).max()) if static and fc.size else fi.shape[-1], 1)
+    count = (fc + pc)[..., None]
+    slot = xp.broadcast_to(xp.arange(width, dtype=np.int32), fc.shape + (width,))
+    in_full = slot < fc[..., None]
+    take = lambda a, i: xp.take_along_axis(  # noqa: E731
+        a, xp.clip(i, 0, a.shape[-1] - 1), axis=-1)
+    block = xp.where(in_full, take(fi, slot), take(pi, slot - fc[..., None]))
+    last = take(block, count - 1)
+    block = xp.where(slot < count, block, last)
+    kind = xp.where(in_full, FULL, xp.where(slot < count, PARTIAL, SKIP)).astype(np.int32)
+    block, kind = (pad_axis(a, 2, rows) for a in (block, kind))
+    mb, mh = block.shape[:2]
+    return Visits(block.reshape(-1), kind.reshape(-1), mb, mh, rows, width)
+
+
+def as_column(x, length: int, value):
+    """``[B, L]`` per-token ints as ``[B, length, 128]`` (each token's value across the
+    lanes): a tile's rows read them as a column."""
+    x = pad_axis(x.astype(jnp.int32), 1, length, value)
+    return jnp.broadcast_to(x[:, :, None], x.shape + (LANES,))
+
+
+def as_row(x, length: int, value):
+    """``[B, L]`` per-token ints as ``[B, 8, length]``: a tile's columns read them as a
+    row."""
+    x = pad_axis(x.astype(jnp.int32), 1, length, value)
+    return jnp.broadcast_to(x[:, None, :], (x.shape[0], SUBLANES, x.shape[1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class TileMath:
+    """The static part of a call's logits, evaluated per tile inside the kernels.
+
+    A tile's logits are ``softmax_scale * q . k``, then the score terms (ALiBi slopes, the
+    relative-position table, the score function, in that order), then the soft cap; in a
+    PARTIAL block the mask terms (and ``k < kv_len``) hide pairs. Hashable: kernels take it
+    as a static argument.
+    """
+
+    terms: MaskTerms | None
+    kv_len: int
+    scale: float
+    soft_cap: float | None
+    slopes: bool = False
+    buckets: Any = None  # RelativeBuckets, with a table
+    function: Callable | None = None  # a ScoreTerm without params
+    positions: bool = False  # per-call positions (else the token indices)
+    segment_ids: bool = False
+
+    def far_tile(self, q_start, k_start, num_q: int, num_k: int, *, q_rows: bool = True):
+        """Where positions are the token indices, ``(ahead, behind, d0, sign)`` of a tile
+        (queries `q_start` ..., keys `k_start` ...; along its rows where `q_rows`): scalar
+        booleans saying that every pair lies in the table's last bucket ahead / behind
+        (`RelativeBuckets.far_buckets`), whose entry is then one scalar, and the distance of
+        pair ``(r, c)``, ``d0 + sign * (c - r)`` (`diagonal_tile`). ``None`` without a
+        table or with per-call positions."""
+        if self.buckets is None or self.positions:
+            return None
+        (gap_ahead, _), (gap_behind, _) = self.buckets.far_buckets()
+        d_min = q_start - (k_start + num_k - 1)
+        d_max = q_start + num_q - 1 - k_start
+        return d_min >= gap_ahead, d_max <= -gap_behind, q_start - k_start, -1 if q_rows else 1
+
+    def diagonal_tile(self, fn, d0, shape, sign: int):
+        """``fn(d)`` on a tile whose pairs have ``d = d0 + sign * (c - r)`` (row ``r``, column
+        ``c``; positions are the token indices, so ``fn(d)`` is constant along each diagonal):
+        formed once per diagonal on one ``[8, W]`` block (``W >= rows + cols - 1``, whole
+        lanes), each row of the tile being that row rotated by its row index (a strided lane
+        roll). `fn` maps int32 distances to a 32-bit array of their shape."""
+        rows, cols = shape
+        width = -(-(rows + cols - 1) // LANES) * LANES
+        j = jax.lax.broadcasted_iota(jnp.int32, (SUBLANES, width), 1)
+        offset = jnp.where(j < cols, j, j - width)  # c - r of the pairs that lane j serves
+        tile = jnp.broadcast_to(fn(d0 + sign * offset)[:1, :], (rows, width))
+        return pltpu.roll(tile, 0, 1, stride=1, stride_axis=0)[:, :cols]
+
+    def table_toeplitz(self, table_ref, head, d0, shape, sign: int):
+        """``table[head, bucket(d)]`` on a tile (`diagonal_tile`)."""
+        return self.diagonal_tile(
+            lambda d: self.table_tile(self.buckets.bucket(d), head, table_ref), d0, shape, sign)
+
+    def logits(self, s, batch, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None):
+        """``(s, factor)``: the tile's logits from ``q . k`` (float32), and where `grad` the
+        derivative of the score function and of the soft cap (``None`` without either).
+        `batch`, `head` are the tile's indices (int32 scalars); `qp`, `kp` int32 tiles of
+        `s`'s shape; `far` is the tile's `far_tile`."""
+        s = s * self.scale if self.scale != 1.0 else s
+        if self.slopes:
+            s = s + slopes_ref[head] * (kp - qp).astype(jnp.float32)
+        if self.buckets is not None:
+            base = s
+            if far is None:
+                s = base + self.table_tile(self.buckets.bucket(qp - kp), head, table_ref)
+            else:
+                ahead_far, behind_far, d0, sign = far
+                near = lambda: base + self.table_toeplitz(  # noqa: E731
+                    table_ref, head, d0, s.shape, sign)
+                (_, ahead), (_, behind) = self.buckets.far_buckets()
+                s = jax.lax.cond(ahead_far, lambda: base + table_ref[head, ahead], lambda: (
+                    jax.lax.cond(behind_far, lambda: base + table_ref[head, behind], near)))
+        factor = None
+        if self.function is not None:
+            fn = lambda x: self.function(x, batch, head, qp, kp, None)  # noqa: E731
+            if grad:
+                s, factor = jax.jvp(fn, (s,), (jnp.ones_like(s),))
+            else:
+                s = fn(s)
+        if self.soft_cap is not None:
+            t = jnp.tanh(s * (1.0 / self.soft_cap))
+            s = self.soft_cap * t
+            if grad:
+                cap = 1.0 - t * t
+                factor = cap if factor is None else factor * cap
+        return s, factor
+
+    def table_tile(self, bucket, head, table_ref):
+        """``table[head, bucket]`` on a tile of bucket ids, one select per bucket (a vector
+        gather from scalar memory does not lower)."""
+        out = jnp.zeros(bucket.shape, jnp.float32)
+        for n in range(self.buckets.num_buckets):
+            out = jnp.where(bucket == n, table_ref[head, n], out)
+        return out
+
+    def visible(self, qi, ki, qp, kp, qs, ks):
+        """The mask terms on a tile: token indices `qi`, `ki` (keys past `kv_len` hidden),
+        positions `qp`, `kp`, segment ids `qs`, `ks` (``None`` without)."""
+        ok = ki < self.kv_len
+        t = self.terms
+        if t is None:
+            return ok
+        d = kp - qp  # positions are within 2**30: no overflow
+        if t.causal_offset is not None:
+            ok &= d <= t.causal_offset
+        if t.window_left is not None:
+            ok &= -d <= t.window_left
+        if t.window_right is not None:
+            ok &= d <= t.window_right
+        if t.chunk is not None:
+            ok &= jnp.floor_divide(qp, t.chunk) == jnp.floor_divide(kp, t.chunk)
+        if t.prefix is not None:
+            ok &= (kp < t.prefix) | (d <= 0)
+        if t.segment_ids:
+            ok &= (qs == ks) & (qs >= 0)
+        return ok
+
+
+def lanes(x, width: int):
+    """A ``[rows, 128]`` value whose lanes are equal (a per-row value) widened or narrowed to
+    ``[rows, width]`` in the forms Mosaic lowers: whole lane tiles repeated, or a slice."""
+    if width % x.shape[1] == 0:
+        return jnp.tile(x, (1, width // x.shape[1])) if width != x.shape[1] else x
+    if width < x.shape[1]:
+        return x[:, :width]
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))  # interpreted odd tiles only
+
+
+def _side(ref, axis: int, shape):
+    """A per-token block (`as_column` when the tokens run along the tile's rows, ``axis``
+    0; `as_row` along its columns) broadcast to the tile."""
+    if axis == 0:
+        return lanes(ref[...], shape[1])
+    return jnp.broadcast_to(ref[:1, :], shape)
+
+
+def tile_coords(shape, q_axis: int, q_start, k_start, refs: dict):
+    """``(qi, ki, qp, kp, qs, ks)`` int32 tiles of `shape`: token indices, positions (the
+    indices without per-call ones) and segment ids (``None`` without) of the queries along
+    `q_axis` and the keys along the other axis. `refs` holds the blocks of the per-token
+    inputs that the call has (``q_pos``, ``kv_pos``, ``q_seg``, ``kv_seg``)."""
+    k_axis = 1 - q_axis
+    qi = jax.lax.broadcasted_iota(jnp.int32, shape, q_axis) + q_start
+    ki = jax.lax.broadcasted_iota(jnp.int32, shape, k_axis) + k_start
+    read = lambda name, axis, default: (  # noqa: E731
+        _side(refs[name], axis, shape) if name in refs else default)
+    return (qi, ki, read("q_pos", q_axis, qi), read("kv_pos", k_axis, ki),
+            read("q_seg", q_axis, None), read("kv_seg", k_axis, None))
+
+
+def token_inputs(inputs, math: TileMath, lq: int, lk: int, *, q_rows: bool) -> dict:
+    """The per-token inputs the kernels read, by name, laid out for a pass whose tiles have
+    the queries along their rows (`q_rows`: forward, dq) or the keys (dk/dv). Padding tokens
+    get segment ids that match nothing (-1 queries, -2 keys)."""
+    out = {}
+    q_side, k_side = (as_column, as_row) if q_rows else (as_row, as_column)
+    if math.positions:
+        out["q_pos"] = q_side(inputs.q_positions, lq, 0)
+        out["kv_pos"] = k_side(inputs.kv_positions, lk, 0)
+    if math.segment_ids:
+        out["q_seg"] = q_side(inputs.q_segment_ids, lq, -1)
+        out["kv_seg"] = k_side(inputs.kv_segment_ids, lk, -2)
+    return out

@@ -1,0 +1,145 @@
+"""The forward kernel: for each (batch, head, q-block) it walks the q-block's visit list
+(FULL then PARTIAL kv-blocks, prefetched into scalar memory and read by the K / V index maps,
+so blocks the mask leaves empty are never fetched) with an online softmax in float32 scratch,
+and writes the output and each row's log-sum-exp."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .common import FULL, PARTIAL, TileMath, Visits, lanes, tile_coords
+from .config import LANES
+
+#: ``a . b^T`` (both operands' last axis contracted) and ``a . b``.
+NT = (((1,), (1,)), ((), ()))
+NN = (((1,), (0,)), ((), ()))
+
+
+def dot(a, b, dims):
+    """A float32-accumulated tile product; float32 operands at full precision (16-bit ones
+    run at the MXU's native precision)."""
+    full = a.dtype == jnp.float32 and b.dtype == jnp.float32
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32,
+                               precision=jax.lax.Precision.HIGHEST if full else None)
+
+
+def named_refs(names, refs):
+    """The kernel's input refs by name (`names` in the order the inputs were given)."""
+    return dict(zip(names, refs))
+
+
+def smem_specs(math: TileMath, slopes, table):
+    """The score arrays the call has, with their whole-array scalar-memory specs."""
+    arrays, specs, names = [], [], []
+    for name, x, on in (("slopes", slopes, math.slopes), ("table", table,
+                                                         math.buckets is not None)):
+        if on:
+            arrays.append(x.astype(jnp.float32))
+            specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+            names.append(name)
+    return arrays, specs, names
+
+
+def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits,
+                    bq: int, bk: int):
+    n_in = len(names)
+    r = named_refs(names, refs[:n_in])
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[n_in:]
+    b, h, i, j = (pl.program_id(a) for a in range(4))
+    at = visits.at(b, h, i, j)
+    kind, kv = kind_ref[at], block_ref[at]
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def step(masked: bool):
+        q, k, v = r["q"][...], r["k"][...], r["v"][...]
+        s = dot(q, k, NT)
+        qi, ki, qp, kp, qs, ks = tile_coords(s.shape, 0, i * bq, kv * bk, r)
+        far = math.far_tile(i * bq, kv * bk, bq, bk)
+        s, _ = math.logits(s, b, h, qp, kp, r.get("slopes"), r.get("table"), grad=False,
+                           far=far)
+        if masked:
+            s = jnp.where(math.visible(qi, ki, qp, kp, qs, ks), s, -jnp.inf)
+        m_prev = m_ref[...]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        # A row that has seen no logit yet keeps m = -inf: shift it by 0 instead.
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        p = jnp.exp(s - lanes(m_safe, s.shape[1]))
+        alpha = jnp.exp(m_prev - m_safe)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        m_ref[...] = m_next
+        pv = dot(p.astype(v.dtype), v, NN)
+        acc_ref[...] = lanes(alpha, pv.shape[1]) * acc_ref[...] + pv
+
+    pl.when(kind == FULL)(lambda: step(False))
+    pl.when(kind == PARTIAL)(lambda: step(True))
+
+    @pl.when(j == visits.width - 1)
+    def _end():
+        l, m = l_ref[...], m_ref[...]
+        empty = l == 0.0
+        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+        o_ref[...] = (acc_ref[...] * lanes(inv, o_ref.shape[-1])).astype(o_ref.dtype)
+        # +inf on a row that sees no key: the backward's exp(s - lse) is 0 there.
+        lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+
+
+def forward_call(q, k, v, tokens: dict, slopes, table, visits: Visits, *, math: TileMath,
+                 bq: int, bk: int, interpret: bool):
+    """``(out [B, H, Lq, Dv], lse [B, H, Lq, 128])`` on padded inputs: `lse` natural, +inf
+    on rows that see no key, broadcast across the lanes."""
+    batch, heads, lq, dim = q.shape
+    kv_heads, lk, dim_v = v.shape[1], v.shape[2], v.shape[3]
+    group = heads // kv_heads
+    vb = visits.static()
+
+    def kv_map(b, h, i, j, block_ref, kind_ref):
+        return b, h // group, block_ref[vb.at(b, h, i, j)], 0
+
+    def kv_token_map(b, h, i, j, block_ref, kind_ref):
+        return b, 0, block_ref[vb.at(b, h, i, j)]
+
+    arrays = [q, k, v]
+    specs = [pl.BlockSpec((None, None, bq, dim), lambda b, h, i, j, *_: (b, h, i, 0)),
+             pl.BlockSpec((None, None, bk, dim), kv_map),
+             pl.BlockSpec((None, None, bk, dim_v), kv_map)]
+    names = ["q", "k", "v"]
+    for name in sorted(tokens):
+        arrays.append(tokens[name])
+        names.append(name)
+        if name.startswith("q"):
+            specs.append(pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)))
+        else:
+            specs.append(pl.BlockSpec((None, tokens[name].shape[1], bk), kv_token_map))
+    more, more_specs, more_names = smem_specs(math, slopes, table)
+    arrays += more
+    specs += more_specs
+    names += more_names
+    row_spec = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, None, bq, width), lambda b, h, i, j, *_: (b, h, i, 0))
+    kernel = functools.partial(_forward_kernel, names=tuple(names), math=math, visits=vb,
+                               bq=bq, bk=bk)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, heads, lq // bq, vb.width),
+            in_specs=specs,
+            out_specs=[row_spec(dim_v), row_spec(LANES)],
+            scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
+                            pltpu.VMEM((bq, LANES), jnp.float32),
+                            pltpu.VMEM((bq, dim_v), jnp.float32)]),
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, lq, dim_v), q.dtype),
+                   jax.ShapeDtypeStruct((batch, heads, lq, LANES), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="pallas_tpu_forward",
+    )(visits.block, visits.kind, *arrays)

@@ -1,0 +1,259 @@
+"""`PallasTpuBlockSparse`: the kernel strategy; its forward is `forward.forward_call`, its
+backward `backward.dq_call` and `backward.dkv_call`, joined by a `jax.custom_vjp`."""
+
+import dataclasses
+import functools
+import math as pymath
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Features, MaskReads,
+                                  ResolvedMask, add_sinks, backward_delta, pad_axis, public_lse,
+                                  typed_like, zero_cotangent)
+
+from .backward import dkv_call, dq_call, table_rows
+from .common import TileMath, Visits, token_inputs, visits
+from .config import LANES, SUBLANES, PallasTpuConfig
+from .forward import forward_call
+
+_DTYPES = ("bfloat16", "float32")
+
+
+@functools.cache
+def _pallas_tpu_missing() -> str | None:
+    """Why Pallas' TPU backend cannot be imported here, or ``None``."""
+    try:
+        from jax.experimental import pallas as pl  # noqa: F401
+        from jax.experimental.pallas import tpu as pltpu
+    except Exception as e:  # ImportError, or a broken install
+        return f"Pallas TPU cannot be imported ({type(e).__name__}: {e})."
+    for name in ("PrefetchScalarGridSpec", "SMEM", "VMEM", "CompilerParams"):
+        if not hasattr(pltpu, name):
+            return f"this JAX's Pallas TPU has no `{name}`."
+    return None
+
+
+def _tpu_head_dim(dim: int) -> int:
+    """The head dim a TPU launch runs: 64 or whole lanes (zero-padded up)."""
+    return dim if dim == 64 or dim % LANES == 0 else -(-dim // LANES) * LANES
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What the custom VJP keeps static: the tiles' math, each pass's blocks and lists'
+    shapes, and whether to interpret."""
+
+    math: TileMath
+    fwd: tuple[int, int]
+    bwd: tuple[int, int]
+    lists: tuple[Visits, Visits, Visits]  # forward, dq, dk/dv (shapes only)
+    interpret: bool
+
+
+class PallasTpuBlockSparse(AbstractLseKernel):
+    """Block-sparse flash attention on TPU, written in Pallas (Mosaic TPU), forward and
+    backward; it evaluates score terms inside its kernels.
+
+    Each pass runs on a grid over (batch, head, block, slot): the block's visit list (FULL
+    then PARTIAL blocks of the compiled layout) is prefetched into scalar memory and read by
+    the K / V (or Q / dO) index maps, so blocks the mask leaves empty are never fetched.
+    Partial blocks evaluate the canonical mask terms (causal with an offset, a window,
+    chunks, a prefix, segment ids) on the call's positions. The score terms run in every
+    visited block: ALiBi slopes and the relative-position table from scalar memory (the table
+    through T5's bucket thresholds, one select per bucket), a `ScoreFunction` traced into
+    the kernel body; then the soft cap. The forward keeps an online softmax in float32
+    scratch and returns the log-sum-exp; sinks join after it (`add_sinks`).
+
+    The backward is a dq kernel over the dq layout and a dk/dv kernel over the transposed
+    lists, which walks every query head of a kv head's group (K / V are never repeated);
+    each gradient block is written by one grid row, in a fixed order, so results are
+    deterministic. The score function's derivative is `jax.jvp` of it on the tile; the
+    slopes' and the table's gradients are summed per (batch, head, q-block) by the dq kernel
+    and added up after it.
+
+    Features: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths, soft cap, sinks, segment
+    ids, per-call positions, fully masked rows (zeros), every score term. Declines: an
+    additive bias, float16, masks without in-kernel terms shared by every head (they need
+    element bitmaps, which it does not read yet). Its config is `PallasTpuConfig`.
+
+    Runs on a TPU, and anywhere in Pallas' interpret mode (`interpret`): its tests run it so
+    on the CPU. The selector picks it on a TPU below `SplashBlockSparse`, so it takes the
+    calls Splash declines (score terms, positions).
+
+    **Arguments:**
+
+    - `interpret`: run the kernels in Pallas' interpreter; ``None`` (default) interprets
+      everywhere but on a TPU.
+
+    ```python
+    attn = BlockSparseAttention(mask=mask, score=scores.ALiBi(),
+                                kernel=kernels.PallasTpuBlockSparse())
+    out = attn(q, k, v)          # q [B, H, L, D] on a TPU; interpreted elsewhere
+    ```
+    """
+
+    interpret: bool | None = eqx.field(default=None, static=True)
+
+    name: ClassVar[str] = "pallas_tpu"
+    platforms: ClassVar[tuple[str, ...]] = ("tpu", "cpu")
+    reads: ClassVar[MaskReads] = "terms"
+    score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "relative_bias", "function")
+    config_type: ClassVar[type[AbstractKernelConfig]] = PallasTpuConfig
+
+    @classmethod
+    def priority(cls, platform):
+        # Below SplashBlockSparse (20), above XlaBlockSparse (10) on a TPU: it takes what
+        # Splash declines. On the CPU only when asked for (it interprets).
+        return 15 if platform == "tpu" else None
+
+    def decline_reason(self, mask: ResolvedMask, features: Features) -> str | None:
+        missing = _pallas_tpu_missing()
+        if missing is not None:
+            return missing
+        if features.bias:
+            return "it has no additive bias."
+        if features.dtype not in _DTYPES:
+            return f"it runs bfloat16 or float32 inputs; got {features.dtype}."
+        terms = mask.terms
+        if terms is None:
+            return ("the mask has no in-kernel terms shared by every head (causal / window / "
+                    "chunk / prefix / document); this kernel reads no element bitmaps.")
+        if terms.tables:
+            tiles = list(self.adapt_tiling(self.default_tiling(features, mask),
+                                           features).blocks)
+            if features.positions or mask.kernel_terms(tiles) is None:
+                return ("the mask's block table is not held by the layouts at this kernel's "
+                        "tiles (or positions are per call); it has no in-kernel form.")
+        return None
+
+    def default_tiling(self, features: Features, mask: ResolvedMask) -> PallasTpuConfig:
+        return PallasTpuConfig.heuristic(features)
+
+    def adapt_tiling(self, tiling: AbstractKernelConfig, features: Features) -> PallasTpuConfig:
+        return PallasTpuConfig.of_blocks(tiling.blocks, features)
+
+    def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
+                 logits_soft_cap):
+        return self.attention_with_lse(
+            query, key, value, mask=mask, inputs=inputs, features=features, tiling=tiling,
+            softmax_scale=softmax_scale, logits_soft_cap=logits_soft_cap)[0]
+
+    def attention_with_lse(self, query, key, value, *, mask, inputs, features, tiling,
+                           softmax_scale, logits_soft_cap):
+        if mask.terms is None:
+            raise ValueError("PallasTpuBlockSparse needs in-kernel mask terms at these tiles; "
+                             "the compiled mask has none.")
+        if inputs.bias is not None:
+            raise ValueError("PallasTpuBlockSparse has no additive bias; got one.")
+        on_tpu = features.platform == "tpu" and jax.default_backend() == "tpu"
+        interpret = not on_tpu if self.interpret is None else self.interpret
+        _, _, q_len, dim = query.shape
+        kv_len, value_dim = value.shape[2], value.shape[3]
+        fwd, dq, dkv = (mask.forward, mask.dq, mask.dkv)
+        blocks = ((fwd.block_q, fwd.block_kv), (dq.block_q, dq.block_kv),
+                  (dkv.block_q, dkv.block_kv))
+        if blocks[1] != blocks[2]:
+            raise ValueError(f"PallasTpuBlockSparse runs the dq and dk/dv passes at one tile; "
+                             f"the compiled layouts have {blocks[1]} and {blocks[2]}.")
+        lq = _multiple(q_len, [bq for bq, _ in blocks])
+        lk = _multiple(kv_len, [bk for _, bk in blocks])
+        score = inputs.score
+        if score is not None and score.function is not None and score.function.takes_params:
+            raise ValueError(
+                f"PallasTpuBlockSparse does not read a score function's `params` (got "
+                f"{score.function.__name__} with params); pass kernel=kernels.XlaBlockSparse().")
+        math = TileMath(
+            terms=mask.terms, kv_len=kv_len, scale=float(softmax_scale),
+            soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+            slopes=score is not None and score.slopes is not None,
+            buckets=None if score is None or score.table is None else score.buckets,
+            function=None if score is None else score.function,
+            positions=inputs.q_positions is not None,
+            segment_ids=mask.terms.segment_ids)
+        lists = (visits(fwd, transposed=False, rows=lq // blocks[0][0]),
+                 visits(dq, transposed=False, rows=lq // blocks[1][0]),
+                 visits(dkv, transposed=True, rows=lk // blocks[2][1]))
+        static = _Static(math, blocks[0], blocks[1], tuple(x.static() for x in lists),
+                         interpret)
+        tokens = (token_inputs(inputs, math, lq, lk, q_rows=True),
+                  token_inputs(inputs, math, lq, lk, q_rows=False))
+        arrays = tuple(jnp.asarray(a, jnp.int32) for x in lists for a in (x.block, x.kind))
+        q, k, v = pad_axis(query, 2, lq), pad_axis(key, 2, lk), pad_axis(value, 2, lk)
+        if features.platform == "tpu":
+            q, k = pad_axis(q, 3, _tpu_head_dim(dim)), pad_axis(k, 3, _tpu_head_dim(dim))
+            v = pad_axis(v, 3, _tpu_head_dim(value_dim))
+        slopes = None if score is None else score.slopes
+        table = None if score is None else score.table
+        out, lse = _attend(static, q, k, v, slopes, table, tokens, arrays)
+        out, lse = out[:, :, :q_len, :value_dim], lse[:, :, :q_len]
+        if inputs.sinks is not None:
+            out, lse = add_sinks(out, lse, inputs.sinks)
+        return out.astype(query.dtype), lse
+
+
+def _multiple(length: int, blocks) -> int:
+    """`length` rounded up to a multiple of every block."""
+    step = functools.reduce(pymath.lcm, blocks, 1)
+    return -(-length // step) * step
+
+
+def _with_lists(static: _Static, arrays):
+    """The three passes' `Visits` with their arrays."""
+    pairs = zip(arrays[0::2], arrays[1::2])
+    return tuple(dataclasses.replace(v, block=b, kind=k)
+                 for v, (b, k) in zip(static.lists, pairs))
+
+
+def _forward(static: _Static, q, k, v, slopes, table, tokens, arrays):
+    fwd_visits = _with_lists(static, arrays)[0]
+    out, lse = forward_call(q, k, v, tokens[0], slopes, table, fwd_visits, math=static.math,
+                            bq=static.fwd[0], bk=static.fwd[1], interpret=static.interpret)
+    return typed_like((out, lse[..., 0]), q, k, v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(static, q, k, v, slopes, table, tokens, arrays):
+    """``(out, lse)`` on padded inputs, the log-sum-exp as the contract has it; both
+    differentiable, and in the score arrays."""
+    out, lse = _forward(static, q, k, v, slopes, table, tokens, arrays)
+    return out, public_lse(lse, base2=False)
+
+
+def _attend_fwd(static, q, k, v, slopes, table, tokens, arrays):
+    out, lse = _forward(static, q, k, v, slopes, table, tokens, arrays)
+    return (out, public_lse(lse, base2=False)), (q, k, v, slopes, table, tokens, arrays, out,
+                                                 lse)
+
+
+def _attend_bwd(static, res, cotangents):
+    q, k, v, slopes, table, tokens, arrays, out, lse = res
+    do, dlse = cotangents
+    delta = backward_delta(do, out, dlse, public_lse(lse, base2=False))
+    do = do.astype(q.dtype)
+    _, dq_visits, dkv_visits = _with_lists(static, arrays)
+    column = lambda x: jnp.broadcast_to(x[..., None], x.shape + (LANES,))  # noqa: E731
+    row = lambda x: jnp.broadcast_to(  # noqa: E731
+        x[..., None, :], x.shape[:2] + (SUBLANES, x.shape[-1]))
+    (bq, bk), m = static.bwd, static.math
+    dq, dslopes, dtable = dq_call(q, k, v, do, column(lse), column(delta), tokens[0], slopes,
+                                  table, dq_visits, math=m, bq=bq, bk=bk,
+                                  interpret=static.interpret)
+    dk, dv = dkv_call(q, k, v, do, row(lse), row(delta), tokens[1], slopes, table, dkv_visits,
+                      math=m, bq=bq, bk=bk, interpret=static.interpret)
+    batch, heads = q.shape[:2]
+    if dslopes is not None:
+        dslopes = dslopes.reshape(batch, heads, -1, SUBLANES, LANES)[..., 0, 0].sum((0, 2))
+        dslopes = dslopes.astype(slopes.dtype)
+    if dtable is not None:
+        nb = table.shape[-1]
+        dtable = dtable.reshape(batch, heads, -1, table_rows(nb), LANES)[..., :nb, 0]
+        dtable = dtable.sum((0, 2)).astype(table.dtype)
+    zeros = jax.tree.map(zero_cotangent, (tokens, arrays))
+    grads = tuple(typed_like(g, x) for g, x in zip((dq, dk, dv), (q, k, v)))
+    return grads + (dslopes, dtable) + zeros
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)

@@ -1,0 +1,315 @@
+"""`PallasTpuBlockSparse` against the float64 oracle, forward and every gradient (q, k, v,
+sinks, ALiBi slopes, the relative-position table), in Pallas' interpret mode on the CPU and
+compiled on a TPU (float32 inputs, products at the highest precision); its visit lists and
+the selector. The conformance suite runs it over its own cases too."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+from eqx_bsattn import kernels, masks, scores
+from eqx_bsattn.strategies.kernels.pallas_tpu.common import FULL, PARTIAL, SKIP, visits
+from tests.conftest import jnp_attention_f64, np_visibility, score_f64, sorted_segments
+
+ON_TPU = jax.default_backend() == "tpu"
+#: Relative error in norm, float32 inputs. On a TPU v5e exp, log and tanh agree with float64 to
+#: four or five digits even at the highest matmul precision: the backward's probabilities
+#: exp(s - lse) carry that error (2.5e-5 to 5.3e-5 measured on the gradients; the forward's
+#: normalisation cancels most of it in the output).
+TOL = 1e-4 if ON_TPU else 2e-5
+TILES = kernels.PallasTpuConfig(block_q=128, block_kv=128)
+
+
+def scaled_distance(s, head, q, k):
+    """A score function that is not additive: its derivative in the logits is not one."""
+    return s * (1.0 + 0.25 * head) - 0.1 * jnp.sqrt(jnp.abs(q - k))
+
+
+def by_batch(s, head, q, k, *, batch):
+    """A score function that reads the batch index."""
+    return s + (0.5 - 0.75 * batch) * jnp.tanh(0.05 * (k - q).astype(jnp.float32)) + 0.1 * head
+
+
+FUNCTIONS = {"function": scaled_distance, "function_batch": by_batch}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    mask: object
+    batch: int = 1
+    heads: int = 4
+    kv_heads: int = 2
+    q_len: int = 300
+    kv_len: int = 300
+    dim: int = 64
+    value_dim: int = 64
+    score: str | None = None  # "alibi", "table", "function"
+    soft_cap: float | None = None
+    sinks: bool = False
+    documents: int = 0
+    positions: bool = False
+
+
+CASES = {
+    # The default tier: few and small (interpreted on two CPU cores).
+    "causal_gqa_alibi_sinks_cap": Case(masks.Causal(), score="alibi", soft_cap=4.0, sinks=True),
+    "documents_table": Case(masks.Causal(), batch=2, heads=2, kv_heads=1, score="table",
+                            documents=3),
+    "window_cross_function": Case(masks.Causal(bottom_right=True) & masks.SlidingWindow(90, 0),
+                                  heads=2, q_len=200, kv_len=330, score="function"),
+    "fully_masked_rows": Case(masks.Causal(offset=-150), heads=2, kv_heads=1, q_len=260,
+                              kv_len=256),
+    # The extended tier.
+    "positions_alibi": Case(masks.Causal(), heads=2, positions=True, score="alibi"),
+    "chunked_mqa": Case(masks.ChunkedCausal(100), heads=4, kv_heads=1, value_dim=128),
+    "prefix_table_cap": Case(masks.PrefixLM(70), heads=2, score="table", soft_cap=3.0),
+    "full_function_sinks": Case(masks.Full(), heads=2, kv_heads=2, q_len=140, kv_len=260,
+                                score="function", sinks=True),
+    "window_function_batch": Case(masks.SlidingWindow(60, 20), batch=2, heads=2, kv_heads=1,
+                                  q_len=200, kv_len=200, score="function_batch"),
+}
+QUICK = {"causal_gqa_alibi_sinks_cap", "documents_table", "window_cross_function",
+         "fully_masked_rows"}
+
+
+def _score(case: Case, arrays: dict):
+    if case.score == "alibi":
+        return scores.ALiBi(arrays["slopes"], learned=True)
+    if case.score == "table":
+        return scores.RelativePositionBias(arrays["table"])
+    if case.score in FUNCTIONS:
+        return scores.ScoreFunction(FUNCTIONS[case.score])
+    return None
+
+
+def _build(case: Case, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    b, h, hkv = case.batch, case.heads, case.kv_heads
+    args = {"q": normal(b, h, case.q_len, case.dim), "k": normal(b, hkv, case.kv_len, case.dim),
+            "v": normal(b, hkv, case.kv_len, case.value_dim)}
+    if case.sinks:
+        args["sinks"] = normal(h, 2)
+    if case.score == "alibi":
+        args["slopes"] = 0.3 * normal(h)
+    if case.score == "table":
+        args["table"] = 0.3 * normal(h, 32)
+    data, truth = {}, {}
+    if case.documents:
+        ids = sorted_segments(rng, b, case.q_len, case.documents, pad=7)
+        data.update(q_segment_ids=ids, kv_segment_ids=ids)
+        truth.update(q_seg=ids, kv_seg=ids)
+    if case.positions:
+        qp = np.sort(rng.choice(case.q_len + case.kv_len, size=(b, case.q_len)), -1)
+        kp = np.stack([np.arange(case.kv_len)] * b)
+        data.update(q_positions=qp.astype(np.int32), kv_positions=kp.astype(np.int32))
+        truth.update(q_pos=qp, kv_pos=kp)
+    mask = case.mask & masks.Document() if case.documents else case.mask
+    visible = np_visibility(mask, batch=b, heads=h, q_len=case.q_len, kv_len=case.kv_len,
+                            **truth)
+    cot = normal(b, h, case.q_len, case.value_dim)
+    return mask, args, {n: jnp.asarray(x) for n, x in data.items()}, truth, visible, cot
+
+
+def _ours(case: Case, mask, args, data, cot):
+    def loss(args):
+        arrays = {n: args[n] for n in ("slopes", "table") if n in args}
+        attn = bsa.BlockSparseAttention(mask=mask, score=_score(case, arrays),
+                                        logits_soft_cap=case.soft_cap,
+                                        kernel=kernels.PallasTpuBlockSparse(), tiling=TILES)
+        out = attn(args["q"], args["k"], args["v"], sinks=args.get("sinks"), **data)
+        return jnp.vdot(out, cot), out
+
+    with jax.default_matmul_precision("highest"):
+        grads, out = jax.jit(jax.grad(loss, has_aux=True))(args)
+    return out, grads
+
+
+def _oracle(case: Case, args, truth, visible, cot):
+    b = case.batch
+    q_pos = truth.get("q_pos", np.broadcast_to(np.arange(case.q_len), (b, case.q_len)))
+    kv_pos = truth.get("kv_pos", np.broadcast_to(np.arange(case.kv_len), (b, case.kv_len)))
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+        a = {n: jnp.asarray(np.asarray(x, np.float64)) for n, x in args.items()}
+
+        def loss(a):
+            score = lambda s: score_f64(  # noqa: E731
+                s, q_pos=q_pos, kv_pos=kv_pos, slopes=a.get("slopes"), table=a.get("table"),
+                fn=_oracle_function(case))
+            out = jnp_attention_f64(a["q"], a["k"], a["v"], visible, sinks=a.get("sinks"),
+                                    soft_cap=case.soft_cap, score=score)
+            return jnp.vdot(out, jnp.asarray(np.asarray(cot, np.float64))), out
+
+        grads, out = jax.grad(loss, has_aux=True)(a)
+        return np.asarray(out), {n: np.asarray(g) for n, g in grads.items()}
+
+
+def _oracle_function(case: Case):
+    """The case's score function as `score_f64` calls it (the batch index broadcast)."""
+    if case.score == "function_batch":
+        batch = jnp.arange(case.batch)[:, None, None, None]
+        return lambda s, h, q, k: by_batch(s, h, q, k, batch=batch)
+    return FUNCTIONS.get(case.score)
+
+
+def _rel(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.isfinite(got).all()
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[] if n in QUICK else [pytest.mark.slow, pytest.mark.extended])
+    for n in CASES])
+def test_matches_the_oracle(name):
+    case = CASES[name]
+    mask, args, data, truth, visible, cot = _build(case)
+    out, grads = _ours(case, mask, args, data, cot)
+    want_out, want_grads = _oracle(case, args, truth, visible, cot)
+    errors = {"out": _rel(out, want_out)}
+    errors.update({n: _rel(grads[n], want_grads[n]) for n in args})
+    assert set(errors) >= {"out", "q", "k", "v"}
+    bad = {n: e for n, e in errors.items() if e > TOL}
+    assert not bad, errors
+    dead = ~visible.any(-1)  # rows that see no key: exact zeros, output and dq
+    if dead.any():
+        assert (np.asarray(out)[dead] == 0).all() and (np.asarray(grads["q"])[dead] == 0).all()
+    if name == "fully_masked_rows":
+        assert dead.any()
+
+
+def test_visit_lists_put_full_blocks_first_and_repeat_the_last():
+    layout = bsa.build_layout(masks.Causal(), q_len=300, kv_len=300, num_heads=1,
+                              block_q=128, block_kv=128)
+    v = visits(layout, transposed=False, rows=4)
+    block, kind = (np.asarray(x).reshape(4, v.width) for x in (v.block, v.kind))
+    assert v.width == 3
+    assert kind.tolist() == [[PARTIAL, SKIP, SKIP], [FULL, PARTIAL, SKIP],
+                             [FULL, FULL, PARTIAL], [SKIP, SKIP, SKIP]]
+    assert block.tolist()[:3] == [[0, 0, 0], [0, 1, 1], [0, 1, 2]]
+    t = visits(layout, transposed=True, rows=3)
+    t_kind = np.asarray(t.kind).reshape(3, t.width)
+    assert t_kind.tolist() == [[FULL, FULL, PARTIAL], [FULL, PARTIAL, SKIP],
+                               [PARTIAL, SKIP, SKIP]]
+
+
+TPU = dict(platform="tpu", q_len=8192, kv_len=8192, num_heads=16, num_kv_heads=16,
+           head_dim=128, value_dim=128, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("extra, mask, want", [
+    ({}, masks.Causal(), "splash"),
+    ({"score": ("alibi",)}, masks.Causal(), "pallas_tpu"),
+    ({"score": ("relative_bias",)}, masks.Causal(), "pallas_tpu"),
+    ({"score": ("function",)}, masks.SlidingWindow(1024, 0), "pallas_tpu"),
+    ({"positions": True}, masks.Causal(), "pallas_tpu"),
+    ({"bias": True}, masks.Causal(), "xla"),
+    ({"dtype": "float16"}, masks.Causal(), "xla"),
+    ({"score": ("alibi",)}, masks.Dilated(2) | masks.Causal(), "xla"),
+])
+def test_selector_on_tpu(extra, mask, want):
+    choice = bsa.select_kernel(mask, "tpu", bsa.Features(**{**TPU, **extra}))
+    assert choice.kernel.name == want, choice.explain()
+
+
+def test_declines_name_the_reason():
+    kernel = kernels.PallasTpuBlockSparse()
+    resolved = bsa.ResolvedMask(masks.Causal(), q_len=256, kv_len=256, num_heads=2)
+    assert kernel.decline_reason(resolved, bsa.Features(**{**TPU, "bias": True})) == (
+        "it has no additive bias.")
+    assert "float16" in kernel.decline_reason(resolved, bsa.Features(**{**TPU,
+                                                                        "dtype": "float16"}))
+    union = bsa.ResolvedMask(masks.Dilated(2) | masks.Causal(), q_len=256, kv_len=256,
+                             num_heads=2)
+    assert "no in-kernel terms" in kernel.decline_reason(union, bsa.Features(**TPU))
+    assert kernel.decline_reason(resolved, bsa.Features(**TPU)) is None
+    assert kernels.PallasTpuBlockSparse.priority("cpu") is None
+
+
+def test_tiles_are_whole_lanes_on_a_tpu_only():
+    kernel = kernels.PallasTpuBlockSparse()
+    tpu = bsa.Features(platform="tpu", q_len=300, kv_len=1000)
+    assert kernel.adapt_tiling(bsa.Tiling(block_q=16, block_kv=200), tpu).blocks.forward == (
+        128, 256)
+    assert kernel.default_tiling(tpu, None) == kernels.PallasTpuConfig(512, 512)
+    cpu = bsa.Features(platform="cpu", q_len=300, kv_len=1000)
+    assert kernel.adapt_tiling(bsa.Tiling(block_q=16, block_kv=32), cpu).blocks.forward == (
+        16, 32)
+
+
+def test_pallas_platform_takes_score_terms_through_the_selector():
+    """``platform="pallas"`` plans for a TPU: a call with ALiBi goes to this kernel
+    (interpreted off a TPU) and matches the reference."""
+    keys = jax.random.split(jax.random.key(4), 3)
+    q, k, v = (jax.random.normal(key, (1, 2, 64, 16)) for key in keys)
+    kw = dict(causal=True, sliding_window=20, score=scores.ALiBi())
+    with jax.default_matmul_precision("highest"):
+        got = bsa.blocksparse_attention(q, k, v, platform="pallas", **kw)
+        want = bsa.blocksparse_attention(q, k, v, platform="dense", **kw)
+    assert _rel(got, want) < TOL
+    plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=scores.ALiBi()).plan(
+        q, k, v, platform="tpu")
+    assert plan.kernel.name == "pallas_tpu"
+
+
+def test_log_sum_exp_and_its_gradient():
+    """`attention_with_lse`: the log-sum-exp (-inf on rows that see no key) and the
+    gradients of a loss on the output and the log-sum-exp, against float64 (what
+    `RingAttention` merges shards by)."""
+    b, h, hkv, lq, lk, d = 1, 2, 1, 150, 140, 16
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((b, h, lq, d), (b, hkv, lk, d), (b, hkv, lk, d)))
+    w_out, w_lse = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+                    for s in ((b, h, lq, d), (b, h, lq)))
+    mask = masks.Causal(offset=-9)
+    visible = np_visibility(mask, batch=b, heads=1, q_len=lq, kv_len=lk)
+    seen = visible.any(-1)
+
+    def ours(q, k, v):
+        attn = bsa.BlockSparseAttention(mask=mask, kernel=kernels.PallasTpuBlockSparse(),
+                                        tiling=TILES)
+        plan = attn.plan(q, k, v)
+        return plan.kernel.attention_with_lse(
+            q, k, v, mask=plan.mask, inputs=plan.inputs, features=plan.features,
+            tiling=plan.tiling, softmax_scale=plan.softmax_scale, logits_soft_cap=None)
+
+    def oracle(q, k, v):
+        k, v = jnp.repeat(k, h // hkv, axis=1), jnp.repeat(v, h // hkv, axis=1)
+        s = jnp.where(visible, jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(d), -jnp.inf)
+        lse = jax.nn.logsumexp(jnp.where(seen[..., None], s, 0.0), axis=-1)
+        out = jnp.einsum("bhqk,bhkd->bhqd", jnp.exp(s - lse[..., None]), v)
+        return jnp.where(seen[..., None], out, 0.0), jnp.where(seen, lse, -jnp.inf)
+
+    def loss(fn, q, k, v):
+        out, lse = fn(q, k, v)
+        return jnp.sum(out * w_out) + jnp.sum(jnp.where(seen, lse, 0.0) * w_lse)
+
+    with jax.default_matmul_precision("highest"):
+        out, lse = jax.jit(ours)(q, k, v)
+        grads = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2)))(q, k, v)
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
+        want_out, want_lse = oracle(*f64)
+        want_grads = jax.grad(lambda *a: loss(oracle, *a), argnums=(0, 1, 2))(*f64)
+    rows = np.broadcast_to(seen, lse.shape)
+    assert lse.dtype == jnp.float32 and np.isneginf(np.asarray(lse)[~rows]).all()
+    assert _rel(np.asarray(lse)[rows], np.asarray(want_lse)[rows]) < TOL / 10
+    assert _rel(out, want_out) < TOL
+    for g, w in zip(grads, want_grads):
+        assert _rel(g, w) < TOL
+
+
+def test_a_score_function_with_params_is_refused_by_name():
+    q = jnp.ones((1, 2, 32, 8))
+    slopes = jnp.asarray([0.5, 0.25])
+    score = scores.ScoreFunction(lambda s, h, qp, kp, p: s + p[h] * (kp - qp), slopes)
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), score=score,
+                                    kernel=kernels.PallasTpuBlockSparse())
+    with pytest.raises(ValueError, match=r"^PallasTpuBlockSparse does not read a score "
+                                         r"function's `params` .*XlaBlockSparse\(\)\.$"):
+        attn(q, q, q)
