@@ -425,7 +425,47 @@ def pytest_addoption(parser):
                           "the cross products whose covering subset the default run takes")
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "covering(first, second): of the cross product of two parametrized "
+        "arguments, the default run takes `first`'s value i with `second`'s value i mod n, "
+        "so that every value of each runs; the other pairs, but those of the quick subset, "
+        "are the extended tier")
+
+
+def _parameter_index(item, name: str) -> tuple[int, int]:
+    """``(index, count)``: where the value `item` takes for the parametrized argument `name`
+    stands in the list of its `parametrize` marker, and how many values that list holds."""
+    value = item.callspec.params[name]
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if name not in names:
+            continue
+        at = names.index(name)
+        for index, entry in enumerate(mark.args[1]):
+            values = getattr(entry, "values", entry if len(names) > 1 else (entry,))
+            if values[at] is value:
+                return index, len(mark.args[1])
+    raise ValueError(f"{item.nodeid}: covering names {name!r}, which no parametrize lists")
+
+
+def _mark_covering_products(items):
+    """Mark `extended` the pairs a `covering(first, second)` marker leaves out: value ``i`` of
+    `first` stays in the default run with value ``i mod n`` of `second` (its ``n`` values), and
+    so do the quick subset's pairs (those not marked `slow`)."""
+    for item in items:
+        marker = item.get_closest_marker("covering")
+        if marker is not None and item.get_closest_marker("slow") is not None:
+            first, second = marker.args
+            i, _ = _parameter_index(item, first)
+            j, n = _parameter_index(item, second)
+            if j != i % n:
+                item.add_marker(pytest.mark.extended)
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_covering_products(items)
     if not config.getoption("--extended"):
         skip = pytest.mark.skip(reason="the extended tier: python -m pytest --extended")
         for item in items:
