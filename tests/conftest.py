@@ -458,8 +458,12 @@ def _mark_covering_products(items):
         marker = item.get_closest_marker("covering")
         if marker is not None and item.get_closest_marker("slow") is not None:
             first, second = marker.args
-            i, _ = _parameter_index(item, first)
+            i, count = _parameter_index(item, first)
             j, n = _parameter_index(item, second)
+            if count < n:  # then some value of `second` would never run by default
+                raise ValueError(f"{item.nodeid}: covering({first!r}, {second!r}) needs at "
+                                 f"least as many values of {first!r} ({count}) as of "
+                                 f"{second!r} ({n})")
             if j != i % n:
                 item.add_marker(pytest.mark.extended)
 
