@@ -157,7 +157,8 @@ def test_kernel_page_first_screen_says_what_it_declines_and_how_fast(name):
     assert re.search(r"\bdeclin", screen), f"{name}: the first screen names no declines"
     assert any(a.startswith("| ") and b.startswith("| ---") for a, b in zip(lines, lines[1:])), (
         f"{name}: no table in the first screen")
-    assert re.search(r"\b20\d\d-\d\d-\d\d\b", screen), f"{name}: the first screen's numbers have no date"
+    assert re.search(r"\b20\d\d-\d\d-\d\d\b", screen), (
+        f"{name}: the first screen's numbers have no date")
     assert not re.search(r"^#+ Measurement log", screen, re.M), (
         f"{name}: the measurement log starts in the first screen")
 
