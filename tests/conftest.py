@@ -435,7 +435,8 @@ def pytest_configure(config):
 
 def _parameter_index(item, name: str) -> tuple[int, int]:
     """``(index, count)``: where the value `item` takes for the parametrized argument `name`
-    stands in the list of its `parametrize` marker, and how many values that list holds."""
+    stands among the values of its `parametrize` marker that are not `extended` themselves,
+    and how many such values there are."""
     value = item.callspec.params[name]
     for mark in item.iter_markers("parametrize"):
         names = mark.args[0]
@@ -443,17 +444,21 @@ def _parameter_index(item, name: str) -> tuple[int, int]:
         if name not in names:
             continue
         at = names.index(name)
-        for index, entry in enumerate(mark.args[1]):
+        entries = [e for e in mark.args[1]
+                   if not any(m.name == "extended" for m in getattr(e, "marks", ()))]
+        for index, entry in enumerate(entries):
             values = getattr(entry, "values", entry if len(names) > 1 else (entry,))
             if values[at] is value:
-                return index, len(mark.args[1])
+                return index, len(entries)
+        return -1, len(entries)  # an extended value: its pairs are extended already
     raise ValueError(f"{item.nodeid}: covering names {name!r}, which no parametrize lists")
 
 
 def _mark_covering_products(items):
     """Mark `extended` the pairs a `covering(first, second)` marker leaves out: value ``i`` of
-    `first` stays in the default run with value ``i mod n`` of `second` (its ``n`` values), and
-    so do the quick subset's pairs (those not marked `slow`)."""
+    `first` stays in the default run with value ``i mod n`` of `second` (its ``n`` values; both
+    counted among the values not marked `extended` themselves), and so do the quick subset's
+    pairs (those not marked `slow`)."""
     for item in items:
         marker = item.get_closest_marker("covering")
         if marker is not None and item.get_closest_marker("slow") is not None:
