@@ -142,7 +142,6 @@ def test_docs_name_the_module_defaults_the_code_has():
             assert f"whose `{name}` is `None`" not in text, page.name
 
 
-
 #: Pages a user reads for one kernel or strategy: each opens with one screen.
 _FIRST_SCREEN_PAGES = ("mosaic.md", "triton.md", "autotune.md", "reliability.md", "scores.md",
                        "design.md")
