@@ -431,7 +431,56 @@ def pytest_addoption(parser):
                           "the cross products whose covering subset the default run takes")
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "covering(first, second): of the cross product of two parametrized "
+        "arguments, the default run takes `first`'s value i with `second`'s value i mod n, "
+        "so that every value of each runs; the other pairs, but those of the quick subset, "
+        "are the extended tier")
+
+
+def _parameter_index(item, name: str) -> tuple[int, int]:
+    """``(index, count)``: where the value `item` takes for the parametrized argument `name`
+    stands among the values of its `parametrize` marker that are not `extended` themselves,
+    and how many such values there are."""
+    value = item.callspec.params[name]
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if name not in names:
+            continue
+        at = names.index(name)
+        entries = [e for e in mark.args[1]
+                   if not any(m.name == "extended" for m in getattr(e, "marks", ()))]
+        for index, entry in enumerate(entries):
+            values = getattr(entry, "values", entry if len(names) > 1 else (entry,))
+            if values[at] is value:
+                return index, len(entries)
+        return -1, len(entries)  # an extended value: its pairs are extended already
+    raise ValueError(f"{item.nodeid}: covering names {name!r}, which no parametrize lists")
+
+
+def _mark_covering_products(items):
+    """Mark `extended` the pairs a `covering(first, second)` marker leaves out: value ``i`` of
+    `first` stays in the default run with value ``i mod n`` of `second` (its ``n`` values; both
+    counted among the values not marked `extended` themselves), and so do the quick subset's
+    pairs (those not marked `slow`)."""
+    for item in items:
+        marker = item.get_closest_marker("covering")
+        if marker is not None and item.get_closest_marker("slow") is not None:
+            first, second = marker.args
+            i, count = _parameter_index(item, first)
+            j, n = _parameter_index(item, second)
+            if count < n:  # then some value of `second` would never run by default
+                raise ValueError(f"{item.nodeid}: covering({first!r}, {second!r}) needs at "
+                                 f"least as many values of {first!r} ({count}) as of "
+                                 f"{second!r} ({n})")
+            if j != i % n:
+                item.add_marker(pytest.mark.extended)
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_covering_products(items)
     if not config.getoption("--extended"):
         skip = pytest.mark.skip(reason="the extended tier: python -m pytest --extended")
         for item in items:

@@ -348,11 +348,16 @@ QUICK_CASES = {"xla": {"everything", "predicate", "score_alibi_learned_gqa"},
 #: every kernel runs every case.
 EXTENDED_KERNELS = {"reference", "gather", "splash", "pallas_tpu"}
 
+#: The inner points of the head-dim sweep, which the CPU kernel runs in the extended tier on
+#: the CPU: its default run takes 80 (not a power of two) and 256 (the largest).
+SWEEP_EXTENDED = {"tiled_head_dim_96", "tiled_head_dim_128", "tiled_head_dim_192"}
+
 
 def _quick(cls, name: str) -> list:
     if name in QUICK_CASES.get(cls.name, {"everything", "one_query"}):
         return []
-    extended = cls.name in EXTENDED_KERNELS and bsa.default_platform() == "cpu"
+    extended = ((cls.name in EXTENDED_KERNELS or name in SWEEP_EXTENDED)
+                and bsa.default_platform() == "cpu")
     return [pytest.mark.slow] + ([pytest.mark.extended] if extended else [])
 
 

@@ -55,7 +55,7 @@ def test_the_source_lists_are_not_empty():
     assert len(STRATEGIES) > 10 and len(KERNEL_FILES) > 5 and len(CORE) > 8
 
 
-@pytest.mark.parametrize("path", STRATEGIES + sorted((ROOT / "benchmarks").glob("*.py"))
+@pytest.mark.parametrize("path", STRATEGIES + sorted((ROOT / "benchmarks").rglob("*.py"))
                          + sorted((ROOT / "docs" / "examples").glob("*.py")),
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_plug_ins_and_scripts_import_no_private_name(path):

@@ -20,6 +20,7 @@ from tests.conftest import assert_close, jnp_attention_f64, np_attention, np_vis
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
+LOGS = sorted((ROOT / "docs" / "log").glob("*.md"))  # measurement logs behind the pages
 
 
 def _python_blocks(path: pathlib.Path) -> list[str]:
@@ -124,7 +125,7 @@ def test_docs_pages_exist_and_link_to_each_other():
     names = {p.name for p in DOCS}
     assert {"design.md", "contract.md", "custom_mask.md", "custom_kernel.md",
             "triton.md"} <= names
-    for page in [*DOCS, ROOT / "README.md"]:
+    for page in [*DOCS, *LOGS, ROOT / "README.md"]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
 
@@ -140,6 +141,25 @@ def test_docs_name_the_module_defaults_the_code_has():
         for name in ("tiling", "kernel"):
             assert f"whose `{name}` is `None`" not in text, page.name
 
+
+#: Pages a user reads for one kernel or strategy: each opens with one screen.
+_FIRST_SCREEN_PAGES = ("mosaic.md", "triton.md", "autotune.md", "reliability.md", "scores.md",
+                       "design.md")
+
+
+@pytest.mark.parametrize("name", _FIRST_SCREEN_PAGES)
+def test_kernel_page_first_screen_says_what_it_declines_and_how_fast(name):
+    """The first 40 lines say what the kernel or strategy declines (or refuses) and hold a
+    measured table, with the date it was taken; the measurement logs come after."""
+    lines = (ROOT / "docs" / name).read_text().splitlines()[:40]
+    screen = "\n".join(lines)
+    assert re.search(r"\bdeclin", screen), f"{name}: the first screen names no declines"
+    assert any(a.startswith("| ") and b.startswith("| ---") for a, b in zip(lines, lines[1:])), (
+        f"{name}: no table in the first screen")
+    assert re.search(r"\b20\d\d-\d\d-\d\d\b", screen), (
+        f"{name}: the first screen's numbers have no date")
+    assert not re.search(r"^#+ Measurement log", screen, re.M), (
+        f"{name}: the measurement log starts in the first screen")
 
 #: Pages whose blocks take seconds (they compile many calls): `slow`, the rest quick. (The
 #: worked kernel of custom_kernel.md is still in the quick conformance cases.)

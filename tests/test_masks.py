@@ -116,6 +116,7 @@ def _package_elements(mask, q_len, kv_len, heads=HEADS):
 # Element level.
 
 
+@pytest.mark.covering("name", "q_len")
 @pytest.mark.parametrize("q_len,kv_len", LENGTHS)
 @pytest.mark.parametrize("name,mask,tight", mask_params(ALL_MASKS))
 def test_elements_match_numpy(name, mask, tight, q_len, kv_len):
@@ -353,6 +354,7 @@ LAYOUT_SHAPES = [pytest.param(37, 37, 8, 8, marks=pytest.mark.slow), (20, 45, 16
                  pytest.param(45, 20, 32, 16, marks=pytest.mark.slow)]
 
 
+@pytest.mark.covering("name", "q_len")
 @pytest.mark.parametrize("q_len,kv_len,block_q,block_kv", LAYOUT_SHAPES)
 @pytest.mark.parametrize("name,mask,tight", mask_params(ALL_MASKS))
 def test_static_layout_matches_dense(name, mask, tight, q_len, kv_len, block_q, block_kv):
@@ -435,6 +437,7 @@ def _segments_padded_both_ends(rng, batch, length, docs):
     return out
 
 
+@pytest.mark.covering("name", "block_q")
 @pytest.mark.parametrize("block_q,block_kv", [
     pytest.param(8, 16, id="8x16", marks=pytest.mark.slow), pytest.param(4, 8, id="4x8")])
 @pytest.mark.parametrize("name,mask,tight", mask_params(DYNAMIC_MASKS, {

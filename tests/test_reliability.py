@@ -68,6 +68,7 @@ def _poison(x, segment_ids, value):
 
 
 @pytest.mark.slow
+@pytest.mark.covering("poison", "case_name")
 @pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("case_name", list(_PADDED))
 @pytest.mark.parametrize("kernel_cls", RUNS)

@@ -141,8 +141,8 @@ class MosaicBlockSparse(AbstractLseKernel):
       5 block products per visible block; the order of the additions varies, so dq varies
       from run to run in its last bits. It runs only where JAX can hand the kernel its
       accumulator (0.11 and later) and XLA is not asked for deterministic ops
-      (``--xla_gpu_deterministic_ops=true`` in ``XLA_FLAGS``); elsewhere the deterministic
-      backward runs.
+      (``--xla_gpu_deterministic_ops=true`` in ``XLA_FLAGS``), and not for ALiBi with
+      per-call positions; elsewhere the deterministic backward runs.
 
     Grouped heads' dk / dv: the deterministic dk/dv launch sums a kv head's group of query
     heads inside the kernel; the single pass writes them per query head, summed after it in
@@ -285,10 +285,13 @@ class MosaicBlockSparse(AbstractLseKernel):
                                        fcfg.ctas)
         lists = tuple(jnp.asarray(a, jnp.int32) for a in (
             fwd.full_count, fwd.full_index, fwd.partial_count, fwd.partial_index, *schedule))
+        # ALiBi's slope rows from per-call positions in the single pass's dk/dv kernel fail
+        # Mosaic GPU's layout inference (H200, jax 0.11.2): that call takes the two kernels.
+        single_pass = self.single_pass() and not (alibi and positions is not None)
         bcfg = BackwardConfig(
             **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
-            soft_cap=soft_cap, single_pass=self.single_pass(), ctas=_multiprocessors(),
+            soft_cap=soft_cap, single_pass=single_pass, ctas=_multiprocessors(),
             alibi=alibi, function=function, positions=positions is not None)
         # Each launch is persistent where its items are short; a dk/dv item walks the lists
         # of `dkv_group` query heads.

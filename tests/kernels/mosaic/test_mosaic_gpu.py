@@ -769,7 +769,8 @@ def _slope_gradient_scale(reference, q, k, v, slopes, cot, q_len, kv_len, positi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("persistent", [False, True], ids=["item_a_cta", "persistent"])
+@pytest.mark.covering("case", "persistent")  # each default case runs one launch
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "item_a_cta"])
 @pytest.mark.parametrize("single_pass", [True, False], ids=["single_pass", "deterministic"])
 @pytest.mark.parametrize("case", [  # the default run takes these two; the rest is extended
     pytest.param(name, marks=[] if name in ("soft_cap", "alibi", "positions_function_chunks")

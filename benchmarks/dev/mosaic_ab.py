@@ -13,10 +13,10 @@ copy of the working tree on another machine may carry only HEAD and its ancestor
 path of a copy of the module's file.
 
 ```
-python benchmarks/mosaic_ab.py --base HEAD~1
-python benchmarks/mosaic_ab.py --base main --cases document:2:16384 window:32:1024
-python benchmarks/mosaic_ab.py --base HEAD other-branch --backward --mode single_pass
-python benchmarks/mosaic_ab.py --base HEAD --alibi --cases causal:2:16384 window:2:16384
+python benchmarks/dev/mosaic_ab.py --base HEAD~1
+python benchmarks/dev/mosaic_ab.py --base main --cases document:2:16384 window:32:1024
+python benchmarks/dev/mosaic_ab.py --base HEAD other-branch --backward --mode single_pass
+python benchmarks/dev/mosaic_ab.py --base HEAD --alibi --cases causal:2:16384 window:2:16384
 ```
 
 `--alibi` adds ALiBi (the standard slopes) to every call; `--kv-heads` gives K and V fewer

@@ -8,17 +8,21 @@ and cuDNN, in one process.
   to shared memory and the warpgroups still meet at its barrier).
 
 ```
-python benchmarks/mosaic_backward_ablation.py --lengths 16384 --patterns causal window
+python benchmarks/dev/mosaic_backward_ablation.py --lengths 16384 --patterns causal window
 ```
 """
 
 import contextlib
+import os
+import sys
 
 import jax.numpy as jnp
 
 from eqx_bsattn.strategies.kernels.mosaic import common
 
-from mosaic_forward import shape_arguments, speed
+# mosaic_forward.py, the benchmark this ablates, is one folder up.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mosaic_forward import shape_arguments, speed  # noqa: E402
 
 
 @contextlib.contextmanager

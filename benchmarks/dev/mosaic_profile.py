@@ -18,9 +18,9 @@ profiler's own records). Shapes are kept small, because each warpgroup records a
 ``--space`` phases.
 
 ```
-python benchmarks/mosaic_profile.py --out mosaic-profile
-python benchmarks/mosaic_profile.py --launches dkv single_pass --cases causal --out mosaic-profile
-python benchmarks/mosaic_profile.py --launches forward --cases window --alibi --out mosaic-profile
+python benchmarks/dev/mosaic_profile.py --out mosaic-profile
+python benchmarks/dev/mosaic_profile.py --launches dkv single_pass --cases causal --out mosaic-profile
+python benchmarks/dev/mosaic_profile.py --launches forward --cases window --alibi --out mosaic-profile
 ```
 
 `--alibi` adds ALiBi with the standard slopes to every launch (the dk/dv kernel and the

@@ -14,7 +14,7 @@ a process of its own, with Equinox's run-time checks of per-call values off
 platform.
 
 ```
-python benchmarks/mosaic_lowered.py --revision HEAD~1
+python benchmarks/dev/mosaic_lowered.py --revision HEAD~1
 ```
 """
 
@@ -30,7 +30,7 @@ import sys
 import tarfile
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: The launches of a case, in the order they lower.
 LAUNCHES = ("forward", "dq", "dk/dv")
 
