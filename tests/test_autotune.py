@@ -437,7 +437,7 @@ def test_blocksparse_attention_with_cfg_none_reads_the_cache(monkeypatch):
     _cache.store(plan.kernel, plan.features, plan.resolved, tuned, {})
     plans = []
 
-    def record(plan, query, *args):
+    def record(plan, query, *args, **kwargs):
         plans.append(plan)
         return query
 
