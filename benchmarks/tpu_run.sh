@@ -8,6 +8,11 @@
 # Run from the repository root with the folder .whl-tpu (equinox, jaxtyping, beartype,
 # wadler_lindig, platformdirs, tqdm, typing_extensions for Python 3.11) beside it:
 #   bash benchmarks/tpu_run.sh            # extra arguments go to benchmarks/splash_tpu.py
+# Fetch the wheels on a machine with a registry (the TPU machine has none):
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl-tpu equinox==0.13.8 jaxtyping==0.3.11 beartype==0.23.1 wadler_lindig==0.1.8 \
+#     platformdirs==4.14.9 tqdm==4.70.1 typing_extensions==4.16.0
 # It installs those wheels only (offline, into $TMPDIR/site, appended to PYTHONPATH so the
 # machine's JAX stays first), and runs everything in one process (one program at a time
 # can hold the chip). Logs go to $OUT (default ./tpu_out).
