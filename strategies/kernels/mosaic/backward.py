@@ -43,7 +43,6 @@ traced, so this module imports anywhere.
 """
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +50,7 @@ import numpy as np
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     SMEM_BUDGET, AlibiBlocks, AttentionShape, Ops, WorkItems,
+                     SMEM_BUDGET, AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
                      alibi_positions_term, persistent_schedule, ring_stages,
                      score_function_tile, segment_ids_apart, swizzled, visible, walk_list)
 
@@ -87,8 +86,11 @@ def backward_blocks(head_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardConfig(AttentionShape):
-    """Everything static about the two backward launches (hashable); lengths padded to 128."""
+class BackwardConfig(AttentionShape, LogitTerms):
+    """Everything static about the two backward launches (hashable); lengths padded to 128.
+    Its `LogitTerms` are the forward's: ALiBi's slopes' gradient comes out per key row, from
+    `dkv_call` in both modes, and a score function's derivative in `s` joins dS
+    (`probabilities`)."""
 
     #: Keys per block of the dq layout, queries per block of the dk/dv layout (`backward_blocks`).
     dq_block_kv: int
@@ -96,8 +98,6 @@ class BackwardConfig(AttentionShape):
     #: Leading axes (1 or the batch, 1 or the heads) of the dq and of the dk/dv lists.
     dq_layout_axes: tuple[int, int]
     dkv_layout_axes: tuple[int, int]
-    #: Logits soft cap ``c`` of the forward (``c * tanh(scaled logit / c)``); 0: none.
-    soft_cap: float = 0.0
     #: One pass (`dkv_call` with a dq accumulator) or the dq kernel and the dk/dv kernel
     #: apart (bit-identical from run to run).
     single_pass: bool = False
@@ -106,23 +106,6 @@ class BackwardConfig(AttentionShape):
     #: own tiles loading during this one. Otherwise one item per CTA.
     persistent: tuple[str, ...] = ()
     ctas: int | None = None
-    #: ALiBi: ``slopes[h] * (k - q)`` added to each logit before the cap (`AlibiBlocks`);
-    #: the slopes' gradient comes out per key row, from `dkv_call` in both modes.
-    alibi: bool = False
-    #: A score function, ``function(s, batch, head, q_pos, k_pos, params)`` on each block's
-    #: logits in natural units (after ALiBi, before the cap and the mask); its derivative in
-    #: `s` joins dS (`probabilities`). ``None``: none.
-    function: Callable | None = None
-    #: Per-call positions (``[B, L]`` int32 operands) in place of the token indices, for the
-    #: mask's terms, ALiBi and the score function.
-    positions: bool = False
-
-    @property
-    def whole_terms(self) -> bool:
-        """Whether each logit takes ALiBi's whole term (a soft cap or a score function
-        follows it, neither shift-invariant, or positions make the distance no sum of a
-        row's and a column's parts) rather than a part of it (`AlibiBlocks`)."""
-        return bool(self.soft_cap) or self.function is not None or self.positions
 
     def reads_keys(self, masked: bool) -> bool:
         """Whether a block's logits read its first key (and its positions): the mask in a

@@ -9,6 +9,7 @@ Mosaic GPU is imported inside the functions, so this module imports anywhere.
 """
 
 import dataclasses
+from collections.abc import Callable
 import functools
 import heapq
 import inspect
@@ -64,6 +65,30 @@ class AttentionShape:
         """``softmax_scale * log2(e)``: logits in base 2."""
         return self.softmax_scale * LOG2E
 
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogitTerms:
+    """What a launch adds to each block's logits, the same in the forward and the backward
+    (keyword fields, after each config's own)."""
+
+    #: Logits soft cap ``c`` (``c * tanh(scaled logit / c)``); 0: none.
+    soft_cap: float = 0.0
+    #: ALiBi: ``slopes[h] * (k - q)`` added to each logit before the cap (`AlibiBlocks`).
+    alibi: bool = False
+    #: A score function, ``function(s, batch, head, q_pos, k_pos, params)`` on each block's
+    #: logits in natural units (after ALiBi, before the cap and the mask); ``None``: none.
+    function: Callable | None = None
+    #: Per-call positions (``[B, L]`` int32 operands) in place of the token indices, for the
+    #: mask's terms, ALiBi and the score function.
+    positions: bool = False
+
+    @property
+    def whole_terms(self) -> bool:
+        """Whether each logit takes ALiBi's whole term (a soft cap or a score function
+        follows it, neither shift-invariant, or positions make the distance no sum of a
+        row's and a column's parts) rather than a part of it (`AlibiBlocks`)."""
+        return bool(self.soft_cap) or self.function is not None or self.positions
 
 def visible(terms: MaskTerms, true_kv_len: int | None, q_index, k_index, q_seg=None,
             k_seg=None, *, ids_apart: bool = False, signed: bool = False, k_token=None):

@@ -37,14 +37,14 @@ Mosaic GPU is imported when a launch is traced, so this module imports anywhere.
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     AlibiBlocks, AttentionShape, Ops, WorkItems, alibi_positions_term,
+                     AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
+                     alibi_positions_term,
                      persistent_schedule, ring_stages, score_function_tile,
                      segment_ids_apart, swizzled, visible, walk_list)
 
@@ -53,7 +53,7 @@ BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardConfig(AttentionShape):
+class ForwardConfig(AttentionShape, LogitTerms):
     """Everything static about one forward launch (hashable)."""
 
     block_kv: int
@@ -63,24 +63,6 @@ class ForwardConfig(AttentionShape):
     layout_heads: int
     #: CTAs of the persistent launch (one per SM); ``None``: one per work item.
     ctas: int | None = None
-    #: Logits soft cap ``c`` (``c * tanh(scaled logit / c)``); 0: none.
-    soft_cap: float = 0.0
-    #: ALiBi: ``slopes[h] * (k - q)`` added to each logit before the cap (`AlibiBlocks`).
-    alibi: bool = False
-    #: A score function, ``function(s, batch, head, q_pos, k_pos, params)`` on each block's
-    #: logits in natural units (after ALiBi, before the cap and the mask); ``None``: none.
-    function: Callable | None = None
-    #: Per-call positions (``[B, L]`` int32 operands) in place of the token indices, for the
-    #: mask's terms, ALiBi and the score function.
-    positions: bool = False
-
-    @property
-    def whole_terms(self) -> bool:
-        """Whether each logit takes ALiBi's whole term (a soft cap or a score function
-        follows it, neither shift-invariant, or positions make the distance no sum of a
-        row's and a column's parts) rather than a part of it (`AlibiBlocks`)."""
-        return bool(self.soft_cap) or self.function is not None or self.positions
-
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
                  partial_index, q_segment_ids=None, kv_segment_ids=None, *, slopes=None,
