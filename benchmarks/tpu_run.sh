@@ -17,10 +17,10 @@
 # machine's JAX stays first), and runs everything in one process (one program at a time
 # can hold the chip). Logs go to $OUT (default ./tpu_out).
 # benchmarks/tpu_long.py (the first jit(grad) call's time at L=8192; memory and fit at 16k to
-# 128k tokens) is not run here; after the same setup, in a process of its own:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-tpu/*.whl
+# 128k tokens) is not run here; after the same setup (SITE a folder), in a process of its own:
+#   python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl-tpu/*.whl
 #   [ -e eqx_bsattn/strategies ] || ln -s ../strategies eqx_bsattn/strategies
-#   PYTHONPATH=/tmp/site:$PWD python3 benchmarks/tpu_long.py 2>&1 | tee $OUT/tpu_long.log
+#   PYTHONPATH=$SITE:$PWD python3 benchmarks/tpu_long.py 2>&1 | tee $OUT/tpu_long.log
 set -u
 OUT=${OUT:-$PWD/tpu_out}
 SITE=${SITE:-${TMPDIR:-/tmp}/site}
