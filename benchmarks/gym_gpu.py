@@ -30,11 +30,12 @@ import importlib.util
 import json
 import os
 import pathlib
-import select
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -271,12 +272,12 @@ def time_ours(case: Case, args) -> dict:
 
 
 class FlexPeer:
-    """`flex_gym_peer.py` in a process of its own, asked for one case at a time (its case
-    table rebuilt from the `spec` each case sends); restarted after a case that outlives its
-    time."""
+    """`flex_gym_peer.py` in a process of its own, asked for one case at a time (it rebuilds
+    the case from the sizes and arrays each request sends); a thread reads its output lines
+    into a queue. Restarted after a case that outlives its time."""
 
     def __init__(self, args, folder: str):
-        self.args, self.folder, self.process = args, folder, None
+        self.args, self.folder, self.process, self.lines = args, folder, None, None
 
     def _start(self):
         a = self.args
@@ -285,6 +286,15 @@ class FlexPeer:
                    "--reps", str(a.reps), "--case-timeout", str(a.case_timeout)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.lines = queue.Queue()
+
+        def read(stream, lines):
+            for line in stream:
+                lines.put(line)
+            lines.put(None)  # the peer exited
+
+        threading.Thread(target=read, args=(self.process.stdout, self.lines),
+                         daemon=True).start()
 
     def close(self):
         if self.process is not None:
@@ -301,14 +311,14 @@ class FlexPeer:
                    "args": case.args, "arrays": path}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        deadline, tail = time.time() + 2 * self.args.case_timeout + 60, []
-        while time.time() < deadline:
-            ready, _, _ = select.select([self.process.stdout], [], [], 1.0)
-            if not ready:
-                continue
-            line = self.process.stdout.readline()
-            if not line:
-                break  # the peer exited
+        deadline, tail = time.time() + self.args.case_timeout + 30, []
+        while (left := deadline - time.time()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                break
             if line.startswith("RECORD "):
                 return json.loads(line[len("RECORD "):])
             tail = (tail + [line.rstrip()])[-3:]
