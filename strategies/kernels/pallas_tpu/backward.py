@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .common import FULL, PARTIAL, TileMath, Visits, lanes, tile_coords
 from .config import LANES, SUBLANES
-from .forward import NN, NT, dot, named_refs, smem_specs
+from .forward import NN, NT, dot, emap_spec, named_refs, smem_specs
 
 
 def _total(x):
@@ -36,10 +36,10 @@ def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool
     """``(P, dS, qp, kp)`` of a tile: its probabilities, the gradient of its logits before
     the score function and the soft cap (that of ``softmax_scale * q . k``, the slopes' and
     the table's terms alike), and its positions for the terms' gradients."""
-    qi, ki, qp, kp, qs, ks = coords
+    qp, kp = coords[2:4]
     s, factor = math.logits(s, batch, head, qp, kp, r.get("slopes"), r.get("table"),
                             grad=True, far=far)
-    visible = math.visible(qi, ki, qp, kp, qs, ks) if masked else None
+    visible = math.visible(head, coords, r) if masked else None
     if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
     p = p_of(s)
@@ -162,11 +162,13 @@ def _dkv_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visit
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _token_specs(tokens: dict, q_spec, kv_spec):
-    """The per-token inputs in name order with their specs (query-side or key-side)."""
+def _token_specs(tokens: dict, q_spec, kv_spec, map_spec):
+    """The per-token inputs in name order with their specs (query-side, key-side, or the
+    element map's)."""
     names = sorted(tokens)
-    return ([tokens[n] for n in names], [q_spec(tokens[n]) if n.startswith("q")
-                                         else kv_spec(tokens[n]) for n in names], names)
+    spec = lambda n: (map_spec if n == "emap" else q_spec if n.startswith("q")  # noqa: E731
+                      else kv_spec)(tokens[n])
+    return [tokens[n] for n in names], [spec(n) for n in names], names
 
 
 _PARAMS = pltpu.CompilerParams(
@@ -195,7 +197,9 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
         (None, None, bq, width), lambda b, h, i, j, *_: (b, h, i, 0))
     toks, tok_specs, tok_names = _token_specs(
         tokens, lambda x: pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
-        lambda x: pl.BlockSpec((None, x.shape[1], bk), kv_token_map))
+        lambda x: pl.BlockSpec((None, x.shape[1], bk), kv_token_map),
+        lambda x: emap_spec(x, bq, bk, lambda b, h, i, j, block_ref, _: (
+            b, h, i, block_ref[vb.at(b, h, i, j)])))
     more, more_specs, more_names = smem_specs(math, slopes, table)
     arrays = [q, k, v, do, lse, delta, *toks, *more]
     specs = [row(dim), pl.BlockSpec((None, None, bk, dim), kv_map),
@@ -257,7 +261,9 @@ def dkv_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visit
         (None, None, bk, width_), lambda b, hk, n, t, *_: (b, hk, n, 0))
     toks, tok_specs, tok_names = _token_specs(
         tokens, lambda x: pl.BlockSpec((None, x.shape[1], bq), q_token_map),
-        lambda x: pl.BlockSpec((None, bk, LANES), lambda b, hk, n, t, *_: (b, n, 0)))
+        lambda x: pl.BlockSpec((None, bk, LANES), lambda b, hk, n, t, *_: (b, n, 0)),
+        lambda x: emap_spec(x, bk, bq, lambda b, hk, n, t, block_ref, _: (
+            b, head(hk, t), n, block_ref[vb.at(b, head(hk, t), n, t % width)])))
     more, more_specs, more_names = smem_specs(math, slopes, table)
     arrays = [q, k, v, do, lse, delta, *toks, *more]
     specs = [pl.BlockSpec((None, None, bq, dim), q_map), kv_spec(dim), kv_spec(dim_v),

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from eqx_bsattn.contract import BlockLayout, MaskTerms, pad_axis
+from eqx_bsattn.contract import BlockLayout, MaskTerms, TokenCoords, pad_axis
 
 from .config import LANES, SUBLANES
 
@@ -106,6 +106,12 @@ class TileMath:
     function: Callable | None = None  # a ScoreTerm without params
     positions: bool = False  # per-call positions (else the token indices)
     segment_ids: bool = False
+    #: Where the mask has no terms: a `CompiledMask` without layouts whose element predicate
+    #: (`CompiledMask.visible_at`) is traced into the kernels on their tiles' coordinates.
+    predicate: Any = None
+    #: Where that predicate cannot be traced there (it gathers from an array): partial blocks
+    #: read a tile of the call's element map instead (input ``emap``, int8).
+    elements: bool = False
 
     def far_tile(self, q_start, k_start, num_q: int, num_k: int, *, q_rows: bool = True):
         """Where positions are the token indices, ``(ahead, behind, d0, sign)`` of a tile
@@ -181,9 +187,17 @@ class TileMath:
             out = jnp.where(bucket == n, table_ref[head, n], out)
         return out
 
-    def visible(self, qi, ki, qp, kp, qs, ks):
-        """The mask terms on a tile: token indices `qi`, `ki` (keys past `kv_len` hidden),
-        positions `qp`, `kp`, segment ids `qs`, `ks` (``None`` without)."""
+    def visible(self, head, coords, refs):
+        """The mask on a tile: `coords` its `tile_coords` (keys past `kv_len` hidden), `head`
+        its query head (an int32 scalar), `refs` the kernel's inputs (the element map's tile,
+        ``emap``, where the call has one)."""
+        qi, ki, qp, kp, qs, ks = coords
+        if self.elements:
+            return refs["emap"][...].astype(jnp.int32) != 0
+        if self.predicate is not None:
+            q_len, kv_len = self.predicate.q_len, self.predicate.kv_len
+            return self.predicate.visible_at(head, TokenCoords(qi, qp, qs, q_len),
+                                             TokenCoords(ki, kp, ks, kv_len))
         ok = ki < self.kv_len
         t = self.terms
         if t is None:

@@ -10,9 +10,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Features, MaskReads,
-                                  ResolvedMask, add_sinks, backward_delta, pad_axis, public_lse,
-                                  typed_like, zero_cotangent)
+from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, CompiledMask,
+                                  Features, MaskReads, ResolvedMask, TokenCoords, add_sinks,
+                                  backward_delta, pad_axis, public_lse, typed_like,
+                                  zero_cotangent)
 
 from .backward import dkv_call, dq_call, table_rows
 from .common import TileMath, Visits, token_inputs, visits
@@ -99,7 +100,7 @@ class PallasTpuBlockSparse(AbstractLseKernel):
 
     name: ClassVar[str] = "pallas_tpu"
     platforms: ClassVar[tuple[str, ...]] = ("tpu", "cpu")
-    reads: ClassVar[MaskReads] = "terms"
+    reads: ClassVar[MaskReads] = "elements"
     score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "relative_bias", "function")
     config_type: ClassVar[type[AbstractKernelConfig]] = PallasTpuConfig
 
@@ -117,16 +118,6 @@ class PallasTpuBlockSparse(AbstractLseKernel):
             return "it has no additive bias."
         if features.dtype not in _DTYPES:
             return f"it runs bfloat16 or float32 inputs; got {features.dtype}."
-        terms = mask.terms
-        if terms is None:
-            return ("the mask has no in-kernel terms shared by every head (causal / window / "
-                    "chunk / prefix / document); this kernel reads no element bitmaps.")
-        if terms.tables:
-            tiles = list(self.adapt_tiling(self.default_tiling(features, mask),
-                                           features).blocks)
-            if features.positions or mask.kernel_terms(tiles) is None:
-                return ("the mask's block table is not held by the layouts at this kernel's "
-                        "tiles (or positions are per call); it has no in-kernel form.")
         return None
 
     def default_tiling(self, features: Features, mask: ResolvedMask) -> PallasTpuConfig:
@@ -143,9 +134,6 @@ class PallasTpuBlockSparse(AbstractLseKernel):
 
     def attention_with_lse(self, query, key, value, *, mask, inputs, features, tiling,
                            softmax_scale, logits_soft_cap):
-        if mask.terms is None:
-            raise ValueError("PallasTpuBlockSparse needs in-kernel mask terms at these tiles; "
-                             "the compiled mask has none.")
         if inputs.bias is not None:
             raise ValueError("PallasTpuBlockSparse has no additive bias; got one.")
         on_tpu = features.platform == "tpu" and jax.default_backend() == "tpu"
@@ -165,14 +153,18 @@ class PallasTpuBlockSparse(AbstractLseKernel):
             raise ValueError(
                 f"PallasTpuBlockSparse does not read a score function's `params` (got "
                 f"{score.function.__name__} with params); pass kernel=kernels.XlaBlockSparse().")
+        predicate = None if mask.terms is not None else _without_layouts(mask)
+        elements = predicate is not None and not _traces_on_tiles(predicate)
+        segment_ids = (mask.terms.segment_ids if mask.terms is not None
+                       else mask.uses_segment_ids and not elements)
         math = TileMath(
             terms=mask.terms, kv_len=kv_len, scale=float(softmax_scale),
             soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
             slopes=score is not None and score.slopes is not None,
             buckets=None if score is None or score.table is None else score.buckets,
             function=None if score is None else score.function,
-            positions=inputs.q_positions is not None,
-            segment_ids=mask.terms.segment_ids)
+            positions=inputs.q_positions is not None, segment_ids=segment_ids,
+            predicate=None if elements else predicate, elements=elements)
         lists = (visits(fwd, transposed=False, rows=lq // blocks[0][0]),
                  visits(dq, transposed=False, rows=lq // blocks[1][0]),
                  visits(dkv, transposed=True, rows=lk // blocks[2][1]))
@@ -180,6 +172,9 @@ class PallasTpuBlockSparse(AbstractLseKernel):
                          interpret)
         tokens = (token_inputs(inputs, math, lq, lk, q_rows=True),
                   token_inputs(inputs, math, lq, lk, q_rows=False))
+        if elements:
+            emap = element_map(mask, inputs, lq, lk)
+            tokens[0]["emap"], tokens[1]["emap"] = emap, jnp.swapaxes(emap, 2, 3)
         arrays = tuple(jnp.asarray(a, jnp.int32) for x in lists for a in (x.block, x.kind))
         q, k, v = pad_axis(query, 2, lq), pad_axis(key, 2, lk), pad_axis(value, 2, lk)
         if features.platform == "tpu":
@@ -192,6 +187,77 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         if inputs.sinks is not None:
             out, lse = add_sinks(out, lse, inputs.sinks)
         return out.astype(query.dtype), lse
+
+
+def _without_layouts(mask: CompiledMask) -> CompiledMask:
+    """`mask` without its layouts: hashable (where its predicate holds no array), a static
+    part of the kernels' tile math."""
+    return CompiledMask(None, None, None, mask.predicate, mask.terms, mask.head_terms,
+                        mask.q_len, mask.kv_len, mask.num_heads, mask.hides_padding)
+
+
+#: Operations that index an array by traced values: a kernel body cannot run them on a TPU.
+_GATHERS = frozenset({"gather", "dynamic_slice", "dynamic_update_slice", "scatter",
+                      "scatter-add"})
+
+
+def _jaxprs(params):
+    """The jaxprs among an equation's parameters (branches of a `cond`, bodies of loops)."""
+    for value in params.values():
+        for x in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(x, "jaxpr") and hasattr(x, "consts"):  # a closed jaxpr
+                yield x.jaxpr
+            elif hasattr(x, "eqns"):
+                yield x
+
+
+def _pure(jaxpr) -> bool:
+    """Whether `jaxpr` indexes no array (`_GATHERS`), here or in a nested jaxpr."""
+    return all(eqn.primitive.name not in _GATHERS and all(_pure(j) for j in _jaxprs(eqn.params))
+               for eqn in jaxpr.eqns)
+
+
+def _traces_on_tiles(predicate: CompiledMask) -> bool:
+    """Whether the mask's element predicate runs inside a kernel body on int32 tiles: it
+    closes over no array (a table, an `ArrayMask`) and indexes none, and is hashable."""
+    if any(eqx.is_array(x) for x in jax.tree.leaves(predicate.predicate)):
+        return False
+    try:
+        hash(predicate)
+    except TypeError:
+        return False
+    tile = jax.ShapeDtypeStruct((SUBLANES, LANES), jnp.int32)
+    seg = tile if predicate.uses_segment_ids else None
+
+    def body(head, qi, ki, qp, kp, qs, ks):
+        return predicate.visible_at(head, TokenCoords(qi, qp, qs, predicate.q_len),
+                                    TokenCoords(ki, kp, ks, predicate.kv_len))
+
+    closed = jax.make_jaxpr(body)(jax.ShapeDtypeStruct((), jnp.int32), tile, tile, tile, tile,
+                                  seg, seg)
+    return not closed.consts and _pure(closed.jaxpr)
+
+
+def element_map(mask: CompiledMask, inputs, lq: int, lk: int):
+    """The mask's element predicate on every pair of the padded lengths, as int8
+    ``[mb, mh, lq, lk]`` (``mb``: the batch where per-call positions or segment ids shape
+    the mask, else 1; ``mh``: the heads where they see different masks, else 1): the tiles
+    that partial blocks read where the predicate cannot run inside the kernels."""
+    names = ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids")
+    data = {n: getattr(inputs, n) for n in names}
+    if not mask.uses_segment_ids:
+        data["q_segment_ids"] = data["kv_segment_ids"] = None
+    batched = {n: x for n, x in data.items() if x is not None}
+    heads = mask.num_heads if mask.head_dependent else 1
+    qi = jnp.arange(lq, dtype=jnp.int32)[:, None]
+    ki = jnp.arange(lk, dtype=jnp.int32)[None, :]
+
+    def one(arrays):
+        per_head = lambda h: mask.visible(h, qi, ki, **arrays)  # noqa: E731
+        return jax.vmap(per_head)(jnp.arange(heads, dtype=jnp.int32))
+
+    out = jax.vmap(one)(batched) if batched else one({})[None]
+    return out.astype(jnp.int8)
 
 
 def _multiple(length: int, blocks) -> int:
