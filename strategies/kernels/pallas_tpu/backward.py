@@ -51,32 +51,53 @@ def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool
     return p, ds, qp, kp
 
 
+def _bucket_sums(math: TileMath, rows, bucket, ds):
+    """A ``[rows, 128]`` block with the sum of `ds` over bucket ``n`` in row ``n``."""
+    acc = jnp.zeros(rows.shape, jnp.float32)
+    for n in range(math.buckets.num_buckets):
+        acc = jnp.where(rows == n, _total(jnp.where(bucket == n, ds, 0.0)), acc)
+    return acc
+
+
 def _table_grad(math: TileMath, dtable_ref, ds, qp, kp, far):
     """Add a tile's share of the table's gradient to its ``[rows, 128]`` block (bucket
-    ``n``'s in row ``n``, every lane): the sum of dS over the tile's pairs in each bucket;
-    one sum for a tile that lies in a far bucket (`TileMath.far_tile`); the buckets of a
-    near tile by diagonals where positions are the token indices."""
+    ``n``'s in row ``n``, every lane): the sum of dS over the tile's pairs in each bucket.
+    Where positions are the token indices (`far` is the tile's `TileMath.far_tile`): one sum
+    for a tile that lies in a far bucket; on the others, piece by piece (`TileMath.pieces`),
+    one sum for a piece in a far bucket, and on the rest the sums of the piece's diagonals
+    (`TileMath.diagonal_sums`) gathered by the diagonals' buckets."""
     rows = jax.lax.broadcasted_iota(jnp.int32, dtable_ref.shape, 0)
-
-    def near():
-        if far is None:
-            bucket = math.buckets.bucket(qp - kp)
-        else:
-            bucket = math.diagonal_tile(math.buckets.bucket, far[2], ds.shape, far[3])
-        acc = jnp.zeros(dtable_ref.shape, jnp.float32)
-        for n in range(math.buckets.num_buckets):
-            acc = jnp.where(rows == n, _total(jnp.where(bucket == n, ds, 0.0)), acc)
-        dtable_ref[...] += acc
-
     if far is None:
-        near()
+        dtable_ref[...] += _bucket_sums(math, rows, math.buckets.bucket(qp - kp), ds)
         return
     (_, ahead), (_, behind) = math.buckets.far_buckets()
+    sign = far[3]
+
+    def add_far(total, is_ahead, is_behind):
+        dtable_ref[...] += (jnp.where(rows == ahead, jnp.where(is_ahead, total, 0.0), 0.0)
+                            + jnp.where(rows == behind, jnp.where(
+                                jnp.logical_and(is_behind, jnp.logical_not(is_ahead)),
+                                total, 0.0), 0.0))
+
+    def near():
+        for r, c, d, is_ahead, is_behind in math.pieces(far, ds.shape):
+            piece = ds[r, c]
+            add_far(_total(piece), is_ahead, is_behind)
+
+            def diagonals(piece=piece, d=d):
+                upper, lower = math.diagonal_sums(piece)
+                j = jax.lax.broadcasted_iota(jnp.int32, upper.shape, 1)
+                width = upper.shape[1]
+                dtable_ref[...] += (
+                    _bucket_sums(math, rows, math.buckets.bucket(d + sign * j), upper)
+                    + _bucket_sums(math, rows, math.buckets.bucket(d + sign * (j - width)),
+                                   lower))
+
+            pl.when(jnp.logical_not(jnp.logical_or(is_ahead, is_behind)))(diagonals)
+
     ahead_far, behind_far = far[:2]
-    add = lambda n: dtable_ref.__setitem__(  # noqa: E731
-        Ellipsis, dtable_ref[...] + jnp.where(rows == n, _total(ds), 0.0))
-    pl.when(ahead_far)(lambda: add(ahead))
-    pl.when(jnp.logical_and(jnp.logical_not(ahead_far), behind_far))(lambda: add(behind))
+    pl.when(jnp.logical_or(ahead_far, behind_far))(
+        lambda: add_far(_total(ds), ahead_far, behind_far))
     pl.when(jnp.logical_not(jnp.logical_or(ahead_far, behind_far)))(near)
 
 

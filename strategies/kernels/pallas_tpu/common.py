@@ -118,7 +118,7 @@ class TileMath:
         (queries `q_start` ..., keys `k_start` ...; along its rows where `q_rows`): scalar
         booleans saying that every pair lies in the table's last bucket ahead / behind
         (`RelativeBuckets.far_buckets`), whose entry is then one scalar, and the distance of
-        pair ``(r, c)``, ``d0 + sign * (c - r)`` (`diagonal_tile`). ``None`` without a
+        pair ``(r, c)``, ``d0 + sign * (c - r)`` (`pieces`). ``None`` without a
         table or with per-call positions."""
         if self.buckets is None or self.positions:
             return None
@@ -127,23 +127,83 @@ class TileMath:
         d_max = q_start + num_q - 1 - k_start
         return d_min >= gap_ahead, d_max <= -gap_behind, q_start - k_start, -1 if q_rows else 1
 
-    def diagonal_tile(self, fn, d0, shape, sign: int):
-        """``fn(d)`` on a tile whose pairs have ``d = d0 + sign * (c - r)`` (row ``r``, column
-        ``c``; positions are the token indices, so ``fn(d)`` is constant along each diagonal):
-        formed once per diagonal on one ``[8, W]`` block (``W >= rows + cols - 1``, whole
-        lanes), each row of the tile being that row rotated by its row index (a strided lane
-        roll). `fn` maps int32 distances to a 32-bit array of their shape."""
-        rows, cols = shape
-        width = -(-(rows + cols - 1) // LANES) * LANES
-        j = jax.lax.broadcasted_iota(jnp.int32, (SUBLANES, width), 1)
-        offset = jnp.where(j < cols, j, j - width)  # c - r of the pairs that lane j serves
-        tile = jnp.broadcast_to(fn(d0 + sign * offset)[:1, :], (rows, width))
-        return pltpu.roll(tile, 0, 1, stride=1, stride_axis=0)[:, :cols]
+    def pieces(self, far, shape):
+        """The pieces a near tile's table term is formed on, ``(rows, cols, d, ahead,
+        behind)`` each: its row and column slices, the distance of its first pair (pair
+        ``(r, c)`` of the piece is at ``d + sign * (c - r)``) and scalar booleans saying that
+        every pair lies in the last bucket ahead / behind (`far_tile`'s test on the piece).
+        Pieces are 128 x 128 (one vector register wide), or a whole axis that is not a
+        multiple of 128 (interpreted odd tiles)."""
+        (gap_ahead, _), (gap_behind, _) = self.buckets.far_buckets()
+        _, _, d0, sign = far
+        size_r, size_c = (LANES if n % LANES == 0 else n for n in shape)
+        out = []
+        for r in range(0, shape[0], size_r):
+            for c in range(0, shape[1], size_c):
+                d = d0 + sign * (c - r)
+                # Over the piece's pairs c - r runs from -(size_r - 1) to size_c - 1.
+                lo, hi = sorted((sign * -(size_r - 1), sign * (size_c - 1)))
+                out.append((slice(r, r + size_r), slice(c, c + size_c), d,
+                            d + lo >= gap_ahead, d + hi <= -gap_behind))
+        return out
 
-    def table_toeplitz(self, table_ref, head, d0, shape, sign: int):
-        """``table[head, bucket(d)]`` on a tile (`diagonal_tile`)."""
-        return self.diagonal_tile(
-            lambda d: self.table_tile(self.buckets.bucket(d), head, table_ref), d0, shape, sign)
+    @staticmethod
+    def _pad(shape):
+        """Lanes of a piece's diagonal vectors: whole registers, at least its rows and cols."""
+        return -(-max(shape) // LANES) * LANES
+
+    def diagonal_piece(self, fn, d, shape, sign: int):
+        """``fn(e)`` on a piece whose pair ``(r, c)`` is at ``e = d + sign * (c - r)``: `fn`
+        runs on two ``[8, P]`` blocks (P whole lanes, at least the piece's sides), one for the
+        diagonals on and above the main one (``c - r = j``), one for those below (``c - r =
+        j - P``); each row of the piece is then those rotated by its row index (a strided
+        lane roll of one register per 8 rows) and the two joined at the main diagonal.
+        `fn` maps int32 distances to a 32-bit array of their shape."""
+        rows, cols = shape
+        width = self._pad(shape)
+        j = jax.lax.broadcasted_iota(jnp.int32, (SUBLANES, width), 1)
+
+        def spread(v):
+            tile = jnp.broadcast_to(v[:1, :], (rows, width))
+            return pltpu.roll(tile, 0, 1, stride=1, stride_axis=0)[:, :cols]
+
+        upper = (jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+                 >= jax.lax.broadcasted_iota(jnp.int32, shape, 0))
+        return jnp.where(upper, spread(fn(d + sign * j)), spread(fn(d + sign * (j - width))))
+
+    def diagonal_sums(self, x):
+        """``(upper, lower)`` ``[1, P]`` sums of a piece's diagonals (`diagonal_piece`'s
+        layout): ``upper[j]`` of the pairs at ``c - r = j``, ``lower[j]`` at ``c - r = j - P``;
+        each row rotated back by its row index (a strided roll by ``P - 1`` per row), then
+        summed over the rows."""
+        rows, cols = x.shape
+        width = self._pad(x.shape)
+        upper = (jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+                 >= jax.lax.broadcasted_iota(jnp.int32, x.shape, 0))
+
+        def gather(t):
+            if cols < width:
+                t = jnp.concatenate([t, jnp.zeros((rows, width - cols), t.dtype)], axis=1)
+            t = pltpu.roll(t, 0, 1, stride=width - 1, stride_axis=0)
+            return jnp.sum(t, axis=0, keepdims=True)
+
+        return gather(jnp.where(upper, x, 0.0)), gather(jnp.where(upper, 0.0, x))
+
+    def table_near(self, table_ref, head, far, shape):
+        """``table[head, bucket(d)]`` on a tile that `far_tile` finds near: piece by piece
+        (`pieces`), a scalar on a piece whose pairs all lie in a far bucket, the diagonals'
+        entries (`diagonal_piece`) on the others."""
+        (_, ahead), (_, behind) = self.buckets.far_buckets()
+        entry = lambda d: self.table_tile(self.buckets.bucket(d), head, table_ref)  # noqa: E731
+        grid = {}
+        for rows, cols, d, is_ahead, is_behind in self.pieces(far, shape):
+            size = (rows.stop - rows.start, cols.stop - cols.start)
+            scalar = jnp.where(is_ahead, table_ref[head, ahead], table_ref[head, behind])
+            grid.setdefault(rows.start, []).append(jax.lax.cond(
+                jnp.logical_or(is_ahead, is_behind),
+                lambda scalar=scalar, size=size: jnp.broadcast_to(scalar, size),
+                lambda d=d, size=size: self.diagonal_piece(entry, d, size, far[3])))
+        return jnp.concatenate([jnp.concatenate(row, axis=1) for row in grid.values()], axis=0)
 
     def logits(self, s, batch, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None):
         """``(s, factor)``: the tile's logits from ``q . k`` (float32), and where `grad` the
@@ -158,9 +218,9 @@ class TileMath:
             if far is None:
                 s = base + self.table_tile(self.buckets.bucket(qp - kp), head, table_ref)
             else:
-                ahead_far, behind_far, d0, sign = far
-                near = lambda: base + self.table_toeplitz(  # noqa: E731
-                    table_ref, head, d0, s.shape, sign)
+                ahead_far, behind_far = far[:2]
+                near = lambda: base + self.table_near(  # noqa: E731
+                    table_ref, head, far, s.shape)
                 (_, ahead), (_, behind) = self.buckets.far_buckets()
                 s = jax.lax.cond(ahead_far, lambda: base + table_ref[head, ahead], lambda: (
                     jax.lax.cond(behind_far, lambda: base + table_ref[head, behind], near)))

@@ -12,7 +12,8 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks, scores
-from eqx_bsattn.strategies.kernels.pallas_tpu.common import FULL, PARTIAL, SKIP, visits
+from eqx_bsattn.strategies.kernels.pallas_tpu.common import (FULL, PARTIAL, SKIP, TileMath,
+                                                            visits)
 from eqx_bsattn.strategies.kernels.pallas_tpu.kernel import (_traces_on_tiles,
                                                             _without_layouts, element_map)
 from tests.conftest import jnp_attention_f64, np_visibility, score_f64, sorted_segments
@@ -80,6 +81,7 @@ class Case:
     #: NumPy visibility ``(head, q_pos [n, 1], k_pos [1, m]) -> bool`` where `np_visibility`
     #: has none (masks that read the head or an array).
     reference: object = None
+    tiles: object = TILES
 
 
 CASES = {
@@ -102,6 +104,10 @@ CASES = {
 }
 # Masks without in-kernel terms: traced into the kernels, or (an array) read as element tiles.
 CASES.update({
+    # Tiles of 2 x 2 and 2 x 1 pieces: near tiles with pieces in a far bucket and pieces not.
+    "table_pieces_cross": Case(masks.Full(), heads=2, kv_heads=1, q_len=260, kv_len=300,
+                               dim=32, value_dim=32, score="table",
+                               tiles=kernels.PallasTpuConfig(256, 256, 256, 128)),
     "predicate_head_table": Case(masks.Predicate(window_by_head), score="table",
                                  reference=lambda h, q, k: window_by_head(q, k, h)),
     "dilated_or_global_cross": Case((masks.Dilated(2) & masks.Causal(bottom_right=True))
@@ -190,7 +196,8 @@ def _ours(case: Case, mask, args, data, cot):
         arrays = {n: args[n] for n in ("slopes", "table") if n in args}
         attn = bsa.BlockSparseAttention(mask=mask, score=_score(case, arrays),
                                         logits_soft_cap=case.soft_cap,
-                                        kernel=kernels.PallasTpuBlockSparse(), tiling=TILES)
+                                        kernel=kernels.PallasTpuBlockSparse(),
+                                        tiling=case.tiles)
         out = attn(args["q"], args["k"], args["v"], sinks=args.get("sinks"), **data)
         return jnp.vdot(out, cot), out
 
@@ -250,6 +257,41 @@ def test_matches_the_oracle(name):
         assert (np.asarray(out)[dead] == 0).all() and (np.asarray(grads["q"])[dead] == 0).all()
     if name == "fully_masked_rows":
         assert dead.any()
+
+
+@pytest.mark.parametrize("sign, shape, q0, k0", [(-1, (256, 384), 300, 0),
+                                                  (1, (256, 128), 300, 0)])
+def test_table_pieces_and_diagonal_sums(sign, shape, q0, k0):
+    """A near tile's table term, formed piece by piece (far pieces as one scalar, the others
+    by diagonals), is the entry of each pair's bucket; a piece's diagonal sums are those of
+    its pairs by ``c - r``. Tiles along queries (``sign = -1``) and along keys."""
+    table = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32)), jnp.float32)
+    buckets = scores.RelativePositionBias(table).buckets
+    math = TileMath(terms=None, kv_len=1000, scale=1.0, soft_cap=None, buckets=buckets)
+    rows, cols = shape
+    far = (math.far_tile(q0, k0, rows, cols) if sign < 0
+           else math.far_tile(q0, k0, cols, rows, q_rows=False))
+    assert not far[0] and not far[1]
+    pieces = math.pieces(far, shape)
+    assert {(bool(a), bool(b)) for *_, a, b in pieces} >= {(False, False), (True, False)}
+    x = jnp.asarray(np.random.default_rng(1).standard_normal(shape), jnp.float32)
+
+    @jax.jit
+    def run(x):
+        sums = [math.diagonal_sums(x[r, c]) for r, c, *_ in pieces]
+        return math.table_near(table, 1, far, shape), sums
+
+    got, sums = run(x)
+    r, c = np.arange(rows)[:, None], np.arange(cols)[None, :]
+    bucket = np.asarray(buckets.bucket(jnp.asarray(far[2] + sign * (c - r))))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(table)[1][bucket])
+    for (rs, cs, *_), (upper, lower) in zip(pieces, sums):
+        width = upper.shape[1]
+        diag = (c[:, cs] - cs.start) - (r[rs] - rs.start)
+        piece = np.asarray(x)[rs, cs]
+        for got_sums, offset in ((upper, 0), (lower, -width)):
+            want = [piece[diag == j + offset].sum() for j in range(width)]
+            np.testing.assert_allclose(np.asarray(got_sums)[0], want, atol=1e-4)
 
 
 def test_visit_lists_put_full_blocks_first_and_repeat_the_last():
