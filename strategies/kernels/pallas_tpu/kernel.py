@@ -62,11 +62,15 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     then PARTIAL blocks of the compiled layout) is prefetched into scalar memory and read by
     the K / V (or Q / dO) index maps, so blocks the mask leaves empty are never fetched.
     Partial blocks evaluate the canonical mask terms (causal with an offset, a window,
-    chunks, a prefix, segment ids) on the call's positions. The score terms run in every
-    visited block: ALiBi slopes and the relative-position table from scalar memory (the table
-    through T5's bucket thresholds, one select per bucket), a `ScoreFunction` traced into
-    the kernel body; then the soft cap. The forward keeps an online softmax in float32
-    scratch and returns the log-sum-exp; sinks join after it (`add_sinks`).
+    chunks, a prefix, segment ids) on the call's positions; a mask without them has its
+    element predicate (`CompiledMask.visible_at`) traced into the kernels on the tiles'
+    token indices, positions and segment ids, or, where that predicate indexes an array (an
+    `ArrayMask`), reads tiles of the call's element map (`element_map`). The score terms run
+    in every visited block: ALiBi slopes and the relative-position table from scalar memory
+    (the table through T5's bucket thresholds, one scalar on whole pieces in a far bucket,
+    by diagonals on the others), a `ScoreFunction` traced into the kernel body; then the
+    soft cap. The forward keeps an online softmax in float32 scratch and returns the
+    log-sum-exp; sinks join after it (`add_sinks`).
 
     The backward is a dq kernel over the dq layout and a dk/dv kernel over the transposed
     lists, which walks every query head of a kv head's group (K / V are never repeated);
@@ -76,9 +80,8 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     and added up after it.
 
     Features: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths, soft cap, sinks, segment
-    ids, per-call positions, fully masked rows (zeros), every score term. Declines: an
-    additive bias, float16, masks without in-kernel terms shared by every head (they need
-    element bitmaps, which it does not read yet). Its config is `PallasTpuConfig`.
+    ids, per-call positions, fully masked rows (zeros), every score term, every mask.
+    Declines: an additive bias, float16. Its config is `PallasTpuConfig`.
 
     Runs on a TPU, and anywhere in Pallas' interpret mode (`interpret`): its tests run it so
     on the CPU. The selector picks it on a TPU below `SplashBlockSparse`, so it takes the
