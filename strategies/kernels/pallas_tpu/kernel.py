@@ -81,7 +81,8 @@ class PallasTpuBlockSparse(AbstractLseKernel):
 
     Features: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths, soft cap, sinks, segment
     ids, per-call positions, fully masked rows (zeros), every score term, every mask.
-    Declines: an additive bias, float16. Its config is `PallasTpuConfig`.
+    Declines: an additive bias, float16, an element map over 4 GiB. Its config is
+    `PallasTpuConfig`.
 
     Runs on a TPU, and anywhere in Pallas' interpret mode (`interpret`): its tests run it so
     on the CPU. The selector picks it on a TPU below `SplashBlockSparse`, so it takes the
@@ -121,6 +122,15 @@ class PallasTpuBlockSparse(AbstractLseKernel):
             return "it has no additive bias."
         if features.dtype not in _DTYPES:
             return f"it runs bfloat16 or float32 inputs; got {features.dtype}."
+        tiles = self.adapt_tiling(self.default_tiling(features, mask), features).blocks
+        if mask.kernel_terms(list(tiles)) is None:
+            predicate = CompiledMask(None, None, None, mask.mask, None, mask.head_terms,
+                                     mask.q_len, mask.kv_len, mask.num_heads)
+            size = _element_map_bytes(predicate, features)
+            if not _traces_on_tiles(predicate) and size > _ELEMENT_MAP_LIMIT:
+                return (f"the mask's element predicate indexes an array, so it would read an "
+                        f"element map of {size / 2**30:.1f} GiB per call (at most "
+                        f"{_ELEMENT_MAP_LIMIT // 2**30} GiB).")
         return None
 
     def default_tiling(self, features: Features, mask: ResolvedMask) -> PallasTpuConfig:
@@ -239,6 +249,18 @@ def _traces_on_tiles(predicate: CompiledMask) -> bool:
     closed = jax.make_jaxpr(body)(jax.ShapeDtypeStruct((), jnp.int32), tile, tile, tile, tile,
                                   seg, seg)
     return not closed.consts and _pure(closed.jaxpr)
+
+
+#: The largest element map (and its transposed copy) a call may build, in bytes.
+_ELEMENT_MAP_LIMIT = 4 * 2**30
+
+
+def _element_map_bytes(mask: CompiledMask, features: Features) -> int:
+    """The bytes of the element map and its transposed copy (`element_map`) for a call."""
+    per_call = features.positions or (features.segment_ids and mask.uses_segment_ids)
+    batch = features.batch if per_call else 1
+    heads = mask.num_heads if mask.head_dependent else 1
+    return 2 * batch * heads * features.q_len * features.kv_len
 
 
 def element_map(mask: CompiledMask, inputs, lq: int, lk: int):

@@ -339,6 +339,14 @@ def test_declines_name_the_reason():
     union = bsa.ResolvedMask(masks.Dilated(2) | masks.Causal(), q_len=256, kv_len=256,
                              num_heads=2)
     assert kernel.decline_reason(union, bsa.Features(**TPU)) is None
+    indexing = masks.Predicate(lambda q, k, w: q - k < w[0], jnp.asarray([9]))
+    long = {**TPU, "q_len": 65536, "kv_len": 65536}
+    big = bsa.ResolvedMask(indexing, q_len=65536, kv_len=65536, num_heads=16)
+    assert kernel.decline_reason(big, bsa.Features(**long)) == (
+        "the mask's element predicate indexes an array, so it would read an element map of "
+        "8.0 GiB per call (at most 4 GiB).")
+    small = bsa.ResolvedMask(indexing, q_len=8192, kv_len=8192, num_heads=16)
+    assert kernel.decline_reason(small, bsa.Features(**TPU)) is None
     assert kernel.decline_reason(resolved, bsa.Features(**TPU)) is None
     assert kernels.PallasTpuBlockSparse.priority("cpu") is None
 
