@@ -85,13 +85,9 @@ def _table_grad(math: TileMath, dtable_ref, ds, qp, kp, far):
             add_far(_total(piece), is_ahead, is_behind)
 
             def diagonals(piece=piece, d=d):
-                upper, lower = math.diagonal_sums(piece)
-                j = jax.lax.broadcasted_iota(jnp.int32, upper.shape, 1)
-                width = upper.shape[1]
-                dtable_ref[...] += (
-                    _bucket_sums(math, rows, math.buckets.bucket(d + sign * j), upper)
-                    + _bucket_sums(math, rows, math.buckets.bucket(d + sign * (j - width)),
-                                   lower))
+                sums = math.diagonal_sums(piece)
+                bucket = math.buckets.bucket(math.diagonal_distances(d, sign, sums.shape))
+                dtable_ref[...] += _bucket_sums(math, rows, bucket, sums)
 
             pl.when(jnp.logical_not(jnp.logical_or(is_ahead, is_behind)))(diagonals)
 

@@ -152,30 +152,39 @@ class TileMath:
         """Lanes of a piece's diagonal vectors: whole registers, at least its rows and cols."""
         return -(-max(shape) // LANES) * LANES
 
+    def diagonal_distances(self, d, sign: int, shape):
+        """The distances of the diagonals of a piece whose pair ``(r, c)`` is at ``d + sign *
+        (c - r)``, on a block of `shape` ``[n >= 2, P]``: lane ``j`` of row 0 is the diagonal
+        ``c - r = j`` (on and above the main one), of row 1 the diagonal ``c - r = j - P``
+        (below it); other rows repeat row 0."""
+        j = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+        below = jax.lax.broadcasted_iota(jnp.int32, shape, 0) == 1
+        return d + sign * jnp.where(below, j - shape[1], j)
+
     def diagonal_piece(self, fn, d, shape, sign: int):
         """``fn(e)`` on a piece whose pair ``(r, c)`` is at ``e = d + sign * (c - r)``: `fn`
-        runs on two ``[8, P]`` blocks (P whole lanes, at least the piece's sides), one for the
-        diagonals on and above the main one (``c - r = j``), one for those below (``c - r =
-        j - P``); each row of the piece is then those rotated by its row index (a strided
-        lane roll of one register per 8 rows) and the two joined at the main diagonal.
-        `fn` maps int32 distances to a 32-bit array of their shape."""
+        runs once on one ``[8, P]`` block of the diagonals' distances (`diagonal_distances`:
+        P whole lanes, at least the piece's sides); each row of the piece is then the row of
+        the diagonals above, and that of those below, rotated by its row index (a strided
+        lane roll of one register per 8 rows), the two joined at the main diagonal. `fn`
+        maps int32 distances to a 32-bit array of their shape."""
         rows, cols = shape
         width = self._pad(shape)
-        j = jax.lax.broadcasted_iota(jnp.int32, (SUBLANES, width), 1)
+        v = fn(self.diagonal_distances(d, sign, (SUBLANES, width)))
 
-        def spread(v):
-            tile = jnp.broadcast_to(v[:1, :], (rows, width))
+        def spread(row):
+            tile = jnp.broadcast_to(row, (rows, width))
             return pltpu.roll(tile, 0, 1, stride=1, stride_axis=0)[:, :cols]
 
         upper = (jax.lax.broadcasted_iota(jnp.int32, shape, 1)
                  >= jax.lax.broadcasted_iota(jnp.int32, shape, 0))
-        return jnp.where(upper, spread(fn(d + sign * j)), spread(fn(d + sign * (j - width))))
+        return jnp.where(upper, spread(v[0:1, :]), spread(v[1:2, :]))
 
     def diagonal_sums(self, x):
-        """``(upper, lower)`` ``[1, P]`` sums of a piece's diagonals (`diagonal_piece`'s
-        layout): ``upper[j]`` of the pairs at ``c - r = j``, ``lower[j]`` at ``c - r = j - P``;
-        each row rotated back by its row index (a strided roll by ``P - 1`` per row), then
-        summed over the rows."""
+        """A ``[2, P]`` block of the sums of a piece's diagonals, in `diagonal_distances`'
+        layout: lane ``j`` of row 0 sums the pairs at ``c - r = j``, of row 1 those at ``c - r
+        = j - P``; each row of the piece rotated back by its row index (a strided roll by
+        ``P - 1`` per row), then summed over the rows."""
         rows, cols = x.shape
         width = self._pad(x.shape)
         upper = (jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
@@ -187,7 +196,8 @@ class TileMath:
             t = pltpu.roll(t, 0, 1, stride=width - 1, stride_axis=0)
             return jnp.sum(t, axis=0, keepdims=True)
 
-        return gather(jnp.where(upper, x, 0.0)), gather(jnp.where(upper, 0.0, x))
+        return jnp.concatenate([gather(jnp.where(upper, x, 0.0)),
+                                gather(jnp.where(upper, 0.0, x))], axis=0)
 
     def table_near(self, table_ref, head, far, shape):
         """``table[head, bucket(d)]`` on a tile that `far_tile` finds near: piece by piece
