@@ -181,23 +181,35 @@ class TileMath:
         return jnp.where(upper, spread(v[0:1, :]), spread(v[1:2, :]))
 
     def diagonal_sums(self, x):
-        """A ``[2, P]`` block of the sums of a piece's diagonals, in `diagonal_distances`'
-        layout: lane ``j`` of row 0 sums the pairs at ``c - r = j``, of row 1 those at ``c - r
-        = j - P``; each row of the piece rotated back by its row index (a strided roll by
-        ``P - 1`` per row), then summed over the rows."""
+        """A ``[2, P]`` block of the sums of a ``[R, C]`` piece's diagonals, in
+        `diagonal_distances`' layout: lane ``j`` of row 0 sums the pairs at ``c - r = j``, of
+        row 1 those at ``c - r = j - P``. Row ``r`` must move left by ``r`` lanes, which a
+        strided roll cannot do on a TPU (its stride may not exceed what one 8-row register
+        spans), so the piece's rows are reversed on the MXU (a product with the exchange
+        matrix: one exact product by 1.0 per output at the highest precision) and row ``r' =
+        R - 1 - r`` rolled right by ``r'`` (stride 1, as `diagonal_piece`) after one roll of
+        the piece by ``P - (R - 1)``: row ``r``'s element ``(r + j) mod P`` lands on lane
+        ``j``, above the main diagonal where ``r + j < P``; then summed over the rows."""
         rows, cols = x.shape
         width = self._pad(x.shape)
-        upper = (jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-                 >= jax.lax.broadcasted_iota(jnp.int32, x.shape, 0))
-
-        def gather(t):
-            if cols < width:
-                t = jnp.concatenate([t, jnp.zeros((rows, width - cols), t.dtype)], axis=1)
-            t = pltpu.roll(t, 0, 1, stride=width - 1, stride_axis=0)
-            return jnp.sum(t, axis=0, keepdims=True)
-
-        return jnp.concatenate([gather(jnp.where(upper, x, 0.0)),
-                                gather(jnp.where(upper, 0.0, x))], axis=0)
+        if cols < width:
+            x = jnp.concatenate([x, jnp.zeros((rows, width - cols), x.dtype)], axis=1)
+        square = (rows, rows)
+        exchange = (jax.lax.broadcasted_iota(jnp.int32, square, 0)
+                    + jax.lax.broadcasted_iota(jnp.int32, square, 1) == rows - 1)
+        t = jax.lax.dot(exchange.astype(jnp.float32), x.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+        shift = (width - (rows - 1)) % width
+        if shift:
+            t = pltpu.roll(t, shift, 1)
+        t = pltpu.roll(t, 0, 1, stride=1, stride_axis=0)
+        # Row r' holds original row r = R - 1 - r'; lane j is the pair (r, r + j mod P).
+        upper = ((rows - 1 - jax.lax.broadcasted_iota(jnp.int32, t.shape, 0))
+                 + jax.lax.broadcasted_iota(jnp.int32, t.shape, 1) < width)
+        return jnp.concatenate([jnp.sum(jnp.where(upper, t, 0.0), axis=0, keepdims=True),
+                                jnp.sum(jnp.where(upper, 0.0, t), axis=0, keepdims=True)],
+                               axis=0)
 
     def table_near(self, table_ref, head, far, shape):
         """``table[head, bucket(d)]`` on a tile that `far_tile` finds near: piece by piece

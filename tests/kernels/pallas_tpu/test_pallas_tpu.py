@@ -4,6 +4,7 @@ compiled on a TPU (float32 inputs, products at the highest precision); its visit
 the selector. The conformance suite runs it over its own cases too."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -292,6 +293,61 @@ def test_table_pieces_and_diagonal_sums(sign, shape, q0, k0):
         for row, offset in ((0, 0), (1, -width)):
             want = [piece[diag == j + offset].sum() for j in range(width)]
             np.testing.assert_allclose(np.asarray(got_sums)[row], want, atol=1e-4)
+
+
+@pytest.fixture
+def v5e_lowering(monkeypatch):
+    """The Mosaic modules of the TPU kernels a program lowers to, as text, lowered for a TPU
+    v5e on this host (Pallas lowers TPU kernels in Python; Mosaic compiles them on the
+    chip): ``lower(fn, *args)`` returns ``{kernel name: module text}``."""
+    from jax._src import tpu_custom_call
+    from jax._src.pallas.mosaic import tpu_info
+
+    modules = []
+    serialize = tpu_custom_call._lower_mosaic_module_to_asm
+
+    def capture(module, **kwargs):
+        modules.append(str(module))
+        return serialize(module, **kwargs)
+
+    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
+    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+    monkeypatch.setattr(tpu_custom_call, "_lower_mosaic_module_to_asm", capture)
+
+    def lower(fn, *args):
+        modules.clear()
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+        return {re.search(r"func\.func @(\w+)", m).group(1): m for m in modules}
+
+    return lower
+
+
+def test_strided_rolls_fit_a_v5e_register(v5e_lowering):
+    """Mosaic rotates a strided lane roll one 8-row register at a time and requires the span
+    of shifts inside one, ``(base mod 128) + 7 * stride``, not to exceed 128 (a stride meant
+    as -1 mod 128 spans 889 and does not compile). The relative-position table's diagonals
+    (forward, and their sums in the dq pass) stay inside it."""
+    table = jnp.asarray(np.random.default_rng(0).standard_normal((1, 32)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 1, 256, 64)), jnp.float32)
+
+    def loss(q, k, v, table):
+        attn = bsa.BlockSparseAttention(
+            mask=masks.Causal(), score=scores.RelativePositionBias(table),
+            kernel=kernels.PallasTpuBlockSparse(interpret=False), tiling=TILES)
+        return attn(q, k, v).sum()
+
+    modules = v5e_lowering(jax.grad(loss, argnums=(0, 1, 2, 3)), x, x, x, table)
+    assert set(modules) == {"pallas_tpu_forward", "pallas_tpu_dq", "pallas_tpu_dkv"}
+    rotate = re.compile(r"tpu\.dynamic_rotate \S+ by %c(\d+)_i32\S* dim 1 \{stride = (\d+) "
+                        r": si32, stride_dimension = 0 : si32\} : vector<(\d+)x(\d+)x")
+    for name, text in modules.items():
+        strided = [line for line in text.splitlines() if "stride =" in line]
+        found = [rotate.search(line) for line in strided]
+        assert strided and all(found), (name, strided)
+        for amount, stride, rows, width in (map(int, m.groups()) for m in found):
+            spans = [(8 * i * stride + amount) % width % 128 + 7 * stride
+                     for i in range(rows // 8)]
+            assert max(spans) <= 128, (name, amount, stride, rows, width)
 
 
 def test_visit_lists_put_full_blocks_first_and_repeat_the_last():
