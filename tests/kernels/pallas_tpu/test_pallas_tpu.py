@@ -319,7 +319,8 @@ def v5e_lowering(monkeypatch):
         jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
         return {re.search(r"func\.func @(\w+)", m).group(1): m for m in modules}
 
-    return lower
+    yield lower
+    tpu_info.get_tpu_info.cache_clear()  # it cached the v5e's description
 
 
 def test_strided_rolls_fit_a_v5e_register(v5e_lowering):
