@@ -2,8 +2,9 @@
 error against the float32 dense reference (forward and every gradient) per case, then forward
 and forward+backward speed against JAX's own Splash with its own mask at the same block sizes,
 and our speed at other block sizes; with ``--pallas``, the two kernels side by side without a
-score term (causal, window 1024, 16 documents) and `PallasTpuBlockSparse` with ALiBi, a
-32-bucket T5 table and ALiBi written as a `ScoreFunction`.
+score term (causal, window 1024, 16 documents, a window and a dilated window written as
+`Predicate`s) and `PallasTpuBlockSparse` with ALiBi, a 32-bucket T5 table and ALiBi written
+as a `ScoreFunction`.
 
 Runs in one process (one program at a time can hold a TPU). On a CPU it runs too, with
 Splash interpreted (slow: pass a short ``--length``). TF/s count visible pairs only
@@ -136,12 +137,34 @@ def alibi_function(heads: int):
     return alibi
 
 
+def window_predicate(q, k):
+    """A causal window of 1024 written as a `Predicate` (a mask without in-kernel terms)."""
+    return (k <= q) & (q - k <= 1024)
+
+
+def dilated_predicate(q, k):
+    """A causal window of 2048 keeping every other key (stride 2), as a `Predicate`."""
+    return (k <= q) & (q - k <= 2048) & ((q - k) % 2 == 0)
+
+
+PREDICATES = {"predicate window": window_predicate, "predicate dilated": dilated_predicate}
+
+
+def mask_of(name: str, length: int):
+    """``(mask, per-call data)`` of a pattern of `eqx_bsattn.bench`, or of `PREDICATES`."""
+    if name in PREDICATES:
+        return masks.Predicate(PREDICATES[name]), {}
+    return pattern(name, length, window=1024)
+
+
 def pallas_runs(length: int, heads: int):
     """``(label, pattern, kernel, score)`` of each timed call: both kernels without a term on
-    each pattern, then `PallasTpuBlockSparse` with each score term on the causal mask."""
+    each pattern (the predicates too: Splash reads them as element bitmaps, this kernel traces
+    them into its body), then `PallasTpuBlockSparse` with each score term on the causal
+    mask."""
     table = 0.1 * jax.random.normal(jax.random.key(1), (heads, 32))
     runs = [(name, pattern_name, kernel, None)
-            for pattern_name in ("causal", "window", "document")
+            for pattern_name in ("causal", "window", "document", *PREDICATES)
             for name, kernel in (("splash", kernels.SplashBlockSparse()),
                                  ("pallas_tpu", kernels.PallasTpuBlockSparse()))]
     for label, score in (("alibi", bsa.scores.ALiBi()),
@@ -160,7 +183,7 @@ def pallas_speed(length: int, batch: int, heads: int, dim: int, reps: int) -> li
     q, k, v, do = (jax.random.normal(x, (batch, heads, length, dim), jnp.bfloat16) for x in ks)
     rows = []
     for label, name, kernel, score in pallas_runs(length, heads):
-        mask, data = pattern(name, length, window=1024)
+        mask, data = mask_of(name, length)
         data = {n: jnp.broadcast_to(jnp.asarray(x), (batch, length)) for n, x in data.items()}
         seg = data.get("q_segment_ids")
         flops = 4.0 * batch * heads * dim * visible_pairs(

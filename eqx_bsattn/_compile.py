@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Int
 
 from ._layout import (BlockLayout, carries_arrays, element_mask, layout_of_resolved,
                       resolve_mask)
-from ._mask import AbstractMask, And, Document, MaskTerms
+from ._mask import AbstractMask, And, Document, MaskTerms, TokenCoords
 
 #: How a kernel reads the mask (`AbstractKernel.reads`).
 MaskReads = Literal["dense", "elements", "terms"]
@@ -105,6 +105,14 @@ class CompiledMask(eqx.Module):
                             kv_len=self.kv_len, q_positions=q_positions,
                             kv_positions=kv_positions, q_segment_ids=q_segment_ids,
                             kv_segment_ids=kv_segment_ids)
+
+    def visible_at(self, head, q: TokenCoords, k: TokenCoords) -> Bool[Array, "..."]:
+        """`visible` on coordinates already read per element: `q` and `k` hold broadcastable
+        token indices with each token's position and segment id (``None`` without), for a
+        kernel that loads per-call data as tiles and cannot index an ``[L]`` array. Keys
+        outside ``[0, kv_len)`` and queries past `q_len` are hidden."""
+        in_bounds = (k.index < self.kv_len) & (k.index >= 0) & (q.index < self.q_len)
+        return self.predicate.elements(q, k, head) & in_bounds
 
 
 def _shared(head_terms: tuple[MaskTerms | None, ...]) -> MaskTerms | None:

@@ -646,13 +646,6 @@ _MOSAIC_RUNS = {"tiled_positions",
                 "tiled_cross_lengths", "tiled_fully_masked_rows", "tiled_explicit",
                 "tiled_explicit_dq", "tiled_explicit_documents", "tiled_score_alibi_window",
                 "tiled_score_alibi_everything"}
-#: Cases whose masks have no in-kernel terms shared by every head, or block tables the
-#: layouts do not hold at a TPU kernel's tiles.
-_NO_SHARED_TERMS = {"global_window", "dilated_window", "bigbird", "block_layout", "aligned_table",
-                    "predicate", "not_window", "per_head", "positions_edges_offsets",
-                    "score_function_per_head", "tiled_global", "tiled_dilated", "tiled_bigbird",
-                    "tiled_block_layout", "tiled_predicate", "tiled_per_head", "tiled_not_causal",
-                    "tiled_score_relative_bitmaps"}
 EXPECTED_DECLINES = {
     "mosaic": {(name, dtype) for name, case in CASES.items()
                for dtype in (case.dtypes or ("bfloat16",))
@@ -667,11 +660,10 @@ EXPECTED_DECLINES = {
                for dtype in (case.dtypes or ("float32",))
                if case.bias is not None or case.positions is not None or dtype == "float16"
                or case.score is not None},
-    # PallasTpuBlockSparse: no bias, no float16; masks need in-kernel terms shared by every
-    # head (block tables held by the layouts at its tiles).
+    # PallasTpuBlockSparse: no bias, no float16 (it takes every mask).
     "pallas_tpu": {(name, dtype) for name, case in CASES.items()
                    for dtype in (case.dtypes or ("float32",))
-                   if case.bias is not None or dtype == "float16" or name in _NO_SHARED_TERMS},
+                   if case.bias is not None or dtype == "float16"},
     # Triton: ALiBi and the relative bias run in the kernel, a jnp score function does not.
     # (bfloat16 on a GPU, float32 in Triton's interpreter on the CPU.)
     # A union of terms with a dilation has no in-kernel terms, so it needs element bitmaps,

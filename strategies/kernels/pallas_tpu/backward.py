@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .common import FULL, PARTIAL, TileMath, Visits, lanes, tile_coords
 from .config import LANES, SUBLANES
-from .forward import NN, NT, dot, named_refs, smem_specs
+from .forward import NN, NT, dot, emap_spec, named_refs, smem_specs
 
 
 def _total(x):
@@ -36,10 +36,10 @@ def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool
     """``(P, dS, qp, kp)`` of a tile: its probabilities, the gradient of its logits before
     the score function and the soft cap (that of ``softmax_scale * q . k``, the slopes' and
     the table's terms alike), and its positions for the terms' gradients."""
-    qi, ki, qp, kp, qs, ks = coords
+    qp, kp = coords[2:4]
     s, factor = math.logits(s, batch, head, qp, kp, r.get("slopes"), r.get("table"),
                             grad=True, far=far)
-    visible = math.visible(qi, ki, qp, kp, qs, ks) if masked else None
+    visible = math.visible(head, coords, r) if masked else None
     if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
     p = p_of(s)
@@ -51,32 +51,49 @@ def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool
     return p, ds, qp, kp
 
 
+def _bucket_sums(math: TileMath, rows, bucket, ds):
+    """A ``[rows, 128]`` block with the sum of `ds` over bucket ``n`` in row ``n``."""
+    acc = jnp.zeros(rows.shape, jnp.float32)
+    for n in range(math.buckets.num_buckets):
+        acc = jnp.where(rows == n, _total(jnp.where(bucket == n, ds, 0.0)), acc)
+    return acc
+
+
 def _table_grad(math: TileMath, dtable_ref, ds, qp, kp, far):
     """Add a tile's share of the table's gradient to its ``[rows, 128]`` block (bucket
-    ``n``'s in row ``n``, every lane): the sum of dS over the tile's pairs in each bucket;
-    one sum for a tile that lies in a far bucket (`TileMath.far_tile`); the buckets of a
-    near tile by diagonals where positions are the token indices."""
+    ``n``'s in row ``n``, every lane): the sum of dS over the tile's pairs in each bucket.
+    Where positions are the token indices (`far` is the tile's `TileMath.far_tile`): one sum
+    for a tile that lies in a far bucket; on the others, piece by piece (`TileMath.pieces`),
+    one sum for a piece in a far bucket, and on the rest the sums of the piece's diagonals
+    (`TileMath.diagonal_sums`) gathered by the diagonals' buckets."""
     rows = jax.lax.broadcasted_iota(jnp.int32, dtable_ref.shape, 0)
-
-    def near():
-        if far is None:
-            bucket = math.buckets.bucket(qp - kp)
-        else:
-            bucket = math.diagonal_tile(math.buckets.bucket, far[2], ds.shape, far[3])
-        acc = jnp.zeros(dtable_ref.shape, jnp.float32)
-        for n in range(math.buckets.num_buckets):
-            acc = jnp.where(rows == n, _total(jnp.where(bucket == n, ds, 0.0)), acc)
-        dtable_ref[...] += acc
-
     if far is None:
-        near()
+        dtable_ref[...] += _bucket_sums(math, rows, math.buckets.bucket(qp - kp), ds)
         return
     (_, ahead), (_, behind) = math.buckets.far_buckets()
+    sign = far[3]
+
+    def add_far(total, is_ahead, is_behind):
+        dtable_ref[...] += (jnp.where(rows == ahead, jnp.where(is_ahead, total, 0.0), 0.0)
+                            + jnp.where(rows == behind, jnp.where(
+                                jnp.logical_and(is_behind, jnp.logical_not(is_ahead)),
+                                total, 0.0), 0.0))
+
+    def near():
+        for r, c, d, is_ahead, is_behind in math.pieces(far, ds.shape):
+            piece = ds[r, c]
+            add_far(_total(piece), is_ahead, is_behind)
+
+            def diagonals(piece=piece, d=d):
+                sums = math.diagonal_sums(piece)
+                bucket = math.buckets.bucket(math.diagonal_distances(d, sign, sums.shape))
+                dtable_ref[...] += _bucket_sums(math, rows, bucket, sums)
+
+            pl.when(jnp.logical_not(jnp.logical_or(is_ahead, is_behind)))(diagonals)
+
     ahead_far, behind_far = far[:2]
-    add = lambda n: dtable_ref.__setitem__(  # noqa: E731
-        Ellipsis, dtable_ref[...] + jnp.where(rows == n, _total(ds), 0.0))
-    pl.when(ahead_far)(lambda: add(ahead))
-    pl.when(jnp.logical_and(jnp.logical_not(ahead_far), behind_far))(lambda: add(behind))
+    pl.when(jnp.logical_or(ahead_far, behind_far))(
+        lambda: add_far(_total(ds), ahead_far, behind_far))
     pl.when(jnp.logical_not(jnp.logical_or(ahead_far, behind_far)))(near)
 
 
@@ -162,11 +179,13 @@ def _dkv_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visit
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _token_specs(tokens: dict, q_spec, kv_spec):
-    """The per-token inputs in name order with their specs (query-side or key-side)."""
+def _token_specs(tokens: dict, q_spec, kv_spec, map_spec):
+    """The per-token inputs in name order with their specs (query-side, key-side, or the
+    element map's)."""
     names = sorted(tokens)
-    return ([tokens[n] for n in names], [q_spec(tokens[n]) if n.startswith("q")
-                                         else kv_spec(tokens[n]) for n in names], names)
+    spec = lambda n: (map_spec if n == "emap" else q_spec if n.startswith("q")  # noqa: E731
+                      else kv_spec)(tokens[n])
+    return [tokens[n] for n in names], [spec(n) for n in names], names
 
 
 _PARAMS = pltpu.CompilerParams(
@@ -195,7 +214,9 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
         (None, None, bq, width), lambda b, h, i, j, *_: (b, h, i, 0))
     toks, tok_specs, tok_names = _token_specs(
         tokens, lambda x: pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
-        lambda x: pl.BlockSpec((None, x.shape[1], bk), kv_token_map))
+        lambda x: pl.BlockSpec((None, x.shape[1], bk), kv_token_map),
+        lambda x: emap_spec(x, bq, bk, lambda b, h, i, j, block_ref, _: (
+            b, h, i, block_ref[vb.at(b, h, i, j)])))
     more, more_specs, more_names = smem_specs(math, slopes, table)
     arrays = [q, k, v, do, lse, delta, *toks, *more]
     specs = [row(dim), pl.BlockSpec((None, None, bk, dim), kv_map),
@@ -257,7 +278,9 @@ def dkv_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visit
         (None, None, bk, width_), lambda b, hk, n, t, *_: (b, hk, n, 0))
     toks, tok_specs, tok_names = _token_specs(
         tokens, lambda x: pl.BlockSpec((None, x.shape[1], bq), q_token_map),
-        lambda x: pl.BlockSpec((None, bk, LANES), lambda b, hk, n, t, *_: (b, n, 0)))
+        lambda x: pl.BlockSpec((None, bk, LANES), lambda b, hk, n, t, *_: (b, n, 0)),
+        lambda x: emap_spec(x, bk, bq, lambda b, hk, n, t, block_ref, _: (
+            b, head(hk, t), n, block_ref[vb.at(b, head(hk, t), n, t % width)])))
     more, more_specs, more_names = smem_specs(math, slopes, table)
     arrays = [q, k, v, do, lse, delta, *toks, *more]
     specs = [pl.BlockSpec((None, None, bq, dim), q_map), kv_spec(dim), kv_spec(dim_v),

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from eqx_bsattn.contract import BlockLayout, MaskTerms, pad_axis
+from eqx_bsattn.contract import BlockLayout, MaskTerms, TokenCoords, pad_axis
 
 from .config import LANES, SUBLANES
 
@@ -106,13 +106,19 @@ class TileMath:
     function: Callable | None = None  # a ScoreTerm without params
     positions: bool = False  # per-call positions (else the token indices)
     segment_ids: bool = False
+    #: Where the mask has no terms: a `CompiledMask` without layouts whose element predicate
+    #: (`CompiledMask.visible_at`) is traced into the kernels on their tiles' coordinates.
+    predicate: Any = None
+    #: Where that predicate cannot be traced there (it gathers from an array): partial blocks
+    #: read a tile of the call's element map instead (input ``emap``, int8).
+    elements: bool = False
 
     def far_tile(self, q_start, k_start, num_q: int, num_k: int, *, q_rows: bool = True):
         """Where positions are the token indices, ``(ahead, behind, d0, sign)`` of a tile
         (queries `q_start` ..., keys `k_start` ...; along its rows where `q_rows`): scalar
         booleans saying that every pair lies in the table's last bucket ahead / behind
         (`RelativeBuckets.far_buckets`), whose entry is then one scalar, and the distance of
-        pair ``(r, c)``, ``d0 + sign * (c - r)`` (`diagonal_tile`). ``None`` without a
+        pair ``(r, c)``, ``d0 + sign * (c - r)`` (`pieces`). ``None`` without a
         table or with per-call positions."""
         if self.buckets is None or self.positions:
             return None
@@ -121,23 +127,105 @@ class TileMath:
         d_max = q_start + num_q - 1 - k_start
         return d_min >= gap_ahead, d_max <= -gap_behind, q_start - k_start, -1 if q_rows else 1
 
-    def diagonal_tile(self, fn, d0, shape, sign: int):
-        """``fn(d)`` on a tile whose pairs have ``d = d0 + sign * (c - r)`` (row ``r``, column
-        ``c``; positions are the token indices, so ``fn(d)`` is constant along each diagonal):
-        formed once per diagonal on one ``[8, W]`` block (``W >= rows + cols - 1``, whole
-        lanes), each row of the tile being that row rotated by its row index (a strided lane
-        roll). `fn` maps int32 distances to a 32-bit array of their shape."""
-        rows, cols = shape
-        width = -(-(rows + cols - 1) // LANES) * LANES
-        j = jax.lax.broadcasted_iota(jnp.int32, (SUBLANES, width), 1)
-        offset = jnp.where(j < cols, j, j - width)  # c - r of the pairs that lane j serves
-        tile = jnp.broadcast_to(fn(d0 + sign * offset)[:1, :], (rows, width))
-        return pltpu.roll(tile, 0, 1, stride=1, stride_axis=0)[:, :cols]
+    def pieces(self, far, shape):
+        """The pieces a near tile's table term is formed on, ``(rows, cols, d, ahead,
+        behind)`` each: its row and column slices, the distance of its first pair (pair
+        ``(r, c)`` of the piece is at ``d + sign * (c - r)``) and scalar booleans saying that
+        every pair lies in the last bucket ahead / behind (`far_tile`'s test on the piece).
+        Pieces are 128 x 128 (one vector register wide), or a whole axis that is not a
+        multiple of 128 (interpreted odd tiles)."""
+        (gap_ahead, _), (gap_behind, _) = self.buckets.far_buckets()
+        _, _, d0, sign = far
+        size_r, size_c = (LANES if n % LANES == 0 else n for n in shape)
+        out = []
+        for r in range(0, shape[0], size_r):
+            for c in range(0, shape[1], size_c):
+                d = d0 + sign * (c - r)
+                # Over the piece's pairs c - r runs from -(size_r - 1) to size_c - 1.
+                lo, hi = sorted((sign * -(size_r - 1), sign * (size_c - 1)))
+                out.append((slice(r, r + size_r), slice(c, c + size_c), d,
+                            d + lo >= gap_ahead, d + hi <= -gap_behind))
+        return out
 
-    def table_toeplitz(self, table_ref, head, d0, shape, sign: int):
-        """``table[head, bucket(d)]`` on a tile (`diagonal_tile`)."""
-        return self.diagonal_tile(
-            lambda d: self.table_tile(self.buckets.bucket(d), head, table_ref), d0, shape, sign)
+    @staticmethod
+    def _pad(shape):
+        """Lanes of a piece's diagonal vectors: whole registers, at least its rows and cols."""
+        return -(-max(shape) // LANES) * LANES
+
+    def diagonal_distances(self, d, sign: int, shape):
+        """The distances of the diagonals of a piece whose pair ``(r, c)`` is at ``d + sign *
+        (c - r)``, on a block of `shape` ``[n >= 2, P]``: lane ``j`` of row 0 is the diagonal
+        ``c - r = j`` (on and above the main one), of row 1 the diagonal ``c - r = j - P``
+        (below it); other rows repeat row 0."""
+        j = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+        below = jax.lax.broadcasted_iota(jnp.int32, shape, 0) == 1
+        return d + sign * jnp.where(below, j - shape[1], j)
+
+    def diagonal_piece(self, fn, d, shape, sign: int):
+        """``fn(e)`` on a piece whose pair ``(r, c)`` is at ``e = d + sign * (c - r)``: `fn`
+        runs once on one ``[8, P]`` block of the diagonals' distances (`diagonal_distances`:
+        P whole lanes, at least the piece's sides); each row of the piece is then the row of
+        the diagonals above, and that of those below, rotated by its row index (a strided
+        lane roll of one register per 8 rows), the two joined at the main diagonal. `fn`
+        maps int32 distances to a 32-bit array of their shape."""
+        rows, cols = shape
+        width = self._pad(shape)
+        v = fn(self.diagonal_distances(d, sign, (SUBLANES, width)))
+
+        def spread(row):
+            tile = jnp.broadcast_to(row, (rows, width))
+            return pltpu.roll(tile, 0, 1, stride=1, stride_axis=0)[:, :cols]
+
+        upper = (jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+                 >= jax.lax.broadcasted_iota(jnp.int32, shape, 0))
+        return jnp.where(upper, spread(v[0:1, :]), spread(v[1:2, :]))
+
+    def diagonal_sums(self, x):
+        """A ``[2, P]`` block of the sums of a ``[R, C]`` piece's diagonals, in
+        `diagonal_distances`' layout: lane ``j`` of row 0 sums the pairs at ``c - r = j``, of
+        row 1 those at ``c - r = j - P``. Row ``r`` must move left by ``r`` lanes, which a
+        strided roll cannot do on a TPU (its stride may not exceed what one 8-row register
+        spans), so the piece's rows are reversed on the MXU (a product with the exchange
+        matrix: one exact product by 1.0 per output at the highest precision) and row ``r' =
+        R - 1 - r`` rolled right by ``r'`` (stride 1, as `diagonal_piece`) after one roll of
+        the piece by ``P - (R - 1)``: row ``r``'s element ``(r + j) mod P`` lands on lane
+        ``j``, above the main diagonal where ``r + j < P``; then summed over the rows."""
+        rows, cols = x.shape
+        width = self._pad(x.shape)
+        if cols < width:
+            x = jnp.concatenate([x, jnp.zeros((rows, width - cols), x.dtype)], axis=1)
+        square = (rows, rows)
+        exchange = (jax.lax.broadcasted_iota(jnp.int32, square, 0)
+                    + jax.lax.broadcasted_iota(jnp.int32, square, 1) == rows - 1)
+        t = jax.lax.dot(exchange.astype(jnp.float32), x.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+        shift = (width - (rows - 1)) % width
+        if shift:
+            t = pltpu.roll(t, shift, 1)
+        t = pltpu.roll(t, 0, 1, stride=1, stride_axis=0)
+        # Row r' holds original row r = R - 1 - r'; lane j is the pair (r, r + j mod P).
+        upper = ((rows - 1 - jax.lax.broadcasted_iota(jnp.int32, t.shape, 0))
+                 + jax.lax.broadcasted_iota(jnp.int32, t.shape, 1) < width)
+        return jnp.concatenate([jnp.sum(jnp.where(upper, t, 0.0), axis=0, keepdims=True),
+                                jnp.sum(jnp.where(upper, 0.0, t), axis=0, keepdims=True)],
+                               axis=0)
+
+    def table_near(self, table_ref, head, far, shape):
+        """``table[head, bucket(d)]`` on a tile that `far_tile` finds near: piece by piece
+        (`pieces`), a scalar on a piece whose pairs all lie in a far bucket, the diagonals'
+        entries (`diagonal_piece`) on the others."""
+        (_, ahead), (_, behind) = self.buckets.far_buckets()
+        entry = lambda d: self.table_tile(self.buckets.bucket(d), head, table_ref)  # noqa: E731
+        grid = {}
+        for rows, cols, d, is_ahead, is_behind in self.pieces(far, shape):
+            size = (rows.stop - rows.start, cols.stop - cols.start)
+            scalar = jnp.where(is_ahead, table_ref[head, ahead], table_ref[head, behind])
+            grid.setdefault(rows.start, []).append(jax.lax.cond(
+                jnp.logical_or(is_ahead, is_behind),
+                lambda scalar=scalar, size=size: jnp.broadcast_to(scalar, size),
+                lambda d=d, size=size: self.diagonal_piece(entry, d, size, far[3])))
+        return jnp.concatenate([jnp.concatenate(row, axis=1) for row in grid.values()], axis=0)
 
     def logits(self, s, batch, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None):
         """``(s, factor)``: the tile's logits from ``q . k`` (float32), and where `grad` the
@@ -152,9 +240,9 @@ class TileMath:
             if far is None:
                 s = base + self.table_tile(self.buckets.bucket(qp - kp), head, table_ref)
             else:
-                ahead_far, behind_far, d0, sign = far
-                near = lambda: base + self.table_toeplitz(  # noqa: E731
-                    table_ref, head, d0, s.shape, sign)
+                ahead_far, behind_far = far[:2]
+                near = lambda: base + self.table_near(  # noqa: E731
+                    table_ref, head, far, s.shape)
                 (_, ahead), (_, behind) = self.buckets.far_buckets()
                 s = jax.lax.cond(ahead_far, lambda: base + table_ref[head, ahead], lambda: (
                     jax.lax.cond(behind_far, lambda: base + table_ref[head, behind], near)))
@@ -181,9 +269,17 @@ class TileMath:
             out = jnp.where(bucket == n, table_ref[head, n], out)
         return out
 
-    def visible(self, qi, ki, qp, kp, qs, ks):
-        """The mask terms on a tile: token indices `qi`, `ki` (keys past `kv_len` hidden),
-        positions `qp`, `kp`, segment ids `qs`, `ks` (``None`` without)."""
+    def visible(self, head, coords, refs):
+        """The mask on a tile: `coords` its `tile_coords` (keys past `kv_len` hidden), `head`
+        its query head (an int32 scalar), `refs` the kernel's inputs (the element map's tile,
+        ``emap``, where the call has one)."""
+        qi, ki, qp, kp, qs, ks = coords
+        if self.elements:
+            return refs["emap"][...].astype(jnp.int32) != 0
+        if self.predicate is not None:
+            q_len, kv_len = self.predicate.q_len, self.predicate.kv_len
+            return self.predicate.visible_at(head, TokenCoords(qi, qp, qs, q_len),
+                                             TokenCoords(ki, kp, ks, kv_len))
         ok = ki < self.kv_len
         t = self.terms
         if t is None:

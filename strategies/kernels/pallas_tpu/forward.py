@@ -31,6 +31,19 @@ def named_refs(names, refs):
     return dict(zip(names, refs))
 
 
+def emap_spec(emap, rows: int, cols: int, index):
+    """The spec of an element map (`kernel.element_map`, ``[mb, mh, R, C]``): tiles of
+    ``[rows, cols]``; `index` maps the grid and the prefetched lists to (batch, head, row
+    block, column block), its batch and head taken as 0 where the map has no such axis."""
+    mb, mh = emap.shape[:2]
+
+    def index_map(*args):
+        b, h, i, j = index(*args)
+        return b if mb > 1 else 0, h if mh > 1 else 0, i, j
+
+    return pl.BlockSpec((None, None, rows, cols), index_map)
+
+
 def smem_specs(math: TileMath, slopes, table):
     """The score arrays the call has, with their whole-array scalar-memory specs."""
     arrays, specs, names = [], [], []
@@ -61,12 +74,13 @@ def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: V
     def step(masked: bool):
         q, k, v = r["q"][...], r["k"][...], r["v"][...]
         s = dot(q, k, NT)
-        qi, ki, qp, kp, qs, ks = tile_coords(s.shape, 0, i * bq, kv * bk, r)
+        coords = tile_coords(s.shape, 0, i * bq, kv * bk, r)
+        qp, kp = coords[2:4]
         far = math.far_tile(i * bq, kv * bk, bq, bk)
         s, _ = math.logits(s, b, h, qp, kp, r.get("slopes"), r.get("table"), grad=False,
                            far=far)
         if masked:
-            s = jnp.where(math.visible(qi, ki, qp, kp, qs, ks), s, -jnp.inf)
+            s = jnp.where(math.visible(h, coords, r), s, -jnp.inf)
         m_prev = m_ref[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         # A row that has seen no logit yet keeps m = -inf: shift it by 0 instead.
@@ -114,7 +128,10 @@ def forward_call(q, k, v, tokens: dict, slopes, table, visits: Visits, *, math: 
     for name in sorted(tokens):
         arrays.append(tokens[name])
         names.append(name)
-        if name.startswith("q"):
+        if name == "emap":
+            specs.append(emap_spec(tokens[name], bq, bk, lambda b, h, i, j, block_ref, _: (
+                b, h, i, block_ref[vb.at(b, h, i, j)])))
+        elif name.startswith("q"):
             specs.append(pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)))
         else:
             specs.append(pl.BlockSpec((None, tokens[name].shape[1], bk), kv_token_map))

@@ -10,9 +10,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Features, MaskReads,
-                                  ResolvedMask, add_sinks, backward_delta, pad_axis, public_lse,
-                                  typed_like, zero_cotangent)
+from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, CompiledMask,
+                                  Features, MaskReads, ResolvedMask, TokenCoords, add_sinks,
+                                  backward_delta, pad_axis, public_lse, typed_like,
+                                  zero_cotangent)
 
 from .backward import dkv_call, dq_call, table_rows
 from .common import TileMath, Visits, token_inputs, visits
@@ -61,11 +62,15 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     then PARTIAL blocks of the compiled layout) is prefetched into scalar memory and read by
     the K / V (or Q / dO) index maps, so blocks the mask leaves empty are never fetched.
     Partial blocks evaluate the canonical mask terms (causal with an offset, a window,
-    chunks, a prefix, segment ids) on the call's positions. The score terms run in every
-    visited block: ALiBi slopes and the relative-position table from scalar memory (the table
-    through T5's bucket thresholds, one select per bucket), a `ScoreFunction` traced into
-    the kernel body; then the soft cap. The forward keeps an online softmax in float32
-    scratch and returns the log-sum-exp; sinks join after it (`add_sinks`).
+    chunks, a prefix, segment ids) on the call's positions; a mask without them has its
+    element predicate (`CompiledMask.visible_at`) traced into the kernels on the tiles'
+    token indices, positions and segment ids, or, where that predicate indexes an array (an
+    `ArrayMask`), reads tiles of the call's element map (`element_map`). The score terms run
+    in every visited block: ALiBi slopes and the relative-position table from scalar memory
+    (the table through T5's bucket thresholds, one scalar on whole pieces in a far bucket,
+    by diagonals on the others), a `ScoreFunction` traced into the kernel body; then the
+    soft cap. The forward keeps an online softmax in float32 scratch and returns the
+    log-sum-exp; sinks join after it (`add_sinks`).
 
     The backward is a dq kernel over the dq layout and a dk/dv kernel over the transposed
     lists, which walks every query head of a kv head's group (K / V are never repeated);
@@ -75,9 +80,9 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     and added up after it.
 
     Features: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths, soft cap, sinks, segment
-    ids, per-call positions, fully masked rows (zeros), every score term. Declines: an
-    additive bias, float16, masks without in-kernel terms shared by every head (they need
-    element bitmaps, which it does not read yet). Its config is `PallasTpuConfig`.
+    ids, per-call positions, fully masked rows (zeros), every score term, every mask.
+    Declines: an additive bias, float16, an element map over 4 GiB. Its config is
+    `PallasTpuConfig`.
 
     Runs on a TPU, and anywhere in Pallas' interpret mode (`interpret`): its tests run it so
     on the CPU. The selector picks it on a TPU below `SplashBlockSparse`, so it takes the
@@ -99,7 +104,7 @@ class PallasTpuBlockSparse(AbstractLseKernel):
 
     name: ClassVar[str] = "pallas_tpu"
     platforms: ClassVar[tuple[str, ...]] = ("tpu", "cpu")
-    reads: ClassVar[MaskReads] = "terms"
+    reads: ClassVar[MaskReads] = "elements"
     score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "relative_bias", "function")
     config_type: ClassVar[type[AbstractKernelConfig]] = PallasTpuConfig
 
@@ -117,16 +122,15 @@ class PallasTpuBlockSparse(AbstractLseKernel):
             return "it has no additive bias."
         if features.dtype not in _DTYPES:
             return f"it runs bfloat16 or float32 inputs; got {features.dtype}."
-        terms = mask.terms
-        if terms is None:
-            return ("the mask has no in-kernel terms shared by every head (causal / window / "
-                    "chunk / prefix / document); this kernel reads no element bitmaps.")
-        if terms.tables:
-            tiles = list(self.adapt_tiling(self.default_tiling(features, mask),
-                                           features).blocks)
-            if features.positions or mask.kernel_terms(tiles) is None:
-                return ("the mask's block table is not held by the layouts at this kernel's "
-                        "tiles (or positions are per call); it has no in-kernel form.")
+        tiles = self.adapt_tiling(self.default_tiling(features, mask), features).blocks
+        if mask.kernel_terms(list(tiles)) is None:
+            predicate = CompiledMask(None, None, None, mask.mask, None, mask.head_terms,
+                                     mask.q_len, mask.kv_len, mask.num_heads)
+            size = _element_map_bytes(predicate, features)
+            if not _traces_on_tiles(predicate) and size > _ELEMENT_MAP_LIMIT:
+                return (f"the mask's element predicate indexes an array, so it would read an "
+                        f"element map of {size / 2**30:.1f} GiB per call (at most "
+                        f"{_ELEMENT_MAP_LIMIT // 2**30} GiB).")
         return None
 
     def default_tiling(self, features: Features, mask: ResolvedMask) -> PallasTpuConfig:
@@ -143,9 +147,6 @@ class PallasTpuBlockSparse(AbstractLseKernel):
 
     def attention_with_lse(self, query, key, value, *, mask, inputs, features, tiling,
                            softmax_scale, logits_soft_cap):
-        if mask.terms is None:
-            raise ValueError("PallasTpuBlockSparse needs in-kernel mask terms at these tiles; "
-                             "the compiled mask has none.")
         if inputs.bias is not None:
             raise ValueError("PallasTpuBlockSparse has no additive bias; got one.")
         on_tpu = features.platform == "tpu" and jax.default_backend() == "tpu"
@@ -165,14 +166,18 @@ class PallasTpuBlockSparse(AbstractLseKernel):
             raise ValueError(
                 f"PallasTpuBlockSparse does not read a score function's `params` (got "
                 f"{score.function.__name__} with params); pass kernel=kernels.XlaBlockSparse().")
+        predicate = None if mask.terms is not None else _without_layouts(mask)
+        elements = predicate is not None and not _traces_on_tiles(predicate)
+        segment_ids = (mask.terms.segment_ids if mask.terms is not None
+                       else mask.uses_segment_ids and not elements)
         math = TileMath(
             terms=mask.terms, kv_len=kv_len, scale=float(softmax_scale),
             soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
             slopes=score is not None and score.slopes is not None,
             buckets=None if score is None or score.table is None else score.buckets,
             function=None if score is None else score.function,
-            positions=inputs.q_positions is not None,
-            segment_ids=mask.terms.segment_ids)
+            positions=inputs.q_positions is not None, segment_ids=segment_ids,
+            predicate=None if elements else predicate, elements=elements)
         lists = (visits(fwd, transposed=False, rows=lq // blocks[0][0]),
                  visits(dq, transposed=False, rows=lq // blocks[1][0]),
                  visits(dkv, transposed=True, rows=lk // blocks[2][1]))
@@ -180,6 +185,9 @@ class PallasTpuBlockSparse(AbstractLseKernel):
                          interpret)
         tokens = (token_inputs(inputs, math, lq, lk, q_rows=True),
                   token_inputs(inputs, math, lq, lk, q_rows=False))
+        if elements:
+            emap = element_map(mask, inputs, lq, lk)
+            tokens[0]["emap"], tokens[1]["emap"] = emap, jnp.swapaxes(emap, 2, 3)
         arrays = tuple(jnp.asarray(a, jnp.int32) for x in lists for a in (x.block, x.kind))
         q, k, v = pad_axis(query, 2, lq), pad_axis(key, 2, lk), pad_axis(value, 2, lk)
         if features.platform == "tpu":
@@ -192,6 +200,89 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         if inputs.sinks is not None:
             out, lse = add_sinks(out, lse, inputs.sinks)
         return out.astype(query.dtype), lse
+
+
+def _without_layouts(mask: CompiledMask) -> CompiledMask:
+    """`mask` without its layouts: hashable (where its predicate holds no array), a static
+    part of the kernels' tile math."""
+    return CompiledMask(None, None, None, mask.predicate, mask.terms, mask.head_terms,
+                        mask.q_len, mask.kv_len, mask.num_heads, mask.hides_padding)
+
+
+#: Operations that index an array by traced values: a kernel body cannot run them on a TPU.
+_GATHERS = frozenset({"gather", "dynamic_slice", "dynamic_update_slice", "scatter",
+                      "scatter-add"})
+
+
+def _jaxprs(params):
+    """The jaxprs among an equation's parameters (branches of a `cond`, bodies of loops)."""
+    for value in params.values():
+        for x in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(x, "jaxpr") and hasattr(x, "consts"):  # a closed jaxpr
+                yield x.jaxpr
+            elif hasattr(x, "eqns"):
+                yield x
+
+
+def _pure(jaxpr) -> bool:
+    """Whether `jaxpr` indexes no array (`_GATHERS`), here or in a nested jaxpr."""
+    return all(eqn.primitive.name not in _GATHERS and all(_pure(j) for j in _jaxprs(eqn.params))
+               for eqn in jaxpr.eqns)
+
+
+def _traces_on_tiles(predicate: CompiledMask) -> bool:
+    """Whether the mask's element predicate runs inside a kernel body on int32 tiles: it
+    closes over no array (a table, an `ArrayMask`) and indexes none, and is hashable."""
+    if any(eqx.is_array(x) for x in jax.tree.leaves(predicate.predicate)):
+        return False
+    try:
+        hash(predicate)
+    except TypeError:
+        return False
+    tile = jax.ShapeDtypeStruct((SUBLANES, LANES), jnp.int32)
+    seg = tile if predicate.uses_segment_ids else None
+
+    def body(head, qi, ki, qp, kp, qs, ks):
+        return predicate.visible_at(head, TokenCoords(qi, qp, qs, predicate.q_len),
+                                    TokenCoords(ki, kp, ks, predicate.kv_len))
+
+    closed = jax.make_jaxpr(body)(jax.ShapeDtypeStruct((), jnp.int32), tile, tile, tile, tile,
+                                  seg, seg)
+    return not closed.consts and _pure(closed.jaxpr)
+
+
+#: The largest element map (and its transposed copy) a call may build, in bytes.
+_ELEMENT_MAP_LIMIT = 4 * 2**30
+
+
+def _element_map_bytes(mask: CompiledMask, features: Features) -> int:
+    """The bytes of the element map and its transposed copy (`element_map`) for a call."""
+    per_call = features.positions or (features.segment_ids and mask.uses_segment_ids)
+    batch = features.batch if per_call else 1
+    heads = mask.num_heads if mask.head_dependent else 1
+    return 2 * batch * heads * features.q_len * features.kv_len
+
+
+def element_map(mask: CompiledMask, inputs, lq: int, lk: int):
+    """The mask's element predicate on every pair of the padded lengths, as int8
+    ``[mb, mh, lq, lk]`` (``mb``: the batch where per-call positions or segment ids shape
+    the mask, else 1; ``mh``: the heads where they see different masks, else 1): the tiles
+    that partial blocks read where the predicate cannot run inside the kernels."""
+    names = ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids")
+    data = {n: getattr(inputs, n) for n in names}
+    if not mask.uses_segment_ids:
+        data["q_segment_ids"] = data["kv_segment_ids"] = None
+    batched = {n: x for n, x in data.items() if x is not None}
+    heads = mask.num_heads if mask.head_dependent else 1
+    qi = jnp.arange(lq, dtype=jnp.int32)[:, None]
+    ki = jnp.arange(lk, dtype=jnp.int32)[None, :]
+
+    def one(arrays):
+        per_head = lambda h: mask.visible(h, qi, ki, **arrays)  # noqa: E731
+        return jax.vmap(per_head)(jnp.arange(heads, dtype=jnp.int32))
+
+    out = jax.vmap(one)(batched) if batched else one({})[None]
+    return out.astype(jnp.int8)
 
 
 def _multiple(length: int, blocks) -> int:
