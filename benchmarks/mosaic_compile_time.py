@@ -1,6 +1,7 @@
 """Seconds of the first call of ``jit(grad)`` (trace, compile and one run) through
-`MosaicBlockSparse` in each backward mode and `TritonBlockSparse`, causal, B=1, H=16, L=4096,
-D=128, bfloat16; each in a fresh process so that no compilation is cached. The stages are
+`MosaicBlockSparse` in each backward mode (and with a `scores.ScoreFunction`, ALiBi's term
+written as a function) and `TritonBlockSparse`, causal, B=1, H=16, L=4096, D=128, bfloat16;
+each in a fresh process so that no compilation is cached. The stages are
 timed apart too (`jax.stages`: trace, lower, compile, the first run).
 
 ```
@@ -28,7 +29,8 @@ import eqx_bsattn as bsa
 from eqx_bsattn.strategies.kernels import TritonBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 kernel = {kernel}
-attn = bsa.BlockSparseAttention(mask=bsa.masks.Causal(), kernel=kernel)
+score = {score}
+attn = bsa.BlockSparseAttention(mask=bsa.masks.Causal(), score=score, kernel=kernel)
 q, k, v = (jax.random.normal(jax.random.key(i), (1, 16, 4096, 128), jnp.bfloat16)
            for i in range(3))
 jax.block_until_ready((q, k, v))
@@ -50,9 +52,15 @@ stages = [b - a for a, b in zip(marks, marks[1:])]
 print(f"{{marks[-1] - marks[0]:.2f}} | " + " | ".join(f"{{s:.2f}}" for s in stages))
 """
 
-KERNELS = {"mosaic (deterministic, the default)": "MosaicBlockSparse()",
-           "mosaic (single pass)": "MosaicBlockSparse(deterministic=False)",
-           "triton": "TritonBlockSparse()"}
+#: ALiBi's term with the standard slopes of 16 heads, as a score function.
+FUNCTION = ("bsa.scores.ScoreFunction(lambda s, h, q, k: s + jnp.exp2((jnp.asarray(h)"
+            ".astype(jnp.float32) + 1.0) * -0.5) * (k - q).astype(jnp.float32))")
+
+#: Name: (kernel, score).
+KERNELS = {"mosaic (deterministic, the default)": ("MosaicBlockSparse()", "None"),
+           "mosaic (single pass)": ("MosaicBlockSparse(deterministic=False)", "None"),
+           "mosaic + ScoreFunction (deterministic)": ("MosaicBlockSparse()", FUNCTION),
+           "triton": ("TritonBlockSparse()", "None")}
 
 
 PROFILED = CALL + """
@@ -86,8 +94,8 @@ def kernel_compiles(trace_folder: str) -> list[float]:
 def profile():
     """Print the default kernel's compile stage and its kernels' own compilations."""
     with tempfile.TemporaryDirectory() as folder:
-        program = PROFILED.format(kernel=KERNELS["mosaic (deterministic, the default)"],
-                                  folder=folder)
+        kernel, score = KERNELS["mosaic (deterministic, the default)"]
+        program = PROFILED.format(kernel=kernel, score=score, folder=folder)
         run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
         if run.returncode:
             print("profile: error: " + last_error(run.stderr))
@@ -105,8 +113,8 @@ def main():
     args = p.parse_args()
     print("| kernel | first jit(grad) call, s | trace | lower | compile | first run |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for name, kernel in KERNELS.items():
-        run = subprocess.run([sys.executable, "-c", ONE.format(kernel=kernel)],
+    for name, (kernel, score) in KERNELS.items():
+        run = subprocess.run([sys.executable, "-c", ONE.format(kernel=kernel, score=score)],
                              capture_output=True, text=True)
         seconds = (run.stdout.strip().splitlines()[-1] if run.returncode == 0
                    else "error: " + last_error(run.stderr))
