@@ -64,8 +64,8 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     Partial blocks evaluate the canonical mask terms (causal with an offset, a window,
     chunks, a prefix, segment ids) on the call's positions; a mask without them has its
     element predicate (`CompiledMask.visible_at`) traced into the kernels on the tiles'
-    token indices, positions and segment ids, or, where that predicate indexes an array (an
-    `ArrayMask`), reads tiles of the call's element map (`element_map`). The score terms run
+    token indices, positions and segment ids, or, where that predicate indexes an array (a
+    mask built from a boolean array), reads tiles of the call's element map (`element_map`). The score terms run
     in every visited block: ALiBi slopes and the relative-position table from scalar memory
     (the table through T5's bucket thresholds, one scalar on whole pieces in a far bucket,
     by diagonals on the others), a `ScoreFunction` traced into the kernel body; then the
@@ -232,7 +232,7 @@ def _pure(jaxpr) -> bool:
 
 def _traces_on_tiles(predicate: CompiledMask) -> bool:
     """Whether the mask's element predicate runs inside a kernel body on int32 tiles: it
-    closes over no array (a table, an `ArrayMask`) and indexes none, and is hashable."""
+    closes over no array (a table, a mask's boolean array) and indexes none, and is hashable."""
     if any(eqx.is_array(x) for x in jax.tree.leaves(predicate.predicate)):
         return False
     try:
