@@ -111,12 +111,15 @@ def test_selector_picks_splash_on_tpu_only():
 
 def test_selector_declines_a_mask_array_on_tpu():
     """An `ArrayMask` has no in-kernel terms and its bitmaps would come from per-call data:
-    Splash declines it at selection (it raised when called), with or without other terms."""
+    Splash declines it at selection (it raised when called), with or without other terms, and
+    the call goes to `PallasTpuBlockSparse`."""
     features = bsa.Features(platform="tpu", q_len=256, kv_len=256, dtype="bfloat16")
     array = masks.ArrayMask(jnp.asarray(np.tril(np.ones((256, 256), bool))))
     for mask in (array, array & masks.Causal()):
         choice = bsa.select_kernel(mask, "tpu", features)
-        assert choice.kernel.name == "xla", choice.explain()
+        # PallasTpuBlockSparse reads the array's element tiles: it takes what Splash declines.
+        assert choice.kernel.name == "pallas_tpu", choice.explain()
+        assert "declined splash" in choice.explain()
         assert any(name == "splash" and "mask arrays" in why for name, why in choice.declined)
 
 
