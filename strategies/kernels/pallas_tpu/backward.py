@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .common import FULL, PARTIAL, TileMath, Visits, lanes, tile_coords
 from .config import LANES, SUBLANES
-from .forward import NN, NT, dot, emap_spec, named_refs, smem_specs
+from .forward import NN, NT, dot, emap_spec, named_refs, smem_specs, token_specs
 
 
 def _total(x):
@@ -179,15 +179,6 @@ def _dkv_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visit
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _token_specs(tokens: dict, q_spec, kv_spec, map_spec):
-    """The per-token inputs in name order with their specs (query-side, key-side, or the
-    element map's)."""
-    names = sorted(tokens)
-    spec = lambda n: (map_spec if n == "emap" else q_spec if n.startswith("q")  # noqa: E731
-                      else kv_spec)(tokens[n])
-    return [tokens[n] for n in names], [spec(n) for n in names], names
-
-
 _PARAMS = pltpu.CompilerParams(
     dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
 
@@ -212,7 +203,7 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
 
     row = lambda width: pl.BlockSpec(  # noqa: E731
         (None, None, bq, width), lambda b, h, i, j, *_: (b, h, i, 0))
-    toks, tok_specs, tok_names = _token_specs(
+    toks, tok_specs, tok_names = token_specs(
         tokens, lambda x: pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
         lambda x: pl.BlockSpec((None, x.shape[1], bk), kv_token_map),
         lambda x: emap_spec(x, bq, bk, lambda b, h, i, j, block_ref, _: (
@@ -276,7 +267,7 @@ def dkv_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visit
 
     kv_spec = lambda width_: pl.BlockSpec(  # noqa: E731
         (None, None, bk, width_), lambda b, hk, n, t, *_: (b, hk, n, 0))
-    toks, tok_specs, tok_names = _token_specs(
+    toks, tok_specs, tok_names = token_specs(
         tokens, lambda x: pl.BlockSpec((None, x.shape[1], bq), q_token_map),
         lambda x: pl.BlockSpec((None, bk, LANES), lambda b, hk, n, t, *_: (b, n, 0)),
         lambda x: emap_spec(x, bk, bq, lambda b, hk, n, t, block_ref, _: (

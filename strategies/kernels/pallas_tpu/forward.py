@@ -44,6 +44,15 @@ def emap_spec(emap, rows: int, cols: int, index):
     return pl.BlockSpec((None, None, rows, cols), index_map)
 
 
+def token_specs(tokens: dict, q_spec, kv_spec, map_spec):
+    """The per-token inputs in name order with their specs (query-side, key-side, or the
+    element map's)."""
+    names = sorted(tokens)
+    spec = lambda n: (map_spec if n == "emap" else q_spec if n.startswith("q")  # noqa: E731
+                      else kv_spec)(tokens[n])
+    return [tokens[n] for n in names], [spec(n) for n in names], names
+
+
 def smem_specs(math: TileMath, slopes, table):
     """The score arrays the call has, with their whole-array scalar-memory specs."""
     arrays, specs, names = [], [], []
@@ -120,25 +129,17 @@ def forward_call(q, k, v, tokens: dict, slopes, table, visits: Visits, *, math: 
     def kv_token_map(b, h, i, j, block_ref, kind_ref):
         return b, 0, block_ref[vb.at(b, h, i, j)]
 
-    arrays = [q, k, v]
+    toks, tok_specs, tok_names = token_specs(
+        tokens, lambda x: pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
+        lambda x: pl.BlockSpec((None, x.shape[1], bk), kv_token_map),
+        lambda x: emap_spec(x, bq, bk, lambda b, h, i, j, block_ref, _: (
+            b, h, i, block_ref[vb.at(b, h, i, j)])))
+    more, more_specs, more_names = smem_specs(math, slopes, table)
+    arrays = [q, k, v, *toks, *more]
     specs = [pl.BlockSpec((None, None, bq, dim), lambda b, h, i, j, *_: (b, h, i, 0)),
              pl.BlockSpec((None, None, bk, dim), kv_map),
-             pl.BlockSpec((None, None, bk, dim_v), kv_map)]
-    names = ["q", "k", "v"]
-    for name in sorted(tokens):
-        arrays.append(tokens[name])
-        names.append(name)
-        if name == "emap":
-            specs.append(emap_spec(tokens[name], bq, bk, lambda b, h, i, j, block_ref, _: (
-                b, h, i, block_ref[vb.at(b, h, i, j)])))
-        elif name.startswith("q"):
-            specs.append(pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)))
-        else:
-            specs.append(pl.BlockSpec((None, tokens[name].shape[1], bk), kv_token_map))
-    more, more_specs, more_names = smem_specs(math, slopes, table)
-    arrays += more
-    specs += more_specs
-    names += more_names
+             pl.BlockSpec((None, None, bk, dim_v), kv_map), *tok_specs, *more_specs]
+    names = ["q", "k", "v", *tok_names, *more_names]
     row_spec = lambda width: pl.BlockSpec(  # noqa: E731
         (None, None, bq, width), lambda b, h, i, j, *_: (b, h, i, 0))
     kernel = functools.partial(_forward_kernel, names=tuple(names), math=math, visits=vb,
