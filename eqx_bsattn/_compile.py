@@ -11,6 +11,7 @@ from typing import Literal
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from ._layout import (BlockLayout, carries_arrays, element_mask, layout_of_resolved,
@@ -114,6 +115,57 @@ class CompiledMask(eqx.Module):
         in_bounds = (k.index < self.kv_len) & (k.index >= 0) & (q.index < self.q_len)
         return self.predicate.elements(q, k, head) & in_bounds
 
+    def without_layouts(self) -> "CompiledMask":
+        """This mask without its layouts: what a kernel body needs of it to call
+        `visible_at`, hashable where the predicate holds no array (a static argument of a
+        launch)."""
+        return CompiledMask(None, None, None, self.predicate, self.terms, self.head_terms,
+                            self.q_len, self.kv_len, self.num_heads, self.hides_padding)
+
+    def traces_on_tiles(self, tile_shape: tuple[int, int]) -> bool:
+        """Whether `visible_at` can run inside a kernel body on int32 tiles of `tile_shape`:
+        the predicate closes over no array (a table, a mask's boolean array), is hashable, and
+        its traced form indexes no array by traced values (a gather, a dynamic slice).
+        Whether a kernel language then lowers its operations is the kernel's to check."""
+        if any(eqx.is_array(x) for x in jax.tree.leaves(self.predicate)):
+            return False
+        try:
+            hash(self.without_layouts())
+        except TypeError:
+            return False
+        tile = jax.ShapeDtypeStruct(tile_shape, jnp.int32)
+        seg = tile if self.uses_segment_ids else None
+
+        def body(head, qi, ki, qp, kp, qs, ks):
+            return self.visible_at(head, TokenCoords(qi, qp, qs, self.q_len),
+                                   TokenCoords(ki, kp, ks, self.kv_len))
+
+        closed = jax.make_jaxpr(body)(jax.ShapeDtypeStruct((), jnp.int32), tile, tile, tile,
+                                      tile, seg, seg)
+        return not closed.consts and _indexes_no_array(closed.jaxpr)
+
+
+#: Operations that index an array by traced values: no kernel body runs them on tiles.
+_GATHERS = frozenset({"gather", "dynamic_slice", "dynamic_update_slice", "scatter",
+                      "scatter-add"})
+
+
+def _jaxprs(params):
+    """The jaxprs among an equation's parameters (branches of a `cond`, bodies of loops)."""
+    for value in params.values():
+        for x in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(x, "jaxpr") and hasattr(x, "consts"):  # a closed jaxpr
+                yield x.jaxpr
+            elif hasattr(x, "eqns"):
+                yield x
+
+
+def _indexes_no_array(jaxpr) -> bool:
+    """Whether `jaxpr` indexes no array (`_GATHERS`), here or in a nested jaxpr."""
+    return all(eqn.primitive.name not in _GATHERS
+               and all(_indexes_no_array(j) for j in _jaxprs(eqn.params))
+               for eqn in jaxpr.eqns)
+
 
 def _shared(head_terms: tuple[MaskTerms | None, ...]) -> MaskTerms | None:
     first = head_terms[0]
@@ -161,6 +213,14 @@ class ResolvedMask:
     def is_static(self) -> bool:
         """Whether no per-call data shapes the mask: layouts are built at trace time."""
         return all(x is None for x in self.data.values()) and not carries_arrays(self.mask)
+
+    def predicate(self) -> CompiledMask:
+        """The mask as a `CompiledMask` without layouts or terms: its element predicate
+        (`CompiledMask.visible_at`), for a kernel that asks, before the tiling is fixed,
+        whether the predicate runs on its tiles (`CompiledMask.traces_on_tiles`)."""
+        return CompiledMask(None, None, None, self.mask, None, self.head_terms, self.q_len,
+                            self.kv_len, self.num_heads,
+                            hides_padding(self.mask, self.head_terms))
 
     @property
     def positions_are_indices(self) -> bool:

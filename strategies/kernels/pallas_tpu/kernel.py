@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, CompiledMask,
-                                  Features, MaskReads, ResolvedMask, TokenCoords, add_sinks,
+                                  Features, MaskReads, ResolvedMask, add_sinks,
                                   backward_delta, pad_axis, public_lse, typed_like,
                                   zero_cotangent)
 
@@ -21,6 +21,8 @@ from .config import LANES, SUBLANES, PallasTpuConfig
 from .forward import forward_call
 
 _DTYPES = ("bfloat16", "float32")
+#: The tile a mask's element predicate is traced on, to see whether it runs in the kernels.
+_TILE = (SUBLANES, LANES)
 
 
 @functools.cache
@@ -124,10 +126,9 @@ class PallasTpuBlockSparse(AbstractLseKernel):
             return f"it runs bfloat16 or float32 inputs; got {features.dtype}."
         tiles = self.adapt_tiling(self.default_tiling(features, mask), features).blocks
         if mask.kernel_terms(list(tiles)) is None:
-            predicate = CompiledMask(None, None, None, mask.mask, None, mask.head_terms,
-                                     mask.q_len, mask.kv_len, mask.num_heads)
+            predicate = mask.predicate()
             size = _element_map_bytes(predicate, features)
-            if not _traces_on_tiles(predicate) and size > _ELEMENT_MAP_LIMIT:
+            if not predicate.traces_on_tiles(_TILE) and size > _ELEMENT_MAP_LIMIT:
                 return (f"the mask's element predicate indexes an array, so it would read an "
                         f"element map of {size / 2**30:.1f} GiB per call (at most "
                         f"{_ELEMENT_MAP_LIMIT // 2**30} GiB).")
@@ -166,8 +167,8 @@ class PallasTpuBlockSparse(AbstractLseKernel):
             raise ValueError(
                 f"PallasTpuBlockSparse does not read a score function's `params` (got "
                 f"{score.function.__name__} with params); pass kernel=kernels.XlaBlockSparse().")
-        predicate = None if mask.terms is not None else _without_layouts(mask)
-        elements = predicate is not None and not _traces_on_tiles(predicate)
+        predicate = None if mask.terms is not None else mask.without_layouts()
+        elements = predicate is not None and not predicate.traces_on_tiles(_TILE)
         segment_ids = (mask.terms.segment_ids if mask.terms is not None
                        else mask.uses_segment_ids and not elements)
         math = TileMath(
@@ -200,55 +201,6 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         if inputs.sinks is not None:
             out, lse = add_sinks(out, lse, inputs.sinks)
         return out.astype(query.dtype), lse
-
-
-def _without_layouts(mask: CompiledMask) -> CompiledMask:
-    """`mask` without its layouts: hashable (where its predicate holds no array), a static
-    part of the kernels' tile math."""
-    return CompiledMask(None, None, None, mask.predicate, mask.terms, mask.head_terms,
-                        mask.q_len, mask.kv_len, mask.num_heads, mask.hides_padding)
-
-
-#: Operations that index an array by traced values: a kernel body cannot run them on a TPU.
-_GATHERS = frozenset({"gather", "dynamic_slice", "dynamic_update_slice", "scatter",
-                      "scatter-add"})
-
-
-def _jaxprs(params):
-    """The jaxprs among an equation's parameters (branches of a `cond`, bodies of loops)."""
-    for value in params.values():
-        for x in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(x, "jaxpr") and hasattr(x, "consts"):  # a closed jaxpr
-                yield x.jaxpr
-            elif hasattr(x, "eqns"):
-                yield x
-
-
-def _pure(jaxpr) -> bool:
-    """Whether `jaxpr` indexes no array (`_GATHERS`), here or in a nested jaxpr."""
-    return all(eqn.primitive.name not in _GATHERS and all(_pure(j) for j in _jaxprs(eqn.params))
-               for eqn in jaxpr.eqns)
-
-
-def _traces_on_tiles(predicate: CompiledMask) -> bool:
-    """Whether the mask's element predicate runs inside a kernel body on int32 tiles: it
-    closes over no array (a table, a mask's boolean array) and indexes none, and is hashable."""
-    if any(eqx.is_array(x) for x in jax.tree.leaves(predicate.predicate)):
-        return False
-    try:
-        hash(predicate)
-    except TypeError:
-        return False
-    tile = jax.ShapeDtypeStruct((SUBLANES, LANES), jnp.int32)
-    seg = tile if predicate.uses_segment_ids else None
-
-    def body(head, qi, ki, qp, kp, qs, ks):
-        return predicate.visible_at(head, TokenCoords(qi, qp, qs, predicate.q_len),
-                                    TokenCoords(ki, kp, ks, predicate.kv_len))
-
-    closed = jax.make_jaxpr(body)(jax.ShapeDtypeStruct((), jnp.int32), tile, tile, tile, tile,
-                                  seg, seg)
-    return not closed.consts and _pure(closed.jaxpr)
 
 
 #: The largest element map (and its transposed copy) a call may build, in bytes.

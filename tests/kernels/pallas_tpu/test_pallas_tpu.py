@@ -15,8 +15,7 @@ import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks, scores
 from eqx_bsattn.strategies.kernels.pallas_tpu.common import (FULL, PARTIAL, SKIP, TileMath,
                                                             visits)
-from eqx_bsattn.strategies.kernels.pallas_tpu.kernel import (_traces_on_tiles,
-                                                            _without_layouts, element_map)
+from eqx_bsattn.strategies.kernels.pallas_tpu.kernel import element_map
 from tests.conftest import jnp_attention_f64, np_visibility, score_f64, sorted_segments
 
 ON_TPU = jax.default_backend() == "tpu"
@@ -421,7 +420,8 @@ def test_masks_without_terms_are_traced_unless_they_index_an_array(mask, traced)
     resolved = bsa.ResolvedMask(mask, q_len=300, kv_len=300, num_heads=4)
     compiled = resolved.compile(TILES, kernels.PallasTpuBlockSparse.reads)
     assert compiled.terms is None
-    assert _traces_on_tiles(_without_layouts(compiled)) is traced
+    assert compiled.without_layouts().traces_on_tiles((8, 128)) is traced
+    assert resolved.predicate().traces_on_tiles((8, 128)) is traced
 
 
 def test_element_map_is_the_predicate_per_head_and_batch():
