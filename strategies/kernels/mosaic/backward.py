@@ -27,8 +27,9 @@ or K and V) have two buffers, so the next item's are copied in from the start of
 that leaves room for two ring stages, where one item per CTA has four. Where two buffers do
 not fit (the single pass at D = 128) the launch has one item per CTA.
 
-Partial blocks evaluate the same predicate as the forward (`common.visible`, the segment ids
-apart and the key length tested only where keys were padded); FULL blocks run none. Rows
+Partial blocks evaluate the same predicate as the forward (`common.block_visible`: the
+canonical terms, the segment ids apart and the key length tested only where keys were
+padded, or the mask's element predicate); FULL blocks run none. Rows
 whose log-sum-exp is +inf (they see no key) get ``P = 0`` and contribute nothing.
 
 With ALiBi each kernel adds to each logit the part of the distance that varies along the
@@ -51,8 +52,9 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      SMEM_BUDGET, AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
-                     alibi_positions_term, persistent_schedule, ring_stages,
-                     score_function_tile, segment_ids_apart, swizzled, visible, walk_list)
+                     alibi_positions_term, block_coordinates, block_visible,
+                     persistent_schedule, ring_stages, score_function_tile,
+                     segment_ids_apart, swizzled, walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -243,12 +245,15 @@ def _scratch(own_shape, ring_shape, dtype, stages):
     return smem, ready, free
 
 
-def _segments(q_segment_ids, kv_segment_ids):
+def _segments(cfg: BackwardConfig, q_segment_ids, kv_segment_ids):
     """``(has ids, query ids, key ids)``, the ids apart (`segment_ids_apart`) so that the
-    partial blocks' segment term is equality alone, as in the forward."""
+    partial blocks' segment term is equality alone, as in the forward; the element predicate
+    (``cfg.predicate``) reads them as the call passed them."""
     dummy = jnp.zeros((1, 1), jnp.int32)
     if q_segment_ids is None:
         return False, dummy, dummy
+    if cfg.predicate is not None:
+        return True, q_segment_ids, kv_segment_ids
     return True, *segment_ids_apart(q_segment_ids, kv_segment_ids)
 
 
@@ -313,14 +318,6 @@ def _position_tiles(cfg: BackwardConfig, ops: Ops, shape, q_axis: int, q_base, k
         return (lax.broadcast_in_dim(q_vector, shape, [q_axis]),
                 lax.broadcast_in_dim(k_vector, shape, [k_axis]))
     return q_base + ops.iota(shape, q_axis), k_base + ops.iota(shape, k_axis)
-
-
-def _padding_tokens(cfg: BackwardConfig, ops: Ops, shape, k_axis: int, k_base):
-    """The keys' token indices for `visible`'s padding test where positions stand in for
-    them and keys were padded, else ``None``."""
-    if cfg.positions and cfg.padded_kv_len is not None:
-        return k_base + ops.iota(shape, k_axis)
-    return None
 
 
 def _positions_operands(cfg: BackwardConfig, positions, launch: str):
@@ -393,7 +390,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     stages = cfg.stages("dq")
     group = cfg.group
     num_tiles = cfg.q_len // BLOCK_OWN
-    has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
+    has_segments, qseg, kseg = _segments(cfg, q_segment_ids, kv_segment_ids)
     slopes = _slopes(cfg, slopes, "dq_call")
     qpos, kpos = _positions_operands(cfg, positions, "dq_call")
     items, counts = schedule if schedule is not None else dq_schedule(cfg, full_count,
@@ -471,9 +468,8 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                             k_seg = lax.broadcast_in_dim(
                                 ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout),
                                 (bq, bk), [1])
-                        vis = visible(cfg.terms, cfg.padded_kv_len, *tiles(), q_seg, k_seg,
-                                      ids_apart=True, signed=cfg.positions,
-                                      k_token=_padding_tokens(cfg, ops, (bq, bk), 1, k_base))
+                        vis = block_visible(cfg, h, *block_coordinates(
+                            cfg, ops, (bq, bk), 0, q_base, k_base, tiles()), q_seg, k_seg)
                     p, factors = cfg.probabilities(
                         s, lax.broadcast_in_dim(row_lse, (bq, bk), [0]), vis, term,
                         _function_tiles(cfg, b, h, tiles))
@@ -590,7 +586,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     group = cfg.dkv_group(fused)
     kv_share = cfg.group // group
     num_tiles = cfg.kv_len // BLOCK_OWN
-    has_segments, qseg, kseg = _segments(q_segment_ids, kv_segment_ids)
+    has_segments, qseg, kseg = _segments(cfg, q_segment_ids, kv_segment_ids)
     slopes = _slopes(cfg, slopes, "dkv_call")
     qpos, kpos = _positions_operands(cfg, positions, "dkv_call")
     slope_out = cfg.alibi
@@ -732,10 +728,9 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                     q_seg = lax.broadcast_in_dim(
                                         ops.load(qseg_ref, (b, cols), ops.col_layout),
                                         (bk, bq), [1])
-                                vis = visible(cfg.terms, cfg.padded_kv_len, *tiles(), q_seg,
-                                              k_seg, ids_apart=True, signed=cfg.positions,
-                                              k_token=_padding_tokens(cfg, ops, (bk, bq), 0,
-                                                                      k_base))
+                                vis = block_visible(cfg, h, *block_coordinates(
+                                    cfg, ops, (bk, bq), 1, q_base, k_base, tiles()), q_seg,
+                                    k_seg)
                             term = None
                             if alibi is not None and cfg.positions:
                                 term = alibi_positions_term(slopes_ref[h], *tiles())

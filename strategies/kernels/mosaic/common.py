@@ -10,6 +10,7 @@ Mosaic GPU is imported inside the functions, so this module imports anywhere.
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 import functools
 import heapq
 import inspect
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from eqx_bsattn.contract import MaskTerms
+from eqx_bsattn.contract import MaskTerms, TokenCoords
 
 #: Rows per compute warpgroup (one wgmma M-tile) and compute warpgroups per CTA.
 ROWS_PER_WARPGROUP = 64
@@ -47,7 +48,14 @@ class AttentionShape:
     true_kv_len: int
     head_dim: int
     softmax_scale: float
-    terms: MaskTerms
+    #: The mask's canonical terms, evaluated on partial blocks; ``None`` where `predicate`
+    #: stands in for them.
+    terms: MaskTerms | None
+    #: Where the mask has no terms at these tiles: the compiled mask without layouts
+    #: (`CompiledMask.without_layouts`), whose element predicate (`visible_at`) partial
+    #: blocks evaluate on their coordinate tiles; segment ids then reach it as the call
+    #: passed them.
+    predicate: Any = dataclasses.field(default=None, kw_only=True)
 
     @property
     def group(self) -> int:
@@ -123,6 +131,36 @@ def visible(terms: MaskTerms, true_kv_len: int | None, q_index, k_index, q_seg=N
     if not terms_on:
         return k_index >= 0
     return functools.reduce(operator.and_, terms_on)
+
+
+def block_visible(cfg, head, q_tiles, k_tiles, q_seg=None, k_seg=None):
+    """The mask on a partial block of a launch with config `cfg` (an `AttentionShape` and
+    `LogitTerms`), for query head `head`: ``(index, position)`` tiles of its queries and keys
+    (`q_tiles`, `k_tiles`: thunks, called where the test reads them; the positions are the
+    per-call ones where ``cfg.positions``, else the indices again) and their segment id
+    tiles (``None`` without). The compiled mask's element predicate (``cfg.predicate``) on
+    them, else the canonical terms (`visible`, the ids apart) on the positions, with the
+    padded keys hidden by their token indices."""
+    (q_index, q_pos), (k_index, k_pos) = q_tiles(), k_tiles()
+    if cfg.predicate is not None:
+        predicate = cfg.predicate
+        return predicate.visible_at(head, TokenCoords(q_index, q_pos, q_seg, predicate.q_len),
+                                    TokenCoords(k_index, k_pos, k_seg, predicate.kv_len))
+    k_token = k_index if cfg.positions and cfg.padded_kv_len is not None else None
+    return visible(cfg.terms, cfg.padded_kv_len, q_pos, k_pos, q_seg, k_seg, ids_apart=True,
+                   signed=cfg.positions, k_token=k_token)
+
+
+def block_coordinates(cfg, ops: "Ops", shape, q_axis: int, q_base, k_base, positions):
+    """`block_visible`'s ``(q_tiles, k_tiles)`` thunks for a block of `shape` whose queries
+    run along `q_axis` and start at token `q_base` (keys at `k_base`); `positions` are its
+    ``(query, key)`` position tiles (the per-call positions where ``cfg.positions``, else
+    the token indices, which the thunks then give again)."""
+    q_pos, k_pos = positions
+    if not cfg.positions:
+        return (lambda: (q_pos, q_pos)), (lambda: (k_pos, k_pos))
+    return ((lambda: (q_base + ops.iota(shape, q_axis), q_pos)),
+            (lambda: (k_base + ops.iota(shape, 1 - q_axis), k_pos)))
 
 
 def _floor_div(x, divisor: int):

@@ -20,7 +20,9 @@ GPU's on-device profiler (``CompilerParams(profile_space=..., profile_dir=...)``
 of them per warpgroup.
 
 FULL blocks skip every mask; partial blocks evaluate the compiled mask's canonical terms
-(`MaskTerms`) on token indices, and segment ids when the mask has them. A soft cap turns the
+(`MaskTerms`) on token indices, and segment ids when the mask has them, or, for a mask
+without terms, its element predicate (`CompiledMask.visible_at`) traced on the block's
+coordinate tiles (`common.block_visible`). A soft cap turns the
 products into capped logits before either. Rows that see no key give zeros and a log-sum-exp
 of +inf (the convention of the backward kernels).
 
@@ -44,9 +46,9 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
-                     alibi_positions_term,
+                     alibi_positions_term, block_coordinates, block_visible,
                      persistent_schedule, ring_stages, score_function_tile,
-                     segment_ids_apart, swizzled, visible, walk_list)
+                     segment_ids_apart, swizzled, walk_list)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -96,8 +98,6 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     factor = 1.0 if cfg.soft_cap or cfg.alibi or function is not None else cfg.log2_factor
     if cfg.alibi and slopes is None:
         raise ValueError("forward_call: `slopes` must be given when cfg.alibi is on.")
-    # Partial blocks test k < true_kv_len only where keys were padded.
-    padded_keys = cfg.padded_kv_len
 
     def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref,
                pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref, out_ref, lse_ref,
@@ -247,15 +247,12 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         s = _times(s, factor)
                     if partial is not None:
                         k_seg = partial[1]
-                        rows, cols = position_tiles(keys)
                         segs = (None, None)
                         if has_segments:
                             segs = (lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
                                     lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
-                        tokens = (k_base + ops.iota((bq, bk), 1) if cfg.positions and padded_keys
-                                  else None)
-                        vis = visible(cfg.terms, padded_keys, rows, cols, *segs, ids_apart=True,
-                                      signed=cfg.positions, k_token=tokens)
+                        vis = block_visible(cfg, h, *block_coordinates(
+                            cfg, ops, (bq, bk), 0, q_base, k_base, position_tiles(keys)), *segs)
                         s = jnp.where(vis, s, -jnp.inf)
                     if partial is not None or function is not None:
                         m_new = jnp.maximum(m_i, _plus(s.max(axis=1), shift))
@@ -369,8 +366,10 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     dummy = jnp.zeros((1, 1), jnp.int32)
     qseg, kseg = dummy, dummy
     slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes.astype(jnp.float32)
-    if has_segments:
+    if has_segments and cfg.predicate is None:
         qseg, kseg = segment_ids_apart(q_segment_ids, kv_segment_ids)
+    elif has_segments:  # the element predicate reads the ids as the call passed them
+        qseg, kseg = q_segment_ids, kv_segment_ids
     if cfg.positions and positions is None:
         raise ValueError("forward_call: `positions` must be given when cfg.positions is on.")
     qpos, kpos = positions if cfg.positions else (dummy, dummy)

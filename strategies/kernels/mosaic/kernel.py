@@ -10,10 +10,12 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Features, MaskReads,
-                                  ResolvedMask, add_sinks, backward_delta, pad_axis, public_lse,
-                                  typed_like, zero_cotangent)
+from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, CompiledMask,
+                                  Features, MaskReads, ResolvedMask, TokenCoords, add_sinks,
+                                  backward_delta, pad_axis, public_lse, typed_like,
+                                  zero_cotangent)
 
 from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
                        dq_accumulator_shape, dq_call, dq_schedule, short_lists)
@@ -65,7 +67,40 @@ def function_lowering_failure(term) -> str | None:
     one-warpgroup kernel, on a 64 x 128 float32 tile of logits and int32 position tiles in
     the wgmma layout, with traced batch and head scalars, as the attention kernels trace it.
     Cached per term: a verdict costs one lowering (runs nothing; no GPU needed)."""
-    import jax.experimental.pallas as pl
+
+    def tile(batch, head, rows, cols, s):
+        value = score_function_tile(term, s, batch, head, rows, cols)
+        again, derivative = score_function_tile(term, s, batch, head, rows, cols,
+                                                derivative=True)
+        return value + again * derivative
+
+    return _lowering_failure("the score function", tile)
+
+
+@functools.lru_cache(maxsize=256)
+def mask_lowering_failure(predicate) -> str | None:
+    """Why Pallas Mosaic GPU cannot lower the element predicate of `predicate` (a
+    `CompiledMask` without layouts; its `visible_at`) on the kernels' tiles (the first line of
+    the error) or ``None``: lowered once for CUDA on 64 x 128 int32 index, position and
+    segment id tiles in the wgmma layout with a traced head, as the partial blocks trace it.
+    Cached per mask (runs nothing; no GPU needed)."""
+
+    def tile(batch, head, rows, cols, s):
+        segments = (lax.div(rows, 16), lax.div(cols, 16)) if predicate.uses_segment_ids else (
+            None, None)
+        visible = predicate.visible_at(
+            head, TokenCoords(rows, rows + batch, segments[0], predicate.q_len),
+            TokenCoords(cols, cols + batch, segments[1], predicate.kv_len))
+        return jnp.where(visible, s, 0.0)
+
+    return _lowering_failure("the mask's element predicate", tile)
+
+
+def _lowering_failure(what: str, tile) -> str | None:
+    """Why Pallas Mosaic GPU cannot lower ``tile(batch, head, rows, cols, s)`` (a float32
+    64 x 128 tile from traced batch and head scalars, int32 row and column index tiles and a
+    float32 tile, all in the wgmma layout) inside a one-warpgroup kernel for CUDA: the first
+    line of the error, naming `what`, or ``None``."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     shape = (ROWS_PER_WARPGROUP, 128)
@@ -75,11 +110,7 @@ def function_lowering_failure(term) -> str | None:
         rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
         cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
         s = plgpu.broadcasted_iota(jnp.float32, shape, 1, layout=layout) * 0.01
-        batch, head = coords_ref[0], coords_ref[1]
-        value = score_function_tile(term, s, batch, head, rows, cols)
-        again, derivative = score_function_tile(term, s, batch, head, rows, cols,
-                                                derivative=True)
-        stage[...] = value + again * derivative
+        stage[...] = tile(coords_ref[0], coords_ref[1], rows, cols, s)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(stage, out_ref)
         plgpu.wait_smem_to_gmem(0)
@@ -92,7 +123,7 @@ def function_lowering_failure(term) -> str | None:
             lowering_platforms=("cuda",))
     except Exception as e:  # noqa: BLE001 - any failure to lower is the verdict
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return f"Pallas Mosaic GPU cannot lower the score function: {first}"
+        return f"Pallas Mosaic GPU cannot lower {what}: {first}"
     return None
 
 
@@ -176,7 +207,7 @@ class MosaicBlockSparse(AbstractLseKernel):
     name: ClassVar[str] = "mosaic"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
     score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "function")
-    reads: ClassVar[MaskReads] = "terms"
+    reads: ClassVar[MaskReads] = "elements"
     config_type: ClassVar[type[AbstractKernelConfig]] = MosaicConfig
 
     def __check_init__(self):
@@ -208,13 +239,13 @@ class MosaicBlockSparse(AbstractLseKernel):
             why = _function_decline(features.score_function, features.score_params)
             if why is not None:
                 return why
-        terms = mask.terms
         tiles = list(MosaicConfig.for_head_dim(features.head_dim).blocks)
-        if terms is None or (terms.tables and mask.kernel_terms(tiles) is None):
-            return ("the mask has no in-kernel terms shared by every head at this kernel's "
-                    "tiles (causal / window / chunk / prefix / document); this kernel reads "
-                    "no element bitmaps.")
-        if features.positions and features.in_loop and (terms.uses_positions
+        terms = mask.kernel_terms(tiles)
+        if terms is None:
+            why = _predicate_decline(mask.predicate(), features)
+            if why is not None:
+                return why
+        if features.positions and features.in_loop and (terms is None or terms.uses_positions
                                                         or features.score):
             # Per-call positions run in the kernels, but not yet tested inside a sharding's
             # loop (RingAttention passes each step its shards' global positions).
@@ -248,9 +279,12 @@ class MosaicBlockSparse(AbstractLseKernel):
 
     def _attention(self, query, key, value, mask, inputs, softmax_scale, logits_soft_cap):
         """``(out, lse)`` without sinks, differentiable in both (`_attend`)."""
+        predicate = None
         if mask.terms is None:
-            raise ValueError("MosaicBlockSparse needs in-kernel mask terms at these tiles; "
-                             "the compiled mask has none.")
+            predicate = mask.without_layouts()
+            why = _predicate_decline(predicate, None)
+            if why is not None:
+                raise ValueError(f"MosaicBlockSparse: {why}")
         batch, heads, q_len, dim = query.shape
         kv_heads, kv_len = key.shape[1:3]
         fwd, dq, dkdv = mask.forward, mask.dq, mask.dkv
@@ -260,12 +294,12 @@ class MosaicBlockSparse(AbstractLseKernel):
         block_kv = fwd.block_kv
         lq, lk = rows_padded(q_len, BLOCK_Q), rows_padded(kv_len, block_kv)
         seg = (None, None)
-        if mask.terms.segment_ids:
+        if mask.terms.segment_ids if predicate is None else predicate.uses_segment_ids:
             seg = (_pad(inputs.q_segment_ids.astype(jnp.int32), lq, -1),
                    _pad(inputs.kv_segment_ids.astype(jnp.int32), lk, -2))
         shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, q_len=lq, kv_len=lk,
                      true_kv_len=kv_len, head_dim=dim, softmax_scale=float(softmax_scale),
-                     terms=mask.terms)
+                     terms=mask.terms, predicate=predicate)
         soft_cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
         slopes = None if inputs.score is None else inputs.score.slopes
         if inputs.score is not None and set(inputs.score.kinds) - set(self.score_kinds):
@@ -274,7 +308,8 @@ class MosaicBlockSparse(AbstractLseKernel):
         alibi = slopes is not None
         function = _checked_function(inputs.score)
         positions = _positions(inputs, batch, q_len, kv_len,
-                               mask.terms.uses_positions or inputs.score is not None)
+                               predicate is not None or mask.terms.uses_positions
+                               or inputs.score is not None)
         fcfg = ForwardConfig(**shape, block_kv=block_kv, stages=stages_for(dim, block_kv),
                              layout_batch=fwd.full_count.shape[0],
                              layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors(),
@@ -347,6 +382,19 @@ def _function_decline(function, has_params: bool) -> str | None:
         return ("score functions with parameters are not supported (their gradient is not "
                 "formed in the kernel).")
     return function_lowering_failure(function)
+
+
+def _predicate_decline(predicate: CompiledMask, features: Features | None) -> str | None:
+    """Why the kernels cannot trace this mask's element predicate on their partial blocks
+    (`features`: the call's, where the selector asks), or ``None``."""
+    if features is not None and features.in_loop:
+        return ("a mask without in-kernel terms inside a sharding's loop (RingAttention) is "
+                "not supported.")
+    if not predicate.traces_on_tiles((ROWS_PER_WARPGROUP, 128)):
+        return ("the mask's element predicate reads an array (an ArrayMask, a table, or "
+                "params); this kernel traces the predicate on its tiles and reads no element "
+                "map.")
+    return mask_lowering_failure(predicate)
 
 
 def _pad(x, length: int, fill=0):

@@ -384,10 +384,17 @@ def test_declines_with_reasons():
                                                         score=("alibi", "function"))) is None
     why = kernel.decline_reason(resolved, bsa.Features(**base, positions=True, in_loop=True))
     assert why is not None and "positions" in why and "RingAttention" in why
+    # Masks without terms: the element predicate runs in the kernels unless it reads an
+    # array, and none inside a sharding's loop.
     dilated = bsa.ResolvedMask(masks.Causal() | masks.Dilated(2), q_len=128, kv_len=128,
                                num_heads=2)
-    why = kernel.decline_reason(dilated, bsa.Features(**base))
-    assert why is not None and "terms" in why
+    assert kernel.decline_reason(dilated, bsa.Features(**base)) is None
+    why = kernel.decline_reason(dilated, bsa.Features(**base, in_loop=True))
+    assert why is not None and "RingAttention" in why
+    array = bsa.ResolvedMask(masks.ArrayMask(np.tri(128, dtype=bool)), q_len=128, kv_len=128,
+                             num_heads=2)
+    why = kernel.decline_reason(array, bsa.Features(**base))
+    assert why is not None and "reads an array" in why
 
 
 @on_gpu
@@ -679,6 +686,12 @@ def test_forward_inside_shard_map_in_cpu_interpreter():
     assert _rel(out, want) < TOL[jnp.float16]
 
 
+def window_by_head(q, k, head):
+    """A mask without terms that varies by head: keys at most 30 + 40 * head before the
+    query, and none after it."""
+    return (k <= q) & (q - k < 30 + 40 * head)
+
+
 BACKWARD_INTERPRETER_CASES = {
     # name: (mask, heads, kv_heads, q_len, kv_len, head_dim, documents, soft cap, ALiBi)
     "causal_gqa_ragged": (masks.Causal(bottom_right=True), 2, 1, 130, 200, 64, False, None,
@@ -718,6 +731,17 @@ BACKWARD_INTERPRETER_CASES = {
     # Positions for the mask alone (no score term), documents beside them.
     "positions_documents_window": (masks.Causal() & masks.SlidingWindow(60, 0)
                                    & masks.Document(), 1, 1, 200, 200, 128, True, None, False),
+    # Masks without in-kernel terms: the element predicate on the partial blocks' tiles. A
+    # predicate by head with grouped heads and ragged keys; dilated keys or global tokens
+    # within documents (the predicate reads the ids as passed, padding -1 included); a
+    # causal mask less a window, at per-call positions, with a score function.
+    "predicate_by_head_gqa": (masks.Predicate(window_by_head), 4, 2, 200, 300, 64, False,
+                              None, False),
+    "dilated_or_global_documents": (((masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8))
+                                    & masks.Document(), 2, 2, 200, 200, 128, True, None,
+                                    False),
+    "positions_not_window_function": (masks.Causal() & ~masks.SlidingWindow(20, 0), 2, 1, 200,
+                                      256, 64, False, None, False),
 }
 
 #: Per-call ``(q_positions, kv_positions)`` of a case's lengths: queries at odd steps from
@@ -727,7 +751,10 @@ POSITIONS = {
     "positions_alibi_window": lambda lq, lk: (2 * np.arange(lq) - 31, np.arange(lk) - 50),
     "positions_function_chunks": lambda lq, lk: (2 * np.arange(lq) - 31, np.arange(lk) - 50),
     "positions_documents_window": lambda lq, lk: (np.arange(lq) - 31, np.arange(lk) - 50),
+    "positions_not_window_function": lambda lq, lk: (2 * np.arange(lq) - 31,
+                                                     np.arange(lk) - 50),
 }
+
 
 
 def alibi_function(score, head, q_pos, k_pos):
@@ -750,7 +777,8 @@ def squared_distance(score, head, q_pos, k_pos):
 
 SCORE_FUNCTIONS = {"function_alibi": alibi_function, "function_hiding": capped_and_hiding,
                    "function_after_alibi_soft_cap": squared_distance,
-                   "positions_function_chunks": capped_and_hiding}
+                   "positions_function_chunks": capped_and_hiding,
+                   "positions_not_window_function": squared_distance}
 
 
 def _slope_gradient_scale(reference, q, k, v, slopes, cot, q_len, kv_len, positions=None):
@@ -773,7 +801,8 @@ def _slope_gradient_scale(reference, q, k, v, slopes, cot, q_len, kv_len, positi
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "item_a_cta"])
 @pytest.mark.parametrize("single_pass", [True, False], ids=["single_pass", "deterministic"])
 @pytest.mark.parametrize("case", [  # the default run takes these two; the rest is extended
-    pytest.param(name, marks=[] if name in ("soft_cap", "alibi", "positions_function_chunks")
+    pytest.param(name, marks=[] if name in ("soft_cap", "alibi", "positions_function_chunks",
+                                            "dilated_or_global_documents")
                  else [pytest.mark.extended])
     for name in sorted(BACKWARD_INTERPRETER_CASES)])
 def test_backward_in_cpu_interpreter(case, single_pass, persistent):
@@ -816,6 +845,9 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     resolved = bsa.ResolvedMask(mask, q_len=lq, kv_len=lk, num_heads=heads, **data)
     dq_tile, dkv_tile = backward_blocks(d)
     terms = resolved.kernel_terms([(BLOCK_Q, 128), dq_tile, dkv_tile])
+    # A mask without terms at these tiles: its element predicate on the partial blocks.
+    predicate = None if terms is not None else resolved.predicate()
+    assert (predicate is not None) == case.startswith(("predicate", "dilated", "positions_not"))
     plq, plk = rows_padded(lq, BLOCK_Q), rows_padded(lk, 128)
     if documents:
         seg = (_pad(data["q_segment_ids"], plq, -1), _pad(data["kv_segment_ids"], plk, -2))
@@ -828,7 +860,7 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
                          layout_heads=fwd.full_count.shape[1],
                          # Persistent on 2 CTAs: items follow one another, some empty.
                          ctas=2, alibi=alibi, function=function,
-                         positions=positions is not None)
+                         positions=positions is not None, predicate=predicate)
     bcfg = BackwardConfig(batch=1, heads=heads, kv_heads=kv_heads, q_len=plq, kv_len=plk,
                           true_kv_len=lk, head_dim=d, dq_block_kv=dq_tile[1],
                           dkv_block_q=dkv_tile[0], softmax_scale=d ** -0.5, terms=terms,
@@ -836,7 +868,8 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
                           dkv_layout_axes=dkv_layout.full_count.shape[:2],
                           soft_cap=soft_cap or 0.0, single_pass=single_pass,
                           persistent=LAUNCHES if persistent else (), ctas=1,
-                          alibi=alibi, function=function, positions=positions is not None)
+                          alibi=alibi, function=function, positions=positions is not None,
+                          predicate=predicate)
 
     def arrays(*xs):
         return tuple(jnp.asarray(x, jnp.int32) for x in xs)

@@ -9,6 +9,8 @@ eagerly. The host is told it has a GPU: the default platform is "gpu", Mosaic GP
 as runnable, and the GPU has an H200's 132 multiprocessors. Nothing here runs a kernel.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +42,16 @@ def _hiding(score, head, q_pos, k_pos):
 def _running_sum(score, head, q_pos, k_pos):
     """Not elementwise: a running sum along the keys (Mosaic GPU has no cumsum)."""
     return jnp.cumsum(score, axis=-1)
+
+
+def _window_by_head(q, k, head):
+    """A mask without terms that varies by head."""
+    return (k <= q) & (q - k < 30 + 40 * head)
+
+
+def _round_window(q, k):
+    """A mask Mosaic GPU cannot lower: a window measured with a square root."""
+    return jnp.sqrt(((q - k) * (q - k)).astype(jnp.float32)) < 50.0
 
 
 @pytest.fixture
@@ -123,6 +135,21 @@ LOWERED = {
     "positions_alibi_window": (masks.Causal() & masks.SlidingWindow(256, 0),
                                dict(batch=2, heads=2, kv_heads=1, q_len=512, kv_len=640,
                                     dim=128), dict(score=scores.ALiBi(), positions=True)),
+    # Masks without terms (the element predicate on partial blocks): a predicate by head
+    # with grouped heads; dilated keys or global tokens within documents, ragged; a causal
+    # mask less a window at per-call positions, with a score function.
+    "predicate_by_head_gqa": (masks.Predicate(_window_by_head),
+                              dict(batch=1, heads=4, kv_heads=2, q_len=512, kv_len=512,
+                                   dim=128), {}),
+    "dilated_or_global_documents": (((masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8))
+                                    & masks.Document(),
+                                    dict(batch=2, heads=2, kv_heads=2, q_len=300, kv_len=300,
+                                         dim=64), dict(segments=True)),
+    "positions_not_window_function": (masks.Causal() & ~masks.SlidingWindow(20, 0),
+                                      dict(batch=1, heads=2, kv_heads=1, q_len=300, kv_len=300,
+                                           dim=64),
+                                      dict(score=scores.ScoreFunction(_head_slopes),
+                                           positions=True)),
     "positions_function_chunks": (masks.ChunkedCausal(96),
                                   dict(batch=1, heads=2, kv_heads=2, q_len=300, kv_len=300,
                                        dim=64),
@@ -201,3 +228,38 @@ def test_score_function_mosaic_cannot_lower_is_declined(hopper_host):
 def _scaled(score, head, q_pos, k_pos, params):
     """A score function with parameters: one learned factor per head."""
     return score * params["w"][head]
+
+
+def test_masks_without_terms_run_their_predicate_or_are_declined(hopper_host):
+    """A mask without in-kernel terms goes to this kernel, its element predicate traced on
+    the partial blocks, unless the predicate reads an array (an ArrayMask, a Predicate's
+    params) or Pallas Mosaic GPU cannot lower it (the first line of the reason, the verdict
+    cached per mask); the selector then picks another kernel and `explain` says why."""
+    from eqx_bsattn.strategies.kernels.mosaic.kernel import mask_lowering_failure
+
+    q, k, v = _inputs(1, 2, 2, 256, 256, 64)
+    kernel = MosaicBlockSparse()
+    taken = (masks.Predicate(_window_by_head), masks.Causal() & ~masks.SlidingWindow(20, 0),
+             (masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8))
+    for mask in taken:
+        plan = bsa.BlockSparseAttention(mask=mask).plan(q, k, v)
+        assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
+    declined = ((masks.Predicate(_round_window), "cannot lower the mask's element predicate: "
+                 ".*sqrt"),
+                (masks.ArrayMask(np.tri(256, dtype=bool)), "reads an array"),
+                (masks.Predicate(lambda q, k, w: q - k < w[0], jnp.asarray([9])),
+                 "reads an array"))
+    for mask, reason in declined:
+        plan = bsa.BlockSparseAttention(mask=mask).plan(q, k, v)
+        assert plan.choice.kernel.name != "mosaic"
+        explained = plan.choice.explain()
+        assert "mosaic" in explained and len(
+            [line for line in explained.splitlines() if re.search(reason, line)]) == 1, explained
+        with pytest.raises(ValueError, match=reason):
+            bsa.BlockSparseAttention(mask=mask, kernel=kernel)(q, k, v)
+    resolved = bsa.ResolvedMask(masks.Predicate(_round_window), q_len=256, kv_len=256,
+                                num_heads=2)
+    hits = mask_lowering_failure.cache_info().hits
+    kernel.decline_reason(resolved, bsa.Features(platform="gpu", dtype="bfloat16", head_dim=64,
+                                                 value_dim=64))
+    assert mask_lowering_failure.cache_info().hits == hits + 1
