@@ -74,6 +74,12 @@ def _segments(batch, length, docs, pad, seed=0):
     return jnp.asarray(ids)
 
 
+def window_by_head(q, k, head):
+    """A mask without terms that varies by head: keys at most 30 + 40 * head before the
+    query, and none after it."""
+    return (k <= q) & (q - k < 30 + 40 * head)
+
+
 CASES = {
     # name: (mask, batch, heads, kv_heads, q_len, kv_len, dim, dtype, segment ids, grads)
     "causal": (masks.Causal(), 2, 4, 4, 512, 512, 128, jnp.bfloat16, False, True),
@@ -88,6 +94,16 @@ CASES = {
     # A negative offset: the first 150 rows see no key (zeros, never NaN).
     "empty_rows": (masks.Causal(offset=-150), 1, 2, 2, 384, 200, 64, jnp.bfloat16, False,
                    True),
+    # Masks without in-kernel terms (the element predicate on partial blocks): by head with
+    # grouped heads; dilated keys or global tokens within padded documents; causal less a
+    # window, Lq != Lk.
+    "predicate_by_head": (masks.Predicate(window_by_head), 1, 4, 2, 640, 640, 128,
+                          jnp.bfloat16, False, True),
+    "dilated_or_global_documents": (((masks.Dilated(2) & masks.Causal())
+                                     | masks.GlobalTokens(8)) & masks.Document(), 2, 2, 2,
+                                    700, 700, 64, jnp.bfloat16, True, True),
+    "not_window_cross": (masks.Causal(bottom_right=True) & ~masks.SlidingWindow(100, 0), 1, 2,
+                         1, 384, 520, 128, jnp.float16, False, True),
 }
 
 
@@ -398,7 +414,7 @@ def test_declines_with_reasons():
 
 
 @on_gpu
-@pytest.mark.parametrize("case", ["causal", "document"])
+@pytest.mark.parametrize("case", ["causal", "document", "dilated_or_global_documents"])
 def test_deterministic_mode_is_bit_identical(case):
     """Five runs of forward+backward in the deterministic mode give bit-identical outputs and
     gradients; the single pass gives the same gradients to rounding."""
@@ -684,12 +700,6 @@ def test_forward_inside_shard_map_in_cpu_interpreter():
     want = bsa.BlockSparseAttention(mask=mask, kernel=DenseReference())(
         *(x.astype(jnp.float32) for x in (q, k, v)), **data)
     assert _rel(out, want) < TOL[jnp.float16]
-
-
-def window_by_head(q, k, head):
-    """A mask without terms that varies by head: keys at most 30 + 40 * head before the
-    query, and none after it."""
-    return (k <= q) & (q - k < 30 + 40 * head)
 
 
 BACKWARD_INTERPRETER_CASES = {
