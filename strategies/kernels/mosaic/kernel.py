@@ -157,7 +157,9 @@ class MosaicBlockSparse(AbstractLseKernel):
     tiles of each q-tile's visited kv-blocks through TMA into a ring of shared-memory slots,
     while two compute warpgroups (64 rows each) run wgmma and an online softmax in base 2.
     FULL blocks run without masking; partial blocks evaluate the compiled mask's canonical
-    terms (causal with an offset, a window, chunks, a prefix, segment ids) on token indices.
+    terms (causal with an offset, a window, chunks, a prefix, segment ids) on token indices,
+    or, for a mask without them, its element predicate (`CompiledMask.visible_at`) traced on
+    the block's index, position and segment id tiles.
 
     The backward pass is its own, in one of two modes:
 
@@ -188,9 +190,9 @@ class MosaicBlockSparse(AbstractLseKernel):
     in the logits taken by JAX in the kernel. Per-call positions replace the token indices
     in the mask's terms, ALiBi and the score function. Declines bias, other score terms
     (`score_kinds`), score functions with parameters or that Mosaic GPU cannot lower, masks
-    without in-kernel terms, masks whose block tables do not align with its tiles and
-    per-call positions inside a sharding's loop, each with a reason, so the selector gives
-    the whole call to another kernel. Its tiles are fixed (`MosaicConfig.for_head_dim`):
+    whose element predicate reads an array or that Mosaic GPU cannot lower, and per-call
+    positions or masks without terms inside a sharding's loop, each with a reason, so the
+    selector gives the whole call to another kernel. Its tiles are fixed (`MosaicConfig.for_head_dim`):
     another kernel's config or a `Tiling` gives way to them, and a `MosaicConfig` must be
     that one.
     Its priority on a GPU (35) is above Triton's (30) and below cuDNN's (40) (docs/mosaic.md
