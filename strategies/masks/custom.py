@@ -1,6 +1,8 @@
 """Masks from user code: any predicate of positions, and a different mask per head."""
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -194,7 +196,23 @@ class PerHead(AbstractBlockMask):
         return jax.lax.switch(jnp.clip(head, 0, len(self.masks) - 1), branches, *args)
 
     def elements(self, q, k, head):
-        return self._pick("elements", head, q, k)
+        if isinstance(head, int):
+            return self.masks[head].elements(q, k, head)
+        # A traced head: each distinct mask (by identity) once, the head's value chosen by
+        # `where`s rather than a `switch`, which not every kernel language lowers on tiles.
+        head = jnp.clip(head, 0, len(self.masks) - 1)
+        groups: dict[int, tuple[AbstractMask, list[int]]] = {}
+        for h, m in enumerate(self.masks):
+            groups.setdefault(id(m), (m, []))[1].append(h)
+        out = None
+        for m, heads in groups.values():
+            value = m.elements(q, k, head)
+            if out is None:
+                out = value
+            else:
+                hit = functools.reduce(operator.or_, [head == h for h in heads])
+                out = jnp.where(hit, value, out)
+        return out
 
     def blocks(self, q, k, head):
         return self._pick("blocks", head, q, k)

@@ -393,7 +393,7 @@ def _predicate_decline(predicate: CompiledMask, features: Features | None) -> st
         return ("a mask without in-kernel terms inside a sharding's loop (RingAttention) is "
                 "not supported.")
     if not predicate.traces_on_tiles((ROWS_PER_WARPGROUP, 128)):
-        return ("the mask's element predicate reads an array (an ArrayMask, a table, or "
+        return ("the mask's element predicate reads an array (a boolean mask, a table, or "
                 "params); this kernel traces the predicate on its tiles and reads no element "
                 "map.")
     return mask_lowering_failure(predicate)

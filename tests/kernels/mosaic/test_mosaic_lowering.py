@@ -141,6 +141,9 @@ LOWERED = {
     "predicate_by_head_gqa": (masks.Predicate(_window_by_head),
                               dict(batch=1, heads=4, kv_heads=2, q_len=512, kv_len=512,
                                    dim=128), {}),
+    # A mask per head, without terms shared by the heads: `where`s on the traced head.
+    "per_head": (masks.PerHead([masks.Causal(), masks.Causal() & masks.Dilated(2)]),
+                 dict(batch=1, heads=2, kv_heads=1, q_len=384, kv_len=384, dim=64), {}),
     "dilated_or_global_documents": (((masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8))
                                     & masks.Document(),
                                     dict(batch=2, heads=2, kv_heads=2, q_len=300, kv_len=300,
