@@ -192,9 +192,9 @@ class MosaicBlockSparse(AbstractLseKernel):
     (`score_kinds`), score functions with parameters or that Mosaic GPU cannot lower, masks
     whose element predicate reads an array or that Mosaic GPU cannot lower, and per-call
     positions or masks without terms inside a sharding's loop, each with a reason, so the
-    selector gives the whole call to another kernel. Its tiles are fixed (`MosaicConfig.for_head_dim`):
-    another kernel's config or a `Tiling` gives way to them, and a `MosaicConfig` must be
-    that one.
+    selector gives the whole call to another kernel. Its tiles are fixed
+    (`MosaicConfig.for_head_dim`): another kernel's config or a `Tiling` gives way to them,
+    and a `MosaicConfig` must be that one.
     Its priority on a GPU (35) is above Triton's (30) and below cuDNN's (40) (docs/mosaic.md
     has the measurements behind that order).
 
