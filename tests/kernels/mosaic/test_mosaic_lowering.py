@@ -266,3 +266,37 @@ def test_masks_without_terms_run_their_predicate_or_are_declined(hopper_host):
     kernel.decline_reason(resolved, bsa.Features(platform="gpu", dtype="bfloat16", head_dim=64,
                                                  value_dim=64))
     assert mask_lowering_failure.cache_info().hits == hits + 1
+
+
+#: attention-gym entries (tests/test_flex_catalogue.py) whose `from_flex` form
+#: `MosaicBlockSparse` declines: their functions read arrays passed as params (a document
+#: table, image intervals, rotary vectors), which it does not take.
+GYM_DECLINED = {"document", "nested_jagged", "vision_cross_attention", "rope_latent"}
+
+
+def test_attention_gym_catalogue_lowers_through_mosaic(hopper_host, monkeypatch):
+    """Each attention-gym mask and score of the catalogue through `from_flex` (masks as
+    `Predicate`s, scores as `ScoreFunction`s) runs in this kernel: `jit(grad)` lowers for CUDA
+    (three Mosaic GPU launches), except the functions that read params (`GYM_DECLINED`),
+    which it declines with a reason."""
+    from tests.test_flex_catalogue import B, CATALOGUE, H, HKV, _flex_form
+
+    monkeypatch.setattr(layout_internals.eqx, "error_if", lambda x, *_: x)
+    declined = set()
+    for name, entry in CATALOGUE.items():
+        kv_len = entry.kv_len or entry.q_len
+        q, k, v = _inputs(B, H, HKV, entry.q_len, kv_len, 64)
+        extra = {} if entry.call is None else {n: np.asarray(x)
+                                               for n, x in entry.call().items()}
+        attn = bsa.BlockSparseAttention(kernel=MosaicBlockSparse(), **_flex_form(entry))
+        try:
+            attn.plan(q, k, v, **extra)
+        except ValueError as e:
+            assert "parameters" in str(e) or "reads an array" in str(e), (name, e)
+            declined.add(name)
+            continue
+        loss = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+            attn(q, k, v, **extra).astype(jnp.float32)), argnums=(0, 1, 2)))
+        text = loss.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 3, name
+    assert declined == GYM_DECLINED
