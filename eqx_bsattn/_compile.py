@@ -145,6 +145,38 @@ class CompiledMask(eqx.Module):
         return not closed.consts and _indexes_no_array(closed.jaxpr)
 
 
+    def element_map_bytes(self, batch: int, per_call: bool, copies: int = 2,
+                          itemsize: int = 1) -> int:
+        """The bytes of `copies` element maps (`element_map`) at the mask's lengths, with
+        elements of `itemsize` bytes: per batch element where `per_call` data (positions,
+        or segment ids the mask reads) shapes the mask, per head where heads differ."""
+        heads = self.num_heads if self.head_dependent else 1
+        return copies * itemsize * (batch if per_call else 1) * heads * self.q_len * self.kv_len
+
+    def element_map(self, inputs, q_len: int, kv_len: int, dtype=jnp.int8):
+        """The element predicate on every pair of `q_len` x `kv_len` tokens (the padded
+        lengths; pairs past the mask's own are hidden), ``[mb, mh, q_len, kv_len]`` in
+        `dtype` (1 visible, 0 hidden): ``mb`` the batch where `inputs` (`AttentionInputs`)
+        pass positions or segment ids the mask reads, else 1; ``mh`` the heads where they see
+        different masks, else 1. What a kernel's partial blocks read as tiles where the
+        predicate cannot run in the kernel (it indexes an array)."""
+        names = ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids")
+        data = {n: getattr(inputs, n) for n in names}
+        if not self.uses_segment_ids:
+            data["q_segment_ids"] = data["kv_segment_ids"] = None
+        batched = {n: x for n, x in data.items() if x is not None}
+        heads = self.num_heads if self.head_dependent else 1
+        qi = jnp.arange(q_len, dtype=jnp.int32)[:, None]
+        ki = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
+
+        def one(arrays):
+            per_head = lambda h: self.visible(h, qi, ki, **arrays)  # noqa: E731
+            return jax.vmap(per_head)(jnp.arange(heads, dtype=jnp.int32))
+
+        out = jax.vmap(one)(batched) if batched else one({})[None]
+        return out.astype(dtype)
+
+
 #: Operations that index an array by traced values: no kernel body runs them on tiles.
 _GATHERS = frozenset({"gather", "dynamic_slice", "dynamic_update_slice", "scatter",
                       "scatter-add"})

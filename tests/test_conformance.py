@@ -632,11 +632,11 @@ def _mosaic_lowers(fn) -> bool:
         return False
 
 
-#: MosaicBlockSparse: 16-bit, D = Dv in {64, 128}, masks with shared in-kernel terms or an
-#: element predicate Mosaic GPU lowers (not BigBird's random blocks, which read an array), no
-#: bias, ALiBi and score functions that Mosaic GPU lowers but no other score term.
+#: MosaicBlockSparse: 16-bit, D = Dv in {64, 128}, masks with shared in-kernel terms, an
+#: element predicate Mosaic GPU lowers or an element map (BigBird's random blocks), no bias,
+#: ALiBi and score functions that Mosaic GPU lowers but no other score term.
 _MOSAIC_RUNS = {"tiled_positions", "tiled_global", "tiled_dilated", "tiled_predicate",
-                "tiled_not_causal", "tiled_per_head",
+                "tiled_not_causal", "tiled_per_head", "tiled_bigbird",
                 *(("tiled_score_function_positions",) if _mosaic_lowers(distance_and_scale)
                   else ()),
                 "tiled_full", "tiled_causal", "tiled_causal_window", "tiled_causal_open_window",

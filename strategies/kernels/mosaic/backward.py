@@ -52,9 +52,9 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      SMEM_BUDGET, AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
-                     alibi_positions_term, block_coordinates, block_visible,
-                     persistent_schedule, ring_stages, score_function_tile,
-                     segment_ids_apart, swizzled, walk_list)
+                     ELEMENT_MAP_DTYPE, alibi_positions_term, block_coordinates,
+                     block_visible, element_tile, persistent_schedule, ring_stages,
+                     score_function_tile, segment_ids_apart, swizzled, walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -331,6 +331,15 @@ def _positions_operands(cfg: BackwardConfig, positions, launch: str):
     return positions
 
 
+def _element_map_operand(cfg: BackwardConfig, element_map, launch: str):
+    """The launch's element map operand (``cfg.elements``), or a one-element placeholder."""
+    if not cfg.elements:
+        return jnp.zeros((1, 1, 1, 1), ELEMENT_MAP_DTYPE)
+    if element_map is None:
+        raise ValueError(f"{launch}: `element_map` must be given when cfg.elements is on.")
+    return element_map
+
+
 def _function_tiles(cfg: BackwardConfig, b, h, positions):
     """The score function of a block as `BackwardConfig.probabilities` takes it (natural-unit
     logits to their value and derivative), on the query and key position tiles
@@ -372,14 +381,15 @@ def _check_schedule(items, buffers: int, launch: str, num_items: int):
 
 def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index,
             partial_count, partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-            slopes=None, positions=None, schedule=None, interpret=None):
+            slopes=None, positions=None, element_map=None, schedule=None, interpret=None):
     """dq ``[B, H, Lq, D]`` (the query's dtype) for padded inputs; `lse` (base 2) and `delta`
     are ``[B, H, Lq]`` float32; the lists are the dq layout's. `schedule` is the launch's
     ``(items, counts)`` (`dq_schedule` when ``None``).
 
     With ALiBi (``cfg.alibi``, `slopes` ``[H]`` float32) each logit takes its term; the
     slopes' gradient comes from `dkv_call`. `positions` are the padded ``(q_positions,
-    kv_positions)`` ``[B, L]`` int32 (``cfg.positions``)."""
+    kv_positions)`` ``[B, L]`` int32 (``cfg.positions``); `element_map` the padded
+    ``[1 or B, 1 or H, Lq, Lk]`` map (``cfg.elements``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -393,13 +403,14 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     has_segments, qseg, kseg = _segments(cfg, q_segment_ids, kv_segment_ids)
     slopes = _slopes(cfg, slopes, "dq_call")
     qpos, kpos = _positions_operands(cfg, positions, "dq_call")
+    emap = _element_map_operand(cfg, element_map, "dq_call")
     items, counts = schedule if schedule is not None else dq_schedule(cfg, full_count,
                                                                        partial_count)
     _check_schedule(items, buffers, "dq_call", cfg.batch * cfg.heads * num_tiles)
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
              fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref,
-             *refs):
+             emap_ref, *refs):
         dq_ref, scoped = refs
         (q_own, do_own, k_ring, v_ring), (q_ready, do_ready, k_ready, v_ready), \
             (k_free, v_free) = scoped
@@ -469,7 +480,9 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                                 ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout),
                                 (bq, bk), [1])
                         vis = block_visible(cfg, h, *block_coordinates(
-                            cfg, ops, (bq, bk), 0, q_base, k_base, tiles()), q_seg, k_seg)
+                            cfg, ops, (bq, bk), 0, q_base, k_base, tiles()), q_seg, k_seg,
+                            map_tile=lambda: element_tile(ops, emap_ref, b, h, rows,
+                                                          pl.ds(k_base, bk)))
                     p, factors = cfg.probabilities(
                         s, lax.broadcast_in_dim(row_lse, (bq, bk), [0]), vis, term,
                         _function_tiles(cfg, b, h, tiles))
@@ -519,7 +532,8 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
     return _launch(body, scratch, items.shape[0], out_type,
                    (items, counts, q, k, v, do, lse, delta, full_count, full_index,
-                    partial_count, partial_index, qseg, kseg, slopes, qpos, kpos), interpret)
+                    partial_count, partial_index, qseg, kseg, slopes, qpos, kpos, emap),
+                   interpret)
 
 
 def dq_schedule(cfg: BackwardConfig, full_count, partial_count):
@@ -552,7 +566,8 @@ def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, .
 
 def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_index,
              t_partial_count, t_partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-             dq_accumulator=None, slopes=None, positions=None, schedule=None, interpret=None):
+             dq_accumulator=None, slopes=None, positions=None, element_map=None, schedule=None,
+             interpret=None):
     """``(dk, dv)``, each ``[B, H_kv, Lk, D]`` (a kv head's gradient summed over its group of
     query heads in float32, in the kernel), for padded inputs ``q, do [B, H, Lq, D]`` and
     ``k, v [B, H_kv, Lk, D]``; the lists are the dk/dv layout's transposed ones. `schedule`
@@ -570,7 +585,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     ``[B, H, Lk]`` float32, each key's ``sum_q dS (k - q)`` (the slope's gradient summed
     over the batch and the rows), as ``(dk, dv, slope_rows)``, in both modes (docs/mosaic.md,
     "ALiBi", says why not in the dq kernel). `positions` are the padded ``(q_positions,
-    kv_positions)`` ``[B, L]`` int32 (``cfg.positions``)."""
+    kv_positions)`` ``[B, L]`` int32 (``cfg.positions``); `element_map` the padded map
+    transposed, ``[1 or B, 1 or H, Lk, Lq]`` (``cfg.elements``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -589,6 +605,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     has_segments, qseg, kseg = _segments(cfg, q_segment_ids, kv_segment_ids)
     slopes = _slopes(cfg, slopes, "dkv_call")
     qpos, kpos = _positions_operands(cfg, positions, "dkv_call")
+    emap = _element_map_operand(cfg, element_map, "dkv_call")
     slope_out = cfg.alibi
     items, counts = schedule if schedule is not None else dkv_schedule(
         cfg, t_full_count, t_partial_count, fused)
@@ -596,7 +613,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
              fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref,
-             *refs):
+             emap_ref, *refs):
         # Inputs (the dq accumulator), outputs, then the scratch buffers in one tuple.
         *refs, scoped = refs
         if slope_out:
@@ -730,7 +747,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                         (bk, bq), [1])
                                 vis = block_visible(cfg, h, *block_coordinates(
                                     cfg, ops, (bk, bq), 1, q_base, k_base, tiles()), q_seg,
-                                    k_seg)
+                                    k_seg, map_tile=lambda: element_tile(
+                                        ops, emap_ref, b, h, keys, cols))
                             term = None
                             if alibi is not None and cfg.positions:
                                 term = alibi_positions_term(slopes_ref[h], *tiles())
@@ -823,7 +841,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 (plgpu.Barrier(num_barriers=stages),) * 2,
                 (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2))
     operands = (items, counts, q, k, v, do, lse, delta, t_full_count, t_full_index,
-                t_partial_count, t_partial_index, qseg, kseg, slopes, qpos, kpos)
+                t_partial_count, t_partial_index, qseg, kseg, slopes, qpos, kpos, emap)
     if fused:
         scratch = (*scratch, (swizzled((2, COMPUTE_WARPGROUPS, bk, bq), dtype),
                               swizzled((COMPUTE_WARPGROUPS, bq, dq_cols), jnp.float32),

@@ -56,6 +56,10 @@ class AttentionShape:
     #: blocks evaluate on their coordinate tiles; segment ids then reach it as the call
     #: passed them.
     predicate: Any = dataclasses.field(default=None, kw_only=True)
+    #: Where that predicate cannot run on tiles (it reads an array): partial blocks read
+    #: tiles of the call's element map instead (`CompiledMask.element_map`, an operand of
+    #: each launch; the dk/dv launch reads it transposed).
+    elements: bool = dataclasses.field(default=False, kw_only=True)
 
     @property
     def group(self) -> int:
@@ -133,14 +137,21 @@ def visible(terms: MaskTerms, true_kv_len: int | None, q_index, k_index, q_seg=N
     return functools.reduce(operator.and_, terms_on)
 
 
-def block_visible(cfg, head, q_tiles, k_tiles, q_seg=None, k_seg=None):
+#: The element map's dtype (`AttentionShape.elements`): 16 bits, loaded in the wgmma layout.
+ELEMENT_MAP_DTYPE = jnp.bfloat16
+
+
+def block_visible(cfg, head, q_tiles, k_tiles, q_seg=None, k_seg=None, map_tile=None):
     """The mask on a partial block of a launch with config `cfg` (an `AttentionShape` and
     `LogitTerms`), for query head `head`: ``(index, position)`` tiles of its queries and keys
     (`q_tiles`, `k_tiles`: thunks, called where the test reads them; the positions are the
     per-call ones where ``cfg.positions``, else the indices again) and their segment id
-    tiles (``None`` without). The compiled mask's element predicate (``cfg.predicate``) on
-    them, else the canonical terms (`visible`, the ids apart) on the positions, with the
+    tiles (``None`` without). The element map's tile (``map_tile()``, `element_tile`) where
+    ``cfg.elements``; else the compiled mask's element predicate (``cfg.predicate``) on
+    them; else the canonical terms (`visible`, the ids apart) on the positions, with the
     padded keys hidden by their token indices."""
+    if cfg.elements:
+        return map_tile()
     (q_index, q_pos), (k_index, k_pos) = q_tiles(), k_tiles()
     if cfg.predicate is not None:
         predicate = cfg.predicate
@@ -161,6 +172,14 @@ def block_coordinates(cfg, ops: "Ops", shape, q_axis: int, q_base, k_base, posit
         return (lambda: (q_pos, q_pos)), (lambda: (k_pos, k_pos))
     return ((lambda: (q_base + ops.iota(shape, q_axis), q_pos)),
             (lambda: (k_base + ops.iota(shape, 1 - q_axis), k_pos)))
+
+
+def element_tile(ops: "Ops", ref, b, h, rows, cols):
+    """Whether each pair of a block is visible, from a tile of the element map `ref`
+    (``[1 or B, 1 or H, R, C]``, `ELEMENT_MAP_DTYPE`) for batch row `b` and query head `h`:
+    rows and columns `rows` and `cols` (`pl.ds` slices), in the wgmma layout."""
+    prefix = (b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0)
+    return ops.load(ref, (*prefix, rows, cols), ops.wgmma_layout) != 0
 
 
 def _floor_div(x, divisor: int):

@@ -46,7 +46,8 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
-                     alibi_positions_term, block_coordinates, block_visible,
+                     ELEMENT_MAP_DTYPE, alibi_positions_term, block_coordinates,
+                     block_visible, element_tile,
                      persistent_schedule, ring_stages, score_function_tile,
                      segment_ids_apart, swizzled, walk_list)
 
@@ -68,12 +69,13 @@ class ForwardConfig(AttentionShape, LogitTerms):
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
                  partial_index, q_segment_ids=None, kv_segment_ids=None, *, slopes=None,
-                 positions=None, schedule=None, interpret=None):
+                 positions=None, element_map=None, schedule=None, interpret=None):
     """``(out [B, H, Lq, D], lse [B, H, Lq] float32, base 2)`` for padded inputs.
     `schedule` is the launch's ``(items, counts)`` (`persistent_schedule` of the counts on
     ``cfg.ctas`` CTAs when ``None``); `slopes` ``[H]`` float32 are ALiBi's (``cfg.alibi``);
     `positions` the padded ``(q_positions [B, Lq], kv_positions [B, Lk])`` int32
-    (``cfg.positions``)."""
+    (``cfg.positions``); `element_map` the padded ``[1 or B, 1 or H, Lq, Lk]`` map
+    (``cfg.elements``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -100,8 +102,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         raise ValueError("forward_call: `slopes` must be given when cfg.alibi is on.")
 
     def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref,
-               pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref, out_ref, lse_ref,
-               scoped):
+               pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref, emap_ref, out_ref,
+               lse_ref, scoped):
         (q_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), \
             (k_free, v_free), turn = scoped
         wg = lax.axis_index("wg")
@@ -252,7 +254,9 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                             segs = (lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
                                     lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
                         vis = block_visible(cfg, h, *block_coordinates(
-                            cfg, ops, (bq, bk), 0, q_base, k_base, position_tiles(keys)), *segs)
+                            cfg, ops, (bq, bk), 0, q_base, k_base, position_tiles(keys)), *segs,
+                            map_tile=lambda: element_tile(ops, emap_ref, b, h,
+                                                          pl.ds(q_base, bq), pl.ds(k_base, bk)))
                         s = jnp.where(vis, s, -jnp.inf)
                     if partial is not None or function is not None:
                         m_new = jnp.maximum(m_i, _plus(s.max(axis=1), shift))
@@ -373,6 +377,9 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     if cfg.positions and positions is None:
         raise ValueError("forward_call: `positions` must be given when cfg.positions is on.")
     qpos, kpos = positions if cfg.positions else (dummy, dummy)
+    if cfg.elements and element_map is None:
+        raise ValueError("forward_call: `element_map` must be given when cfg.elements is on.")
+    emap = element_map if cfg.elements else jnp.zeros((1, 1, 1, 1), ELEMENT_MAP_DTYPE)
     kwargs = {} if interpret is None else {"interpret": interpret}
     out, lse = plgpu.kernel(
         entry,
@@ -385,7 +392,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(items, counts, q, k, v, full_count, full_index, partial_count, partial_index, qseg, kseg,
-      slopes, qpos, kpos)
+      slopes, qpos, kpos, emap)
     return out, lse
 
 

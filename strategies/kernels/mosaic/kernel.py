@@ -19,7 +19,8 @@ from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Compil
 
 from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
                        dq_accumulator_shape, dq_call, dq_schedule, short_lists)
-from .common import ROWS_PER_WARPGROUP, persistent_schedule, score_function_tile
+from .common import (ELEMENT_MAP_DTYPE, ROWS_PER_WARPGROUP, persistent_schedule,
+                     score_function_tile)
 from .config import MosaicConfig
 from .forward import BLOCK_Q, ForwardConfig, forward_call, rows_padded, stages_for
 
@@ -244,7 +245,10 @@ class MosaicBlockSparse(AbstractLseKernel):
         tiles = list(MosaicConfig.for_head_dim(features.head_dim).blocks)
         terms = mask.kernel_terms(tiles)
         if terms is None:
-            why = _predicate_decline(mask.predicate(), features)
+            predicate = mask.predicate()
+            why = _predicate_decline(predicate, features)
+            if why is None and not predicate.traces_on_tiles(_TILE):
+                why = _element_map_decline(predicate, features)
             if why is not None:
                 return why
         if features.positions and features.in_loop and (terms is None or terms.uses_positions
@@ -281,12 +285,13 @@ class MosaicBlockSparse(AbstractLseKernel):
 
     def _attention(self, query, key, value, mask, inputs, softmax_scale, logits_soft_cap):
         """``(out, lse)`` without sinks, differentiable in both (`_attend`)."""
-        predicate = None
+        predicate, elements = None, False
         if mask.terms is None:
             predicate = mask.without_layouts()
             why = _predicate_decline(predicate, None)
             if why is not None:
                 raise ValueError(f"MosaicBlockSparse: {why}")
+            elements = not predicate.traces_on_tiles(_TILE)
         batch, heads, q_len, dim = query.shape
         kv_heads, kv_len = key.shape[1:3]
         fwd, dq, dkdv = mask.forward, mask.dq, mask.dkv
@@ -296,12 +301,13 @@ class MosaicBlockSparse(AbstractLseKernel):
         block_kv = fwd.block_kv
         lq, lk = rows_padded(q_len, BLOCK_Q), rows_padded(kv_len, block_kv)
         seg = (None, None)
-        if mask.terms.segment_ids if predicate is None else predicate.uses_segment_ids:
+        if (mask.terms.segment_ids if predicate is None
+                else predicate.uses_segment_ids and not elements):
             seg = (_pad(inputs.q_segment_ids.astype(jnp.int32), lq, -1),
                    _pad(inputs.kv_segment_ids.astype(jnp.int32), lk, -2))
         shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, q_len=lq, kv_len=lk,
                      true_kv_len=kv_len, head_dim=dim, softmax_scale=float(softmax_scale),
-                     terms=mask.terms, predicate=predicate)
+                     terms=mask.terms, predicate=predicate, elements=elements)
         soft_cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
         slopes = None if inputs.score is None else inputs.score.slopes
         if inputs.score is not None and set(inputs.score.kinds) - set(self.score_kinds):
@@ -309,9 +315,16 @@ class MosaicBlockSparse(AbstractLseKernel):
                              f"got {inputs.score.kinds}.")
         alibi = slopes is not None
         function = _checked_function(inputs.score)
+        reads_positions = (not elements if predicate is not None
+                           else mask.terms.uses_positions)
         positions = _positions(inputs, batch, q_len, kv_len,
-                               predicate is not None or mask.terms.uses_positions
-                               or inputs.score is not None)
+                               reads_positions or inputs.score is not None)
+        # A predicate that reads an array: its element map, and the map transposed for the
+        # dk/dv launch, built per call (per-call data and new arrays never recompile).
+        maps = None
+        if elements:
+            emap = mask.element_map(inputs, lq, lk, ELEMENT_MAP_DTYPE)
+            maps = (emap, jnp.swapaxes(emap, 2, 3))
         fcfg = ForwardConfig(**shape, block_kv=block_kv, stages=stages_for(dim, block_kv),
                              layout_batch=fwd.full_count.shape[0],
                              layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors(),
@@ -349,7 +362,7 @@ class MosaicBlockSparse(AbstractLseKernel):
              dkdv.t_partial_index), *schedules))
         # Without ALiBi a one-element placeholder stands for the slopes (a zero gradient).
         slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes
-        return _attend(fcfg, bcfg, query, key, value, slopes, seg, positions, lists,
+        return _attend(fcfg, bcfg, query, key, value, slopes, seg, positions, maps, lists,
                        bwd_lists)
 
 
@@ -386,17 +399,35 @@ def _function_decline(function, has_params: bool) -> str | None:
     return function_lowering_failure(function)
 
 
+#: The tile a mask's element predicate is traced on, to see whether it runs in the kernels.
+_TILE = (ROWS_PER_WARPGROUP, 128)
+#: The largest element map (and its transposed copy) a call may build, in bytes.
+ELEMENT_MAP_LIMIT = 4 * 2**30
+
+
 def _predicate_decline(predicate: CompiledMask, features: Features | None) -> str | None:
-    """Why the kernels cannot trace this mask's element predicate on their partial blocks
-    (`features`: the call's, where the selector asks), or ``None``."""
+    """Why the kernels cannot evaluate this mask's element predicate on their partial blocks
+    (`features`: the call's, where the selector asks), or ``None``: traced on the tiles where
+    it reads no array (and Mosaic GPU lowers it), else through the call's element map."""
     if features is not None and features.in_loop:
         return ("a mask without in-kernel terms inside a sharding's loop (RingAttention) is "
                 "not supported.")
-    if not predicate.traces_on_tiles((ROWS_PER_WARPGROUP, 128)):
-        return ("the mask's element predicate reads an array (a boolean mask, a table, or "
-                "params); this kernel traces the predicate on its tiles and reads no element "
-                "map.")
+    if not predicate.traces_on_tiles(_TILE):
+        return None  # the element map's tiles
     return mask_lowering_failure(predicate)
+
+
+def _element_map_decline(predicate: CompiledMask, features: Features) -> str | None:
+    """Why the call's element map (for a predicate that reads an array) is refused: past
+    `ELEMENT_MAP_LIMIT`; else ``None``."""
+    per_call = features.positions or (features.segment_ids and predicate.uses_segment_ids)
+    size = predicate.element_map_bytes(features.batch, per_call,
+                                       itemsize=jnp.dtype(ELEMENT_MAP_DTYPE).itemsize)
+    if size > ELEMENT_MAP_LIMIT:
+        return (f"the mask's element predicate reads an array, so it would read an element "
+                f"map of {size / 2**30:.1f} GiB per call (at most "
+                f"{ELEMENT_MAP_LIMIT // 2**30} GiB).")
+    return None
 
 
 def _pad(x, length: int, fill=0):
@@ -404,9 +435,10 @@ def _pad(x, length: int, fill=0):
     return pad_axis(x, 2 if x.ndim == 4 else x.ndim - 1, length, fill)
 
 
-def _forward(fcfg: ForwardConfig, q, k, v, slopes, seg, positions, lists):
+def _forward(fcfg: ForwardConfig, q, k, v, slopes, seg, positions, maps, lists):
     """The forward launch's ``(out, lse)``, typed like q, k and v inside `shard_map` (a
-    launch's outputs vary over no mesh axis)."""
+    launch's outputs vary over no mesh axis). `maps` is ``(element map, transposed)`` at
+    the padded lengths, or ``None``."""
     q_len = q.shape[2]
     *layout_lists, items, counts = lists
     if positions is not None:
@@ -414,42 +446,44 @@ def _forward(fcfg: ForwardConfig, q, k, v, slopes, seg, positions, lists):
     out, lse = forward_call(fcfg, _pad(q, fcfg.q_len), _pad(k, fcfg.kv_len),
                             _pad(v, fcfg.kv_len), *layout_lists, *seg,
                             slopes=slopes if fcfg.alibi else None, positions=positions,
+                            element_map=None if maps is None else maps[0],
                             schedule=(items, counts))
     return typed_like((out[:, :, :q_len], lse[:, :, :q_len]), q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(fcfg, bcfg, q, k, v, slopes, seg, positions, lists, bwd_lists):
+def _attend(fcfg, bcfg, q, k, v, slopes, seg, positions, maps, lists, bwd_lists):
     """``(out [B, H, Lq, D], lse [B, H, Lq])``, the log-sum-exp as the contract has it
     (`public_lse`); differentiable in both, and in ALiBi's `slopes` ``[H]``."""
-    out, lse = _forward(fcfg, q, k, v, slopes, seg, positions, lists)
+    out, lse = _forward(fcfg, q, k, v, slopes, seg, positions, maps, lists)
     return out, public_lse(lse, base2=True)
 
 
-def _attend_fwd(fcfg, bcfg, q, k, v, slopes, seg, positions, lists, bwd_lists):
-    out, lse = _forward(fcfg, q, k, v, slopes, seg, positions, lists)
-    return (out, public_lse(lse, base2=True)), (q, k, v, slopes, seg, positions, lists,
+def _attend_fwd(fcfg, bcfg, q, k, v, slopes, seg, positions, maps, lists, bwd_lists):
+    out, lse = _forward(fcfg, q, k, v, slopes, seg, positions, maps, lists)
+    return (out, public_lse(lse, base2=True)), (q, k, v, slopes, seg, positions, maps, lists,
                                                 bwd_lists, out, lse)
 
 
 def _attend_bwd(fcfg, bcfg, res, cotangents):
-    q, k, v, slopes, seg, positions, lists, bwd_lists, out, lse = res
+    q, k, v, slopes, seg, positions, maps, lists, bwd_lists, out, lse = res
     do, dlse = cotangents
     delta = backward_delta(do, out, dlse, lse)
     dq_lists, t_lists, dq_items, dkv_items = bwd_lists
     dq, dk, dv, dslopes = mosaic_backward(
         bcfg, q, k, v, do.astype(q.dtype), lse, delta, seg, dq_lists, t_lists,
-        slopes=slopes if bcfg.alibi else None, positions=positions,
+        slopes=slopes if bcfg.alibi else None, positions=positions, maps=maps,
         schedules=(dq_items, dkv_items))
     dslopes = jnp.zeros_like(slopes) if dslopes is None else dslopes.astype(slopes.dtype)
-    zeros = jax.tree.map(zero_cotangent, (seg, positions, lists, bwd_lists))
+    zeros = jax.tree.map(zero_cotangent, (seg, positions, maps, lists, bwd_lists))
     # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none).
     return tuple(typed_like(g, x) for g, x in zip((dq, dk, dv, dslopes),
                                                   (q, k, v, slopes))) + zeros
 
 
 def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists, t_lists, *,
-                    slopes=None, positions=None, schedules=(None, None), interpret=None):
+                    slopes=None, positions=None, maps=None, schedules=(None, None),
+                    interpret=None):
     """``(dq, dk, dv, dslopes)`` of the Mosaic backward for unpadded inputs: pads to the
     tiles (dO with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute
     nothing), runs the single pass (`dkv_call` with a zeroed float32 dq accumulator, scaled
@@ -458,8 +492,8 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     single pass's per query head are summed here, in float32). With ALiBi
     (``cfg.alibi``) `dslopes` ``[H]`` float32 is the slopes' gradient (the launch's per-row
     shares summed), else ``None``. `positions` are the unpadded ``(q_positions [B, Lq],
-    kv_positions [B, Lk])`` int32 (``cfg.positions``; padded here).
-    `schedules` holds the dq and dk/dv launches' ``(items, counts)`` (``None``: built from
+    kv_positions [B, Lk])`` int32 (``cfg.positions``; padded here); `maps` the element map
+    and its transpose at the padded lengths (``cfg.elements``). `schedules` holds the dq and dk/dv launches' ``(items, counts)`` (``None``: built from
     the lists' counts, `dq_schedule` and `dkv_schedule`)."""
     q_len, kv_len = q.shape[2], k.shape[2]
     pad_q = functools.partial(_pad, length=cfg.q_len)
@@ -469,22 +503,24 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     segments = () if seg[0] is None else seg
     if positions is not None:
         positions = (pad_q(positions[0]), pad_k(positions[1]))
+    maps_n, maps_t = (None, None) if maps is None else maps
     if cfg.single_pass:
         interpreted = interpret is not None
         accumulator = jax.new_ref(jnp.zeros(dq_accumulator_shape(cfg, interpreted), jnp.float32))
         dk, dv, *slope_rows = dkv_call(cfg, *operands, *t_lists, *segments,
                                        dq_accumulator=accumulator, slopes=slopes,
-                                       positions=positions, schedule=schedules[1],
-                                       interpret=interpret)
+                                       positions=positions, element_map=maps_t,
+                                       schedule=schedules[1], interpret=interpret)
         dq = jax.freeze(accumulator)
         dq = (dq.sum(0) if interpreted else dq) * cfg.softmax_scale
         dq = dq.astype(q.dtype)
     else:
         dq = dq_call(cfg, *operands, *dq_lists, *segments, slopes=slopes,
-                     positions=positions, schedule=schedules[0], interpret=interpret)
+                     positions=positions, element_map=maps_n, schedule=schedules[0],
+                     interpret=interpret)
         dk, dv, *slope_rows = dkv_call(cfg, *operands, *t_lists, *segments, slopes=slopes,
-                                       positions=positions, schedule=schedules[1],
-                                       interpret=interpret)
+                                       positions=positions, element_map=maps_t,
+                                       schedule=schedules[1], interpret=interpret)
     # Each row's share of the slope's gradient, summed per head (padded rows' are zero).
     dslopes = slope_rows[0].sum(axis=(0, 2)) if cfg.alibi else None
     if dk.shape[1] != cfg.kv_heads:

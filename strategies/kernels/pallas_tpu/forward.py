@@ -32,7 +32,7 @@ def named_refs(names, refs):
 
 
 def emap_spec(emap, rows: int, cols: int, index):
-    """The spec of an element map (`kernel.element_map`, ``[mb, mh, R, C]``): tiles of
+    """The spec of an element map (`CompiledMask.element_map`, ``[mb, mh, R, C]``): tiles of
     ``[rows, cols]``; `index` maps the grid and the prefetched lists to (batch, head, row
     block, column block), its batch and head taken as 0 where the map has no such axis."""
     mb, mh = emap.shape[:2]

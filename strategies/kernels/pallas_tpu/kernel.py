@@ -67,7 +67,7 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     chunks, a prefix, segment ids) on the call's positions; a mask without them has its
     element predicate (`CompiledMask.visible_at`) traced into the kernels on the tiles'
     token indices, positions and segment ids, or, where that predicate indexes an array (a
-    mask built from a boolean array), reads tiles of the call's element map (`element_map`). The score terms run
+    mask built from a boolean array), reads tiles of the call's element map (`CompiledMask.element_map`). The score terms run
     in every visited block: ALiBi slopes and the relative-position table from scalar memory
     (the table through T5's bucket thresholds, one scalar on whole pieces in a far bucket,
     by diagonals on the others), a `ScoreFunction` traced into the kernel body; then the
@@ -187,7 +187,7 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         tokens = (token_inputs(inputs, math, lq, lk, q_rows=True),
                   token_inputs(inputs, math, lq, lk, q_rows=False))
         if elements:
-            emap = element_map(mask, inputs, lq, lk)
+            emap = mask.element_map(inputs, lq, lk)
             tokens[0]["emap"], tokens[1]["emap"] = emap, jnp.swapaxes(emap, 2, 3)
         arrays = tuple(jnp.asarray(a, jnp.int32) for x in lists for a in (x.block, x.kind))
         q, k, v = pad_axis(query, 2, lq), pad_axis(key, 2, lk), pad_axis(value, 2, lk)
@@ -208,33 +208,9 @@ _ELEMENT_MAP_LIMIT = 4 * 2**30
 
 
 def _element_map_bytes(mask: CompiledMask, features: Features) -> int:
-    """The bytes of the element map and its transposed copy (`element_map`) for a call."""
+    """The bytes of the element map and its transposed copy (`CompiledMask.element_map`)."""
     per_call = features.positions or (features.segment_ids and mask.uses_segment_ids)
-    batch = features.batch if per_call else 1
-    heads = mask.num_heads if mask.head_dependent else 1
-    return 2 * batch * heads * features.q_len * features.kv_len
-
-
-def element_map(mask: CompiledMask, inputs, lq: int, lk: int):
-    """The mask's element predicate on every pair of the padded lengths, as int8
-    ``[mb, mh, lq, lk]`` (``mb``: the batch where per-call positions or segment ids shape
-    the mask, else 1; ``mh``: the heads where they see different masks, else 1): the tiles
-    that partial blocks read where the predicate cannot run inside the kernels."""
-    names = ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids")
-    data = {n: getattr(inputs, n) for n in names}
-    if not mask.uses_segment_ids:
-        data["q_segment_ids"] = data["kv_segment_ids"] = None
-    batched = {n: x for n, x in data.items() if x is not None}
-    heads = mask.num_heads if mask.head_dependent else 1
-    qi = jnp.arange(lq, dtype=jnp.int32)[:, None]
-    ki = jnp.arange(lk, dtype=jnp.int32)[None, :]
-
-    def one(arrays):
-        per_head = lambda h: mask.visible(h, qi, ki, **arrays)  # noqa: E731
-        return jax.vmap(per_head)(jnp.arange(heads, dtype=jnp.int32))
-
-    out = jax.vmap(one)(batched) if batched else one({})[None]
-    return out.astype(jnp.int8)
+    return mask.element_map_bytes(features.batch, per_call)
 
 
 def _multiple(length: int, blocks) -> int:

@@ -9,6 +9,8 @@ and the forward then each backward, in Pallas' CPU interpreter for Mosaic GPU (p
 in place of wgmma there).
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +74,11 @@ def _segments(batch, length, docs, pad, seed=0):
     if pad:
         ids[:, -pad:] = -1
     return jnp.asarray(ids)
+
+
+def widths_by_head(q, k, widths, head):
+    """A causal window whose width per head is a params array."""
+    return (k <= q) & (q - k < widths[head])
 
 
 def window_by_head(q, k, head):
@@ -400,17 +407,16 @@ def test_declines_with_reasons():
                                                         score=("alibi", "function"))) is None
     why = kernel.decline_reason(resolved, bsa.Features(**base, positions=True, in_loop=True))
     assert why is not None and "positions" in why and "RingAttention" in why
-    # Masks without terms: the element predicate runs in the kernels unless it reads an
-    # array, and none inside a sharding's loop.
+    # Masks without terms: the element predicate runs in the kernels (an element map where
+    # it reads an array), but not inside a sharding's loop.
     dilated = bsa.ResolvedMask(masks.Causal() | masks.Dilated(2), q_len=128, kv_len=128,
                                num_heads=2)
-    assert kernel.decline_reason(dilated, bsa.Features(**base)) is None
-    why = kernel.decline_reason(dilated, bsa.Features(**base, in_loop=True))
-    assert why is not None and "RingAttention" in why
     array = bsa.ResolvedMask(masks.ArrayMask(np.tri(128, dtype=bool)), q_len=128, kv_len=128,
                              num_heads=2)
-    why = kernel.decline_reason(array, bsa.Features(**base))
-    assert why is not None and "reads an array" in why
+    for resolved in (dilated, array):
+        assert kernel.decline_reason(resolved, bsa.Features(**base)) is None
+        why = kernel.decline_reason(resolved, bsa.Features(**base, in_loop=True))
+        assert why is not None and "RingAttention" in why
 
 
 @on_gpu
@@ -752,6 +758,13 @@ BACKWARD_INTERPRETER_CASES = {
                                     False),
     "positions_not_window_function": (masks.Causal() & ~masks.SlidingWindow(20, 0), 2, 1, 200,
                                       256, 64, False, None, False),
+    # Masks whose predicate reads an array: the element map's tiles (transposed in the dk/dv
+    # kernel). A boolean array per head with grouped heads, ragged keys; a predicate with
+    # params (a window width per head) at per-call positions, D = 128.
+    "array_by_head_gqa": (masks.ArrayMask(np.random.default_rng(3).random((2, 200, 300)) < 0.4),
+                          2, 1, 200, 300, 64, False, None, False),
+    "positions_predicate_params": (masks.Predicate(widths_by_head, jnp.asarray([40, 90])), 2,
+                                   2, 200, 256, 128, False, None, False),
 }
 
 #: Per-call ``(q_positions, kv_positions)`` of a case's lengths: queries at odd steps from
@@ -763,6 +776,7 @@ POSITIONS = {
     "positions_documents_window": lambda lq, lk: (np.arange(lq) - 31, np.arange(lk) - 50),
     "positions_not_window_function": lambda lq, lk: (2 * np.arange(lq) - 31,
                                                      np.arange(lk) - 50),
+    "positions_predicate_params": lambda lq, lk: (np.arange(lq) + 7, np.arange(lk)),
 }
 
 
@@ -828,6 +842,7 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
         pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
     from eqx_bsattn.strategies.kernels.mosaic.backward import (
         LAUNCHES, BackwardConfig, backward_blocks)
+    from eqx_bsattn.strategies.kernels.mosaic.common import ELEMENT_MAP_DTYPE
     from eqx_bsattn.strategies.kernels.mosaic.forward import (
         BLOCK_Q, ForwardConfig, forward_call, rows_padded)
     from eqx_bsattn.strategies.kernels.mosaic.kernel import (
@@ -855,10 +870,20 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     resolved = bsa.ResolvedMask(mask, q_len=lq, kv_len=lk, num_heads=heads, **data)
     dq_tile, dkv_tile = backward_blocks(d)
     terms = resolved.kernel_terms([(BLOCK_Q, 128), dq_tile, dkv_tile])
-    # A mask without terms at these tiles: its element predicate on the partial blocks.
+    # A mask without terms at these tiles: its element predicate on the partial blocks, or
+    # the element map's tiles where the predicate reads an array.
     predicate = None if terms is not None else resolved.predicate()
-    assert (predicate is not None) == case.startswith(("predicate", "dilated", "positions_not"))
+    assert (predicate is not None) == case.startswith(
+        ("predicate", "dilated", "positions_not", "array", "positions_predicate"))
+    elements = predicate is not None and not predicate.traces_on_tiles((64, 128))
+    assert elements == case.startswith(("array", "positions_predicate"))
     plq, plk = rows_padded(lq, BLOCK_Q), rows_padded(lk, 128)
+    maps = None
+    if elements:
+        inputs = types.SimpleNamespace(**{**dict.fromkeys(
+            ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids")), **data})
+        emap = predicate.element_map(inputs, plq, plk, ELEMENT_MAP_DTYPE)
+        maps = (emap, jnp.swapaxes(emap, 2, 3))
     if documents:
         seg = (_pad(data["q_segment_ids"], plq, -1), _pad(data["kv_segment_ids"], plk, -2))
     fwd, dq_layout, dkv_layout = (resolved.layout(*tile)
@@ -870,7 +895,8 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
                          layout_heads=fwd.full_count.shape[1],
                          # Persistent on 2 CTAs: items follow one another, some empty.
                          ctas=2, alibi=alibi, function=function,
-                         positions=positions is not None, predicate=predicate)
+                         positions=positions is not None, predicate=predicate,
+                         elements=elements)
     bcfg = BackwardConfig(batch=1, heads=heads, kv_heads=kv_heads, q_len=plq, kv_len=plk,
                           true_kv_len=lk, head_dim=d, dq_block_kv=dq_tile[1],
                           dkv_block_q=dkv_tile[0], softmax_scale=d ** -0.5, terms=terms,
@@ -879,7 +905,7 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
                           soft_cap=soft_cap or 0.0, single_pass=single_pass,
                           persistent=LAUNCHES if persistent else (), ctas=1,
                           alibi=alibi, function=function, positions=positions is not None,
-                          predicate=predicate)
+                          predicate=predicate, elements=elements)
 
     def arrays(*xs):
         return tuple(jnp.asarray(x, jnp.int32) for x in xs)
@@ -894,6 +920,7 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
                                     fwd.partial_index), *segments, slopes=slopes,
                             positions=None if positions is None else (
                                 _pad(positions[0], plq), _pad(positions[1], plk)),
+                            element_map=None if maps is None else maps[0],
                             interpret=params())
     out, lse = out[:, :, :lq], lse[:, :, :lq]
     delta = jnp.sum(cot.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
@@ -902,7 +929,7 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
         arrays(dq_layout.full_count, dq_layout.full_index, dq_layout.partial_count,
                dq_layout.partial_index),
         arrays(dkv_layout.t_full_count, dkv_layout.t_full_index, dkv_layout.t_partial_count,
-               dkv_layout.t_partial_index), slopes=slopes, positions=positions,
+               dkv_layout.t_partial_index), slopes=slopes, positions=positions, maps=maps,
         interpret=params())
 
     def reference(q, k, v, slopes, bias=None):

@@ -49,6 +49,11 @@ def _window_by_head(q, k, head):
     return (k <= q) & (q - k < 30 + 40 * head)
 
 
+def _widths_by_head(q, k, widths, head):
+    """A causal window whose width, per head, is a params array (read by the traced head)."""
+    return (k <= q) & (q - k < widths[head])
+
+
 def _round_window(q, k):
     """A mask Mosaic GPU cannot lower: a window measured with a square root."""
     return jnp.sqrt(((q - k) * (q - k)).astype(jnp.float32)) < 50.0
@@ -144,6 +149,13 @@ LOWERED = {
     # A mask per head, without terms shared by the heads: `where`s on the traced head.
     "per_head": (masks.PerHead([masks.Causal(), masks.Causal() & masks.Dilated(2)]),
                  dict(batch=1, heads=2, kv_heads=1, q_len=384, kv_len=384, dim=64), {}),
+    # Masks whose predicate reads an array: the element map's tiles (a boolean array by
+    # head, ragged; a predicate with params under per-call positions, grouped heads).
+    "array_by_head": (masks.ArrayMask(np.random.default_rng(0).random((2, 200, 333)) < 0.3),
+                      dict(batch=1, heads=2, kv_heads=1, q_len=200, kv_len=333, dim=64), {}),
+    "predicate_params_positions": (masks.Predicate(_widths_by_head, jnp.asarray([40, 90])),
+                                   dict(batch=2, heads=2, kv_heads=2, q_len=300, kv_len=300,
+                                        dim=128), dict(positions=True)),
     "dilated_or_global_documents": (((masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8))
                                     & masks.Document(),
                                     dict(batch=2, heads=2, kv_heads=2, q_len=300, kv_len=300,
@@ -234,51 +246,64 @@ def _scaled(score, head, q_pos, k_pos, params):
 
 
 def test_masks_without_terms_run_their_predicate_or_are_declined(hopper_host):
-    """A mask without in-kernel terms goes to this kernel, its element predicate traced on
-    the partial blocks, unless the predicate reads an array (an ArrayMask, a Predicate's
-    params) or Pallas Mosaic GPU cannot lower it (the first line of the reason, the verdict
-    cached per mask); the selector then picks another kernel and `explain` says why."""
-    from eqx_bsattn.strategies.kernels.mosaic.kernel import mask_lowering_failure
+    """A mask without in-kernel terms goes to this kernel: its element predicate traced on
+    the partial blocks, or, where the predicate reads an array (an ArrayMask, a Predicate's
+    params), the call's element map, unless that map would pass `ELEMENT_MAP_LIMIT`. A
+    predicate Pallas Mosaic GPU cannot lower is declined with the first line of the reason
+    (the verdict cached per mask); the selector then picks another kernel and `explain`
+    says why."""
+    from eqx_bsattn.strategies.kernels.mosaic.kernel import (ELEMENT_MAP_LIMIT,
+                                                             mask_lowering_failure)
 
     q, k, v = _inputs(1, 2, 2, 256, 256, 64)
     kernel = MosaicBlockSparse()
     taken = (masks.Predicate(_window_by_head), masks.Causal() & ~masks.SlidingWindow(20, 0),
-             (masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8))
+             (masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8),
+             masks.ArrayMask(np.tri(256, dtype=bool)),
+             masks.Predicate(_widths_by_head, jnp.asarray([9, 30])))
     for mask in taken:
         plan = bsa.BlockSparseAttention(mask=mask).plan(q, k, v)
         assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
-    declined = ((masks.Predicate(_round_window), "cannot lower the mask's element predicate: "
-                 ".*sqrt"),
-                (masks.ArrayMask(np.tri(256, dtype=bool)), "reads an array"),
-                (masks.Predicate(lambda q, k, w: q - k < w[0], jnp.asarray([9])),
-                 "reads an array"))
-    for mask, reason in declined:
-        plan = bsa.BlockSparseAttention(mask=mask).plan(q, k, v)
-        assert plan.choice.kernel.name != "mosaic"
-        explained = plan.choice.explain()
-        assert "mosaic" in explained and len(
-            [line for line in explained.splitlines() if re.search(reason, line)]) == 1, explained
-        with pytest.raises(ValueError, match=reason):
-            bsa.BlockSparseAttention(mask=mask, kernel=kernel)(q, k, v)
+    reason = "cannot lower the mask's element predicate: .*sqrt"
+    plan = bsa.BlockSparseAttention(mask=masks.Predicate(_round_window)).plan(q, k, v)
+    assert plan.choice.kernel.name != "mosaic"
+    explained = plan.choice.explain()
+    assert len([line for line in explained.splitlines() if re.search(reason, line)]) == 1, (
+        explained)
+    with pytest.raises(ValueError, match=reason):
+        bsa.BlockSparseAttention(mask=masks.Predicate(_round_window), kernel=kernel)(q, k, v)
     resolved = bsa.ResolvedMask(masks.Predicate(_round_window), q_len=256, kv_len=256,
                                 num_heads=2)
+    features = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=64, value_dim=64)
     hits = mask_lowering_failure.cache_info().hits
-    kernel.decline_reason(resolved, bsa.Features(platform="gpu", dtype="bfloat16", head_dim=64,
-                                                 value_dim=64))
+    kernel.decline_reason(resolved, features)
     assert mask_lowering_failure.cache_info().hits == hits + 1
+    # An element map per batch row (per-call positions) and head past the limit: declined.
+    length = 20480
+    widths = bsa.ResolvedMask(masks.Predicate(_widths_by_head, jnp.asarray([9, 30])),
+                              q_len=length, kv_len=length, num_heads=2)
+    big = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=64, value_dim=64,
+                       batch=2, q_len=length, kv_len=length, positions=True)
+    size = 2 * 2 * 2 * 2 * length * length  # maps and their transposes, 16-bit, B = H = 2
+    assert size > ELEMENT_MAP_LIMIT >= size // 2
+    why = kernel.decline_reason(widths, big)
+    assert why is not None and "element map of 6.2 GiB" in why, why
+    assert kernel.decline_reason(widths, bsa.Features(platform="gpu", dtype="bfloat16",
+                                                      head_dim=64, value_dim=64, batch=2,
+                                                      q_len=length, kv_len=length)) is None
 
 
 #: attention-gym entries (tests/test_flex_catalogue.py) whose `from_flex` form
-#: `MosaicBlockSparse` declines: their functions read arrays passed as params (a document
-#: table, image intervals, rotary vectors), which it does not take.
-GYM_DECLINED = {"document", "nested_jagged", "vision_cross_attention", "rope_latent"}
+#: `MosaicBlockSparse` declines: a score function that reads params (rotary vectors). Masks
+#: that read params (a document table, image intervals) run on their element maps.
+GYM_DECLINED = {"rope_latent"}
 
 
 def test_attention_gym_catalogue_lowers_through_mosaic(hopper_host, monkeypatch):
     """Each attention-gym mask and score of the catalogue through `from_flex` (masks as
     `Predicate`s, scores as `ScoreFunction`s) runs in this kernel: `jit(grad)` lowers for CUDA
-    (three Mosaic GPU launches), except the functions that read params (`GYM_DECLINED`),
-    which it declines with a reason."""
+    (three Mosaic GPU launches), except the score functions that read params
+    (`GYM_DECLINED`), which it declines with a reason."""
     from tests.test_flex_catalogue import B, CATALOGUE, H, HKV, _flex_form
 
     monkeypatch.setattr(layout_internals.eqx, "error_if", lambda x, *_: x)
@@ -292,7 +317,7 @@ def test_attention_gym_catalogue_lowers_through_mosaic(hopper_host, monkeypatch)
         try:
             attn.plan(q, k, v, **extra)
         except ValueError as e:
-            assert "parameters" in str(e) or "reads an array" in str(e), (name, e)
+            assert "parameters" in str(e), (name, e)
             declined.add(name)
             continue
         loss = jax.jit(jax.grad(lambda q, k, v: jnp.sum(

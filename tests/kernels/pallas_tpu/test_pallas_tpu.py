@@ -15,7 +15,6 @@ import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks, scores
 from eqx_bsattn.strategies.kernels.pallas_tpu.common import (FULL, PARTIAL, SKIP, TileMath,
                                                             visits)
-from eqx_bsattn.strategies.kernels.pallas_tpu.kernel import element_map
 from tests.conftest import jnp_attention_f64, np_visibility, score_f64, sorted_segments
 
 ON_TPU = jax.default_backend() == "tpu"
@@ -430,7 +429,7 @@ def test_element_map_is_the_predicate_per_head_and_batch():
     attn = bsa.BlockSparseAttention(mask=mask, kernel=kernels.PallasTpuBlockSparse())
     q = jnp.ones((2, 2, 10, 8))
     plan = attn.plan(q, q, q, q_segment_ids=ids, kv_segment_ids=ids)
-    emap = np.asarray(element_map(plan.mask, plan.inputs, 16, 12))
+    emap = np.asarray(plan.mask.element_map(plan.inputs, 16, 12))
     assert emap.shape == (2, 2, 16, 12) and emap.dtype == np.int8
     same = np.asarray(ids)[:, :, None] == np.asarray(ids)[:, None, :]
     want = KEEP[None, :2, :10, :10] & same[:, None] & (np.asarray(ids) >= 0)[:, None, :, None]
