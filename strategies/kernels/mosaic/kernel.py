@@ -160,7 +160,9 @@ class MosaicBlockSparse(AbstractLseKernel):
     FULL blocks run without masking; partial blocks evaluate the compiled mask's canonical
     terms (causal with an offset, a window, chunks, a prefix, segment ids) on token indices,
     or, for a mask without them, its element predicate (`CompiledMask.visible_at`) traced on
-    the block's index, position and segment id tiles.
+    the block's index, position and segment id tiles, or, where the predicate reads an array,
+    tiles of the call's element map (`CompiledMask.element_map`, at most 4 GiB with its
+    transpose).
 
     The backward pass is its own, in one of two modes:
 
@@ -191,9 +193,9 @@ class MosaicBlockSparse(AbstractLseKernel):
     in the logits taken by JAX in the kernel. Per-call positions replace the token indices
     in the mask's terms, ALiBi and the score function. Declines bias, other score terms
     (`score_kinds`), score functions with parameters or that Mosaic GPU cannot lower, masks
-    whose element predicate reads an array or that Mosaic GPU cannot lower, and per-call
-    positions or masks without terms inside a sharding's loop, each with a reason, so the
-    selector gives the whole call to another kernel. Its tiles are fixed
+    whose element predicate Mosaic GPU cannot lower or whose element map is too large, and
+    per-call positions or masks without terms inside a sharding's loop, each with a reason,
+    so the selector gives the whole call to another kernel. Its tiles are fixed
     (`MosaicConfig.for_head_dim`): another kernel's config or a `Tiling` gives way to them,
     and a `MosaicConfig` must be that one.
     Its priority on a GPU (35) is above Triton's (30) and below cuDNN's (40) (docs/mosaic.md

@@ -111,6 +111,9 @@ CASES = {
                                     700, 700, 64, jnp.bfloat16, True, True),
     "not_window_cross": (masks.Causal(bottom_right=True) & ~masks.SlidingWindow(100, 0), 1, 2,
                          1, 384, 520, 128, jnp.float16, False, True),
+    # A predicate that reads an array: the element map (per batch row: it reads the ids).
+    "array_documents": (masks.ArrayMask(np.random.default_rng(5).random((700, 700)) < 0.5)
+                        & masks.Document(), 2, 2, 2, 700, 700, 64, jnp.bfloat16, True, True),
 }
 
 
