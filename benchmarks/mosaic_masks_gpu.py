@@ -6,9 +6,11 @@ partial blocks) against the built-in masks that say the same, on one GPU, in one
 
 Masks (``window``: causal and a window of `--window` keys; ``dilated``: a window of
 `--window` keys both ways, every second key) in two forms: ``builtin`` (`masks.Causal() &
-masks.SlidingWindow`, and `masks.SlidingWindow & masks.Dilated(2)`) and ``predicate`` (the
-same as a `masks.Predicate` function); each form through `MosaicBlockSparse` and
-`TritonBlockSparse` (its element bitmaps: the path a predicate took before). Rows give the
+masks.SlidingWindow`, and `masks.SlidingWindow & masks.Dilated(2)`), ``predicate`` (the
+same as a `masks.Predicate` function, traced into Mosaic's partial blocks) and ``array`` (the
+same as a `masks.ArrayMask`: Mosaic reads its per-call element map); each form through
+`MosaicBlockSparse` and `TritonBlockSparse` (its element bitmaps: the path a predicate took
+before). Rows give the
 median wall time of a jitted forward and of a forward+backward (gradients of q, k and v),
 the median of `--rounds` rounds (each the median of `--reps` calls; every row of a mask is
 timed once per round, in turn), effective TFLOP/s over the visible pairs (``4 B H D pairs``
@@ -23,6 +25,7 @@ import statistics
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks
@@ -50,28 +53,38 @@ class DilatedWindow(CausalWindow):
     """``|q - k| <= width`` and ``k - q`` even."""
 
     def __call__(self, q, k):
-        return (jnp.abs(q - k) <= self.width) & ((k - q) % 2 == 0)
+        return (abs(q - k) <= self.width) & ((k - q) % 2 == 0)
 
 
-def forms(width: int) -> dict[str, dict[str, bsa.AbstractMask]]:
-    """Each mask's built-in and predicate forms."""
+def _boolean(fn, length: int) -> np.ndarray:
+    """``fn`` on every pair of `length` tokens, as a NumPy boolean array."""
+    q = np.arange(length, dtype=np.int32)[:, None]
+    k = np.arange(length, dtype=np.int32)[None, :]
+    return np.asarray(fn(q, k))
+
+
+def forms(width: int, length: int) -> dict[str, dict[str, bsa.AbstractMask]]:
+    """Each mask's built-in, predicate and boolean-array forms."""
+    window, dilated = CausalWindow(width), DilatedWindow(width)
     return {
         "window": {"builtin": masks.Causal() & masks.SlidingWindow(width, 0),
-                   "predicate": masks.Predicate(CausalWindow(width))},
+                   "predicate": masks.Predicate(window),
+                   "array": masks.ArrayMask(_boolean(window, length))},
         "dilated": {"builtin": masks.SlidingWindow(width, width) & masks.Dilated(2),
-                    "predicate": masks.Predicate(DilatedWindow(width))},
+                    "predicate": masks.Predicate(dilated),
+                    "array": masks.ArrayMask(_boolean(dilated, length))},
     }
 
 
 def calls(mask, kernel):
-    """Jitted ``(forward, forward+backward)`` of one mask through one kernel."""
+    """Jitted ``(forward, forward+backward)`` of one mask through one kernel; the module is
+    closed over, so an `ArrayMask`'s array is a constant and its layouts are built once."""
     attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel)
-    forward = jax.jit(attn)
 
     def loss(q, k, v):
         return jnp.sum(attn(q, k, v).astype(jnp.float32))
 
-    return forward, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return jax.jit(lambda q, k, v: attn(q, k, v)), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
 def run(args) -> list[dict]:
@@ -79,7 +92,7 @@ def run(args) -> list[dict]:
     shape = (args.batch, args.heads, args.length, args.dim)
     q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
     records = []
-    for mask_name, by_form in forms(args.window).items():
+    for mask_name, by_form in forms(args.window, args.length).items():
         pairs = visible_pairs(by_form["builtin"], args.length, args.length)
         rows = {}
         for form, mask in by_form.items():
