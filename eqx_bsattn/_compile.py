@@ -140,18 +140,23 @@ class CompiledMask(eqx.Module):
             return self.visible_at(head, TokenCoords(qi, qp, qs, self.q_len),
                                    TokenCoords(ki, kp, ks, self.kv_len))
 
-        closed = jax.make_jaxpr(body)(jax.ShapeDtypeStruct((), jnp.int32), tile, tile, tile,
-                                      tile, seg, seg)
+        try:
+            closed = jax.make_jaxpr(body)(jax.ShapeDtypeStruct((), jnp.int32), tile, tile,
+                                          tile, tile, seg, seg)
+        except Exception:  # noqa: BLE001 - it does not trace on tiles; an element map may
+            return False
         return not closed.consts and _indexes_no_array(closed.jaxpr)
 
 
     def element_map_bytes(self, batch: int, per_call: bool, copies: int = 2,
-                          itemsize: int = 1) -> int:
-        """The bytes of `copies` element maps (`element_map`) at the mask's lengths, with
+                          itemsize: int = 1, lengths: tuple[int, int] | None = None) -> int:
+        """The bytes of `copies` element maps (`element_map`) at `lengths` (``(q_len,
+        kv_len)``, the padded ones a kernel builds them at; default the mask's), with
         elements of `itemsize` bytes: per batch element where `per_call` data (positions,
         or segment ids the mask reads) shapes the mask, per head where heads differ."""
         heads = self.num_heads if self.head_dependent else 1
-        return copies * itemsize * (batch if per_call else 1) * heads * self.q_len * self.kv_len
+        q_len, kv_len = lengths or (self.q_len, self.kv_len)
+        return copies * itemsize * (batch if per_call else 1) * heads * q_len * kv_len
 
     def element_map(self, inputs, q_len: int, kv_len: int, dtype=jnp.int8):
         """The element predicate on every pair of `q_len` x `kv_len` tokens (the padded

@@ -269,8 +269,10 @@ class AbstractMask(metaclass=_MaskMeta):
       that subclasses `AbstractBlockMask` has it. Any other has its blocks classified by
       evaluating `elements` block by block: exact, but ``O(Lq x Lk)`` once per layout.
     - `terms(head)` (optional): the mask as a `MaskTerms` AND that GPU and TPU kernels
-      evaluate inside a partial block; ``None`` (the default) means it has none, and those
-      kernels read element bitmaps of its partial blocks instead (static masks only).
+      evaluate inside a partial block; ``None`` (the default) means it has none: the Pallas
+      kernels (Mosaic, TPU) then trace `elements` into their partial blocks, or read a
+      per-call element map where it reads an array, and Triton and Splash read element
+      bitmaps of the partial blocks (static masks only).
 
     Every concrete mask declares two attributes (abstract here): `reads_segment_ids` (a class
     variable: its `elements` reads the segment ids, so a call must pass them) and

@@ -12,6 +12,7 @@ import pytest
 import eqx_bsattn as bsa
 from eqx_bsattn import masks
 from eqx_bsattn._layout import element_mask
+from eqx_bsattn.contract import TokenCoords
 from tests.conftest import np_mask, np_visibility, random_inputs, sorted_segments
 
 EMPTY, PARTIAL, FULL = masks.EMPTY, masks.PARTIAL, masks.FULL
@@ -187,6 +188,29 @@ def test_per_head_traced_head_selects_the_mask():
     want = np_mask(mask, q_len=9, kv_len=9, heads=3)
     for h in range(3):
         np.testing.assert_array_equal(np.asarray(f(jnp.int32(h))), want[h])
+
+
+def test_per_head_traced_head_evaluates_each_distinct_mask_once():
+    """With a traced head, equal masks (not only the same object) are evaluated once and
+    chosen by `where`s: no `switch`, which kernels on tiles may not lower; out-of-range heads
+    take the last mask, as before."""
+    traces = []
+
+    def window(q, k):
+        traces.append(1)
+        return (k <= q) & (q - k < 3)
+
+    mask = masks.PerHead([masks.Predicate(window), masks.Causal(), masks.Predicate(window),
+                          masks.Causal() & masks.SlidingWindow(2, 0)])
+    qi, kj = jnp.arange(9)[:, None], jnp.arange(9)[None, :]
+    coords = (TokenCoords(qi, qi, None, 9), TokenCoords(kj, kj, None, 9))
+    jaxpr = jax.make_jaxpr(lambda h: mask.elements(*coords, h))(jnp.int32(0))
+    assert len(traces) == 1
+    assert not any(e.primitive.name in ("cond", "switch") for e in jaxpr.jaxpr.eqns)
+    want = np_mask(mask, q_len=9, kv_len=9, heads=4)
+    f = jax.jit(lambda h: mask.elements(*coords, h))
+    for h, expected in ((0, 0), (1, 1), (2, 2), (3, 3), (7, 3), (-1, 0)):
+        np.testing.assert_array_equal(np.asarray(f(jnp.int32(h))), want[expected])
 
 
 def test_mask_algebra_types_and_properties():

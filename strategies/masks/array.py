@@ -19,7 +19,8 @@ class ArrayMask(AbstractBlockMask):
     `jit`, so a new array never recompiles), and block layouts are built from it on the device,
     one any/all reduction per block. It reads token indices, not positions. It has no
     in-kernel terms, so it runs on kernels that evaluate the element predicate (`DenseReference`,
-    `XlaBlockSparse`); kernels that need static element bitmaps decline it.
+    `XlaBlockSparse`) or read a per-call element map of it (`MosaicBlockSparse`,
+    `PallasTpuBlockSparse`); kernels that need static element bitmaps decline it.
 
     It is also the way to mask under a soft cap: with ``logits_soft_cap=c`` a ``-inf`` bias
     becomes ``-c`` after the cap and no longer hides the key; a mask hides it.

@@ -113,6 +113,16 @@ class _FlexHeadMask(_FlexMask):
         return self.mask_mod(jnp.zeros((), jnp.int32), head, q_pos, k_pos, *params)
 
 
+def _distinct(mask: AbstractMask) -> object:
+    """A key under which equal masks meet: the mask where it can be hashed (no arrays),
+    else its identity."""
+    try:
+        hash(mask)
+    except TypeError:
+        return ("identity", id(mask))
+    return mask
+
+
 def from_flex(mask_mod: Callable, params: Any = None) -> Predicate:
     """A `Predicate` from a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` (or
     ``mask_mod(b, h, q_idx, kv_idx, params)`` with `params`).
@@ -198,12 +208,13 @@ class PerHead(AbstractBlockMask):
     def elements(self, q, k, head):
         if isinstance(head, int):
             return self.masks[head].elements(q, k, head)
-        # A traced head: each distinct mask (by identity) once, the head's value chosen by
-        # `where`s rather than a `switch`, which not every kernel language lowers on tiles.
+        # A traced head: each distinct mask once (equal masks, or the same one where a mask
+        # holds arrays and cannot be hashed), the head's value chosen by `where`s rather than
+        # a `switch`, which not every kernel language lowers on tiles.
         head = jnp.clip(head, 0, len(self.masks) - 1)
-        groups: dict[int, tuple[AbstractMask, list[int]]] = {}
+        groups: dict[object, tuple[AbstractMask, list[int]]] = {}
         for h, m in enumerate(self.masks):
-            groups.setdefault(id(m), (m, []))[1].append(h)
+            groups.setdefault(_distinct(m), (m, []))[1].append(h)
         out = None
         for m, heads in groups.values():
             value = m.elements(q, k, head)

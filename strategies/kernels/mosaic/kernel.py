@@ -160,9 +160,9 @@ class MosaicBlockSparse(AbstractLseKernel):
     FULL blocks run without masking; partial blocks evaluate the compiled mask's canonical
     terms (causal with an offset, a window, chunks, a prefix, segment ids) on token indices,
     or, for a mask without them, its element predicate (`CompiledMask.visible_at`) traced on
-    the block's index, position and segment id tiles, or, where the predicate reads an array,
-    tiles of the call's element map (`CompiledMask.element_map`, at most 4 GiB with its
-    transpose).
+    the block's index, position and segment id tiles, or, where the predicate reads an array
+    or Mosaic GPU cannot lower it, tiles of the call's element map
+    (`CompiledMask.element_map`, at most 4 GiB with its transpose).
 
     The backward pass is its own, in one of two modes:
 
@@ -193,9 +193,9 @@ class MosaicBlockSparse(AbstractLseKernel):
     in the logits taken by JAX in the kernel. Per-call positions replace the token indices
     in the mask's terms, ALiBi and the score function. Declines bias, other score terms
     (`score_kinds`), score functions with parameters or that Mosaic GPU cannot lower, masks
-    whose element predicate Mosaic GPU cannot lower or whose element map is too large, and
-    per-call positions or masks without terms inside a sharding's loop, each with a reason,
-    so the selector gives the whole call to another kernel. Its tiles are fixed
+    whose element map is too large, and per-call positions or masks without terms inside a
+    sharding's loop, each with a reason, so the selector gives the whole call to another
+    kernel. Its tiles are fixed
     (`MosaicConfig.for_head_dim`): another kernel's config or a `Tiling` gives way to them,
     and a `MosaicConfig` must be that one.
     Its priority on a GPU (35) is above Triton's (30) and below cuDNN's (40) (docs/mosaic.md
@@ -249,7 +249,7 @@ class MosaicBlockSparse(AbstractLseKernel):
         if terms is None:
             predicate = mask.predicate()
             why = _predicate_decline(predicate, features)
-            if why is None and not predicate.traces_on_tiles(_TILE):
+            if why is None and reads_element_map(predicate):
                 why = _element_map_decline(predicate, features)
             if why is not None:
                 return why
@@ -293,7 +293,7 @@ class MosaicBlockSparse(AbstractLseKernel):
             why = _predicate_decline(predicate, None)
             if why is not None:
                 raise ValueError(f"MosaicBlockSparse: {why}")
-            elements = not predicate.traces_on_tiles(_TILE)
+            elements = reads_element_map(predicate)
         batch, heads, q_len, dim = query.shape
         kv_heads, kv_len = key.shape[1:3]
         fwd, dq, dkdv = mask.forward, mask.dq, mask.dkv
@@ -409,26 +409,33 @@ ELEMENT_MAP_LIMIT = 4 * 2**30
 
 def _predicate_decline(predicate: CompiledMask, features: Features | None) -> str | None:
     """Why the kernels cannot evaluate this mask's element predicate on their partial blocks
-    (`features`: the call's, where the selector asks), or ``None``: traced on the tiles where
-    it reads no array (and Mosaic GPU lowers it), else through the call's element map."""
+    (`features`: the call's, where the selector asks), or ``None``."""
     if features is not None and features.in_loop:
         return ("a mask without in-kernel terms inside a sharding's loop (RingAttention) is "
                 "not supported.")
-    if not predicate.traces_on_tiles(_TILE):
-        return None  # the element map's tiles
-    return mask_lowering_failure(predicate)
+    return None
+
+
+def reads_element_map(predicate: CompiledMask) -> bool:
+    """Whether the kernels read the call's element map for this mask's predicate (a
+    `CompiledMask` without layouts) rather than trace it on their tiles: where it reads an
+    array (`CompiledMask.traces_on_tiles`), or Pallas Mosaic GPU cannot lower it
+    (`mask_lowering_failure`)."""
+    return not predicate.traces_on_tiles(_TILE) or mask_lowering_failure(predicate) is not None
 
 
 def _element_map_decline(predicate: CompiledMask, features: Features) -> str | None:
-    """Why the call's element map (for a predicate that reads an array) is refused: past
+    """Why the call's element map (`reads_element_map`) is refused: past
     `ELEMENT_MAP_LIMIT`; else ``None``."""
     per_call = features.positions or (features.segment_ids and predicate.uses_segment_ids)
-    size = predicate.element_map_bytes(features.batch, per_call,
+    lengths = (rows_padded(predicate.q_len, BLOCK_Q), rows_padded(predicate.kv_len, 128))
+    size = predicate.element_map_bytes(features.batch, per_call, lengths=lengths,
                                        itemsize=jnp.dtype(ELEMENT_MAP_DTYPE).itemsize)
     if size > ELEMENT_MAP_LIMIT:
-        return (f"the mask's element predicate reads an array, so it would read an element "
-                f"map of {size / 2**30:.1f} GiB per call (at most "
-                f"{ELEMENT_MAP_LIMIT // 2**30} GiB).")
+        why = (mask_lowering_failure(predicate) if predicate.traces_on_tiles(_TILE)
+               else "the mask's element predicate reads an array")
+        return (f"{why.rstrip('.')}; its element map would take {size / 2**30:.1f} GiB per "
+                f"call (at most {ELEMENT_MAP_LIMIT // 2**30} GiB).")
     return None
 
 

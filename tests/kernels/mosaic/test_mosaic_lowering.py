@@ -245,52 +245,48 @@ def _scaled(score, head, q_pos, k_pos, params):
     return score * params["w"][head]
 
 
-def test_masks_without_terms_run_their_predicate_or_are_declined(hopper_host):
+def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host):
     """A mask without in-kernel terms goes to this kernel: its element predicate traced on
     the partial blocks, or, where the predicate reads an array (an ArrayMask, a Predicate's
-    params), the call's element map, unless that map would pass `ELEMENT_MAP_LIMIT`. A
-    predicate Pallas Mosaic GPU cannot lower is declined with the first line of the reason
-    (the verdict cached per mask); the selector then picks another kernel and `explain`
-    says why."""
-    from eqx_bsattn.strategies.kernels.mosaic.kernel import (ELEMENT_MAP_LIMIT,
-                                                             mask_lowering_failure)
+    params) or Pallas Mosaic GPU cannot lower it (the verdict cached per mask), the call's
+    element map, unless that map would pass `ELEMENT_MAP_LIMIT`: then it is declined with
+    the reason (the selector then picks another kernel)."""
+    from eqx_bsattn.strategies.kernels.mosaic.kernel import (
+        ELEMENT_MAP_LIMIT, mask_lowering_failure, reads_element_map)
 
     q, k, v = _inputs(1, 2, 2, 256, 256, 64)
     kernel = MosaicBlockSparse()
-    taken = (masks.Predicate(_window_by_head), masks.Causal() & ~masks.SlidingWindow(20, 0),
-             (masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8),
-             masks.ArrayMask(np.tri(256, dtype=bool)),
-             masks.Predicate(_widths_by_head, jnp.asarray([9, 30])))
-    for mask in taken:
+    for mask, from_map in ((masks.Predicate(_window_by_head), False),
+                           (masks.Causal() & ~masks.SlidingWindow(20, 0), False),
+                           ((masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8), False),
+                           (masks.ArrayMask(np.tri(256, dtype=bool)), True),
+                           (masks.Predicate(_widths_by_head, jnp.asarray([9, 30])), True),
+                           (masks.Predicate(_round_window), True)):
         plan = bsa.BlockSparseAttention(mask=mask).plan(q, k, v)
         assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
-    reason = "cannot lower the mask's element predicate: .*sqrt"
-    plan = bsa.BlockSparseAttention(mask=masks.Predicate(_round_window)).plan(q, k, v)
-    assert plan.choice.kernel.name != "mosaic"
-    explained = plan.choice.explain()
-    assert len([line for line in explained.splitlines() if re.search(reason, line)]) == 1, (
-        explained)
-    with pytest.raises(ValueError, match=reason):
-        bsa.BlockSparseAttention(mask=masks.Predicate(_round_window), kernel=kernel)(q, k, v)
-    resolved = bsa.ResolvedMask(masks.Predicate(_round_window), q_len=256, kv_len=256,
-                                num_heads=2)
-    features = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=64, value_dim=64)
+        assert reads_element_map(plan.mask.without_layouts()) == from_map, mask
+    round_window = bsa.ResolvedMask(masks.Predicate(_round_window), q_len=256, kv_len=256,
+                                    num_heads=2).predicate()
+    assert "cannot lower the mask's element predicate: " in mask_lowering_failure(round_window)
+    assert "sqrt" in mask_lowering_failure(round_window)
     hits = mask_lowering_failure.cache_info().hits
-    kernel.decline_reason(resolved, features)
+    assert reads_element_map(round_window)
     assert mask_lowering_failure.cache_info().hits == hits + 1
-    # An element map per batch row (per-call positions) and head past the limit: declined.
+    # Element maps per batch row (per-call positions) and head past the limit: declined.
     length = 20480
-    widths = bsa.ResolvedMask(masks.Predicate(_widths_by_head, jnp.asarray([9, 30])),
-                              q_len=length, kv_len=length, num_heads=2)
-    big = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=64, value_dim=64,
-                       batch=2, q_len=length, kv_len=length, positions=True)
+    features = dict(platform="gpu", dtype="bfloat16", head_dim=64, value_dim=64, batch=2,
+                    q_len=length, kv_len=length)
     size = 2 * 2 * 2 * 2 * length * length  # maps and their transposes, 16-bit, B = H = 2
     assert size > ELEMENT_MAP_LIMIT >= size // 2
-    why = kernel.decline_reason(widths, big)
-    assert why is not None and "element map of 6.2 GiB" in why, why
-    assert kernel.decline_reason(widths, bsa.Features(platform="gpu", dtype="bfloat16",
-                                                      head_dim=64, value_dim=64, batch=2,
-                                                      q_len=length, kv_len=length)) is None
+    for mask, reason in ((masks.Predicate(_widths_by_head, jnp.asarray([9, 30])),
+                          "reads an array"),
+                         (masks.PerHead([masks.Predicate(_round_window), masks.Causal()]),
+                          "cannot lower the mask's element predicate: .*sqrt")):
+        resolved = bsa.ResolvedMask(mask, q_len=length, kv_len=length, num_heads=2)
+        assert kernel.decline_reason(resolved, bsa.Features(**features)) is None
+        why = kernel.decline_reason(resolved, bsa.Features(**features, positions=True))
+        assert why is not None and re.search(reason, why), why
+        assert "element map would take 6.2 GiB" in why, why
 
 
 #: attention-gym entries (tests/test_flex_catalogue.py) whose `from_flex` form
