@@ -147,7 +147,6 @@ class CompiledMask(eqx.Module):
             return False
         return not closed.consts and _indexes_no_array(closed.jaxpr)
 
-
     def element_map_bytes(self, batch: int, per_call: bool, copies: int = 2,
                           itemsize: int = 1, lengths: tuple[int, int] | None = None) -> int:
         """The bytes of `copies` element maps (`element_map`) at `lengths` (``(q_len,
