@@ -68,10 +68,10 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     element predicate (`CompiledMask.visible_at`) traced into the kernels on the tiles'
     token indices, positions and segment ids, or, where that predicate indexes an array (a
     mask built from a boolean array), reads tiles of the call's element map
-    (`CompiledMask.element_map`). The score terms run in every visited block: ALiBi slopes and the relative-position table from scalar memory
-    (the table through T5's bucket thresholds, one scalar on whole pieces in a far bucket,
-    by diagonals on the others), a `ScoreFunction` traced into the kernel body; then the
-    soft cap. The forward keeps an online softmax in float32 scratch and returns the
+    (`CompiledMask.element_map`). The score terms run in every visited block: ALiBi slopes
+    and the relative-position table from scalar memory (the table through T5's bucket
+    thresholds, one scalar on whole pieces in a far bucket, by diagonals on the others), a
+    `ScoreFunction` traced into the kernel body; then the soft cap. The forward keeps an online softmax in float32 scratch and returns the
     log-sum-exp; sinks join after it (`add_sinks`).
 
     The backward is a dq kernel over the dq layout and a dk/dv kernel over the transposed
