@@ -41,9 +41,9 @@ class Predicate(AbstractMask):
     nothing is per call), and no `terms`: `MosaicBlockSparse` and `PallasTpuBlockSparse`
     trace `fn` into their kernels on the partial blocks (per-call positions and segment ids
     included; with `params`, they read a per-call element map instead), Triton and Splash
-    read element bitmaps (static masks only). Define `fn` once, not as a fresh lambda per call: it is part of the module's static
-    identity; data it closes over is a constant (a traced array there is refused: pass it as
-    `params`).
+    read element bitmaps (static masks only). Define `fn` once, not as a fresh lambda per call:
+    it is part of the module's static identity; data it closes over is a constant (a traced
+    array there is refused: pass it as `params`).
 
     ```python
     def every_other(q, k):

@@ -502,8 +502,9 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     (``cfg.alibi``) `dslopes` ``[H]`` float32 is the slopes' gradient (the launch's per-row
     shares summed), else ``None``. `positions` are the unpadded ``(q_positions [B, Lq],
     kv_positions [B, Lk])`` int32 (``cfg.positions``; padded here); `maps` the element map
-    and its transpose at the padded lengths (``cfg.elements``). `schedules` holds the dq and dk/dv launches' ``(items, counts)`` (``None``: built from
-    the lists' counts, `dq_schedule` and `dkv_schedule`)."""
+    and its transpose at the padded lengths (``cfg.elements``). `schedules` holds the dq and
+    dk/dv launches' ``(items, counts)`` (``None``: built from the lists' counts, `dq_schedule`
+    and `dkv_schedule`)."""
     q_len, kv_len = q.shape[2], k.shape[2]
     pad_q = functools.partial(_pad, length=cfg.q_len)
     pad_k = functools.partial(_pad, length=cfg.kv_len)

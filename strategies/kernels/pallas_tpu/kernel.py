@@ -71,8 +71,8 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     (`CompiledMask.element_map`). The score terms run in every visited block: ALiBi slopes
     and the relative-position table from scalar memory (the table through T5's bucket
     thresholds, one scalar on whole pieces in a far bucket, by diagonals on the others), a
-    `ScoreFunction` traced into the kernel body; then the soft cap. The forward keeps an online softmax in float32 scratch and returns the
-    log-sum-exp; sinks join after it (`add_sinks`).
+    `ScoreFunction` traced into the kernel body; then the soft cap. The forward keeps an online
+    softmax in float32 scratch and returns the log-sum-exp; sinks join after it (`add_sinks`).
 
     The backward is a dq kernel over the dq layout and a dk/dv kernel over the transposed
     lists, which walks every query head of a kv head's group (K / V are never repeated);
