@@ -52,8 +52,8 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      SMEM_BUDGET, AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
-                     ELEMENT_MAP_DTYPE, alibi_positions_term, block_coordinates,
-                     block_visible, element_tile, persistent_schedule, ring_stages,
+                     ELEMENT_MAP_DTYPE, alibi_positions_term, block_visible, element_tile,
+                     persistent_schedule, ring_stages,
                      score_function_tile, segment_ids_apart, swizzled, walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
@@ -479,8 +479,8 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                             k_seg = lax.broadcast_in_dim(
                                 ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout),
                                 (bq, bk), [1])
-                        vis = block_visible(cfg, h, *block_coordinates(
-                            cfg, ops, (bq, bk), 0, q_base, k_base, tiles()), q_seg, k_seg,
+                        vis = block_visible(
+                            cfg, ops, h, (bq, bk), 0, q_base, k_base, tiles(), q_seg, k_seg,
                             map_tile=lambda: element_tile(ops, emap_ref, b, h, rows,
                                                           pl.ds(k_base, bk)))
                     p, factors = cfg.probabilities(
@@ -745,8 +745,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                     q_seg = lax.broadcast_in_dim(
                                         ops.load(qseg_ref, (b, cols), ops.col_layout),
                                         (bk, bq), [1])
-                                vis = block_visible(cfg, h, *block_coordinates(
-                                    cfg, ops, (bk, bq), 1, q_base, k_base, tiles()), q_seg,
+                                vis = block_visible(
+                                    cfg, ops, h, (bk, bq), 1, q_base, k_base, tiles(), q_seg,
                                     k_seg, map_tile=lambda: element_tile(
                                         ops, emap_ref, b, h, keys, cols))
                             term = None

@@ -141,37 +141,34 @@ def visible(terms: MaskTerms, true_kv_len: int | None, q_index, k_index, q_seg=N
 ELEMENT_MAP_DTYPE = jnp.bfloat16
 
 
-def block_visible(cfg, head, q_tiles, k_tiles, q_seg=None, k_seg=None, map_tile=None):
+def block_visible(cfg, ops: "Ops", head, shape, q_axis: int, q_base, k_base, positions,
+                  q_seg=None, k_seg=None, map_tile=None):
     """The mask on a partial block of a launch with config `cfg` (an `AttentionShape` and
-    `LogitTerms`), for query head `head`: ``(index, position)`` tiles of its queries and keys
-    (`q_tiles`, `k_tiles`: thunks, called where the test reads them; the positions are the
-    per-call ones where ``cfg.positions``, else the indices again) and their segment id
-    tiles (``None`` without). The element map's tile (``map_tile()``, `element_tile`) where
-    ``cfg.elements``; else the compiled mask's element predicate (``cfg.predicate``) on
-    them; else the canonical terms (`visible`, the ids apart) on the positions, with the
-    padded keys hidden by their token indices."""
+    `LogitTerms`), for query head `head`: a block of `shape` whose queries run along `q_axis`
+    from token `q_base` (keys from `k_base`); `positions` are its ``(query, key)`` position
+    tiles (the per-call positions where ``cfg.positions``, else the token indices), `q_seg`
+    and `k_seg` its segment id tiles (``None`` without). The element map's tile
+    (``map_tile()``, `element_tile`) where ``cfg.elements``; else the compiled mask's element
+    predicate (``cfg.predicate``) on the tiles' indices, positions and ids; else the
+    canonical terms (`visible`, the ids apart) on the positions, with the padded keys hidden
+    by their token indices."""
     if cfg.elements:
         return map_tile()
-    (q_index, q_pos), (k_index, k_pos) = q_tiles(), k_tiles()
+    q_pos, k_pos = positions
+    k_axis = 1 - q_axis
     if cfg.predicate is not None:
         predicate = cfg.predicate
+        q_index, k_index = q_pos, k_pos
+        if cfg.positions:
+            q_index = q_base + ops.iota(shape, q_axis)
+            k_index = k_base + ops.iota(shape, k_axis)
         return predicate.visible_at(head, TokenCoords(q_index, q_pos, q_seg, predicate.q_len),
                                     TokenCoords(k_index, k_pos, k_seg, predicate.kv_len))
-    k_token = k_index if cfg.positions and cfg.padded_kv_len is not None else None
+    k_token = None
+    if cfg.positions and cfg.padded_kv_len is not None:
+        k_token = k_base + ops.iota(shape, k_axis)
     return visible(cfg.terms, cfg.padded_kv_len, q_pos, k_pos, q_seg, k_seg, ids_apart=True,
                    signed=cfg.positions, k_token=k_token)
-
-
-def block_coordinates(cfg, ops: "Ops", shape, q_axis: int, q_base, k_base, positions):
-    """`block_visible`'s ``(q_tiles, k_tiles)`` thunks for a block of `shape` whose queries
-    run along `q_axis` and start at token `q_base` (keys at `k_base`); `positions` are its
-    ``(query, key)`` position tiles (the per-call positions where ``cfg.positions``, else
-    the token indices, which the thunks then give again)."""
-    q_pos, k_pos = positions
-    if not cfg.positions:
-        return (lambda: (q_pos, q_pos)), (lambda: (k_pos, k_pos))
-    return ((lambda: (q_base + ops.iota(shape, q_axis), q_pos)),
-            (lambda: (k_base + ops.iota(shape, 1 - q_axis), k_pos)))
 
 
 def element_tile(ops: "Ops", ref, b, h, rows, cols):

@@ -46,8 +46,7 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
-                     ELEMENT_MAP_DTYPE, alibi_positions_term, block_coordinates,
-                     block_visible, element_tile,
+                     ELEMENT_MAP_DTYPE, alibi_positions_term, block_visible, element_tile,
                      persistent_schedule, ring_stages, score_function_tile,
                      segment_ids_apart, swizzled, walk_list)
 
@@ -253,10 +252,10 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         if has_segments:
                             segs = (lax.broadcast_in_dim(q_seg, (bq, bk), [0]),
                                     lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
-                        vis = block_visible(cfg, h, *block_coordinates(
-                            cfg, ops, (bq, bk), 0, q_base, k_base, position_tiles(keys)), *segs,
-                            map_tile=lambda: element_tile(ops, emap_ref, b, h,
-                                                          pl.ds(q_base, bq), pl.ds(k_base, bk)))
+                        vis = block_visible(
+                            cfg, ops, h, (bq, bk), 0, q_base, k_base, position_tiles(keys),
+                            *segs, map_tile=lambda: element_tile(
+                                ops, emap_ref, b, h, pl.ds(q_base, bq), pl.ds(k_base, bk)))
                         s = jnp.where(vis, s, -jnp.inf)
                     if partial is not None or function is not None:
                         m_new = jnp.maximum(m_i, _plus(s.max(axis=1), shift))
