@@ -23,6 +23,7 @@ from ._selector import DEVICE_PLATFORMS
 from ._sharding import on_auto_axes
 from ._tiling import LAUNCH_FIELDS, AbstractKernelConfig, AbstractTiling, Tiling, check_positive
 from ._typing import typechecked
+from ._values import within
 
 #: ejKernel's platform names that pick a device, not a kernel (``"auto"``: JAX's default).
 _DEVICE_ALIASES = {"auto": None, "cuda": "gpu"}
@@ -50,6 +51,19 @@ _BUILDER_FORMS = (
     "a mask, a zero-argument callable returning one, or a callable "
     "`(q_len, kv_len, num_heads, head_idx, num_reps) -> mask` called once per query head"
 )
+#: `jax.nn.dot_product_attention`'s arguments that ejKernel's function lacks. A call that uses
+#: one is read as jax.nn reads it: not causal unless `is_causal` (or `causal`) says so.
+JAX_NN_NAMES = ("scale", "is_causal", "key_value_seq_lengths", "query_seq_lengths", "mask",
+                "local_window_size", "implementation", "return_residual")
+#: This function's arguments that jax.nn lacks and that change what is computed (the
+#: execution options, `qkv_layouts`, `platform`, `cfg`, the mesh, `purify` and `return_lse`,
+#: do not). Mixed with jax.nn's names they leave the causal default ambiguous: here ``True``,
+#: in jax.nn ``False``.
+OWN_NAMES = ("softmax_aux", "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions",
+             "attention_mask", "mask_info", "logits_soft_cap", "softmax_scale", "mask_builder",
+             "sliding_window", "chunk_size", "score", "kv_seq_lengths")
+#: jax.nn's `implementation` values, as this function's `platform` (a kernel name).
+_IMPLEMENTATIONS = {"xla": "xla", "cudnn": "cudnn"}
 
 
 def _positional_arity(fn) -> tuple[int, int] | None:
@@ -105,26 +119,31 @@ def _mask_from_builder(mask_builder, q_len: int, kv_len: int, heads: int, kv_hea
     )
 
 
+def _window(value, argument: str) -> AbstractMask:
+    """`sliding_window` (or jax.nn's `local_window_size`, named `argument`) as its mask."""
+    from .strategies import masks
+
+    try:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return masks.SlidingWindow(value)
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            return masks.SlidingWindow(*value)
+        raise ValueError("neither an int nor a pair")
+    except ValueError as e:
+        # Name the argument the caller wrote, not the mask it becomes.
+        raise ValueError(
+            f"`{argument}` must be an int >= 0 (symmetric) or a pair (left, right) of ints >= 0 "
+            f"or None, not both None; got {value!r}: {e}"
+        ) from None
+
+
 def _mask_from_options(mask, causal, sliding_window, chunk_size) -> AbstractMask:
     from .strategies import masks
 
     if causal:
         mask = and_masks(mask, masks.Causal())
     if sliding_window is not None:
-        try:
-            if isinstance(sliding_window, int) and not isinstance(sliding_window, bool):
-                window = masks.SlidingWindow(sliding_window)
-            elif isinstance(sliding_window, (tuple, list)) and len(sliding_window) == 2:
-                window = masks.SlidingWindow(*sliding_window)
-            else:
-                raise ValueError("neither an int nor a pair")
-        except ValueError as e:
-            # Name the argument the caller wrote, not the mask it becomes.
-            raise ValueError(
-                "`sliding_window` must be an int >= 0 (symmetric) or a pair (left, right) of "
-                f"ints >= 0 or None, not both None; got {sliding_window!r}: {e}"
-            ) from None
-        mask = and_masks(mask, window)
+        mask = and_masks(mask, _window(sliding_window, "sliding_window"))
     if chunk_size is not None:
         mask = and_masks(mask, masks.ChunkedCausal(chunk_size))
     return mask
@@ -378,6 +397,121 @@ def _attention_mask(mask, batch: int, heads: int, q_len: int, kv_len: int, batch
     raise ValueError(f"`attention_mask` must have shape {accepted}; got {given}.")
 
 
+def _jax_nn_mask(mask, batch: int, heads: int, q_len: int, kv_len: int, batched: bool):
+    """jax.nn's boolean `mask` (4 or fewer dimensions, ones added in front, each dimension 1 or
+    that of ``[B, N, T, S]``) as an `attention_mask` of the same meaning: ``[B or 1, H or 1,
+    Lq or 1, Lk]`` (``[B, 1, 1, Lk]`` stays key padding), unbatched ``[H or 1, Lq, Lk]``."""
+    mask = as_array("mask", mask)
+    given = tuple(mask.shape)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(
+            f"`mask` must hold booleans (True = attend, as in jax.nn); got dtype "
+            f"{jnp.dtype(mask.dtype).name}: pass `mask != 0`, or an additive mask as `bias`."
+        )
+    full = (batch, heads, q_len, kv_len)
+    if mask.ndim > 4 or any(
+        n not in (1, size) for n, size in zip((1,) * (4 - mask.ndim) + given, full)
+    ):
+        lead = "[B, N, T, S]" if batched else "[1, N, T, S] (jax.nn adds the batch)"
+        raise ValueError(
+            f"`mask` must have 4 (or fewer) dimensions broadcasting to {lead} = "
+            f"{list(full)}, each 1 or that size, as in jax.nn; got shape {given}."
+        )
+    mask = mask.reshape((1,) * (4 - mask.ndim) + given)
+    mask = jnp.broadcast_to(mask, (*mask.shape[:3], kv_len))
+    if batched:
+        return mask
+    return jnp.broadcast_to(mask[0], (mask.shape[1], q_len, kv_len))
+
+
+def _query_seq_lengths(lengths, batch: int, q_len: int, batched: bool):
+    """jax.nn's `query_seq_lengths` (``[B]`` or a scalar: the number of real queries) as
+    ``[B]`` ints, or the error saying why not."""
+    if lengths is None:
+        return None
+    lengths = as_array("query_seq_lengths", lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(
+            f"`query_seq_lengths` must hold integers; got dtype {jnp.dtype(lengths.dtype).name}."
+        )
+    accepted = f"[{batch}] or a scalar" if batched else "a scalar (or [1])"
+    if not (lengths.ndim == 0 or lengths.shape == (batch,)):
+        raise ValueError(
+            f"`query_seq_lengths` must have shape {accepted}; got {tuple(lengths.shape)}."
+        )
+    lengths = within("query_seq_lengths", lengths, lambda n: (n < 0) | (n > q_len),
+                     f"must lie in [0, {q_len}] (q_len); got values outside.")
+    return jnp.broadcast_to(lengths, (batch,))
+
+
+def _hide_queries(keep, q_segment_ids, kv_segment_ids, *, kv_len: int):
+    """Segment ids that hide the queries where `keep` (``[B, Lq]``) is False: id ``-1`` sees
+    no key, so blocks of padded queries are skipped (as `hide_keys` does for keys)."""
+    batch, q_len = keep.shape
+    if q_segment_ids is None:
+        q_segment_ids = jnp.zeros((batch, q_len), jnp.int32)
+        kv_segment_ids = jnp.zeros((batch, kv_len), jnp.int32)
+    q_segment_ids = jnp.broadcast_to(q_segment_ids, (batch, q_len))
+    kv_segment_ids = jnp.broadcast_to(kv_segment_ids, (batch, kv_len))
+    return jnp.where(keep, q_segment_ids, jnp.full((), -1, q_segment_ids.dtype)), kv_segment_ids
+
+
+def _zero_queries_past(result, keep, return_lse: bool):
+    """`result` with the rows of queries past `query_seq_lengths` (``keep`` ``[B, Lq]`` False)
+    zeroed, and their lse ``-inf``: jax.nn multiplies them by zero after the softmax, and a
+    mask that reads segment ids through an ``|`` can still let a hidden query see keys."""
+    out, lse = result if return_lse else (result, None)
+    keep = keep if out.ndim == 4 else keep[0]
+    out = jnp.where(keep[..., None, :, None], out, jnp.zeros((), out.dtype))
+    if lse is None:
+        return out
+    return out, jnp.where(keep[..., None, :], lse, -jnp.inf)
+
+
+def _jax_nn_names(a: dict) -> list:
+    """Fold jax.nn's names in `a` into this function's own, and settle `causal`; returns the
+    jax.nn names the call used. `mask` and `query_seq_lengths` stay for `_validate`, which
+    needs the shapes to read them."""
+    used = [name for name in JAX_NN_NAMES if a[name] is not None]
+    ours = [name for name in OWN_NAMES if a[name] is not None]  # before the aliases fold in
+    merge_alias(a, "kv_seq_lengths", "key_value_seq_lengths")
+    merge_alias(a, "softmax_scale", "scale")
+    merge_alias(a, "causal", "is_causal")
+    if a["local_window_size"] is not None:
+        _window(a["local_window_size"], "local_window_size")  # its errors name it
+    merge_alias(a, "sliding_window", "local_window_size")
+    if a["mask"] is not None and a["attention_mask"] is not None:
+        raise TypeError("`attention_mask` and `mask` (its jax.nn name) are the same argument; "
+                        "pass one.")
+    implementation = a.pop("implementation")
+    if implementation is not None:
+        if implementation not in _IMPLEMENTATIONS:
+            raise ValueError(
+                f"`implementation` must be None, 'xla' or 'cudnn' (jax.nn's names); got "
+                f"{implementation!r}: to pick another kernel or a device pass `platform=` "
+                "(e.g. 'reference', 'triton', 'gpu')."
+            )
+        if a["platform"] is not None:
+            raise TypeError("`platform` and `implementation` (jax.nn's name) both pick the "
+                            "kernel; pass one.")
+        a["platform"] = _IMPLEMENTATIONS[implementation]
+    residual = a.pop("return_residual")
+    if residual is not None:
+        if a["return_lse"]:
+            raise TypeError("`return_lse` and `return_residual` (its jax.nn name) are the same "
+                            "argument; pass one.")
+        a["return_lse"] = bool(residual)
+    if a["causal"] is None:
+        if used and ours:
+            raise ValueError(
+                f"`causal` is ambiguous: the call uses jax.nn's `{used[0]}` (not causal unless "
+                f"said) and `{ours[0]}` of this function (causal by default); pass "
+                "causal=True or causal=False."
+            )
+        a["causal"] = not used
+    return used
+
+
 def _merge_mask_info(mask_info, **explicit):
     if mask_info is None:
         return explicit
@@ -399,10 +533,8 @@ def _validate(arguments: dict):
     output back to the query's layout, or ``None``.
     """
     a = arguments
-    merge_alias(a, "kv_seq_lengths", "key_value_seq_lengths")
-    merge_alias(a, "softmax_scale", "scale")
-    merge_alias(a, "causal", "is_causal")
-    a["causal"] = True if a["causal"] is None else a["causal"]
+    used = _jax_nn_names(a)
+    residual = "return_residual" in used and a["return_lse"]
     builder = a["mask_builder"]
     if not isinstance(builder, AbstractMask) and hasattr(builder, "shape") \
             and hasattr(builder, "dtype"):
@@ -427,6 +559,12 @@ def _validate(arguments: dict):
     q, k, v = with_layout_hint(hint, check_qkv,
                                *(_to_bhsd(x, s) for x, s in zip(qkv, seq_first)))
     a.update(query=q, key=k, value=v, qkv_layouts=None)
+    batched = q.ndim == 4
+    batch = q.shape[0] if batched else 1
+    if a["mask"] is not None:
+        a["attention_mask"] = _jax_nn_mask(a["mask"], batch, q.shape[-3], q.shape[-2],
+                                           k.shape[-2], batched)
+    a["mask"] = None
     a.update(_merge_mask_info(
         a["mask_info"], q_segment_ids=a["q_segment_ids"], kv_segment_ids=a["kv_segment_ids"],
         q_positions=a["q_positions"], kv_positions=a["kv_positions"],
@@ -445,7 +583,13 @@ def _validate(arguments: dict):
                            kv_seq_lengths=a["kv_seq_lengths"],
                            **{name: a[name] for name in names})
     a.update({name: data[name] for name in names}, softmax_aux=data["sinks"])
-    batched = q.ndim == 4
+    q_lengths = _query_seq_lengths(a["query_seq_lengths"], batch, q.shape[-2], batched)
+    a["query_seq_lengths"] = None
+    if q_lengths is not None:
+        keep = jnp.arange(q.shape[-2])[None, :] < q_lengths[:, None]
+        ids = _hide_queries(keep, a["q_segment_ids"], a["kv_segment_ids"], kv_len=k.shape[-2])
+        a["q_segment_ids"], a["kv_segment_ids"] = ids if batched else (ids[0][0], ids[1][0])
+        a["query_seq_lengths"] = q_lengths  # the body zeroes the rows past them
     if data["kv_seq_lengths"] is not None:
         keep = jnp.arange(k.shape[-2])[None, :] < data["kv_seq_lengths"][:, None]
         ids = hide_keys(keep, a["q_segment_ids"], a["kv_segment_ids"], q_len=q.shape[-2])
@@ -465,7 +609,9 @@ def _validate(arguments: dict):
     if not seq_first[0]:
         return None
     if a["return_lse"]:
-        return lambda result: (_to_bhsd(result[0], True), result[1])
+        # jax.nn's residual is in its query's layout ([B, T, N]); our lse stays [B, H, Lq].
+        return lambda result: (_to_bhsd(result[0], True),
+                               jnp.swapaxes(result[1], -1, -2) if residual else result[1])
     return lambda out: _to_bhsd(out, True)
 
 
@@ -542,14 +688,25 @@ def blocksparse_attention(
     key_value_seq_lengths: Integer[Array, "*_"] | int | None = None,
     scale: float | int | None = None,
     is_causal: bool | None = None,
+    mask: Array | None = None,
+    query_seq_lengths: Integer[Array, "*_"] | int | None = None,
+    local_window_size: int | tuple[int | None, int | None] | list[int | None] | None = None,
+    implementation: str | None = None,
+    return_residual: bool | None = None,
 ) -> (Float[Array, "*batch heads q_len value_dim"]
       | tuple[Float[Array, "*batch heads q_len value_dim"], Float[Array, "*batch heads q_len"]]):
     """Block-sparse attention, function style: ``[B, H, Lq, D]`` in, ``[B, H, Lq, Dv]`` out.
 
     Builds a `BlockSparseAttention` from the options and calls it. Array arguments may be JAX
     or NumPy arrays. `docs/seed_api.md` maps each argument of the library this replaces.
-    jax.nn's names are accepted beside ours (one of each pair): `scale` for `softmax_scale`,
-    `is_causal` for `causal`, `key_value_seq_lengths` for `kv_seq_lengths`.
+
+    `jax.nn.dot_product_attention`'s names are accepted too, with jax.nn's meaning (below).
+    **The causal default:** `causal` (or jax.nn's `is_causal`; one of them) decides when given.
+    Otherwise a call is causal, ejKernel's default, unless it uses one of jax.nn's own names
+    (`scale`, `key_value_seq_lengths`, `query_seq_lengths`, `mask`, `local_window_size`,
+    `implementation`, `return_residual`): then it is not causal, as in jax.nn. A call that
+    mixes those with this function's own (`softmax_scale`, `sliding_window`, `attention_mask`,
+    `mask_builder`, segment ids, ...) and gives neither is refused: pass ``causal=``.
 
     **Arguments:**
 
@@ -571,8 +728,8 @@ def blocksparse_attention(
       ``fn(q_len, kv_len, num_heads, head_idx, num_reps) -> mask``, called once per query
       head (``num_reps = H // Hkv``; different masks make a `masks.PerHead`). The options below
       are combined with it by ``&``.
-    - `causal` (default ``True``), `sliding_window` (int, or ``(left, right)``),
-      `chunk_size` (chunked causal).
+    - `causal` (default ``True``, ``False`` with jax.nn's names: above), `sliding_window`
+      (int, or ``(left, right)``), `chunk_size` (chunked causal).
     - `kv_seq_lengths`: ``[B]`` ints (or a scalar): only the first ``kv_seq_lengths[b]`` keys
       of example ``b`` are seen.
     - `purify`: zero the rows of padded queries (``q_segment_ids < 0``).
@@ -600,8 +757,26 @@ def blocksparse_attention(
       sequence axis `RingAttention`), `out_specs` (``None`` or the query's spec) and/or
       `sequence_parallelism_mesh_axis_name` (the sequence axis: `RingAttention`).
 
+    jax.nn's names (each is refused beside its counterpart here; jax.nn's arrays are
+    ``[B, T, N, H]``: pass ``qkv_layouts="bshd"``):
+
+    - `scale`, `is_causal`, `key_value_seq_lengths`: `softmax_scale`, `causal`,
+      `kv_seq_lengths`.
+    - `mask`: booleans of 4 (or fewer) dimensions, each 1 or that of ``[B, N, T, S]``
+      (``[B, H, Lq, Lk]``), True = attend; read as `attention_mask`. A row it hides entirely
+      gives zeros (jax.nn's gives the mean of the values).
+    - `query_seq_lengths`: ``[B]`` ints (or a scalar): the queries past ``query_seq_lengths[b]``
+      give zero rows and zero gradients (their lse is ``-inf``), as in jax.nn.
+    - `local_window_size`: `sliding_window` (an int is symmetric, or ``(left, right)``).
+    - `implementation`: ``None`` (the selector), ``"xla"`` or ``"cudnn"``: that kernel, as
+      ``platform="xla"`` / ``"cudnn"``; for other kernels or a device pass `platform`.
+    - `return_residual`: `return_lse`, its lse in the query's layout (``[B, T, N]`` under
+      ``"bshd"``, as jax.nn's residual), float32.
+
     ```python
     out = blocksparse_attention(q, k, v, causal=True, sliding_window=1024)
+    # jax.nn's call, same answer (not causal): jax.nn.dot_product_attention(x, x, x, scale=0.1)
+    out = blocksparse_attention(x, x, x, scale=0.1, qkv_layouts="bshd")
     ```
     """
     shard = _sharding_from_options(mesh, in_specs, out_specs, sequence_parallelism_mesh_axis_name)
@@ -611,6 +786,7 @@ def blocksparse_attention(
     kernel, device = _kernel_for(platform if platform is not None else cfg_platform)
     heads, q_len = query.shape[-3], query.shape[-2]
     kv_heads, kv_len = key.shape[-3], key.shape[-2]
+    # jax.nn's `mask` and names `_validate` folded into ours (`attention_mask`, ...) arrive None.
     mask = _mask_from_builder(mask_builder, q_len, kv_len, heads, kv_heads)
     mask = _mask_from_options(mask, causal, sliding_window, chunk_size)
     attn = BlockSparseAttention(
@@ -629,4 +805,7 @@ def blocksparse_attention(
         out = attend(query, key, value, mask_array, data)
     else:
         out = _attend_per_example(attend, query, key, value, attention_mask, data)
+    if query_seq_lengths is not None:
+        keep = jnp.arange(q_len)[None, :] < query_seq_lengths[:, None]
+        out = _zero_queries_past(out, keep, return_lse)
     return out
