@@ -533,6 +533,14 @@ def _validate(arguments: dict):
     output back to the query's layout, or ``None``.
     """
     a = arguments
+    aux = a["softmax_aux"]
+    if getattr(aux, "ndim", 0) > 2:
+        # Sinks are at most [H, S]: this is jax.nn's bias, which jax.nn takes 4th.
+        raise ValueError(
+            f"`softmax_aux` (the 4th positional argument: attention sinks, at most [H, S]) got "
+            f"shape {tuple(aux.shape)}: jax.nn's 4th positional `bias` is the 5th here; "
+            "pass (query, key, value, None, bias)."
+        )
     used = _jax_nn_names(a)
     residual = "return_residual" in used and a["return_lse"]
     builder = a["mask_builder"]

@@ -329,3 +329,17 @@ def test_implementation_picks_the_kernel():
     with pytest.raises(ValueError) as info:
         _ours(implementation="triton")
     _one_line(info, "`implementation` must be None, 'xla' or 'cudnn'", "'triton'", "platform=")
+
+
+def test_jax_nn_bias_in_fourth_place_is_refused_with_the_way_out():
+    """jax.nn's 4th positional argument is `bias`; here it is `softmax_aux` (sinks): a 4-D
+    array there is refused, naming the 5th place, where the bias gives jax.nn's answer."""
+    bias = random_array(44, (B, N, T, S))
+    with pytest.raises(ValueError) as info:
+        bsa.blocksparse_attention(Q, KEY, VALUE, bias, qkv_layouts="bshd", scale=0.3)
+    _one_line(info, "`softmax_aux`", f"{(B, N, T, S)}", "(query, key, value, None, bias)")
+    out = bsa.blocksparse_attention(Q, KEY, VALUE, None, bias, qkv_layouts="bshd", scale=0.3)
+    want = _bhsd(np_attention(_bhsd(Q), _bhsd(KEY), _bhsd(VALUE), _visible(), scale=0.3,
+                              bias=bias))
+    assert_close(out, want, TOL)
+    assert_close(_jax_nn(bias=bias, scale=0.3), want, TOL, "jax.nn")
