@@ -74,19 +74,21 @@ POSITION_LIMIT = 2**30
 def _check_range(name: str, x, low: int, high: int, accepted: str):
     """`x` (any integer dtype, signed or not) checked to lie in ``[low, high]`` before it is
     narrowed to int32; bounds its dtype cannot pass are not compared (nothing to check for
-    int32 segment ids, no negative bound for unsigned ids)."""
+    int32 segment ids, no negative bound for unsigned ids). A NumPy `x` stays NumPy and is
+    checked on the host: `jnp.asarray` would narrow int64 to int32 first (without x64,
+    ``2**32`` becomes 0) and the check would pass the aliased value."""
     if x is None:
         return None
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
+    x = x if isinstance(x, jax.Array) else np.asarray(x)
+    if not np.issubdtype(x.dtype, np.integer):
         return x  # `check_call` says what it accepts
-    info = jnp.iinfo(x.dtype)
+    info = np.iinfo(x.dtype)
     below, above = low > int(info.min), high < int(info.max)
     if not (below or above):
         return x
 
     def bad(v):
-        out = jnp.zeros(v.shape, bool)
+        out = False
         if below:
             out = out | (v < low)
         if above:
@@ -188,15 +190,38 @@ def check_qkv(query, key, value) -> tuple[Array, Array, Array]:
     return query, key, value
 
 
+def _host_array(name: str, x) -> np.ndarray:
+    """`x` (not a JAX array) as a NumPy array of its own dtype: int64 stays int64 whether or
+    not JAX has x64 on, so that a range check sees the values the caller gave."""
+    if isinstance(x, (str, bytes)):
+        raise TypeError(f"`{name}` must be an array (JAX or NumPy); got {type(x).__name__}.")
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError, OverflowError):
+        raise TypeError(
+            f"`{name}` must be an array (JAX or NumPy); got {type(x).__name__}."
+        ) from None
+
+
 def _check_token_data(name: str, x, batch: int, length: int, batched: bool) -> Array | None:
+    """Segment ids or positions (`name` says which) checked for dtype and shape; a NumPy
+    array (or list) also for range, on the host, before it becomes a JAX array (which may
+    narrow it to int32). JAX arrays are range-checked by `prepare_inputs`."""
     if x is None:
         return None
-    x = as_array(name, x)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"`{name}` must hold integers; got dtype {_dtype_name(x)}.")
+    host = not isinstance(x, jax.Array)
+    x = _host_array(name, x) if host else x
+    if not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(
+            f"`{name}` must hold integers; got dtype {_dtype_name(x)} (any integer dtype "
+            "is accepted: cast it, e.g. with `.astype(jnp.int32)`)."
+        )
     accepted = f"[{length}]" + (f" or [{batch}, {length}]" if batched else "")
     if not ((x.ndim == 1 and x.shape[0] == length) or (batched and x.shape == (batch, length))):
         raise ValueError(f"`{name}` must have shape {accepted}; got {_shape(x)}.")
+    if host:
+        check = _check_positions if name.endswith("positions") else _check_segment_ids
+        x = jnp.asarray(check(name, x))
     return x
 
 
@@ -228,12 +253,13 @@ def _check_bias(bias, batch: int, heads: int, q_len: int, kv_len: int, batched: 
 
 def _bias(bias) -> Array | None:
     """A checked bias (`_check_bias`) as ``[bb, hb, q_len or 1, kv_len or 1]`` (its size-1
-    axes kept: a per-key bias costs ``O(kv_len)``), refusing ``+inf``."""
+    axes kept: a per-key bias costs ``O(kv_len)``), refusing ``+inf`` and NaN."""
     if bias is None:
         return None
-    # -inf hides a pair; +inf has no meaning as a softmax weight (inf / inf): refuse it.
-    bias = _within("bias", bias, lambda b: b == jnp.inf,
-                   "must be finite or -inf (which hides a pair); got +inf.")
+    # -inf hides a pair (without a soft cap, which turns it into -cap); +inf has no meaning
+    # as a softmax weight (inf / inf) and NaN none at all: refuse both, as for sinks.
+    bias = _within("bias", bias, lambda b: jnp.isnan(b) | (b == jnp.inf),
+                   "must be finite or -inf (which hides a pair); got +inf or NaN.")
     return bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
 
 
@@ -327,15 +353,18 @@ def check_kv_seq_lengths(lengths, batch: int, kv_len: int, batched: bool):
     as ``[B]`` ints, or the error saying why not."""
     if lengths is None:
         return None
-    lengths = as_array("kv_seq_lengths", lengths)
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    # NumPy lengths are checked on the host, before `jnp.asarray` can narrow them (an int64
+    # 2**32 would become 0: every key padding).
+    host = not isinstance(lengths, jax.Array)
+    lengths = _host_array("kv_seq_lengths", lengths) if host else lengths
+    if not np.issubdtype(lengths.dtype, np.integer):
         raise TypeError(f"`kv_seq_lengths` must hold integers; got dtype {_dtype_name(lengths)}.")
     accepted = f"[{batch}] or a scalar" if batched else "a scalar"
     if not (lengths.ndim == 0 or (batched and lengths.shape == (batch,))):
         raise ValueError(f"`kv_seq_lengths` must have shape {accepted}; got {_shape(lengths)}.")
     lengths = _within("kv_seq_lengths", lengths, lambda n: (n < 0) | (n > kv_len),
                       f"must lie in [0, {kv_len}] (kv_len); got values outside.")
-    return jnp.broadcast_to(lengths, (batch,))
+    return jnp.broadcast_to(jnp.asarray(lengths), (batch,))
 
 
 def check_call(query, key, value, *, sinks_name: str = "sinks", **data) -> tuple:
@@ -390,7 +419,8 @@ def prepare_inputs(
     sinks_name: str = "sinks",
 ) -> AttentionInputs:
     """Bring per-call data that `check_call` has checked (shapes, dtypes) to kernel shapes,
-    with the checks of their values (ranges, ``+inf``), which need the arrays themselves."""
+    with the checks of their values (ranges, ``+inf`` and NaN), which need the arrays
+    themselves."""
     return AttentionInputs(
         bias=_bias(bias),
         sinks=_sinks(sinks, heads, sinks_name),

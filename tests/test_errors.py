@@ -90,7 +90,7 @@ CASES = [
     ("segment length", _call(Q, K, V, q_segment_ids=IDS[:, :15], kv_segment_ids=IDS), ValueError,
      "`q_segment_ids` must have shape [16] or [2, 16]; got (2, 15)."),
     ("float segments", _call(Q, K, V, q_segment_ids=IDS * 1.0, kv_segment_ids=IDS), TypeError,
-     "`q_segment_ids` must hold integers; got dtype float32."),
+     "`q_segment_ids` must hold integers; got dtype float32 (any integer dtype is accepted"),
     ("one side segments", _call(Q, K, V, q_segment_ids=IDS), ValueError,
      "pass both `q_segment_ids` and `kv_segment_ids`, or neither; got only `q_segment_ids`."),
     ("positions length", _call(Q, K, V, kv_positions=np.arange(9)), ValueError,
