@@ -43,17 +43,19 @@ class ArrayMask(AbstractBlockMask):
 
     def __init__(self, mask):
         if not isinstance(mask, jax.Array):
+            # NumPy first, compared with 0 on the host: `jnp.asarray` would narrow int64 to
+            # int32 (without x64, 2**32 becomes 0 and a visible pair hidden).
             try:
-                mask = jnp.asarray(mask)
-            except (TypeError, ValueError):
+                mask = np.asarray(mask)
+            except (TypeError, ValueError, OverflowError):
                 raise TypeError(
                     f"`mask` must be a boolean array [Lq, Lk] or [H or 1, Lq, Lk]; got "
                     f"{type(mask).__name__}."
                 ) from None
-        if mask.dtype != jnp.bool_ and not jnp.issubdtype(mask.dtype, jnp.integer):
+        if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.integer):
             raise TypeError(
                 f"`mask` must hold booleans (or integers, nonzero = visible); got dtype "
-                f"{jnp.dtype(mask.dtype).name}."
+                f"{np.dtype(mask.dtype).name}."
             )
         if mask.ndim == 2:
             mask = mask[None]
@@ -61,7 +63,7 @@ class ArrayMask(AbstractBlockMask):
             raise ValueError(
                 f"`mask` must have shape [Lq, Lk] or [H or 1, Lq, Lk]; got {tuple(mask.shape)}."
             )
-        self.mask = mask if mask.dtype == jnp.bool_ else mask != 0
+        self.mask = jnp.asarray(mask if mask.dtype == np.bool_ else mask != 0)
 
     def __hash__(self):
         # `jax.jit(attn)` hashes the module it is given; an array has no hash. Its static part
@@ -77,20 +79,47 @@ class ArrayMask(AbstractBlockMask):
     @property
     def varies_by_head(self) -> bool:
         """Whether the array has a mask per head (its first axis is longer than 1)."""
-        return self.mask.shape[0] > 1
+        return self._array().shape[0] > 1
 
     def check(self, q_len, kv_len, num_heads):
-        heads, rows, cols = self.mask.shape
+        heads, rows, cols = self._array().shape
         if (rows, cols) != (q_len, kv_len) or heads not in (1, num_heads):
             raise ValueError(
                 f"ArrayMask has shape {tuple(self.mask.shape)}; this call needs "
                 f"[1 or {num_heads}, {q_len}, {kv_len}] (heads, q_len, kv_len)."
             )
 
+    def _array(self) -> Bool[Array, "heads_or_1 q_len kv_len"]:
+        """The array as booleans ``[H or 1, Lq, Lk]``, read this way everywhere.
+
+        `eqx.tree_at` (and `swap_strategy`) can put any array in `mask` without `__init__`:
+        integers would meet the bitwise ``&``, ``|``, ``~`` of combined masks as integers (2
+        & True is 0), so they count where nonzero here too; floats and other ranks are refused.
+        A sharding may hand the array over as a NumPy constant: it is read as a JAX array (the
+        indices into it are traced).
+        """
+        mask = self.mask
+        dtype = getattr(mask, "dtype", None)
+        shape = tuple(getattr(mask, "shape", ()))
+        if dtype is None or (dtype != jnp.bool_ and not jnp.issubdtype(dtype, jnp.integer)):
+            given = (f"dtype {jnp.dtype(dtype).name}" if dtype is not None
+                     else type(mask).__name__)
+            raise TypeError(
+                f"`ArrayMask.mask` must hold booleans (or integers, nonzero = visible); got "
+                f"{given}: swap in `masks.ArrayMask(array)` (with `eqx.tree_at` or "
+                "`swap_strategy`), which checks it, rather than a bare array."
+            )
+        if len(shape) != 3:
+            raise ValueError(
+                f"`ArrayMask.mask` must have shape [H or 1, Lq, Lk]; got {shape}: swap in "
+                "`masks.ArrayMask(array)` (with `eqx.tree_at` or `swap_strategy`), which "
+                "takes [Lq, Lk] too, rather than a bare array."
+            )
+        mask = jnp.asarray(mask)
+        return mask if mask.dtype == jnp.bool_ else mask != 0
+
     def _table(self, head):
-        # A sharding may hand the array over as a NumPy constant: index it as a JAX array
-        # (the indices are traced).
-        mask = jnp.asarray(self.mask)
+        mask = self._array()
         return mask[0] if mask.shape[0] == 1 else mask[head]
 
     def elements(self, q, k, head):
