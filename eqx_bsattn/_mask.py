@@ -232,6 +232,7 @@ def _pytree_twin(meta: type, cls: type) -> type:
     class `cls` that hold arrays (non-static fields are children, static ones auxiliary)."""
     twin = meta.__new__(meta, cls.__name__, (cls,), {
         "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+        "__reduce__": _reduce_twin,
     }, pytree_twin_of=cls)
     fields = dataclasses.fields(cls)
     dynamic = tuple(f.name for f in fields if not f.metadata.get("static", False))
@@ -252,6 +253,21 @@ def _pytree_twin(meta: type, cls: type) -> type:
 
     jax.tree_util.register_pytree_with_keys(twin, flatten_with_keys, unflatten, flatten)
     return twin
+
+
+def _reduce_twin(mask):
+    # Pickle finds a class by its module and name, which lead to the value class, not to its
+    # twin: a twin is pickled as its value class and rebuilt as the twin (`_unpickle_twin`).
+    return _unpickle_twin, (mask.__mask_value_class__, dict(vars(mask)))
+
+
+def _unpickle_twin(cls: type, state: dict):
+    """A mask of class `cls` that holds arrays (an instance of its pytree twin), from the
+    attributes `_reduce_twin` saved."""
+    mask = object.__new__(cls.__mask_pytree_class__)
+    for name, value in state.items():
+        object.__setattr__(mask, name, value)
+    return mask
 
 
 def _short(value) -> str:
