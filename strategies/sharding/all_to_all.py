@@ -23,25 +23,34 @@ from .ring import RingAttention
 from .shard_map import head_shard_call
 
 
-def kv_replication(heads: int, kv_heads: int, n: int) -> int:
+#: What a refusal suggests, per strategy: `AllToAll` can give way to a ring over the same
+#: axis; `AllToAllRing` already runs one, so its `heads_axis` devices move to `ring_axis`.
+_WAY_OUT = {
+    "AllToAll": "use RingAttention, or a smaller axis",
+    "AllToAllRing": "give `heads_axis` fewer devices, a number that fits the heads, and "
+                    "`ring_axis` the rest",
+}
+
+
+def kv_replication(heads: int, kv_heads: int, n: int, strategy: str = "AllToAll") -> int:
     """How many copies of each kv head the all-to-all sends so that each of `n` devices gets
     whole kv heads for its ``heads / n`` query heads: 1 when `n` divides the kv heads, else
     ``n / kv_heads`` (fewer kv heads than devices: each group's kv head goes to every device
-    holding query heads of that group). Raises a one-line `ValueError` for a layout that
-    cannot be split."""
+    holding query heads of that group). Raises a one-line `ValueError` naming `strategy`
+    (``"AllToAll"`` or ``"AllToAllRing"``) for a layout that cannot be split."""
     if heads % n:
         raise ValueError(
-            f"AllToAll over {n} devices gives each device heads / {n} query heads: the query "
-            f"heads ({heads}) must be a multiple of {n} (use RingAttention, or a smaller axis)."
+            f"{strategy} over {n} devices gives each device heads / {n} query heads: the query "
+            f"heads ({heads}) must be a multiple of {n} ({_WAY_OUT[strategy]})."
         )
     if kv_heads % n == 0:
         return 1
     if n % kv_heads == 0:
         return n // kv_heads
     raise ValueError(
-        f"AllToAll over {n} devices cannot split {kv_heads} key/value heads: their number "
+        f"{strategy} over {n} devices cannot split {kv_heads} key/value heads: their number "
         f"and {n} must divide one another (each device's {heads // n} query heads read whole "
-        "kv heads)."
+        f"kv heads; {_WAY_OUT[strategy]})."
     )
 
 
@@ -196,7 +205,7 @@ class AllToAllRing(AbstractSharding):
             mesh = mesh_in_context(self.mesh)
             n = axis_size(mesh, h_axis)
             heads, kv_heads = query.shape[1], key.shape[1]
-            copies = kv_replication(heads, kv_heads, n)
+            copies = kv_replication(heads, kv_heads, n, "AllToAllRing")
             if copies > 1:  # each kv head once per device of its group after the all-to-all
                 key, value = (jnp.repeat(x, copies, axis=1) for x in (key, value))
             flat = P(b_axis, None, (r_axis, h_axis), None)

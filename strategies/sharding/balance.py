@@ -91,6 +91,15 @@ class Dispatch(NamedTuple):
     work: np.ndarray
 
 
+def _host_tokens(name: str, x) -> np.ndarray:
+    """`x` as a NumPy array of integers, or the `TypeError` saying why not."""
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(f"`{name}` must hold integers; got dtype {x.dtype.name} (cast it, e.g. "
+                        "with `.astype(np.int32)`).")
+    return x
+
+
 def dispatch_documents(segment_ids, devices: int, *, block: int = 128,
                        positions=None) -> Dispatch:
     """Host-side balanced dispatch of packed documents (causal within each document) over a
@@ -101,8 +110,11 @@ def dispatch_documents(segment_ids, devices: int, *, block: int = 128,
     `RingAttention(..., order="contiguous")` call, and reorder its output back with
     `inverse`.
 
-    `segment_ids` ``[B, L]`` (sorted, padding negative); `positions` ``[B, L]`` the tokens'
-    positions (default: their indices). ``L`` must be a multiple of ``devices * block``.
+    `segment_ids` ``[B, L]`` integers (sorted, padding negative; one sequence is
+    ``ids[None]``); `positions` ``[B, L]`` or ``[L]`` integers in ``[-2**30, 2**30 - 1]``, the
+    tokens' positions (default: their indices). `devices` and `block` are positive ints, and
+    ``L`` must be a multiple of ``devices * block``. Anything else is a one-line `ValueError`
+    or `TypeError` naming the argument.
 
     ```python
     d = dispatch_documents(seg, 8)
@@ -112,14 +124,28 @@ def dispatch_documents(segment_ids, devices: int, *, block: int = 128,
     out = jnp.take_along_axis(out, d.inverse[:, None, :, None], axis=2)
     ```
     """
-    segment_ids = np.asarray(segment_ids)
+    for name, value in (("devices", devices), ("block", block)):
+        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"`{name}` must be a positive int; got {value!r}.")
+    segment_ids = _host_tokens("segment_ids", segment_ids)
+    if segment_ids.ndim != 2:
+        raise ValueError(f"`segment_ids` must have shape [batch, length]; got "
+                         f"{segment_ids.shape} (one sequence: pass segment_ids[None]).")
     batch, length = segment_ids.shape
     if length % (devices * block):
         raise ValueError(f"the sequence ({length}) must be a multiple of devices x block "
                          f"({devices} x {block}) to be dealt in chunks of {block}.")
     if positions is None:
         positions = np.broadcast_to(np.arange(length), (batch, length))
-    positions = np.asarray(positions)
+    positions = _host_tokens("positions", positions)
+    if positions.shape not in ((batch, length), (length,)):
+        raise ValueError(f"`positions` must have shape [{batch}, {length}] or [{length}] "
+                         f"(as `segment_ids`); got {positions.shape}.")
+    # The reordered positions are returned as int32, for a call that accepts the range below.
+    if positions.size and (positions.min() < -(2**30) or positions.max() > 2**30 - 1):
+        raise ValueError("`positions` must lie in [-2**30, 2**30 - 1] (masks compare positions "
+                         "in int32); got values outside.")
+    positions = np.broadcast_to(positions, (batch, length))
     perms, works = [], []
     for b in range(batch):
         row = document_row_work(segment_ids[b], block)
