@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Integer
 
-from ._inputs import (MaskInfo, as_array, check_call_data, check_qkv, hide_keys,
+from ._inputs import (MaskInfo, as_array, as_bool_mask, check_call_data, check_kv_seq_lengths,
+                      check_qkv, hide_keys,
                       python_scalar)
 from ._kernel import AbstractKernel, registered_kernels
 from ._mask import AbstractMask, Full, and_masks
@@ -361,14 +362,8 @@ def _attention_mask(mask, batch: int, heads: int, q_len: int, kv_len: int, batch
     (``(mask, is_key_padding)``), or the error saying why not, quoting the shape given."""
     if mask is None:
         return None, False
-    mask = as_array("attention_mask", mask)
+    mask = as_bool_mask("attention_mask", mask)
     given = tuple(mask.shape)
-    if mask.dtype != jnp.bool_ and not jnp.issubdtype(mask.dtype, jnp.integer):
-        raise TypeError(
-            "`attention_mask` must hold booleans (or integers, nonzero = attend); got dtype "
-            f"{jnp.dtype(mask.dtype).name}."
-        )
-    mask = mask if mask.dtype == jnp.bool_ else mask != 0
     if batched and given == (batch, kv_len):
         # ejKernel's reading of a 2-D mask: key padding. Refused where [Lq, Lk] would differ.
         if given == (q_len, kv_len) and batch > 1:
@@ -426,22 +421,9 @@ def _jax_nn_mask(mask, batch: int, heads: int, q_len: int, kv_len: int, batched:
 
 def _query_seq_lengths(lengths, batch: int, q_len: int, batched: bool):
     """jax.nn's `query_seq_lengths` (``[B]`` or a scalar: the number of real queries) as
-    ``[B]`` ints, or the error saying why not."""
-    if lengths is None:
-        return None
-    lengths = as_array("query_seq_lengths", lengths)
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise TypeError(
-            f"`query_seq_lengths` must hold integers; got dtype {jnp.dtype(lengths.dtype).name}."
-        )
-    accepted = f"[{batch}] or a scalar" if batched else "a scalar (or [1])"
-    if not (lengths.ndim == 0 or lengths.shape == (batch,)):
-        raise ValueError(
-            f"`query_seq_lengths` must have shape {accepted}; got {tuple(lengths.shape)}."
-        )
-    lengths = within("query_seq_lengths", lengths, lambda n: (n < 0) | (n > q_len),
-                     f"must lie in [0, {q_len}] (q_len); got values outside.")
-    return jnp.broadcast_to(lengths, (batch,))
+    ``[B]`` ints, or the error saying why not (checked as `kv_seq_lengths` is)."""
+    return check_kv_seq_lengths(lengths, batch, q_len, batched, name="query_seq_lengths",
+                                what="q_len")
 
 
 def _hide_queries(keep, q_segment_ids, kv_segment_ids, *, kv_len: int):

@@ -108,6 +108,14 @@ def _check_segment_ids(name: str, x):
                         "[-2**31, 2**31 - 1] (segment ids are compared in int32)")
 
 
+def check_token_range(name: str, x):
+    """Positions (`name` ends in ``positions``) or segment ids checked to fit int32 as the
+    masks compare them, on the host for a NumPy `x` (before any narrowing), a one-line
+    `ValueError` naming `name` otherwise."""
+    check = _check_positions if name.endswith("positions") else _check_segment_ids
+    return check(name, x)
+
+
 def _shape(x) -> tuple:
     return tuple(np.shape(x))
 
@@ -132,6 +140,19 @@ def as_array(name: str, x) -> Array:
         raise TypeError(
             f"`{name}` must be an array (JAX or NumPy); got {type(x).__name__}."
         ) from None
+
+
+def as_bool_mask(name: str, x) -> Array:
+    """A boolean or integer element mask `x` as booleans (integers count where nonzero), or
+    the `TypeError` naming `name`. A NumPy (or nested-list) `x` is compared with 0 on the host:
+    `jnp.asarray` would first narrow int64 to int32 (without x64, ``2**32`` becomes 0 and a
+    visible pair would be hidden)."""
+    if not isinstance(x, jax.Array):
+        x = _host_array(name, x)
+    if x.dtype != np.bool_ and not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(f"`{name}` must hold booleans (or integers, nonzero = attend); got "
+                        f"dtype {_dtype_name(x)}.")
+    return jnp.asarray(x if x.dtype == np.bool_ else x != 0)
 
 
 def _dtype_name(x) -> str:
@@ -220,8 +241,7 @@ def _check_token_data(name: str, x, batch: int, length: int, batched: bool) -> A
     if not ((x.ndim == 1 and x.shape[0] == length) or (batched and x.shape == (batch, length))):
         raise ValueError(f"`{name}` must have shape {accepted}; got {_shape(x)}.")
     if host:
-        check = _check_positions if name.endswith("positions") else _check_segment_ids
-        x = jnp.asarray(check(name, x))
+        x = jnp.asarray(check_token_range(name, x))
     return x
 
 
@@ -348,22 +368,25 @@ def hide_keys(keep, q_segment_ids, kv_segment_ids, *, q_len: int):
     return q_segment_ids, jnp.where(keep, kv_segment_ids, hidden)
 
 
-def check_kv_seq_lengths(lengths, batch: int, kv_len: int, batched: bool):
+def check_kv_seq_lengths(lengths, batch: int, kv_len: int, batched: bool, *,
+                         name: str = "kv_seq_lengths", what: str = "kv_len"):
     """`kv_seq_lengths` (``[B]`` or a scalar: the number of real keys, the rest is padding)
-    as ``[B]`` ints, or the error saying why not."""
+    as ``[B]`` ints, or the error saying why not. The same check serves any count of real
+    tokens of a sequence of `kv_len` (`name` and `what` name the argument and that length:
+    ``query_seq_lengths`` against ``q_len``)."""
     if lengths is None:
         return None
     # NumPy lengths are checked on the host, before `jnp.asarray` can narrow them (an int64
     # 2**32 would become 0: every key padding).
     host = not isinstance(lengths, jax.Array)
-    lengths = _host_array("kv_seq_lengths", lengths) if host else lengths
+    lengths = _host_array(name, lengths) if host else lengths
     if not np.issubdtype(lengths.dtype, np.integer):
-        raise TypeError(f"`kv_seq_lengths` must hold integers; got dtype {_dtype_name(lengths)}.")
+        raise TypeError(f"`{name}` must hold integers; got dtype {_dtype_name(lengths)}.")
     accepted = f"[{batch}] or a scalar" if batched else "a scalar"
     if not (lengths.ndim == 0 or (batched and lengths.shape == (batch,))):
-        raise ValueError(f"`kv_seq_lengths` must have shape {accepted}; got {_shape(lengths)}.")
-    lengths = _within("kv_seq_lengths", lengths, lambda n: (n < 0) | (n > kv_len),
-                      f"must lie in [0, {kv_len}] (kv_len); got values outside.")
+        raise ValueError(f"`{name}` must have shape {accepted}; got {_shape(lengths)}.")
+    lengths = _within(name, lengths, lambda n: (n < 0) | (n > kv_len),
+                      f"must lie in [0, {kv_len}] ({what}); got values outside.")
     return jnp.broadcast_to(jnp.asarray(lengths), (batch,))
 
 

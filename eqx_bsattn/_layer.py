@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import equinox as eqx
 from jaxtyping import Array, Bool, Float, Int, Integer, PRNGKeyArray
 
-from ._inputs import as_array
+from ._inputs import as_array, as_bool_mask
 from ._kernel import AbstractKernel
 from ._mask import AbstractMask, Full, and_masks
 from ._module import BlockSparseAttention, merge_alias
@@ -95,18 +95,12 @@ def _call_mask(mask, heads: int, q_len: int, kv_len: int):
     """The call's element mask as booleans ``[Lq, Lk]`` or ``[H, Lq, Lk]``: integers count
     where nonzero (as `blocksparse_attention`'s `attention_mask`), a size-1 heads axis is
     shared by all heads."""
-    mask = as_array("mask", mask)
-    if mask.dtype != jnp.bool_ and not jnp.issubdtype(mask.dtype, jnp.integer):
-        raise TypeError(
-            "`mask` must hold booleans (or integers, nonzero = attend); got dtype "
-            f"{jnp.dtype(mask.dtype).name}."
-        )
+    mask = as_bool_mask("mask", mask)
     if mask.shape not in ((q_len, kv_len), (1, q_len, kv_len), (heads, q_len, kv_len)):
         raise ValueError(
             f"`mask` must have shape [{q_len}, {kv_len}] or [{heads} or 1, {q_len}, {kv_len}] "
             f"([num_heads,] q_len, kv_len); got {tuple(mask.shape)}."
         )
-    mask = mask if mask.dtype == jnp.bool_ else mask != 0
     return mask[0] if mask.shape[0] == 1 and mask.ndim == 3 else mask
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from ._inputs import check_token_range
 from ._mask import EMPTY, FULL, PARTIAL, AbstractMask, BlockCoords, TokenCoords
 
 _BIG = np.iinfo(np.int32).max // 2
@@ -473,14 +474,15 @@ def _per_call(name: str, x, length: int) -> Array | None:
         return None
     if not isinstance(x, jax.Array):
         try:
-            x = jnp.asarray(x)
-        except (TypeError, ValueError):
+            x = np.asarray(x)  # NumPy until range-checked: jnp.asarray would narrow int64
+        except (TypeError, ValueError, OverflowError):
             raise TypeError(f"`{name}` must be an integer array; got {type(x).__name__}.") from None
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"`{name}` must hold integers; got dtype {jnp.dtype(x.dtype).name}.")
+    if not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(f"`{name}` must hold integers; got dtype {np.dtype(x.dtype).name}.")
     if x.ndim not in (1, 2) or x.shape[-1] != length:
         raise ValueError(f"`{name}` must have shape [{length}] or [batch, {length}]; got "
                          f"{tuple(x.shape)}.")
+    x = check_token_range(name, x)
     return (x[None] if x.ndim == 1 else x).astype(jnp.int32)
 
 

@@ -345,3 +345,38 @@ def test_minus_inf_bias_under_a_soft_cap_becomes_minus_cap(kernel_cls):
     assert_close(out, np_attention(q[None], k[None], v[None], _CAUSAL, bias=bias,
                                    soft_cap=2.0)[0])
     assert_close(out[:, 3], np.asarray(v[:, :4], np.float64).mean(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The other doors that take integer masks, lengths and ids: compared or checked on the host.
+
+
+def test_int64_attention_masks_past_int32_count_as_attend():
+    """`attention_mask` of int64 ``2**32`` (nonzero: attend) was narrowed to 0 before the
+    comparison: every key hidden, every row zeros."""
+    q, k, v = (x[None] for x in _qkv(2))
+    big = np.where(_KEEP, 2**32, 0).astype(np.int64)
+    got = bsa.blocksparse_attention(q, k, v, attention_mask=big[None, None], causal=False)
+    want = np_attention(q, k, v, np.broadcast_to(_KEEP, (1, H, L, L)))
+    assert_close(got, want)
+
+
+def test_int64_query_seq_lengths_past_int32_are_refused():
+    """jax.nn's `query_seq_lengths`: an int64 ``2**32`` became 0 (every query dropped)."""
+    q, k, v = (x[None] for x in _qkv())
+    with pytest.raises(ValueError, match=r"^`query_seq_lengths` must lie in \[0, 16\] "
+                                         r"\(q_len\)") as info:
+        bsa.blocksparse_attention(q, k, v, query_seq_lengths=np.array([2**32], np.int64))
+    _one_line(info)
+
+
+@pytest.mark.parametrize("name", ["q_segment_ids", "q_positions"])
+def test_build_layout_refuses_int64_data_past_int32(name):
+    """`build_layout`'s per-call data: an int64 ``2**32`` was read as 0."""
+    bad = np.arange(L, dtype=np.int64) + 2**32
+    mask = masks.Document() if "segment" in name else masks.Causal()
+    other = "kv_segment_ids" if "segment" in name else "kv_positions"
+    with pytest.raises(ValueError, match=rf"^`{name}` must lie in") as info:
+        bsa.build_layout(mask, q_len=L, kv_len=L, num_heads=1, block_q=8, block_kv=8,
+                         **{name: bad, other: np.arange(L)})
+    _one_line(info)
