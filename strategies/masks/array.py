@@ -25,6 +25,11 @@ class ArrayMask(AbstractBlockMask):
     It is also the way to mask under a soft cap: with ``logits_soft_cap=c`` a ``-inf`` bias
     becomes ``-c`` after the cap and no longer hides the key; a mask hides it.
 
+    Holding an array, it is a pytree node, not a leaf: in a model being trained, swap to or
+    from it with `bsa.swap_strategy(where, model, mask, opt_state)`, which carries the
+    optimizer state over; after `eqx.tree_at` alone, optax's next ``update`` fails with a
+    pytree-structure error ("different types at key path ...").
+
     **Arguments:**
 
     - `mask`: ``[Lq, Lk]`` or ``[H or 1, Lq, Lk]`` booleans (array-like; integers count as True
