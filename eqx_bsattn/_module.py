@@ -383,7 +383,7 @@ class BlockSparseAttention(eqx.Module):
             data.update(q_segment_ids=q_seg if batched else q_seg[0],
                         kv_segment_ids=kv_seg if batched else kv_seg[0])
         inputs = prepare_inputs(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, **data)
-        inputs = attach_score(self.score, inputs, heads, self.sharding)
+        inputs = attach_score(self.score, inputs, heads, self.sharding, batched=batched)
         mask = _with_document(self.mask, inputs.q_segment_ids is not None)
         mask.check(q_len, kv_len, heads)
         resolved = ResolvedMask(

@@ -21,6 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 from jaxtyping import Array, Float, Int
 
 from ._signature import fits, read_signature
@@ -142,7 +143,8 @@ class ScoreTerm:
     `fn` and the flags, so equal modules trace once. Build it with `ScoreTerm.of`.
 
     The result must have the logits' shape (a one-line `ValueError` names `fn` otherwise) and
-    is cast to their dtype.
+    is cast to their dtype. That it is float and depends on ``s`` is checked once per call, where
+    the plan attaches the terms (`check_function`), not per tile here.
     """
 
     fn: Callable
@@ -194,16 +196,144 @@ class ScoreTerm:
     def __call__(self, s, batch, head, q_pos, k_pos, params):
         args = (s, head, q_pos, k_pos) + ((params,) if self.takes_params else ())
         out = self.fn(*args, **({"batch": batch} if self.takes_batch else {}))
-        shape = jnp.shape(out)
-        if shape != jnp.shape(s):
-            raise ValueError(
-                f"the score function {_name(self.fn)} must return the logits' shape "
-                f"{tuple(jnp.shape(s))}; got {shape} (write e.g. `score + term`, not `term`).")
+        if jnp.shape(out) != jnp.shape(s):
+            raise _shape_error(self.fn, jnp.shape(s), jnp.shape(out))
         return jnp.asarray(out, s.dtype)
 
 
 def _name(fn) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _shape_error(fn, want, got) -> ValueError:
+    return ValueError(f"the score function {_name(fn)} must return the logits' shape "
+                      f"{tuple(want)}; got {tuple(got)} (write e.g. `score + term`, not `term`).")
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks of a user function, once per call on a small tile.
+
+
+def _inner_jaxpr(eqn):
+    """The jaxpr an equation calls with its own inputs and outputs, one for one (``jit``,
+    ``custom_jvp_call``, ``custom_vjp_call``, ``remat``, ...), or ``None``."""
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        inner = eqn.params.get(name)
+        inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+        if (isinstance(inner, jex_core.Jaxpr)
+                and len(inner.invars) == len(eqn.invars)
+                and len(inner.outvars) == len(eqn.outvars)):
+            return inner
+    return None
+
+
+#: Primitives whose result is zero where their (first) operand is: a zero stays one through
+#: them, so ``score * jnp.zeros_like(score)`` is seen as a zero.
+_KEEPS_ZERO = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze",
+                         "expand_dims", "transpose", "copy", "copy_p", "neg", "slice",
+                         "reduce_precision"})
+#: Primitives whose result is zero where any operand is.
+_ZERO_IF_ANY = frozenset({"mul", "dot_general"})
+
+
+def _reached(jaxpr, live, zero=frozenset()) -> tuple[list[bool], list[bool]]:
+    """For each output of `jaxpr`, whether it depends on a variable of `live` (a set of its
+    variables), and whether it is known to be zero (from a literal zero, or a variable of
+    `zero`).
+
+    Forward through the equations, into the jaxprs they call one for one; any other equation
+    (a loop, a branch) counts each output as reached by any input it reads. A product with a
+    known zero reaches nothing: ``score * 0 + term`` does not depend on ``score``."""
+    live, zero = set(live), set(zero)
+
+    def is_zero(v):
+        if isinstance(v, jex_core.Literal):
+            return bool(np.all(np.asarray(v.val) == 0))
+        return v in zero
+
+    for eqn in jaxpr.eqns:
+        zeros = [is_zero(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        inner = _inner_jaxpr(eqn)
+        if inner is not None:
+            hit = [isinstance(v, jex_core.Var) and v in live for v in eqn.invars]
+            outs, out_zeros = _reached(
+                inner, {v for v, h in zip(inner.invars, hit) if h},
+                {v for v, z in zip(inner.invars, zeros) if z})
+            live.update(v for v, d in zip(eqn.outvars, outs) if d)
+            zero.update(v for v, z in zip(eqn.outvars, out_zeros) if z)
+            continue
+        if (name in _ZERO_IF_ANY and any(zeros)) or (name in _KEEPS_ZERO and zeros[0]):
+            zero.update(eqn.outvars)
+            continue
+        if any(isinstance(v, jex_core.Var) and v in live for v in eqn.invars):
+            live.update(eqn.outvars)
+    outs = [isinstance(v, jex_core.Var) and v in live for v in jaxpr.outvars]
+    return outs, [is_zero(v) for v in jaxpr.outvars]
+
+
+#: The probe tile of `check_function`: 8 x 8 logits of two heads.
+_PROBE = 8
+
+
+def check_function(terms: "ScoreTerms", num_heads: int) -> None:
+    """Refuse, in one line naming it, a score function whose result does not have the
+    logits' shape or does not depend on ``score`` (`ValueError`: its result would replace the
+    logits), or is not float (`TypeError`).
+
+    Once per call: the function is traced on an 8 x 8 float32 tile of heads ``0`` and
+    ``num_heads - 1`` with `params` of the call's shapes (no FLOPs; the same for traced
+    `params`; cached per function, head count and `params` shapes) and its jaxpr walked from
+    ``score`` to the result (`_reached`: ``score * 0 + term`` counts as not depending on it).
+    A function that does not trace on the tile is left to the kernel's own call.
+    """
+    term = terms.function
+    if term is None:
+        return
+    leaves, treedef = jax.tree.flatten(terms.params)
+    avals = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves)
+    error = _probe(term, num_heads, treedef, avals)
+    if error is not None:
+        raise error[0](error[1])
+
+
+@functools.lru_cache(maxsize=256)
+def _probe(term: ScoreTerm, num_heads: int, treedef, avals: tuple):
+    """``(type, message)`` of `check_function`'s error, or ``None``: read from the function's
+    jaxpr on the probe tile."""
+    n = _PROBE
+    head = np.asarray([0, num_heads - 1], np.int32)[:, None, None]
+    q_pos = np.arange(n, dtype=np.int32)[:, None]
+    k_pos = np.arange(n, dtype=np.int32)[None, :]
+
+    def run(s, params):  # the function's own result (`ScoreTerm` casts it to the logits')
+        args = (s, jnp.asarray(head), jnp.asarray(q_pos), jnp.asarray(k_pos))
+        args += (params,) if term.takes_params else ()
+        batch = {"batch": jnp.zeros((), jnp.int32)} if term.takes_batch else {}
+        return term.fn(*args, **batch)
+
+    tile = jax.ShapeDtypeStruct((2, n, n), _F32)
+    try:
+        closed = jax.make_jaxpr(run)(tile, jax.tree.unflatten(treedef, avals))
+    except Exception:  # noqa: BLE001  (the kernel's own call raises it, or the tile was odd)
+        return None
+    if len(closed.out_avals) != 1:
+        return None  # not one array: `ScoreTerm.__call__` names the shape it wants
+    out = closed.out_avals[0]
+    name = _name(term.fn)
+    if out.shape != tile.shape:
+        return ValueError, str(_shape_error(term.fn, tile.shape, out.shape))
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+        return TypeError, (f"the score function {name} returns {jnp.dtype(out.dtype).name}, "
+                           f"not float logits: return `score + term` with a float term.")
+    jaxpr = closed.jaxpr
+    # Constants the function closes over that are all zero count as zeros.
+    zero = {v for v, c in zip(jaxpr.constvars, closed.consts)
+            if not isinstance(c, jax.core.Tracer) and np.size(c) and not np.any(np.asarray(c))}
+    if not _reached(jaxpr, {jaxpr.invars[0]}, zero)[0][0]:
+        return ValueError, (f"the score function {name} ignores `score` (its result would "
+                            f"replace the logits): return `score + term`.")
+    return None
 
 
 class ScoreTerms(eqx.Module):
@@ -353,8 +483,14 @@ def compile_score(score: AbstractScore | None, num_heads: int) -> ScoreTerms | N
     return None if score is None else score.compile(num_heads)
 
 
-def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding):
-    """`inputs` (`AttentionInputs`) with the compiled `score` terms, or unchanged without."""
+def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding, *,
+                 batched: bool = True):
+    """`inputs` (`AttentionInputs`) with the compiled `score` terms, or unchanged without.
+
+    `batched` says whether the call's query is ``[B, H, L, D]``; an unbatched call (``[H, L,
+    D]``, also each example under `jax.vmap`) is refused when a term reads the batch index.
+    A score function is checked here, once per call (`check_function`).
+    """
     terms = compile_score(score, num_heads)
     if terms is None:
         return inputs
@@ -364,6 +500,15 @@ def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding):
             f"`score` terms need a sharding that passes them to each shard's call "
             f"(passes_score); this module's sharding {type(sharding).__name__} does not. "
             f"Drop the sharding or the score.")
+    if not batched and terms.takes_batch:
+        # Under jax.vmap each example is an unbatched call, batched again as a batch of one:
+        # every example would read batch index 0.
+        raise ValueError(
+            f"the score function {terms.function.__name__} reads the batch index, which an "
+            f"unbatched call ([H, L, D]) does not have (under jax.vmap every example would see "
+            f"0): pass batched inputs [B, H, L, D], or index the per-example data outside the "
+            f"call (as `params`) and let vmap map it.")
+    check_function(terms, num_heads)
     # An infinite slope times a zero distance, or a +inf / NaN logit, has no softmax weight.
     # Concrete arrays (the standard slopes of `ALiBi()` come as NumPy) are checked here;
     # traced ones, learned in a training step, are poisoned whole instead (`_poisoned`: a

@@ -151,16 +151,20 @@ class ScoreFunction(AbstractScore):
 
     - `fn`: a function (or callable object) of float32 logits `score` ``[..., n, m]`` and
       broadcastable int32 arrays (`head` the query head, `q_pos` ``[..., n, 1]``, `k_pos`
-      ``[..., 1, m]``) that returns new logits of the same shape, finite or ``-inf`` (which
-      hides a pair). A parameter named ``batch`` receives the batch index (an int32 array
-      broadcastable against `score`) by keyword.
+      ``[..., 1, m]``) that returns new float logits of the same shape that depend on
+      `score` (``score + term``), finite or ``-inf`` (which hides a pair). A parameter named
+      ``batch`` receives the batch index (an int32 array broadcastable against `score`) by
+      keyword; only a batched call ``[B, H, L, D]`` has one (an unbatched call, also each
+      example under `jax.vmap`, is refused: pass per-example data as `params` and vmap them).
     - `params`: a pytree of arrays passed as the fifth argument (default ``None``: `fn`
       takes four). They are leaves of the module: they get gradients, as learned arrays
       (a Graphormer-style table), and may be traced per call (`eqx.tree_at` a new value in).
 
     The signature is read once, here: a function whose positional parameters do not fit
     raises a one-line `TypeError` (a FlexAttention ``score_mod`` ``(score, b, h, q_idx,
-    kv_idx)`` goes through `scores.from_flex`).
+    kv_idx)`` goes through `scores.from_flex`). Each call traces it once on a small tile and
+    refuses in one line a result that is not float (`TypeError`), not the logits' shape or
+    independent of `score` (`ValueError`).
 
     It runs before the soft cap and the mask, on every visited block, in the kernels that
     trace JAX functions (`kernels.DenseReference`, `kernels.XlaBlockSparse`); the others
