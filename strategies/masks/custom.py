@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eqx_bsattn.contract import (
     AbstractBlockMask,
@@ -27,12 +28,15 @@ class Predicate(AbstractMask):
     **Arguments:**
 
     - `fn`: receives broadcastable int32 arrays (queries ``[..., n, 1]``, keys ``[..., 1, m]``)
-      and returns their broadcast boolean. A parameter named ``head`` receives the query head
-      (an int32 scalar, maybe traced) by keyword: the mask then varies by head.
+      and returns their broadcast boolean (size-1 axes may stay: ``[..., 1, m]`` for a
+      predicate of the keys alone; a scalar only where it reads no position; another shape is
+      refused in one line). A parameter named ``head`` receives the query head (an int32
+      scalar, maybe traced) by keyword: the mask then varies by head.
     - `params`: a pytree of arrays passed as the third argument (default ``None``: `fn` takes
       two). They are leaves of the mask, so a new value (traced under `jit`, swapped in with
       `eqx.tree_at`) never recompiles; the layouts are then built on the device, as for
-      per-call positions.
+      per-call positions. A module holding them is compiled with `eqx.filter_jit`
+      (`jax.jit(attn)` cannot hash it, and says so).
 
     The signature is read once, here: other positional parameters raise a one-line `TypeError`
     (a FlexAttention ``mask_mod`` ``(b, h, q_idx, kv_idx)`` goes through `masks.from_flex`).
@@ -80,6 +84,17 @@ class Predicate(AbstractMask):
         self.params = None if params is None else params_tree(params)
         self.takes_head = sig is not None and "head" in sig.keywords
 
+    def __hash__(self):
+        # `jax.jit(attn)` hashes the module it is given; an array has no hash. Its static part
+        # (the params partitioned out, as `eqx.filter_jit` and the kernels' caches see it) does.
+        if any(isinstance(x, jax.Array | np.ndarray) for x in jax.tree.leaves(self.params)):
+            raise TypeError(
+                "a module holding a Predicate with `params` cannot be hashed, so `jax.jit(attn)` "
+                "cannot take it: use `eqx.filter_jit(attn)`, or `eqx.filter_jit` of a function "
+                "that takes the module as an argument."
+            )
+        return super().__hash__()
+
     @property
     def varies_by_head(self) -> bool:
         return self.takes_head
@@ -90,7 +105,55 @@ class Predicate(AbstractMask):
         out = jnp.asarray(self.fn(*args, **kwargs))
         if out.dtype != jnp.bool_:
             raise TypeError(f"Predicate function must return booleans; got dtype {out.dtype}.")
-        return jnp.broadcast_to(out, jnp.broadcast_shapes(q.position.shape, k.position.shape))
+        shape = jnp.broadcast_shapes(q.position.shape, k.position.shape)
+        reads_positions = functools.partial(_reads_positions, self.fn, self.takes_head, args[2:])
+        if out.shape != shape and not _broadcasts(out.shape, shape, reads_positions):
+            raise ValueError(
+                f"the Predicate function {_name(self.fn)} must return the broadcast shape of "
+                f"its positions, {shape}; got {out.shape} (a reduction or an index over them?): "
+                f"keep one entry per (query, key) pair.")
+        return jnp.broadcast_to(out, shape)
+
+
+def _reads_positions(fn: Callable, takes_head: bool, params: tuple) -> bool:
+    """Whether predicate `fn` reads `q_pos` or `k_pos` (from its jaxpr on a 2 x 2 tile: an
+    argument that reaches no equation is not read; one that does not trace counts as read).
+    Cached per function and `params` shapes: layouts call it once per q-block."""
+    leaves, treedef = jax.tree.flatten(params)
+    avals = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves)
+    try:
+        return _reads_positions_cached(fn, takes_head, treedef, avals)
+    except TypeError:  # an unhashable callable
+        return _reads_positions_cached.__wrapped__(fn, takes_head, treedef, avals)
+
+
+@functools.lru_cache(maxsize=256)
+def _reads_positions_cached(fn, takes_head, treedef, avals) -> bool:
+    kwargs = {"head": jnp.zeros((), jnp.int32)} if takes_head else {}
+    params = jax.tree.unflatten(treedef, avals)
+    try:
+        jaxpr = jax.make_jaxpr(lambda q, k, p: fn(q, k, *p, **kwargs))(
+            jax.ShapeDtypeStruct((2, 1), jnp.int32), jax.ShapeDtypeStruct((1, 2), jnp.int32),
+            params).jaxpr
+    except Exception:  # noqa: BLE001
+        return True
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    return any(id(v) in used for v in jaxpr.invars[:2])
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _broadcasts(got: tuple, shape: tuple, reads_positions) -> bool:
+    """Whether a predicate's result of shape `got` stands for every pair of `shape`: one axis
+    per axis of the positions, each of their size or 1 (a predicate of the keys alone is
+    ``[..., 1, m]``), or a scalar where the predicate reads no position (of the head or
+    params alone). Another rank would be broadcast against the wrong axes, and a scalar
+    computed from positions reduced them. `reads_positions` is called only for a scalar."""
+    if len(got) == len(shape):
+        return all(g in (1, s) for g, s in zip(got, shape))
+    return len(got) == 0 and not reads_positions()
 
 
 @dataclasses.dataclass(frozen=True)
