@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import FULL, PARTIAL, TileMath, Visits, lanes, tile_coords
+from .common import FULL, PARTIAL, TileMath, Visits, lanes, launch_struct, tile_coords
 from .config import LANES, SUBLANES
 from .forward import NN, NT, dot, emap_spec, named_refs, smem_specs, token_specs
 
@@ -214,14 +214,13 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
              pl.BlockSpec((None, None, bk, dim_v), kv_map), row(dim_v), row(LANES),
              row(LANES), *tok_specs, *more_specs]
     names = ("q", "k", "v", "do", "lse", "delta", *tok_names, *more_names)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_shape = [launch_struct(q.shape, q.dtype)]
     out_specs = [row(dim)]
     for on, rows in ((math.slopes, SUBLANES), (math.buckets is not None,
                                                table_rows(math.buckets.num_buckets)
                                                if math.buckets is not None else 0)):
         if on:
-            out_shape.append(jax.ShapeDtypeStruct((batch, heads, nq * rows, LANES),
-                                                  jnp.float32))
+            out_shape.append(launch_struct((batch, heads, nq * rows, LANES), jnp.float32))
             out_specs.append(pl.BlockSpec((None, None, rows, LANES),
                                           lambda b, h, i, j, *_: (b, h, i, 0)))
     kernel = functools.partial(_dq_kernel, names=names, math=math, visits=vb, bq=bq, bk=bk)
@@ -288,7 +287,6 @@ def dkv_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visit
             in_specs=specs, out_specs=[kv_spec(dim), kv_spec(dim_v)],
             scratch_shapes=[pltpu.VMEM((bk, dim), jnp.float32),
                             pltpu.VMEM((bk, dim_v), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[launch_struct(k.shape, k.dtype), launch_struct(v.shape, v.dtype)],
         compiler_params=_PARAMS, interpret=interpret, name="pallas_tpu_dkv",
     )(visits.block, visits.kind, *arrays)

@@ -9,13 +9,71 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 
-from eqx_bsattn.contract import BlockLayout, MaskTerms, TokenCoords, pad_axis
+from eqx_bsattn.contract import BlockLayout, MaskTerms, TokenCoords, pad_axis, typed_like
 
 from .config import LANES, SUBLANES
 
 #: Each slot of a visit list: skipped, a block whose mask is evaluated, a block seen whole.
 SKIP, PARTIAL, FULL = 0, 1, 2
+
+
+def launch_struct(shape, dtype) -> jax.ShapeDtypeStruct:
+    """A `pallas_call` output's shape and dtype, typed to vary over no mesh axis.
+
+    Inside `jax.shard_map` (``check_vma``, its default) Pallas asks each output for the mesh
+    axes it varies over. A launch's body sees every input as varying over none, so its
+    outputs are typed so; the caller gives them the inputs' axes after (`typed_like`, and
+    `cotangent_like` for a custom backward). Outside `shard_map` the type is ignored."""
+    none = getattr(jax.sharding, "ManualAxisType", None)
+    if none is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=none())
+    try:  # releases before `ManualAxisType` name the axes `vma`
+        return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset())
+    except TypeError:
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _varying(x) -> frozenset:
+    """The mesh axes `x` varies over inside `jax.shard_map` (none outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def run_untyped(fn, interpret: bool, *args):
+    """``fn(*args)`` (a launch on pytrees of arrays), interpreted where it must be.
+
+    Pallas' HLO interpreter (``interpret=True``) evaluates a kernel's body and index maps
+    when the program is lowered, under `jax.shard_map`'s mesh-axis type checks: inside a
+    `shard_map` every operation that meets an array varying over a mesh axis and a grid
+    index or a constant (varying over none) is refused. There, the launch runs in a nested
+    `shard_map` over no new axis with those checks off (JAX's own way out), on copies typed
+    to vary over none; its outputs vary over none (the caller types them, `typed_like`,
+    `cotangent_like`). Compiled launches, and those outside `shard_map`, run as they are."""
+    leaves, tree = jax.tree.flatten(args)
+    if not interpret or not any(_varying(x) for x in leaves):
+        return fn(*args)
+
+    def untyped(*leaves):
+        # With the checks off an operation's result varies over no axis.
+        return fn(*jax.tree.unflatten(tree, [x + jnp.zeros((), x.dtype) for x in leaves]))
+
+    return jax.shard_map(untyped, in_specs=(P(),) * len(leaves), out_specs=P(),
+                         axis_names=frozenset(), check_vma=False)(*leaves)
+
+
+def cotangent_like(ct, primal, *inputs):
+    """A launch's cotangent `ct` of `primal` (a sum over this device's share of the work,
+    typed to vary over no mesh axis) as a custom backward must return it inside
+    `jax.shard_map`: summed over the mesh axes the work varies over (those of `inputs`) and
+    `primal` does not (a score array every batch shard reads: each device holds a part of its
+    gradient), then typed like `primal`. Outside `shard_map` it is `ct`."""
+    axes = frozenset().union(*map(_varying, inputs)) - _varying(primal)
+    if axes:
+        ct = jax.lax.psum(typed_like(ct, *inputs), tuple(sorted(axes)))
+    return typed_like(ct, primal)
 
 
 @dataclasses.dataclass(frozen=True)

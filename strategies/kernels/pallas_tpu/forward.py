@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import FULL, PARTIAL, TileMath, Visits, lanes, tile_coords
+from .common import FULL, PARTIAL, TileMath, Visits, lanes, launch_struct, tile_coords
 from .config import LANES
 
 #: ``a . b^T`` (both operands' last axis contracted) and ``a . b``.
@@ -154,8 +154,8 @@ def forward_call(q, k, v, tokens: dict, slopes, table, visits: Visits, *, math: 
             scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
                             pltpu.VMEM((bq, LANES), jnp.float32),
                             pltpu.VMEM((bq, dim_v), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, lq, dim_v), q.dtype),
-                   jax.ShapeDtypeStruct((batch, heads, lq, LANES), jnp.float32)],
+        out_shape=[launch_struct((batch, heads, lq, dim_v), q.dtype),
+                   launch_struct((batch, heads, lq, LANES), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,

@@ -16,7 +16,7 @@ from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Compil
                                   zero_cotangent)
 
 from .backward import dkv_call, dq_call, table_rows
-from .common import TileMath, Visits, token_inputs, visits
+from .common import TileMath, Visits, cotangent_like, run_untyped, token_inputs, visits
 from .config import LANES, SUBLANES, PallasTpuConfig
 from .forward import forward_call
 
@@ -227,10 +227,14 @@ def _with_lists(static: _Static, arrays):
 
 
 def _forward(static: _Static, q, k, v, slopes, table, tokens, arrays):
-    fwd_visits = _with_lists(static, arrays)[0]
-    out, lse = forward_call(q, k, v, tokens[0], slopes, table, fwd_visits, math=static.math,
+    def launch(q, k, v, slopes, table, tokens, arrays):
+        fwd_visits = _with_lists(static, arrays)[0]
+        return forward_call(q, k, v, tokens[0], slopes, table, fwd_visits, math=static.math,
                             bq=static.fwd[0], bk=static.fwd[1], interpret=static.interpret)
-    return typed_like((out, lse[..., 0]), q, k, v)
+
+    out, lse = run_untyped(launch, static.interpret, q, k, v, slopes, table, tokens, arrays)
+    # Inside `shard_map` the outputs take the inputs' mesh axes (the launch's are none).
+    return typed_like((out, lse[..., 0]), q, k, v, slopes, table, tokens, arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -252,16 +256,22 @@ def _attend_bwd(static, res, cotangents):
     do, dlse = cotangents
     delta = backward_delta(do, out, dlse, public_lse(lse, base2=False))
     do = do.astype(q.dtype)
-    _, dq_visits, dkv_visits = _with_lists(static, arrays)
     column = lambda x: jnp.broadcast_to(x[..., None], x.shape + (LANES,))  # noqa: E731
     row = lambda x: jnp.broadcast_to(  # noqa: E731
         x[..., None, :], x.shape[:2] + (SUBLANES, x.shape[-1]))
     (bq, bk), m = static.bwd, static.math
-    dq, dslopes, dtable = dq_call(q, k, v, do, column(lse), column(delta), tokens[0], slopes,
-                                  table, dq_visits, math=m, bq=bq, bk=bk,
-                                  interpret=static.interpret)
-    dk, dv = dkv_call(q, k, v, do, row(lse), row(delta), tokens[1], slopes, table, dkv_visits,
-                      math=m, bq=bq, bk=bk, interpret=static.interpret)
+
+    def launches(q, k, v, do, lse, delta, slopes, table, tokens, arrays):
+        _, dq_visits, dkv_visits = _with_lists(static, arrays)
+        dq, dslopes, dtable = dq_call(q, k, v, do, column(lse), column(delta), tokens[0],
+                                      slopes, table, dq_visits, math=m, bq=bq, bk=bk,
+                                      interpret=static.interpret)
+        dk, dv = dkv_call(q, k, v, do, row(lse), row(delta), tokens[1], slopes, table,
+                          dkv_visits, math=m, bq=bq, bk=bk, interpret=static.interpret)
+        return dq, dk, dv, dslopes, dtable
+
+    dq, dk, dv, dslopes, dtable = run_untyped(launches, static.interpret, q, k, v, do, lse,
+                                              delta, slopes, table, tokens, arrays)
     batch, heads = q.shape[:2]
     if dslopes is not None:
         dslopes = dslopes.reshape(batch, heads, -1, SUBLANES, LANES)[..., 0, 0].sum((0, 2))
@@ -271,8 +281,12 @@ def _attend_bwd(static, res, cotangents):
         dtable = dtable.reshape(batch, heads, -1, table_rows(nb), LANES)[..., :nb, 0]
         dtable = dtable.sum((0, 2)).astype(table.dtype)
     zeros = jax.tree.map(zero_cotangent, (tokens, arrays))
-    grads = tuple(typed_like(g, x) for g, x in zip((dq, dk, dv), (q, k, v)))
-    return grads + (dslopes, dtable) + zeros
+    # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none),
+    # summed over those the work varies over and its input does not.
+    work = (q, k, v, do, dlse, slopes, table, tokens, arrays)
+    grads = tuple(None if g is None else cotangent_like(g, x, *jax.tree.leaves(work))
+                  for g, x in zip((dq, dk, dv, dslopes, dtable), (q, k, v, slopes, table)))
+    return grads + zeros
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
