@@ -19,7 +19,7 @@ from ._kernel import AbstractKernel, registered_kernels
 from ._mask import AbstractMask, Full, and_masks
 from ._module import (BlockSparseAttention, check_layout, merge_alias, run_plan,
                       with_layout_hint)
-from ._score import AbstractScore
+from ._score import AbstractScore, compile_score
 from ._selector import DEVICE_PLATFORMS
 from ._sharding import on_auto_axes
 from ._tiling import LAUNCH_FIELDS, AbstractKernelConfig, AbstractTiling, Tiling, check_positive
@@ -794,6 +794,14 @@ def blocksparse_attention(
         mask_array = None if attention_mask is None else attention_mask[0]
         out = attend(query, key, value, mask_array, data)
     else:
+        if score is not None and compile_score(score, heads).takes_batch:
+            # Each example runs as a call of its own (a batch of one), where a batch index
+            # would read 0: refuse rather than answer with the first example's data.
+            raise ValueError(
+                "`score` reads the batch index, which a per-example `attention_mask` (its "
+                f"first axis {attention_mask.shape[0]}) cannot give, since each example then "
+                "runs as a call of its own: pass one mask for the batch ([1, H or 1, Lq, Lk]) "
+                "or the padding as `kv_seq_lengths`, or drop `batch` from the score.")
         out = _attend_per_example(attend, query, key, value, attention_mask, data)
     if query_seq_lengths is not None:
         keep = jnp.arange(q_len)[None, :] < query_seq_lengths[:, None]

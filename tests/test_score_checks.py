@@ -112,6 +112,26 @@ def test_an_unbatched_call_that_reads_the_batch_index_is_refused(make, name, how
         run()
 
 
+def test_a_per_example_attention_mask_with_a_batch_reading_score_is_refused():
+    """A per-example `attention_mask` runs each example as a call of its own, where the batch
+    index reads 0: refused, naming the mask's way out; one mask for the batch still runs and
+    reads each example's temperature."""
+    q, k, v = _inputs(3)
+    score = scores.ScoreFunction(per_example_temperature, TEMPS)
+    keep = np.asarray(random_array(6, (B, 1, L, L))) > -0.5
+    with pytest.raises(ValueError, match=r"^`score` reads the batch index, which a per-example "
+                                         r"`attention_mask` \(its first axis 2\)") as info:
+        bsa.blocksparse_attention(q, k, v, attention_mask=keep, score=score, causal=False)
+    assert "\n" not in str(info.value)
+    got = bsa.blocksparse_attention(q, k, v, attention_mask=keep[:1], score=score,
+                                    causal=False, platform="xla")
+    for b in range(B):
+        want = np_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1],
+                            np.broadcast_to(keep[:1], (1, H, L, L)),
+                            scale=float(TEMPS[b]) / math.sqrt(D))
+        assert_close(got[b:b + 1], want, 2e-5, f"example {b}")
+
+
 def test_a_flex_score_that_does_not_read_b_runs_unbatched_and_under_vmap():
     """A `score_mod` that reads `h` but not `b` needs no batch index: the unbatched call and
     the vmapped one equal the batched one, which equals the oracle."""
