@@ -5,6 +5,7 @@ terms evaluated inside its kernels.
   soft cap, mask terms) on its coordinates;
 - `forward`: the forward kernel (online softmax, log-sum-exp);
 - `backward`: the dq and dk/dv kernels, and the score arrays' gradients;
+- `function`: the arrays a score function closes over, as kernel inputs;
 - `config`: `PallasTpuConfig`, the tiles of its passes;
 - `kernel`: the kernel strategy itself.
 """

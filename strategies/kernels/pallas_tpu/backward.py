@@ -2,8 +2,9 @@
 (deterministic, no atomics):
 
 - dq: for each (batch, head, q-block) the dq layout's visit list, as the forward; it also
-  sums, per (batch, head, q-block), the gradients of the ALiBi slopes and of the table's
-  buckets into rows of a float32 output that XLA adds up after it;
+  sums, per (batch, head, q-block), the gradients of the ALiBi slopes, of the table's
+  buckets and of the arrays a score function reads into rows of float32 outputs that XLA
+  adds up after it;
 - dk/dv: for each (batch, kv head, kv-block) the transposed lists of the kv-block, for each
   query head of the kv head's group in turn (K / V are never repeated for GQA); its tiles are
   ``[keys, queries]``, so the log-sum-exp and the row term arrive as rows.
@@ -16,7 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import FULL, PARTIAL, TileMath, Visits, lanes, launch_struct, tile_coords
+from .common import (FULL, PARTIAL, TileMath, Visits, data_reader, lanes, launch_struct,
+                     tile_coords)
 from .config import LANES, SUBLANES
 from .forward import NN, NT, dot, emap_spec, named_refs, smem_specs, token_specs
 
@@ -33,22 +35,39 @@ def table_rows(num_buckets: int) -> int:
 
 
 def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool, far):
-    """``(P, dS, qp, kp)`` of a tile: its probabilities, the gradient of its logits before
-    the score function and the soft cap (that of ``softmax_scale * q . k``, the slopes' and
-    the table's terms alike), and its positions for the terms' gradients."""
+    """``(P, dS, qp, kp, logits, g)`` of a tile: its probabilities, the gradient of its
+    logits before the score function and the soft cap (that of ``softmax_scale * q . k``,
+    the slopes' and the table's terms alike), its positions for the terms' gradients, its
+    `Logits`, and `g` the gradient of the score function's result (zero where a pair is
+    hidden; ``None`` unless the function reads arrays whose gradient is formed)."""
     qp, kp = coords[2:4]
-    s, factor = math.logits(s, batch, head, qp, kp, r.get("slopes"), r.get("table"),
-                            grad=True, far=far)
+    logits = math.logits(s, batch, head, qp, kp, r.get("slopes"), r.get("table"), grad=True,
+                         far=far, read=data_reader(math, r))
+    s = logits.s
     visible = math.visible(head, coords, r) if masked else None
     if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
     p = p_of(s)
-    ds = p * (dp - delta)
-    if factor is not None:
-        ds = ds * factor
+    dp_s = p * (dp - delta)
+    ds = dp_s if logits.factor is None else dp_s * logits.factor
+    g = None
+    if any(leaf.diff for leaf in math.data):
+        g = dp_s if logits.cap is None else dp_s * logits.cap
     if visible is not None:  # a factor may be NaN where the logit is -inf
         ds = jnp.where(visible, ds, 0.0)
-    return p, ds, qp, kp
+        g = None if g is None else jnp.where(visible, g, 0.0)
+    return p, ds, qp, kp, logits, g
+
+
+def _data_grads(math: TileMath, refs: dict, logits, batch, head, qp, kp, g):
+    """Add a tile's share of the gradients of the arrays the score function reads to their
+    blocks (`refs` by slot, ``[rows, 128]`` float32: element ``e`` at ``(e // 128, e %
+    128)``): each scalar read's gradient at its element (one select per read)."""
+    for slot, flat, value in math.data_grads(logits, batch, head, qp, kp, g):
+        ref = refs[slot]
+        index = (jax.lax.broadcasted_iota(jnp.int32, ref.shape, 0) * LANES
+                 + jax.lax.broadcasted_iota(jnp.int32, ref.shape, 1))
+        ref[...] += jnp.where(index == flat, value.astype(jnp.float32), 0.0)
 
 
 def _bucket_sums(math: TileMath, rows, bucket, ds):
@@ -105,6 +124,7 @@ def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits
     dq_ref = outs.pop(0)
     dslopes_ref = outs.pop(0) if math.slopes else None
     dtable_ref = outs.pop(0) if math.buckets is not None else None
+    ddata_refs = {slot: outs.pop(0) for slot, leaf in enumerate(math.data) if leaf.diff}
     (acc_ref,) = outs
     b, h, i, j = (pl.program_id(a) for a in range(4))
     at = visits.at(b, h, i, j)
@@ -113,7 +133,7 @@ def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits
     @pl.when(j == 0)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        for ref in (dslopes_ref, dtable_ref):
+        for ref in (dslopes_ref, dtable_ref, *ddata_refs.values()):
             if ref is not None:
                 ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
@@ -124,8 +144,8 @@ def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits
         coords = tile_coords(s.shape, 0, i * bq, kv * bk, r)
         far = math.far_tile(i * bq, kv * bk, bq, bk)
         lse = lanes(r["lse"][...], bk)
-        _, ds, qp, kp = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse), dp,
-                            lanes(r["delta"][...], bk), masked, far)
+        _, ds, qp, kp, logits, g = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse),
+                                       dp, lanes(r["delta"][...], bk), masked, far)
         dq = dot(ds.astype(k.dtype), k, NN)
         acc_ref[...] += dq * math.scale
         if dslopes_ref is not None:
@@ -133,6 +153,8 @@ def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits
             dslopes_ref[...] += jnp.broadcast_to(part, dslopes_ref.shape)
         if dtable_ref is not None:
             _table_grad(math, dtable_ref, ds, qp, kp, far)
+        if ddata_refs:
+            _data_grads(math, ddata_refs, logits, b, h, qp, kp, g)
 
     pl.when(kind == FULL)(lambda: step(False))
     pl.when(kind == PARTIAL)(lambda: step(True))
@@ -164,8 +186,8 @@ def _dkv_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visit
         coords = tile_coords(s.shape, 1, qb * bq, n * bk, r)
         lse = r["lse"][:1, :]
         far = math.far_tile(qb * bq, n * bk, bq, bk, q_rows=False)
-        p, ds, _, _ = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse), dp,
-                          r["delta"][:1, :], masked, far)
+        p, ds, *_ = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse), dp,
+                        r["delta"][:1, :], masked, far)
         dv_acc[...] += dot(p.astype(do.dtype), do, NN)
         dk = dot(ds.astype(q.dtype), q, NN)
         dk_acc[...] += dk * math.scale
@@ -184,11 +206,13 @@ _PARAMS = pltpu.CompilerParams(
 
 
 def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits, *,
-            math: TileMath, bq: int, bk: int, interpret: bool):
+            math: TileMath, bq: int, bk: int, interpret: bool, data=()):
     """``(dq [B, H, Lq, D], dslopes [B, H, nq * 8, 128] | None, dtable [B, H, nq * rows, 128]
-    | None)`` on padded inputs; `lse`, `delta` ``[B, H, Lq, 128]`` (lane-broadcast). The
-    score arrays' gradients sit at element 0 of each lane row: one row per q-block for the
-    slopes, one per bucket for the table."""
+    | None, ddata)`` on padded inputs; `lse`, `delta` ``[B, H, Lq, 128]`` (lane-broadcast).
+    The score arrays' gradients sit at element 0 of each lane row: one row per q-block for
+    the slopes, one per bucket for the table. `data`: the arrays the score function reads
+    (`function.stored`); `ddata` their gradients where formed (``{slot: [B, H, nq * rows,
+    128]}``, `DataLeaf.rows` rows per q-block)."""
     batch, heads, lq, dim = q.shape
     kv_heads, lk, dim_v = v.shape[1], v.shape[2], v.shape[3]
     group = heads // kv_heads
@@ -208,7 +232,7 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
         lambda x: pl.BlockSpec((None, x.shape[1], bk), kv_token_map),
         lambda x: emap_spec(x, bq, bk, lambda b, h, i, j, block_ref, _: (
             b, h, i, block_ref[vb.at(b, h, i, j)])))
-    more, more_specs, more_names = smem_specs(math, slopes, table)
+    more, more_specs, more_names = smem_specs(math, slopes, table, data)
     arrays = [q, k, v, do, lse, delta, *toks, *more]
     specs = [row(dim), pl.BlockSpec((None, None, bk, dim), kv_map),
              pl.BlockSpec((None, None, bk, dim_v), kv_map), row(dim_v), row(LANES),
@@ -223,6 +247,12 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
             out_shape.append(launch_struct((batch, heads, nq * rows, LANES), jnp.float32))
             out_specs.append(pl.BlockSpec((None, None, rows, LANES),
                                           lambda b, h, i, j, *_: (b, h, i, 0)))
+    diff = [slot for slot, leaf in enumerate(math.data) if leaf.diff]
+    for slot in diff:
+        rows = math.data[slot].rows
+        out_shape.append(launch_struct((batch, heads, nq * rows, LANES), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, rows, LANES),
+                                      lambda b, h, i, j, *_: (b, h, i, 0)))
     kernel = functools.partial(_dq_kernel, names=names, math=math, visits=vb, bq=bq, bk=bk)
     outs = pl.pallas_call(
         kernel,
@@ -236,13 +266,14 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
     dq = outs.pop(0)
     dslopes = outs.pop(0) if math.slopes else None
     dtable = outs.pop(0) if math.buckets is not None else None
-    return dq, dslopes, dtable
+    return dq, dslopes, dtable, {slot: outs.pop(0) for slot in diff}
 
 
 def dkv_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits, *,
-             math: TileMath, bq: int, bk: int, interpret: bool):
+             math: TileMath, bq: int, bk: int, interpret: bool, data=()):
     """``(dk [B, Hkv, Lk, D], dv [B, Hkv, Lk, Dv])`` on padded inputs; `lse`, `delta`
-    ``[B, H, 8, Lq]`` (sublane-broadcast rows); `visits` the transposed lists."""
+    ``[B, H, 8, Lq]`` (sublane-broadcast rows); `visits` the transposed lists; `data` the
+    arrays the score function reads (`function.stored`)."""
     batch, heads, lq, dim = q.shape
     kv_heads, lk, dim_v = v.shape[1], v.shape[2], v.shape[3]
     group = heads // kv_heads
@@ -271,7 +302,7 @@ def dkv_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visit
         lambda x: pl.BlockSpec((None, bk, LANES), lambda b, hk, n, t, *_: (b, n, 0)),
         lambda x: emap_spec(x, bk, bq, lambda b, hk, n, t, block_ref, _: (
             b, head(hk, t), n, block_ref[vb.at(b, head(hk, t), n, t % width)])))
-    more, more_specs, more_names = smem_specs(math, slopes, table)
+    more, more_specs, more_names = smem_specs(math, slopes, table, data)
     arrays = [q, k, v, do, lse, delta, *toks, *more]
     specs = [pl.BlockSpec((None, None, bq, dim), q_map), kv_spec(dim), kv_spec(dim_v),
              pl.BlockSpec((None, None, bq, dim_v), q_map),

@@ -3,7 +3,7 @@ scalar memory, and the logits of one tile (score terms, soft cap, mask terms) ev
 its coordinates inside the kernel body."""
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from eqx_bsattn.contract import BlockLayout, MaskTerms, TokenCoords, pad_axis, typed_like
 
 from .config import LANES, SUBLANES
+from .function import evaluate, recording, replaying
 
 #: Each slot of a visit list: skipped, a block whose mask is evaluated, a block seen whole.
 SKIP, PARTIAL, FULL = 0, 1, 2
@@ -162,6 +163,11 @@ class TileMath:
     slopes: bool = False
     buckets: Any = None  # RelativeBuckets, with a table
     function: Callable | None = None  # a ScoreTerm without params
+    #: Where the function reads arrays (`function.FunctionData`): its jaxpr at each tile
+    #: shape, ``((shape, Traced), ...)``, and the arrays' `DataLeaf`s (kernel inputs
+    #: ``fdata0``, ... in scalar memory; where `DataLeaf.diff`, dq outputs ``dfdata0``, ...).
+    traced: tuple = ()
+    data: tuple = ()
     positions: bool = False  # per-call positions (else the token indices)
     segment_ids: bool = False
     #: Where the mask has no terms: a `CompiledMask` without layouts whose element predicate
@@ -285,11 +291,12 @@ class TileMath:
                 lambda d=d, size=size: self.diagonal_piece(entry, d, size, far[3])))
         return jnp.concatenate([jnp.concatenate(row, axis=1) for row in grid.values()], axis=0)
 
-    def logits(self, s, batch, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None):
-        """``(s, factor)``: the tile's logits from ``q . k`` (float32), and where `grad` the
-        derivative of the score function and of the soft cap (``None`` without either).
-        `batch`, `head` are the tile's indices (int32 scalars); `qp`, `kp` int32 tiles of
-        `s`'s shape; `far` is the tile's `far_tile`."""
+    def logits(self, s, batch, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None,
+               read=None) -> "Logits":
+        """The tile's logits from ``q . k`` (float32) and, where `grad`, their derivatives
+        (`Logits`). `batch`, `head` are the tile's indices (int32 scalars); `qp`, `kp` int32
+        tiles of `s`'s shape; `far` is the tile's `far_tile`; `read` the kernel's reader of
+        the function's arrays (`data_reader`)."""
         s = s * self.scale if self.scale != 1.0 else s
         if self.slopes:
             s = s + slopes_ref[head] * (kp - qp).astype(jnp.float32)
@@ -304,20 +311,56 @@ class TileMath:
                 (_, ahead), (_, behind) = self.buckets.far_buckets()
                 s = jax.lax.cond(ahead_far, lambda: base + table_ref[head, ahead], lambda: (
                     jax.lax.cond(behind_far, lambda: base + table_ref[head, behind], near)))
-        factor = None
+        factor = fn_in = cap = reads = None
         if self.function is not None:
-            fn = lambda x: self.function(x, batch, head, qp, kp, None)  # noqa: E731
+            fn_in = s
+            value, fn, reads = self._function(s, batch, head, qp, kp, read)
             if grad:
                 s, factor = jax.jvp(fn, (s,), (jnp.ones_like(s),))
             else:
-                s = fn(s)
+                s = fn(s) if value is None else value
         if self.soft_cap is not None:
             t = jnp.tanh(s * (1.0 / self.soft_cap))
             s = self.soft_cap * t
             if grad:
                 cap = 1.0 - t * t
                 factor = cap if factor is None else factor * cap
-        return s, factor
+        return Logits(s, factor, fn_in, cap, reads)
+
+    def _function(self, s, batch, head, qp, kp, read):
+        """``(value, fn, reads)``: the score function on the tile `s` (``None`` where it
+        reads no array: ``fn(s)``), as a function of the logits (``fn(x)``, reading the same
+        scalars), and the scalars it read from its arrays (`function.Reads`, loaded once
+        here; ``None`` where it reads none)."""
+        if not self.data:
+            return None, (lambda x: self.function(x, batch, head, qp, kp, None)), None
+        traced = dict(self.traced)[tuple(s.shape)]
+        rec, reads = recording(read)
+        value = evaluate(traced, (s, batch, head, qp, kp), rec)
+        # The derivatives read the values loaded here (no loads under `jax.jvp`).
+        values = [v for _, _, v in reads.items]
+        return value, (lambda x: evaluate(traced, (x, batch, head, qp, kp),
+                                          replaying(values))), reads
+
+    def data_grads(self, logits: "Logits", batch, head, qp, kp, g):
+        """``[(slot, flat, value)]``: the gradient of each scalar the function read from an
+        array whose gradient is formed (`DataLeaf.diff`), where `g` is that of the function's
+        result on the tile (zero where a pair is hidden)."""
+        items = logits.reads.items
+        diff = [n for n, (slot, _, _) in enumerate(items) if self.data[slot].diff]
+        if not diff:
+            return []
+        traced = dict(self.traced)[tuple(logits.fn_in.shape)]
+        values = [v for _, _, v in items]
+
+        def fn(*scalars):
+            read = list(values)
+            for n, x in zip(diff, scalars):
+                read[n] = x
+            return evaluate(traced, (logits.fn_in, batch, head, qp, kp), replaying(read))
+
+        _, pull = jax.vjp(fn, *(values[n] for n in diff))
+        return [(items[n][0], items[n][1], d) for n, d in zip(diff, pull(g))]
 
     def table_tile(self, bucket, head, table_ref):
         """``table[head, bucket]`` on a tile of bucket ids, one select per bucket (a vector
@@ -356,6 +399,25 @@ class TileMath:
         if t.segment_ids:
             ok &= (qs == ks) & (qs >= 0)
         return ok
+
+
+class Logits(NamedTuple):
+    """A tile's logits (`TileMath.logits`): `s`; where derivatives were asked for, `factor`
+    (that of `s` in the logits before the score function and the soft cap; ``None``
+    without either) and `cap` (that of the soft cap alone); the score function's input tile
+    `fn_in` and the scalars it read (`reads`, or ``None``)."""
+
+    s: Any
+    factor: Any = None
+    fn_in: Any = None
+    cap: Any = None
+    reads: Any = None
+
+
+def data_reader(math: TileMath, refs: dict):
+    """``read(slot, flat)`` of the score function's arrays in a kernel (`refs` its inputs by
+    name): a scalar load from scalar memory, in the array's own dtype."""
+    return lambda slot, flat: math.data[slot].value(refs[f"fdata{slot}"][flat])
 
 
 def lanes(x, width: int):

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import FULL, PARTIAL, TileMath, Visits, lanes, launch_struct, tile_coords
+from .common import (FULL, PARTIAL, TileMath, Visits, data_reader, lanes, launch_struct,
+                     tile_coords)
 from .config import LANES
 
 #: ``a . b^T`` (both operands' last axis contracted) and ``a . b``.
@@ -53,8 +54,10 @@ def token_specs(tokens: dict, q_spec, kv_spec, map_spec):
     return [tokens[n] for n in names], [spec(n) for n in names], names
 
 
-def smem_specs(math: TileMath, slopes, table):
-    """The score arrays the call has, with their whole-array scalar-memory specs."""
+def smem_specs(math: TileMath, slopes, table, data=()):
+    """The score arrays the call has, and the arrays its score function reads (`data`, as
+    `function.stored` lays them out: inputs ``fdata0``, ...), with their whole-array
+    scalar-memory specs."""
     arrays, specs, names = [], [], []
     for name, x, on in (("slopes", slopes, math.slopes), ("table", table,
                                                          math.buckets is not None)):
@@ -62,6 +65,10 @@ def smem_specs(math: TileMath, slopes, table):
             arrays.append(x.astype(jnp.float32))
             specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
             names.append(name)
+    for n, x in enumerate(data):
+        arrays.append(x)
+        specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        names.append(f"fdata{n}")
     return arrays, specs, names
 
 
@@ -86,8 +93,8 @@ def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: V
         coords = tile_coords(s.shape, 0, i * bq, kv * bk, r)
         qp, kp = coords[2:4]
         far = math.far_tile(i * bq, kv * bk, bq, bk)
-        s, _ = math.logits(s, b, h, qp, kp, r.get("slopes"), r.get("table"), grad=False,
-                           far=far)
+        s = math.logits(s, b, h, qp, kp, r.get("slopes"), r.get("table"), grad=False,
+                        far=far, read=data_reader(math, r)).s
         if masked:
             s = jnp.where(math.visible(h, coords, r), s, -jnp.inf)
         m_prev = m_ref[...]
@@ -115,9 +122,10 @@ def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: V
 
 
 def forward_call(q, k, v, tokens: dict, slopes, table, visits: Visits, *, math: TileMath,
-                 bq: int, bk: int, interpret: bool):
+                 bq: int, bk: int, interpret: bool, data=()):
     """``(out [B, H, Lq, Dv], lse [B, H, Lq, 128])`` on padded inputs: `lse` natural, +inf
-    on rows that see no key, broadcast across the lanes."""
+    on rows that see no key, broadcast across the lanes. `data`: the arrays the score
+    function reads (`function.stored`)."""
     batch, heads, lq, dim = q.shape
     kv_heads, lk, dim_v = v.shape[1], v.shape[2], v.shape[3]
     group = heads // kv_heads
@@ -134,7 +142,7 @@ def forward_call(q, k, v, tokens: dict, slopes, table, visits: Visits, *, math: 
         lambda x: pl.BlockSpec((None, x.shape[1], bk), kv_token_map),
         lambda x: emap_spec(x, bq, bk, lambda b, h, i, j, block_ref, _: (
             b, h, i, block_ref[vb.at(b, h, i, j)])))
-    more, more_specs, more_names = smem_specs(math, slopes, table)
+    more, more_specs, more_names = smem_specs(math, slopes, table, data)
     arrays = [q, k, v, *toks, *more]
     specs = [pl.BlockSpec((None, None, bq, dim), lambda b, h, i, j, *_: (b, h, i, 0)),
              pl.BlockSpec((None, None, bk, dim), kv_map),

@@ -19,6 +19,7 @@ from .backward import dkv_call, dq_call, table_rows
 from .common import TileMath, Visits, cotangent_like, run_untyped, token_inputs, visits
 from .config import LANES, SUBLANES, PallasTpuConfig
 from .forward import forward_call
+from .function import decline as function_decline, function_data, reads_traced, stored
 
 _DTYPES = ("bfloat16", "float32")
 #: The tile a mask's element predicate is traced on, to see whether it runs in the kernels.
@@ -71,24 +72,29 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     (`CompiledMask.element_map`). The score terms run in every visited block: ALiBi slopes
     and the relative-position table from scalar memory (the table through T5's bucket
     thresholds, one scalar on whole pieces in a far bucket, by diagonals on the others), a
-    `ScoreFunction` traced into the kernel body; then the soft cap. The forward keeps an online
-    softmax in float32 scratch and returns the log-sum-exp; sinks join after it (`add_sinks`).
+    `ScoreFunction` traced into the kernel body; then the soft cap. Arrays a score function
+    closes over (``slopes[head]``) are kernel inputs in scalar memory, read at the scalar
+    indices the function reads them at (`function`). The forward keeps an online softmax in
+    float32 scratch and returns the log-sum-exp; sinks join after it (`add_sinks`).
 
     The backward is a dq kernel over the dq layout and a dk/dv kernel over the transposed
     lists, which walks every query head of a kv head's group (K / V are never repeated);
     each gradient block is written by one grid row, in a fixed order, so results are
     deterministic. The score function's derivative is `jax.jvp` of it on the tile; the
-    slopes' and the table's gradients are summed per (batch, head, q-block) by the dq kernel
-    and added up after it.
+    slopes', the table's and the closed-over arrays' gradients are summed per (batch, head,
+    q-block) by the dq kernel and added up after it.
 
     Features: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths, soft cap, sinks, segment
-    ids, per-call positions, fully masked rows (zeros), every score term, every mask.
-    Declines: an additive bias, float16, an element map over 4 GiB. Its config is
-    `PallasTpuConfig`.
+    ids, per-call positions, fully masked rows (zeros), every score term, every mask; under
+    `ShardMap`, `AllToAll` and `RingAttention`. Declines: an additive bias, float16, an
+    element map over 4 GiB, a score function's `params`, a score function that reads an
+    array other than at scalar indices (or a non-32-bit one, or more than
+    `function.DATA_LIMIT` elements), and inside a sharding's loop a traced array it closes
+    over. Its config is `PallasTpuConfig`.
 
     Runs on a TPU, and anywhere in Pallas' interpret mode (`interpret`): its tests run it so
-    on the CPU. The selector picks it on a TPU below `SplashBlockSparse`, so it takes the
-    calls Splash declines (score terms, positions).
+    on the CPU (inside `jax.shard_map` too). The selector picks it on a TPU below
+    `SplashBlockSparse`, so it takes the calls Splash declines (score terms, positions).
 
     **Arguments:**
 
@@ -124,6 +130,19 @@ class PallasTpuBlockSparse(AbstractLseKernel):
             return "it has no additive bias."
         if features.dtype not in _DTYPES:
             return f"it runs bfloat16 or float32 inputs; got {features.dtype}."
+        if features.score_function is not None:
+            if features.score_params:
+                return ("it does not read a score function's `params` yet (their shapes are "
+                        "not known when the call is planned).")
+            why = function_decline(features.score_function)
+            if why is not None:
+                return why
+            if features.in_loop and reads_traced(features.score_function):
+                # The loop's own backward (RingAttention's) closes over the array: the
+                # gradient the kernel forms would not reach it.
+                return ("inside a sharding's loop (RingAttention) it does not take a traced "
+                        "array the score function closes over (its gradient would not reach "
+                        "it): close over a concrete array, or shard with ShardMap.")
         tiles = self.adapt_tiling(self.default_tiling(features, mask), features).blocks
         if mask.kernel_terms(list(tiles)) is None:
             predicate = mask.predicate()
@@ -163,10 +182,18 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         lq = _multiple(q_len, [bq for bq, _ in blocks])
         lk = _multiple(kv_len, [bk for _, bk in blocks])
         score = inputs.score
-        if score is not None and score.function is not None and score.function.takes_params:
+        function = None if score is None else score.function
+        if function is not None and function.takes_params:
+            # The plan declines it (`decline_reason`): a call that gets here skipped the plan.
             raise ValueError(
                 f"PallasTpuBlockSparse does not read a score function's `params` (got "
-                f"{score.function.__name__} with params); pass kernel=kernels.XlaBlockSparse().")
+                f"{function.__name__} with params); pass kernel=kernels.XlaBlockSparse().")
+        # The arrays the function closes over, at the tiles of the forward, dq and dk/dv
+        # passes (the dk/dv tiles are [keys, queries]).
+        fdata = None if function is None else function_data(
+            function, (blocks[0], blocks[1], blocks[1][::-1]))
+        if fdata is not None and not fdata.arrays:
+            fdata = None
         predicate = None if mask.terms is not None else mask.without_layouts()
         elements = predicate is not None and not predicate.traces_on_tiles(_TILE)
         segment_ids = (mask.terms.segment_ids if mask.terms is not None
@@ -176,7 +203,8 @@ class PallasTpuBlockSparse(AbstractLseKernel):
             soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
             slopes=score is not None and score.slopes is not None,
             buckets=None if score is None or score.table is None else score.buckets,
-            function=None if score is None else score.function,
+            function=function, traced=() if fdata is None else fdata.traced,
+            data=() if fdata is None else fdata.leaves,
             positions=inputs.q_positions is not None, segment_ids=segment_ids,
             predicate=None if elements else predicate, elements=elements)
         lists = (visits(fwd, transposed=False, rows=lq // blocks[0][0]),
@@ -196,7 +224,8 @@ class PallasTpuBlockSparse(AbstractLseKernel):
             v = pad_axis(v, 3, _tpu_head_dim(value_dim))
         slopes = None if score is None else score.slopes
         table = None if score is None else score.table
-        out, lse = _attend(static, q, k, v, slopes, table, tokens, arrays)
+        data = () if fdata is None else tuple(map(stored, fdata.arrays, fdata.leaves))
+        out, lse = _attend(static, q, k, v, slopes, table, data, tokens, arrays)
         out, lse = out[:, :, :q_len, :value_dim], lse[:, :, :q_len]
         if inputs.sinks is not None:
             out, lse = add_sinks(out, lse, inputs.sinks)
@@ -226,33 +255,36 @@ def _with_lists(static: _Static, arrays):
                  for v, (b, k) in zip(static.lists, pairs))
 
 
-def _forward(static: _Static, q, k, v, slopes, table, tokens, arrays):
-    def launch(q, k, v, slopes, table, tokens, arrays):
+def _forward(static: _Static, q, k, v, slopes, table, data, tokens, arrays):
+    def launch(q, k, v, slopes, table, data, tokens, arrays):
         fwd_visits = _with_lists(static, arrays)[0]
         return forward_call(q, k, v, tokens[0], slopes, table, fwd_visits, math=static.math,
-                            bq=static.fwd[0], bk=static.fwd[1], interpret=static.interpret)
+                            bq=static.fwd[0], bk=static.fwd[1], interpret=static.interpret,
+                            data=data)
 
-    out, lse = run_untyped(launch, static.interpret, q, k, v, slopes, table, tokens, arrays)
+    out, lse = run_untyped(launch, static.interpret, q, k, v, slopes, table, data, tokens,
+                           arrays)
     # Inside `shard_map` the outputs take the inputs' mesh axes (the launch's are none).
-    return typed_like((out, lse[..., 0]), q, k, v, slopes, table, tokens, arrays)
+    return typed_like((out, lse[..., 0]), q, k, v, slopes, table, data, tokens, arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(static, q, k, v, slopes, table, tokens, arrays):
+def _attend(static, q, k, v, slopes, table, data, tokens, arrays):
     """``(out, lse)`` on padded inputs, the log-sum-exp as the contract has it; both
-    differentiable, and in the score arrays."""
-    out, lse = _forward(static, q, k, v, slopes, table, tokens, arrays)
+    differentiable, and in the score arrays and the arrays the score function reads
+    (`data`, as `function.stored` lays them out)."""
+    out, lse = _forward(static, q, k, v, slopes, table, data, tokens, arrays)
     return out, public_lse(lse, base2=False)
 
 
-def _attend_fwd(static, q, k, v, slopes, table, tokens, arrays):
-    out, lse = _forward(static, q, k, v, slopes, table, tokens, arrays)
-    return (out, public_lse(lse, base2=False)), (q, k, v, slopes, table, tokens, arrays, out,
-                                                 lse)
+def _attend_fwd(static, q, k, v, slopes, table, data, tokens, arrays):
+    out, lse = _forward(static, q, k, v, slopes, table, data, tokens, arrays)
+    return (out, public_lse(lse, base2=False)), (q, k, v, slopes, table, data, tokens, arrays,
+                                                 out, lse)
 
 
 def _attend_bwd(static, res, cotangents):
-    q, k, v, slopes, table, tokens, arrays, out, lse = res
+    q, k, v, slopes, table, data, tokens, arrays, out, lse = res
     do, dlse = cotangents
     delta = backward_delta(do, out, dlse, public_lse(lse, base2=False))
     do = do.astype(q.dtype)
@@ -261,17 +293,19 @@ def _attend_bwd(static, res, cotangents):
         x[..., None, :], x.shape[:2] + (SUBLANES, x.shape[-1]))
     (bq, bk), m = static.bwd, static.math
 
-    def launches(q, k, v, do, lse, delta, slopes, table, tokens, arrays):
+    def launches(q, k, v, do, lse, delta, slopes, table, data, tokens, arrays):
         _, dq_visits, dkv_visits = _with_lists(static, arrays)
-        dq, dslopes, dtable = dq_call(q, k, v, do, column(lse), column(delta), tokens[0],
-                                      slopes, table, dq_visits, math=m, bq=bq, bk=bk,
-                                      interpret=static.interpret)
+        dq, dslopes, dtable, ddata = dq_call(
+            q, k, v, do, column(lse), column(delta), tokens[0], slopes, table, dq_visits,
+            math=m, bq=bq, bk=bk, interpret=static.interpret, data=data)
         dk, dv = dkv_call(q, k, v, do, row(lse), row(delta), tokens[1], slopes, table,
-                          dkv_visits, math=m, bq=bq, bk=bk, interpret=static.interpret)
-        return dq, dk, dv, dslopes, dtable
+                          dkv_visits, math=m, bq=bq, bk=bk, interpret=static.interpret,
+                          data=data)
+        return dq, dk, dv, dslopes, dtable, ddata
 
-    dq, dk, dv, dslopes, dtable = run_untyped(launches, static.interpret, q, k, v, do, lse,
-                                              delta, slopes, table, tokens, arrays)
+    dq, dk, dv, dslopes, dtable, ddata = run_untyped(
+        launches, static.interpret, q, k, v, do, lse, delta, slopes, table, data, tokens,
+        arrays)
     batch, heads = q.shape[:2]
     if dslopes is not None:
         dslopes = dslopes.reshape(batch, heads, -1, SUBLANES, LANES)[..., 0, 0].sum((0, 2))
@@ -280,13 +314,19 @@ def _attend_bwd(static, res, cotangents):
         nb = table.shape[-1]
         dtable = dtable.reshape(batch, heads, -1, table_rows(nb), LANES)[..., :nb, 0]
         dtable = dtable.sum((0, 2)).astype(table.dtype)
+    # Each dq program's block of an array's gradient, added up in a fixed order.
+    ddata = tuple(
+        ddata[slot].reshape(batch, heads, -1, leaf.rows * LANES)[..., :leaf.size].sum((0, 1, 2))
+        if slot in ddata else None for slot, leaf in enumerate(m.data))
     zeros = jax.tree.map(zero_cotangent, (tokens, arrays))
     # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none),
     # summed over those the work varies over and its input does not.
-    work = (q, k, v, do, dlse, slopes, table, tokens, arrays)
-    grads = tuple(None if g is None else cotangent_like(g, x, *jax.tree.leaves(work))
+    work = jax.tree.leaves((q, k, v, do, dlse, slopes, table, data, tokens, arrays))
+    grads = tuple(None if g is None else cotangent_like(g, x, *work)
                   for g, x in zip((dq, dk, dv, dslopes, dtable), (q, k, v, slopes, table)))
-    return grads + zeros
+    ddata = tuple(zero_cotangent(x) if g is None else cotangent_like(g, x, *work)
+                  for g, x in zip(ddata, data))
+    return grads + (ddata,) + zeros
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

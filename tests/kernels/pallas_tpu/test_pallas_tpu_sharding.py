@@ -32,6 +32,7 @@ else:
     from tests.conftest import np_mask, random_inputs
     from tests.kernels.pallas_tpu.test_pallas_tpu import v5e_lowering  # noqa: F401 (fixture)
     from tests.test_sharding import (
+        TILES,
         check_score_oracle,
         compare,
         make_mesh,
@@ -88,8 +89,8 @@ else:
     @pytest.mark.parametrize("name", ["shard_map", "all_to_all", "ring"])
     def test_compiled_kernels_lower_for_a_tpu_inside_each_sharding(name, v5e_lowering):
         """``interpret=False``: the forward, dq and dk/dv launches of `jax.grad` through each
-        sharding, ALiBi and the T5 table, trace inside `jax.shard_map` (their outputs typed
-        by mesh axis) and lower for a TPU v5e."""
+        sharding, ALiBi, the T5 table and a function that closes over its slopes, trace
+        inside `jax.shard_map` (their outputs typed by mesh axis) and lower for a TPU v5e."""
         make, batch, heads, kv_heads, _, _ = shardings(name)
         length = 1024 if name == "ring" else 256  # zig-zag slices of whole 128-lane tiles
         shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731 (traced only)
@@ -97,10 +98,15 @@ else:
         k = v = shape(batch, kv_heads, length, 128)
         slopes, table = shape(heads), shape(heads, 32)
 
+        # Inside a sharding's loop the kernel takes concrete closed-over arrays only.
+        closed_over = jnp.linspace(0.1, 0.8, heads) if name == "ring" else None
+
         def loss(q, k, v, slopes, table):
             total = 0.0
             for score in (scores.ALiBi(slopes, learned=True),
-                          scores.RelativePositionBias(table)):
+                          scores.RelativePositionBias(table),
+                          scores.ScoreFunction(closure_alibi(
+                              slopes if closed_over is None else closed_over))):
                 attn = BlockSparseAttention(
                     mask=masks.Causal(), score=score, sharding=make(),
                     kernel=kernels.PallasTpuBlockSparse(interpret=False),
@@ -110,3 +116,34 @@ else:
 
         modules = v5e_lowering(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), q, k, v, slopes, table)
         assert set(modules) == {"pallas_tpu_forward", "pallas_tpu_dq", "pallas_tpu_dkv"}
+
+    def closure_alibi(slopes):
+        return lambda score, head, q_pos, k_pos: score + slopes[head] * (k_pos - q_pos)
+
+    @pytest.mark.parametrize("name", ["shard_map", pytest.param("ring", marks=slow)])
+    def test_function_closing_over_its_slopes(name):
+        """ALiBi written as a function of slopes it closes over: under ShardMap the slopes
+        are differentiated (each device's share of their gradient, at the call's head ids,
+        summed over the devices); inside the ring's loop they are a concrete array."""
+        make, batch, heads, kv_heads, length, _ = shardings(name)
+        q, k, v = random_inputs(33, batch=batch, heads=heads, kv_heads=kv_heads, q_len=length,
+                                value_dim=4)
+        slopes = jnp.linspace(-0.5, 0.4, heads)
+        arrays = {"slopes": slopes} if name == "shard_map" else {}
+
+        def call(shard):
+            def fn(q, k, v, **extra):
+                attn = BlockSparseAttention(
+                    mask=masks.Causal(), kernel=kernels.PallasTpuBlockSparse(),
+                    tiling=TILES, score=scores.ScoreFunction(
+                        closure_alibi(extra.pop("slopes", slopes))),
+                    **({} if shard is None else {"sharding": shard}))
+                return attn(q, k, v, **extra)
+
+            return fn
+
+        out, (grads, d_arrays) = compare(call(None), call(make()), (q, k, v), arrays)
+        pos = np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length))
+        visible = np.tril(np.ones((length, length), bool))
+        check_score_oracle("alibi", out, grads, d_arrays, (q, k, v), {"slopes": slopes},
+                           visible, pos)
