@@ -23,11 +23,15 @@ class KernelChoice(NamedTuple):
     declined: tuple[tuple[str, str], ...]
     #: What the selector assumed about the call, when the caller did not say (else empty).
     assumed: str = ""
+    #: Where the platform asked about has no device on this machine: that the kernels were
+    #: judged as if it had one, and that the choice runs only there (else empty).
+    absent: str = ""
 
     def explain(self) -> str:
         lines = [f"{self.kernel.name}: {self.reason}"]
-        if self.assumed:
-            lines.append(f"  ({self.assumed})")
+        for note in (self.absent, self.assumed):
+            if note:
+                lines.append(f"  ({note})")
         lines += [f"  declined {name}: {why}" for name, why in self.declined]
         return "\n".join(lines)
 
@@ -60,6 +64,26 @@ def check_platform(platform, argument: str = "platform") -> str | None:
         f"`{argument}` must be one of {', '.join(map(repr, known))} or None{hint}; "
         f"got {platform!r}."
     )
+
+
+def platform_absent(platform: str) -> str:
+    """Where `platform` is one JAX names (`DEVICE_PLATFORMS`) and this machine has no device
+    of it, one line saying that the kernels are judged as if it had one; else ``""``.
+
+    Kernels judge a call by what the platform can do, not by whether this machine has it, so
+    that ``select_kernel(mask, "gpu")`` on a laptop says what a GPU would run; running that
+    choice here is refused (`blocksparse_attention(platform=...)` checks the device, and a
+    GPU kernel's launch refuses in one line)."""
+    if platform not in DEVICE_PLATFORMS:
+        return ""
+    try:
+        present = bool(jax.devices(platform))
+    except RuntimeError:  # JAX: "Unknown backend" / no platforms of that kind
+        present = False
+    if present:
+        return ""
+    return (f"this machine has no {platform} device: each kernel was judged as if one were "
+            f"present, and the choice runs only on a {platform}")
 
 
 def decline_reason(kernel: AbstractKernel, mask: ResolvedMask, features: Features) -> str | None:
@@ -121,12 +145,13 @@ def choose_kernel(
     """`select_kernel` for a call the plan has resolved."""
     platform = features.platform
     pool = list(candidates) if candidates is not None else _candidates(platform)
+    absent = platform_absent(platform)
     declined: list[tuple[str, str]] = []
     for kernel in pool:
         why = decline_reason(kernel, mask, features)
         if why is None:
             reason = _why_chosen(kernel, pool, len(declined), platform, candidates is None)
-            return KernelChoice(kernel, reason, tuple(declined))
+            return KernelChoice(kernel, reason, tuple(declined), absent=absent)
         declined.append((kernel.name, why))
     if not pool:
         raise NoKernelError(f"no kernel is registered as a candidate on platform {platform!r}.")
@@ -134,7 +159,7 @@ def choose_kernel(
     raise NoKernelError(
         f"no kernel can run this call on {platform!r}. Each candidate declined:\n{listing}\n"
         "Pass a kernel explicitly (e.g. `kernel=kernels.DenseReference()`), or drop the "
-        "feature a candidate names."
+        "feature a candidate names." + (f"\n({absent})" if absent else "")
     )
 
 
@@ -156,14 +181,16 @@ def select_kernel(
     - `mask`: the attention mask.
     - `platform`: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (or a platform a registered kernel
       lists); defaults to JAX's default backend. It need not be present: this only asks.
+      Every kernel is judged as if it were (what a GPU would run, asked on a laptop), and
+      the choice's `absent` (shown by `explain()`) says once that this machine lacks it.
     - `features`: what the call asks for (`Features`: lengths, heads, dtype, per-call data);
       defaults to a plain call.
     - `candidates`: kernels to choose among, in order; defaults to the registry's.
 
-    **Returns:** a `KernelChoice` ``(kernel, reason, declined)``: `reason` says why the kernel
-    won (its priority on the platform, the kernels ranked above it that declined, whose reasons
-    are in `declined`, and those ranked below; with `candidates`, its place in the list), and
-    `explain()` puts it all in a few lines.
+    **Returns:** a `KernelChoice` ``(kernel, reason, declined, assumed, absent)``: `reason`
+    says why the kernel won (its priority on the platform, the kernels ranked above it that
+    declined, whose reasons are in `declined`, and those ranked below; with `candidates`, its
+    place in the list), and `explain()` puts it all in a few lines.
 
     **Raises:** `NoKernelError` (a `ValueError`) naming every candidate and why it declined.
 

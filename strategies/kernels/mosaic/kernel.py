@@ -35,6 +35,11 @@ def _first_gpu():
     return next((d for d in jax.devices() if d.platform == "gpu"), None)
 
 
+#: `_mosaic_missing`'s reason on a machine without a GPU. The selector then judges the kernel
+#: as if a Hopper GPU were there (and says once that this machine has none); running refuses.
+NO_GPU = "no GPU is visible to JAX."
+
+
 @functools.cache
 def _mosaic_missing() -> str | None:
     """Why Pallas Mosaic GPU cannot run here, or ``None``."""
@@ -44,7 +49,7 @@ def _mosaic_missing() -> str | None:
         return f"Pallas Mosaic GPU cannot be imported ({type(e).__name__}: {e})."
     gpu = _first_gpu()
     if gpu is None:
-        return "no GPU is visible to JAX."
+        return NO_GPU
     capability = getattr(gpu, "compute_capability", None)
     if capability is not None and str(capability) not in ("9.0",):
         return f"needs a Hopper GPU (compute capability 9.0); found {capability}."
@@ -231,7 +236,9 @@ class MosaicBlockSparse(AbstractLseKernel):
 
     def decline_reason(self, mask: ResolvedMask, features: Features) -> str | None:
         missing = _mosaic_missing()
-        if missing is not None:
+        if missing is not None and missing != NO_GPU:
+            # Without a GPU the call is judged as if a Hopper GPU were there: what would run
+            # on one (running it here refuses, `_check_runnable`).
             return missing
         if features.dtype not in _DTYPES:
             return f"dtype {features.dtype} is not supported (bfloat16 and float16 are)."
@@ -287,6 +294,7 @@ class MosaicBlockSparse(AbstractLseKernel):
 
     def _attention(self, query, key, value, mask, inputs, softmax_scale, logits_soft_cap):
         """``(out, lse)`` without sinks, differentiable in both (`_attend`)."""
+        _check_runnable()
         predicate, elements = None, False
         if mask.terms is None:
             predicate = mask.without_layouts()
@@ -366,6 +374,17 @@ class MosaicBlockSparse(AbstractLseKernel):
         slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes
         return _attend(fcfg, bcfg, query, key, value, slopes, seg, positions, maps, lists,
                        bwd_lists)
+
+
+def _check_runnable() -> None:
+    """Refuse in one line a call on a machine where the kernels cannot run (no GPU, not a
+    Hopper GPU, no Mosaic GPU): a plan made for ``platform="gpu"`` elsewhere, run here."""
+    missing = _mosaic_missing()
+    if missing is not None:
+        raise ValueError(
+            f"MosaicBlockSparse cannot run on this machine: {missing.rstrip('.')}; a plan for "
+            "platform='gpu' runs on a Hopper GPU (here plan for platform=None, this machine's, "
+            "or pass kernel=kernels.XlaBlockSparse()).")
 
 
 def _positions(inputs, batch: int, q_len: int, kv_len: int, read: bool):
