@@ -7,6 +7,7 @@ predicate terms, bitmaps for partial blocks that no term describes, and the elem
 """
 
 import dataclasses
+import math
 from typing import Literal
 
 import equinox as eqx
@@ -51,6 +52,10 @@ class CompiledMask(eqx.Module):
       token (a negative id) sees no key and is seen by no query. Its rows of q, k and v must
       then reach no result, whatever they hold: the plan zeroes them before the kernel runs,
       unless the kernel does it itself (`AbstractKernel.zeroes_padding`).
+    - `mapped`: the product of the `jax.vmap` axes the arrays that shape the mask (per-call
+      positions and segment ids, the mask's own arrays) are mapped over where the call is
+      planned (`vmapped_size`; 1 outside `jax.vmap`): what is built from them, an element
+      map, is built once per example.
 
     Kernels never look inside `predicate`: the terms, the layouts and `visible` are the
     contract.
@@ -66,6 +71,7 @@ class CompiledMask(eqx.Module):
     kv_len: int = eqx.field(static=True)
     num_heads: int = eqx.field(static=True)
     hides_padding: bool = eqx.field(default=False, static=True)
+    mapped: int = eqx.field(default=1, static=True)
 
     @property
     def uses_segment_ids(self) -> bool:
@@ -120,7 +126,8 @@ class CompiledMask(eqx.Module):
         `visible_at`, hashable where the predicate holds no array (a static argument of a
         launch)."""
         return CompiledMask(None, None, None, self.predicate, self.terms, self.head_terms,
-                            self.q_len, self.kv_len, self.num_heads, self.hides_padding)
+                            self.q_len, self.kv_len, self.num_heads, self.hides_padding,
+                            self.mapped)
 
     def traces_on_tiles(self, tile_shape: tuple[int, int]) -> bool:
         """Whether `visible_at` can run inside a kernel body on int32 tiles of `tile_shape`:
@@ -152,10 +159,13 @@ class CompiledMask(eqx.Module):
         """The bytes of `copies` element maps (`element_map`) at `lengths` (``(q_len,
         kv_len)``, the padded ones a kernel builds them at; default the mask's), with
         elements of `itemsize` bytes: per batch element where `per_call` data (positions,
-        or segment ids the mask reads) shapes the mask, per head where heads differ."""
+        or segment ids the mask reads) shapes the mask, per head where heads differ, and per
+        example of the `jax.vmap` axes its arrays are mapped over (`mapped`: a call under
+        `vmap` is planned with batch 1, and builds its map for every example)."""
         heads = self.num_heads if self.head_dependent else 1
         q_len, kv_len = lengths or (self.q_len, self.kv_len)
-        return copies * itemsize * (batch if per_call else 1) * heads * q_len * kv_len
+        maps = (batch if per_call else 1) * self.mapped
+        return copies * itemsize * maps * heads * q_len * kv_len
 
     def element_map(self, inputs, q_len: int, kv_len: int, dtype=jnp.int8):
         """The element predicate on every pair of `q_len` x `kv_len` tokens (the padded
@@ -179,6 +189,28 @@ class CompiledMask(eqx.Module):
 
         out = jax.vmap(one)(batched) if batched else one({})[None]
         return out.astype(dtype)
+
+
+def vmapped_size(*trees) -> int:
+    """The product of the sizes of the `jax.vmap` axes that any array of `trees` is mapped
+    over where this runs (1 outside `jax.vmap`, and for arrays it does not map).
+
+    A call under `vmap` is planned as the call of one example, but what it builds from the
+    mapped arrays (an element map from per-call positions, segment ids or a mask's array) is
+    built for every example. The axes are read from the arrays' tracers, through those of
+    `jax.grad` and `jax.vjp`. A `jax.jit` between the `vmap` and the call hides them (it
+    traces the call at one example's shapes): then this is 1."""
+    sizes = {}
+    for x in jax.tree.leaves(trees):
+        for _ in range(64):  # one level per enclosing transformation
+            if not isinstance(x, jax.core.Tracer):
+                break
+            trace = getattr(x, "_trace", None)
+            axis = getattr(trace, "axis_data", None)
+            if getattr(x, "batch_dim", None) is not None and axis is not None:
+                sizes[id(trace)] = (trace, int(axis.size))  # the trace kept alive: ids unique
+            x = getattr(x, "val", getattr(x, "primal", None))
+    return math.prod(size for _, size in sizes.values())
 
 
 #: Operations that index an array by traced values: no kernel body runs them on tiles.
@@ -238,6 +270,9 @@ class ResolvedMask:
                                        kv_segment_ids=kv_segment_ids)
         self.mask = mask
         self.q_len, self.kv_len, self.num_heads = q_len, kv_len, num_heads
+        #: The `jax.vmap` axes the mask's arrays and per-call data are mapped over
+        #: (`CompiledMask.mapped`).
+        self.mapped = vmapped_size(self.data, mask)
         heads = num_heads if mask.head_dependent else 1
         #: Each head's `MaskTerms` (one entry when the mask is the same for every head).
         self.head_terms: tuple[MaskTerms | None, ...] = tuple(mask.terms(h) for h in range(heads))
@@ -256,7 +291,7 @@ class ResolvedMask:
         whether the predicate runs on its tiles (`CompiledMask.traces_on_tiles`)."""
         return CompiledMask(None, None, None, self.mask, None, self.head_terms, self.q_len,
                             self.kv_len, self.num_heads,
-                            hides_padding(self.mask, self.head_terms))
+                            hides_padding(self.mask, self.head_terms), self.mapped)
 
     @property
     def positions_are_indices(self) -> bool:
@@ -310,7 +345,7 @@ class ResolvedMask:
         hides = hides_padding(self.mask, self.head_terms)
         if reads == "dense":
             return CompiledMask(None, None, None, self.mask, self.terms, self.head_terms,
-                                self.q_len, self.kv_len, self.num_heads, hides)
+                                self.q_len, self.kv_len, self.num_heads, hides, self.mapped)
         if reads not in ("elements", "terms"):
             raise ValueError(f"`reads` must be 'dense', 'elements' or 'terms'; got {reads!r}.")
         tiles = _pass_tiles(tiling)
@@ -324,7 +359,8 @@ class ResolvedMask:
             )
         layouts = {name: self.layout(*blocks, bitmaps=bitmaps) for name, blocks in tiles.items()}
         return CompiledMask(layouts["forward"], layouts["dq"], layouts["dkv"], self.mask, terms,
-                            self.head_terms, self.q_len, self.kv_len, self.num_heads, hides)
+                            self.head_terms, self.q_len, self.kv_len, self.num_heads, hides,
+                            self.mapped)
 
 
 def _needs_equal_segments(mask: AbstractMask) -> bool:
