@@ -9,6 +9,7 @@ import jax
 from ._compile import ResolvedMask
 from ._kernel import AbstractKernel, AbstractLseKernel, Features, registered_kernels
 from ._mask import AbstractMask
+from ._measured import covering, measured_choice
 
 
 class NoKernelError(ValueError):
@@ -139,6 +140,25 @@ def _why_chosen(kernel: AbstractKernel, pool: Sequence[AbstractKernel], declined
     return reason
 
 
+def _by_measurement(winner: AbstractKernel, reason: str, below: Sequence[AbstractKernel],
+                    mask: ResolvedMask, features: Features) -> tuple[AbstractKernel, str]:
+    """`winner` (first by priority) or a kernel ranked below it that a measured row covering
+    the call (`_measured.MEASURED`) times faster forward+backward and that accepts the call;
+    the reason then quotes the figures."""
+    row = covering(features, mask.terms)
+    if row is None:
+        return winner, reason
+    by_name = {k.name: k for k in below}
+    name, measured = measured_choice(
+        row, winner.name, list(by_name),
+        lambda n: decline_reason(by_name[n], mask, features) is None)
+    if not measured:
+        return winner, reason
+    if name == winner.name:
+        return winner, f"{reason}; {measured}"
+    return by_name[name], measured
+
+
 def choose_kernel(
     mask: ResolvedMask, features: Features, candidates: Sequence[AbstractKernel] | None = None
 ) -> KernelChoice:
@@ -147,10 +167,13 @@ def choose_kernel(
     pool = list(candidates) if candidates is not None else _candidates(platform)
     absent = platform_absent(platform)
     declined: list[tuple[str, str]] = []
-    for kernel in pool:
+    for index, kernel in enumerate(pool):
         why = decline_reason(kernel, mask, features)
         if why is None:
             reason = _why_chosen(kernel, pool, len(declined), platform, candidates is None)
+            if candidates is None:
+                kernel, reason = _by_measurement(kernel, reason, pool[index + 1:], mask,
+                                                 features)
             return KernelChoice(kernel, reason, tuple(declined), absent=absent)
         declined.append((kernel.name, why))
     if not pool:
