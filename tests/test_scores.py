@@ -10,7 +10,8 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks, scores
-from tests.conftest import assert_close, jnp_attention_f64, np_visibility, score_f64, t5_bucket
+from tests.conftest import (assert_close, jnp_attention_f64, np_visibility, random_array,
+                            score_f64, t5_bucket)
 
 # ---------------------------------------------------------------------------------------------
 # Definitions.
@@ -673,3 +674,22 @@ def test_poisoned_table_keeps_a_zero_gradient_where_no_visible_pair_reads(kernel
     grad = np.asarray(dtable(table.at[2, 1].set(jnp.nan)))
     assert np.isnan(grad[:, read]).all()
     assert (grad[:, unread] == 0).all(), np.isnan(grad[:, unread]).mean()
+
+
+def test_alibi_slopes_index_with_a_traced_head():
+    """A hand-written ALiBi reads ``slopes[head]`` with a traced head: the standard slopes are
+    a JAX array (NumPy raised TracerArrayConversionError), and the function matches the
+    built-in ALiBi."""
+    slopes = scores.alibi_slopes(4)
+    assert isinstance(slopes, jax.Array) and slopes.dtype == jnp.float32
+
+    def alibi(score, head, q_pos, k_pos):
+        return score + slopes[head] * (k_pos - q_pos)
+
+    q, k, v = (random_array(s, (1, 4, 32, 8)) for s in (1, 2, 3))
+    tiles = bsa.Tiling(block_q=16, block_kv=16)
+    mine = bsa.BlockSparseAttention(mask=masks.Causal(), score=scores.ScoreFunction(alibi),
+                                    kernel=kernels.XlaBlockSparse(), tiling=tiles)
+    builtin = eqx.tree_at(lambda a: a.score, mine, scores.ALiBi())
+    np.testing.assert_allclose(np.asarray(jax.jit(mine)(q, k, v)),
+                               np.asarray(builtin(q, k, v)), rtol=1e-5, atol=1e-6)

@@ -35,8 +35,9 @@ def _float_array(name: str, x, shape_text: str, ndim: int) -> Array:
     return x
 
 
-def alibi_slopes(num_heads: int) -> np.ndarray:
-    """The standard ALiBi slopes ``[num_heads]`` (float32), as in Press et al. (2022).
+def alibi_slopes(num_heads: int) -> Float[Array, " num_heads"]:
+    """The standard ALiBi slopes ``[num_heads]`` (a float32 JAX array, so a score function
+    can index it with a traced head: ``slopes[head]``), as in Press et al. (2022).
 
     For ``n`` heads, a power of two: ``2 ** (-8 * (i + 1) / n)``; otherwise the slopes of the
     largest power of two below ``n`` followed by every other slope of twice that power.
@@ -53,7 +54,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
     m = 2 ** int(math.floor(math.log2(num_heads)))
     slopes = power_of_two(m) + power_of_two(2 * m)[0::2][: num_heads - m]
-    return np.asarray(slopes, np.float32)
+    return jnp.asarray(slopes, jnp.float32)
 
 
 class ALiBi(AbstractScore):
