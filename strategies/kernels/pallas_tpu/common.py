@@ -110,14 +110,21 @@ def visits(layout: BlockLayout, *, transposed: bool, rows: int) -> Visits:
     """The visit lists of `layout` (its transposed lists when `transposed`): FULL blocks
     first, then PARTIAL ones, each row padded to `rows` rows (the extra ones are padding and
     visit nothing). NumPy at trace time for a static layout (width: the longest list),
-    `jax.numpy` for one built from per-call data (width: its capacity)."""
+    `jax.numpy` for one known only when it runs (per-call data, a ring step's lists read at
+    a traced step): width the FULL and the PARTIAL lists' capacities together, at most
+    every block of a row (exact capacities, as a ring's lists have, may each hold less)."""
     prefix = "t_" if transposed else ""
     names = ("full_count", "full_index", "partial_count", "partial_index")
     fc, fi, pc, pi = (getattr(layout, prefix + n) for n in names)
     static = layout.is_static and not isinstance(fc, jax.core.Tracer)
     xp = np if static else jnp
     fc, fi, pc, pi = (xp.asarray(a).astype(np.int32) for a in (fc, fi, pc, pi))
-    width = max(int((fc + pc).max()) if static and fc.size else fi.shape[-1], 1)
+    if static and fc.size:
+        width = int((fc + pc).max())
+    else:
+        blocks = layout.num_q_blocks if transposed else layout.num_kv_blocks
+        width = min(fi.shape[-1] + pi.shape[-1], blocks)
+    width = max(width, 1)
     count = (fc + pc)[..., None]
     slot = xp.broadcast_to(xp.arange(width, dtype=np.int32), fc.shape + (width,))
     in_full = slot < fc[..., None]

@@ -58,11 +58,15 @@ else:
             "ring": (lambda: ring("2d_heads"), 1, 4, 1, 64, True),
             # Contiguous slices: causal steps a device has no work in are skipped there.
             "ring_contiguous": (lambda: ring("1d", order="contiguous"), 1, 4, 2, 128, False),
+            # One step, whose lists (exact capacities, read at a traced step) are the whole
+            # causal layout's: the visits of a row fill both lists' capacities together.
+            "ring_one_device": (lambda: sharding.RingAttention(make_mesh((1,), ("s",)), "s"),
+                                1, 4, 2, 64, False),
         }[name]
 
     @pytest.mark.parametrize("name, kind", [
         ("shard_map", "alibi"), ("shard_map_one_device", "table"), ("all_to_all", "table"),
-        ("ring", "alibi"),
+        ("ring", "alibi"), ("ring_one_device", "alibi"),
         *[pytest.param(n, k, marks=slow) for n, k in [
             ("shard_map", "table"), ("all_to_all", "alibi"), ("ring", "table"),
             ("ring_contiguous", "alibi")]],
