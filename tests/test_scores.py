@@ -682,6 +682,8 @@ def test_alibi_slopes_index_with_a_traced_head():
     built-in ALiBi."""
     slopes = scores.alibi_slopes(4)
     assert isinstance(slopes, jax.Array) and slopes.dtype == jnp.float32
+    # Concrete under a trace too: NumPy (an oracle, the plan's host check) still reads it.
+    jax.jit(lambda: np.asarray(scores.alibi_slopes(4)).sum())()
 
     def alibi(score, head, q_pos, k_pos):
         return score + slopes[head] * (k_pos - q_pos)

@@ -54,7 +54,10 @@ def alibi_slopes(num_heads: int) -> Float[Array, " num_heads"]:
 
     m = 2 ** int(math.floor(math.log2(num_heads)))
     slopes = power_of_two(m) + power_of_two(2 * m)[0::2][: num_heads - m]
-    return jnp.asarray(slopes, jnp.float32)
+    # A concrete array even inside a trace (`jit`), so NumPy reads it and the plan checks it
+    # on the host, as it did the NumPy slopes this returned before.
+    with jax.ensure_compile_time_eval():
+        return jnp.asarray(slopes, jnp.float32)
 
 
 class ALiBi(AbstractScore):
