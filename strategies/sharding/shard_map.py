@@ -7,7 +7,8 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from eqx_bsattn.contract import AbstractSharding, AttentionInputs, mesh_in_context
+from eqx_bsattn.contract import (AbstractSharding, AttentionInputs, mesh_in_context,
+                                  typed_like)
 
 from ._local import (
     Operands,
@@ -95,6 +96,12 @@ def head_shard_call(ops: Operands, inputs: AttentionInputs, mask, *, batch: int,
         score = local_score(terms, *map(read, score_slots), head_axis=head_axis,
                             local_heads=local_heads, batch_axis=batch_axis,
                             local_batch=batch // axis_size(ops.mesh, batch_axis))
+        if score is not None:
+            # Typed like q (varying over the batch axis too), so autodiff sums the score
+            # arrays' gradients over the batch shards whatever type a kernel's backward gives
+            # them (a launch's outputs vary over no mesh axis).
+            slopes, table = typed_like(score.arrays, q)
+            score = score.with_arrays(slopes, table, typed_like(score.params, q))
         local_inputs = AttentionInputs(**{n: read(s) for n, s in data.items()}, score=score)
         pred = jax.tree.unflatten(jax.tree.structure(arrays), [read(s) for s in pred_slots])
         shard = mask.layouts()
