@@ -202,31 +202,22 @@ def _slot_loop(trips: _Trips, count, index, body, carry):
     return jax.lax.fori_loop(0, stop, step, carry)
 
 
-def _scores(cfg: _Config, q_blk, k_blk, bias_blk, score=None, pull: bool = False):
-    """Logits of one block, float32: ``[G, bq, D] x [bk, D] -> [G, bq, bk]``.
-
-    Also returns ``tanh(s / c)`` under a soft cap (the backward pass needs its derivative).
-    `score` (`_block_score`) adds the score terms before the cap; with `pull`, a third result
-    maps the gradient at the logits before the cap to the gradient at ``q . k`` and at the
-    score arrays (``None`` without score terms: the gradient passes unchanged), and a fourth
-    is the logits before the terms (the `params` gradient's input, `_params_grad`).
-    """
+def _logits(cfg: _Config, q_blk, k_blk, bias_blk):
+    """Logits of one block before the score terms, float32: ``[G, bq, D] x [bk, D] -> [G, bq,
+    bk]``, plus the bias block."""
     s = jnp.einsum("gqd,kd->gqk", q_blk, k_blk, preferred_element_type=_F32) * cfg.scale
     if bias_blk is not None:
         s = s + bias_blk.astype(_F32)
-    back, s_pre = None, s
-    if score is not None:
-        apply, arrays = score
-        if pull:
-            s, back = jax.vjp(apply, s, arrays)
-        else:
-            s = apply(s, arrays)
+    return s
+
+
+def _capped(cfg: _Config, s):
+    """`s` under the soft cap, and ``tanh(s / c)`` (the backward pass needs its derivative;
+    ``None`` without a cap)."""
     if cfg.soft_cap is None:
-        t = None
-    else:
-        t = jnp.tanh(s / cfg.soft_cap)
-        s = cfg.soft_cap * t
-    return (s, t, back, s_pre) if pull else (s, t)
+        return s, None
+    t = jnp.tanh(s / cfg.soft_cap)
+    return cfg.soft_cap * t, t
 
 
 def _block_positions(data, index, block: int):
@@ -236,40 +227,62 @@ def _block_positions(data, index, block: int):
     return idx if data is None else jnp.take(data, idx, mode="clip")
 
 
-def _block_score(cfg: _Config, sc, i, j, data, blocks, batch=None, params=None):
-    """``(apply, arrays)`` for `_scores`: the score terms of block ``(i, j)`` of one unit, or
-    ``None`` without them. `sc` is the unit's ``(heads [G], slopes [G], table [G, nb])``;
-    `batch` its batch index (a scalar, where the function reads it); `params` the function's
-    arrays, whole (``apply`` closes over them: their gradient is `_params_grad`'s)."""
+def _slot_terms(cfg: _Config, arr: "_Arranged", i, j, blocks):
+    """The score terms of one slot: ``terms(s, arrays)``, the logits `s` ``[B, Hkv, U, n, G, bq,
+    bk]`` (all units, before the terms) with the terms added; ``None`` without score terms.
+    `arrays` are ``(slopes, table, params)``: each unit's rows of the per-head arrays
+    (`_Arranged.score`) and the function's params, whole. `i` and `j` are each unit's q- and
+    kv-block, in levels.
+
+    ALiBi and the bucket table run per unit, under the four `vmap` levels. The function runs on
+    the slot flattened to ``[B * Hkv * U * n * G, bq, bk]`` (each row with its own head,
+    positions and batch index), which is what its contract's ``[..., n, m]`` allows: under
+    the levels, a function that reduces over an axis of its own (the dot product of per-token
+    features of MLA's RoPE part) ran at rank 8, and its gradient at rank 7 and 8 in
+    multiply-reduce fusions that jaxlib 0.10.2's CPU backend hands to YNNPACK, which crashes
+    the process on them (a segfault in a worker thread, jax-ml/jax#40412). Flat, the function
+    sees rank 3 plus its own axes."""
     if cfg.score is None:
         return None
-    heads, slopes, table = sc
     bq, bk = blocks
-    qp = _block_positions(data[0], i, bq)[:, None]
-    kp = _block_positions(data[1], j, bk)[None, :]
-    rows = jnp.arange(heads.shape[0], dtype=jnp.int32)[:, None, None]
+    sizes = arr.sizes
+    heads = arr.score[0]  # [1, Hkv, U, 1, G]
+    group = heads.shape[-1]
+    full = sizes + (group,)
+    rows = math.prod(full)
+    rows_u = jnp.arange(group, dtype=jnp.int32)[:, None, None]
 
-    def apply(s, arrays):
-        terms = cfg.score.with_arrays(*arrays, params)
-        return terms.apply(s, heads[:, None, None], qp, kp, row=rows, batch=batch)
+    def unit(s, i, j, q_data, k_data, slopes, table):
+        qp = _block_positions(q_data, i, bq)[:, None]
+        kp = _block_positions(k_data, j, bk)[None, :]
+        return ScoreTerms(slopes, table, cfg.score.buckets).apply(s, rows_u, qp, kp)
 
-    return apply, (slopes, table)
+    def positions(data, index, block):  # [*sizes, block]: each unit's block's positions
+        idx = (jnp.broadcast_to(index, sizes)[..., None] * block
+               + jnp.arange(block, dtype=jnp.int32))
+        return idx if data is None else jnp.take_along_axis(data, idx, axis=-1, mode="clip")
 
+    def flat(x, tail):  # [*sizes, G, *tail] (broadcast) -> [rows, *tail]
+        return jnp.broadcast_to(x, full + tail).reshape((rows,) + tail)
 
-def _params_grad(cfg: _Config, arr: "_Arranged", params, j, s_pre, ds, blocks):
-    """The gradient of the score function's `params` from one slot of the dq pass: `s_pre`
-    (the logits before the terms) and `ds` (the gradient after them), in levels ``[B, Hkv,
-    U, n, G, bq, bk]``, at each unit's kv block `j`. The term is evaluated again on the whole
-    slot under `jax.vjp`, so autodiff sums the units' shares (no per-unit copy of `params`)."""
-    def terms(params):
-        def unit(s, j, i, qp, kp, sc, b):
-            apply, arrays = _block_score(cfg, sc, i, j, (qp, kp), blocks, b, params)
-            return apply(s, arrays)
+    function = cfg.score.function is not None
+    if function:
+        head = flat(heads[..., None, None], (1, 1))
+        q_pos = flat(positions(arr.data[0], i, bq)[..., None, :, None], (bq, 1))
+        k_pos = flat(positions(arr.data[1], j, bk)[..., None, None, :], (1, bk))
+        batch = None if arr.batch is None else flat(arr.batch[..., None, None, None], (1, 1))
 
-        return _map_levels(unit, arr.sizes, s_pre, j, arr.blocks, *arr.data[:2], arr.score,
-                           arr.batch)
+    def terms(s, arrays):
+        slopes, table, params = arrays
+        if slopes is not None or table is not None:
+            s = _map_levels(unit, sizes, s, i, j, *arr.data[:2], slopes, table)
+        if function:
+            out = cfg.score.with_arrays(None, None, params).apply(
+                s.reshape((rows,) + s.shape[-2:]), head, q_pos, k_pos, batch=batch)
+            s = out.reshape(s.shape)
+        return s
 
-    return jax.vjp(terms, params)[1](ds)[0]
+    return terms
 
 
 def _masked_scores(mask: CompiledMask, s, head, i, j, masked: bool, live, data, blocks):
@@ -367,10 +380,12 @@ def _arrange(cfg: _Config, aux, per_head: bool, bias, q, k, bq: int, bk: int, la
         bias = _bias_to_units(bias, heads, group, per_head, bq, bk)[:, :, :, None]
     sc = batch_ids = None
     if score is not None:
-        # Each unit's query heads, and the rows of the per-head score arrays for them (the
-        # function's params stay whole, outside the mapped levels).
+        # Each unit's query heads, and the rows of the per-head score arrays for them, float32
+        # (the terms compute in it, and their gradients sum over the slots in it); the
+        # function's params stay whole, outside the mapped levels.
         ids = np.arange(heads, dtype=np.int32).reshape(1, kv_heads, units, 1, -1)
-        sc = (jnp.asarray(ids),) + tuple(None if x is None else x[ids] for x in score[:2])
+        sc = (jnp.asarray(ids),) + tuple(None if x is None else x.astype(_F32)[ids]
+                                         for x in score[:2])
         if cfg.score.takes_batch:
             batch_ids = jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1)
     return _Arranged((batch, kv_heads, units, last), per_head, head_ids, block_ids, data, bias,
@@ -471,24 +486,25 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
     units, g = arr.sizes[2], (1 if per_head else group)
     q_r = _q_rows(q, bq, group, per_head)
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
-    params = None if score is None else score[2]
+    arrays = None if score is None else (*arr.score[1:], score[2])
 
     def run_list(arr, q_r, trips, count, index, masked, carry):
         def body(t, j, live, carry):
-            def unit(carry, j, live, q_blk, k_blocks, v_blocks, bias_u, head, i, qp, kp, qs, ks,
-                     sc, bt):
-                m, l, acc = carry
+            def logits(j, q_blk, k_blocks, bias_u, i, qs, ks):
                 q_blk = _zero_padding(q_blk, None if pad_q is None else qs, i, bq)
-                k_blk, v_blk = (_zero_padding(x[j], None if pad_kv is None else ks, j, bk)
-                                for x in (k_blocks, v_blocks))
-                s, _ = _scores(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
-                               _block_score(cfg, sc, i, j, (qp, kp), (bq, bk), bt, params))
+                k_blk = _zero_padding(k_blocks[j], None if pad_kv is None else ks, j, bk)
+                return _logits(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk))
+
+            def unit(carry, s, j, live, v_blocks, head, i, qp, kp, qs, ks):
+                m, l, acc = carry
+                v_blk = _zero_padding(v_blocks[j], None if pad_kv is None else ks, j, bk)
+                s, _ = _capped(cfg, s)
                 s, hidden = _masked_scores(mask, s, head, i, j, masked, live,
                                            (qp, kp, qs, ks), (bq, bk))
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 # A row that has seen nothing yet (hidden by the mask, or by a -inf bias or
                 # score) keeps m = -inf; shift it by 0 so that exp(-inf - (-inf)) never happens.
-                guard = hidden or bias_u is not None or cfg.score is not None
+                guard = hidden or bias is not None or cfg.score is not None
                 shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0) if guard else m_new
                 alpha = jnp.exp(m - shift)
                 p = jnp.exp(s - shift[..., None])
@@ -498,10 +514,12 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
 
             q_u = _q_units(q_r, kv_heads, units, g, bq)
             k_b, v_b = (_kv_units(x, bk)[:, :, None, None] for x in (k_r, v_r))
-            return _map_levels(
-                unit, arr.sizes, carry, j, live, q_u, k_b, v_b, arr.bias,
-                arr.heads, arr.blocks, *arr.data, arr.score, arr.batch,
-            )
+            s = _map_levels(logits, arr.sizes, j, q_u, k_b, arr.bias, arr.blocks, *arr.data[2:])
+            terms = _slot_terms(cfg, arr, arr.blocks, j, (bq, bk))
+            if terms is not None:
+                s = terms(s, arrays)
+            return _map_levels(unit, arr.sizes, carry, s, j, live, v_b, arr.heads, arr.blocks,
+                               *arr.data)
 
         return _slot_loop(trips, count, index, body, carry)
 
@@ -579,57 +597,58 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
     units, g = arr.sizes[2], (1 if per_head else group)
     q_side = _q_side_rows(q, d_out, lse, delta, bq, group, per_head)
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
-    params = None if score is None else score[2]
+    arrays = None if score is None else (*arr.score[1:], score[2])
 
     kind = _bias_grad_kind(bias)
 
     def run_list(arr, q_side, trips, count, index, masked, offset, carry):
         def body(t, j, live, carry):
-            dq, d_score, rows, ds_buf, d_params = carry
+            dq, d_score, rows, ds_buf = carry
 
-            def unit(acc, j, live, q_blk, do_blk, lse_blk, delta_blk, k_blocks, v_blocks,
-                     bias_u, head, i, qp, kp, qs, ks, sc, bt):
-                dq, d_score, rows = acc
+            def logits(j, q_blk, k_blocks, bias_u, i, qs, ks):
                 q_blk = _zero_padding(q_blk, None if pad_q is None else qs, i, bq)
-                k_blk, v_blk = (_zero_padding(x[j], None if pad_kv is None else ks, j, bk)
-                                for x in (k_blocks, v_blocks))
-                s, tc, back, s_pre = _scores(
-                    cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
-                    _block_score(cfg, sc, i, j, (qp, kp), (bq, bk), bt, params), pull=True)
+                k_blk = _zero_padding(k_blocks[j], None if pad_kv is None else ks, j, bk)
+                return _logits(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk))
+
+            def grad(s, j, live, do_blk, lse_blk, delta_blk, v_blocks, head, i, qp, kp, qs, ks):
+                v_blk = _zero_padding(v_blocks[j], None if pad_kv is None else ks, j, bk)
+                s, tc = _capped(cfg, s)
                 s, hidden = _masked_scores(mask, s, head, i, j, masked, live,
                                            (qp, kp, qs, ks), (bq, bk))
                 p = jnp.exp(s - lse_blk[..., None])
                 dp = jnp.einsum("gqe,ke->gqk", do_blk, v_blk, preferred_element_type=_F32)
                 ds = _ds(p, dp, delta_blk, tc)
-                pulled = None
-                if back is not None:  # through the score terms, to q . k and their arrays
-                    if hidden:
-                        # A hidden pair reads no entry of the score arrays: its ds is zero
-                        # even where the row is NaN (a poisoned array, lse NaN).
-                        ds = jnp.where(s == -jnp.inf, 0.0, ds)
-                    if params is not None:
-                        pulled = (s_pre, ds)
-                    ds, d_arrays = back(ds)
-                    d_score = jax.tree.map(jnp.add, d_score, d_arrays)
+                if hidden and cfg.score is not None:
+                    # A hidden pair reads no entry of the score arrays: its ds is zero even
+                    # where the row is NaN (a poisoned array, lse NaN).
+                    ds = jnp.where(s == -jnp.inf, 0.0, ds)
+                return ds
+
+            def accumulate(acc, ds, j, k_blocks, ks):
+                dq, rows = acc
+                k_blk = _zero_padding(k_blocks[j], None if pad_kv is None else ks, j, bk)
                 # ds in float32: p * (dp - delta) cancels, so 8 bits of it lose the small terms.
                 dq = dq + jnp.einsum("gqk,kd->gqd", ds, k_blk.astype(_F32),
                                      preferred_element_type=_F32)
                 if rows is not None:  # a bias without a key axis: each row's sum of ds
                     rows = rows + jnp.sum(ds, axis=-1)
-                return (dq, d_score, rows), (ds if ds_buf is not None else None, pulled)
+                return dq, rows
 
             q_u, do_u, lse_u, delta_u = (_q_units(x, kv_heads, units, g, bq) for x in q_side)
             k_b, v_b = (_kv_units(x, bk)[:, :, None, None] for x in (k_r, v_r))
-            (dq, d_score, rows), (ds, pulled) = _map_levels(
-                unit, arr.sizes, (dq, d_score, rows), j, live, q_u, do_u, lse_u, delta_u, k_b,
-                v_b, arr.bias, arr.heads, arr.blocks, *arr.data, arr.score, arr.batch,
-            )
+            s = _map_levels(logits, arr.sizes, j, q_u, k_b, arr.bias, arr.blocks, *arr.data[2:])
+            terms = _slot_terms(cfg, arr, arr.blocks, j, (bq, bk))
+            if terms is not None:
+                s, back = jax.vjp(terms, s, arrays)
+            ds = _map_levels(grad, arr.sizes, s, j, live, do_u, lse_u, delta_u, v_b, arr.heads,
+                             arr.blocks, *arr.data)
+            if terms is not None:  # through the score terms, to q . k and their arrays
+                ds, d_arrays = back(ds)
+                d_score = jax.tree.map(jnp.add, d_score, d_arrays)
+            dq, rows = _map_levels(accumulate, arr.sizes, (dq, rows), ds, j, k_b, arr.data[3])
             if ds_buf is not None:
                 ds_buf = jax.lax.dynamic_update_index_in_dim(ds_buf, ds, offset + t, 0)
-            if pulled is not None:
-                d_params = jax.tree.map(
-                    jnp.add, d_params, _params_grad(cfg, arr, params, j, *pulled, (bq, bk)))
-            return dq, d_score, rows, ds_buf, d_params
+            return dq, d_score, rows, ds_buf
 
         return _slot_loop(trips, count, index, body, carry)
 
@@ -640,34 +659,29 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
         lead = (batch, kv_heads, units, block_ids.shape[0], g, bq)
         ds_buf = jnp.zeros((cf + cp,) + lead + (bk,), _F32) if kind == "pairs" else None
         rows = jnp.zeros(lead, _F32) if kind == "rows" else None
-        # Each unit's gradient of its rows of the score arrays ([G] slopes, [G, nb] table).
-        d_score = None if arr.score is None else tuple(
-            None if x is None else jnp.zeros(lead[:4] + x.shape[4:], _F32)
-            for x in arr.score[1:])
-        # The params' gradient, float32, summed over the slots (and the chunks, below).
-        d_params = jax.tree.map(lambda x: jnp.zeros(x.shape, _F32), params)
-        carry = (jnp.zeros(lead + (q.shape[-1],), _F32), d_score, rows, ds_buf, d_params)
+        # The gradients of the score arrays (slopes, table, params), float32, summed over the
+        # slots (and the chunks, below).
+        d_score = jax.tree.map(lambda x: jnp.zeros(x.shape, _F32), arrays)
+        carry = (jnp.zeros(lead + (q.shape[-1],), _F32), d_score, rows, ds_buf)
         carry = _carry_like(carry, q, k, v, bias, score, aux, d_out, lse, delta)
         carry = run_list(*sides, cfg.dq_trips[0], fc, fi, False, 0, carry)
-        dq, d_score, rows, ds_buf, d_params = run_list(*sides, cfg.dq_trips[1], pc, pi, True,
-                                                       cf, carry)
+        dq, d_score, rows, ds_buf = run_list(*sides, cfg.dq_trips[1], pc, pi, True, cf, carry)
         dq = _zero_padding_rows(dq, pad_q, block_ids, bq)
         # The slot axis last, so that the block level is axis 3 as `_by_chunks` joins it; the
-        # params' gradient gets a block axis of one (summed below).
-        d_params = jax.tree.map(lambda x: x.reshape((1, 1, 1, 1) + x.shape), d_params)
-        return (dq, d_score, rows, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1)),
-                d_params)
+        # score arrays' gradients get a block axis of one (summed below).
+        d_score = jax.tree.map(lambda x: x.reshape((1, 1, 1, 1) + x.shape), d_score)
+        return dq, d_score, rows, (None if ds_buf is None else jnp.moveaxis(ds_buf, 0, -1))
 
     width = _chunk_width(arr.sizes, g * bq * bk, cfg.slot)
-    dq, d_score, rows, ds_buf, d_params = _by_chunks(
+    dq, d_score, rows, ds_buf = _by_chunks(
         run_chunk, nq, width, (fc, fi, pc, pi), q_side, g * bq,
         (q, k, v, bias, score, aux, d_out, lse, delta))
     if d_score is not None:
-        # Units hold the query heads in order (kv head, unit, group member): sum the batch
-        # and the q-blocks, and the head axis is the flat rest.
-        d_score = tuple(None if x is None else x.sum(axis=(0, 3)).reshape(heads, *x.shape[5:])
-                        for x in d_score)
-        d_score += (jax.tree.map(lambda x: x.sum(axis=(0, 1, 2, 3)), d_params),)
+        # Units hold the query heads in order (kv head, unit, group member): sum the batch and
+        # the q-blocks (and the chunks), and the head axis of the rows is the flat rest.
+        d_slopes, d_table, d_params = jax.tree.map(lambda x: x.sum(axis=(0, 1, 2, 3)), d_score)
+        d_score = tuple(None if x is None else x.reshape(heads, *x.shape[5:])
+                        for x in (d_slopes, d_table)) + (d_params,)
     dq = _units_to_rows(dq * cfg.scale, q_len, per_head)
     if kind == "rows":
         rows = _summed_to(_units_to_rows(rows, q_len, per_head)[..., None], bias.shape)
@@ -713,43 +727,53 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
     arr = _arrange(cfg, aux, per_head, bias, q, k, bq, bk, nk, score)
     units, g = arr.sizes[2], (1 if per_head else group)
     q_side = _q_side_rows(q, d_out, lse, delta, bq, group, per_head)
-    params = None if score is None else score[2]
+    arrays = None if score is None else (*arr.score[1:], score[2])
 
     def run_list(arr, k_c, v_c, trips, count, index, masked, carry):
         def body(t, i, live, carry):
-            def unit(carry, i, live, k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_u,
-                     head, j, qp, kp, qs, ks, sc, bt):
-                dk, dv, keys = carry
+            dk, dv, keys = carry
+
+            def logits(i, q_all, k_blk, bias_u, j, qs, ks):
                 q_blk = _zero_padding(q_all[i], None if pad_q is None else qs, i, bq)
-                k_blk, v_blk = (_zero_padding(x, None if pad_kv is None else ks, j, bk)
-                                for x in (k_blk, v_blk))
+                k_blk = _zero_padding(k_blk, None if pad_kv is None else ks, j, bk)
+                return _logits(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk))
+
+            def grad(dv, s, i, live, v_blk, do_all, lse_all, delta_all, head, j, qp, kp, qs,
+                     ks):
+                v_blk = _zero_padding(v_blk, None if pad_kv is None else ks, j, bk)
                 do_blk = do_all[i]
-                s, tc, back, _ = _scores(
-                    cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk),
-                    _block_score(cfg, sc, i, j, (qp, kp), (bq, bk), bt, params), pull=True)
+                s, tc = _capped(cfg, s)
                 s, _ = _masked_scores(mask, s, head, i, j, masked, live, (qp, kp, qs, ks),
                                       (bq, bk))
                 p = jnp.exp(s - lse_all[i][..., None])
                 dv = dv + jnp.einsum("gqk,gqe->ke", p, do_blk.astype(_F32),
                                      preferred_element_type=_F32)
                 dp = jnp.einsum("gqe,ke->gqk", do_blk, v_blk, preferred_element_type=_F32)
-                ds = _ds(p, dp, delta_all[i], tc)
-                if back is not None:  # through the score terms (the dq pass sums their arrays')
-                    ds = back(ds)[0]
+                return dv, _ds(p, dp, delta_all[i], tc)
+
+            def accumulate(acc, ds, i, q_all, qs):
+                dk, keys = acc
+                q_blk = _zero_padding(q_all[i], None if pad_q is None else qs, i, bq)
                 dk = dk + jnp.einsum("gqk,gqd->kd", ds, q_blk.astype(_F32),
                                      preferred_element_type=_F32)
                 if keys is not None:  # a bias without a query axis: each key's sum of ds
                     keys = keys + jnp.sum(ds, axis=1)
-                return dk, dv, keys
+                return dk, keys
 
             # Every q-side array is shared by all kv-blocks of a unit: a size-1 level.
             q_u, do_u, lse_u, delta_u = (
                 _q_units(x, kv_heads, units, g, bq)[:, :, :, None] for x in q_side)
             k_b, v_b = (_kv_units(x, bk)[:, :, None] for x in (k_c, v_c))
-            return _map_levels(
-                unit, arr.sizes, carry, i, live, k_b, v_b, q_u, do_u, lse_u, delta_u, arr.bias,
-                arr.heads, arr.blocks, *arr.data, arr.score, arr.batch,
-            )
+            s = _map_levels(logits, arr.sizes, i, q_u, k_b, arr.bias, arr.blocks, *arr.data[2:])
+            terms = _slot_terms(cfg, arr, i, arr.blocks, (bq, bk))
+            if terms is not None:
+                s, back = jax.vjp(lambda s: terms(s, arrays), s)
+            dv, ds = _map_levels(grad, arr.sizes, dv, s, i, live, v_b, do_u, lse_u, delta_u,
+                                 arr.heads, arr.blocks, *arr.data)
+            if terms is not None:  # through the score terms (the dq pass sums their arrays')
+                ds = back(ds)[0]
+            dk, keys = _map_levels(accumulate, arr.sizes, (dk, keys), ds, i, q_u, arr.data[2])
+            return dk, dv, keys
 
         return _slot_loop(trips, count, index, body, carry)
 
