@@ -45,6 +45,10 @@ class Features:
     #: (`AbstractSharding.loops_kernel`: `RingAttention`), where XLA keeps more of its
     #: temporaries live at once; a kernel that bounds them per step may lower the bound.
     in_loop: bool = False
+    #: The kernel runs inside `jax.shard_map`, on one device's shard (any sharding but
+    #: `Unsharded`): its launches' outputs must carry a mesh-axis type, and a score function
+    #: reads its global head and batch ids through `jax.lax.axis_index`.
+    sharded: bool = False
     #: The score terms the call adds (`ScoreTerms.kinds`): e.g. ``("alibi",)``; ``()``: none.
     score: tuple[str, ...] = ()
     #: The call's score function (`ScoreTerms.function`, a hashable `ScoreTerm`) or ``None``,

@@ -410,6 +410,7 @@ class BlockSparseAttention(eqx.Module):
                        or self.sharding.passes_positions),
             lse=self.sharding.needs_lse or return_lse,
             in_loop=self.sharding.loops_kernel,
+            sharded=not isinstance(self.sharding, Unsharded),
             score=() if inputs.score is None else inputs.score.kinds,
             score_function=None if inputs.score is None else inputs.score.function,
             score_params=bool(jax.tree.leaves(None if inputs.score is None

@@ -544,16 +544,9 @@ DEFAULT_SHARDED = {
 _RING_SLICES = ("issue 63, Pallas TPU under sharding: the plan picks PallasTpuBlockSparse for "
                 "RingAttention, whose 64-token slices its 128-token tiles do not fit (the ring "
                 "then refuses the call, which XLA would run)")
-_SPLASH_SHARDED = ("Splash under shard_map: JAX's Splash kernel gives its outputs no "
-                   "`manual_axis_type`, which `jax.shard_map(check_vma=True)` requires; no "
-                   "feature tells Splash at plan time that the call is sharded")
 _PALLAS_PARAMS_SHARDED = ("issue 63, Pallas TPU under sharding: a Predicate's params reach "
                           "PallasTpuBlockSparse's kernel inside shard_map as a NumPy constant, "
                           "indexed by the traced head")
-_MOSAIC_AXIS_INDEX = ("Mosaic under a sharding that splits heads (AllToAll) or the batch "
-                      "(ShardMap, a function reading the batch index): the score function's "
-                      "offset (`GlobalHeads`, lax.axis_index) does not lower in Mosaic GPU; "
-                      "no feature tells Mosaic at plan time that the call is sharded")
 KNOWN_SHARDED = {
     **{(f"{name}-ring", "tpu"): _RING_SLICES for name in (
         "document-alibi-no_data-bfloat16", "causal-alibi-segments-bfloat16",
@@ -562,14 +555,8 @@ KNOWN_SHARDED = {
         "predicate_params-function_closure-no_data-bfloat16",
         "predicate_closure-no_score-positions-bfloat16", "array-relative-segments-float32",
         "per_head-alibi-sinks+soft_cap-bfloat16")},
-    ("causal-no_score-no_data-bfloat16-shard_map", "tpu"): _SPLASH_SHARDED,
-    ("document-no_score-no_data-bfloat16-all_to_all", "tpu"): _SPLASH_SHARDED,
     ("predicate_params-function-sinks+soft_cap-bfloat16-shard_map", "tpu"):
         _PALLAS_PARAMS_SHARDED,
-    ("predicate_closure-function_batch-positions+segments-bfloat16-shard_map", "gpu"):
-        _MOSAIC_AXIS_INDEX,
-    ("algebra-function_batch-positions+segments-bfloat16-all_to_all", "gpu"):
-        _MOSAIC_AXIS_INDEX,
 }
 
 

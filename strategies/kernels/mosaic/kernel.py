@@ -248,6 +248,12 @@ class MosaicBlockSparse(AbstractLseKernel):
         if features.bias:
             return "bias is not supported."
         if features.score_function is not None:
+            if features.sharded and not features.in_loop:
+                # ShardMap and AllToAll give the function its global head and batch ids
+                # through `jax.lax.axis_index`, inside the kernel body.
+                return ("a score function inside ShardMap or AllToAll reads its global head "
+                        "and batch ids through jax.lax.axis_index, which Mosaic GPU cannot "
+                        "lower in a kernel.")
             why = _function_decline(features.score_function, features.score_params)
             if why is not None:
                 return why

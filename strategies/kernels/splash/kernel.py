@@ -72,6 +72,9 @@ class SplashBlockSparse(AbstractKernel):
         missing = splash_missing()
         if missing is not None:
             return missing
+        if features.sharded:
+            return ("JAX's Splash kernels cannot run inside jax.shard_map (a sharding's call): "
+                    "their launches give their outputs no mesh-axis type.")
         if features.bias:
             return "Splash attention has no additive bias."
         if features.positions:
