@@ -422,6 +422,8 @@ def _jax_nn_mask(mask, batch: int, heads: int, q_len: int, kv_len: int, batched:
 def _query_seq_lengths(lengths, batch: int, q_len: int, batched: bool):
     """jax.nn's `query_seq_lengths` (``[B]`` or a scalar: the number of real queries) as
     ``[B]`` ints, or the error saying why not (checked as `kv_seq_lengths` is)."""
+    if lengths is None:
+        return None
     return check_kv_seq_lengths(lengths, batch, q_len, batched, name="query_seq_lengths",
                                 what="q_len")
 

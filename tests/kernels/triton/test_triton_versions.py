@@ -60,6 +60,8 @@ def test_an_unknown_pair_declines_with_the_versions(monkeypatch):
     why = triton_kernel.version_problem("0.4.0", "3.9.0")
     monkeypatch.setattr(triton_kernel, "_jax_triton_missing", lambda: why)
     features = bsa.Features(platform="gpu", dtype="bfloat16")
-    choice = bsa.select_kernel(masks.ChunkedCausal(64), "gpu", features)
+    # Triton and the kernel below it (Mosaic, above them on a Hopper GPU, takes this call).
+    candidates = [bsa.kernels.TritonBlockSparse(), bsa.kernels.XlaBlockSparse()]
+    choice = bsa.select_kernel(masks.ChunkedCausal(64), "gpu", features, candidates)
     assert choice.kernel.name == "xla"
     assert dict(choice.declined)["triton"] == why
