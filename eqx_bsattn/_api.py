@@ -430,14 +430,10 @@ def _query_seq_lengths(lengths, batch: int, q_len: int, batched: bool):
 
 def _hide_queries(keep, q_segment_ids, kv_segment_ids, *, kv_len: int):
     """Segment ids that hide the queries where `keep` (``[B, Lq]``) is False: id ``-1`` sees
-    no key, so blocks of padded queries are skipped (as `hide_keys` does for keys)."""
-    batch, q_len = keep.shape
-    if q_segment_ids is None:
-        q_segment_ids = jnp.zeros((batch, q_len), jnp.int32)
-        kv_segment_ids = jnp.zeros((batch, kv_len), jnp.int32)
-    q_segment_ids = jnp.broadcast_to(q_segment_ids, (batch, q_len))
-    kv_segment_ids = jnp.broadcast_to(kv_segment_ids, (batch, kv_len))
-    return jnp.where(keep, q_segment_ids, jnp.full((), -1, q_segment_ids.dtype)), kv_segment_ids
+    no key, so blocks of padded queries are skipped (`hide_keys` with the roles swapped)."""
+    kv_segment_ids, q_segment_ids = hide_keys(keep, kv_segment_ids, q_segment_ids,
+                                              q_len=kv_len)
+    return q_segment_ids, kv_segment_ids
 
 
 def _zero_queries_past(result, keep, return_lse: bool):
