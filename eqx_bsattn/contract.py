@@ -82,6 +82,21 @@ from ._score import (
     ScoreTerm as ScoreTerm,
     ScoreTerms as ScoreTerms,
 )
+from ._score_data import (
+    DataLeaf as DataLeaf,
+    FunctionData as FunctionData,
+    Reads as Reads,
+    TracedFunction as TracedFunction,
+    UnsupportedRead as UnsupportedRead,
+    evaluate_function as evaluate_function,
+    fold_constants as fold_constants,
+    function_data as function_data,
+    reads_traced as reads_traced,
+    recording_reads as recording_reads,
+    replaying_reads as replaying_reads,
+    trace_function as trace_function,
+    unsupported_read as unsupported_read,
+)
 from ._sharding import (
     AbstractSharding as AbstractSharding,
     Unsharded as Unsharded,

@@ -21,6 +21,7 @@ from .common import (FULL, PARTIAL, TileMath, Visits, data_reader, lanes, launch
                      tile_coords)
 from .config import LANES, SUBLANES
 from .forward import NN, NT, dot, emap_spec, named_refs, smem_specs, token_specs
+from .function import rows as data_rows
 
 
 def _total(x):
@@ -212,7 +213,7 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
     The score arrays' gradients sit at element 0 of each lane row: one row per q-block for
     the slopes, one per bucket for the table. `data`: the arrays the score function reads
     (`function.stored`); `ddata` their gradients where formed (``{slot: [B, H, nq * rows,
-    128]}``, `DataLeaf.rows` rows per q-block)."""
+    128]}``, `function.rows` rows per q-block)."""
     batch, heads, lq, dim = q.shape
     kv_heads, lk, dim_v = v.shape[1], v.shape[2], v.shape[3]
     group = heads // kv_heads
@@ -249,7 +250,7 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
                                           lambda b, h, i, j, *_: (b, h, i, 0)))
     diff = [slot for slot, leaf in enumerate(math.data) if leaf.diff]
     for slot in diff:
-        rows = math.data[slot].rows
+        rows = data_rows(math.data[slot])
         out_shape.append(launch_struct((batch, heads, nq * rows, LANES), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, rows, LANES),
                                       lambda b, h, i, j, *_: (b, h, i, 0)))

@@ -11,10 +11,11 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from eqx_bsattn.contract import BlockLayout, MaskTerms, TokenCoords, pad_axis, typed_like
+from eqx_bsattn.contract import (BlockLayout, MaskTerms, TokenCoords, evaluate_function, pad_axis,
+                                  recording_reads, replaying_reads, typed_like)
 
 from .config import LANES, SUBLANES
-from .function import evaluate, recording, replaying
+from .function import value
 
 #: Each slot of a visit list: skipped, a block whose mask is evaluated, a block seen whole.
 SKIP, PARTIAL, FULL = 0, 1, 2
@@ -170,8 +171,8 @@ class TileMath:
     slopes: bool = False
     buckets: Any = None  # RelativeBuckets, with a table
     function: Callable | None = None  # a ScoreTerm without params
-    #: Where the function reads arrays (`function.FunctionData`): its jaxpr at each tile
-    #: shape, ``((shape, Traced), ...)``, and the arrays' `DataLeaf`s (kernel inputs
+    #: Where the function reads arrays (`FunctionData`): its jaxpr at each tile
+    #: shape, ``((shape, TracedFunction), ...)``, and the arrays' `DataLeaf`s (kernel inputs
     #: ``fdata0``, ... in scalar memory; where `DataLeaf.diff`, dq outputs ``dfdata0``, ...).
     traced: tuple = ()
     data: tuple = ()
@@ -337,17 +338,17 @@ class TileMath:
     def _function(self, s, batch, head, qp, kp, read):
         """``(value, fn, reads)``: the score function on the tile `s` (``None`` where it
         reads no array: ``fn(s)``), as a function of the logits (``fn(x)``, reading the same
-        scalars), and the scalars it read from its arrays (`function.Reads`, loaded once
+        scalars), and the scalars it read from its arrays (`Reads`, loaded once
         here; ``None`` where it reads none)."""
         if not self.data:
             return None, (lambda x: self.function(x, batch, head, qp, kp, None)), None
         traced = dict(self.traced)[tuple(s.shape)]
-        rec, reads = recording(read)
-        value = evaluate(traced, (s, batch, head, qp, kp), rec)
+        rec, reads = recording_reads(read)
+        value = evaluate_function(traced, (s, batch, head, qp, kp), rec)
         # The derivatives read the values loaded here (no loads under `jax.jvp`).
         values = [v for _, _, v in reads.items]
-        return value, (lambda x: evaluate(traced, (x, batch, head, qp, kp),
-                                          replaying(values))), reads
+        return value, (lambda x: evaluate_function(traced, (x, batch, head, qp, kp),
+                                          replaying_reads(values))), reads
 
     def data_grads(self, logits: "Logits", batch, head, qp, kp, g):
         """``[(slot, flat, value)]``: the gradient of each scalar the function read from an
@@ -364,7 +365,7 @@ class TileMath:
             read = list(values)
             for n, x in zip(diff, scalars):
                 read[n] = x
-            return evaluate(traced, (logits.fn_in, batch, head, qp, kp), replaying(read))
+            return evaluate_function(traced, (logits.fn_in, batch, head, qp, kp), replaying_reads(read))
 
         _, pull = jax.vjp(fn, *(values[n] for n in diff))
         return [(items[n][0], items[n][1], d) for n, d in zip(diff, pull(g))]
@@ -424,7 +425,7 @@ class Logits(NamedTuple):
 def data_reader(math: TileMath, refs: dict):
     """``read(slot, flat)`` of the score function's arrays in a kernel (`refs` its inputs by
     name): a scalar load from scalar memory, in the array's own dtype."""
-    return lambda slot, flat: math.data[slot].value(refs[f"fdata{slot}"][flat])
+    return lambda slot, flat: value(math.data[slot], refs[f"fdata{slot}"][flat])
 
 
 def lanes(x, width: int):

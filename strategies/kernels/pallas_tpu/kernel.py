@@ -12,14 +12,14 @@ import jax.numpy as jnp
 
 from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, CompiledMask,
                                   Features, MaskReads, ResolvedMask, add_sinks,
-                                  backward_delta, pad_axis, public_lse, typed_like,
+                                  backward_delta, function_data, pad_axis, public_lse, typed_like,
                                   zero_cotangent)
 
 from .backward import dkv_call, dq_call, table_rows
 from .common import TileMath, Visits, cotangent_like, run_untyped, token_inputs, visits
 from .config import LANES, SUBLANES, PallasTpuConfig
 from .forward import forward_call
-from .function import decline as function_decline, function_data, reads_traced, stored
+from .function import decline as function_decline, reads_traced, rows as data_rows, stored
 
 _DTYPES = ("bfloat16", "float32")
 #: The tile a mask's element predicate is traced on, to see whether it runs in the kernels.
@@ -316,7 +316,7 @@ def _attend_bwd(static, res, cotangents):
         dtable = dtable.sum((0, 2)).astype(table.dtype)
     # Each dq program's block of an array's gradient, added up in a fixed order.
     ddata = tuple(
-        ddata[slot].reshape(batch, heads, -1, leaf.rows * LANES)[..., :leaf.size].sum((0, 1, 2))
+        ddata[slot].reshape(batch, heads, -1, data_rows(leaf) * LANES)[..., :leaf.size].sum((0, 1, 2))
         if slot in ddata else None for slot, leaf in enumerate(m.data))
     zeros = jax.tree.map(zero_cotangent, (tokens, arrays))
     # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none),
