@@ -18,6 +18,43 @@ from ._tiling import AbstractKernelConfig, Tiling
 
 
 @dataclasses.dataclass(frozen=True)
+class ScoreParams:
+    """A score function's `params` as a plan knows them: the tree's structure (`treedef`)
+    and each leaf's shape and dtype name (`leaves`), hashable. Present (`Features.score_params`)
+    whenever the function takes `params`; true where it has leaves.
+
+    ```python
+    ScoreParams.of({"slopes": jnp.ones(8)}).tree   # {"slopes": ShapeDtypeStruct((8,), float32)}
+    ```
+    """
+
+    treedef: Any
+    leaves: tuple[tuple[tuple[int, ...], str], ...] = ()
+
+    @staticmethod
+    def of(params) -> "ScoreParams":
+        """The plan's view of `params` (a pytree of arrays, tracers or abstract leaves)."""
+        leaves, treedef = jax.tree.flatten(params)
+        return ScoreParams(treedef, tuple(
+            (tuple(np.shape(x)), jnp.dtype(jnp.result_type(x)).name) for x in leaves))
+
+    @property
+    def tree(self):
+        """`params` with each leaf a `jax.ShapeDtypeStruct` of its shape and dtype."""
+        return jax.tree.unflatten(self.treedef, [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+                                                 for shape, dtype in self.leaves])
+
+    def __bool__(self) -> bool:
+        # True where there are leaves, as the flag this replaced (`if features.score_params:`).
+        return bool(self.leaves)
+
+    @property
+    def size(self) -> int:
+        """The elements of all leaves together."""
+        return sum(int(np.prod(shape)) for shape, _ in self.leaves)
+
+
+@dataclasses.dataclass(frozen=True)
 class Features:
     """What a call asks of a kernel; the selector's input besides the mask and the platform.
 
@@ -52,10 +89,11 @@ class Features:
     #: The score terms the call adds (`ScoreTerms.kinds`): e.g. ``("alibi",)``; ``()``: none.
     score: tuple[str, ...] = ()
     #: The call's score function (`ScoreTerms.function`, a hashable `ScoreTerm`) or ``None``,
-    #: and whether it reads `ScoreTerms.params`: a kernel that traces the function may check
-    #: it at plan time.
+    #: and its `ScoreTerms.params` as shapes and dtypes (`ScoreParams`; ``None`` where it
+    #: takes none): a kernel that traces the function may check it at plan time, on
+    #: stand-ins of those shapes (`ScoreParams.tree`).
     score_function: Any = None
-    score_params: bool = False
+    score_params: "ScoreParams | None" = None
 
 
 def sink_logsumexp(sinks):

@@ -14,7 +14,8 @@ from jaxtyping import Array, Float, Integer
 from ._compile import CompiledMask, ResolvedMask, describe_terms
 from ._inputs import (AttentionInputs, check_call, full_bias, hide_keys, prepare_inputs,
                       python_scalar)
-from ._kernel import AbstractBroadcastBiasKernel, AbstractKernel, AbstractLseKernel, Features
+from ._kernel import (AbstractBroadcastBiasKernel, AbstractKernel, AbstractLseKernel, Features,
+                      ScoreParams)
 from ._mask import EMPTY, AbstractMask, Document, Full
 from ._score import AbstractScore, attach_score, check_score, describe_score
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
@@ -413,8 +414,9 @@ class BlockSparseAttention(eqx.Module):
             sharded=not isinstance(self.sharding, Unsharded),
             score=() if inputs.score is None else inputs.score.kinds,
             score_function=None if inputs.score is None else inputs.score.function,
-            score_params=bool(jax.tree.leaves(None if inputs.score is None
-                                              else inputs.score.params)),
+            score_params=(None if inputs.score is None or inputs.score.function is None
+                          or not inputs.score.function.takes_params
+                          else ScoreParams.of(inputs.score.params)),
         )
         if is_auto(self.kernel):
             choice = choose_kernel(resolved, features)

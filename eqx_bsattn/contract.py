@@ -47,6 +47,7 @@ from ._kernel import (
     AbstractKernel as AbstractKernel,
     AbstractLseKernel as AbstractLseKernel,
     Features as Features,
+    ScoreParams as ScoreParams,
     add_sinks as add_sinks,
     pad_axis as pad_axis,
     refuse_forward_mode as refuse_forward_mode,
