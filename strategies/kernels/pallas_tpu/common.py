@@ -170,7 +170,7 @@ class TileMath:
     soft_cap: float | None
     slopes: bool = False
     buckets: Any = None  # RelativeBuckets, with a table
-    function: Callable | None = None  # a ScoreTerm without params
+    function: Callable | None = None  # a ScoreTerm; with params, `traced` is set
     #: Where the function reads arrays (`FunctionData`): its jaxpr at each tile
     #: shape, ``((shape, TracedFunction), ...)``, and the arrays' `DataLeaf`s (kernel inputs
     #: ``fdata0``, ... in scalar memory; where `DataLeaf.diff`, dq outputs ``dfdata0``, ...).
@@ -340,7 +340,7 @@ class TileMath:
         reads no array: ``fn(s)``), as a function of the logits (``fn(x)``, reading the same
         scalars), and the scalars it read from its arrays (`Reads`, loaded once
         here; ``None`` where it reads none)."""
-        if not self.data:
+        if not self.traced:
             return None, (lambda x: self.function(x, batch, head, qp, kp, None)), None
         traced = dict(self.traced)[tuple(s.shape)]
         rec, reads = recording_reads(read)

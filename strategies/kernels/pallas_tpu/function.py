@@ -19,9 +19,10 @@ deterministic).
 import functools
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (DataLeaf, function_data,
+from eqx_bsattn.contract import (DataLeaf, ScoreParams, function_data,
                                   reads_traced as reads_traced_on, unsupported_read)
 
 from .config import LANES, SUBLANES
@@ -61,15 +62,37 @@ def reads_traced(function: Callable) -> bool:
     return reads_traced_on(function, _TILE)
 
 
-@functools.lru_cache(maxsize=256)
-def decline(function) -> str | None:
+def decline(function, params: ScoreParams | None = None) -> str | None:
     """Why the kernels cannot evaluate the score function `function` (a `ScoreTerm`) with
-    the arrays it reads, or ``None``: each must be 32-bit (or bool), all of them at most
-    `DATA_LIMIT` elements, each read only at scalar indices. Traced once on a small tile;
-    cached per function. A function that does not trace is left to the kernel's call (which
-    raises the function's own error)."""
+    the arrays it reads (those it closes over and the leaves of its `params`, known at plan
+    time by their shapes: `ScoreParams`), or ``None``: each must be 32-bit (or bool), all of
+    them at most `DATA_LIMIT` elements, each read only at scalar indices. Traced once on a
+    small tile (on abstract stand-ins of the params: nothing is allocated); cached per
+    function and params' shapes. A function that does not trace is left to the kernel's call
+    (which raises the function's own error)."""
+    return _decline(function, params)
+
+
+@functools.lru_cache(maxsize=256)
+def _decline(function, params: ScoreParams | None) -> str | None:
+    if params is None:
+        return _decline_with(function, None)
+    found = []
+
+    def run(tree):  # the params as tracers: abstract, and marked traced (`DataLeaf.diff`)
+        found.append(_decline_with(function, tree))
+        return jnp.zeros(())
+
     try:
-        data = function_data(function, [_TILE])
+        jax.eval_shape(run, params.tree)
+    except Exception:  # noqa: BLE001 - the call raises it where it runs
+        return None
+    return found[0] if found else None
+
+
+def _decline_with(function, params) -> str | None:
+    try:
+        data = function_data(function, [_TILE], params)
     except Exception:  # noqa: BLE001 - the call raises it where it runs
         return None
     for leaf in data.leaves:

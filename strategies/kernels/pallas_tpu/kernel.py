@@ -73,24 +73,24 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     and the relative-position table from scalar memory (the table through T5's bucket
     thresholds, one scalar on whole pieces in a far bucket, by diagonals on the others), a
     `ScoreFunction` traced into the kernel body; then the soft cap. Arrays a score function
-    closes over (``slopes[head]``) are kernel inputs in scalar memory, read at the scalar
-    indices the function reads them at (`function`). The forward keeps an online softmax in
+    closes over (``slopes[head]``) and the leaves of its `params` are kernel inputs in scalar
+    memory, read at the scalar indices the function reads them at (`function`). The forward keeps an online softmax in
     float32 scratch and returns the log-sum-exp; sinks join after it (`add_sinks`).
 
     The backward is a dq kernel over the dq layout and a dk/dv kernel over the transposed
     lists, which walks every query head of a kv head's group (K / V are never repeated);
     each gradient block is written by one grid row, in a fixed order, so results are
     deterministic. The score function's derivative is `jax.jvp` of it on the tile; the
-    slopes', the table's and the closed-over arrays' gradients are summed per (batch, head,
-    q-block) by the dq kernel and added up after it.
+    slopes', the table's, the closed-over arrays' and the params' gradients are summed per
+    (batch, head, q-block) by the dq kernel and added up after it.
 
     Features: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths, soft cap, sinks, segment
     ids, per-call positions, fully masked rows (zeros), every score term, every mask; under
     `ShardMap`, `AllToAll` and `RingAttention`. Declines: an additive bias, float16, an
-    element map over 4 GiB, a score function's `params`, a score function that reads an
-    array other than at scalar indices (or a non-32-bit one, or more than
-    `function.DATA_LIMIT` elements), and inside a sharding's loop a traced array it closes
-    over. Its config is `PallasTpuConfig`.
+    element map over 4 GiB, a score function that reads an array (closed over, or a leaf of
+    its `params`, checked from their shapes when the call is planned) other than at scalar
+    indices (or a non-32-bit one, or more than `function.DATA_LIMIT` elements), and inside a
+    sharding's loop a traced array it closes over. Its config is `PallasTpuConfig`.
 
     Runs on a TPU, and anywhere in Pallas' interpret mode (`interpret`): its tests run it so
     on the CPU (inside `jax.shard_map` too). The selector picks it on a TPU below
@@ -131,15 +131,15 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         if features.dtype not in _DTYPES:
             return f"it runs bfloat16 or float32 inputs; got {features.dtype}."
         if features.score_function is not None:
-            if features.score_params:
-                return ("it does not read a score function's `params` yet (their shapes are "
-                        "not known when the call is planned).")
-            why = function_decline(features.score_function)
+            # Its params are read as the arrays it closes over are (kernel inputs in scalar
+            # memory): checked on stand-ins of their shapes.
+            why = function_decline(features.score_function, features.score_params)
             if why is not None:
                 return why
             if features.in_loop and reads_traced(features.score_function):
                 # The loop's own backward (RingAttention's) closes over the array: the
-                # gradient the kernel forms would not reach it.
+                # gradient the kernel forms would not reach it. (RingAttention refuses
+                # `params` itself.)
                 return ("inside a sharding's loop (RingAttention) it does not take a traced "
                         "array the score function closes over (its gradient would not reach "
                         "it): close over a concrete array, or shard with ShardMap.")
@@ -183,17 +183,14 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         lk = _multiple(kv_len, [bk for _, bk in blocks])
         score = inputs.score
         function = None if score is None else score.function
-        if function is not None and function.takes_params:
-            # The plan declines it (`decline_reason`): a call that gets here skipped the plan.
-            raise ValueError(
-                f"PallasTpuBlockSparse does not read a score function's `params` (got "
-                f"{function.__name__} with params); pass kernel=kernels.XlaBlockSparse().")
-        # The arrays the function closes over, at the tiles of the forward, dq and dk/dv
-        # passes (the dk/dv tiles are [keys, queries]).
+        # The arrays the function reads (those it closes over, and the leaves of its params:
+        # constants of its trace alike), at the tiles of the forward, dq and dk/dv passes
+        # (the dk/dv tiles are [keys, queries]).
+        params = score.params if function is not None and function.takes_params else None
         fdata = None if function is None else function_data(
-            function, (blocks[0], blocks[1], blocks[1][::-1]))
-        if fdata is not None and not fdata.arrays:
-            fdata = None
+            function, (blocks[0], blocks[1], blocks[1][::-1]), params)
+        if fdata is not None and not fdata.arrays and params is None:
+            fdata = None  # the function is called as it is (`TileMath._function`)
         predicate = None if mask.terms is not None else mask.without_layouts()
         elements = predicate is not None and not predicate.traces_on_tiles(_TILE)
         segment_ids = (mask.terms.segment_ids if mask.terms is not None

@@ -511,14 +511,15 @@ def test_log_sum_exp_and_its_gradient():
         assert _rel(g, w) < TOL
 
 
-def test_a_score_function_with_params_is_declined_by_name():
-    """Declined when planned (its `params` shapes are not known then), never refused when
-    run: an explicit request fails before anything runs."""
-    q = jnp.ones((1, 2, 32, 8))
-    slopes = jnp.asarray([0.5, 0.25])
+def test_a_score_function_whose_params_are_one_array_runs():
+    """`params` a bare array (no dict): read in the kernels at the head, as the reference
+    reads it (forward; the gradients are tested in test_pallas_tpu_function_data.py)."""
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 2, 32, 8)), jnp.float32) for _ in range(3))
+    slopes = jnp.asarray([0.5, -0.25], jnp.float32)
     score = scores.ScoreFunction(lambda s, h, qp, kp, p: s + p[h] * (kp - qp), slopes)
-    attn = bsa.BlockSparseAttention(mask=masks.Causal(), score=score,
-                                    kernel=kernels.PallasTpuBlockSparse())
-    with pytest.raises(ValueError, match=r"^kernel pallas_tpu cannot run this call: it does "
-                                         r"not read a score function's `params` yet "):
-        attn(q, q, q)
+    outs = [bsa.BlockSparseAttention(mask=masks.Causal(), score=score, kernel=kernel,
+                                     tiling=tiling)(q, k, v)
+            for kernel, tiling in ((kernels.PallasTpuBlockSparse(), TILES),
+                                   (kernels.DenseReference(), None))]
+    assert _rel(outs[0], outs[1]) < TOL

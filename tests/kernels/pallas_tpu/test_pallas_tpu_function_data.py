@@ -1,9 +1,9 @@
 """`PallasTpuBlockSparse` with a `ScoreFunction` that reads arrays: arrays it closes over
-(concrete, traced by `jit`, or differentiated by `jax.grad`) against the float64 oracle,
-forward and every gradient (q, k, v and the closed-over arrays), with GQA and a causal mask,
-interpreted on the CPU; the programs lowered for a TPU v5e; what it declines at plan time
-(an array read other than at scalar indices, a score function's `params`), and the selector
-then running another kernel for a TPU call."""
+(concrete, traced by `jit`, or differentiated by `jax.grad`) and the leaves of its `params`,
+against the float64 oracle, forward and every gradient (q, k, v and the arrays), with GQA and
+a causal mask, interpreted on the CPU; the programs lowered for a TPU v5e; what it declines at
+plan time (an array read other than at scalar indices, not 32-bit, too large: for params from
+their shapes alone), and the selector then running another kernel for a TPU call."""
 
 import re
 
@@ -14,6 +14,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks, scores
+from eqx_bsattn.contract import ScoreParams
 from eqx_bsattn.strategies.kernels.pallas_tpu.function import DATA_LIMIT
 from tests.conftest import jnp_attention_f64, np_visibility, score_f64
 from tests.kernels.pallas_tpu.test_pallas_tpu import (  # noqa: F401 (v5e_lowering: a fixture)
@@ -198,35 +199,117 @@ def learned_alibi(score, head, q_pos, k_pos, params):
     return score + params["slopes"][head] * (k_pos - q_pos)
 
 
-def test_a_score_function_with_params_goes_to_another_kernel_on_a_tpu():
-    """Planned for a TPU on the CPU, a function with `params` is declined by this kernel at
-    plan time (before: chosen, then refused when run); the kernel chosen instead runs (here
-    in its CPU form) and matches float64, `params` gradient included."""
+def learned(score, head, q_pos, k_pos, params):
+    """Learned ALiBi slopes, a per-head window weight read at two scalar indices, and a 0-d
+    temperature."""
+    distance = (k_pos - q_pos).astype(score.dtype)
+    near = jnp.where(q_pos - k_pos < 40, 1.0, -1.0)
+    return (score * params["temperature"] + params["slopes"][head] * distance
+            + params["bias"][head, 1] * near)
+
+
+def _learned_params(rng):
+    return {"slopes": jnp.asarray(rng.uniform(-0.4, 0.4, H), jnp.float32),
+            "bias": jnp.asarray(rng.standard_normal((H, 2)), jnp.float32),
+            "temperature": jnp.float32(1.3)}
+
+
+def test_params_run_in_the_kernels_and_match_the_oracle():
+    """A `ScoreFunction` with `params` (learned slopes, a per-head weight ``[H, 2]``, a 0-d
+    temperature), planned for a TPU: the selector takes this kernel; run (interpreted), output and
+    the gradients of q, k, v and every leaf of `params` against float64, and the params'
+    gradients bit-identical on a second run (per-program blocks summed in a fixed order)."""
     q, k, v, cot, rng = _inputs(5)
-    params = {"slopes": jnp.asarray(rng.uniform(-0.4, 0.4, H), jnp.float32)}
-    score = scores.ScoreFunction(learned_alibi, params)
-    plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=score).plan(
-        q, k, v, platform="tpu")
-    assert plan.kernel.name != "pallas_tpu"
-    assert "it does not read a score function's `params` yet" in plan.choice.explain()
+    params = _learned_params(rng)
+    mask = masks.Causal()
+    score = scores.ScoreFunction(learned, params)
+    plan = bsa.BlockSparseAttention(mask=mask, score=score).plan(q, k, v, platform="tpu")
+    assert plan.kernel.name == "pallas_tpu", plan.choice.explain()
+    kernel = kernels.PallasTpuBlockSparse()
 
     def loss(q, k, v, params):
-        out = bsa.blocksparse_attention(q, k, v, causal=True, platform="pallas",
-                                        score=scores.ScoreFunction(learned_alibi, params))
+        attn = bsa.BlockSparseAttention(mask=mask, score=scores.ScoreFunction(learned, params),
+                                        kernel=kernel, tiling=TILES)
+        out = attn(q, k, v)
         return jnp.vdot(out, cot), out
 
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
     with jax.default_matmul_precision("highest"):
-        grads, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, params)
-    want_out, (want_qkv, want_arrays) = _oracle(
-        closure_alibi, masks.Causal(), q, k, v, cot, {"slopes": params["slopes"]})
+        (dq, dk, dv, dparams), out = step(q, k, v, params)
+        again = step(q, k, v, params)[0][3]
+    make = lambda **p: (lambda s, h, qp, kp: learned(s, h, qp, kp, p))  # noqa: E731
+    want_out, (want_qkv, want_params) = _oracle(make, mask, q, k, v, cot, params)
     assert _rel(out, want_out) < TOL
-    for g, w in zip(grads[:3], want_qkv):
+    for g, w in zip((dq, dk, dv), want_qkv):
         assert _rel(g, w) < TOL
-    # XlaBlockSparse's float32 sum of dS times the distance (SLOPES_TOL's note: 1.9e-4 on
-    # another call against float64; on a TPU v5e this call measured 8.9e-4, 2026-12-06).
-    assert _rel(grads[3]["slopes"], want_arrays["slopes"]) < (2e-3 if ON_TPU else 5e-4)
-    explicit = bsa.BlockSparseAttention(mask=masks.Causal(), score=score,
+    for name in params:
+        assert _rel(dparams[name], want_params[name]) < SLOPES_TOL, name
+        np.testing.assert_array_equal(np.asarray(dparams[name]), np.asarray(again[name]))
+
+
+def test_params_gradients_lower_for_a_tpu(v5e_lowering):
+    """``interpret=False``: with `params`, the forward, dq (the params' gradient blocks) and
+    dk/dv kernels of `jax.grad` lower for a TPU v5e, the leaves read from scalar memory."""
+    x = jax.ShapeDtypeStruct((1, H, 256, 128), jnp.float32)
+
+    def loss(q, k, v, params):
+        attn = bsa.BlockSparseAttention(
+            mask=masks.Causal(), score=scores.ScoreFunction(learned, params),
+            kernel=kernels.PallasTpuBlockSparse(interpret=False), tiling=TILES)
+        return attn(q, k, v).sum()
+
+    params = {"slopes": jax.ShapeDtypeStruct((H,), jnp.float32),
+              "bias": jax.ShapeDtypeStruct((H, 2), jnp.float32),
+              "temperature": jax.ShapeDtypeStruct((), jnp.float32)}
+    modules = v5e_lowering(jax.grad(loss, argnums=(0, 1, 2, 3)), x, x, x, params)
+    assert set(modules) == {"pallas_tpu_forward", "pallas_tpu_dq", "pallas_tpu_dkv"}
+    for name, text in modules.items():
+        assert "memref<4xf32, #tpu.memory_space<smem>>" in text, name
+        assert "memref<8xf32, #tpu.memory_space<smem>>" in text, name
+
+
+def table_by_distance(score, head, q_pos, k_pos, params):
+    """Reads a learned ``[H, 2L - 1]`` table at the tile's distances: a gather on the tile."""
+    return score + params["table"][head, k_pos - q_pos + L - 1]
+
+
+@pytest.mark.parametrize("params, fn, reason", [
+    ({"table": jnp.zeros((H, 2 * L - 1), jnp.float32)}, table_by_distance,
+     r"^the score function reads an array only as the TPU kernels cannot: it applies "
+     r"`gather` to an array it reads \(of shape \(4, 399\)\) other than at scalar indices "
+     r"\(read arrays at scalar indices, e.g\. slopes\[head\]\)\.$"),
+    ({"slopes": jnp.zeros((H,), jnp.bfloat16)}, learned_alibi,
+     r"^the score function reads an array of bfloat16 \(shape \(4,\)\): the TPU kernels "
+     r"read 32-bit or bool arrays\.$"),
+    ({"slopes": jnp.zeros((DATA_LIMIT + 1,), jnp.float32)}, learned_alibi,
+     rf"^the score function reads arrays of {DATA_LIMIT + 1} elements \(at most "
+     rf"{DATA_LIMIT}, in scalar memory\)\.$"),
+])
+def test_params_it_cannot_read_are_declined_at_plan_time(params, fn, reason):
+    """Declined from the params' shapes alone (`Features.score_params`), in one line naming
+    the reason; the selector then takes another kernel on a TPU, and an explicit request is
+    refused before anything runs."""
+    resolved = bsa.ResolvedMask(masks.Causal(), q_len=L, kv_len=L, num_heads=H)
+    term = scores.ScoreFunction(fn, params).compile(H).function
+    features = bsa.Features(**{**TPU, "score": ("function",), "score_function": term,
+                               "score_params": ScoreParams.of(params)})
+    why = kernels.PallasTpuBlockSparse().decline_reason(resolved, features)
+    assert why is not None and re.match(reason, why) and "\n" not in why, why
+    assert bsa.select_kernel(masks.Causal(), "tpu", features).kernel.name == "xla"
+    q, k, v, _, _ = _inputs(4)
+    explicit = bsa.BlockSparseAttention(mask=masks.Causal(),
+                                        score=scores.ScoreFunction(fn, params),
                                         kernel=kernels.PallasTpuBlockSparse())
-    with pytest.raises(ValueError, match=r"^kernel pallas_tpu cannot run this call: it does "
-                                         r"not read a score function's `params` yet"):
+    with pytest.raises(ValueError, match=r"^kernel pallas_tpu cannot run this call: the "
+                                         r"score function reads "):
         explicit(q, k, v)
+
+
+def test_selector_picks_it_for_params_on_a_tpu():
+    """At the issue's size (bf16, 16 heads, 8k), from the params' shapes alone."""
+    params = {"slopes": jnp.ones((16,), jnp.float32)}
+    term = scores.ScoreFunction(learned_alibi, params).compile(16).function
+    features = bsa.Features(**{**TPU, "score": ("function",), "score_function": term,
+                               "score_params": ScoreParams.of(params)})
+    choice = bsa.select_kernel(masks.Causal(), "tpu", features)
+    assert choice.kernel.name == "pallas_tpu", choice.explain()

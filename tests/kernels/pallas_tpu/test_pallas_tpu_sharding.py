@@ -124,23 +124,33 @@ else:
     def closure_alibi(slopes):
         return lambda score, head, q_pos, k_pos: score + slopes[head] * (k_pos - q_pos)
 
-    @pytest.mark.parametrize("name", ["shard_map", pytest.param("ring", marks=slow)])
-    def test_function_closing_over_its_slopes(name):
-        """ALiBi written as a function of slopes it closes over: under ShardMap the slopes
-        are differentiated (each device's share of their gradient, at the call's head ids,
-        summed over the devices); inside the ring's loop they are a concrete array."""
+    def learned_alibi(score, head, q_pos, k_pos, params):
+        return score + params["slopes"][head] * (k_pos - q_pos)
+
+    @pytest.mark.parametrize("name, how", [
+        ("shard_map", "closure"), ("shard_map", "params"),
+        pytest.param("ring", "closure", marks=slow)])
+    def test_function_closing_over_its_slopes(name, how):
+        """ALiBi written as a function of slopes it closes over, or reads in its `params`:
+        under ShardMap the slopes are differentiated (each device's share of their gradient,
+        at the call's head ids, summed over the devices); inside the ring's loop they are a
+        concrete array (RingAttention refuses `params`)."""
         make, batch, heads, kv_heads, length, _ = shardings(name)
         q, k, v = random_inputs(33, batch=batch, heads=heads, kv_heads=kv_heads, q_len=length,
                                 value_dim=4)
         slopes = jnp.linspace(-0.5, 0.4, heads)
         arrays = {"slopes": slopes} if name == "shard_map" else {}
 
+        def score_of(x):
+            if how == "params":
+                return scores.ScoreFunction(learned_alibi, {"slopes": x})
+            return scores.ScoreFunction(closure_alibi(x))
+
         def call(shard):
             def fn(q, k, v, **extra):
                 attn = BlockSparseAttention(
                     mask=masks.Causal(), kernel=kernels.PallasTpuBlockSparse(),
-                    tiling=TILES, score=scores.ScoreFunction(
-                        closure_alibi(extra.pop("slopes", slopes))),
+                    tiling=TILES, score=score_of(extra.pop("slopes", slopes)),
                     **({} if shard is None else {"sharding": shard}))
                 return attn(q, k, v, **extra)
 
