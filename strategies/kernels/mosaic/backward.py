@@ -50,11 +50,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from eqx_bsattn.contract import recording_reads
+
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      SMEM_BUDGET, AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
                      ELEMENT_MAP_DTYPE, alibi_positions_term, block_visible, element_tile,
-                     persistent_schedule, ring_stages,
-                     score_function_tile, segment_ids_apart, swizzled, walk_list)
+                     data_operands, data_reader, differentiated_reads, function_tile,
+                     persistent_schedule, read_derivatives, ring_stages, segment_ids_apart,
+                     swizzled, walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -203,16 +206,21 @@ class BackwardConfig(AttentionShape, LogitTerms):
             derivative = jnp.where(p > 0.0, derivative, 0.0)
         return p, (t, derivative)
 
-    def score_gradient(self, p, dp, delta, factors):
+    def score_gradient(self, p, dp, delta, factors, value_gradient: bool = False):
         """``dS = P (dp - delta)`` from `probabilities`' ``(P, factors)`` and the block's raw
         ``dp = dO . v`` (`delta` broadcast to it), times the soft cap's derivative ``1 -
         t^2`` and the score function's where there are they. dS is the gradient of the
-        products before the softmax scale: dq and dk take the scale afterwards."""
+        products before the softmax scale: dq and dk take the scale afterwards.
+
+        With `value_gradient`, ``(dS, G)``: `G` is the gradient of the score function's
+        value (dS before the function's derivative), which the arrays it reads take."""
         t, derivative = factors
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
-        return ds if derivative is None else ds * derivative
+        value = ds
+        ds = ds if derivative is None else ds * derivative
+        return (ds, value) if value_gradient else ds
 
 
 def _launch(body, scratch, ctas: int, out_type, operands, interpret):
@@ -340,13 +348,46 @@ def _element_map_operand(cfg: BackwardConfig, element_map, launch: str):
     return element_map
 
 
-def _function_tiles(cfg: BackwardConfig, b, h, positions):
+def _function_tiles(cfg: BackwardConfig, b, h, positions, read=None, seen=None):
     """The score function of a block as `BackwardConfig.probabilities` takes it (natural-unit
     logits to their value and derivative), on the query and key position tiles
-    ``positions()`` (in the block's orientation), or ``None`` without one."""
+    ``positions()`` (in the block's orientation), its arrays read by `read`
+    (`common.data_reader`), or ``None`` without one. `seen`, a list, receives the logits it
+    was evaluated on (for `common.read_derivatives`)."""
     if cfg.function is None:
         return None
-    return lambda s: score_function_tile(cfg.function, s, b, h, *positions(), derivative=True)
+
+    def tiles(s):
+        if seen is not None:
+            seen.append(s)
+        return function_tile(cfg, s, b, h, *positions(), read=read, derivative=True)
+
+    return tiles
+
+
+def _data_operands(cfg: BackwardConfig, data, launch: str):
+    """The launch's ``(floats, ints)`` operands of the arrays the score function reads
+    (`common.data_operands`)."""
+    if cfg.traced and len(data) != len(cfg.data):
+        raise ValueError(f"{launch}: `data` must hold the {len(cfg.data)} arrays the score "
+                         f"function reads; got {len(data)}.")
+    return data_operands(cfg, data)
+
+
+def data_read_count(cfg: BackwardConfig) -> int:
+    """Reads of arrays whose gradient is formed (`DataLeaf.diff`) in one evaluation of the
+    function on a dk/dv tile: the rows `dkv_call` returns for them (``0`` without)."""
+    if not cfg.data_gradients:
+        return 0
+    from eqx_bsattn.contract import evaluate_function, recording_reads
+
+    shape = (ROWS_PER_WARPGROUP, cfg.dkv_block_q)
+    record, reads = recording_reads(lambda slot, flat: jnp.zeros((), cfg.data[slot].dtype))
+    f32, i32 = jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    jax.make_jaxpr(lambda *args: evaluate_function(cfg.traced_at(shape), args, record))(
+        f32, scalar, scalar, i32, i32)
+    return len(differentiated_reads(cfg, reads))
 
 
 def _store_rows(stage, rows, target, wait: bool):
@@ -381,7 +422,8 @@ def _check_schedule(items, buffers: int, launch: str, num_items: int):
 
 def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index,
             partial_count, partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-            slopes=None, positions=None, element_map=None, schedule=None, interpret=None):
+            slopes=None, positions=None, element_map=None, data=(), schedule=None,
+            interpret=None):
     """dq ``[B, H, Lq, D]`` (the query's dtype) for padded inputs; `lse` (base 2) and `delta`
     are ``[B, H, Lq]`` float32; the lists are the dq layout's. `schedule` is the launch's
     ``(items, counts)`` (`dq_schedule` when ``None``).
@@ -389,7 +431,8 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     With ALiBi (``cfg.alibi``, `slopes` ``[H]`` float32) each logit takes its term; the
     slopes' gradient comes from `dkv_call`. `positions` are the padded ``(q_positions,
     kv_positions)`` ``[B, L]`` int32 (``cfg.positions``); `element_map` the padded
-    ``[1 or B, 1 or H, Lq, Lk]`` map (``cfg.elements``)."""
+    ``[1 or B, 1 or H, Lq, Lk]`` map (``cfg.elements``); `data` the arrays the score function
+    reads, by slot (``cfg.traced``; `common.stored`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -404,14 +447,16 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     slopes = _slopes(cfg, slopes, "dq_call")
     qpos, kpos = _positions_operands(cfg, positions, "dq_call")
     emap = _element_map_operand(cfg, element_map, "dq_call")
+    floats, ints = _data_operands(cfg, data, "dq_call")
     items, counts = schedule if schedule is not None else dq_schedule(cfg, full_count,
                                                                        partial_count)
     _check_schedule(items, buffers, "dq_call", cfg.batch * cfg.heads * num_tiles)
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
              fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref,
-             emap_ref, *refs):
+             emap_ref, floats_ref, ints_ref, *refs):
         dq_ref, scoped = refs
+        read = data_reader(cfg, floats_ref, ints_ref)
         (q_own, do_own, k_ring, v_ring), (q_ready, do_ready, k_ready, v_ready), \
             (k_free, v_free) = scoped
         wg = lax.axis_index("wg")
@@ -485,7 +530,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                                                           pl.ds(k_base, bk)))
                     p, factors = cfg.probabilities(
                         s, lax.broadcast_in_dim(row_lse, (bq, bk), [0]), vis, term,
-                        _function_tiles(cfg, b, h, tiles))
+                        _function_tiles(cfg, b, h, tiles, read))
                     return cfg.score_gradient(p, dp, lax.broadcast_in_dim(delta, (bq, bk), [0]),
                                               factors)
 
@@ -532,8 +577,8 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
     return _launch(body, scratch, items.shape[0], out_type,
                    (items, counts, q, k, v, do, lse, delta, full_count, full_index,
-                    partial_count, partial_index, qseg, kseg, slopes, qpos, kpos, emap),
-                   interpret)
+                    partial_count, partial_index, qseg, kseg, slopes, qpos, kpos, emap, floats,
+                    ints), interpret)
 
 
 def dq_schedule(cfg: BackwardConfig, full_count, partial_count):
@@ -566,8 +611,8 @@ def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, .
 
 def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_index,
              t_partial_count, t_partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-             dq_accumulator=None, slopes=None, positions=None, element_map=None, schedule=None,
-             interpret=None):
+             dq_accumulator=None, slopes=None, positions=None, element_map=None, data=(),
+             schedule=None, interpret=None):
     """``(dk, dv)``, each ``[B, H_kv, Lk, D]`` (a kv head's gradient summed over its group of
     query heads in float32, in the kernel), for padded inputs ``q, do [B, H, Lq, D]`` and
     ``k, v [B, H_kv, Lk, D]``; the lists are the dk/dv layout's transposed ones. `schedule`
@@ -586,7 +631,15 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     over the batch and the rows), as ``(dk, dv, slope_rows)``, in both modes (docs/mosaic.md,
     "ALiBi", says why not in the dq kernel). `positions` are the padded ``(q_positions,
     kv_positions)`` ``[B, L]`` int32 (``cfg.positions``); `element_map` the padded map
-    transposed, ``[1 or B, 1 or H, Lk, Lq]`` (``cfg.elements``)."""
+    transposed, ``[1 or B, 1 or H, Lk, Lq]`` (``cfg.elements``).
+
+    `data` are the arrays the score function reads, by slot (``cfg.traced``;
+    `common.stored`). Where one is traced (``cfg.data_gradients``) it also returns, last,
+    `data_rows` ``[R, B, H, Lk]`` float32: for each of the function's R reads of such an
+    array on a tile (`data_read_count`, in the order it reads them), each key's sum over its
+    visible queries of the read's cotangent, ``G d function / d read`` (`G` the gradient of
+    the function's value); the caller sums them per head and batch row and adds them at
+    the elements read (each read's index depends on the head and batch row alone)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -606,6 +659,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     slopes = _slopes(cfg, slopes, "dkv_call")
     qpos, kpos = _positions_operands(cfg, positions, "dkv_call")
     emap = _element_map_operand(cfg, element_map, "dkv_call")
+    floats, ints = _data_operands(cfg, data, "dkv_call")
+    reads_out = data_read_count(cfg)
     slope_out = cfg.alibi
     items, counts = schedule if schedule is not None else dkv_schedule(
         cfg, t_full_count, t_partial_count, fused)
@@ -613,9 +668,13 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
              fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref,
-             emap_ref, *refs):
+             emap_ref, floats_ref, ints_ref, *refs):
         # Inputs (the dq accumulator), outputs, then the scratch buffers in one tuple.
         *refs, scoped = refs
+        read = data_reader(cfg, floats_ref, ints_ref)
+        if reads_out:
+            *scoped, data_stage = scoped
+            *refs, data_ref = refs
         if slope_out:
             *scoped, rows_stage = scoped
             *refs, rows_ref = refs
@@ -717,7 +776,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                              if cfg.alibi else None)
 
                     def step(it, carry, masked):
-                        dk, dv, slope_rows = carry
+                        dk, dv, slope_rows, data_rows = carry
                         slot = lax.rem(step0 + it, stages)
                         q_base = cta_items.block(prefix, it, n_full) * bq
                         cols = pl.ds(q_base, bq)
@@ -737,6 +796,11 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         with jax.named_scope("products"):
                             (s_t,) = ops.products((bk, bq),
                                                   [(k_smem, q_ring.at[slot], True)])
+                        # The reads of the score function's arrays and the logits it was
+                        # evaluated on, for their gradient (`data_rows`).
+                        record, reads = (recording_reads(read) if reads_out
+                                         else (read, None))
+                        seen = []
                         with jax.named_scope("softmax_partial" if masked else "softmax_full"):
                             vis = None
                             if masked:
@@ -763,7 +827,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                     lse = lse - alibi.streamed(bq, q_base - k_base)
                             p_t, factors = cfg.probabilities(
                                 s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis, term,
-                                _function_tiles(cfg, b, h, tiles))
+                                _function_tiles(cfg, b, h, tiles, record, seen))
                         # dV's product and dP's in one group, dK's after dS: fewer live
                         # registers than S and dP together beside the dk and dv accumulators.
                         with jax.named_scope("dv_dp"):
@@ -776,8 +840,17 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         with jax.named_scope("load_rows"):
                             delta = streamed_row(delta_ring, delta_ready, delta_free, slot)
                         with jax.named_scope("ds"):
-                            ds_t = cfg.score_gradient(
-                                p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), factors)
+                            ds_t, value_t = cfg.score_gradient(
+                                p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), factors,
+                                value_gradient=True)
+                            if reads_out:
+                                # Each read's cotangent, G d function / d read, summed per
+                                # key (pairs hidden, P = 0, take none).
+                                derivatives = read_derivatives(cfg, seen[0], b, h, *tiles(),
+                                                               reads)
+                                data_rows = tuple(
+                                    rows + jnp.where(p_t > 0.0, value_t * dr, 0.0).sum(axis=1)
+                                    for rows, dr in zip(data_rows, derivatives))
                             if slope_out and cfg.positions:
                                 # Each key's sum of dS (k_pos - q_pos) over the block.
                                 q_tile, k_tile = tiles()
@@ -792,12 +865,25 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         plgpu.barrier_arrive(q_free.at[slot])
                         if fused:
                             add_dq_partial(ds_t, step0 + it, h, cols)
-                        return dk, dv, slope_rows
+                        return dk, dv, slope_rows, data_rows
 
-                    slope_rows = (ops.cast(jnp.zeros((bk,), jnp.float32), ops.row_layout)
-                                  if slope_out else None)
-                    dk, dv, slope_rows = walk_list(n_full, n_steps, step,
-                                                   (dk, dv, slope_rows))
+                    def zero_rows():
+                        return ops.cast(jnp.zeros((bk,), jnp.float32), ops.row_layout)
+
+                    slope_rows = zero_rows() if slope_out else None
+                    data_rows = tuple(zero_rows() for _ in range(reads_out))
+                    dk, dv, slope_rows, data_rows = walk_list(
+                        n_full, n_steps, step, (dk, dv, slope_rows, data_rows))
+                    if reads_out:
+                        with jax.named_scope("data_rows"):
+                            if not cta_items.single or group > 1:
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            for r, rows in enumerate(data_rows):
+                                data_stage.at[wg, r][...] = rows
+                            plgpu.commit_smem()
+                            for r in range(reads_out):
+                                plgpu.copy_smem_to_gmem(data_stage.at[wg, r],
+                                                        data_ref.at[r, b, h, keys])
                     if slope_out:
                         with jax.named_scope("slope_rows"):
                             _store_rows(rows_stage.at[wg], slope_rows,
@@ -841,7 +927,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 (plgpu.Barrier(num_barriers=stages),) * 2,
                 (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2))
     operands = (items, counts, q, k, v, do, lse, delta, t_full_count, t_full_index,
-                t_partial_count, t_partial_index, qseg, kseg, slopes, qpos, kpos, emap)
+                t_partial_count, t_partial_index, qseg, kseg, slopes, qpos, kpos, emap, floats,
+                ints)
     if fused:
         scratch = (*scratch, (swizzled((2, COMPUTE_WARPGROUPS, bk, bq), dtype),
                               swizzled((COMPUTE_WARPGROUPS, bq, dq_cols), jnp.float32),
@@ -854,4 +941,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
         scratch = (*scratch, plgpu.SMEM((COMPUTE_WARPGROUPS, bk), jnp.float32))
         out_type = (*out_type, jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.kv_len),
                                                     jnp.float32))
+    if reads_out:
+        scratch = (*scratch, plgpu.SMEM((COMPUTE_WARPGROUPS, reads_out, bk), jnp.float32))
+        out_type = (*out_type, jax.ShapeDtypeStruct(
+            (reads_out, cfg.batch, cfg.heads, cfg.kv_len), jnp.float32))
     return _launch(body, scratch, items.shape[0], out_type, operands, interpret)

@@ -94,6 +94,27 @@ class LogitTerms:
     #: Per-call positions (``[B, L]`` int32 operands) in place of the token indices, for the
     #: mask's terms, ALiBi and the score function.
     positions: bool = False
+    #: Where the score function reads arrays (its closure's constants, its `params`): the
+    #: function traced at each tile shape the launches evaluate it on, ``((shape,
+    #: TracedFunction), ...)`` (`function_data`), and what the kernels know of each array
+    #: (`DataLeaf`, by slot). The arrays are the launches' operands (`data_operands`), read
+    #: at scalar indices (`data_reader`). ``()``: `function` is traced as it is.
+    traced: tuple = ()
+    data: tuple = ()
+
+    def traced_at(self, shape):
+        """The function traced at tile `shape` (`traced`)."""
+        for at, traced in self.traced:
+            if tuple(at) == tuple(shape):
+                return traced
+        raise ValueError(f"the score function was not traced at the tile {tuple(shape)} "
+                         f"(traced at {[tuple(at) for at, _ in self.traced]}).")
+
+    @property
+    def data_gradients(self) -> bool:
+        """Whether the dk/dv launch forms the gradient of an array the function reads
+        (one is traced: `DataLeaf.diff`)."""
+        return any(leaf.diff for leaf in self.data)
 
     @property
     def whole_terms(self) -> bool:
@@ -393,6 +414,101 @@ def score_function_tile(function, s, batch, head, q_pos, k_pos, params=None,
     if not derivative:
         return term(s)
     return jax.jvp(term, (s,), (jnp.ones_like(s),))
+
+
+def function_tile(cfg: LogitTerms, s, batch, head, q_pos, k_pos, read=None,
+                  derivative: bool = False):
+    """The launch's score function (``cfg.function``) on one block's tile, as
+    `score_function_tile` gives it; where it reads arrays (``cfg.traced``), its trace at the
+    tile's shape evaluated with each read of an array a call of ``read(slot, flat)``
+    (`data_reader`, or a recording of it: `recording_reads`)."""
+    if not cfg.traced:
+        return score_function_tile(cfg.function, s, batch, head, q_pos, k_pos,
+                                   derivative=derivative)
+    from eqx_bsattn.contract import evaluate_function
+
+    traced = cfg.traced_at(s.shape)
+
+    def term(x):
+        return jnp.asarray(evaluate_function(traced, (x, batch, head, q_pos, k_pos), read),
+                           jnp.float32)
+
+    if not derivative:
+        return term(s)
+    return jax.jvp(term, (s,), (jnp.ones_like(s),))
+
+
+def differentiated_reads(cfg: LogitTerms, reads) -> list[int]:
+    """The positions, in `reads` (a `recording_reads` record), of the reads of arrays whose
+    gradient the kernels form (`DataLeaf.diff`)."""
+    return [i for i, (slot, _, _) in enumerate(reads.items) if cfg.data[slot].diff]
+
+
+def read_derivatives(cfg: LogitTerms, s, batch, head, q_pos, k_pos, reads):
+    """``d function / d read`` on one block's tile for each read of `differentiated_reads`,
+    in that order: forward-mode products in the read scalars, the others replayed
+    (`replaying_reads`), on the natural-unit logits `s` the function was evaluated on."""
+    from eqx_bsattn.contract import evaluate_function, replaying_reads
+
+    traced = cfg.traced_at(s.shape)
+    values = [value for _, _, value in reads.items]
+    tiles = []
+    for i in differentiated_reads(cfg, reads):
+        def term(x, i=i):
+            replayed = values[:i] + [x] + values[i + 1:]
+            return jnp.asarray(evaluate_function(traced, (s, batch, head, q_pos, k_pos),
+                                                 replaying_reads(replayed)), jnp.float32)
+
+        tiles.append(jax.jvp(term, (values[i],), (jnp.ones_like(values[i]),))[1])
+    return tiles
+
+
+def data_offsets(data: tuple) -> tuple[tuple[bool, int], ...]:
+    """Per data leaf ``(is float, offset)``: where its elements start in the float32 or the
+    int32 operand (`data_operands`)."""
+    ends = {True: 0, False: 0}
+    offsets = []
+    for leaf in data:
+        floating = bool(jnp.issubdtype(leaf.dtype, jnp.floating))
+        offsets.append((floating, ends[floating]))
+        ends[floating] += leaf.size
+    return tuple(offsets)
+
+
+def stored(x, leaf):
+    """An array the function reads as the launches take it: flattened, float32 (a float
+    array) or int32 (integers and booleans)."""
+    floating = jnp.issubdtype(leaf.dtype, jnp.floating)
+    return jnp.ravel(jnp.asarray(x)).astype(jnp.float32 if floating else jnp.int32)
+
+
+def data_operands(cfg: LogitTerms, data: tuple):
+    """``(floats [n] float32, ints [m] int32)``: the arrays the function reads (`stored`,
+    by slot) concatenated, float ones and the others apart (a one-element placeholder where
+    there are none)."""
+    offsets = data_offsets(cfg.data)
+    parts = {True: [], False: []}
+    for (floating, _), x in zip(offsets, data):
+        parts[floating].append(x)
+    return tuple(jnp.concatenate(parts[f]) if parts[f] else jnp.zeros((1,), t)
+                 for f, t in ((True, jnp.float32), (False, jnp.int32)))
+
+
+def data_reader(cfg: LogitTerms, floats_ref, ints_ref):
+    """``read(slot, flat)``: element `flat` of data leaf `slot`, a scalar load from the
+    launch's float32 or int32 operand (`data_operands`), in the leaf's dtype; ``None``
+    without data."""
+    if not cfg.traced:
+        return None
+    offsets = data_offsets(cfg.data)
+
+    def read(slot, flat):
+        leaf = cfg.data[slot]
+        floating, offset = offsets[slot]
+        x = (floats_ref if floating else ints_ref)[offset + flat]
+        return x != 0 if leaf.dtype == jnp.bool_ else x.astype(leaf.dtype)
+
+    return read
 
 
 def list_entry(full_ref, partial_ref, prefix, it, n_full):

@@ -47,8 +47,8 @@ from jax import lax
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
                      ELEMENT_MAP_DTYPE, alibi_positions_term, block_visible, element_tile,
-                     persistent_schedule, ring_stages, score_function_tile,
-                     segment_ids_apart, swizzled, walk_list)
+                     data_operands, data_reader, function_tile, persistent_schedule,
+                     ring_stages, segment_ids_apart, swizzled, walk_list)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -68,13 +68,14 @@ class ForwardConfig(AttentionShape, LogitTerms):
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
                  partial_index, q_segment_ids=None, kv_segment_ids=None, *, slopes=None,
-                 positions=None, element_map=None, schedule=None, interpret=None):
+                 positions=None, element_map=None, data=(), schedule=None, interpret=None):
     """``(out [B, H, Lq, D], lse [B, H, Lq] float32, base 2)`` for padded inputs.
     `schedule` is the launch's ``(items, counts)`` (`persistent_schedule` of the counts on
     ``cfg.ctas`` CTAs when ``None``); `slopes` ``[H]`` float32 are ALiBi's (``cfg.alibi``);
     `positions` the padded ``(q_positions [B, Lq], kv_positions [B, Lk])`` int32
     (``cfg.positions``); `element_map` the padded ``[1 or B, 1 or H, Lq, Lk]`` map
-    (``cfg.elements``)."""
+    (``cfg.elements``); `data` the arrays the score function reads, by slot
+    (``cfg.traced``; `common.stored`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -101,8 +102,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         raise ValueError("forward_call: `slopes` must be given when cfg.alibi is on.")
 
     def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref,
-               pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref, emap_ref, out_ref,
-               lse_ref, scoped):
+               pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref, emap_ref,
+               floats_ref, ints_ref, out_ref, lse_ref, scoped):
         (q_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), \
             (k_free, v_free), turn = scoped
         wg = lax.axis_index("wg")
@@ -110,6 +111,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                               (cfg.layout_batch, cfg.layout_heads),
                               (fcnt_ref, fidx_ref, pcnt_ref, pidx_ref), single=False)
         count = cta_items.count
+        read = data_reader(cfg, floats_ref, ints_ref)
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -233,8 +235,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         # The function sees natural units; base 2 again after it.
                         natural = (s * (1.0 / LOG2E) if alibi is not None
                                    else s * cfg.softmax_scale)
-                        s = score_function_tile(function, natural, b, h,
-                                                *position_tiles(keys)) * LOG2E
+                        s = function_tile(cfg, natural, b, h, *position_tiles(keys),
+                                          read=read) * LOG2E
                     if cfg.soft_cap:
                         # c log2(e) tanh(s scale / c), tanh(x) = 1 - 2 / (exp(2x) + 1): an
                         # exponential overflowing to inf gives 1, never NaN.
@@ -379,6 +381,10 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     if cfg.elements and element_map is None:
         raise ValueError("forward_call: `element_map` must be given when cfg.elements is on.")
     emap = element_map if cfg.elements else jnp.zeros((1, 1, 1, 1), ELEMENT_MAP_DTYPE)
+    if cfg.traced and len(data) != len(cfg.data):
+        raise ValueError(f"forward_call: `data` must hold the {len(cfg.data)} arrays the score "
+                         f"function reads; got {len(data)}.")
+    floats, ints = data_operands(cfg, data)
     kwargs = {} if interpret is None else {"interpret": interpret}
     out, lse = plgpu.kernel(
         entry,
@@ -391,7 +397,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(items, counts, q, k, v, full_count, full_index, partial_count, partial_index, qseg, kseg,
-      slopes, qpos, kpos, emap)
+      slopes, qpos, kpos, emap, floats, ints)
     return out, lse
 
 

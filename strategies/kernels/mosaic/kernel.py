@@ -14,19 +14,33 @@ from jax import lax
 
 from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, CompiledMask,
                                   Features, MaskReads, ResolvedMask, TokenCoords, add_sinks,
-                                  backward_delta, pad_axis, public_lse, typed_like,
-                                  zero_cotangent)
+                                  backward_delta, function_data, pad_axis, public_lse,
+                                  typed_like, zero_cotangent)
 
 from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
                        dq_accumulator_shape, dq_call, dq_schedule, short_lists)
 from .common import (ELEMENT_MAP_DTYPE, ROWS_PER_WARPGROUP, persistent_schedule,
                      score_function_tile)
+from .common import stored
 from .config import MosaicConfig
+from .data import (data_decline, data_gradients, data_lowering_failure, params_avals,
+                   reads_arrays)
 from .forward import BLOCK_Q, ForwardConfig, forward_call, rows_padded, stages_for
 
 _DTYPES = ("bfloat16", "float16")
 #: The head dims verified on the H200 (docs/mosaic.md says why D=256 is not among them).
 _HEAD_DIMS = (64, 128)
+#: Whether a score function that reads arrays (its `params`, or arrays it closes over) has
+#: run through these kernels on a GPU: until then such a function is declined in one line
+#: (`DATA_NOT_RUN`), though the kernels read the arrays in-kernel and lower for CUDA. The
+#: GPU tests set it to run them.
+_DATA_RUN_ON_GPU = False
+#: The decline of such a function while `_DATA_RUN_ON_GPU` is off.
+DATA_NOT_RUN = ("the score function reads arrays (its params, or arrays it closes over): the "
+                "Mosaic kernels read them in-kernel and lower for CUDA, but have not yet run "
+                "on a GPU.")
+#: `_function_decline`'s params where the plan knows only that there are some.
+_UNKNOWN = object()
 
 
 @functools.cache
@@ -102,21 +116,22 @@ def mask_lowering_failure(predicate) -> str | None:
     return _lowering_failure("the mask's element predicate", tile)
 
 
-def _lowering_failure(what: str, tile) -> str | None:
-    """Why Pallas Mosaic GPU cannot lower ``tile(batch, head, rows, cols, s)`` (a float32
-    64 x 128 tile from traced batch and head scalars, int32 row and column index tiles and a
-    float32 tile, all in the wgmma layout) inside a one-warpgroup kernel for CUDA: the first
-    line of the error, naming `what`, or ``None``."""
+def _lowering_failure(what: str, tile, shape=(ROWS_PER_WARPGROUP, 128),
+                      data=()) -> str | None:
+    """Why Pallas Mosaic GPU cannot lower ``tile(batch, head, rows, cols, s, *data_refs)``
+    (a float32 tile of `shape` from traced batch and head scalars, int32 row and column index
+    tiles and a float32 tile, all in the wgmma layout; `data_refs` the kernel's operands of
+    the abstract arrays `data`) inside a one-warpgroup kernel for CUDA: the first line of the
+    error, naming `what`, or ``None``."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    shape = (ROWS_PER_WARPGROUP, 128)
-
-    def body(coords_ref, out_ref, stage):
+    def body(coords_ref, *refs):
+        *data_refs, out_ref, stage = refs
         layout = plgpu.Layout.WGMMA
         rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
         cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
         s = plgpu.broadcasted_iota(jnp.float32, shape, 1, layout=layout) * 0.01
-        stage[...] = tile(coords_ref[0], coords_ref[1], rows, cols, s)
+        stage[...] = tile(coords_ref[0], coords_ref[1], rows, cols, s, *data_refs)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(stage, out_ref)
         plgpu.wait_smem_to_gmem(0)
@@ -125,7 +140,7 @@ def _lowering_failure(what: str, tile) -> str | None:
                           scratch_types=[plgpu.SMEM(shape, jnp.float32)],
                           compiler_params=plgpu.CompilerParams(approx_math=True))
     try:
-        jax.jit(launch).trace(jax.ShapeDtypeStruct((2,), jnp.int32)).lower(
+        jax.jit(launch).trace(jax.ShapeDtypeStruct((2,), jnp.int32), *data).lower(
             lowering_platforms=("cuda",))
     except Exception as e:  # noqa: BLE001 - any failure to lower is the verdict
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -195,9 +210,12 @@ class MosaicBlockSparse(AbstractLseKernel):
     inside). ALiBi (`scores.ALiBi`, fixed or learned slopes) is evaluated inside the forward
     and backward kernels, with the slopes' gradient; so is a score function
     (`scores.ScoreFunction`), traced into each kernel on its register tiles, its derivative
-    in the logits taken by JAX in the kernel. Per-call positions replace the token indices
-    in the mask's terms, ALiBi and the score function. Declines bias, other score terms
-    (`score_kinds`), score functions with parameters or that Mosaic GPU cannot lower, masks
+    in the logits taken by JAX in the kernel; the arrays it reads (its `params`, arrays it
+    closes over) are the launches' operands, read at scalar indices, their gradient formed
+    by the dk/dv launch (`data`; declined until run on a GPU: `_DATA_RUN_ON_GPU`). Per-call
+    positions replace the token indices in the mask's terms, ALiBi and the score function.
+    Declines bias, other score terms (`score_kinds`), score functions that Mosaic GPU cannot
+    lower or that read arrays other than at scalar indices of the head and batch row, masks
     whose element map is too large, and per-call positions or masks without terms inside a
     sharding's loop, each with a reason, so the selector gives the whole call to another
     kernel. Its tiles are fixed
@@ -254,7 +272,8 @@ class MosaicBlockSparse(AbstractLseKernel):
                 return ("a score function inside ShardMap or AllToAll reads its global head "
                         "and batch ids through jax.lax.axis_index, which Mosaic GPU cannot "
                         "lower in a kernel.")
-            why = _function_decline(features.score_function, features.score_params)
+            why = _function_decline(features.score_function, _planned_params(features),
+                                    features.head_dim, features.in_loop)
             if why is not None:
                 return why
         tiles = list(MosaicConfig.for_head_dim(features.head_dim).blocks)
@@ -330,7 +349,17 @@ class MosaicBlockSparse(AbstractLseKernel):
             raise ValueError(f"MosaicBlockSparse evaluates the score terms {self.score_kinds}; "
                              f"got {inputs.score.kinds}.")
         alibi = slopes is not None
-        function = _checked_function(inputs.score)
+        function, params = _checked_function(inputs.score, dim)
+        # The arrays the score function reads (its params, its closure's), at the forward's,
+        # the dq launch's and the dk/dv launch's tiles (64 rows each; the dk/dv tile's rows
+        # are keys), as the launches' operands.
+        traced, leaves, data = (), (), ()
+        if function is not None and (function.takes_params or reads_arrays(function, params)):
+            fdata = function_data(function, ((ROWS_PER_WARPGROUP, fwd.block_kv),
+                                             (ROWS_PER_WARPGROUP, dq.block_kv),
+                                             (ROWS_PER_WARPGROUP, dkdv.block_q)), params)
+            traced, leaves = fdata.traced, fdata.leaves
+            data = tuple(map(stored, fdata.arrays, fdata.leaves))
         reads_positions = (not elements if predicate is not None
                            else mask.terms.uses_positions)
         positions = _positions(inputs, batch, q_len, kv_len,
@@ -345,7 +374,7 @@ class MosaicBlockSparse(AbstractLseKernel):
                              layout_batch=fwd.full_count.shape[0],
                              layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors(),
                              soft_cap=soft_cap, alibi=alibi, function=function,
-                             positions=positions is not None)
+                             positions=positions is not None, traced=traced, data=leaves)
         # The persistent forward's work items per CTA, built on the host.
         schedule = persistent_schedule(fwd.full_count, fwd.partial_count, batch, heads,
                                        fcfg.ctas)
@@ -358,7 +387,8 @@ class MosaicBlockSparse(AbstractLseKernel):
             **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
             soft_cap=soft_cap, single_pass=single_pass, ctas=_multiprocessors(),
-            alibi=alibi, function=function, positions=positions is not None)
+            alibi=alibi, function=function, positions=positions is not None, traced=traced,
+            data=leaves)
         # Each launch is persistent where its items are short; a dk/dv item walks the lists
         # of `dkv_group` query heads.
         walked = bcfg.dkv_group(bcfg.single_pass)
@@ -378,7 +408,7 @@ class MosaicBlockSparse(AbstractLseKernel):
              dkdv.t_partial_index), *schedules))
         # Without ALiBi a one-element placeholder stands for the slopes (a zero gradient).
         slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes
-        return _attend(fcfg, bcfg, query, key, value, slopes, seg, positions, maps, lists,
+        return _attend(fcfg, bcfg, query, key, value, slopes, data, seg, positions, maps, lists,
                        bwd_lists)
 
 
@@ -405,25 +435,51 @@ def _positions(inputs, batch: int, q_len: int, kv_len: int, read: bool):
                  for x, length in zip(given, (q_len, kv_len)))
 
 
-def _checked_function(score):
-    """The call's score function as the kernels call it (`score_function`), or ``None``;
-    a function with parameters, or one Mosaic GPU cannot lower, is refused in one line."""
+def _checked_function(score, head_dim: int):
+    """``(function, params)``: the call's score function as the kernels call it
+    (`score_function`) and its params, or ``(None, None)``; one the kernels cannot take
+    (`_function_decline`) is refused in one line."""
     function, params = score_function(score)
     if function is None:
-        return None
-    why = _function_decline(function, bool(jax.tree.leaves(params)))
+        return None, None
+    why = _function_decline(function, params, head_dim)
     if why is not None:
         raise ValueError(f"MosaicBlockSparse: {why}")
-    return function
+    return function, params
 
 
-def _function_decline(function, has_params: bool) -> str | None:
-    """Why the kernels cannot take this score function (`has_params`: whether it reads
-    parameters), or ``None``."""
-    if has_params:
-        return ("score functions with parameters are not supported (their gradient is not "
-                "formed in the kernel).")
-    return function_lowering_failure(function)
+def _planned_params(features: Features):
+    """The score function's params as the plan knows them (`Features.score_params`):
+    ``None`` where it takes none, a pytree of abstract leaves (`ScoreParams.tree`), or
+    `_UNKNOWN` where the plan says only that there are some (a bool)."""
+    known = features.score_params
+    if known is None or known is False:
+        return None
+    tree = getattr(known, "tree", None)  # `ScoreParams`: stand-ins of the call's shapes
+    return _UNKNOWN if tree is None else tree
+
+
+def _function_decline(function, params, head_dim: int, in_loop: bool = False) -> str | None:
+    """Why the kernels cannot take this score function with `params` (a pytree of arrays or
+    abstract leaves, ``None``, or `_UNKNOWN`) at `head_dim`, or ``None``: one that reads no
+    array must lower (`function_lowering_failure`); one that reads arrays must read them as
+    the kernels can (`data.data_decline`), outside a sharding's loop, and has not yet run
+    on a GPU (`_DATA_RUN_ON_GPU`), else must lower with them (`data_lowering_failure`)."""
+    if params is _UNKNOWN:
+        if not _DATA_RUN_ON_GPU:
+            return DATA_NOT_RUN
+        return None  # checked where the call runs, its params known
+    if not (function.takes_params or reads_arrays(function, params)):
+        return function_lowering_failure(function)
+    if in_loop:
+        return ("inside a sharding's loop (RingAttention) a score function that reads arrays "
+                "(its params, or arrays it closes over) is not supported.")
+    why = data_decline(function, params, head_dim)
+    if why is not None:
+        return why
+    if not _DATA_RUN_ON_GPU and reads_arrays(function, params):
+        return DATA_NOT_RUN
+    return data_lowering_failure(function, *params_avals(params), head_dim)
 
 
 #: The tile a mask's element predicate is traced on, to see whether it runs in the kernels.
@@ -469,7 +525,7 @@ def _pad(x, length: int, fill=0):
     return pad_axis(x, 2 if x.ndim == 4 else x.ndim - 1, length, fill)
 
 
-def _forward(fcfg: ForwardConfig, q, k, v, slopes, seg, positions, maps, lists):
+def _forward(fcfg: ForwardConfig, q, k, v, slopes, data, seg, positions, maps, lists):
     """The forward launch's ``(out, lse)``, typed like q, k and v inside `shard_map` (a
     launch's outputs vary over no mesh axis). `maps` is ``(element map, transposed)`` at
     the padded lengths, or ``None``."""
@@ -480,43 +536,48 @@ def _forward(fcfg: ForwardConfig, q, k, v, slopes, seg, positions, maps, lists):
     out, lse = forward_call(fcfg, _pad(q, fcfg.q_len), _pad(k, fcfg.kv_len),
                             _pad(v, fcfg.kv_len), *layout_lists, *seg,
                             slopes=slopes if fcfg.alibi else None, positions=positions,
-                            element_map=None if maps is None else maps[0],
+                            element_map=None if maps is None else maps[0], data=data,
                             schedule=(items, counts))
     return typed_like((out[:, :, :q_len], lse[:, :, :q_len]), q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(fcfg, bcfg, q, k, v, slopes, seg, positions, maps, lists, bwd_lists):
+def _attend(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, lists, bwd_lists):
     """``(out [B, H, Lq, D], lse [B, H, Lq])``, the log-sum-exp as the contract has it
-    (`public_lse`); differentiable in both, and in ALiBi's `slopes` ``[H]``."""
-    out, lse = _forward(fcfg, q, k, v, slopes, seg, positions, maps, lists)
+    (`public_lse`); differentiable in both, in ALiBi's `slopes` ``[H]`` and in the arrays
+    the score function reads (`data`, as `common.stored` lays them out)."""
+    out, lse = _forward(fcfg, q, k, v, slopes, data, seg, positions, maps, lists)
     return out, public_lse(lse, base2=True)
 
 
-def _attend_fwd(fcfg, bcfg, q, k, v, slopes, seg, positions, maps, lists, bwd_lists):
-    out, lse = _forward(fcfg, q, k, v, slopes, seg, positions, maps, lists)
-    return (out, public_lse(lse, base2=True)), (q, k, v, slopes, seg, positions, maps, lists,
-                                                bwd_lists, out, lse)
+def _attend_fwd(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, lists, bwd_lists):
+    out, lse = _forward(fcfg, q, k, v, slopes, data, seg, positions, maps, lists)
+    return (out, public_lse(lse, base2=True)), (q, k, v, slopes, data, seg, positions, maps,
+                                                lists, bwd_lists, out, lse)
 
 
 def _attend_bwd(fcfg, bcfg, res, cotangents):
-    q, k, v, slopes, seg, positions, maps, lists, bwd_lists, out, lse = res
+    q, k, v, slopes, data, seg, positions, maps, lists, bwd_lists, out, lse = res
     do, dlse = cotangents
     delta = backward_delta(do, out, dlse, lse)
     dq_lists, t_lists, dq_items, dkv_items = bwd_lists
-    dq, dk, dv, dslopes = mosaic_backward(
+    dq, dk, dv, dslopes, data_rows = mosaic_backward(
         bcfg, q, k, v, do.astype(q.dtype), lse, delta, seg, dq_lists, t_lists,
-        slopes=slopes if bcfg.alibi else None, positions=positions, maps=maps,
+        slopes=slopes if bcfg.alibi else None, positions=positions, maps=maps, data=data,
         schedules=(dq_items, dkv_items))
     dslopes = jnp.zeros_like(slopes) if dslopes is None else dslopes.astype(slopes.dtype)
+    ddata = (None,) * len(data) if data_rows is None else data_gradients(bcfg, data,
+                                                                           data_rows)
+    ddata = tuple(zero_cotangent(x) if g is None else typed_like(g.astype(x.dtype), x)
+                  for g, x in zip(ddata, data))
     zeros = jax.tree.map(zero_cotangent, (seg, positions, maps, lists, bwd_lists))
     # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none).
     return tuple(typed_like(g, x) for g, x in zip((dq, dk, dv, dslopes),
-                                                  (q, k, v, slopes))) + zeros
+                                                  (q, k, v, slopes))) + (ddata,) + zeros
 
 
 def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists, t_lists, *,
-                    slopes=None, positions=None, maps=None, schedules=(None, None),
+                    slopes=None, positions=None, maps=None, data=(), schedules=(None, None),
                     interpret=None):
     """``(dq, dk, dv, dslopes)`` of the Mosaic backward for unpadded inputs: pads to the
     tiles (dO with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute
@@ -529,7 +590,9 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     kv_positions [B, Lk])`` int32 (``cfg.positions``; padded here); `maps` the element map
     and its transpose at the padded lengths (``cfg.elements``). `schedules` holds the dq and
     dk/dv launches' ``(items, counts)`` (``None``: built from the lists' counts, `dq_schedule`
-    and `dkv_schedule`)."""
+    and `dkv_schedule`). `data` are the arrays the score function reads (``cfg.traced``);
+    `data_rows`, last, is `dkv_call`'s rows of their reads' cotangents where one is traced
+    (``cfg.data_gradients``), else ``None``."""
     q_len, kv_len = q.shape[2], k.shape[2]
     pad_q = functools.partial(_pad, length=cfg.q_len)
     pad_k = functools.partial(_pad, length=cfg.kv_len)
@@ -542,25 +605,26 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     if cfg.single_pass:
         interpreted = interpret is not None
         accumulator = jax.new_ref(jnp.zeros(dq_accumulator_shape(cfg, interpreted), jnp.float32))
-        dk, dv, *slope_rows = dkv_call(cfg, *operands, *t_lists, *segments,
-                                       dq_accumulator=accumulator, slopes=slopes,
-                                       positions=positions, element_map=maps_t,
-                                       schedule=schedules[1], interpret=interpret)
+        dk, dv, *extra = dkv_call(cfg, *operands, *t_lists, *segments,
+                                  dq_accumulator=accumulator, slopes=slopes,
+                                  positions=positions, element_map=maps_t, data=data,
+                                  schedule=schedules[1], interpret=interpret)
         dq = jax.freeze(accumulator)
         dq = (dq.sum(0) if interpreted else dq) * cfg.softmax_scale
         dq = dq.astype(q.dtype)
     else:
         dq = dq_call(cfg, *operands, *dq_lists, *segments, slopes=slopes,
-                     positions=positions, element_map=maps_n, schedule=schedules[0],
-                     interpret=interpret)
-        dk, dv, *slope_rows = dkv_call(cfg, *operands, *t_lists, *segments, slopes=slopes,
-                                       positions=positions, element_map=maps_t,
-                                       schedule=schedules[1], interpret=interpret)
+                     positions=positions, element_map=maps_n, data=data,
+                     schedule=schedules[0], interpret=interpret)
+        dk, dv, *extra = dkv_call(cfg, *operands, *t_lists, *segments, slopes=slopes,
+                                  positions=positions, element_map=maps_t, data=data,
+                                  schedule=schedules[1], interpret=interpret)
     # Each row's share of the slope's gradient, summed per head (padded rows' are zero).
-    dslopes = slope_rows[0].sum(axis=(0, 2)) if cfg.alibi else None
+    dslopes = extra.pop(0).sum(axis=(0, 2)) if cfg.alibi else None
+    data_rows = extra.pop(0) if extra else None
     if dk.shape[1] != cfg.kv_heads:
         dk, dv = (summed_per_kv_head(x, cfg.kv_heads) for x in (dk, dv))
-    return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], dslopes
+    return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], dslopes, data_rows
 
 
 def summed_per_kv_head(x, kv_heads: int):

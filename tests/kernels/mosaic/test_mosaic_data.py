@@ -1,0 +1,295 @@
+"""A score function that reads arrays (its `params`, arrays it closes over) in
+`MosaicBlockSparse`, on a host without a GPU.
+
+The arrays are the launches' operands, read at scalar indices in the tile code; the dk/dv
+launch forms their gradient (`strategies/kernels/mosaic/data.py`). Here: the forward and the
+backward lower for CUDA with a closure's ALiBi slopes, learned slopes in `params`, and an
+integer table per head; what stays unsupported is declined in one line; and until such a
+function has run on a GPU (`kernel._DATA_RUN_ON_GPU`), the kernel declines it in one line
+that says so, which the selector's `explain` names. One extended test runs the whole call,
+forward and every gradient, in Pallas' CPU interpreter for Mosaic GPU against the float64
+oracle.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+import eqx_bsattn._module as module_internals
+from eqx_bsattn import masks, scores
+from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
+from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+from tests.conftest import jnp_attention_f64, np_visibility, random_array, rel_err, score_f64
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+H200_MULTIPROCESSORS = 132
+HEADS = 4
+#: ALiBi's slopes of four heads, closed over by `closure_alibi`.
+SLOPES = jnp.asarray([0.5, 0.25, -0.125, 0.0625], jnp.float32)
+#: A window width per head (int32), closed over by `table_window`.
+WIDTHS = jnp.asarray([40, 90, 7, 300], jnp.int32)
+
+
+def closure_alibi(score, head, q_pos, k_pos):
+    """ALiBi as written by hand: slopes a jnp array the function closes over."""
+    return score + SLOPES[head] * (k_pos - q_pos).astype(jnp.float32)
+
+
+def learned_alibi(score, head, q_pos, k_pos, params):
+    """ALiBi with learned slopes, ``params["slopes"] [H]``."""
+    return score + params["slopes"][head] * (k_pos - q_pos).astype(jnp.float32)
+
+
+def table_window(score, head, q_pos, k_pos):
+    """A window per head read from an int32 table: farther keys hidden (-inf)."""
+    return jnp.where(q_pos - k_pos > WIDTHS[head], -jnp.inf, score)
+
+
+@pytest.fixture
+def hopper_host(monkeypatch):
+    """This host as a Hopper GPU's for planning and lowering (it runs nothing)."""
+    monkeypatch.setattr(module_internals, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(mosaic_kernel, "_mosaic_missing", lambda: None)
+    monkeypatch.setattr(mosaic_kernel, "_multiprocessors", lambda: H200_MULTIPROCESSORS)
+
+
+@pytest.fixture
+def data_on(monkeypatch):
+    """As once a score function reading arrays has run on a GPU."""
+    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
+
+
+def _qkv(batch, heads, kv_heads, length, dim, dtype=jnp.bfloat16):
+    q = random_array(1, (batch, heads, length, dim), dtype)
+    k = random_array(2, (batch, kv_heads, length, dim), dtype)
+    v = random_array(3, (batch, kv_heads, length, dim), dtype)
+    return q, k, v
+
+
+def _term(fn, params=None):
+    return scores.ScoreFunction(fn, params).compile(HEADS).function
+
+
+#: name: (the loss's score for traced `data`, `data`, arrays the gradient has beside q, k, v)
+LOWERED = {
+    # The closure's slopes traced (a gradient is asked for them).
+    "closure_alibi": (lambda sl: scores.ScoreFunction(
+        lambda s, h, qp, kp: s + sl[h] * (kp - qp).astype(jnp.float32)), SLOPES, 1),
+    "params_alibi": (lambda p: scores.ScoreFunction(learned_alibi, p),
+                     {"slopes": SLOPES}, 1),
+    # An int32 table: read, never differentiated.
+    "table_window": (lambda _: scores.ScoreFunction(table_window), None, 0),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(LOWERED))
+def test_data_functions_lower_for_cuda(hopper_host, data_on, case):
+    """`jit(grad)` of a call whose score function reads arrays lowers for CUDA: the forward,
+    dq and dk/dv launches (the deterministic backward, which every JAX runs), each taking
+    the arrays as operands; where they are traced, the dk/dv launch also returns their
+    reads' rows and the gradient has their shapes."""
+    make, data, extra = LOWERED[case]
+    q, k, v = _qkv(2, HEADS, 2, 300, 64)
+
+    def loss(q, k, v, data):
+        attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
+                                        score=make(data))
+        return jnp.sum(attn(q, k, v).astype(jnp.float32))
+
+    argnums = (0, 1, 2, 3) if extra else (0, 1, 2)
+    lowered = jax.jit(jax.grad(loss, argnums=argnums)).trace(q, k, v, data).lower(
+        lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3, case
+    shapes = [o.shape for o in jax.tree.leaves(lowered.out_info)]
+    assert shapes == [q.shape, k.shape, v.shape] + [(HEADS,)] * extra, case
+
+
+def test_data_reads_are_operands_of_each_launch(hopper_host, data_on):
+    """The launch configurations carry the function traced at each launch's tile (the
+    forward's and dq's 64 x 128 at D = 64, the dk/dv launch's 64 keys x 64 queries) and
+    the arrays' leaves; only a traced float array is differentiated, and the dk/dv launch
+    returns rows for its one read a tile (`backward.data_read_count`)."""
+    from eqx_bsattn.strategies.kernels.mosaic.backward import data_read_count
+
+    seen = []
+    real = mosaic_kernel._attend
+
+    def spy(fcfg, bcfg, *args):
+        seen.append((fcfg, bcfg))
+        return real(fcfg, bcfg, *args)
+
+    q, k, v = _qkv(1, HEADS, HEADS, 256, 64)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mosaic_kernel, "_attend", spy)
+
+        def call(fn, q):
+            attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
+                                            score=scores.ScoreFunction(fn))
+            return attn(q, k, v)
+
+        def loss(slopes):
+            fn = lambda s, h, qp, kp: s + slopes[h] * (kp - qp).astype(jnp.float32)  # noqa: E731
+            return jnp.sum(call(fn, q).astype(jnp.float32))
+
+        jax.eval_shape(jax.grad(loss), SLOPES)
+        # The module's concrete slopes: read, not differentiated.
+        jax.eval_shape(functools.partial(call, closure_alibi), q)
+    (traced_f, traced_b), (const_f, const_b) = seen
+    assert [tuple(shape) for shape, _ in traced_b.traced] == [(64, 128), (64, 64)]
+    assert traced_f.traced == traced_b.traced
+    assert [leaf.diff for leaf in traced_b.data] == [True]
+    assert [leaf.diff for leaf in const_b.data] == [False]
+    assert data_read_count(traced_b) == 1 and data_read_count(const_b) == 0
+
+
+def _gather(score, head, q_pos, k_pos):
+    """Reads the slopes at the keys' positions: a gather, not a scalar read."""
+    return score + SLOPES[k_pos % HEADS]
+
+
+def _corner(score, head, q_pos, k_pos):
+    """Reads the slopes at an index taken from the tile of positions."""
+    return score + SLOPES[q_pos[0, 0] % HEADS]
+
+
+_BIG = jnp.ones((70000,), jnp.float32)
+_HALF = SLOPES.astype(jnp.bfloat16)
+
+
+def _big(score, head, q_pos, k_pos):
+    return score + _BIG[head]
+
+
+def _half(score, head, q_pos, k_pos):
+    return score + _HALF[head].astype(jnp.float32)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_gather, "reads an array only as the Mosaic kernels cannot: it applies `gather`"),
+    (_corner, "reads an array at an index that depends on the logits or the positions"),
+    (_big, "reads arrays of 70000 elements (at most 65536)"),
+    (_half, "reads an array of bfloat16 (shape (4,)): the Mosaic kernels read 32-bit"),
+])
+def test_unsupported_reads_are_declined_in_one_line(fn, words):
+    """What the kernels cannot read is declined, in one line, before the not-yet-run
+    decline: a gather by the positions, an index from the tiles, too many elements, a
+    16-bit array."""
+    why = mosaic_kernel._function_decline(_term(fn), None, 64)
+    assert why is not None and words in why and "\n" not in why, why
+
+
+def test_not_yet_run_decline_and_its_switch(data_on, monkeypatch):
+    """A function that reads arrays is declined in one line ending "not yet run on a GPU."
+    while `_DATA_RUN_ON_GPU` is off (a closure's slopes, learned slopes, an int table; or
+    params the plan knows only by their presence), and taken when it is on (it lowers);
+    one that reads no array is not concerned; inside a sharding's loop it is declined."""
+    decline = mosaic_kernel._function_decline
+    cases = [(_term(closure_alibi), None), (_term(table_window), None),
+             (_term(learned_alibi, {"slopes": SLOPES}), {"slopes": SLOPES}),
+             (_term(learned_alibi, {"slopes": SLOPES}),
+              {"slopes": jax.ShapeDtypeStruct((HEADS,), jnp.float32)})]
+    for term, params in cases[:2]:
+        assert decline(term, params, 64) is None
+    assert "loop (RingAttention)" in decline(cases[0][0], None, 64, in_loop=True)
+    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", False)
+    for term, params in cases:
+        why = decline(term, params, 128)
+        assert why == mosaic_kernel.DATA_NOT_RUN, why
+    assert why.endswith("not yet run on a GPU.") and "\n" not in why
+    assert decline(cases[2][0], mosaic_kernel._UNKNOWN, 64) == mosaic_kernel.DATA_NOT_RUN
+    plain = _term(lambda s, h, qp, kp: s * 0.5)
+    assert decline(plain, None, 64) is None
+
+
+def test_selector_names_the_not_yet_run_decline(hopper_host):
+    """Planned for a GPU from a CPU, a call whose score function reads arrays goes to
+    another kernel, and `explain` names Mosaic's one-line reason; `select_kernel` says the
+    same for the features a plan builds."""
+    q, k, v = _qkv(1, HEADS, HEADS, 256, 64)
+    for score in (scores.ScoreFunction(closure_alibi),
+                  scores.ScoreFunction(learned_alibi, {"slopes": SLOPES})):
+        plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=score).plan(q, k, v)
+        assert plan.choice.kernel.name != "mosaic", plan.choice.explain()
+        assert f"declined mosaic: {mosaic_kernel.DATA_NOT_RUN}" in plan.choice.explain()
+    features = bsa.Features(platform="gpu", dtype="bfloat16", num_heads=HEADS,
+                            num_kv_heads=HEADS, q_len=256, kv_len=256, head_dim=64,
+                            value_dim=64, score=("function",),
+                            score_function=_term(closure_alibi))
+    choice = bsa.select_kernel(masks.Causal(), platform="gpu", features=features)
+    assert choice.kernel.name != "mosaic"
+    assert f"declined mosaic: {mosaic_kernel.DATA_NOT_RUN}" in choice.explain()
+    # The call itself, with Mosaic asked for by name, is refused in the same line.
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
+                                    score=scores.ScoreFunction(closure_alibi))
+    with pytest.raises(ValueError, match="not yet run on a GPU"):
+        jax.eval_shape(attn, q, k, v)
+
+
+def _interpreter():
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except Exception:  # noqa: BLE001 - the interpreter is optional (it needs absl)
+        return None
+    return InterpretGPUParams
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_data_gradients_in_cpu_interpreter(hopper_host, data_on, monkeypatch):
+    """The whole call, its launches in Pallas' CPU interpreter for Mosaic GPU: a function
+    reading a closure's traced slopes, a learned scale per head in `params` and an int32
+    window table (two differentiated reads a tile and an integer one), grouped heads and
+    ragged keys; output and the gradients in q, k, v, the slopes and the params against the
+    float64 oracle."""
+    params_type = _interpreter()
+    if params_type is None or jax.default_backend() != "cpu":
+        pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
+    monkeypatch.setattr(mosaic_kernel, "_check_runnable", lambda: None)
+    monkeypatch.setattr(mosaic_kernel, "_multiprocessors", lambda: None)
+    for name in ("forward_call", "mosaic_backward"):
+        monkeypatch.setattr(mosaic_kernel, name, functools.partial(
+            getattr(mosaic_kernel, name), interpret=params_type()))
+    heads, kv_heads, length, dim = 2, 1, 200, 64
+    slopes = jnp.asarray([0.25, -0.1], jnp.float32)
+    scale = {"w": jnp.asarray([1.5, 0.75], jnp.float32)}
+    widths = jnp.asarray([60, 150], jnp.int32)
+
+    def fn(s, h, qp, kp, sl, p):
+        s = s * p["w"][h] + sl[h] * (kp - qp).astype(s.dtype)
+        return jnp.where(qp - kp > widths[h], -jnp.inf, s)
+
+    q, k, v = (x.astype(jnp.float32) for x in _qkv(1, heads, kv_heads, length, dim))
+    cot = random_array(4, q.shape)
+
+    def call(q, k, v, sl, p):
+        score = scores.ScoreFunction(lambda s, h, qp, kp, p: fn(s, h, qp, kp, sl, p), p)
+        attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
+                                        score=score)
+        return attn(*(x.astype(jnp.float16) for x in (q, k, v))).astype(jnp.float32)
+
+    out, pullback = jax.vjp(call, q, k, v, slopes, scale)
+    got = pullback(cot)
+    visible = np_visibility(masks.Causal(), batch=1, heads=heads, q_len=length, kv_len=length)
+    positions = np.arange(length)[None]
+    with jax.enable_x64(True):
+        def oracle(q, k, v, sl, p):
+            def score(s):
+                return score_f64(s, q_pos=positions, kv_pos=positions,
+                                 fn=lambda s, h, qp, kp: fn(s, h, qp, kp, sl, p))
+            return jnp_attention_f64(q, k, v, visible, score=score)
+
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in
+               (*(x.astype(jnp.float16) for x in (q, k, v)), slopes)]
+        want_out, oracle_pullback = jax.vjp(
+            oracle, *f64, jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), scale))
+        want = oracle_pullback(jnp.asarray(np.asarray(cot, np.float64)))
+    assert rel_err(out, want_out) < 4e-3
+    for name, g, w in zip(("dq", "dk", "dv", "dslopes", "dscale"), got, want):
+        assert rel_err(jax.tree.leaves(g)[0], jax.tree.leaves(w)[0]) < 1e-2, name
