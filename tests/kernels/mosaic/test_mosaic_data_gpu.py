@@ -1,0 +1,164 @@
+"""`MosaicBlockSparse` on a Hopper GPU with score functions that read arrays: a closure's
+ALiBi slopes, learned slopes in `params`, and an int32 window table per head, read in-kernel
+(strategies/kernels/mosaic/data.py). Forward and every gradient (q, k, v, and the slopes or
+params) against the float64 oracle in both backward modes, bit-identical gradients over two
+runs in the deterministic mode, and the selector's choice of this kernel for them.
+
+These tests run with `kernel._DATA_RUN_ON_GPU` switched on; the kernel declines such
+functions while it is off (until these tests have passed on a GPU). They skip unless JAX's
+default backend is a GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+from eqx_bsattn import masks, scores
+from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
+from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+from tests.conftest import jnp_attention_f64, np_visibility, score_f64
+from tests.kernels.mosaic.test_mosaic_gpu import MODES, TOL, _inputs, _rel, on_gpu
+
+#: Batch, query heads, kv heads, length (ragged: not a multiple of the tiles), head dim.
+B, H, HKV, L, D = 2, 4, 2, 1000, 128
+#: Steep slopes, so that the term shapes each row (and the slopes' gradient is large).
+SLOPES = jnp.asarray([0.5, -0.25, 0.125, 0.0625], jnp.float32)
+#: A window width per head (int32), read by `table_window`.
+WIDTHS = jnp.asarray([40, 900, 7, 300], jnp.int32)
+
+
+@pytest.fixture(autouse=True)
+def data_on(monkeypatch):
+    """Run what the kernel declines until these tests have passed on a GPU."""
+    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
+
+
+def alibi_term(s, h, qp, kp, slopes):
+    return s + slopes[h] * (kp - qp).astype(s.dtype)
+
+
+def table_window(s, h, qp, kp):
+    """Keys farther than the head's width hidden (-inf), plus a fixed ALiBi term."""
+    s = s + 0.05 * (kp - qp).astype(s.dtype)
+    return jnp.where(qp - kp > WIDTHS[h], -jnp.inf, s)
+
+
+def _score(case, data):
+    """The case's `ScoreFunction` reading `data` (the slopes, or params holding them)."""
+    if case == "closure_alibi":
+        return scores.ScoreFunction(lambda s, h, qp, kp: alibi_term(s, h, qp, kp, data))
+    if case == "params_alibi":
+        return scores.ScoreFunction(
+            lambda s, h, qp, kp, p: alibi_term(s, h, qp, kp, p["slopes"]), data)
+    return scores.ScoreFunction(table_window)
+
+
+def _oracle_fn(case, data):
+    """The case's function as the float64 oracle applies it (`score_f64`'s `fn`)."""
+    if case == "closure_alibi":
+        return lambda s, h, qp, kp: alibi_term(s, h, qp, kp, data)
+    if case == "params_alibi":
+        return lambda s, h, qp, kp: alibi_term(s, h, qp, kp, data["slopes"])
+    return table_window
+
+
+CASES = {"closure_alibi": SLOPES, "params_alibi": {"slopes": SLOPES}, "table_window": None}
+
+
+def _mosaic_run(case, deterministic):
+    """``(out, dq, dk, dv, ddata)`` of the case through `MosaicBlockSparse`, bfloat16."""
+    q, k, v, cot = _inputs(51, B, H, HKV, L, L, D)
+    kernel = MosaicBlockSparse(deterministic=deterministic)
+
+    def f(q, k, v, data):
+        attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel,
+                                        score=_score(case, data))
+        return attn(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+
+    def both(q, k, v, data):
+        out, pullback = jax.vjp(f, q, k, v, data)
+        return (out, *pullback(cot.astype(out.dtype)))
+
+    return jax.jit(both)(q, k, v, CASES[case])
+
+
+def _oracle(case):
+    """The float64 oracle's output and gradients on the bfloat16-rounded inputs."""
+    q, k, v, cot = _inputs(51, B, H, HKV, L, L, D)
+    visible = np_visibility(masks.Causal(), batch=B, heads=H, q_len=L, kv_len=L)
+    positions = np.broadcast_to(np.arange(L), (B, L))
+
+    def f64(x):
+        return jnp.asarray(np.asarray(jnp.asarray(x, jnp.float32), np.float64))
+
+    with jax.enable_x64(True):
+        def attend(q, k, v, data):
+            def score(s):
+                return score_f64(s, q_pos=positions, kv_pos=positions,
+                                 fn=_oracle_fn(case, data))
+            return jnp_attention_f64(q, k, v, visible, score=score)
+
+        args = [f64(x.astype(jnp.bfloat16)) for x in (q, k, v)]
+        data = jax.tree.map(f64, CASES[case])
+        out, pullback = jax.vjp(attend, *args, data)
+        grads = pullback(f64(cot))
+        return jax.tree.map(np.asarray, (out, *grads))
+
+
+@on_gpu
+@MODES
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_data_function_matches_float64_oracle(case, deterministic):
+    """Output and the gradients in q, k, v and the arrays read (slopes, params) against the
+    float64 oracle, within bfloat16's tolerance; the selector gives such a call to this
+    kernel (cuDNN, above it, declines score terms)."""
+    x = jnp.zeros((B, H, L, D), jnp.bfloat16)
+    plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=_score(case, CASES[case])).plan(
+        x, x[:, :HKV], x[:, :HKV])
+    assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
+    got = _mosaic_run(case, deterministic)
+    want = _oracle(case)
+    names = ("out", "dq", "dk", "dv", "ddata")
+    for name, g, w in zip(names, got, want):
+        if g is None or w is None:
+            assert case == "table_window" and name == "ddata"
+            continue
+        for gl, wl in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+            assert _rel(gl, wl) < TOL[jnp.bfloat16], name
+
+
+@on_gpu
+def test_data_gradients_are_bit_identical():
+    """Two runs in the deterministic mode give bit-identical outputs and gradients, the
+    slopes' and the params' included (each key's row summed, then each read's rows per head
+    and batch row, in a fixed order: no atomics)."""
+    for case in ("closure_alibi", "params_alibi"):
+        runs = [[np.asarray(x) for x in jax.tree.leaves(_mosaic_run(case, True))]
+                for _ in range(2)]
+        for a, c in zip(*runs):
+            assert np.array_equal(a, c), case
+
+
+@on_gpu
+def test_closure_alibi_matches_builtin_alibi():
+    """A closure's ALiBi and the built-in one agree on the same call (the kernel reads the
+    slope of a head in both), forward and gradients, within bfloat16's tolerance."""
+    q, k, v, cot = _inputs(52, B, H, HKV, L, L, D)
+
+    def run(score):
+        attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
+                                        score=score)
+
+        def both(q, k, v):
+            out, pullback = jax.vjp(lambda *a: attn(*(x.astype(jnp.bfloat16) for x in a)),
+                                    q, k, v)
+            return (out, *pullback(cot.astype(out.dtype)))
+
+        return jax.jit(both)(q, k, v)
+
+    builtin = run(scores.ALiBi(SLOPES))
+    closure = run(scores.ScoreFunction(lambda s, h, qp, kp: alibi_term(s, h, qp, kp, SLOPES)))
+    for name, a, c in zip(("out", "dq", "dk", "dv"), builtin, closure):
+        assert _rel(c, a) < TOL[jnp.bfloat16], name
