@@ -557,6 +557,9 @@ KNOWN_SHARDED = {
         "per_head-alibi-sinks+soft_cap-bfloat16")},
     ("predicate_params-function-sinks+soft_cap-bfloat16-shard_map", "tpu"):
         _PALLAS_PARAMS_SHARDED,
+    # The score function's params run in PallasTpuBlockSparse now, which takes the call.
+    ("predicate_params-function_params-segments-bfloat16-all_to_all", "tpu"):
+        _PALLAS_PARAMS_SHARDED,
 }
 
 
