@@ -50,14 +50,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from eqx_bsattn.contract import recording_reads
-
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      SMEM_BUDGET, AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
                      ELEMENT_MAP_DTYPE, alibi_positions_term, block_visible, element_tile,
-                     data_operands, data_reader, differentiated_reads, function_tile,
-                     persistent_schedule, read_derivatives, ring_stages, segment_ids_apart,
-                     swizzled, walk_list)
+                     function_tile, item_values, persistent_schedule, read_derivatives,
+                     ring_stages, segment_ids_apart, swizzled, table_operands, walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -348,11 +345,11 @@ def _element_map_operand(cfg: BackwardConfig, element_map, launch: str):
     return element_map
 
 
-def _function_tiles(cfg: BackwardConfig, b, h, positions, read=None, seen=None):
+def _function_tiles(cfg: BackwardConfig, b, h, positions, values=None, seen=None):
     """The score function of a block as `BackwardConfig.probabilities` takes it (natural-unit
     logits to their value and derivative), on the query and key position tiles
-    ``positions()`` (in the block's orientation), its arrays read by `read`
-    (`common.data_reader`), or ``None`` without one. `seen`, a list, receives the logits it
+    ``positions()`` (in the block's orientation), the scalars it reads taken from `values`
+    (`common.item_values`), or ``None`` without one. `seen`, a list, receives the logits it
     was evaluated on (for `common.read_derivatives`)."""
     if cfg.function is None:
         return None
@@ -360,34 +357,15 @@ def _function_tiles(cfg: BackwardConfig, b, h, positions, read=None, seen=None):
     def tiles(s):
         if seen is not None:
             seen.append(s)
-        return function_tile(cfg, s, b, h, *positions(), read=read, derivative=True)
+        return function_tile(cfg, s, b, h, *positions(), values=values, derivative=True)
 
     return tiles
 
 
-def _data_operands(cfg: BackwardConfig, data, launch: str):
-    """The launch's ``(floats, ints)`` operands of the arrays the score function reads
-    (`common.data_operands`)."""
-    if cfg.traced and len(data) != len(cfg.data):
-        raise ValueError(f"{launch}: `data` must hold the {len(cfg.data)} arrays the score "
-                         f"function reads; got {len(data)}.")
-    return data_operands(cfg, data)
-
-
 def data_read_count(cfg: BackwardConfig) -> int:
-    """Reads of arrays whose gradient is formed (`DataLeaf.diff`) in one evaluation of the
-    function on a dk/dv tile: the rows `dkv_call` returns for them (``0`` without)."""
-    if not cfg.data_gradients:
-        return 0
-    from eqx_bsattn.contract import evaluate_function, recording_reads
-
-    shape = (ROWS_PER_WARPGROUP, cfg.dkv_block_q)
-    record, reads = recording_reads(lambda slot, flat: jnp.zeros((), cfg.data[slot].dtype))
-    f32, i32 = jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    jax.make_jaxpr(lambda *args: evaluate_function(cfg.traced_at(shape), args, record))(
-        f32, scalar, scalar, i32, i32)
-    return len(differentiated_reads(cfg, reads))
+    """Reads of arrays whose gradient is formed (`LogitTerms.differentiated_reads`): the
+    rows `dkv_call` returns for them (``0`` without)."""
+    return len(cfg.differentiated_reads)
 
 
 def _store_rows(stage, rows, target, wait: bool):
@@ -422,7 +400,7 @@ def _check_schedule(items, buffers: int, launch: str, num_items: int):
 
 def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index,
             partial_count, partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-            slopes=None, positions=None, element_map=None, data=(), schedule=None,
+            slopes=None, positions=None, element_map=None, data=None, schedule=None,
             interpret=None):
     """dq ``[B, H, Lq, D]`` (the query's dtype) for padded inputs; `lse` (base 2) and `delta`
     are ``[B, H, Lq]`` float32; the lists are the dq layout's. `schedule` is the launch's
@@ -431,8 +409,8 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     With ALiBi (``cfg.alibi``, `slopes` ``[H]`` float32) each logit takes its term; the
     slopes' gradient comes from `dkv_call`. `positions` are the padded ``(q_positions,
     kv_positions)`` ``[B, L]`` int32 (``cfg.positions``); `element_map` the padded
-    ``[1 or B, 1 or H, Lq, Lk]`` map (``cfg.elements``); `data` the arrays the score function
-    reads, by slot (``cfg.traced``; `common.stored`)."""
+    ``[1 or B, 1 or H, Lq, Lk]`` map (``cfg.elements``); `data` the read tables of the score
+    function's arrays (``cfg.traced``; `common.table_operands`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -447,7 +425,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     slopes = _slopes(cfg, slopes, "dq_call")
     qpos, kpos = _positions_operands(cfg, positions, "dq_call")
     emap = _element_map_operand(cfg, element_map, "dq_call")
-    floats, ints = _data_operands(cfg, data, "dq_call")
+    floats, ints = table_operands(cfg, data)
     items, counts = schedule if schedule is not None else dq_schedule(cfg, full_count,
                                                                        partial_count)
     _check_schedule(items, buffers, "dq_call", cfg.batch * cfg.heads * num_tiles)
@@ -456,7 +434,6 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
              fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref,
              emap_ref, floats_ref, ints_ref, *refs):
         dq_ref, scoped = refs
-        read = data_reader(cfg, floats_ref, ints_ref)
         (q_own, do_own, k_ring, v_ring), (q_ready, do_ready, k_ready, v_ready), \
             (k_free, v_free) = scoped
         wg = lax.axis_index("wg")
@@ -492,6 +469,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                              if cfg.alibi else None)
                     q_pos = (ops.load(qpos_ref, (b, rows), ops.row_layout) if cfg.positions
                              else None)
+                    values = item_values(cfg, floats_ref, ints_ref, b, h)
                 with jax.named_scope("wait_own"):
                     wait_own(j)
                 _load_next_own_tiles(cta_items, load, j, upcoming)
@@ -530,7 +508,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                                                           pl.ds(k_base, bk)))
                     p, factors = cfg.probabilities(
                         s, lax.broadcast_in_dim(row_lse, (bq, bk), [0]), vis, term,
-                        _function_tiles(cfg, b, h, tiles, read))
+                        _function_tiles(cfg, b, h, tiles, values))
                     return cfg.score_gradient(p, dp, lax.broadcast_in_dim(delta, (bq, bk), [0]),
                                               factors)
 
@@ -611,7 +589,7 @@ def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, .
 
 def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_index,
              t_partial_count, t_partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-             dq_accumulator=None, slopes=None, positions=None, element_map=None, data=(),
+             dq_accumulator=None, slopes=None, positions=None, element_map=None, data=None,
              schedule=None, interpret=None):
     """``(dk, dv)``, each ``[B, H_kv, Lk, D]`` (a kv head's gradient summed over its group of
     query heads in float32, in the kernel), for padded inputs ``q, do [B, H, Lq, D]`` and
@@ -633,13 +611,13 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     kv_positions)`` ``[B, L]`` int32 (``cfg.positions``); `element_map` the padded map
     transposed, ``[1 or B, 1 or H, Lk, Lq]`` (``cfg.elements``).
 
-    `data` are the arrays the score function reads, by slot (``cfg.traced``;
-    `common.stored`). Where one is traced (``cfg.data_gradients``) it also returns, last,
-    `data_rows` ``[R, B, H, Lk]`` float32: for each of the function's R reads of such an
-    array on a tile (`data_read_count`, in the order it reads them), each key's sum over its
-    visible queries of the read's cotangent, ``G d function / d read`` (`G` the gradient of
-    the function's value); the caller sums them per head and batch row and adds them at
-    the elements read (each read's index depends on the head and batch row alone)."""
+    `data` are the read tables of the score function's arrays (``cfg.traced``;
+    `common.table_operands`). Where one is traced (``cfg.data_gradients``) it also returns,
+    last, `data_rows` ``[R, B, H, Lk]`` float32: for each of the function's R reads of such
+    an array (`LogitTerms.differentiated_reads`, in the order it reads them), each key's sum
+    over its visible queries of the read's cotangent, ``G d function / d read`` (`G` the
+    gradient of the function's value); the caller sums them per head and batch row (each
+    read's scalar is the same for all of a head's and batch row's pairs)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -659,7 +637,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     slopes = _slopes(cfg, slopes, "dkv_call")
     qpos, kpos = _positions_operands(cfg, positions, "dkv_call")
     emap = _element_map_operand(cfg, element_map, "dkv_call")
-    floats, ints = _data_operands(cfg, data, "dkv_call")
+    floats, ints = table_operands(cfg, data)
     reads_out = data_read_count(cfg)
     slope_out = cfg.alibi
     items, counts = schedule if schedule is not None else dkv_schedule(
@@ -671,7 +649,6 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
              emap_ref, floats_ref, ints_ref, *refs):
         # Inputs (the dq accumulator), outputs, then the scratch buffers in one tuple.
         *refs, scoped = refs
-        read = data_reader(cfg, floats_ref, ints_ref)
         if reads_out:
             *scoped, data_stage = scoped
             *refs, data_ref = refs
@@ -774,6 +751,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                     h, prefix, n_full, n_steps = cta_items.member(item, g)
                     alibi = (AlibiBlocks(ops, slopes_ref[h], bk, rows_are_queries=False)
                              if cfg.alibi else None)
+                    values = item_values(cfg, floats_ref, ints_ref, b, h)
 
                     def step(it, carry, masked):
                         dk, dv, slope_rows, data_rows = carry
@@ -796,10 +774,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         with jax.named_scope("products"):
                             (s_t,) = ops.products((bk, bq),
                                                   [(k_smem, q_ring.at[slot], True)])
-                        # The reads of the score function's arrays and the logits it was
-                        # evaluated on, for their gradient (`data_rows`).
-                        record, reads = (recording_reads(read) if reads_out
-                                         else (read, None))
+                        # The logits the score function was evaluated on, for the gradient
+                        # of the scalars it reads (`data_rows`).
                         seen = []
                         with jax.named_scope("softmax_partial" if masked else "softmax_full"):
                             vis = None
@@ -827,7 +803,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                     lse = lse - alibi.streamed(bq, q_base - k_base)
                             p_t, factors = cfg.probabilities(
                                 s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis, term,
-                                _function_tiles(cfg, b, h, tiles, record, seen))
+                                _function_tiles(cfg, b, h, tiles, values, seen))
                         # dV's product and dP's in one group, dK's after dS: fewer live
                         # registers than S and dP together beside the dk and dv accumulators.
                         with jax.named_scope("dv_dp"):
@@ -847,7 +823,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                 # Each read's cotangent, G d function / d read, summed per
                                 # key (pairs hidden, P = 0, take none).
                                 derivatives = read_derivatives(cfg, seen[0], b, h, *tiles(),
-                                                               reads)
+                                                               values)
                                 data_rows = tuple(
                                     rows + jnp.where(p_t > 0.0, value_t * dr, 0.0).sum(axis=1)
                                     for rows, dr in zip(data_rows, derivatives))

@@ -97,10 +97,14 @@ class LogitTerms:
     #: Where the score function reads arrays (its closure's constants, its `params`): the
     #: function traced at each tile shape the launches evaluate it on, ``((shape,
     #: TracedFunction), ...)`` (`function_data`), and what the kernels know of each array
-    #: (`DataLeaf`, by slot). The arrays are the launches' operands (`data_operands`), read
-    #: at scalar indices (`data_reader`). ``()``: `function` is traced as it is.
+    #: (`DataLeaf`, by slot). The scalars it reads are the launches' operands
+    #: (`table_operands`). ``()``: `function` is traced as it is.
     traced: tuple = ()
     data: tuple = ()
+    #: The data slot of each scalar the function reads on a tile, in the order it reads
+    #: them (the same at every tile; each read's index depends on the head and batch row
+    #: alone, so the launches take each read's scalar per work item: `item_values`).
+    reads: tuple = ()
 
     def traced_at(self, shape):
         """The function traced at tile `shape` (`traced`)."""
@@ -111,10 +115,27 @@ class LogitTerms:
                          f"(traced at {[tuple(at) for at, _ in self.traced]}).")
 
     @property
+    def differentiated_reads(self) -> list[int]:
+        """The reads (positions in `reads`) of arrays whose gradient is formed (traced float
+        arrays: `DataLeaf.diff`)."""
+        return [i for i, slot in enumerate(self.reads) if self.data[slot].diff]
+
+    @property
     def data_gradients(self) -> bool:
-        """Whether the dk/dv launch forms the gradient of an array the function reads
-        (one is traced: `DataLeaf.diff`)."""
-        return any(leaf.diff for leaf in self.data)
+        """Whether the dk/dv launch forms the gradient of a read (`differentiated_reads`)."""
+        return bool(self.differentiated_reads)
+
+    @property
+    def read_columns(self) -> tuple[tuple[bool, int], ...]:
+        """Per read ``(is float, column)``: its column of the float32 or the int32 read
+        table (`table_operands`)."""
+        counts = {True: 0, False: 0}
+        columns = []
+        for slot in self.reads:
+            floating = bool(jnp.issubdtype(self.data[slot].dtype, jnp.floating))
+            columns.append((floating, counts[floating]))
+            counts[floating] += 1
+        return tuple(columns)
 
     @property
     def whole_terms(self) -> bool:
@@ -416,44 +437,39 @@ def score_function_tile(function, s, batch, head, q_pos, k_pos, params=None,
     return jax.jvp(term, (s,), (jnp.ones_like(s),))
 
 
-def function_tile(cfg: LogitTerms, s, batch, head, q_pos, k_pos, read=None,
+def function_tile(cfg: LogitTerms, s, batch, head, q_pos, k_pos, values=None,
                   derivative: bool = False):
     """The launch's score function (``cfg.function``) on one block's tile, as
     `score_function_tile` gives it; where it reads arrays (``cfg.traced``), its trace at the
-    tile's shape evaluated with each read of an array a call of ``read(slot, flat)``
-    (`data_reader`, or a recording of it: `recording_reads`)."""
+    tile's shape evaluated with the scalars it reads there taken from `values`, the work
+    item's (`item_values`), in the order it reads them."""
     if not cfg.traced:
         return score_function_tile(cfg.function, s, batch, head, q_pos, k_pos,
                                    derivative=derivative)
-    from eqx_bsattn.contract import evaluate_function
+    from eqx_bsattn.contract import evaluate_function, replaying_reads
 
     traced = cfg.traced_at(s.shape)
 
     def term(x):
-        return jnp.asarray(evaluate_function(traced, (x, batch, head, q_pos, k_pos), read),
-                           jnp.float32)
+        return jnp.asarray(evaluate_function(traced, (x, batch, head, q_pos, k_pos),
+                                             replaying_reads(values)), jnp.float32)
 
     if not derivative:
         return term(s)
     return jax.jvp(term, (s,), (jnp.ones_like(s),))
 
 
-def differentiated_reads(cfg: LogitTerms, reads) -> list[int]:
-    """The positions, in `reads` (a `recording_reads` record), of the reads of arrays whose
-    gradient the kernels form (`DataLeaf.diff`)."""
-    return [i for i, (slot, _, _) in enumerate(reads.items) if cfg.data[slot].diff]
-
-
-def read_derivatives(cfg: LogitTerms, s, batch, head, q_pos, k_pos, reads):
-    """``d function / d read`` on one block's tile for each read of `differentiated_reads`,
-    in that order: forward-mode products in the read scalars, the others replayed
-    (`replaying_reads`), on the natural-unit logits `s` the function was evaluated on."""
+def read_derivatives(cfg: LogitTerms, s, batch, head, q_pos, k_pos, values):
+    """``d function / d read`` on one block's tile for each read of an array whose gradient
+    is formed (`LogitTerms.differentiated_reads`), in that order: forward-mode products in
+    that read's scalar, the others replayed from `values` (`item_values`), on the
+    natural-unit logits `s` the function was evaluated on."""
     from eqx_bsattn.contract import evaluate_function, replaying_reads
 
     traced = cfg.traced_at(s.shape)
-    values = [value for _, _, value in reads.items]
+    values = list(values)
     tiles = []
-    for i in differentiated_reads(cfg, reads):
+    for i in cfg.differentiated_reads:
         def term(x, i=i):
             replayed = values[:i] + [x] + values[i + 1:]
             return jnp.asarray(evaluate_function(traced, (s, batch, head, q_pos, k_pos),
@@ -463,53 +479,39 @@ def read_derivatives(cfg: LogitTerms, s, batch, head, q_pos, k_pos, reads):
     return tiles
 
 
-def data_offsets(data: tuple) -> tuple[tuple[bool, int], ...]:
-    """Per data leaf ``(is float, offset)``: where its elements start in the float32 or the
-    int32 operand (`data_operands`)."""
-    ends = {True: 0, False: 0}
-    offsets = []
-    for leaf in data:
-        floating = bool(jnp.issubdtype(leaf.dtype, jnp.floating))
-        offsets.append((floating, ends[floating]))
-        ends[floating] += leaf.size
-    return tuple(offsets)
-
-
 def stored(x, leaf):
-    """An array the function reads as the launches take it: flattened, float32 (a float
+    """An array the function reads as the read tables take it: flattened, float32 (a float
     array) or int32 (integers and booleans)."""
     floating = jnp.issubdtype(leaf.dtype, jnp.floating)
     return jnp.ravel(jnp.asarray(x)).astype(jnp.float32 if floating else jnp.int32)
 
 
-def data_operands(cfg: LogitTerms, data: tuple):
-    """``(floats [n] float32, ints [m] int32)``: the arrays the function reads (`stored`,
-    by slot) concatenated, float ones and the others apart (a one-element placeholder where
-    there are none)."""
-    offsets = data_offsets(cfg.data)
-    parts = {True: [], False: []}
-    for (floating, _), x in zip(offsets, data):
-        parts[floating].append(x)
-    return tuple(jnp.concatenate(parts[f]) if parts[f] else jnp.zeros((1,), t)
-                 for f, t in ((True, jnp.float32), (False, jnp.int32)))
+def table_operands(cfg: LogitTerms, tables):
+    """The launch's ``(floats [Rf, B, H] float32, ints [Ri, B, H] int32)`` operands: the
+    scalars each read of the function takes for each batch row and query head
+    (`data.read_tables`), or one-element placeholders without them."""
+    placeholders = (jnp.zeros((1, 1, 1), jnp.float32), jnp.zeros((1, 1, 1), jnp.int32))
+    if not cfg.traced:
+        return placeholders
+    if tables is None or len(tables) != 2:
+        raise ValueError("a launch whose score function reads arrays needs its read tables "
+                         "`data=(floats, ints)` (`data.read_tables`).")
+    return tuple(x if x.shape[0] else p for x, p in zip(tables, placeholders))
 
 
-def data_reader(cfg: LogitTerms, floats_ref, ints_ref):
-    """``read(slot, flat)``: element `flat` of data leaf `slot`, a scalar load from the
-    launch's float32 or int32 operand (`data_operands`), in the leaf's dtype; ``None``
-    without data."""
+def item_values(cfg: LogitTerms, floats_ref, ints_ref, batch, head):
+    """The scalars the function reads for batch row `batch` and query head `head`, in the
+    order it reads them (each in its array's dtype): loaded once per work item from the read
+    tables (`table_operands`), replayed into each block's evaluation (`function_tile`);
+    ``None`` without data."""
     if not cfg.traced:
         return None
-    offsets = data_offsets(cfg.data)
-
-    def read(slot, flat):
-        leaf = cfg.data[slot]
-        floating, offset = offsets[slot]
-        x = (floats_ref if floating else ints_ref)[offset + flat]
-        return x != 0 if leaf.dtype == jnp.bool_ else x.astype(leaf.dtype)
-
-    return read
-
+    values = []
+    for slot, (floating, column) in zip(cfg.reads, cfg.read_columns):
+        x = (floats_ref if floating else ints_ref)[column, batch, head]
+        dtype = cfg.data[slot].dtype
+        values.append(x != 0 if dtype == jnp.bool_ else x.astype(dtype))
+    return values
 
 def list_entry(full_ref, partial_ref, prefix, it, n_full):
     """The block of entry `it` of a FULL-then-PARTIAL list: ``full_ref[*prefix, it]`` while

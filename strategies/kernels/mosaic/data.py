@@ -3,24 +3,27 @@
 A `ScoreFunction` may read arrays: those it closes over (``slopes[head]`` with ``slopes`` a
 jnp array) and the leaves of its `params`. The function is traced at each tile shape the
 launches evaluate it on (`eqx_bsattn.contract.function_data`; `params` enter the trace as
-its constants); the arrays become two operands of each launch, the float ones concatenated
-in float32 and the others in int32 (`common.data_operands`), and every read of an array at
-scalar indices is a scalar load from global memory inside the tile code
-(`common.data_reader`), as the kernels read ALiBi's slope of a head.
+its constants) and evaluated in the tile code (`evaluate_function`) with each read of an
+array at scalar indices replaced by a scalar the launch has. Each read's index depends on
+the head and the batch row alone (`data_decline` checks it), so before the launches each
+read's scalar is found for every batch row and query head (`read_tables`: ``[R, B, H]``, the
+float reads in float32 and the others in int32); a launch loads a work item's scalars once
+(`common.item_values`), as it loads ALiBi's slope of a head, and replays them into each
+block's evaluation.
 
-Gradients, where an array is traced: the dk/dv launch records the scalars each evaluation
-reads, takes ``d function / d read`` on the tile by a forward-mode product in that scalar,
-and sums ``G d function / d read`` (`G` the gradient of the function's value) per key row
-into its own float32 row of an output (`backward.dkv_call`'s `data_rows`), in both backward
-modes. Each read's index depends on the head and the batch row alone (`data_decline` checks
-it), so the rows of one read are summed per head and batch row and added at the element that
-read takes there (`read_indices`), in a fixed order: no atomics, bit-identical from run to
-run (`data_gradients`).
+Gradients, where an array is traced: the dk/dv launch takes ``d function / d read`` on the
+tile by a forward-mode product in that read's scalar and sums ``G d function / d read`` (`G`
+the gradient of the function's value) per key row into its own float32 row of an output
+(`backward.dkv_call`'s `data_rows`), in both backward modes; the rows are summed per head
+and batch row (`table_gradients`), and JAX carries that table's cotangent to the arrays
+through `read_tables`, whose float reads take their element by a comparison with every
+element and a sum: the transpose is a sum in a fixed order, no scatter, no atomics, so the
+gradients are bit-identical from run to run.
 
 Declined, each in one line (`data_decline`): an array of other than 32 bits (or bool),
 arrays of more than `DATA_LIMIT` elements together, one used other than at scalar indices (a
-gather by the positions, a product with the whole array), and one read at an index that
-depends on the logits or the positions.
+gather by the positions, a product with the whole array), one read at an index that depends
+on the logits or the positions, and reads in another order at another tile.
 """
 
 import functools
@@ -33,12 +36,12 @@ from eqx_bsattn.contract import (evaluate_function, function_data, recording_rea
                                   unsupported_read)
 
 from .backward import backward_blocks
-from .common import (ROWS_PER_WARPGROUP, LogitTerms, data_reader, differentiated_reads,
-                     function_tile, read_derivatives)
+from .common import (ROWS_PER_WARPGROUP, LogitTerms, function_tile, item_values,
+                     read_derivatives)
 from .forward import block_kv_for
 
-#: The most elements of the arrays a score function reads, together: each read's gradient
-#: is added at its element by a comparison with every element (`data_gradients`).
+#: The most elements of the arrays a score function reads, together: each read takes its
+#: element by a comparison with every element (`read_tables`).
 DATA_LIMIT = 65536
 
 
@@ -48,11 +51,6 @@ def tile_shapes(head_dim: int) -> tuple[tuple[int, int], ...]:
     (_, dq_keys), (dkv_queries, _) = backward_blocks(head_dim)
     return ((ROWS_PER_WARPGROUP, block_kv_for(head_dim)), (ROWS_PER_WARPGROUP, dq_keys),
             (ROWS_PER_WARPGROUP, dkv_queries))
-
-
-def dkv_tile(cfg) -> tuple[int, int]:
-    """The dk/dv launch's tile of a `BackwardConfig`: ``(64 keys, queries)``."""
-    return ROWS_PER_WARPGROUP, cfg.dkv_block_q
 
 
 def reads_arrays(function, params) -> bool:
@@ -104,8 +102,11 @@ def data_decline(function, params, head_dim: int) -> str | None:
                 f"(read arrays at scalar indices, e.g. slopes[head]).")
     if data.arrays and not _indices_by_head(data):
         return ("the score function reads an array at an index that depends on the logits "
-                "or the positions (the Mosaic kernels form an array's gradient per head and "
-                "batch row; index it by the head or the batch row, e.g. slopes[head]).")
+                "or the positions (the Mosaic kernels read each scalar once per head and "
+                "batch row; index by the head or the batch row, e.g. slopes[head]).")
+    if len({read_slots(traced, data.leaves) for _, traced in data.traced}) > 1:
+        return ("the score function reads its arrays in another order at another tile "
+                "shape (the Mosaic kernels replay one order of reads at every tile).")
     return None
 
 
@@ -132,6 +133,15 @@ def _indices_by_head(data) -> bool:
     return True
 
 
+def read_slots(traced, leaves) -> tuple[int, ...]:
+    """The data slot of each scalar one evaluation of `traced` reads, in order (traced with
+    stand-in reads: no FLOPs)."""
+    shape = traced.invars[0].aval.shape
+    record, reads = recording_reads(lambda slot, flat: jnp.zeros((), leaves[slot].dtype))
+    jax.make_jaxpr(lambda *args: evaluate_function(traced, args, record))(*_tile_args(shape))
+    return tuple(slot for slot, _, _ in reads.items)
+
+
 def data_terms(function, params, head_dim: int, with_gradients: bool) -> LogitTerms:
     """The `LogitTerms` of a launch that reads the score function's arrays, traced at the
     tiles of `head_dim` (`params` concrete or abstract); with `with_gradients` each float
@@ -139,17 +149,19 @@ def data_terms(function, params, head_dim: int, with_gradients: bool) -> LogitTe
     data = function_data(function, tile_shapes(head_dim), concrete(params))
     leaves = tuple(type(leaf)(leaf.shape, leaf.dtype, with_gradients and bool(
         jnp.issubdtype(leaf.dtype, jnp.floating))) for leaf in data.leaves)
-    return LogitTerms(function=function, traced=data.traced, data=leaves)
+    return LogitTerms(function=function, traced=data.traced, data=leaves,
+                      reads=read_slots(data.traced[-1][1], leaves))
 
 
 @functools.lru_cache(maxsize=256)
 def data_lowering_failure(function, treedef, avals: tuple, head_dim: int) -> str | None:
     """Why Pallas Mosaic GPU cannot lower the score function `function` with the arrays it
-    reads (`params` of `treedef` and `avals`, ``None``-free), the first line of the error,
-    or ``None``: its value, its derivative in the logits and in each float scalar it reads
-    (each summed per row, as the dk/dv launch sums it), on a 64-row tile of a
-    one-warpgroup kernel that takes the arrays as its float32 and int32 operands. Cached
-    per function and the params' shapes (runs nothing; no GPU needed)."""
+    reads (`params` of `treedef` and `avals`), the first line of the error, or ``None``:
+    its value, its derivative in the logits and in each float scalar it reads (each summed
+    per row, as the dk/dv launch sums it), on the dk/dv launch's tile in a one-warpgroup
+    kernel that takes the read tables as its operands and loads its scalars at the traced
+    batch row and head. Cached per function and the params' shapes (runs nothing; no GPU
+    needed)."""
     from .kernel import _lowering_failure
 
     params = jax.tree.unflatten(treedef, list(avals))
@@ -157,43 +169,38 @@ def data_lowering_failure(function, treedef, avals: tuple, head_dim: int) -> str
         cfg = data_terms(function, params, head_dim, with_gradients=True)
     except Exception:  # noqa: BLE001 - the call raises the function's own error
         return None
-    sizes = {True: 1, False: 1}
-    for leaf in cfg.data:
-        floating = bool(jnp.issubdtype(leaf.dtype, jnp.floating))
-        sizes[floating] += leaf.size
+    counts = [sum(1 for floating, _ in cfg.read_columns if floating == f) or 1
+              for f in (True, False)]
     shape = tile_shapes(head_dim)[-1]
 
     def tile(batch, head, rows, cols, s, floats_ref, ints_ref):
-        read = data_reader(cfg, floats_ref, ints_ref)
-        record, reads = recording_reads(read)
-        value, derivative = function_tile(cfg, s, batch, head, rows, cols, read=record,
+        values = item_values(cfg, floats_ref, ints_ref, batch, head)
+        value, derivative = function_tile(cfg, s, batch, head, rows, cols, values=values,
                                           derivative=True)
         out = value + derivative
-        for d in read_derivatives(cfg, s, batch, head, rows, cols, reads):
+        for d in read_derivatives(cfg, s, batch, head, rows, cols, values):
             out = out + jax.lax.broadcast_in_dim((d * s).sum(axis=1), s.shape, [0])
         return out
 
     return _lowering_failure("the score function", tile, shape,
-                             data=(jax.ShapeDtypeStruct((sizes[True],), jnp.float32),
-                                   jax.ShapeDtypeStruct((sizes[False],), jnp.int32)))
+                             data=(jax.ShapeDtypeStruct((counts[0], 2, 2), jnp.float32),
+                                   jax.ShapeDtypeStruct((counts[1], 2, 2), jnp.int32)))
 
 
-def read_slots(cfg) -> list[int]:
-    """The data slot of each read `backward.dkv_call` returns rows for
-    (`differentiated_reads` of one evaluation on its tile), in order."""
-    shape = dkv_tile(cfg)
-    record, reads = recording_reads(lambda slot, flat: jnp.zeros((), cfg.data[slot].dtype))
-    jax.make_jaxpr(lambda *args: evaluate_function(cfg.traced_at(shape), args, record))(
-        *_tile_args(shape))
-    return [reads.items[i][0] for i in differentiated_reads(cfg, reads)]
-
-
-def read_indices(cfg, data: tuple, batch: int, heads: int):
-    """``[R, batch, heads]`` int32: the flat index each read of `read_slots` takes for
-    each batch row and query head, evaluated as the dk/dv launch evaluates the function
-    (on the stored arrays `data`; the tiles' values do not reach the indices)."""
-    shape = dkv_tile(cfg)
-    traced = cfg.traced_at(shape)
+def read_tables(cfg, data: tuple, batch: int, heads: int):
+    """``(floats [Rf, batch, heads] float32, ints [Ri, batch, heads] int32)``: the scalar
+    each read of the function (``cfg.reads``, float reads and the others apart:
+    `LogitTerms.read_columns`) takes for each batch row and query head, from the stored
+    arrays `data` (`common.stored`, by slot). The indices come from evaluating the trace
+    per batch row and head (the tiles do not reach them: `data_decline`); a float read's
+    scalar is the one element its index selects, summed out of the array by a comparison
+    with every element, so that its gradient, the transpose, is a sum in a fixed order (no
+    scatter: deterministic)."""
+    empty = {True: jnp.zeros((0, batch, heads), jnp.float32),
+             False: jnp.zeros((0, batch, heads), jnp.int32)}
+    if not cfg.reads:
+        return empty[True], empty[False]
+    shape, traced = cfg.traced[-1]
 
     def reader(slot, flat):
         x = data[slot][flat]
@@ -204,37 +211,35 @@ def read_indices(cfg, data: tuple, batch: int, heads: int):
         args = (jnp.zeros(shape, jnp.float32), b, h, jnp.zeros(shape, jnp.int32),
                 jnp.zeros(shape, jnp.int32))
         evaluate_function(traced, args, record)
-        return jnp.stack([reads.items[i][1] for i in differentiated_reads(cfg, reads)])
+        return jnp.stack([jnp.asarray(flat, jnp.int32) for _, flat, _ in reads.items])
 
     rows = jnp.arange(batch, dtype=jnp.int32)
     cols = jnp.arange(heads, dtype=jnp.int32)
-    flats = jax.vmap(jax.vmap(indices, (None, 0)), (0, None))(rows, cols)  # [B, H, R]
-    return jnp.moveaxis(flats, -1, 0)
+    flats = jnp.moveaxis(jax.vmap(jax.vmap(indices, (None, 0)), (0, None))(rows, cols), -1, 0)
+    floats, ints = [], []
+    for r, (slot, (floating, _)) in enumerate(zip(cfg.reads, cfg.read_columns)):
+        x = data[slot]
+        if floating:
+            hits = flats[r][..., None] == jnp.arange(x.shape[0], dtype=jnp.int32)
+            floats.append(jnp.where(hits, x, 0.0).sum(axis=-1))
+        else:
+            ints.append(x[flats[r]])
+    return tuple(jnp.stack(xs) if xs else empty[f] for xs, f in ((floats, True),
+                                                                  (ints, False)))
 
 
-def data_gradients(cfg, data: tuple, data_rows) -> tuple:
-    """Each stored array's gradient (`data`, by slot; ``None`` where it is not traced) from
-    `backward.dkv_call`'s `data_rows` ``[R, B, H, Lk]``: each read's rows summed per batch
-    row and head, then added at the element it read there, in a fixed order (a comparison
-    with every element and a sum, no scatter)."""
-    reads, batch, heads, _ = data_rows.shape
-    cotangents = data_rows.sum(axis=-1)  # [R, B, H]
-    slots = read_slots(cfg)
-    flats = read_indices(cfg, data, batch, heads)
-    grads = []
-    for slot, leaf in enumerate(cfg.data):
-        mine = [r for r, s in enumerate(slots) if s == slot]
-        if not leaf.diff:
-            grads.append(None)
-            continue
-        if not mine:
-            grads.append(jnp.zeros((leaf.size,), jnp.float32))
-            continue
-        index = jnp.asarray(mine)
-        hits = flats[index][..., None] == jnp.arange(leaf.size, dtype=jnp.int32)
-        terms = jnp.where(hits, cotangents[index][..., None], 0.0)
-        grads.append(terms.reshape(-1, leaf.size).sum(axis=0))
-    return tuple(grads)
+def table_gradients(cfg, tables, data_rows):
+    """The read tables' cotangents (`read_tables`) from `backward.dkv_call`'s `data_rows`
+    ``[R, B, H, Lk]`` (one per differentiated read): each read's rows summed over the keys
+    (a fixed order), zeros for the other float reads, ``float0`` zeros for the integer
+    table."""
+    floats, ints = tables
+    sums = {} if data_rows is None else dict(zip(cfg.differentiated_reads,
+                                                 data_rows.sum(axis=-1)))
+    columns = [sums.get(r, jnp.zeros(floats.shape[1:], jnp.float32))
+               for r, (floating, _) in enumerate(cfg.read_columns) if floating]
+    dfloats = jnp.stack(columns) if columns else jnp.zeros_like(floats)
+    return dfloats, np.zeros(ints.shape, jax.dtypes.float0)
 
 
 def params_avals(params):

@@ -47,8 +47,8 @@ from jax import lax
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
                      ELEMENT_MAP_DTYPE, alibi_positions_term, block_visible, element_tile,
-                     data_operands, data_reader, function_tile, persistent_schedule,
-                     ring_stages, segment_ids_apart, swizzled, walk_list)
+                     function_tile, item_values, persistent_schedule, ring_stages,
+                     segment_ids_apart, swizzled, table_operands, walk_list)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -68,14 +68,14 @@ class ForwardConfig(AttentionShape, LogitTerms):
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
                  partial_index, q_segment_ids=None, kv_segment_ids=None, *, slopes=None,
-                 positions=None, element_map=None, data=(), schedule=None, interpret=None):
+                 positions=None, element_map=None, data=None, schedule=None, interpret=None):
     """``(out [B, H, Lq, D], lse [B, H, Lq] float32, base 2)`` for padded inputs.
     `schedule` is the launch's ``(items, counts)`` (`persistent_schedule` of the counts on
     ``cfg.ctas`` CTAs when ``None``); `slopes` ``[H]`` float32 are ALiBi's (``cfg.alibi``);
     `positions` the padded ``(q_positions [B, Lq], kv_positions [B, Lk])`` int32
     (``cfg.positions``); `element_map` the padded ``[1 or B, 1 or H, Lq, Lk]`` map
-    (``cfg.elements``); `data` the arrays the score function reads, by slot
-    (``cfg.traced``; `common.stored`)."""
+    (``cfg.elements``); `data` the read tables of the score function's arrays
+    (``cfg.traced``; `common.table_operands`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -111,7 +111,6 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                               (cfg.layout_batch, cfg.layout_heads),
                               (fcnt_ref, fidx_ref, pcnt_ref, pidx_ref), single=False)
         count = cta_items.count
-        read = data_reader(cfg, floats_ref, ints_ref)
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -147,6 +146,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         q_pos = lax.broadcast_in_dim(
                             ops.load(qpos_ref, (b, pl.ds(q_base, bq)), row_layout), (bq, bk),
                             [0])
+                    # The scalars the score function reads for this row and head.
+                    values = item_values(cfg, floats_ref, ints_ref, b, h)
                     alibi = col_term = None
                     if cfg.alibi:
                         alibi = AlibiBlocks(ops, slopes_ref[h], bq, rows_are_queries=True)
@@ -236,7 +237,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         natural = (s * (1.0 / LOG2E) if alibi is not None
                                    else s * cfg.softmax_scale)
                         s = function_tile(cfg, natural, b, h, *position_tiles(keys),
-                                          read=read) * LOG2E
+                                          values=values) * LOG2E
                     if cfg.soft_cap:
                         # c log2(e) tanh(s scale / c), tanh(x) = 1 - 2 / (exp(2x) + 1): an
                         # exponential overflowing to inf gives 1, never NaN.
@@ -381,10 +382,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     if cfg.elements and element_map is None:
         raise ValueError("forward_call: `element_map` must be given when cfg.elements is on.")
     emap = element_map if cfg.elements else jnp.zeros((1, 1, 1, 1), ELEMENT_MAP_DTYPE)
-    if cfg.traced and len(data) != len(cfg.data):
-        raise ValueError(f"forward_call: `data` must hold the {len(cfg.data)} arrays the score "
-                         f"function reads; got {len(data)}.")
-    floats, ints = data_operands(cfg, data)
+    floats, ints = table_operands(cfg, data)
     kwargs = {} if interpret is None else {"interpret": interpret}
     out, lse = plgpu.kernel(
         entry,

@@ -21,10 +21,10 @@ from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
                        dq_accumulator_shape, dq_call, dq_schedule, short_lists)
 from .common import (ELEMENT_MAP_DTYPE, ROWS_PER_WARPGROUP, persistent_schedule,
                      score_function_tile)
-from .common import stored
+from .common import LogitTerms, stored
 from .config import MosaicConfig
-from .data import (data_decline, data_gradients, data_lowering_failure, params_avals,
-                   reads_arrays)
+from .data import (data_decline, data_lowering_failure, params_avals, read_slots,
+                   read_tables, reads_arrays, table_gradients)
 from .forward import BLOCK_Q, ForwardConfig, forward_call, rows_padded, stages_for
 
 _DTYPES = ("bfloat16", "float16")
@@ -353,13 +353,18 @@ class MosaicBlockSparse(AbstractLseKernel):
         # The arrays the score function reads (its params, its closure's), at the forward's,
         # the dq launch's and the dk/dv launch's tiles (64 rows each; the dk/dv tile's rows
         # are keys), as the launches' operands.
-        traced, leaves, data = (), (), ()
+        traced, leaves, reads, data = (), (), (), None
         if function is not None and (function.takes_params or reads_arrays(function, params)):
             fdata = function_data(function, ((ROWS_PER_WARPGROUP, fwd.block_kv),
                                              (ROWS_PER_WARPGROUP, dq.block_kv),
                                              (ROWS_PER_WARPGROUP, dkdv.block_q)), params)
             traced, leaves = fdata.traced, fdata.leaves
-            data = tuple(map(stored, fdata.arrays, fdata.leaves))
+            reads = read_slots(traced[-1][1], leaves)
+            # Each read's scalar per batch row and head, read by the launches once per work
+            # item (differentiable in the arrays outside the launches).
+            data = read_tables(
+                LogitTerms(function=function, traced=traced, data=leaves, reads=reads),
+                tuple(map(stored, fdata.arrays, fdata.leaves)), batch, heads)
         reads_positions = (not elements if predicate is not None
                            else mask.terms.uses_positions)
         positions = _positions(inputs, batch, q_len, kv_len,
@@ -374,7 +379,8 @@ class MosaicBlockSparse(AbstractLseKernel):
                              layout_batch=fwd.full_count.shape[0],
                              layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors(),
                              soft_cap=soft_cap, alibi=alibi, function=function,
-                             positions=positions is not None, traced=traced, data=leaves)
+                             positions=positions is not None, traced=traced, data=leaves,
+                             reads=reads)
         # The persistent forward's work items per CTA, built on the host.
         schedule = persistent_schedule(fwd.full_count, fwd.partial_count, batch, heads,
                                        fcfg.ctas)
@@ -388,7 +394,7 @@ class MosaicBlockSparse(AbstractLseKernel):
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
             soft_cap=soft_cap, single_pass=single_pass, ctas=_multiprocessors(),
             alibi=alibi, function=function, positions=positions is not None, traced=traced,
-            data=leaves)
+            data=leaves, reads=reads)
         # Each launch is persistent where its items are short; a dk/dv item walks the lists
         # of `dkv_group` query heads.
         walked = bcfg.dkv_group(bcfg.single_pass)
@@ -545,7 +551,7 @@ def _forward(fcfg: ForwardConfig, q, k, v, slopes, data, seg, positions, maps, l
 def _attend(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, lists, bwd_lists):
     """``(out [B, H, Lq, D], lse [B, H, Lq])``, the log-sum-exp as the contract has it
     (`public_lse`); differentiable in both, in ALiBi's `slopes` ``[H]`` and in the arrays
-    the score function reads (`data`, as `common.stored` lays them out)."""
+    the score function reads (`data`, their read tables: `data.read_tables`)."""
     out, lse = _forward(fcfg, q, k, v, slopes, data, seg, positions, maps, lists)
     return out, public_lse(lse, base2=True)
 
@@ -566,10 +572,10 @@ def _attend_bwd(fcfg, bcfg, res, cotangents):
         slopes=slopes if bcfg.alibi else None, positions=positions, maps=maps, data=data,
         schedules=(dq_items, dkv_items))
     dslopes = jnp.zeros_like(slopes) if dslopes is None else dslopes.astype(slopes.dtype)
-    ddata = (None,) * len(data) if data_rows is None else data_gradients(bcfg, data,
-                                                                           data_rows)
-    ddata = tuple(zero_cotangent(x) if g is None else typed_like(g.astype(x.dtype), x)
-                  for g, x in zip(ddata, data))
+    ddata = None
+    if data is not None:
+        dfloats, dints = table_gradients(bcfg, data, data_rows)
+        ddata = (typed_like(dfloats, data[0]), dints)
     zeros = jax.tree.map(zero_cotangent, (seg, positions, maps, lists, bwd_lists))
     # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none).
     return tuple(typed_like(g, x) for g, x in zip((dq, dk, dv, dslopes),
@@ -577,7 +583,7 @@ def _attend_bwd(fcfg, bcfg, res, cotangents):
 
 
 def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists, t_lists, *,
-                    slopes=None, positions=None, maps=None, data=(), schedules=(None, None),
+                    slopes=None, positions=None, maps=None, data=None, schedules=(None, None),
                     interpret=None):
     """``(dq, dk, dv, dslopes)`` of the Mosaic backward for unpadded inputs: pads to the
     tiles (dO with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute
@@ -590,7 +596,7 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     kv_positions [B, Lk])`` int32 (``cfg.positions``; padded here); `maps` the element map
     and its transpose at the padded lengths (``cfg.elements``). `schedules` holds the dq and
     dk/dv launches' ``(items, counts)`` (``None``: built from the lists' counts, `dq_schedule`
-    and `dkv_schedule`). `data` are the arrays the score function reads (``cfg.traced``);
+    and `dkv_schedule`). `data` are the score function's read tables (``cfg.traced``);
     `data_rows`, last, is `dkv_call`'s rows of their reads' cotangents where one is traced
     (``cfg.data_gradients``), else ``None``."""
     q_len, kv_len = q.shape[2], k.shape[2]
