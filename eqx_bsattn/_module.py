@@ -1,5 +1,6 @@
 """`BlockSparseAttention`: the Equinox module that holds the four strategies."""
 
+import collections
 import dataclasses
 import math
 import warnings
@@ -184,6 +185,41 @@ def _layout_to_bhsd(layout: str | None, *arrays):
                 f"(qkv_layout='bshd'); got shape {tuple(np.shape(x))}."
             )
     return tuple(jnp.swapaxes(jnp.asarray(x), -2, -3) for x in arrays)
+
+
+#: Compiled static masks by what they are built from (`compile_mask`), least recently used
+#: first: each layer of a model that shares a mask, each retrace of a jitted step (a second
+#: `jit`, a mask swapped back) reuses the layouts built on the host instead of building them
+#: again. Entries hold at most `_COMPILED_BYTES` of arrays (layouts of short sequences; long
+#: ones are built once per trace, their cost dwarfed by the call's), `_COMPILED_ENTRIES` in all.
+_COMPILED: "collections.OrderedDict[tuple, CompiledMask]" = collections.OrderedDict()
+_COMPILED_ENTRIES = 32
+_COMPILED_BYTES = 4 << 20
+
+
+def compile_mask(resolved: ResolvedMask, tiling: AbstractKernelConfig, reads) -> CompiledMask:
+    """``resolved.compile(tiling, reads)``, from `_COMPILED` where the mask is static (no
+    per-call data, no arrays: its layouts are constants of the trace) and hashable."""
+    if not resolved.is_static:
+        return resolved.compile(tiling, reads)
+    key = (resolved.mask, resolved.q_len, resolved.kv_len, resolved.num_heads, tiling.blocks,
+           reads, jax.config.jax_enable_x64)
+    try:
+        compiled = _COMPILED.get(key)
+    except TypeError:  # an unhashable mask (a predicate closing over a list, say)
+        return resolved.compile(tiling, reads)
+    if compiled is not None:
+        _COMPILED.move_to_end(key)
+        return compiled
+    compiled = resolved.compile(tiling, reads)
+    arrays = [x for x in jax.tree.leaves(compiled) if eqx.is_array(x)]
+    if any(isinstance(x, jax.core.Tracer) for x in arrays):
+        return compiled
+    if sum(x.nbytes for x in arrays) <= _COMPILED_BYTES:
+        _COMPILED[key] = compiled
+        while len(_COMPILED) > _COMPILED_ENTRIES:
+            _COMPILED.popitem(last=False)
+    return compiled
 
 
 #: The per-call arguments of `__call__` and `plan` besides query, key and value.
@@ -446,7 +482,7 @@ class BlockSparseAttention(eqx.Module):
             raise ValueError(f"the {source} tiling cannot run on kernel {kernel.name}: {e}") from None
         if source != "module":  # an automatic tiling fits the sharding's shards
             tiling = self.sharding.fit_tiling(tiling, kernel, features)
-        compiled = resolved.compile(tiling, kernel.reads)
+        compiled = compile_mask(resolved, tiling, kernel.reads)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
         return CallPlan(kernel, choice, tiling, source, compiled, features, inputs, float(scale),
                         resolved)

@@ -159,6 +159,47 @@ def _by_measurement(winner: AbstractKernel, reason: str, below: Sequence[Abstrac
     return by_name[name], measured
 
 
+#: The kernel that runs small calls on a CPU (`small_call`): `DenseReference`, by its name.
+DENSE_KERNEL = "reference"
+#: A call on a CPU of at most this many query-key pairs a head (``Lq x Lk``) runs dense...
+SMALL_CALL_PAIRS = 256 * 256
+#: ...when all its heads together hold at most this many (``B x H x Lq x Lk``: 256 MiB of
+#: float32 scores), so that a dense call's memory stays bounded where the batch is visible.
+SMALL_CALL_ELEMENTS = 1 << 26
+
+
+def small_call(features: Features) -> str | None:
+    """Why a call is small enough that dense attention runs it faster than a block-sparse
+    kernel (one line), or ``None``.
+
+    On a CPU, at up to ``256 x 256`` query-key pairs a head, a block layout has a handful of
+    blocks: the loops that walk it cost more to trace, compile and run than the pairs they
+    skip save (benchmarks/cpu_small_model.py; the table in docs/performance.md). Calls inside
+    a sharding keep the block-sparse kernels (a sharding's contract is theirs), as do calls
+    whose heads together exceed `SMALL_CALL_ELEMENTS` scores."""
+    if features.platform != "cpu" or features.sharded or features.in_loop:
+        return None
+    pairs = features.q_len * features.kv_len
+    if pairs > SMALL_CALL_PAIRS or pairs * features.batch * features.num_heads > SMALL_CALL_ELEMENTS:
+        return None
+    return (f"a small call on the cpu ({features.q_len} x {features.kv_len} query-key pairs a "
+            f"head, at most {SMALL_CALL_PAIRS} = 256 x 256): dense attention traces, compiles "
+            "and runs faster than walking a block layout at this size (docs/performance.md)")
+
+
+def _dense_if_small(winner: AbstractKernel, pool: Sequence[AbstractKernel], mask: ResolvedMask,
+                    features: Features) -> tuple[AbstractKernel, str] | None:
+    """``(DenseReference, why)`` where `small_call` says the call is small, the registry's
+    winner reads a block layout and the dense kernel accepts the call; else ``None``."""
+    why = small_call(features)
+    if why is None or winner.reads == "dense":
+        return None
+    dense = next((k for k in pool if k.name == DENSE_KERNEL), None)
+    if dense is None or decline_reason(dense, mask, features) is not None:
+        return None
+    return dense, why
+
+
 def choose_kernel(
     mask: ResolvedMask, features: Features, candidates: Sequence[AbstractKernel] | None = None
 ) -> KernelChoice:
@@ -172,6 +213,16 @@ def choose_kernel(
         if why is None:
             reason = _why_chosen(kernel, pool, len(declined), platform, candidates is None)
             if candidates is None:
+                dense = _dense_if_small(kernel, pool[index + 1:], mask, features)
+                if dense is not None:
+                    # The block-sparse winner accepts the call: listed with why it is passed
+                    # over, never skipped silently.
+                    dense_kernel, why = dense
+                    declined.append((kernel.name, "accepts this call, but leaves a small call "
+                                     "on the cpu to dense attention (above)"))
+                    why += (f"; {kernel.name} (priority {type(kernel).priority(platform)}) "
+                            "runs the larger calls")
+                    return KernelChoice(dense_kernel, why, tuple(declined), absent=absent)
                 kernel, reason = _by_measurement(kernel, reason, pool[index + 1:], mask,
                                                  features)
             return KernelChoice(kernel, reason, tuple(declined), absent=absent)

@@ -280,7 +280,10 @@ def test_explicit_kernel_that_declines_raises(qkv):
         attn(q, k, v, bias=random_array(1, (20, 28)))
 
 
-def test_plan_reports_features_and_choice(qkv):
+def test_plan_reports_features_and_choice(qkv, monkeypatch):
+    # This call is small enough to run dense on a CPU (`_selector.small_call`); the rule off,
+    # the block-sparse plan's report is read.
+    monkeypatch.setattr("eqx_bsattn._selector.SMALL_CALL_PAIRS", 0)
     q, k, v = qkv
     rng = np.random.default_rng(0)
     seg = sorted_segments(rng, 2, 20, 2)

@@ -103,8 +103,11 @@ def reference_attention(q, k, v, *, mask: CompiledMask, inputs: AttentionInputs,
 class DenseReference(AbstractLseKernel, AbstractBroadcastBiasKernel):
     """Dense float32 attention with every feature: the oracle of the test suite.
 
-    Materialises the ``[B, H, Lq, Lk]`` scores, so memory grows with ``Lq x Lk``; the selector
-    falls back to it only when no block-sparse kernel can run a call. Differentiable by JAX's
+    Materialises the ``[B, H, Lq, Lk]`` scores, so memory grows with ``Lq x Lk``. The selector
+    picks it where no block-sparse kernel can run a call, and for small calls on a CPU (at
+    most ``256 x 256`` query-key pairs a head, unsharded: `select_kernel` says so), which it
+    traces, compiles and runs faster than a kernel walking a block layout of a few blocks
+    (docs/performance.md). Differentiable by JAX's
     autodiff; rows that see no key give zeros and zero gradients. It reads no block layout: it
     evaluates `CompiledMask.visible` on every pair. It reads a bias with its size-1 axes
     (an `AbstractBroadcastBiasKernel`): the scores broadcast them, autodiff sums them back.
