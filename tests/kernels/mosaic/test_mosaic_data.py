@@ -1,10 +1,12 @@
 """A score function that reads arrays (its `params`, arrays it closes over) in
 `MosaicBlockSparse`, on a host without a GPU.
 
-The arrays are the launches' operands, read at scalar indices in the tile code; the dk/dv
-launch forms their gradient (`strategies/kernels/mosaic/data.py`). Here: the forward and the
-backward lower for CUDA with a closure's ALiBi slopes, learned slopes in `params`, and an
-integer table per head; what stays unsupported is declined in one line; and until such a
+Each read's scalar, per batch row and head, is an operand of the launches (its read table),
+loaded once per work item; the dk/dv launch forms the tables' cotangent and JAX carries it to
+the arrays (`strategies/kernels/mosaic/data.py`). Here: the read tables and their gradient
+against NumPy; the forward and the backward lower for CUDA with a closure's ALiBi slopes,
+learned slopes in `params`, and an integer table per head; what stays unsupported is
+declined in one line; and until such a
 function has run on a GPU (`kernel._DATA_RUN_ON_GPU`), the kernel declines it in one line
 that says so, which the selector's `explain` names. One extended test runs the whole call,
 forward and every gradient, in Pallas' CPU interpreter for Mosaic GPU against the float64
@@ -147,6 +149,48 @@ def test_data_reads_are_operands_of_each_launch(hopper_host, data_on):
     assert [leaf.diff for leaf in traced_b.data] == [True]
     assert [leaf.diff for leaf in const_b.data] == [False]
     assert data_read_count(traced_b) == 1 and data_read_count(const_b) == 0
+
+
+def test_read_tables_and_their_gradient_match_numpy():
+    """`read_tables`: each read's scalar for every batch row and head (a float array read
+    at ``[head]`` and at ``[batch, head]``, an int32 one at ``[head]``, in the order the
+    function reads them), and its transpose: a random cotangent of the float table lands on
+    the elements read, summed (float64 NumPy)."""
+    from eqx_bsattn.strategies.kernels.mosaic.common import stored
+    from eqx_bsattn.strategies.kernels.mosaic.data import data_terms, read_tables
+
+    batch, heads = 3, HEADS
+    bias = random_array(5, (batch, heads))
+
+    def fn(s, h, qp, kp, p, batch):
+        return jnp.where(qp - kp > WIDTHS[h], -jnp.inf,
+                         s * p["w"][h] + p["bias"][batch, h])
+
+    params = {"w": random_array(6, (heads,)), "bias": bias}
+    term = scores.ScoreFunction(fn, params).compile(heads).function
+    cfg = data_terms(term, params, 64, with_gradients=True)
+    leaves = cfg.data
+    arrays = [None] * len(leaves)
+    for slot, leaf in enumerate(leaves):  # the leaves by shape: w [H], bias [B, H], widths
+        arrays[slot] = {(heads,): params["w"] if leaf.dtype != jnp.int32 else WIDTHS,
+                        (batch, heads): bias}[leaf.shape]
+    data = tuple(stored(x, leaf) for x, leaf in zip(arrays, leaves))
+    kinds = [leaves[slot].shape + (str(leaves[slot].dtype),) for slot in cfg.reads]
+    assert kinds == [(heads, "int32"), (heads, "float32"), (batch, heads, "float32")]
+    (floats, ints), pullback = jax.vjp(lambda d: read_tables(cfg, d, batch, heads), data)
+    b, h = np.meshgrid(np.arange(batch), np.arange(heads), indexing="ij")
+    np.testing.assert_array_equal(np.asarray(ints[0]), np.asarray(WIDTHS)[h])
+    np.testing.assert_array_equal(np.asarray(floats[0]), np.asarray(params["w"])[h])
+    np.testing.assert_array_equal(np.asarray(floats[1]), np.asarray(bias))
+    cot = np.asarray(random_array(7, floats.shape), np.float64)
+    (grads,) = pullback((jnp.asarray(cot, jnp.float32),
+                         np.zeros(ints.shape, jax.dtypes.float0)))
+    want_w = np.zeros(heads)
+    np.add.at(want_w, h.ravel(), cot[0].ravel())
+    slot_w = [i for i, x in enumerate(arrays) if x is params["w"]][0]
+    slot_b = [i for i, x in enumerate(arrays) if x is bias][0]
+    np.testing.assert_allclose(np.asarray(grads[slot_w]), want_w, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grads[slot_b]), cot[1].ravel(), rtol=1e-6)
 
 
 def _gather(score, head, q_pos, k_pos):
