@@ -184,6 +184,11 @@ class TileMath:
     #: Where that predicate cannot be traced there (it gathers from an array): partial blocks
     #: read a tile of the call's element map instead (input ``emap``, int8).
     elements: bool = False
+    #: Where it reads arrays at scalar indices only (a `Predicate`'s ``widths[head]``): it is
+    #: evaluated on the tiles as the score function is (`function.mask_data`), ``((shape,
+    #: TracedFunction), ...)``, its arrays data slots after the function's (never
+    #: differentiated); `predicate` is then ``None``.
+    mask_traced: tuple = ()
 
     def far_tile(self, q_start, k_start, num_q: int, num_k: int, *, q_rows: bool = True):
         """Where positions are the token indices, ``(ahead, behind, d0, sign)`` of a tile
@@ -383,6 +388,10 @@ class TileMath:
         its query head (an int32 scalar), `refs` the kernel's inputs (the element map's tile,
         ``emap``, where the call has one)."""
         qi, ki, qp, kp, qs, ks = coords
+        if self.mask_traced:
+            traced = dict(self.mask_traced)[tuple(qi.shape)]
+            args = [x for x in (head, qi, ki, qp, kp, qs, ks) if x is not None]
+            return evaluate_function(traced, args, data_reader(self, refs))
         if self.elements:
             return refs["emap"][...].astype(jnp.int32) != 0
         if self.predicate is not None:

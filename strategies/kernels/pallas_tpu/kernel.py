@@ -19,7 +19,8 @@ from .backward import dkv_call, dq_call, table_rows
 from .common import TileMath, Visits, cotangent_like, run_untyped, token_inputs, visits
 from .config import LANES, SUBLANES, PallasTpuConfig
 from .forward import forward_call
-from .function import decline as function_decline, reads_traced, rows as data_rows, stored
+from .function import (DATA_LIMIT, decline as function_decline, mask_data, reads_traced,
+                       rows as data_rows, stored)
 
 _DTYPES = ("bfloat16", "float32")
 #: The tile a mask's element predicate is traced on, to see whether it runs in the kernels.
@@ -67,9 +68,10 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     Partial blocks evaluate the canonical mask terms (causal with an offset, a window,
     chunks, a prefix, segment ids) on the call's positions; a mask without them has its
     element predicate (`CompiledMask.visible_at`) traced into the kernels on the tiles'
-    token indices, positions and segment ids, or, where that predicate indexes an array (a
-    mask built from a boolean array), reads tiles of the call's element map
-    (`CompiledMask.element_map`). The score terms run in every visited block: ALiBi slopes
+    token indices, positions and segment ids (the arrays it reads at scalar indices, a
+    `Predicate`'s per-head widths, in scalar memory: `function.mask_data`), or, where that
+    predicate gathers from an array (a mask built from a boolean array), reads tiles of the
+    call's element map (`CompiledMask.element_map`). The score terms run in every visited block: ALiBi slopes
     and the relative-position table from scalar memory (the table through T5's bucket
     thresholds, one scalar on whole pieces in a far bucket, by diagonals on the others), a
     `ScoreFunction` traced into the kernel body; then the soft cap. Arrays a score function
@@ -147,7 +149,8 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         if mask.kernel_terms(list(tiles)) is None:
             predicate = mask.predicate()
             size = _element_map_bytes(predicate, features)
-            if not predicate.traces_on_tiles(_TILE) and size > _ELEMENT_MAP_LIMIT:
+            if (not predicate.traces_on_tiles(_TILE) and size > _ELEMENT_MAP_LIMIT
+                    and mask_data(predicate, [_TILE], predicate.uses_segment_ids) is None):
                 return (f"the mask's element predicate indexes an array, so it would read an "
                         f"element map of {size / 2**30:.1f} GiB per call (at most "
                         f"{_ELEMENT_MAP_LIMIT // 2**30} GiB).")
@@ -193,6 +196,16 @@ class PallasTpuBlockSparse(AbstractLseKernel):
             fdata = None  # the function is called as it is (`TileMath._function`)
         predicate = None if mask.terms is not None else mask.without_layouts()
         elements = predicate is not None and not predicate.traces_on_tiles(_TILE)
+        mdata = None
+        if elements:
+            # A predicate that reads arrays at scalar indices (per-head widths) runs on the
+            # tiles as the score function does, its arrays in scalar memory after the
+            # function's; any other reads an element map.
+            used = 0 if fdata is None else sum(leaf.size for leaf in fdata.leaves)
+            mdata = mask_data(predicate, (blocks[0], blocks[1], blocks[1][::-1]),
+                              mask.uses_segment_ids, 0 if fdata is None else len(fdata.arrays),
+                              DATA_LIMIT - used)
+            elements = mdata is None
         segment_ids = (mask.terms.segment_ids if mask.terms is not None
                        else mask.uses_segment_ids and not elements)
         math = TileMath(
@@ -201,9 +214,11 @@ class PallasTpuBlockSparse(AbstractLseKernel):
             slopes=score is not None and score.slopes is not None,
             buckets=None if score is None or score.table is None else score.buckets,
             function=function, traced=() if fdata is None else fdata.traced,
-            data=() if fdata is None else fdata.leaves,
+            data=(() if fdata is None else fdata.leaves) + (() if mdata is None
+                                                            else mdata.leaves),
             positions=inputs.q_positions is not None, segment_ids=segment_ids,
-            predicate=None if elements else predicate, elements=elements)
+            predicate=None if elements or mdata is not None else predicate,
+            elements=elements, mask_traced=() if mdata is None else mdata.traced)
         lists = (visits(fwd, transposed=False, rows=lq // blocks[0][0]),
                  visits(dq, transposed=False, rows=lq // blocks[1][0]),
                  visits(dkv, transposed=True, rows=lk // blocks[2][1]))
@@ -222,6 +237,8 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         slopes = None if score is None else score.slopes
         table = None if score is None else score.table
         data = () if fdata is None else tuple(map(stored, fdata.arrays, fdata.leaves))
+        if mdata is not None:
+            data += tuple(map(stored, mdata.arrays, mdata.leaves))
         out, lse = _attend(static, q, k, v, slopes, table, data, tokens, arrays)
         out, lse = out[:, :, :q_len, :value_dim], lse[:, :, :q_len]
         if inputs.sinks is not None:

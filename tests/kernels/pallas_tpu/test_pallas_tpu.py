@@ -15,6 +15,7 @@ import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks, scores
 from eqx_bsattn.strategies.kernels.pallas_tpu.common import (FULL, PARTIAL, SKIP, TileMath,
                                                             visits)
+from eqx_bsattn.strategies.kernels.pallas_tpu.function import mask_data
 from tests.conftest import jnp_attention_f64, np_visibility, score_f64, sorted_segments
 
 ON_TPU = jax.default_backend() == "tpu"
@@ -50,6 +51,15 @@ FUNCTIONS = {"function": scaled_distance, "function_batch": by_batch}
 def window_by_head(q, k, head):
     """A mask that varies by head: a causal window 40 + 50 * head wide."""
     return (k <= q) & (q - k < 40 + 50 * head)
+
+
+def window_by_width(q, k, widths, head):
+    """A causal window whose width per head is read from `params` (``widths[head]``)."""
+    return (k <= q) & (q - k < widths[head])
+
+
+#: Per-head widths, as a `Predicate`'s params.
+WIDTHS = np.asarray([30, 75, 140, 260], np.int32)
 
 
 def odd_diagonals(q, k):
@@ -109,6 +119,10 @@ CASES.update({
                                tiles=kernels.PallasTpuConfig(256, 256, 256, 128)),
     "predicate_head_table": Case(masks.Predicate(window_by_head), score="table",
                                  reference=lambda h, q, k: window_by_head(q, k, h)),
+    # Its params read in the kernels from scalar memory, at the head (no element map).
+    "predicate_params_alibi": Case(masks.Predicate(window_by_width, jnp.asarray(WIDTHS)),
+                                   score="alibi",
+                                   reference=lambda h, q, k: window_by_width(q, k, WIDTHS, h)),
     "dilated_or_global_cross": Case((masks.Dilated(2) & masks.Causal(bottom_right=True))
                                     | masks.GlobalTokens(8), heads=2, kv_heads=1, q_len=200,
                                     kv_len=330, score="alibi"),
@@ -125,7 +139,8 @@ CASES.update({
                                       reference=lambda h, q, k: KEEP[0][q, k]),
 })
 QUICK = {"causal_gqa_alibi_sinks_cap", "documents_table", "window_cross_function",
-         "fully_masked_rows", "predicate_head_table", "dilated_or_global_cross",
+         "fully_masked_rows", "predicate_head_table", "predicate_params_alibi",
+         "dilated_or_global_cross",
          "array_mask_gqa"}
 
 
@@ -394,12 +409,17 @@ def test_declines_name_the_reason():
     union = bsa.ResolvedMask(masks.Dilated(2) | masks.Causal(), q_len=256, kv_len=256,
                              num_heads=2)
     assert kernel.decline_reason(union, bsa.Features(**TPU)) is None
-    indexing = masks.Predicate(lambda q, k, w: q - k < w[0], jnp.asarray([9]))
+    # Gathering by the positions: an element map, which would be too large at 64k tokens.
+    indexing = masks.Predicate(lambda q, k, w: q - k < w[q % 2], jnp.asarray([9, 4]))
     long = {**TPU, "q_len": 65536, "kv_len": 65536}
     big = bsa.ResolvedMask(indexing, q_len=65536, kv_len=65536, num_heads=16)
     assert kernel.decline_reason(big, bsa.Features(**long)) == (
         "the mask's element predicate indexes an array, so it would read an element map of "
         "8.0 GiB per call (at most 4 GiB).")
+    # Reading it at a scalar index: in scalar memory, no element map at any length.
+    scalar = masks.Predicate(lambda q, k, w: q - k < w[0], jnp.asarray([9]))
+    assert kernel.decline_reason(bsa.ResolvedMask(scalar, q_len=65536, kv_len=65536,
+                                                  num_heads=16), bsa.Features(**long)) is None
     small = bsa.ResolvedMask(indexing, q_len=8192, kv_len=8192, num_heads=16)
     assert kernel.decline_reason(small, bsa.Features(**TPU)) is None
     assert kernel.decline_reason(resolved, bsa.Features(**TPU)) is None
@@ -421,6 +441,40 @@ def test_masks_without_terms_are_traced_unless_they_index_an_array(mask, traced)
     assert compiled.terms is None
     assert compiled.without_layouts().traces_on_tiles((8, 128)) is traced
     assert resolved.predicate().traces_on_tiles((8, 128)) is traced
+
+
+@pytest.mark.parametrize("mask, in_kernel", [
+    (masks.Predicate(window_by_width, jnp.asarray(WIDTHS)), True),
+    (masks.Predicate(lambda q, k, w: q - k < w[0], jnp.asarray([9])), True),
+    (masks.Predicate(window_by_width, jnp.asarray(WIDTHS, jnp.int16)), False),
+    (masks.ArrayMask(KEEP), False),
+])
+def test_predicates_reading_arrays_at_scalar_indices_run_in_the_kernels(mask, in_kernel):
+    """A predicate that indexes an array only at scalar indices (the head) is evaluated on the
+    tiles with the array in scalar memory (`function.mask_data`); one that gathers by the
+    positions (`ArrayMask`) or reads a 16-bit array reads the element map."""
+    resolved = bsa.ResolvedMask(mask, q_len=300, kv_len=300, num_heads=4)
+    predicate = resolved.predicate()
+    assert not predicate.traces_on_tiles((8, 128))
+    assert (mask_data(predicate, [(8, 128), (128, 8)], False) is not None) is in_kernel
+
+
+def test_predicate_params_lower_for_a_tpu(v5e_lowering):
+    """``interpret=False``: `jax.grad` through a `Predicate` with per-head widths lowers for a
+    v5e with the widths in scalar memory and no element map among the kernels' inputs."""
+    x = jax.ShapeDtypeStruct((1, 4, 256, 128), jnp.float32)
+
+    def loss(q, k, v):
+        attn = bsa.BlockSparseAttention(
+            mask=masks.Predicate(window_by_width, jnp.asarray(WIDTHS)),
+            kernel=kernels.PallasTpuBlockSparse(interpret=False), tiling=TILES)
+        return attn(q, k, v).sum()
+
+    modules = v5e_lowering(jax.grad(loss, argnums=(0, 1, 2)), x, x, x)
+    assert set(modules) == {"pallas_tpu_forward", "pallas_tpu_dq", "pallas_tpu_dkv"}
+    for name, text in modules.items():
+        assert "memref<4xi32, #tpu.memory_space<smem>>" in text, name
+        assert "xi8" not in text, name  # no element map's int8 tiles
 
 
 def test_element_map_is_the_predicate_per_head_and_batch():
