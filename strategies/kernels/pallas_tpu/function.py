@@ -74,7 +74,15 @@ def decline(function, params: ScoreParams | None = None) -> str | None:
     small tile (on abstract stand-ins of the params: nothing is allocated); cached per
     function and params' shapes. A function that does not trace is left to the kernel's call
     (which raises the function's own error)."""
+    if isinstance(params, bool):  # a `Features` built by hand with the flag it once had
+        params = None if not params else _FLAG
+    if params is _FLAG:
+        return ("the call's Features give the score function's params as a flag, not their "
+                "shapes: pass score_params=ScoreParams.of(params).")
     return _decline(function, params)
+
+
+_FLAG = object()
 
 
 @functools.lru_cache(maxsize=256)

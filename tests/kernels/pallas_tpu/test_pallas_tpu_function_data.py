@@ -313,3 +313,10 @@ def test_selector_picks_it_for_params_on_a_tpu():
                                "score_params": ScoreParams.of(params)})
     choice = bsa.select_kernel(masks.Causal(), "tpu", features)
     assert choice.kernel.name == "pallas_tpu", choice.explain()
+    # Features built by hand with the flag this field once was: the way out, in one line.
+    resolved = bsa.ResolvedMask(masks.Causal(), q_len=8192, kv_len=8192, num_heads=16)
+    flagged = bsa.Features(**{**TPU, "score": ("function",), "score_function": term,
+                              "score_params": True})
+    assert kernels.PallasTpuBlockSparse().decline_reason(resolved, flagged) == (
+        "the call's Features give the score function's params as a flag, not their shapes: "
+        "pass score_params=ScoreParams.of(params).")
