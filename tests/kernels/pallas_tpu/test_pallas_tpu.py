@@ -572,8 +572,9 @@ def test_a_score_function_whose_params_are_one_array_runs():
     q, k, v = (jnp.asarray(rng.standard_normal((1, 2, 32, 8)), jnp.float32) for _ in range(3))
     slopes = jnp.asarray([0.5, -0.25], jnp.float32)
     score = scores.ScoreFunction(lambda s, h, qp, kp, p: s + p[h] * (kp - qp), slopes)
-    outs = [bsa.BlockSparseAttention(mask=masks.Causal(), score=score, kernel=kernel,
-                                     tiling=tiling)(q, k, v)
-            for kernel, tiling in ((kernels.PallasTpuBlockSparse(), TILES),
-                                   (kernels.DenseReference(), None))]
+    with jax.default_matmul_precision("highest"):  # on a TPU both sides in float32
+        outs = [bsa.BlockSparseAttention(mask=masks.Causal(), score=score, kernel=kernel,
+                                         tiling=tiling)(q, k, v)
+                for kernel, tiling in ((kernels.PallasTpuBlockSparse(), TILES),
+                                       (kernels.DenseReference(), None))]
     assert _rel(outs[0], outs[1]) < TOL
