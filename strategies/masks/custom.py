@@ -44,7 +44,8 @@ class Predicate(AbstractMask):
     It has no `blocks`, so layouts evaluate `fn` one q-block at a time (once per trace when
     nothing is per call), and no `terms`: `MosaicBlockSparse` and `PallasTpuBlockSparse`
     trace `fn` into their kernels on the partial blocks (per-call positions and segment ids
-    included; with `params`, they read a per-call element map instead), Triton and Splash
+    included; `PallasTpuBlockSparse` also where `fn` reads its `params` at scalar indices, e.g.
+    ``widths[head]``; otherwise, with `params`, they read a per-call element map), Triton and Splash
     read element bitmaps (static masks only). Define `fn` once, not as a fresh lambda per call:
     it is part of the module's static identity; data it closes over is a constant (a traced
     array there is refused: pass it as `params`).
