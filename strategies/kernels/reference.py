@@ -67,8 +67,9 @@ def reference_attention(q, k, v, *, mask: CompiledMask, inputs: AttentionInputs,
     kv_heads = k.shape[1]
     group = heads // kv_heads
     f32 = jnp.float32
-    k_rep = jnp.repeat(k.astype(f32), group, axis=1)
-    v_rep = jnp.repeat(v.astype(f32), group, axis=1)
+    # (No repeat without groups: small calls on a CPU run here, where every op adds compile time.)
+    k_rep = jnp.repeat(k.astype(f32), group, axis=1) if group > 1 else k.astype(f32)
+    v_rep = jnp.repeat(v.astype(f32), group, axis=1) if group > 1 else v.astype(f32)
     s = jnp.einsum("bhqd,bhkd->bhqk", q.astype(f32), k_rep) * softmax_scale
     if inputs.bias is not None:
         s = s + inputs.bias.astype(f32)
@@ -84,7 +85,7 @@ def reference_attention(q, k, v, *, mask: CompiledMask, inputs: AttentionInputs,
         m = jnp.maximum(m, jnp.max(sinks, axis=-1)[None, :, None])
     # The output does not depend on the shift m, so no gradient needs to flow through it.
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    p = jnp.exp(jnp.where(visible, s - m[..., None], -jnp.inf))
+    p = jnp.exp(s_visible - m[..., None])  # m is finite: hidden pairs stay -inf, weigh 0
     denom = jnp.sum(p, axis=-1)
     if sinks is not None:
         denom = denom + jnp.sum(jnp.exp(sinks[None, :, None, :] - m[..., None]), axis=-1)

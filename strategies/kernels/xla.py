@@ -1011,7 +1011,8 @@ class XlaBlockSparse(AbstractLseKernel, AbstractBroadcastBiasKernel):
 
     Every feature of `DenseReference`: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths,
     soft cap, sinks, bias, segment ids, positions, per-head masks. The selector's default on
-    CPU and TPU, and the fallback on GPU. Block sizes larger than a sequence shrink to it.
+    CPU (calls of at most 256 x 256 query-key pairs a head go to `DenseReference` there) and
+    TPU, and the fallback on GPU. Block sizes larger than a sequence shrink to it.
 
     Shapes: ``query [B, H, Lq, D]``, ``key [B, Hkv, Lk, D]``, ``value [B, Hkv, Lk, Dv]`` ->
     ``[B, H, Lq, Dv]`` in the query dtype. Its config is `XlaConfig` (block sizes per pass).
