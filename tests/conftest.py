@@ -428,9 +428,13 @@ LONG_TESTS = {
 
 
 def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="also run the tests marked `slow` (the full tier, which CI runs): "
+                          "the long tests and the rest of the quick tier's cross products")
     parser.addoption("--extended", action="store_true",
                      help="also run the extended tier (tests marked `extended`): the rest of "
-                          "the cross products whose covering subset the default run takes")
+                          "the cross products whose covering subset the full tier takes; "
+                          "implies --full")
 
 
 def pytest_configure(config):
@@ -483,13 +487,31 @@ def _mark_covering_products(items):
 
 def pytest_collection_modifyitems(config, items):
     _mark_covering_products(items)
-    if not config.getoption("--extended"):
-        skip = pytest.mark.skip(reason="the extended tier: python -m pytest --extended")
-        for item in items:
-            if "extended" in item.keywords:
-                item.add_marker(skip)
+    extended = config.getoption("--extended")
+    full = extended or config.getoption("--full")
+    skip_extended = pytest.mark.skip(reason="the extended tier: python -m pytest --extended")
+    skip_slow = pytest.mark.skip(reason="the full tier: python -m pytest --full")
+    for item in items:
+        if "extended" in item.keywords and not extended:
+            item.add_marker(skip_extended)
+        elif "slow" in item.keywords and not full:
+            item.add_marker(skip_slow)
 
     def longest_first(item):
         return -LONG_TESTS.get(getattr(item, "originalname", item.name), 0)
 
     items.sort(key=longest_first)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Make a worker's end quick and quiet. pytest ends with a full garbage collection, which
+    over the suite's thousands of compiled programs can outlast the 5 s an xdist worker is
+    given to stop on a loaded machine; the worker is then sent SIGINT, and a passing run
+    printed the `KeyboardInterrupt` raised inside hypothesis' garbage-collection timer.
+    Freezing what is alive now leaves that collection little to walk, and the timer is taken
+    out of `gc.callbacks`."""
+    import gc
+
+    gc.callbacks[:] = [c for c in gc.callbacks
+                       if not getattr(c, "__module__", "").startswith("hypothesis")]
+    gc.freeze()

@@ -43,6 +43,7 @@ def _run_child(folder) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # two child processes
 def test_second_process_reads_the_cache(tmp_path):
     folder = tmp_path / "cache"
     first = _run_child(folder)

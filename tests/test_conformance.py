@@ -679,9 +679,9 @@ EXPECTED_DECLINES = {
 }
 
 
-#: Kernels whose declines the quick subset checks: Mosaic's (skipped without a GPU). Checking
-#: takes a plan a case, seconds a kernel, so the rest are `slow`.
-_QUICK_DECLINES = {"mosaic"}
+#: Kernels whose declines the quick tier checks: Splash's (a plan a case). The rest are `slow`
+#: (the full tier): Mosaic's verdicts lower kernels for CUDA, minutes on 2 cores.
+_QUICK_DECLINES = {"splash"}
 
 
 @pytest.mark.parametrize("kernel_cls", [

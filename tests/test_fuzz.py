@@ -159,7 +159,7 @@ def test_array_masks_under_both_shardings_on_eight_devices():
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         " --xla_force_host_platform_device_count=8").strip()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--full",
            os.path.abspath(__file__), "-k", "sharded_array_mask"]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]

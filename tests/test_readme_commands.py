@@ -61,8 +61,10 @@ def test_ci_runs_the_readme_commands_verbatim():
     """`.ci/run` reads both commands from the README and runs them, so the two cannot drift."""
     script = (ROOT / ".ci" / "run").read_text()
     assert "README.md" in script and "eval" in script
-    # No second, hand-written copy of the test command.
+    # No second, hand-written copy of the test command: the full tier's rest is the README's
+    # pytest call with `--full -m slow` added.
     assert "python -m pytest" not in script
+    assert '${commands[1]##*&& } --full -m slow' in script
 
 
 @pytest.mark.slow  # the demo takes about 30 s: the full suite and .ci/run run it

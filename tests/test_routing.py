@@ -768,7 +768,7 @@ def run_child(extended: bool):
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={_DEVICES}").strip()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tier = ["--extended", "-m", "extended"] if extended else []
+    tier = ["--extended", "-m", "extended"] if extended else ["--full"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tier,
            "-k", "test_sharded_route", os.path.abspath(__file__)]
     result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
@@ -783,6 +783,7 @@ if os.environ.get(_CHILD) != "1":
         reference, forward and every gradient."""
         check_route(route, platform)
 
+    @pytest.mark.slow  # a child process on two virtual devices
     def test_sharded_routes_on_two_devices():
         run_child(extended=False)
 

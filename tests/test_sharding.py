@@ -24,7 +24,8 @@ def run_child(marker: str, keyword: str | None = None, path: str = __file__):
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={_DEVICES}").strip()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", marker,
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--full",
+           "-m", marker,
            *(["-k", keyword] if keyword else []), os.path.abspath(path)]
     result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
@@ -32,8 +33,19 @@ def run_child(marker: str, keyword: str | None = None, path: str = __file__):
 
 if os.environ.get(_CHILD) != "1":
 
+    #: The quick tier's cases on 8 devices: ShardMap over batch and heads, the ring over two
+    #: mesh axes with GQA, the ring's steps against the mask, document dispatch and the mesh
+    #: checks; `test_sharding_on_eight_devices_rest` (the full tier) runs the others.
+    QUICK = ("(test_shard_map and not score_terms and not per_head and not segment_ids) or "
+             "test_ring_two_axes_gqa or test_ring_steps_match_the_mask or "
+             "test_dispatch_documents or test_bad_mesh_and_axes")
+
     def test_sharding_on_eight_devices():
-        run_child("not slow")
+        run_child("not slow", QUICK)
+
+    @pytest.mark.slow
+    def test_sharding_on_eight_devices_rest():
+        run_child("not slow", f"not ({QUICK})")
 
     # The slow cases in two children, so that the suite's workers run them side by side: the
     # extended tier.

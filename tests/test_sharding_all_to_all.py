@@ -10,6 +10,7 @@ from tests.test_sharding import _CHILD, run_child
 
 if os.environ.get(_CHILD) != "1":
 
+    @pytest.mark.slow  # the quick tier's ShardMap and ring cases: tests/test_sharding.py
     def test_all_to_all_on_eight_devices():
         run_child("not slow", path=__file__)
 

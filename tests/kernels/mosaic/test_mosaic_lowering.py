@@ -298,6 +298,7 @@ def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host)
 GYM_DECLINED = {"rope_latent"}
 
 
+@pytest.mark.slow  # lowers every catalogue case for CUDA: minutes on 2 cores
 def test_attention_gym_catalogue_lowers_through_mosaic(hopper_host, monkeypatch):
     """Each attention-gym mask and score of the catalogue through `from_flex` (masks as
     `Predicate`s, scores as `ScoreFunction`s) runs in this kernel: `jit(grad)` lowers for CUDA

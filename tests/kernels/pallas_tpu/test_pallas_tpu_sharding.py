@@ -15,6 +15,7 @@ from tests.test_sharding import _CHILD, run_child
 
 if os.environ.get(_CHILD) != "1":
 
+    @pytest.mark.slow  # a child process that compiles the kernel interpreted on 8 devices
     def test_pallas_tpu_sharded_on_eight_devices():
         run_child("not slow", path=__file__)
 

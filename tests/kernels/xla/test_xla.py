@@ -328,6 +328,7 @@ def test_slot_elements_is_checked_printed_and_kept_by_every_copy():
                                looped).slot_elements == 512
 
 
+@pytest.mark.slow
 def test_a_smaller_slot_runs_in_chunks_with_less_memory_and_the_same_result():
     """Causal, L=4096, H=2: every pass fits one slot at the default; at 2^18 scores a slot the
     backward runs its blocks in 4 chunks, the result unchanged and jit(grad)'s temporaries
