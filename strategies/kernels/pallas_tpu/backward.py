@@ -160,19 +160,20 @@ def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits
     pl.when(kind == FULL)(lambda: step(False))
     pl.when(kind == PARTIAL)(lambda: step(True))
 
-    @pl.when(j == visits.width - 1)
+    @pl.when(j == pl.num_programs(3) - 1)  # `visits.width`, or the call's longest list
     def _end():
         dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
 
 
-def _dkv_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits, bq: int,
-                bk: int, group: int):
+def _dkv_kernel(block_ref, kind_ref, steps_ref, *refs, names, math: TileMath, visits: Visits,
+                bq: int, bk: int, group: int):
     n_in = len(names)
     r = named_refs(names, refs[:n_in])
     dk_ref, dv_ref, dk_acc, dv_acc = refs[n_in:]
     b, hk, n, t = (pl.program_id(a) for a in range(4))
-    h = hk * group + t // visits.width
-    at = visits.at(b, h, n, t % visits.width)
+    width = _steps(visits, steps_ref)
+    h = hk * group + t // width
+    at = visits.at(b, h, n, t % width)
     kind, qb = kind_ref[at], block_ref[at]
 
     @pl.when(t == 0)
@@ -196,10 +197,16 @@ def _dkv_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visit
     pl.when(kind == FULL)(lambda: step(False))
     pl.when(kind == PARTIAL)(lambda: step(True))
 
-    @pl.when(t == group * visits.width - 1)
+    @pl.when(t == pl.num_programs(3) - 1)
     def _end():
         dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _steps(visits: Visits, steps_ref):
+    """The slots the dk/dv grid walks per query head: `visits.width`, or (lists built when
+    the call runs) the call's longest list, read from scalar memory."""
+    return steps_ref[0] if visits.dynamic else visits.width
 
 
 _PARAMS = pltpu.CompilerParams(
@@ -258,7 +265,8 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(batch, heads, nq, vb.width), in_specs=specs,
+            num_scalar_prefetch=2, grid=(batch, heads, nq, visits.grid_steps()),
+            in_specs=specs,
             out_specs=out_specs, scratch_shapes=[pltpu.VMEM((bq, dim), jnp.float32)]),
         out_shape=out_shape, compiler_params=_PARAMS, interpret=interpret,
         name="pallas_tpu_dq",
@@ -279,30 +287,36 @@ def dkv_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visit
     kv_heads, lk, dim_v = v.shape[1], v.shape[2], v.shape[3]
     group = heads // kv_heads
     vb = visits.static()
-    width = vb.width
 
-    def head(hk, t):
-        return hk * group + t // width
+    def head(hk, t, steps_ref):
+        return hk * group + t // _steps(vb, steps_ref)
 
-    def q_map(b, hk, n, t, block_ref, kind_ref):
-        h = head(hk, t)
-        return b, h, block_ref[vb.at(b, h, n, t % width)], 0
+    def q_block(b, hk, n, t, block_ref, steps_ref):
+        """(head, q-block) of grid step ``t`` of kv-block `n`."""
+        h = head(hk, t, steps_ref)
+        return h, block_ref[vb.at(b, h, n, t % _steps(vb, steps_ref))]
 
-    def q_row_map(b, hk, n, t, block_ref, kind_ref):
-        h = head(hk, t)
-        return b, h, 0, block_ref[vb.at(b, h, n, t % width)]
+    def q_map(b, hk, n, t, block_ref, kind_ref, steps_ref):
+        h, i = q_block(b, hk, n, t, block_ref, steps_ref)
+        return b, h, i, 0
 
-    def q_token_map(b, hk, n, t, block_ref, kind_ref):
-        h = head(hk, t)
-        return b, 0, block_ref[vb.at(b, h, n, t % width)]
+    def q_row_map(b, hk, n, t, block_ref, kind_ref, steps_ref):
+        h, i = q_block(b, hk, n, t, block_ref, steps_ref)
+        return b, h, 0, i
+
+    def q_token_map(b, hk, n, t, block_ref, kind_ref, steps_ref):
+        return b, 0, q_block(b, hk, n, t, block_ref, steps_ref)[1]
+
+    def emap_map(b, hk, n, t, block_ref, kind_ref, steps_ref):
+        h, i = q_block(b, hk, n, t, block_ref, steps_ref)
+        return b, h, n, i
 
     kv_spec = lambda width_: pl.BlockSpec(  # noqa: E731
         (None, None, bk, width_), lambda b, hk, n, t, *_: (b, hk, n, 0))
     toks, tok_specs, tok_names = token_specs(
         tokens, lambda x: pl.BlockSpec((None, x.shape[1], bq), q_token_map),
         lambda x: pl.BlockSpec((None, bk, LANES), lambda b, hk, n, t, *_: (b, n, 0)),
-        lambda x: emap_spec(x, bk, bq, lambda b, hk, n, t, block_ref, _: (
-            b, head(hk, t), n, block_ref[vb.at(b, head(hk, t), n, t % width)])))
+        lambda x: emap_spec(x, bk, bq, emap_map))
     more, more_specs, more_names = smem_specs(math, slopes, table, data)
     arrays = [q, k, v, do, lse, delta, *toks, *more]
     specs = [pl.BlockSpec((None, None, bq, dim), q_map), kv_spec(dim), kv_spec(dim_v),
@@ -315,10 +329,11 @@ def dkv_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visit
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(batch, kv_heads, lk // bk, group * width),
+            num_scalar_prefetch=3,
+            grid=(batch, kv_heads, lk // bk, group * visits.grid_steps()),
             in_specs=specs, out_specs=[kv_spec(dim), kv_spec(dim_v)],
             scratch_shapes=[pltpu.VMEM((bk, dim), jnp.float32),
                             pltpu.VMEM((bk, dim_v), jnp.float32)]),
         out_shape=[launch_struct(k.shape, k.dtype), launch_struct(v.shape, v.dtype)],
         compiler_params=_PARAMS, interpret=interpret, name="pallas_tpu_dkv",
-    )(visits.block, visits.kind, *arrays)
+    )(visits.block, visits.kind, visits.steps, *arrays)

@@ -87,6 +87,11 @@ class Visits:
     `block` holds the block of the other side each slot visits and `kind` its class (`FULL`,
     `PARTIAL`, `SKIP`). Slots past a row's list repeat its last block, so the pipeline
     fetches nothing new for them.
+
+    `steps` (int32 ``[1]``) is how many slots of each row a launch walks: `width` where the
+    lists are known at trace time; where they are built when the call runs (`dynamic`:
+    per-call data, a user predicate's params) the longest list, found on the device, so the
+    grid is as long as the lists, not as their capacity (every block of a row).
     """
 
     block: Any  # int32 [mb * mh * rows * width]
@@ -95,6 +100,8 @@ class Visits:
     mh: int
     rows: int
     width: int
+    steps: Any = None
+    dynamic: bool = False
 
     def at(self, b, h, row, slot):
         """The flat index of a slot (traced scalars; `b`, `h` the call's batch and head)."""
@@ -104,7 +111,11 @@ class Visits:
 
     def static(self) -> "Visits":
         """The lists' shape alone, for a kernel body (which reads the lists from its refs)."""
-        return dataclasses.replace(self, block=None, kind=None)
+        return dataclasses.replace(self, block=None, kind=None, steps=None)
+
+    def grid_steps(self):
+        """The launch grid's slot axis: `width`, or (`dynamic`) the traced `steps`."""
+        return self.steps[0] if self.dynamic else self.width
 
 
 def visits(layout: BlockLayout, *, transposed: bool, rows: int) -> Visits:
@@ -137,7 +148,14 @@ def visits(layout: BlockLayout, *, transposed: bool, rows: int) -> Visits:
     kind = xp.where(in_full, FULL, xp.where(slot < count, PARTIAL, SKIP)).astype(np.int32)
     block, kind = (pad_axis(a, 2, rows) for a in (block, kind))
     mb, mh = block.shape[:2]
-    return Visits(block.reshape(-1), kind.reshape(-1), mb, mh, rows, width)
+    if static:
+        steps = np.asarray([width], np.int32)
+    else:
+        # The capacity holds every block a row may visit whatever the data; the grid walks
+        # only the longest list this call has (one slot at least).
+        steps = jnp.clip(jnp.max(count), 1, width).astype(jnp.int32).reshape(1)
+    return Visits(block.reshape(-1), kind.reshape(-1), mb, mh, rows, width, steps,
+                  not static)
 
 
 def as_column(x, length: int, value):
@@ -184,7 +202,7 @@ class TileMath:
     #: Where that predicate cannot be traced there (it gathers from an array): partial blocks
     #: read a tile of the call's element map instead (input ``emap``, int8).
     elements: bool = False
-    #: Where it reads arrays at scalar indices only (a `Predicate`'s ``widths[head]``): it is
+    #: Where it reads arrays at scalar indices only (a user predicate's ``widths[head]``): it is
     #: evaluated on the tiles as the score function is (`function.mask_data`), ``((shape,
     #: TracedFunction), ...)``, its arrays data slots after the function's (never
     #: differentiated); `predicate` is then ``None``.

@@ -111,7 +111,7 @@ def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: V
     pl.when(kind == FULL)(lambda: step(False))
     pl.when(kind == PARTIAL)(lambda: step(True))
 
-    @pl.when(j == visits.width - 1)
+    @pl.when(j == pl.num_programs(3) - 1)  # `visits.width`, or the call's longest list
     def _end():
         l, m = l_ref[...], m_ref[...]
         empty = l == 0.0
@@ -156,7 +156,7 @@ def forward_call(q, k, v, tokens: dict, slopes, table, visits: Visits, *, math: 
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(batch, heads, lq // bq, vb.width),
+            grid=(batch, heads, lq // bq, visits.grid_steps()),
             in_specs=specs,
             out_specs=[row_spec(dim_v), row_spec(LANES)],
             scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),

@@ -68,8 +68,8 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     Partial blocks evaluate the canonical mask terms (causal with an offset, a window,
     chunks, a prefix, segment ids) on the call's positions; a mask without them has its
     element predicate (`CompiledMask.visible_at`) traced into the kernels on the tiles'
-    token indices, positions and segment ids (the arrays it reads at scalar indices, a
-    `Predicate`'s per-head widths, in scalar memory: `function.mask_data`), or, where that
+    token indices, positions and segment ids (the arrays it reads at scalar indices,
+    a user predicate's per-head widths, in scalar memory: `function.mask_data`), or, where that
     predicate gathers from an array (a mask built from a boolean array), reads tiles of the
     call's element map (`CompiledMask.element_map`). The score terms run in every visited block: ALiBi slopes
     and the relative-position table from scalar memory (the table through T5's bucket
@@ -229,7 +229,8 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         if elements:
             emap = mask.element_map(inputs, lq, lk)
             tokens[0]["emap"], tokens[1]["emap"] = emap, jnp.swapaxes(emap, 2, 3)
-        arrays = tuple(jnp.asarray(a, jnp.int32) for x in lists for a in (x.block, x.kind))
+        arrays = tuple(jnp.asarray(a, jnp.int32) for x in lists
+                       for a in (x.block, x.kind, x.steps))
         q, k, v = pad_axis(query, 2, lq), pad_axis(key, 2, lk), pad_axis(value, 2, lk)
         if features.platform == "tpu":
             q, k = pad_axis(q, 3, _tpu_head_dim(dim)), pad_axis(k, 3, _tpu_head_dim(dim))
@@ -264,9 +265,9 @@ def _multiple(length: int, blocks) -> int:
 
 def _with_lists(static: _Static, arrays):
     """The three passes' `Visits` with their arrays."""
-    pairs = zip(arrays[0::2], arrays[1::2])
-    return tuple(dataclasses.replace(v, block=b, kind=k)
-                 for v, (b, k) in zip(static.lists, pairs))
+    triples = zip(arrays[0::3], arrays[1::3], arrays[2::3])
+    return tuple(dataclasses.replace(v, block=b, kind=k, steps=n)
+                 for v, (b, k, n) in zip(static.lists, triples))
 
 
 def _forward(static: _Static, q, k, v, slopes, table, data, tokens, arrays):
