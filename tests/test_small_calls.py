@@ -54,6 +54,7 @@ def test_sharded_and_explicit_calls_keep_the_block_sparse_kernel():
     assert plan.kernel.name == "xla" and plan.choice is None
 
 
+@pytest.mark.slow  # about 9 s: the float64 oracle's gradients compile
 def test_the_dense_path_matches_the_float64_oracle():
     """Through the selector's pick (dense), with padding, a window, a bias and sinks: the
     output, the log-sum-exp and the gradients of q, k, v, bias and sinks; the padded queries'
@@ -126,6 +127,7 @@ def test_the_layer_matches_eqx_nn_on_either_side_of_the_bound(length):
     assert rel_err(layer(x, x, x), theirs(x, x, x, mask=causal)) < 2e-5
 
 
+@pytest.mark.slow  # about 7 s: four jitted gradients
 def test_layouts_of_a_static_mask_are_built_once_across_layers_and_swaps(monkeypatch):
     """A model whose layers share a mask builds its layouts once per trace, and a mask swapped
     away and back is not built again (`_module.compile_mask`); the cached plan computes what a
