@@ -607,6 +607,24 @@ def layout_of_resolved(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads
         xp = jnp if dynamic else np
         return ragged(xp.stack([xp.broadcast_to(xp.asarray(c), shape) for c in per_head], 1))
 
+    def range_classes():
+        """[mb, mh, nq, nk] int8 from the blocks' ranges of positions, where the mask
+        classifies them so (a `Predicate`'s `range_classes`, conservative), else ``None``: a
+        call's classes then cost a few operations per block pair rather than per token pair."""
+        by_ranges = getattr(mask, "range_classes", None)
+        if by_ranges is None:
+            return None
+        parts = []
+        for start, stop in _chunks(nq, nk):
+            per_head = [by_ranges(_q_rows(qc, np.int32(start), stop - start), kc, h)
+                        for h in range(mh)]
+            if any(c is None for c in per_head):
+                return None
+            mb = max(c.shape[0] if c.ndim == 3 else 1 for c in per_head)
+            parts.append(jnp.stack([jnp.broadcast_to(c, (mb, stop - start, nk))
+                                    for c in per_head], 1))
+        return jnp.concatenate(parts, axis=-2)
+
     def ragged(classes):
         if not dynamic:
             classes = np.array(classes, np.int8)
@@ -635,7 +653,8 @@ def layout_of_resolved(mask: AbstractMask, *, q_len: int, kv_len: int, num_heads
     elif mask.classifies_blocks:
         classes = jnp.concatenate([row_classes(*rows) for rows in _chunks(nq, nk)], axis=-2)
     else:
-        classes = ragged(element_classes())
+        classes = range_classes()
+        classes = ragged(element_classes() if classes is None else classes)
     capacity = None
     if dynamic and q_positions is None and kv_positions is None:
         capacity = static_capacity(mask, q_len=q_len, kv_len=kv_len, num_heads=mh,

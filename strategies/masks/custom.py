@@ -9,12 +9,14 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 import numpy as np
 
 from eqx_bsattn.contract import (
     AbstractBlockMask,
     AbstractMask,
     check_flex,
+    classify,
     fits,
     params_tree,
     read_signature,
@@ -42,9 +44,13 @@ class Predicate(AbstractMask):
     (a FlexAttention ``mask_mod`` ``(b, h, q_idx, kv_idx)`` goes through `masks.from_flex`).
     Masks see no batch index: per-sequence data is segment ids (`Document`) or positions.
     It has no `blocks`, so layouts evaluate `fn` one q-block at a time (once per trace when
-    nothing is per call), and no `terms`: `MosaicBlockSparse` and `PallasTpuBlockSparse`
-    trace `fn` into their kernels on the partial blocks (per-call positions and segment ids
-    included; `PallasTpuBlockSparse` also where `fn` reads its `params` at scalar indices, e.g.
+    nothing is per call); where they are built as the call runs (`params`, per-call positions)
+    its blocks are first classified from their ranges of positions, `fn` evaluated on
+    intervals (`range_classes`: comparisons, ``+ - *``, min, max, abs, boolean logic, selects,
+    division and remainder by values that read no position; a few operations per block pair,
+    exact for a window, conservative otherwise), and pair by pair where an operation has no
+    rule. It has no `terms`: `MosaicBlockSparse` and `PallasTpuBlockSparse` trace `fn` into
+    their kernels on the partial blocks (per-call positions and segment ids included; `PallasTpuBlockSparse` also where `fn` reads its `params` at scalar indices, e.g.
     ``widths[head]``; otherwise, with `params`, they read a per-call element map), Triton and Splash
     read element bitmaps (static masks only). Define `fn` once, not as a fresh lambda per call:
     it is part of the module's static identity; data it closes over is a constant (a traced
@@ -99,6 +105,12 @@ class Predicate(AbstractMask):
     @property
     def varies_by_head(self) -> bool:
         return self.takes_head
+
+    def range_classes(self, q, k, head):
+        """Block classes from the blocks' ranges of positions, or ``None``
+        (`predicate_block_classes`): `build_layout` classifies a Predicate's blocks so when
+        its layouts are built as the call runs, instead of evaluating every pair."""
+        return predicate_block_classes(self, q, k, head)
 
     def elements(self, q, k, head):
         args = (q.position, k.position) + (() if self.params is None else (self.params,))
@@ -294,3 +306,198 @@ class PerHead(AbstractBlockMask):
 
     def terms(self, head):
         return self.masks[head].terms(head)
+
+
+# --- Block classes of a `Predicate` from its positions' ranges -------------------------------
+#
+# Where a Predicate's layouts are built when the call runs (it holds `params`), evaluating it on
+# every (query, key) pair costs heads x Lq x Lk operations per call: more than the attention
+# itself at long lengths. Evaluated on intervals instead (each block's range of positions), its
+# classes cost heads x nq x nk. Each value is a pair ``(lo, hi)`` bounding it over the block pair
+# (booleans: ``(surely, maybe)``); values that depend on no position (the params, the head)
+# are exact and run as they are. Every rule is conservative, so a block is called EMPTY only
+# where the predicate is false on every pair of its ranges and FULL only where it is true on
+# every one; an operation without a rule on a ranged value declines (`None`), and the layout
+# evaluates the pairs as before.
+
+
+class _NoRule(Exception):
+    """An operation on a ranged value that `_range_eval` has no rule for."""
+
+
+def _exact(x) -> bool:
+    return not isinstance(x, tuple)
+
+
+def _pair(x):
+    return (x, x) if _exact(x) else x
+
+
+def _bind(eqn, *args):
+    out = eqn.primitive.bind(*args, **eqn.params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _compare(name, a, b):
+    """``(surely, maybe)`` of ``a <op> b`` for ranges ``a``, ``b``."""
+    (alo, ahi), (blo, bhi) = a, b
+    if name in ("gt", "ge"):
+        name, (alo, ahi), (blo, bhi) = {"gt": "lt", "ge": "le"}[name], (blo, bhi), (alo, ahi)
+    if name == "lt":
+        return ahi < blo, alo < bhi
+    if name == "le":
+        return ahi <= blo, alo <= bhi
+    surely = (alo == ahi) & (blo == bhi) & (alo == blo)
+    maybe = (alo <= bhi) & (blo <= ahi)
+    return (surely, maybe) if name == "eq" else (~maybe, ~surely)
+
+
+def _wraps(fn, *args):
+    """Where integer `fn(*args)` leaves int32 (it would wrap), computed in float32 (exact
+    to 2^-24, so values within that of the bounds count as leaving: conservative)."""
+    out = fn(*(x.astype(jnp.float32) for x in args))
+    return (out <= -(2.0 ** 31)) | (out >= 2.0 ** 31)
+
+
+def _widen(lo, hi, wraps):
+    """``(lo, hi)``, the whole int32 range where an operation would wrap."""
+    info = jnp.iinfo(jnp.int32)
+    return jnp.where(wraps, info.min, lo), jnp.where(wraps, info.max, hi)
+
+
+def _no_wrap(fn, lo_args, hi_args):
+    """``(fn(*lo_args), fn(*hi_args))`` of a monotone `fn`, widened where integers wrap."""
+    lo, hi = fn(*lo_args), fn(*hi_args)
+    if not jnp.issubdtype(lo.dtype, jnp.integer):
+        return lo, hi
+    return _widen(lo, hi, _wraps(fn, *lo_args) | _wraps(fn, *hi_args))
+
+
+def _no_wrap_product(a, b):
+    """The range of ``x * y`` over ranges `a`, `b`: the extremes of the corners' products,
+    widened where integers wrap."""
+    pairs = [(x, y) for x in a for y in b]
+    products = [x * y for x, y in pairs]
+    lo, hi = functools.reduce(jnp.minimum, products), functools.reduce(jnp.maximum, products)
+    if not jnp.issubdtype(lo.dtype, jnp.integer):
+        return lo, hi
+    return _widen(lo, hi, functools.reduce(
+        operator.or_, [_wraps(lambda x, y: x * y, x, y) for x, y in pairs]))
+
+
+def _rule(eqn, args):
+    """The outputs (ranges, or exact values) of one equation with a ranged input."""
+    name = eqn.primitive.name
+    if name in ("pjit", "jit", "closed_call", "core_call"):
+        closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+        jaxpr = getattr(closed, "jaxpr", closed)
+        return _range_eval(jaxpr, getattr(closed, "consts", ()), args)
+    if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy",
+                "copy_p", "convert_element_type"):
+        (x,) = args
+        lo, hi = _pair(x)
+        if name == "convert_element_type":
+            old, new = jnp.dtype(lo.dtype), jnp.dtype(eqn.params["new_dtype"])
+            # Monotone conversions only: a narrowing integer cast wraps.
+            widening = (old == jnp.bool_ or jnp.issubdtype(new, jnp.floating)
+                        or (jnp.issubdtype(new, jnp.integer) and jnp.issubdtype(old, jnp.integer)
+                            and jnp.iinfo(new).bits >= jnp.iinfo(old).bits
+                            and jnp.issubdtype(new, jnp.signedinteger)
+                            == jnp.issubdtype(old, jnp.signedinteger)))
+            if not widening or new == jnp.bool_:
+                raise _NoRule(name)
+        return [(_bind(eqn, lo)[0], _bind(eqn, hi)[0])]
+    a = [_pair(x) for x in args]
+    dtype = jnp.dtype(a[0][0].dtype)
+    boolean = dtype == jnp.bool_
+    if name == "add":
+        return [_no_wrap(lambda x, y: x + y, (a[0][0], a[1][0]), (a[0][1], a[1][1]))]
+    if name == "sub":
+        return [_no_wrap(lambda x, y: x - y, (a[0][0], a[1][1]), (a[0][1], a[1][0]))]
+    if name == "neg":
+        return [_no_wrap(lambda x: -x, (a[0][1],), (a[0][0],))]
+    if name == "mul" and not boolean:
+        return [_no_wrap_product(a[0], a[1])]
+    if name in ("max", "min"):
+        op = jnp.maximum if name == "max" else jnp.minimum
+        return [(op(a[0][0], a[1][0]), op(a[0][1], a[1][1]))]
+    if name == "abs":
+        lo, hi = a[0]
+        return [(jnp.where(lo >= 0, lo, jnp.where(hi <= 0, -hi, 0)),
+                 jnp.maximum(jnp.abs(lo), jnp.abs(hi)))]
+    if name in ("lt", "le", "gt", "ge", "eq", "ne"):
+        as_int = lambda r: tuple(x.astype(jnp.int32) for x in r) if boolean else r  # noqa: E731
+        return [_compare(name, as_int(a[0]), as_int(a[1]))]
+    if name == "sign":
+        return [(jnp.sign(a[0][0]), jnp.sign(a[0][1]))]
+    if boolean and name in ("and", "or"):
+        op = operator.and_ if name == "and" else operator.or_
+        return [(op(a[0][0], a[1][0]), op(a[0][1], a[1][1]))]
+    if boolean and name == "not":
+        return [(~a[0][1], ~a[0][0])]
+    if name == "select_n" and len(a) == 3 and jnp.dtype(a[0][0].dtype) == jnp.bool_:
+        (surely, maybe), (lo0, hi0), (lo1, hi1) = a
+        pick = lambda v0, v1, both: jnp.where(  # noqa: E731
+            surely, v1, jnp.where(maybe, both, v0))
+        if jnp.dtype(lo0.dtype) == jnp.bool_:
+            return [(pick(lo0, lo1, lo0 & lo1), pick(hi0, hi1, hi0 | hi1))]
+        return [(pick(lo0, lo1, jnp.minimum(lo0, lo1)), pick(hi0, hi1, jnp.maximum(hi0, hi1)))]
+    if name == "div" and _exact(args[1]) and jnp.issubdtype(dtype, jnp.integer):
+        # Truncating division by an exact divisor is monotone, increasing for a positive one.
+        (lo, hi), d = a[0], args[1]
+        x, y = jax.lax.div(lo, d), jax.lax.div(hi, d)
+        return [(jnp.where(d > 0, x, y), jnp.where(d > 0, y, x))]
+    if name == "rem" and _exact(args[1]) and jnp.issubdtype(dtype, jnp.integer):
+        # Within one period of a positive divisor, from a non-negative start, the remainder
+        # runs monotone; elsewhere it is bounded by the divisor.
+        (lo, hi), d = a[0], jnp.abs(args[1])
+        same = (lo >= 0) & (jax.lax.div(lo, d) == jax.lax.div(hi, d))
+        return [(jnp.where(same, jax.lax.rem(lo, d), jnp.where(lo >= 0, 0, 1 - d)),
+                 jnp.where(same, jax.lax.rem(hi, d), jnp.where(hi <= 0, 0, d - 1)))]
+    raise _NoRule(name)
+
+
+def _range_eval(jaxpr, consts, args) -> list:
+    """Evaluate `jaxpr` on exact values and ``(lo, hi)`` ranges (`_rule`)."""
+    env = {}
+    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
+    for var, x in zip(jaxpr.constvars, consts):
+        env[var] = x
+    for var, x in zip(jaxpr.invars, args):
+        env[var] = x
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs = _bind(eqn, *ins) if all(map(_exact, ins)) else _rule(eqn, ins)
+        for var, x in zip(eqn.outvars, outs):
+            env[var] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def predicate_block_classes(mask: Predicate, q, k, head):
+    """EMPTY / PARTIAL / FULL classes (int8, ``[..., nq, nk]``) of `mask`'s blocks from their
+    ranges of positions (`BlockCoords` `q` ``[..., nq, 1]`` and `k` ``[..., 1, nk]``), the
+    predicate evaluated on intervals (conservative: EMPTY only where it is false on every
+    pair of the ranges, FULL only where it is true on every one); ``None`` where an operation
+    of `fn` on positions has no interval rule (the layout then evaluates every pair)."""
+    params = () if mask.params is None else (mask.params,)
+    leaves, treedef = jax.tree.flatten(params)
+    takes_head = mask.takes_head
+
+    def fn(qp, kp, head, *leaves):
+        kwargs = {"head": head} if takes_head else {}
+        return mask.fn(qp, kp, *jax.tree.unflatten(treedef, leaves), **kwargs)
+
+    qlo, qhi = jnp.asarray(q.pos_lo, jnp.int32), jnp.asarray(q.pos_hi, jnp.int32)
+    klo, khi = jnp.asarray(k.pos_lo, jnp.int32), jnp.asarray(k.pos_hi, jnp.int32)
+    head = jnp.asarray(head, jnp.int32)
+    try:
+        closed = jax.make_jaxpr(fn)(qlo, klo, head, *leaves)
+        out = _range_eval(closed.jaxpr, closed.consts, [(qlo, qhi), (klo, khi), head, *leaves])
+    except _NoRule:
+        return None
+    (out,) = out
+    surely, maybe = _pair(out)
+    if jnp.dtype(surely.dtype) != jnp.bool_:
+        return None
+    shape = jnp.broadcast_shapes(qlo.shape, klo.shape)
+    return classify(jnp.broadcast_to(surely, shape), ~jnp.broadcast_to(maybe, shape))
