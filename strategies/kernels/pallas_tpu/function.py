@@ -8,7 +8,7 @@ read back in its own dtype (`value`). Mosaic TPU gathers from neither a vector n
 memory by a traced index on a vector value, so a function that uses an array otherwise (a
 gather by the positions, a product with the whole array) is declined at plan time
 (`decline`). A mask's element predicate that reads arrays at scalar indices (a
-`Predicate`'s per-head widths) runs the same way on the tiles (`mask_data`).
+user predicate's per-head widths) runs the same way on the tiles (`mask_data`).
 
 Gradients: where such an array is traced (the caller differentiates with respect to it), each
 dq program sums, over its tiles, the cotangent of every scalar it read (`jax.vjp` of the
@@ -124,7 +124,7 @@ def _decline_with(function, params) -> str | None:
 
 class MaskData(NamedTuple):
     """A mask's element predicate traced on the kernels' tiles where it reads arrays at
-    scalar indices (a `Predicate`'s per-head widths, ``widths[head]``): `traced` ``((shape,
+    scalar indices (a user predicate's per-head widths, ``widths[head]``): `traced` ``((shape,
     TracedFunction), ...)`` on the arguments ``(head, qi, ki, qp, kp[, qs, ks])``, reading
     data slots from `first_slot` on; `arrays` and their `leaves` (never differentiated)."""
 
