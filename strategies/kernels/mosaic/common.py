@@ -761,3 +761,35 @@ def swizzled(shape, dtype):
     columns = 128 // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, columns)),
                                                 plgpu.SwizzleTransform(128)))
+
+
+def lowering_failure(what: str, tile, shape=(ROWS_PER_WARPGROUP, 128),
+                      data=()) -> str | None:
+    """Why Pallas Mosaic GPU cannot lower ``tile(batch, head, rows, cols, s, *data_refs)``
+    (a float32 tile of `shape` from traced batch and head scalars, int32 row and column index
+    tiles and a float32 tile, all in the wgmma layout; `data_refs` the kernel's operands of
+    the abstract arrays `data`) inside a one-warpgroup kernel for CUDA: the first line of the
+    error, naming `what`, or ``None``."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    def body(coords_ref, *refs):
+        *data_refs, out_ref, stage = refs
+        layout = plgpu.Layout.WGMMA
+        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+        s = plgpu.broadcasted_iota(jnp.float32, shape, 1, layout=layout) * 0.01
+        stage[...] = tile(coords_ref[0], coords_ref[1], rows, cols, s, *data_refs)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage, out_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    launch = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(shape, jnp.float32),
+                          scratch_types=[plgpu.SMEM(shape, jnp.float32)],
+                          compiler_params=plgpu.CompilerParams(approx_math=True))
+    try:
+        jax.jit(launch).trace(jax.ShapeDtypeStruct((2,), jnp.int32), *data).lower(
+            lowering_platforms=("cuda",))
+    except Exception as e:  # noqa: BLE001 - any failure to lower is the verdict
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"Pallas Mosaic GPU cannot lower {what}: {first}"
+    return None

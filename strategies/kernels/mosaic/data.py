@@ -37,7 +37,7 @@ from eqx_bsattn.contract import (evaluate_function, function_data, recording_rea
 
 from .backward import backward_blocks
 from .common import (ROWS_PER_WARPGROUP, LogitTerms, function_tile, item_values,
-                     read_derivatives)
+                     lowering_failure, read_derivatives)
 from .forward import block_kv_for
 
 #: The most elements of the arrays a score function reads, together: each read takes its
@@ -162,7 +162,6 @@ def data_lowering_failure(function, treedef, avals: tuple, head_dim: int) -> str
     kernel that takes the read tables as its operands and loads its scalars at the traced
     batch row and head. Cached per function and the params' shapes (runs nothing; no GPU
     needed)."""
-    from .kernel import _lowering_failure
 
     params = jax.tree.unflatten(treedef, list(avals))
     try:
@@ -182,7 +181,7 @@ def data_lowering_failure(function, treedef, avals: tuple, head_dim: int) -> str
             out = out + jax.lax.broadcast_in_dim((d * s).sum(axis=1), s.shape, [0])
         return out
 
-    return _lowering_failure("the score function", tile, shape,
+    return lowering_failure("the score function", tile, shape,
                              data=(jax.ShapeDtypeStruct((counts[0], 2, 2), jnp.float32),
                                    jax.ShapeDtypeStruct((counts[1], 2, 2), jnp.int32)))
 

@@ -21,7 +21,7 @@ from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
                        dq_accumulator_shape, dq_call, dq_schedule, short_lists)
 from .common import (ELEMENT_MAP_DTYPE, ROWS_PER_WARPGROUP, persistent_schedule,
                      score_function_tile)
-from .common import LogitTerms, stored
+from .common import LogitTerms, lowering_failure, stored
 from .config import MosaicConfig
 from .data import (data_decline, data_lowering_failure, params_avals, read_slots,
                    read_tables, reads_arrays, table_gradients)
@@ -94,7 +94,7 @@ def function_lowering_failure(term) -> str | None:
                                                 derivative=True)
         return value + again * derivative
 
-    return _lowering_failure("the score function", tile)
+    return lowering_failure("the score function", tile)
 
 
 @functools.lru_cache(maxsize=256)
@@ -113,39 +113,9 @@ def mask_lowering_failure(predicate) -> str | None:
             TokenCoords(cols, cols + batch, segments[1], predicate.kv_len))
         return jnp.where(visible, s, 0.0)
 
-    return _lowering_failure("the mask's element predicate", tile)
+    return lowering_failure("the mask's element predicate", tile)
 
 
-def _lowering_failure(what: str, tile, shape=(ROWS_PER_WARPGROUP, 128),
-                      data=()) -> str | None:
-    """Why Pallas Mosaic GPU cannot lower ``tile(batch, head, rows, cols, s, *data_refs)``
-    (a float32 tile of `shape` from traced batch and head scalars, int32 row and column index
-    tiles and a float32 tile, all in the wgmma layout; `data_refs` the kernel's operands of
-    the abstract arrays `data`) inside a one-warpgroup kernel for CUDA: the first line of the
-    error, naming `what`, or ``None``."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    def body(coords_ref, *refs):
-        *data_refs, out_ref, stage = refs
-        layout = plgpu.Layout.WGMMA
-        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
-        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
-        s = plgpu.broadcasted_iota(jnp.float32, shape, 1, layout=layout) * 0.01
-        stage[...] = tile(coords_ref[0], coords_ref[1], rows, cols, s, *data_refs)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage, out_ref)
-        plgpu.wait_smem_to_gmem(0)
-
-    launch = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(shape, jnp.float32),
-                          scratch_types=[plgpu.SMEM(shape, jnp.float32)],
-                          compiler_params=plgpu.CompilerParams(approx_math=True))
-    try:
-        jax.jit(launch).trace(jax.ShapeDtypeStruct((2,), jnp.int32), *data).lower(
-            lowering_platforms=("cuda",))
-    except Exception as e:  # noqa: BLE001 - any failure to lower is the verdict
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return f"Pallas Mosaic GPU cannot lower {what}: {first}"
-    return None
 
 
 def _multiprocessors() -> int | None:
