@@ -342,11 +342,11 @@ QUICK_CASES = {"xla": {"everything", "predicate", "score_alibi_learned_gqa"},
                               "score_relative_causal_positions"}}
 
 
-#: Kernels whose cases beyond the quick subset are the `extended` tier on the CPU: the dense
-#: reference, the gather kernel, Splash and PallasTpuBlockSparse (interpreted here, seconds a
-#: case), since XlaBlockSparse, the default CPU kernel, runs every case in the default run. Off the CPU
-#: every kernel runs every case.
-EXTENDED_KERNELS = {"reference", "gather", "splash", "pallas_tpu"}
+#: Kernels whose cases beyond the quick subset are the `extended` tier on the CPU: the gather
+#: kernel, Splash and PallasTpuBlockSparse (interpreted here, seconds a case). The CPU's
+#: default kernels, XlaBlockSparse and DenseReference (small calls), run every case in the
+#: full tier. Off the CPU every kernel runs every case.
+EXTENDED_KERNELS = {"gather", "splash", "pallas_tpu"}
 
 #: The inner points of the head-dim sweep, which the CPU kernel runs in the extended tier on
 #: the CPU: its default run takes 80 (not a power of two) and 256 (the largest).

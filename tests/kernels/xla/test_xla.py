@@ -299,7 +299,9 @@ def test_no_lq_by_lk_array():
 
 
 def test_selector_prefers_xla_on_cpu_and_tpu():
-    assert bsa.select_kernel(masks.Causal(), "cpu").kernel.name == "xla"
+    # Past the small calls a CPU gives DenseReference (tests/test_small_calls.py).
+    features = bsa.Features(platform="cpu", q_len=1024, kv_len=1024)
+    assert bsa.select_kernel(masks.Causal(), "cpu", features=features).kernel.name == "xla"
     assert kernels.XlaBlockSparse.priority("tpu") == 10
     assert kernels.XlaBlockSparse.priority("gpu") == 5
 
