@@ -306,6 +306,28 @@ def reads_traced(function: Callable, shape: tuple[int, int], params=None) -> boo
     return any(leaf.diff for leaf in data.leaves)
 
 
+def array_read_decline(data: FunctionData, kernels: str, limit: int,
+                 limit_note: str = "") -> str | None:
+    """Why kernels that hold a score function's arrays whole in 32-bit memory and read them at
+    scalar indices cannot take `data` (`function_data`'s result), in one line naming them
+    (`kernels`: "the TPU kernels"), or ``None``: an array neither 32-bit nor bool, more than
+    `limit` elements in all (`limit_note` added to the bound: ", in scalar memory"), or a
+    read other than at scalar indices (`unsupported_read`)."""
+    for leaf in data.leaves:
+        if not (jnp.dtype(leaf.dtype).itemsize == 4 or leaf.dtype == jnp.bool_):
+            return (f"the score function reads an array of {jnp.dtype(leaf.dtype).name} "
+                    f"(shape {leaf.shape}): {kernels} read 32-bit or bool arrays.")
+    total = sum(leaf.size for leaf in data.leaves)
+    if total > limit:
+        return (f"the score function reads arrays of {total} elements (at most "
+                f"{limit}{limit_note}).")
+    why = unsupported_read(data)
+    if why is not None:
+        return (f"the score function reads an array only as {kernels} cannot: {why} "
+                f"(read arrays at scalar indices, e.g. slopes[head]).")
+    return None
+
+
 def unsupported_read(data: FunctionData) -> str | None:
     """The `UnsupportedRead` message of evaluating each of `data`'s traces with stand-in
     reads (zeros, under `jax.make_jaxpr`: no FLOPs), or ``None`` where every one evaluates."""

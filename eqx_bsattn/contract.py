@@ -89,6 +89,7 @@ from ._score_data import (
     Reads as Reads,
     TracedFunction as TracedFunction,
     UnsupportedRead as UnsupportedRead,
+    array_read_decline as array_read_decline,
     evaluate_function as evaluate_function,
     fold_constants as fold_constants,
     function_data as function_data,

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_bsattn.contract import (evaluate_function, function_data, recording_reads,
-                                  unsupported_read)
+from eqx_bsattn.contract import (array_read_decline, evaluate_function, function_data,
+                                  recording_reads)
 
 from .backward import backward_blocks
 from .common import (ROWS_PER_WARPGROUP, LogitTerms, function_tile, item_values,
@@ -88,18 +88,9 @@ def data_decline(function, params, head_dim: int) -> str | None:
         data = function_data(function, tile_shapes(head_dim), concrete(params))
     except Exception:  # noqa: BLE001 - the call raises it where it runs
         return None
-    for leaf in data.leaves:
-        if not (jnp.dtype(leaf.dtype).itemsize == 4 or leaf.dtype == jnp.bool_):
-            return (f"the score function reads an array of {jnp.dtype(leaf.dtype).name} "
-                    f"(shape {leaf.shape}): the Mosaic kernels read 32-bit or bool arrays.")
-    total = sum(leaf.size for leaf in data.leaves)
-    if total > DATA_LIMIT:
-        return (f"the score function reads arrays of {total} elements (at most "
-                f"{DATA_LIMIT}).")
-    why = unsupported_read(data)
+    why = array_read_decline(data, "the Mosaic kernels", DATA_LIMIT)
     if why is not None:
-        return (f"the score function reads an array only as the Mosaic kernels cannot: {why} "
-                f"(read arrays at scalar indices, e.g. slopes[head]).")
+        return why
     if data.arrays and not _indices_by_head(data):
         return ("the score function reads an array at an index that depends on the logits "
                 "or the positions (the Mosaic kernels read each scalar once per head and "

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from eqx_bsattn.contract import (DataLeaf, ScoreParams, TokenCoords, TracedFunction,
-                                  UnsupportedRead, evaluate_function, fold_constants,
-                                  function_data, reads_traced as reads_traced_on,
-                                  unsupported_read)
+                                  UnsupportedRead, array_read_decline, evaluate_function,
+                                  fold_constants, function_data,
+                                  reads_traced as reads_traced_on)
 
 from .config import LANES, SUBLANES
 
@@ -107,19 +107,7 @@ def _decline_with(function, params) -> str | None:
         data = function_data(function, [_TILE], params)
     except Exception:  # noqa: BLE001 - the call raises it where it runs
         return None
-    for leaf in data.leaves:
-        if not (jnp.dtype(leaf.dtype).itemsize == 4 or leaf.dtype == jnp.bool_):
-            return (f"the score function reads an array of {jnp.dtype(leaf.dtype).name} "
-                    f"(shape {leaf.shape}): the TPU kernels read 32-bit or bool arrays.")
-    total = sum(leaf.size for leaf in data.leaves)
-    if total > DATA_LIMIT:
-        return (f"the score function reads arrays of {total} elements (at most "
-                f"{DATA_LIMIT}, in scalar memory).")
-    why = unsupported_read(data)
-    if why is not None:
-        return (f"the score function reads an array only as the TPU kernels cannot: {why} "
-                f"(read arrays at scalar indices, e.g. slopes[head]).")
-    return None
+    return array_read_decline(data, "the TPU kernels", DATA_LIMIT, ", in scalar memory")
 
 
 class MaskData(NamedTuple):
