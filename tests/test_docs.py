@@ -296,7 +296,7 @@ def _tree_state() -> tuple[str, dict[str, bytes]]:
                     for p in (ROOT / "notebooks").rglob("*") if p.is_file()}
 
 
-@pytest.mark.slow
+# In the quick tier: its one notebook (quickstart) stands for the others there.
 def test_readme_notebook_command_leaves_the_checkout_clean(tmp_path):
     """The README's command as typed, on the quickest notebook, with a temporary home folder:
     it executes every cell and writes the copy there, and git sees no change (`--inplace`,
