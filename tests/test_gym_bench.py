@@ -75,6 +75,7 @@ def test_the_gym_script_times_our_side_and_counts_pairs(tmp_path, capsys):
         case = gym.cases(64, 1, 2)[name]()
         q, kv = np.arange(case.q_len)[:, None], np.arange(case.kv_len)[None, :]
         assert r["pairs"] == int(np.sum(np.asarray(case.mask_mod(0, 0, q, kv)))), name
-        assert r["ours"]["kernel"] == "XlaBlockSparse" and r["ours"]["fwdbwd_ms"] > 0, r
+        # 64 x 64 is a small call on a CPU: the selector runs it dense.
+        assert r["ours"]["kernel"] == "DenseReference" and r["ours"]["fwdbwd_ms"] > 0, r
     assert records["natten"]["ours"]["form"] == "from_flex"
     assert "| sliding_window | 64x64 |" in capsys.readouterr().out
