@@ -4,7 +4,11 @@ through the same kernel (B=1, H=16, L=8192, D=128, bfloat16, causal; ms, median)
 
 - ALiBi: built in; written as a `ScoreFunction` closing over a slopes array; and with the
   slopes as learned `params` (its backward differentiates the params too).
-- A causal window of 1024: built in; as a `Predicate` with each head's width as `params`.
+- A causal window of 1024: built in; as a `Predicate` with each head's width as `params`;
+  and, to tell where that one's time goes, as a `Predicate` without data and as the
+  per-head `Predicate` with its widths fixed when traced (no layout built on the device).
+- A 32-bucket T5 table (`RelativePositionBias`) on causal and on the window, against the
+  same mask without a term.
 
 Each row also names the kernel the selector picks for the call. Runs in one process (one
 program at a time can hold a TPU); on a CPU pass a short ``--length`` (interpreted: slow).
@@ -39,10 +43,15 @@ def window_params(q, k, params, head):
     return (k <= q) & (q - k <= params["width"][head])
 
 
+def window_static(q, k):
+    return (k <= q) & (q - k <= 1024)
+
+
 def calls(heads: int):
     """``(label, base label, make(params) -> module, params or None)`` of each timed call."""
     slopes = jnp.asarray(scores.alibi_slopes(heads), jnp.float32)
     widths = jnp.full((heads,), 1024, jnp.int32)
+    table = 0.3 * jax.random.normal(jax.random.key(1), (heads, 32), jnp.float32)
     causal, kernel = masks.Causal(), kernels.PallasTpuBlockSparse()
     window = masks.Causal() & masks.SlidingWindow(1024, 0)
 
@@ -59,6 +68,14 @@ def calls(heads: int):
         ("window 1024 built in", None, lambda p: module(window), None),
         ("window 1024 Predicate, widths as params", "window 1024 built in",
          lambda p: module(masks.Predicate(window_params, p)), {"width": widths}),
+        ("window 1024 Predicate, no data", "window 1024 built in",
+         lambda p: module(masks.Predicate(window_static)), None),
+        ("window 1024 Predicate, widths fixed when traced", "window 1024 built in",
+         lambda p: module(masks.Predicate(window_params, {"width": widths})), None),
+        ("causal + T5 table", "causal",
+         lambda p: module(causal, scores.RelativePositionBias(table)), None),
+        ("window 1024 + T5 table", "window 1024 built in",
+         lambda p: module(window, scores.RelativePositionBias(table)), None),
     ]
 
 

@@ -17,10 +17,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import (FULL, PARTIAL, TileMath, Visits, data_reader, lanes, launch_struct,
-                     tile_coords)
+from .common import TileMath, Visits, data_reader, lanes, launch_struct, tile_coords
 from .config import LANES, SUBLANES
-from .forward import NN, NT, dot, emap_spec, named_refs, smem_specs, token_specs
+from .forward import NN, NT, branches, dot, emap_spec, named_refs, smem_specs, token_specs
 from .function import rows as data_rows
 
 
@@ -35,15 +34,16 @@ def table_rows(num_buckets: int) -> int:
     return -(-num_buckets // SUBLANES) * SUBLANES
 
 
-def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool, far):
+def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool, far, case):
     """``(P, dS, qp, kp, logits, g)`` of a tile: its probabilities, the gradient of its
     logits before the score function and the soft cap (that of ``softmax_scale * q . k``,
     the slopes' and the table's terms alike), its positions for the terms' gradients, its
     `Logits`, and `g` the gradient of the score function's result (zero where a pair is
-    hidden; ``None`` unless the function reads arrays whose gradient is formed)."""
+    hidden; ``None`` unless the function reads arrays whose gradient is formed). `far`,
+    `case`: the tile's `TileMath.far_tile` and table case."""
     qp, kp = coords[2:4]
     logits = math.logits(s, batch, head, qp, kp, r.get("slopes"), r.get("table"), grad=True,
-                         far=far, read=data_reader(math, r))
+                         far=far, case=case, read=data_reader(math, r))
     s = logits.s
     visible = math.visible(head, coords, r) if masked else None
     if visible is not None:
@@ -79,15 +79,16 @@ def _bucket_sums(math: TileMath, rows, bucket, ds):
     return acc
 
 
-def _table_grad(math: TileMath, dtable_ref, ds, qp, kp, far):
+def _table_grad(math: TileMath, dtable_ref, ds, qp, kp, far, case):
     """Add a tile's share of the table's gradient to its ``[rows, 128]`` block (bucket
     ``n``'s in row ``n``, every lane): the sum of dS over the tile's pairs in each bucket.
-    Where positions are the token indices (`far` is the tile's `TileMath.far_tile`): one sum
-    for a tile that lies in a far bucket; on the others, piece by piece (`TileMath.pieces`),
-    one sum for a piece in a far bucket, and on the rest the sums of the piece's diagonals
-    (`TileMath.diagonal_sums`) gathered by the diagonals' buckets."""
+    Where positions are the token indices (`far` is the tile's `TileMath.far_tile`, `case`
+    its static table case): one sum for a tile that lies in a far bucket; on the others,
+    piece by piece (`TileMath.pieces`), one sum for a piece in a far bucket, and on the rest
+    the sums of the piece's diagonals (`TileMath.diagonal_sums`) gathered by the diagonals'
+    buckets."""
     rows = jax.lax.broadcasted_iota(jnp.int32, dtable_ref.shape, 0)
-    if far is None:
+    if case is None:
         dtable_ref[...] += _bucket_sums(math, rows, math.buckets.bucket(qp - kp), ds)
         return
     (_, ahead), (_, behind) = math.buckets.far_buckets()
@@ -111,10 +112,11 @@ def _table_grad(math: TileMath, dtable_ref, ds, qp, kp, far):
 
             pl.when(jnp.logical_not(jnp.logical_or(is_ahead, is_behind)))(diagonals)
 
-    ahead_far, behind_far = far[:2]
-    pl.when(jnp.logical_or(ahead_far, behind_far))(
-        lambda: add_far(_total(ds), ahead_far, behind_far))
-    pl.when(jnp.logical_not(jnp.logical_or(ahead_far, behind_far)))(near)
+    if case == "near":
+        near()
+    else:
+        dtable_ref[...] += jnp.where(rows == (ahead if case == "ahead" else behind),
+                                     _total(ds), 0.0)
 
 
 def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits, bq: int,
@@ -138,27 +140,27 @@ def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits
             if ref is not None:
                 ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
-    def step(masked: bool):
+    far = math.far_tile(i * bq, kv * bk, bq, bk)
+
+    def step(masked: bool, case):
         q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
         s = dot(q, k, NT)
         dp = dot(do, v, NT)
         coords = tile_coords(s.shape, 0, i * bq, kv * bk, r)
-        far = math.far_tile(i * bq, kv * bk, bq, bk)
         lse = lanes(r["lse"][...], bk)
         _, ds, qp, kp, logits, g = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse),
-                                       dp, lanes(r["delta"][...], bk), masked, far)
+                                       dp, lanes(r["delta"][...], bk), masked, far, case)
         dq = dot(ds.astype(k.dtype), k, NN)
         acc_ref[...] += dq * math.scale
         if dslopes_ref is not None:
             part = _total(ds * (kp - qp).astype(jnp.float32))
             dslopes_ref[...] += jnp.broadcast_to(part, dslopes_ref.shape)
         if dtable_ref is not None:
-            _table_grad(math, dtable_ref, ds, qp, kp, far)
+            _table_grad(math, dtable_ref, ds, qp, kp, far, case)
         if ddata_refs:
             _data_grads(math, ddata_refs, logits, b, h, qp, kp, g)
 
-    pl.when(kind == FULL)(lambda: step(False))
-    pl.when(kind == PARTIAL)(lambda: step(True))
+    branches(kind, math.table_cases(far), step)
 
     @pl.when(j == pl.num_programs(3) - 1)  # `visits.width`, or the call's longest list
     def _end():
@@ -181,21 +183,21 @@ def _dkv_kernel(block_ref, kind_ref, steps_ref, *refs, names, math: TileMath, vi
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    def step(masked: bool):
+    far = math.far_tile(qb * bq, n * bk, bq, bk, q_rows=False)
+
+    def step(masked: bool, case):
         q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
         s = dot(k, q, NT)  # [bk, bq]
         dp = dot(v, do, NT)
         coords = tile_coords(s.shape, 1, qb * bq, n * bk, r)
         lse = r["lse"][:1, :]
-        far = math.far_tile(qb * bq, n * bk, bq, bk, q_rows=False)
         p, ds, *_ = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse), dp,
-                        r["delta"][:1, :], masked, far)
+                        r["delta"][:1, :], masked, far, case)
         dv_acc[...] += dot(p.astype(do.dtype), do, NN)
         dk = dot(ds.astype(q.dtype), q, NN)
         dk_acc[...] += dk * math.scale
 
-    pl.when(kind == FULL)(lambda: step(False))
-    pl.when(kind == PARTIAL)(lambda: step(True))
+    branches(kind, math.table_cases(far), step)
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _end():

@@ -222,6 +222,19 @@ class TileMath:
         d_max = q_start + num_q - 1 - k_start
         return d_min >= gap_ahead, d_max <= -gap_behind, q_start - k_start, -1 if q_rows else 1
 
+    def table_cases(self, far):
+        """``[(case, condition), ...]``: the static cases a tile's table term takes, each with
+        the scalar boolean that selects it. The kernels run one branch per case (`pl.when`),
+        so a far tile adds one scalar and no tile-sized value crosses a branch (a ``lax.cond``
+        that yields the tile's logits stores and reloads them through VMEM on every tile).
+        ``[(None, True)]`` without a table or where `far` is ``None`` (per-call positions:
+        each pair's bucket)."""
+        if self.buckets is None or far is None:
+            return [(None, True)]
+        ahead, behind = far[:2]
+        return [("ahead", ahead), ("behind", jnp.logical_and(behind, jnp.logical_not(ahead))),
+                ("near", jnp.logical_not(jnp.logical_or(ahead, behind)))]
+
     def pieces(self, far, shape):
         """The pieces a near tile's table term is formed on, ``(rows, cols, d, ahead,
         behind)`` each: its row and column slices, the distance of its first pair (pair
@@ -323,25 +336,23 @@ class TileMath:
         return jnp.concatenate([jnp.concatenate(row, axis=1) for row in grid.values()], axis=0)
 
     def logits(self, s, batch, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None,
-               read=None) -> "Logits":
+               case=None, read=None) -> "Logits":
         """The tile's logits from ``q . k`` (float32) and, where `grad`, their derivatives
         (`Logits`). `batch`, `head` are the tile's indices (int32 scalars); `qp`, `kp` int32
-        tiles of `s`'s shape; `far` is the tile's `far_tile`; `read` the kernel's reader of
-        the function's arrays (`data_reader`)."""
+        tiles of `s`'s shape; `far` is the tile's `far_tile` and `case` its static table case
+        (`table_cases`); `read` the kernel's reader of the function's arrays
+        (`data_reader`)."""
         s = s * self.scale if self.scale != 1.0 else s
         if self.slopes:
             s = s + slopes_ref[head] * (kp - qp).astype(jnp.float32)
         if self.buckets is not None:
-            base = s
-            if far is None:
-                s = base + self.table_tile(self.buckets.bucket(qp - kp), head, table_ref)
+            (_, ahead), (_, behind) = self.buckets.far_buckets()
+            if case is None:
+                s = s + self.table_tile(self.buckets.bucket(qp - kp), head, table_ref)
+            elif case == "near":
+                s = s + self.table_near(table_ref, head, far, s.shape)
             else:
-                ahead_far, behind_far = far[:2]
-                near = lambda: base + self.table_near(  # noqa: E731
-                    table_ref, head, far, s.shape)
-                (_, ahead), (_, behind) = self.buckets.far_buckets()
-                s = jax.lax.cond(ahead_far, lambda: base + table_ref[head, ahead], lambda: (
-                    jax.lax.cond(behind_far, lambda: base + table_ref[head, behind], near)))
+                s = s + table_ref[head, ahead if case == "ahead" else behind]
         factor = fn_in = cap = reads = None
         if self.function is not None:
             fn_in = s

@@ -72,6 +72,15 @@ def smem_specs(math: TileMath, slopes, table, data=()):
     return arrays, specs, names
 
 
+def branches(kind, cases, step):
+    """Run ``step(masked, case)`` on the tile in the one branch its kind (FULL: unmasked,
+    PARTIAL: masked) and its table case (`TileMath.table_cases`) select."""
+    for value, masked in ((FULL, False), (PARTIAL, True)):
+        for case, condition in cases:
+            pl.when(jnp.logical_and(kind == value, condition))(
+                functools.partial(step, masked, case))
+
+
 def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits,
                     bq: int, bk: int):
     n_in = len(names)
@@ -87,14 +96,15 @@ def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: V
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def step(masked: bool):
+    far = math.far_tile(i * bq, kv * bk, bq, bk)
+
+    def step(masked: bool, case):
         q, k, v = r["q"][...], r["k"][...], r["v"][...]
         s = dot(q, k, NT)
         coords = tile_coords(s.shape, 0, i * bq, kv * bk, r)
         qp, kp = coords[2:4]
-        far = math.far_tile(i * bq, kv * bk, bq, bk)
         s = math.logits(s, b, h, qp, kp, r.get("slopes"), r.get("table"), grad=False,
-                        far=far, read=data_reader(math, r)).s
+                        far=far, case=case, read=data_reader(math, r)).s
         if masked:
             s = jnp.where(math.visible(h, coords, r), s, -jnp.inf)
         m_prev = m_ref[...]
@@ -108,8 +118,7 @@ def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: V
         pv = dot(p.astype(v.dtype), v, NN)
         acc_ref[...] = lanes(alpha, pv.shape[1]) * acc_ref[...] + pv
 
-    pl.when(kind == FULL)(lambda: step(False))
-    pl.when(kind == PARTIAL)(lambda: step(True))
+    branches(kind, math.table_cases(far), step)
 
     @pl.when(j == pl.num_programs(3) - 1)  # `visits.width`, or the call's longest list
     def _end():
