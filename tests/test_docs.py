@@ -16,7 +16,13 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import masks
-from tests.conftest import assert_close, jnp_attention_f64, np_attention, np_visibility
+from tests.conftest import (
+    assert_close,
+    jnp_attention_f64,
+    np_attention,
+    np_visibility,
+    runtime_env,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -313,7 +319,7 @@ def test_readme_notebook_command_leaves_the_checkout_clean(tmp_path):
     command = command.replace(name, "quickstart")
     before = _tree_state()
     shim = _jupyter_shim(tmp_path / "bin")
-    env = {**os.environ, "HOME": str(tmp_path),
+    env = {**runtime_env(os.environ), "HOME": str(tmp_path),
            "PATH": os.pathsep.join([str(shim), os.environ.get("PATH", "")])}
     done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
@@ -328,10 +334,17 @@ def test_readme_notebook_command_leaves_the_checkout_clean(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.name != "quickstart.ipynb"],
                          ids=lambda p: p.name)  # quickstart runs through the README's command
-def test_notebook_executes(path):
+def test_notebook_executes(path, monkeypatch):
     import nbclient
     import nbformat
 
+    # The kernel starts with this environment, at XLA's default level: a notebook runs its
+    # programs many times (the training steps, the timings), which -O0 slows many times over.
+    flags = runtime_env(os.environ).get("XLA_FLAGS")
+    if flags is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", flags)
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.conftest import runtime_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIRST_SCREEN_LINES = 30
 MASKS = ("causal", "window", "document", "bigbird")
@@ -65,6 +67,8 @@ def test_ci_runs_the_readme_commands_verbatim():
     # pytest call with `--full -m slow` added.
     assert "python -m pytest" not in script
     assert '${commands[1]##*&& } --full -m slow' in script
+    # The first command's output is kept for test_demo_command_as_typed_in_a_fresh_checkout.
+    assert f'export {CI_DEMO_OUTPUT}=' in script
 
 
 @pytest.mark.slow  # the demo takes about 30 s: the full suite and .ci/run run it
@@ -73,7 +77,7 @@ def test_demo_entry_point_prints_its_table():
     result = subprocess.run(
         [sys.executable, "-m", "eqx_bsattn", "--length", "512", "--reps", "1"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        env={**runtime_env(os.environ), "JAX_PLATFORMS": "cpu"})
     assert result.returncode == 0, result.stderr[-3000:]
     check_demo_table(result.stdout)
 
@@ -91,17 +95,50 @@ def _copy_checkout(dest: pathlib.Path) -> None:
             shutil.copy2(source, dest / name)
 
 
+#: Set by `.ci/run`: the standard output of the first command as CI ran it on its fresh clone,
+#: after a line with the command itself.
+CI_DEMO_OUTPUT = "EQX_BSATTN_CI_DEMO_OUTPUT"
+
+
+def check_ci_demo_output(path: pathlib.Path, demo: str) -> None:
+    """The output `.ci/run` kept is the README's first command's, and its table is right."""
+    command, _, output = path.read_text().partition("\n")
+    assert command == demo, f"CI ran {command!r}, the README says {demo!r}"
+    check_demo_table(output)
+
+
+def test_ci_demo_output_is_checked(tmp_path):
+    """What CI kept is accepted only with the README's command and a right table."""
+    demo = first_screen_commands()[0]
+    table = "".join(f"{name} 0.25 xla 1.0 2.0 2.00x 1e-06\n" for name in MASKS)
+    kept = tmp_path / "demo_output.txt"
+    kept.write_text(f"{demo}\n{table}Why these kernels, and what they skip:\n")
+    check_ci_demo_output(kept, demo)
+    kept.write_text(f"python -m eqx_bsattn\n{table}Why these kernels, and what they skip:\n")
+    with pytest.raises(AssertionError, match="the README says"):
+        check_ci_demo_output(kept, demo)
+    kept.write_text(f"{demo}\n{table.replace('1e-06', '0.5')}Why these kernels, and what they skip:\n")
+    with pytest.raises(AssertionError):
+        check_ci_demo_output(kept, demo)
+
+
 @pytest.mark.slow
 def test_demo_command_as_typed_in_a_fresh_checkout(tmp_path):
     """The first command, word for word, in a copy of the checkout with no virtual environment:
-    it creates one, installs the package from pyproject.toml and runs the demo."""
+    it creates one, installs the package from pyproject.toml and runs the demo. Under
+    `.ci/run`, which has just run that command on its fresh clone, the test reads that run's
+    output (the same command, the same check) instead of installing and running it again."""
+    demo = first_screen_commands()[0]
+    if os.environ.get(CI_DEMO_OUTPUT):
+        check_ci_demo_output(pathlib.Path(os.environ[CI_DEMO_OUTPUT]), demo)
+        return
     if shutil.which("bash") is None:
         pytest.skip("needs bash")
     checkout = tmp_path / "checkout"
     checkout.mkdir()
     _copy_checkout(checkout)
-    demo = first_screen_commands()[0]
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env = {k: v for k, v in runtime_env(os.environ).items()
+           if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
                                   if not p.startswith(os.environ.get("VIRTUAL_ENV", "\0")))
     env["JAX_PLATFORMS"] = "cpu"
@@ -109,3 +146,17 @@ def test_demo_command_as_typed_in_a_fresh_checkout(tmp_path):
                             capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     check_demo_table(result.stdout)
+
+
+def test_runtime_env_drops_only_the_suites_fast_compile_flag():
+    """The demo's and the notebooks' processes run at XLA's default level: the suite's -O0
+    goes, the other flags stay, and a level the user set (no marker) stays too."""
+    from tests import conftest
+
+    suite = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {conftest._FAST_COMPILE}",
+             conftest._FAST_COMPILE_SET: "1", "OTHER": "x"}
+    assert runtime_env(suite) == {"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+                                  conftest._FAST_COMPILE_SET: "1", "OTHER": "x"}
+    assert "XLA_FLAGS" not in runtime_env({**suite, "XLA_FLAGS": conftest._FAST_COMPILE})
+    user = {"XLA_FLAGS": conftest._FAST_COMPILE}
+    assert runtime_env(user) == user
