@@ -81,3 +81,18 @@ def test_select_kernel_on_a_tpu_follows_the_measured_rows(mask, length, segment_
         assert "measured" not in choice.explain()
     else:
         assert "TPU v5 lite" in choice.explain()
+
+
+@pytest.mark.parametrize("mask, batch, segment_ids, want", [
+    (masks.Causal(), 1, False, "splash"),
+    (masks.Causal(), 2, False, "pallas_tpu"),
+    (masks.Causal(), 4, False, "pallas_tpu"),  # nearest measured batch: 2
+    (masks.Causal() & masks.Document(), 1, True, "pallas_tpu"),
+])
+def test_the_row_nearest_in_batch_decides_at_one_length(mask, batch, segment_ids, want):
+    features = dataclasses.replace(TPU_CALL, q_len=8192, kv_len=8192, batch=batch,
+                                   segment_ids=segment_ids)
+    row = covering(features, _terms(mask))
+    assert row.length == 8192 and row.batch == min(batch, 2)
+    choice = bsa.select_kernel(mask, platform="tpu", features=features)
+    assert choice.kernel.name == want, choice.explain()
