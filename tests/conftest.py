@@ -428,7 +428,7 @@ __all__ = [
 
 LONG_TESTS = {
     "test_sharding_on_eight_devices_slow_cases": 290,
-    "test_notebook_executes": 167,
+    "test_notebook_executes": 90,
     "test_demo_command_as_typed_in_a_fresh_checkout": 139,
     "test_sharding_on_eight_devices_rest": 122,
     "test_pallas_tpu_sharded_on_eight_devices": 92,
