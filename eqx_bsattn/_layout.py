@@ -14,6 +14,8 @@ from ._mask import EMPTY, FULL, PARTIAL, AbstractMask, BlockCoords, TokenCoords
 _BIG = np.iinfo(np.int32).max // 2
 #: Block pairs per chunk of q-block rows (or kv-block columns) in `build_layout`'s loops.
 _CHUNK_PAIRS = 1 << 22
+#: The widest rows `_jnp_lists` lists by a sort rather than a scatter.
+_SORT_LISTS = 64
 _RANGE_FIELDS = ("index_lo", "index_hi", "pos_lo", "pos_hi", "seg_lo", "seg_hi")
 
 
@@ -281,9 +283,14 @@ def _jnp_lists(classes: Array, flag: int, capacity: int, *, by_column: bool
     traced ``[..., nq, nk]`` class matrix, in `jax.numpy`: counts ``[..., n]`` and indices
     ``[..., n, capacity]`` int32.
 
-    A loop over chunks of at most ``_CHUNK_PAIRS`` entries keeps the temporaries (a cumulative
-    count and a scatter per chunk) bounded. The counts are exact; a row with more entries than
-    `capacity` would lose blocks, so the call then stops with an error, never a wrong answer.
+    Rows of at most ``_SORT_LISTS`` columns (32k tokens in 512-token blocks) are listed by a
+    stable sort of "not an entry" with the column as payload, which puts the row's entries
+    first, in order: on a TPU v5e that took a per-head `Predicate`'s call at 32k tokens from
+    6.87 / 21.77 ms (forward / forward+backward) to 6.22 / 20.80. Wider rows scatter each
+    entry to its rank (a sort of their width costs more on a CPU). A loop over chunks of at
+    most ``_CHUNK_PAIRS`` entries keeps the temporaries bounded. The counts are exact; a row
+    with more entries than `capacity` would lose blocks, so the call then stops with an error,
+    never a wrong answer.
     """
     *lead, nq, nk = classes.shape
     n, width = (nk, nq) if by_column else (nq, nk)
@@ -301,15 +308,22 @@ def _jnp_lists(classes: Array, flag: int, capacity: int, *, by_column: bool
             part = jax.lax.dynamic_slice_in_dim(classes, start, rows, -2)
         hits = (part == flag).reshape(-1, width)
         column = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), hits.shape)
-        # A hit goes to its rank in the row; every other entry to a slot past the end of its
-        # own (`capacity + column`), which the scatter drops: each index is unique, as the
-        # scatter is told.
-        slot = jnp.where(hits, jnp.cumsum(hits, axis=-1, dtype=jnp.int32) - 1,
-                         capacity + column)
-        which = jnp.arange(hits.shape[0], dtype=jnp.int32)[:, None]
-        lists = jnp.zeros((hits.shape[0], capacity), jnp.int32).at[which, slot].set(
-            column, mode="drop", unique_indices=True)
-        counts = jnp.sum(hits, axis=-1, dtype=jnp.int32).reshape(*lead, rows)
+        total = jnp.sum(hits, axis=-1, dtype=jnp.int32)
+        if width <= _SORT_LISTS:
+            _, order = jax.lax.sort((jnp.logical_not(hits).astype(jnp.int32), column),
+                                    num_keys=1, is_stable=True)
+            lists = jnp.where(jnp.arange(capacity, dtype=jnp.int32) < total[:, None],
+                              order[:, :capacity], 0)
+        else:
+            # A hit goes to its rank in the row; every other entry to a slot past the end of
+            # its own (`capacity + column`), which the scatter drops: each index is unique, as
+            # the scatter is told.
+            slot = jnp.where(hits, jnp.cumsum(hits, axis=-1, dtype=jnp.int32) - 1,
+                             capacity + column)
+            which = jnp.arange(hits.shape[0], dtype=jnp.int32)[:, None]
+            lists = jnp.zeros((hits.shape[0], capacity), jnp.int32).at[which, slot].set(
+                column, mode="drop", unique_indices=True)
+        counts = total.reshape(*lead, rows)
         count = jax.lax.dynamic_update_slice_in_dim(count, counts, start, -1)
         index = jax.lax.dynamic_update_slice_in_dim(
             index, lists.reshape(*lead, rows, capacity), start, -2)
