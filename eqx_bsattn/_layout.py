@@ -288,10 +288,9 @@ def _jnp_lists(classes: Array, flag: int, capacity: int, *, by_column: bool
     first, in order: on a TPU v5e that took a per-head `Predicate`'s call at 32k tokens from
     6.87 / 21.77 ms (forward / forward+backward) to 6.22 / 20.80 (on a CPU the sort costs
     more, 12 ms against 2 ms there). Wider rows scatter each entry to its rank. A loop over
-    chunks of at
-    most ``_CHUNK_PAIRS`` entries keeps the temporaries bounded. The counts are exact; a row
-    with more entries than `capacity` would lose blocks, so the call then stops with an error,
-    never a wrong answer.
+    chunks of at most ``_CHUNK_PAIRS`` entries keeps the temporaries bounded. The counts are
+    exact; a row with more entries than `capacity` would lose blocks, so the call then stops
+    with an error, never a wrong answer.
     """
     *lead, nq, nk = classes.shape
     n, width = (nk, nq) if by_column else (nq, nk)
