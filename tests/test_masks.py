@@ -688,3 +688,20 @@ def test_build_layout_errors():
                          block_kv=8, q_segment_ids=seg, kv_segment_ids=seg, with_bitmaps=True)
     with pytest.raises(ValueError, match="Document"):
         bsa.build_layout(masks.Document(), q_len=8, kv_len=8, num_heads=1, block_q=8, block_kv=8)
+
+
+def test_predicate_params_held_as_numpy_are_indexed_by_a_traced_head():
+    """A sharding hands replicated params to its devices as NumPy constants; a predicate
+    reading ``widths[head]`` with the head traced (an element map built under `jax.vmap`)
+    must still see them as an array it can index so."""
+
+    def window(q, k, widths, head):
+        return (k <= q) & (q - k < widths[head])
+
+    mask = masks.Predicate(window, jnp.asarray([2, 5], jnp.int32))
+    mask = eqx.tree_at(lambda m: m.params, mask, np.asarray([2, 5], np.int32))
+    qi, ki = jnp.arange(8)[:, None], jnp.arange(8)[None, :]
+    got = jax.vmap(lambda h: element_mask(mask, h, qi, ki, q_len=8, kv_len=8))(jnp.arange(2))
+    q, k = np.arange(8)[:, None], np.arange(8)[None, :]
+    want = np.stack([(k <= q) & (q - k < w) for w in (2, 5)])
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -544,9 +544,6 @@ DEFAULT_SHARDED = {
 _RING_SLICES = ("issue 63, Pallas TPU under sharding: the plan picks PallasTpuBlockSparse for "
                 "RingAttention, whose 64-token slices its 128-token tiles do not fit (the ring "
                 "then refuses the call, which XLA would run)")
-_PALLAS_PARAMS_SHARDED = ("issue 63, Pallas TPU under sharding: a Predicate's params reach "
-                          "PallasTpuBlockSparse's kernel inside shard_map as a NumPy constant, "
-                          "indexed by the traced head")
 KNOWN_SHARDED = {
     **{(f"{name}-ring", "tpu"): _RING_SLICES for name in (
         "document-alibi-no_data-bfloat16", "causal-alibi-segments-bfloat16",
@@ -555,11 +552,6 @@ KNOWN_SHARDED = {
         "predicate_params-function_closure-no_data-bfloat16",
         "predicate_closure-no_score-positions-bfloat16", "array-relative-segments-float32",
         "per_head-alibi-sinks+soft_cap-bfloat16")},
-    ("predicate_params-function-sinks+soft_cap-bfloat16-shard_map", "tpu"):
-        _PALLAS_PARAMS_SHARDED,
-    # The score function's params run in PallasTpuBlockSparse now, which takes the call.
-    ("predicate_params-function_params-segments-bfloat16-all_to_all", "tpu"):
-        _PALLAS_PARAMS_SHARDED,
 }
 
 

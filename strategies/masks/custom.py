@@ -113,7 +113,10 @@ class Predicate(AbstractMask):
         return predicate_block_classes(self, q, k, head)
 
     def elements(self, q, k, head):
-        args = (q.position, k.position) + (() if self.params is None else (self.params,))
+        # A sharding hands replicated params to its devices as NumPy constants; `fn` may index
+        # them by a traced head (``widths[head]``), which only a JAX array allows.
+        params = () if self.params is None else (jax.tree.map(jnp.asarray, self.params),)
+        args = (q.position, k.position) + params
         kwargs = {"head": jnp.asarray(head, jnp.int32)} if self.takes_head else {}
         out = jnp.asarray(self.fn(*args, **kwargs))
         if out.dtype != jnp.bool_:
