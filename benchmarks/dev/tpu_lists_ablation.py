@@ -117,6 +117,9 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--layout-only", action="store_true")
+    p.add_argument("--lists", action="store_true",
+                   help="time the Predicate with its lists formed each way (not the widened "
+                        "lists)")
     args = p.parse_args()
     layout_table(args.length, args.heads, 4 * args.reps)
     if args.layout_only:
@@ -133,11 +136,24 @@ def main():
          widened(args.heads, True)),
         ("Predicate, per-head widths as params", window_params, {"width": widths}, _VISITS),
     ]
+    if args.lists:
+        from eqx_bsattn import _layout
+
+        scatter = _layout._jnp_lists
+        runs = [runs[0]] + [
+            (f"Predicate, per-head widths as params, lists by {name}", window_params,
+             {"width": widths}, _VISITS, lists)
+            for name, lists in (("scatter", scatter), ("comparisons", compare_lists),
+                                ("sort", sort_lists))]
     print(jax.devices())
     print("| call | fwd ms | fwd+bwd ms |")
     print("| --- | --- | --- |", flush=True)
-    for label, mask, params, visits in runs:
+    for label, mask, params, visits, *lists in runs:
         kernel_module.visits = visits
+        if lists:
+            from eqx_bsattn import _layout
+
+            _layout._jnp_lists = lists[0]
 
         def call(q, k, v, p, mask=mask):
             m = mask if p is None else masks.Predicate(mask, p)
