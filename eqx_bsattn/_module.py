@@ -455,7 +455,8 @@ class BlockSparseAttention(eqx.Module):
                           else ScoreParams.of(inputs.score.params)),
         )
         if is_auto(self.kernel):
-            choice = choose_kernel(resolved, features)
+            choice = choose_kernel(resolved, features, refuses=lambda kernel: (
+                self.sharding.kernel_decline(kernel, resolved, features)))
             kernel = choice.kernel
         else:
             choice = None

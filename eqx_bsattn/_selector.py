@@ -141,7 +141,8 @@ def _why_chosen(kernel: AbstractKernel, pool: Sequence[AbstractKernel], declined
 
 
 def _by_measurement(winner: AbstractKernel, reason: str, below: Sequence[AbstractKernel],
-                    mask: ResolvedMask, features: Features) -> tuple[AbstractKernel, str]:
+                    mask: ResolvedMask, features: Features,
+                    why_not=None) -> tuple[AbstractKernel, str]:
     """`winner` (first by priority) or a kernel ranked below it that a measured row covering
     the call (`_measured.MEASURED`) times faster forward+backward and that accepts the call;
     the reason then quotes the figures."""
@@ -151,7 +152,8 @@ def _by_measurement(winner: AbstractKernel, reason: str, below: Sequence[Abstrac
     by_name = {k.name: k for k in below}
     name, measured = measured_choice(
         row, winner.name, list(by_name),
-        lambda n: decline_reason(by_name[n], mask, features) is None)
+        lambda n: (decline_reason(by_name[n], mask, features) if why_not is None
+                   else why_not(by_name[n])) is None)
     if not measured:
         return winner, reason
     if name == winner.name:
@@ -201,15 +203,25 @@ def _dense_if_small(winner: AbstractKernel, pool: Sequence[AbstractKernel], mask
 
 
 def choose_kernel(
-    mask: ResolvedMask, features: Features, candidates: Sequence[AbstractKernel] | None = None
+    mask: ResolvedMask, features: Features, candidates: Sequence[AbstractKernel] | None = None,
+    *, refuses=None,
 ) -> KernelChoice:
-    """`select_kernel` for a call the plan has resolved."""
+    """`select_kernel` for a call the plan has resolved. `refuses(kernel)`: why the call's
+    sharding cannot run a kernel that accepts the call (`AbstractSharding.kernel_decline`),
+    or ``None``; such a kernel is passed over as one that declines."""
     platform = features.platform
     pool = list(candidates) if candidates is not None else _candidates(platform)
     absent = platform_absent(platform)
     declined: list[tuple[str, str]] = []
-    for index, kernel in enumerate(pool):
+
+    def why_not(kernel):
         why = decline_reason(kernel, mask, features)
+        if why is None and refuses is not None:
+            why = refuses(kernel)
+        return why
+
+    for index, kernel in enumerate(pool):
+        why = why_not(kernel)
         if why is None:
             reason = _why_chosen(kernel, pool, len(declined), platform, candidates is None)
             if candidates is None:
@@ -224,7 +236,7 @@ def choose_kernel(
                             "runs the larger calls")
                     return KernelChoice(dense_kernel, why, tuple(declined), absent=absent)
                 kernel, reason = _by_measurement(kernel, reason, pool[index + 1:], mask,
-                                                 features)
+                                                 features, why_not)
             return KernelChoice(kernel, reason, tuple(declined), absent=absent)
         declined.append((kernel.name, why))
     if not pool:

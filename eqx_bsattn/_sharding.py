@@ -62,6 +62,12 @@ class AbstractSharding(AbstractStrategy):
         fit them. A module's own tiling is never changed. Default: `tiling` itself."""
         return tiling
 
+    def kernel_decline(self, kernel, mask, features) -> str | None:
+        """Why this sharding cannot run `kernel` on this call even where the kernel accepts
+        it (its smallest tiles do not fit the shards), in one line, or ``None``. The selector
+        then passes the kernel over, as if it had declined. Default: ``None``."""
+        return None
+
 
 class Unsharded(AbstractSharding):
     """Run on whatever devices the inputs already live on; no explicit partitioning."""

@@ -541,18 +541,7 @@ DEFAULT_SHARDED = {
 
 
 #: The sharded routes that fail today, by cause (`known_failure`): each found by this test.
-_RING_SLICES = ("issue 63, Pallas TPU under sharding: the plan picks PallasTpuBlockSparse for "
-                "RingAttention, whose 64-token slices its 128-token tiles do not fit (the ring "
-                "then refuses the call, which XLA would run)")
-KNOWN_SHARDED = {
-    **{(f"{name}-ring", "tpu"): _RING_SLICES for name in (
-        "document-alibi-no_data-bfloat16", "causal-alibi-segments-bfloat16",
-        "document-function_batch-sinks+soft_cap-float32",
-        "predicate-alibi_learned-positions+segments-bfloat16",
-        "predicate_params-function_closure-no_data-bfloat16",
-        "predicate_closure-no_score-positions-bfloat16", "array-relative-segments-float32",
-        "per_head-alibi-sinks+soft_cap-bfloat16")},
-}
+KNOWN_SHARDED: dict = {}
 
 
 def known_failure(route: Route, platform: str) -> str | None:
@@ -791,3 +780,20 @@ else:
                              _params(DEFAULT_SHARDED, _sharded_sample()))
     def test_sharded_route(route, platform):
         check_route(route, platform)
+
+
+def test_ring_passes_over_a_kernel_whose_least_tiles_fit_no_slicing():
+    """Planned for a TPU, RingAttention's slices of 64 tokens take no 128-token tile of
+    PallasTpuBlockSparse: the selector passes it over (the ring would refuse the call) and
+    says why; at 128 tokens a slice it keeps it. One device, so no child process."""
+    mesh = jax.make_mesh((1,), ("s",))
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(),
+                                    sharding=bsa.sharding.RingAttention(mesh, "s"))
+    short = jnp.zeros((1, 2, 64, 64), jnp.bfloat16)
+    choice = attn.plan(short, short, short, platform="tpu").choice
+    assert choice.kernel.name == "xla", choice.explain()
+    assert ("pallas_tpu", "its least tiles [(128, 128)] divide no slicing of the sequence the "
+            "ring may take (`order`='auto'; contiguous slices of 64 x 64 tokens over 1 "
+            "device).") in choice.declined
+    longer = jnp.zeros((1, 2, 128, 64), jnp.bfloat16)
+    assert attn.plan(longer, longer, longer, platform="tpu").kernel.name == "pallas_tpu"

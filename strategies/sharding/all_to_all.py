@@ -197,6 +197,9 @@ class AllToAllRing(AbstractSharding):
     def fit_tiling(self, tiling, kernel, features):
         return self.ring.fit_tiling(tiling, kernel, features)
 
+    def kernel_decline(self, kernel, mask, features):
+        return self.ring.kernel_decline(kernel, mask, features)
+
     def wrap(self, fn: Callable) -> Callable:
         h_axis, r_axis, b_axis = self.heads_axis, self.ring_axis, self.batch_axis
         ring_call = self.ring.wrap(fn)

@@ -676,33 +676,55 @@ class RingAttention(AbstractSharding):
             Tiling(block_q=bq, block_kv=bk, block_q_bwd=kv_q, block_kv_bwd=kv_k,
                    block_q_dq=dq_q, block_kv_dq=dq_k), features)
 
+    def kernel_decline(self, kernel, mask, features):
+        """Where `kernel`'s heuristic tiles, shrunk to fit the slices (`fit_tiling`), divide
+        the slices of no order this ring may take (a kernel with a least tile, as a TPU's 128
+        lanes, on short slices): the tiles and the contiguous slices, in one line."""
+        try:
+            tiling = kernel.adapt_tiling(kernel.default_tiling(features, mask), features)
+            tiling = self.fit_tiling(tiling, kernel, features)
+        except ValueError as e:
+            return f"its tiles cannot fit the ring's slices: {e}"
+        tiles = sorted({tuple(b) for b in tiling.blocks})
+        n = axis_size(self.mesh, self.seq_axis)
+        if (features.q_len % n or features.kv_len % n
+                or self._fitting_orders(features.q_len, features.kv_len, tiles)):
+            return None  # it fits, or the lengths fit no order whatever the kernel
+        return (f"its least tiles {tiles} divide no slicing of the sequence the ring may take "
+                f"(`order`={self.order!r}; contiguous slices of {features.q_len // n} x "
+                f"{features.kv_len // n} tokens over {n} device{'s' if n > 1 else ''}).")
+
     # --------------------------------------------------------------------------------------
     # The schedule, at trace time.
 
-    def _slices(self, mask: CompiledMask, order: str) -> int | None:
-        """Slices per device of `order` for this call (the most, up to `_BALANCED_SLICES`,
-        for ``"balanced"``), or ``None`` where the lengths and tiles do not split into them."""
+    def _slices(self, q_len: int, kv_len: int, tiles, order: str) -> int | None:
+        """Slices per device of `order` for a call of these lengths and tiles (the most, up
+        to `_BALANCED_SLICES`, for ``"balanced"``), or ``None`` where the lengths and tiles
+        do not split into them."""
         n = axis_size(self.mesh, self.seq_axis)
-        tiles = [(lay.block_q, lay.block_kv) for lay in mask.layouts().values()]
         options = {"contiguous": (1,), "zigzag": (2,),
                    "balanced": tuple(range(_BALANCED_SLICES, 1, -1))}[order]
         for c in options:
             pieces = n * c
-            if mask.q_len % pieces or mask.kv_len % pieces:
+            if q_len % pieces or kv_len % pieces:
                 continue
-            if any((mask.q_len // pieces) % bq or (mask.kv_len // pieces) % bk
-                   for bq, bk in tiles):
+            if any((q_len // pieces) % bq or (kv_len // pieces) % bk for bq, bk in tiles):
                 continue
             return c
         return None
 
+    def _fitting_orders(self, q_len: int, kv_len: int, tiles) -> dict[str, int]:
+        """``{order: slices per device}`` of the orders that fit these lengths and tiles."""
+        wanted = (["contiguous", "zigzag", "balanced"] if self.order == "auto"
+                  else [self.order])
+        return {order: c for order in wanted
+                if (c := self._slices(q_len, kv_len, tiles, order)) is not None}
+
     def _orders(self, mask: CompiledMask) -> dict[str, int]:
         """``{order: slices per device}`` of the orders that fit this call."""
         n = axis_size(self.mesh, self.seq_axis)
-        wanted = (["contiguous", "zigzag", "balanced"] if self.order == "auto"
-                  else [self.order])
-        fits = {order: c for order in wanted
-                if (c := self._slices(mask, order)) is not None}
+        tiles = [(lay.block_q, lay.block_kv) for lay in mask.layouts().values()]
+        fits = self._fitting_orders(mask.q_len, mask.kv_len, tiles)
         if not fits:
             tiles = sorted({(lay.block_q, lay.block_kv) for lay in mask.layouts().values()})
             raise ValueError(
