@@ -7,10 +7,11 @@ blocks, the grid bound read from the device), beside the `Predicate` with per-he
 The widened lists visit the same blocks in the same order: only the prefetched arrays' size
 and the dynamic grid bound change, so a gap between the first two rows is their cost, and a
 gap between the last two is the predicate's evaluation on the tiles or its layout, built on
-the device each call. A second table times that build alone (the block classes from
-position ranges, the eight lists, the kernel's visit lists) with the lists formed three ways:
-the library's scatter, comparisons (slot s holds the column whose running count passes s),
-and a stable sort of each row.
+the device each call. A second table times that build alone (`contract.build_layout`: the
+block classes from position ranges and the eight lists, then the kernel's visit lists).
+The comparison of the lists formed by a scatter, by comparisons and by a sort
+(docs/splash.md) was run with this script at its revision of 2026-12-06 that patched the
+library's list builder; the library now sorts rows up to 64 blocks wide.
 
 ```
 python benchmarks/dev/tpu_lists_ablation.py --length 32768
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import eqx_bsattn as bsa
-from eqx_bsattn import kernels, masks
+from eqx_bsattn import contract, kernels, masks
 from eqx_bsattn.strategies.kernels.pallas_tpu import common
 from eqx_bsattn.strategies.kernels.pallas_tpu import kernel as kernel_module
 from eqx_bsattn.timing import median_ms
@@ -59,56 +60,21 @@ def window_params(q, k, params, head):
     return (k <= q) & (q - k <= params["width"][head])
 
 
-def _rows(classes, flag, by_column):
-    part = jnp.swapaxes(classes, -1, -2) if by_column else classes
-    *lead, n, width = part.shape
-    return (part == flag).reshape(-1, width), lead, n
-
-
-def compare_lists(classes, flag, capacity, *, by_column):
-    hits, lead, n = _rows(classes, flag, by_column)
-    seen = jnp.cumsum(hits, axis=-1, dtype=jnp.int32)
-    slot = jnp.arange(capacity, dtype=jnp.int32)
-    lists = jnp.sum(seen[:, None, :] <= slot[None, :, None], axis=-1, dtype=jnp.int32)
-    lists = jnp.where(slot[None, :] < seen[:, -1:], lists, 0)
-    return seen[:, -1].reshape(*lead, n), lists.reshape(*lead, n, capacity)
-
-
-def sort_lists(classes, flag, capacity, *, by_column):
-    hits, lead, n = _rows(classes, flag, by_column)
-    column = jnp.broadcast_to(jnp.arange(hits.shape[-1], dtype=jnp.int32), hits.shape)
-    _, order = jax.lax.sort((jnp.logical_not(hits).astype(jnp.int32), column), num_keys=1,
-                            is_stable=True)
-    count = jnp.sum(hits, axis=-1, dtype=jnp.int32)
-    lists = order[:, :capacity]
-    lists = jnp.where(jnp.arange(capacity)[None, :] < count[:, None], lists, 0)
-    return count.reshape(*lead, n), lists.reshape(*lead, n, capacity)
-
-
 def layout_table(length: int, heads: int, reps: int):
-    from eqx_bsattn import _layout
-
+    """The device-side layout build of the per-head `Predicate` alone, jitted."""
     widths = jnp.full((heads,), 1024, jnp.int32)
 
     def build(w):
-        mask, _ = _layout.resolve_mask(masks.Predicate(window_params, {"width": w}), length,
-                                       length)
-        layout = _layout.layout_of_resolved(mask, q_len=length, kv_len=length,
-                                            num_heads=heads, block_q=512, block_kv=512)
+        layout = contract.build_layout(masks.Predicate(window_params, {"width": w}),
+                                       q_len=length, kv_len=length, num_heads=heads,
+                                       block_q=512, block_kv=512)
         rows = length // 512
         return [(x.block, x.kind, x.steps) for x in (
             common.visits(layout, transposed=False, rows=rows),
             common.visits(layout, transposed=True, rows=rows))]
 
-    scatter = _layout._jnp_lists
-    print("\n| lists formed by | layout build ms |")
-    print("| --- | --- |", flush=True)
-    for label, lists in (("scatter", scatter), ("comparisons", compare_lists),
-                         ("sort", sort_lists)):
-        _layout._jnp_lists = lists
-        ms = median_ms(jax.jit(build), (widths,), reps, warmup=1)
-        print(f"| {label} | {ms:.3f} |", flush=True)
-    _layout._jnp_lists = scatter
+    ms = median_ms(jax.jit(build), (widths,), reps, warmup=1)
+    print(f"\nlayout build on the device, alone: {ms:.3f} ms", flush=True)
 
 
 def main():
@@ -117,9 +83,6 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--layout-only", action="store_true")
-    p.add_argument("--lists", action="store_true",
-                   help="time the Predicate with its lists formed each way (not the widened "
-                        "lists)")
     args = p.parse_args()
     layout_table(args.length, args.heads, 4 * args.reps)
     if args.layout_only:
@@ -136,24 +99,11 @@ def main():
          widened(args.heads, True)),
         ("Predicate, per-head widths as params", window_params, {"width": widths}, _VISITS),
     ]
-    if args.lists:
-        from eqx_bsattn import _layout
-
-        scatter = _layout._jnp_lists
-        runs = [runs[0]] + [
-            (f"Predicate, per-head widths as params, lists by {name}", window_params,
-             {"width": widths}, _VISITS, lists)
-            for name, lists in (("scatter", scatter), ("comparisons", compare_lists),
-                                ("sort", sort_lists))]
     print(jax.devices())
     print("| call | fwd ms | fwd+bwd ms |")
     print("| --- | --- | --- |", flush=True)
-    for label, mask, params, visits, *lists in runs:
+    for label, mask, params, visits in runs:
         kernel_module.visits = visits
-        if lists:
-            from eqx_bsattn import _layout
-
-            _layout._jnp_lists = lists[0]
 
         def call(q, k, v, p, mask=mask):
             m = mask if p is None else masks.Predicate(mask, p)
