@@ -142,18 +142,17 @@ def _why_chosen(kernel: AbstractKernel, pool: Sequence[AbstractKernel], declined
 
 def _by_measurement(winner: AbstractKernel, reason: str, below: Sequence[AbstractKernel],
                     mask: ResolvedMask, features: Features,
-                    why_not=None) -> tuple[AbstractKernel, str]:
+                    why_not) -> tuple[AbstractKernel, str]:
     """`winner` (first by priority) or a kernel ranked below it that a measured row covering
-    the call (`_measured.MEASURED`) times faster forward+backward and that accepts the call;
-    the reason then quotes the figures."""
+    the call (`_measured.MEASURED`) times faster forward+backward and that accepts the call
+    (`why_not(kernel)` is ``None``); the reason then quotes the figures."""
     row = covering(features, mask.terms)
     if row is None:
         return winner, reason
     by_name = {k.name: k for k in below}
     name, measured = measured_choice(
         row, winner.name, list(by_name),
-        lambda n: (decline_reason(by_name[n], mask, features) if why_not is None
-                   else why_not(by_name[n])) is None)
+        lambda n: why_not(by_name[n]) is None)
     if not measured:
         return winner, reason
     if name == winner.name:

@@ -723,10 +723,9 @@ class RingAttention(AbstractSharding):
     def _orders(self, mask: CompiledMask) -> dict[str, int]:
         """``{order: slices per device}`` of the orders that fit this call."""
         n = axis_size(self.mesh, self.seq_axis)
-        tiles = [(lay.block_q, lay.block_kv) for lay in mask.layouts().values()]
+        tiles = sorted({(lay.block_q, lay.block_kv) for lay in mask.layouts().values()})
         fits = self._fitting_orders(mask.q_len, mask.kv_len, tiles)
         if not fits:
-            tiles = sorted({(lay.block_q, lay.block_kv) for lay in mask.layouts().values()})
             raise ValueError(
                 f"RingAttention over {n} devices (`seq_axis`={self.seq_axis!r}) splits the "
                 f"sequence into {n} slices (contiguous), {2 * n} (zig-zag) or more (balanced) "

@@ -346,12 +346,12 @@ class TileMath:
         if self.slopes:
             s = s + slopes_ref[head] * (kp - qp).astype(jnp.float32)
         if self.buckets is not None:
-            (_, ahead), (_, behind) = self.buckets.far_buckets()
             if case is None:
                 s = s + self.table_tile(self.buckets.bucket(qp - kp), head, table_ref)
             elif case == "near":
                 s = s + self.table_near(table_ref, head, far, s.shape)
             else:
+                (_, ahead), (_, behind) = self.buckets.far_buckets()
                 s = s + table_ref[head, ahead if case == "ahead" else behind]
         factor = fn_in = cap = reads = None
         if self.function is not None:
