@@ -7,13 +7,19 @@ package's code: a NumPy float64 forward (`np_attention`), a jnp float64 version 
 mask evaluator (`np_mask`) that reads each built-in mask's fields.
 """
 
+import atexit
 import functools
 import math
 import os
+import shutil
 import tempfile
 
-# The tests never read or write the user's autotune cache: a fresh, empty folder per run.
-os.environ.setdefault("EQX_BSATTN_CACHE_DIR", tempfile.mkdtemp(prefix="eqx_bsattn_cache_"))
+# The tests never read or write the user's autotune cache: a fresh, empty folder per run,
+# made by the first process of the run (xdist's workers and the tests' children inherit it)
+# and removed when that process ends.
+if "EQX_BSATTN_CACHE_DIR" not in os.environ:
+    os.environ["EQX_BSATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="eqx_bsattn_cache_")
+    atexit.register(shutil.rmtree, os.environ["EQX_BSATTN_CACHE_DIR"], ignore_errors=True)
 
 # The suite compiles thousands of small programs, and XLA's CPU backend spends most of that in
 # LLVM: at -O0 it compiles them about a third faster (48 conformance cases on 2 cores: 190 s at
