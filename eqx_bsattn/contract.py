@@ -32,8 +32,18 @@ and the sharding `Unsharded` (the module's default); `eqx_bsattn.masks` and
 from eqx_bsattn.contract import AbstractKernel, CompiledMask
 ```
 
+One helper lives here, shared by kernels that evaluate a mask's element predicate on their
+tiles with the arrays it reads taken as scalars (`mask_data`: a user predicate's per-head
+widths).
+
 `docs/custom_mask.md` and `docs/custom_kernel.md` walk through one of each.
 """
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
 
 from ._compile import (
     CompiledMask as CompiledMask,
@@ -123,3 +133,67 @@ from ._tiling import (
     chained_blocks as chained_blocks,
     check_fields as check_fields,
 )
+
+
+class MaskData(NamedTuple):
+    """A mask's element predicate traced on a kernel's tiles where it reads arrays at scalar
+    indices (a user predicate's per-head widths, ``widths[head]``): `traced` ``((shape,
+    TracedFunction), ...)`` on the arguments ``(head, qi, ki, qp, kp[, qs, ks])``, reading
+    data slots from `first_slot` on; `arrays` and their `leaves` (never differentiated: a
+    mask has no gradient)."""
+
+    traced: tuple
+    arrays: tuple
+    leaves: tuple
+
+
+def mask_data(predicate, shapes, segment_ids: bool, first_slot: int = 0,
+              room: int | None = None) -> MaskData | None:
+    """The element predicate of `predicate` (a `CompiledMask` without layouts; its
+    `visible_at`) traced on int32 tiles of each shape of `shapes` (`segment_ids`: with the
+    tiles' segment ids) with `fold_constants`, its arrays as data slots `first_slot`, ...;
+    ``None`` where it reads no array, does not trace, reads an array other than at scalar
+    indices, one not 32-bit or bool, or more than `room` elements in all (``None``: no
+    bound). A kernel then reads an element map. Where an index comes from is the kernel's to
+    check (`evaluate_function` with a recording read)."""
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def body(head, qi, ki, qp, kp, qs, ks):
+        return predicate.visible_at(head, TokenCoords(qi, qp, qs, predicate.q_len),
+                                    TokenCoords(ki, kp, ks, predicate.kv_len))
+
+    arrays, ids, traced = [], {}, []
+    try:
+        for shape in dict.fromkeys(tuple(s) for s in shapes):
+            tile = jax.ShapeDtypeStruct(shape, jnp.int32)
+            seg = tile if segment_ids else None
+            closed = jax.make_jaxpr(body)(scalar, tile, tile, tile, tile, seg, seg)
+            eqns, outvars, constvars, values = fold_constants(closed)
+            slots = []
+            for c in values:
+                if id(c) not in ids:
+                    ids[id(c)] = first_slot + len(arrays)
+                    arrays.append(c)
+                slots.append(ids[id(c)])
+            traced.append((shape, TracedFunction(tuple(closed.jaxpr.invars), tuple(constvars),
+                                                 tuple(eqns), tuple(outvars), tuple(slots))))
+    except Exception:  # noqa: BLE001 - the element map evaluates it (or raises its error)
+        return None
+    leaves = tuple(dataclasses.replace(DataLeaf.of(a), diff=False) for a in arrays)
+    if not leaves or (room is not None and sum(leaf.size for leaf in leaves) > room) or not all(
+            jnp.dtype(leaf.dtype).itemsize == 4 or leaf.dtype == jnp.bool_ for leaf in leaves):
+        return None
+
+    def zeros(slot, flat):
+        return jnp.zeros((), leaves[slot - first_slot].dtype)
+
+    for shape, t in traced:
+        tile = jax.ShapeDtypeStruct(shape, jnp.int32)
+        args = (scalar,) + (tile,) * (6 if segment_ids else 4)
+        try:
+            out = jax.eval_shape(lambda *a, t=t: evaluate_function(t, a, zeros), *args)
+        except UnsupportedRead:
+            return None
+        if out.dtype != jnp.bool_:
+            return None
+    return MaskData(tuple(traced), tuple(arrays), leaves)

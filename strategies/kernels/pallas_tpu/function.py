@@ -17,16 +17,14 @@ place; the blocks are added up after the launch in a fixed order (no atomics:
 deterministic).
 """
 
-import dataclasses
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (DataLeaf, ScoreParams, TokenCoords, TracedFunction,
-                                  UnsupportedRead, array_read_decline, evaluate_function,
-                                  fold_constants, function_data,
+from eqx_bsattn.contract import (DataLeaf, MaskData, ScoreParams, array_read_decline,
+                                  function_data, mask_data as shared_mask_data,
                                   reads_traced as reads_traced_on)
 
 from .config import LANES, SUBLANES
@@ -110,62 +108,10 @@ def _decline_with(function, params) -> str | None:
     return array_read_decline(data, "the TPU kernels", DATA_LIMIT, ", in scalar memory")
 
 
-class MaskData(NamedTuple):
-    """A mask's element predicate traced on the kernels' tiles where it reads arrays at
-    scalar indices (a user predicate's per-head widths, ``widths[head]``): `traced` ``((shape,
-    TracedFunction), ...)`` on the arguments ``(head, qi, ki, qp, kp[, qs, ks])``, reading
-    data slots from `first_slot` on; `arrays` and their `leaves` (never differentiated)."""
-
-    traced: tuple
-    arrays: tuple
-    leaves: tuple
-
-
 def mask_data(predicate, shapes, segment_ids: bool, first_slot: int = 0,
               room: int = DATA_LIMIT) -> MaskData | None:
-    """The element predicate of `predicate` (a `CompiledMask` without layouts) traced on
-    int32 tiles of each shape of `shapes` (`segment_ids`: with the tiles' segment ids), its
-    arrays as data slots `first_slot`, ...; ``None`` where it reads no array, does not trace,
-    reads an array other than at scalar indices, or one not 32-bit or bool, or more than
-    `room` elements in all (the kernels then read an element map)."""
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-
-    def body(head, qi, ki, qp, kp, qs, ks):
-        return predicate.visible_at(head, TokenCoords(qi, qp, qs, predicate.q_len),
-                                    TokenCoords(ki, kp, ks, predicate.kv_len))
-
-    arrays, ids, traced = [], {}, []
-    try:
-        for shape in dict.fromkeys(shapes):
-            tile = jax.ShapeDtypeStruct(shape, jnp.int32)
-            seg = tile if segment_ids else None
-            closed = jax.make_jaxpr(body)(scalar, tile, tile, tile, tile, seg, seg)
-            eqns, outvars, constvars, values = fold_constants(closed)
-            slots = []
-            for c in values:
-                if id(c) not in ids:
-                    ids[id(c)] = first_slot + len(arrays)
-                    arrays.append(c)
-                slots.append(ids[id(c)])
-            traced.append((shape, TracedFunction(tuple(closed.jaxpr.invars), tuple(constvars),
-                                                 tuple(eqns), tuple(outvars), tuple(slots))))
-    except Exception:  # noqa: BLE001 - the element map evaluates it (or raises its error)
-        return None
-    leaves = tuple(dataclasses.replace(DataLeaf.of(a), diff=False) for a in arrays)
-    if not leaves or sum(leaf.size for leaf in leaves) > room or not all(
-            jnp.dtype(leaf.dtype).itemsize == 4 or leaf.dtype == jnp.bool_ for leaf in leaves):
-        return None
-
-    def zeros(slot, flat):
-        return jnp.zeros((), leaves[slot - first_slot].dtype)
-
-    for shape, t in traced:
-        tile = jax.ShapeDtypeStruct(shape, jnp.int32)
-        args = (scalar,) + (tile,) * (6 if segment_ids else 4)
-        try:
-            out = jax.eval_shape(lambda *a, t=t: evaluate_function(t, a, zeros), *args)
-        except UnsupportedRead:
-            return None
-        if out.dtype != jnp.bool_:
-            return None
-    return MaskData(tuple(traced), tuple(arrays), leaves)
+    """The element predicate of `predicate` traced on int32 tiles of each shape of `shapes`,
+    its arrays as data slots `first_slot`, ... (`eqx_bsattn.contract.mask_data`), at most
+    `room` elements in all (default: what scalar memory holds, `DATA_LIMIT`); ``None``: the
+    kernels read an element map."""
+    return shared_mask_data(predicate, shapes, segment_ids, first_slot, room)
