@@ -505,7 +505,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                         vis = block_visible(
                             cfg, ops, h, (bq, bk), 0, q_base, k_base, tiles(), q_seg, k_seg,
                             map_tile=lambda: element_tile(ops, emap_ref, b, h, rows,
-                                                          pl.ds(k_base, bk)))
+                                                          pl.ds(k_base, bk)), values=values)
                     p, factors = cfg.probabilities(
                         s, lax.broadcast_in_dim(row_lse, (bq, bk), [0]), vis, term,
                         _function_tiles(cfg, b, h, tiles, values))
@@ -788,7 +788,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                 vis = block_visible(
                                     cfg, ops, h, (bk, bq), 1, q_base, k_base, tiles(), q_seg,
                                     k_seg, map_tile=lambda: element_tile(
-                                        ops, emap_ref, b, h, keys, cols))
+                                        ops, emap_ref, b, h, keys, cols), values=values)
                             term = None
                             if alibi is not None and cfg.positions:
                                 term = alibi_positions_term(slopes_ref[h], *tiles())

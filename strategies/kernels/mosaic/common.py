@@ -105,6 +105,22 @@ class LogitTerms:
     #: them (the same at every tile; each read's index depends on the head and batch row
     #: alone, so the launches take each read's scalar per work item: `item_values`).
     reads: tuple = ()
+    #: Where the mask's element predicate reads arrays at scalar indices of the head (a
+    #: user predicate's per-head widths): the predicate traced at each tile shape the
+    #: launches evaluate it on, ``((shape, TracedFunction), ...)`` on ``(head, q index, k
+    #: index, q position, k position[, q segment id, k segment id])`` int32 tiles
+    #: (`eqx_bsattn.contract.mask_data`), its arrays' leaves (`DataLeaf`, by slot, never
+    #: differentiated) and the slot of each scalar it reads, in order. Those scalars follow
+    #: the score function's in the read tables (`read_columns`) and in `item_values`.
+    #: ``()``: `AttentionShape.predicate` runs as it is (or the element map).
+    mask_traced: tuple = ()
+    mask_data: tuple = ()
+    mask_reads: tuple = ()
+
+    @property
+    def has_reads(self) -> bool:
+        """Whether the launch takes read tables (the score function's or the mask's)."""
+        return bool(self.traced or self.mask_traced)
 
     def traced_at(self, shape):
         """The function traced at tile `shape` (`traced`)."""
@@ -127,12 +143,15 @@ class LogitTerms:
 
     @property
     def read_columns(self) -> tuple[tuple[bool, int], ...]:
-        """Per read ``(is float, column)``: its column of the float32 or the int32 read
-        table (`table_operands`)."""
+        """Per read, the score function's (`reads`) then the mask's (`mask_reads`), ``(is
+        float, column)``: its column of the float32 or the int32 read table
+        (`table_operands`)."""
         counts = {True: 0, False: 0}
         columns = []
-        for slot in self.reads:
-            floating = bool(jnp.issubdtype(self.data[slot].dtype, jnp.floating))
+        leaves = ([self.data[slot] for slot in self.reads]
+                  + [self.mask_data[slot] for slot in self.mask_reads])
+        for leaf in leaves:
+            floating = bool(jnp.issubdtype(leaf.dtype, jnp.floating))
             columns.append((floating, counts[floating]))
             counts[floating] += 1
         return tuple(columns)
@@ -184,16 +203,17 @@ ELEMENT_MAP_DTYPE = jnp.bfloat16
 
 
 def block_visible(cfg, ops: "Ops", head, shape, q_axis: int, q_base, k_base, positions,
-                  q_seg=None, k_seg=None, map_tile=None):
+                  q_seg=None, k_seg=None, map_tile=None, values=None):
     """The mask on a partial block of a launch with config `cfg` (an `AttentionShape` and
     `LogitTerms`), for query head `head`: a block of `shape` whose queries run along `q_axis`
     from token `q_base` (keys from `k_base`); `positions` are its ``(query, key)`` position
     tiles (the per-call positions where ``cfg.positions``, else the token indices), `q_seg`
     and `k_seg` its segment id tiles (``None`` without). The element map's tile
     (``map_tile()``, `element_tile`) where ``cfg.elements``; else the compiled mask's element
-    predicate (``cfg.predicate``) on the tiles' indices, positions and ids; else the
-    canonical terms (`visible`, the ids apart) on the positions, with the padded keys hidden
-    by their token indices."""
+    predicate (``cfg.predicate``) on the tiles' indices, positions and ids (where it reads
+    arrays, its trace at `shape`, ``cfg.mask_traced``, with the scalars it reads taken from
+    `values`, the work item's: `item_values`); else the canonical terms (`visible`, the ids
+    apart) on the positions, with the padded keys hidden by their token indices."""
     if cfg.elements:
         return map_tile()
     q_pos, k_pos = positions
@@ -204,6 +224,9 @@ def block_visible(cfg, ops: "Ops", head, shape, q_axis: int, q_base, k_base, pos
         if cfg.positions:
             q_index = q_base + ops.iota(shape, q_axis)
             k_index = k_base + ops.iota(shape, k_axis)
+        if cfg.mask_traced:
+            return mask_tile(cfg, head, (q_index, k_index, q_pos, k_pos, q_seg, k_seg),
+                             values)
         return predicate.visible_at(head, TokenCoords(q_index, q_pos, q_seg, predicate.q_len),
                                     TokenCoords(k_index, k_pos, k_seg, predicate.kv_len))
     k_token = None
@@ -211,6 +234,22 @@ def block_visible(cfg, ops: "Ops", head, shape, q_axis: int, q_base, k_base, pos
         k_token = k_base + ops.iota(shape, k_axis)
     return visible(cfg.terms, cfg.padded_kv_len, q_pos, k_pos, q_seg, k_seg, ids_apart=True,
                    signed=cfg.positions, k_token=k_token)
+
+
+def mask_tile(cfg, head, tiles, values):
+    """The mask's element predicate that reads arrays (``cfg.mask_traced``) on one block:
+    its trace at the tiles' shape on `head` and `tiles` ``(q index, k index, q position, k
+    position, q segment id, k segment id)`` (the ids ``None`` without), each scalar it reads
+    replayed from `values` (`item_values`: the score function's first, then the mask's)."""
+    from eqx_bsattn.contract import evaluate_function, replaying_reads
+
+    shape = tuple(tiles[0].shape)
+    traced = next((t for at, t in cfg.mask_traced if tuple(at) == shape), None)
+    if traced is None:
+        raise ValueError(f"the mask's element predicate was not traced at the tile {shape} "
+                         f"(traced at {[tuple(at) for at, _ in cfg.mask_traced]}).")
+    args = (head, *tiles[:4]) + (tiles[4:] if len(traced.invars) == 7 else ())
+    return evaluate_function(traced, args, replaying_reads(list(values)[len(cfg.reads):]))
 
 
 def element_tile(ops: "Ops", ref, b, h, rows, cols):
@@ -488,28 +527,33 @@ def stored(x, leaf):
 
 def table_operands(cfg: LogitTerms, tables):
     """The launch's ``(floats [Rf, B, H] float32, ints [Ri, B, H] int32)`` operands: the
-    scalars each read of the function takes for each batch row and query head
-    (`data.read_tables`), or one-element placeholders without them."""
+    scalars each read of the function, then of the mask's element predicate, takes for each
+    batch row and query head (`data.read_tables`), or one-element placeholders without
+    them."""
     placeholders = (jnp.zeros((1, 1, 1), jnp.float32), jnp.zeros((1, 1, 1), jnp.int32))
-    if not cfg.traced:
+    if not cfg.has_reads:
         return placeholders
     if tables is None or len(tables) != 2:
-        raise ValueError("a launch whose score function reads arrays needs its read tables "
+        raise ValueError("a launch whose score function or mask reads arrays needs its read "
+                         "tables "
                          "`data=(floats, ints)` (`data.read_tables`).")
     return tuple(x if x.shape[0] else p for x, p in zip(tables, placeholders))
 
 
 def item_values(cfg: LogitTerms, floats_ref, ints_ref, batch, head):
     """The scalars the function reads for batch row `batch` and query head `head`, in the
-    order it reads them (each in its array's dtype): loaded once per work item from the read
-    tables (`table_operands`), replayed into each block's evaluation (`function_tile`);
-    ``None`` without data."""
-    if not cfg.traced:
+    order it reads them, then those the mask's element predicate reads (``cfg.mask_reads``)
+    (each in its array's dtype): loaded once per work item from the read tables
+    (`table_operands`), replayed into each block's evaluation (`function_tile`,
+    `mask_tile`); ``None`` without data."""
+    if not cfg.has_reads:
         return None
     values = []
-    for slot, (floating, column) in zip(cfg.reads, cfg.read_columns):
+    leaves = ([cfg.data[slot] for slot in cfg.reads]
+              + [cfg.mask_data[slot] for slot in cfg.mask_reads])
+    for leaf, (floating, column) in zip(leaves, cfg.read_columns):
         x = (floats_ref if floating else ints_ref)[column, batch, head]
-        dtype = cfg.data[slot].dtype
+        dtype = leaf.dtype
         values.append(x != 0 if dtype == jnp.bool_ else x.astype(dtype))
     return values
 

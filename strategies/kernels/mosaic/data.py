@@ -20,6 +20,14 @@ through `read_tables`, whose float reads take their element by a comparison with
 element and a sum: the transpose is a sum in a fixed order, no scatter, no atomics, so the
 gradients are bit-identical from run to run.
 
+A mask's element predicate that reads arrays (a `masks.Predicate`'s per-head widths in its
+params, ``widths[head]``, or an array it closes over) runs the same way on the partial
+blocks (`predicate_data`): traced on the launches' int32 tiles
+(`eqx_bsattn.contract.mask_data`), each read's index depending on the head alone (predicates get no batch row), each read's
+scalar per head after the function's in the read tables (broadcast over the batch rows),
+replayed into each block's predicate (`common.mask_tile`). Its arrays are never
+differentiated (a mask has no gradient). Any other such predicate reads an element map.
+
 Declined, each in one line (`data_decline`): an array of other than 32 bits (or bool),
 arrays of more than `DATA_LIMIT` elements together, one used other than at scalar indices (a
 gather by the positions, a product with the whole array), one read at an index that depends
@@ -28,16 +36,18 @@ on the logits or the positions, and reads in another order at another tile.
 
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from eqx_bsattn.contract import (array_read_decline, evaluate_function, function_data,
-                                  recording_reads)
+from eqx_bsattn.contract import (MaskData, array_read_decline, evaluate_function,
+                                  function_data, mask_data, recording_reads)
 
 from .backward import backward_blocks
 from .common import (ROWS_PER_WARPGROUP, LogitTerms, function_tile, item_values,
-                     lowering_failure, read_derivatives)
+                     lowering_failure, mask_tile, read_derivatives)
 from .forward import block_kv_for
 
 #: The most elements of the arrays a score function reads, together: each read takes its
@@ -70,12 +80,6 @@ def concrete(params):
     replaced by zeros of its shape and dtype, so that the function traces on them."""
     return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype)
                         if isinstance(x, jax.ShapeDtypeStruct) else x, params)
-
-
-def _tile_args(shape):
-    f32, i32 = (jax.ShapeDtypeStruct(shape, t) for t in (jnp.float32, jnp.int32))
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    return f32, scalar, scalar, i32, i32
 
 
 def data_decline(function, params, head_dim: int) -> str | None:
@@ -125,12 +129,101 @@ def _indices_by_head(data) -> bool:
 
 
 def read_slots(traced, leaves) -> tuple[int, ...]:
-    """The data slot of each scalar one evaluation of `traced` reads, in order (traced with
-    stand-in reads: no FLOPs)."""
-    shape = traced.invars[0].aval.shape
+    """The data slot of each scalar one evaluation of `traced` (a score function's or a
+    mask's) reads, in order (traced with stand-in reads: no FLOPs)."""
     record, reads = recording_reads(lambda slot, flat: jnp.zeros((), leaves[slot].dtype))
-    jax.make_jaxpr(lambda *args: evaluate_function(traced, args, record))(*_tile_args(shape))
+    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in traced.invars]
+    jax.make_jaxpr(lambda *args: evaluate_function(traced, args, record))(*args)
     return tuple(slot for slot, _, _ in reads.items)
+
+
+def predicate_data(predicate, head_dim: int) -> MaskData | None:
+    """The element predicate of `predicate` (a `CompiledMask` without layouts) traced at the
+    launches' tiles of `head_dim` (`tile_shapes`; the dk/dv tile's rows are keys) where the
+    kernels can read its arrays in-kernel, else ``None`` (an element map then): each 32-bit
+    (or bool), at most `DATA_LIMIT` elements in all, read only at scalar indices
+    (`eqx_bsattn.contract.mask_data`) that depend on the head alone (not on the tiles), in
+    one order at every tile, and Pallas Mosaic GPU lowers it with its read tables
+    (`mask_lowering_failure`)."""
+    data = mask_data(predicate, tile_shapes(head_dim), predicate.uses_segment_ids,
+                     room=DATA_LIMIT)
+    if data is None or not all(_mask_indices_by_head(traced, data.leaves)
+                                for _, traced in data.traced):
+        return None
+    if len({read_slots(traced, data.leaves) for _, traced in data.traced}) > 1:
+        return None
+    if mask_lowering_failure(predicate, data, head_dim) is not None:
+        return None
+    return data
+
+
+def mask_terms(data: MaskData) -> dict:
+    """The `LogitTerms` fields of a mask's predicate that reads arrays (`predicate_data`):
+    ``mask_traced``, ``mask_data``, ``mask_reads``."""
+    return dict(mask_traced=data.traced, mask_data=data.leaves,
+                mask_reads=read_slots(data.traced[-1][1], data.leaves))
+
+
+def _mask_indices_by_head(traced, leaves) -> bool:
+    """Whether every read of the mask's trace `traced` takes an index of the head alone:
+    the indices, mapped over the index, position (and segment id) tiles, are not mapped."""
+
+    def indices(head, *tiles):
+        record, reads = recording_reads(lambda slot, flat: jnp.zeros((), leaves[slot].dtype))
+        evaluate_function(traced, (head, *tiles), record)
+        return [flat for _, flat, _ in reads.items]
+
+    tiles = [jax.ShapeDtypeStruct((2, *v.aval.shape), v.aval.dtype) for v in traced.invars[1:]]
+    try:
+        jax.eval_shape(jax.vmap(indices, (None, *[0] * len(tiles)), None),
+                       jax.ShapeDtypeStruct((), jnp.int32), *tiles)
+    except ValueError:  # an index varies with the tiles: vmap cannot leave it unmapped
+        return False
+    return True
+
+
+#: `mask_lowering_failure`'s verdicts, by the predicate less its arrays, their shapes and the
+#: head dim (a predicate that holds arrays is not hashable itself).
+_MASK_LOWERINGS: dict = {}
+
+
+def mask_lowering_failure(predicate, data: MaskData, head_dim: int) -> str | None:
+    """Why Pallas Mosaic GPU cannot lower the mask's predicate that reads arrays (`data`,
+    traced by `mask_data`), the first line of the error, or ``None``: on the dk/dv launch's
+    tile in a one-warpgroup kernel that takes the read tables as its operands and loads its
+    scalars at the traced head. Cached per predicate less its arrays and their shapes (runs
+    nothing; no GPU needed)."""
+    arrays, rest = eqx.partition(predicate, eqx.is_array)
+    key = (rest, tuple((np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(arrays)),
+           head_dim)
+    try:
+        return _MASK_LOWERINGS[key]
+    except TypeError:  # unhashable: judged each time
+        return _mask_lowering(predicate, data, head_dim)
+    except KeyError:
+        pass
+    if len(_MASK_LOWERINGS) >= 256:
+        _MASK_LOWERINGS.clear()
+    _MASK_LOWERINGS[key] = _mask_lowering(predicate, data, head_dim)
+    return _MASK_LOWERINGS[key]
+
+
+def _mask_lowering(predicate, data: MaskData, head_dim: int) -> str | None:
+    cfg = LogitTerms(**mask_terms(data))
+    counts = [sum(1 for floating, _ in cfg.read_columns if floating == f) or 1
+              for f in (True, False)]
+
+    def tile(batch, head, rows, cols, s, floats_ref, ints_ref):
+        values = item_values(cfg, floats_ref, ints_ref, batch, head)
+        segments = ((lax.div(rows, 16), lax.div(cols, 16)) if predicate.uses_segment_ids
+                    else (None, None))
+        visible = mask_tile(cfg, head, (rows, cols, rows + batch, cols + batch, *segments),
+                            values)
+        return jnp.where(visible, s, 0.0)
+
+    return lowering_failure("the mask's element predicate", tile, tile_shapes(head_dim)[-1],
+                            data=(jax.ShapeDtypeStruct((counts[0], 2, 2), jnp.float32),
+                                  jax.ShapeDtypeStruct((counts[1], 2, 2), jnp.int32)))
 
 
 def data_terms(function, params, head_dim: int, with_gradients: bool) -> LogitTerms:
@@ -177,45 +270,64 @@ def data_lowering_failure(function, treedef, avals: tuple, head_dim: int) -> str
                                    jax.ShapeDtypeStruct((counts[1], 2, 2), jnp.int32)))
 
 
-def read_tables(cfg, data: tuple, batch: int, heads: int):
+def read_tables(cfg, data: tuple, batch: int, heads: int, mask_arrays: tuple = ()):
     """``(floats [Rf, batch, heads] float32, ints [Ri, batch, heads] int32)``: the scalar
-    each read of the function (``cfg.reads``, float reads and the others apart:
-    `LogitTerms.read_columns`) takes for each batch row and query head, from the stored
-    arrays `data` (`common.stored`, by slot). The indices come from evaluating the trace
-    per batch row and head (the tiles do not reach them: `data_decline`); a float read's
-    scalar is the one element its index selects, summed out of the array by a comparison
-    with every element, so that its gradient, the transpose, is a sum in a fixed order (no
-    scatter: deterministic)."""
+    each read of the function (``cfg.reads``), then of the mask's predicate
+    (``cfg.mask_reads``), float reads and the others apart (`LogitTerms.read_columns`),
+    takes for each batch row and query head, from the stored arrays `data` and
+    `mask_arrays` (`common.stored`, by slot). The indices come from evaluating the traces
+    per batch row and head (the tiles do not reach them: `data_decline`, `predicate_data`); a
+    function's float read's scalar is the one element its index selects, summed out of the
+    array by a comparison with every element, so that its gradient, the transpose, is a sum
+    in a fixed order (no scatter: deterministic). The mask's scalars are taken per head
+    (gathered: no gradient) and broadcast over the batch rows."""
     empty = {True: jnp.zeros((0, batch, heads), jnp.float32),
              False: jnp.zeros((0, batch, heads), jnp.int32)}
-    if not cfg.reads:
-        return empty[True], empty[False]
-    shape, traced = cfg.traced[-1]
-
-    def reader(slot, flat):
-        x = data[slot][flat]
-        return x != 0 if cfg.data[slot].dtype == jnp.bool_ else x.astype(cfg.data[slot].dtype)
-
-    def indices(b, h):
-        record, reads = recording_reads(reader)
-        args = (jnp.zeros(shape, jnp.float32), b, h, jnp.zeros(shape, jnp.int32),
-                jnp.zeros(shape, jnp.int32))
-        evaluate_function(traced, args, record)
-        return jnp.stack([jnp.asarray(flat, jnp.int32) for _, flat, _ in reads.items])
-
+    columns = {True: [], False: []}
     rows = jnp.arange(batch, dtype=jnp.int32)
     cols = jnp.arange(heads, dtype=jnp.int32)
-    flats = jnp.moveaxis(jax.vmap(jax.vmap(indices, (None, 0)), (0, None))(rows, cols), -1, 0)
-    floats, ints = [], []
-    for r, (slot, (floating, _)) in enumerate(zip(cfg.reads, cfg.read_columns)):
-        x = data[slot]
-        if floating:
-            hits = flats[r][..., None] == jnp.arange(x.shape[0], dtype=jnp.int32)
-            floats.append(jnp.where(hits, x, 0.0).sum(axis=-1))
-        else:
-            ints.append(x[flats[r]])
-    return tuple(jnp.stack(xs) if xs else empty[f] for xs, f in ((floats, True),
-                                                                  (ints, False)))
+
+    def reader(arrays, leaves):
+        def read(slot, flat):
+            x = arrays[slot][flat]
+            return x != 0 if leaves[slot].dtype == jnp.bool_ else x.astype(leaves[slot].dtype)
+        return read
+
+    if cfg.reads:
+        shape, traced = cfg.traced[-1]
+
+        def indices(b, h):
+            record, reads = recording_reads(reader(data, cfg.data))
+            args = (jnp.zeros(shape, jnp.float32), b, h, jnp.zeros(shape, jnp.int32),
+                    jnp.zeros(shape, jnp.int32))
+            evaluate_function(traced, args, record)
+            return jnp.stack([jnp.asarray(flat, jnp.int32) for _, flat, _ in reads.items])
+
+        flats = jnp.moveaxis(jax.vmap(jax.vmap(indices, (None, 0)), (0, None))(rows, cols),
+                             -1, 0)
+        for r, (slot, (floating, _)) in enumerate(zip(cfg.reads, cfg.read_columns)):
+            x = data[slot]
+            if floating:
+                hits = flats[r][..., None] == jnp.arange(x.shape[0], dtype=jnp.int32)
+                columns[True].append(jnp.where(hits, x, 0.0).sum(axis=-1))
+            else:
+                columns[False].append(x[flats[r]])
+    if cfg.mask_reads:
+        traced = cfg.mask_traced[-1][1]
+        arrays = tuple(lax.stop_gradient(x) for x in mask_arrays)
+
+        def mask_indices(h):
+            record, reads = recording_reads(reader(arrays, cfg.mask_data))
+            tiles = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in traced.invars[1:]]
+            evaluate_function(traced, (h, *tiles), record)
+            return jnp.stack([jnp.asarray(flat, jnp.int32) for _, flat, _ in reads.items])
+
+        flats = jax.vmap(mask_indices)(cols)  # [heads, reads]
+        for r, slot in enumerate(cfg.mask_reads):
+            floating = cfg.read_columns[len(cfg.reads) + r][0]
+            columns[floating].append(jnp.broadcast_to(arrays[slot][flats[:, r]],
+                                                      (batch, heads)))
+    return tuple(jnp.stack(columns[f]) if columns[f] else empty[f] for f in (True, False))
 
 
 def table_gradients(cfg, tables, data_rows):

@@ -146,7 +146,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         q_pos = lax.broadcast_in_dim(
                             ops.load(qpos_ref, (b, pl.ds(q_base, bq)), row_layout), (bq, bk),
                             [0])
-                    # The scalars the score function reads for this row and head.
+                    # The scalars the score function and the mask read for this row and
+                    # head.
                     values = item_values(cfg, floats_ref, ints_ref, b, h)
                     alibi = col_term = None
                     if cfg.alibi:
@@ -258,7 +259,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         vis = block_visible(
                             cfg, ops, h, (bq, bk), 0, q_base, k_base, position_tiles(keys),
                             *segs, map_tile=lambda: element_tile(
-                                ops, emap_ref, b, h, pl.ds(q_base, bq), pl.ds(k_base, bk)))
+                                ops, emap_ref, b, h, pl.ds(q_base, bq), pl.ds(k_base, bk)),
+                            values=values)
                         s = jnp.where(vis, s, -jnp.inf)
                     if partial is not None or function is not None:
                         m_new = jnp.maximum(m_i, _plus(s.max(axis=1), shift))

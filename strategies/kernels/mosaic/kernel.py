@@ -5,7 +5,7 @@ backward `backward.dq_call` and `backward.dkv_call` apart (deterministic; the de
 import dataclasses
 import functools
 import os
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -23,22 +23,31 @@ from .common import (ELEMENT_MAP_DTYPE, ROWS_PER_WARPGROUP, persistent_schedule,
                      score_function_tile)
 from .common import LogitTerms, lowering_failure, stored
 from .config import MosaicConfig
-from .data import (data_decline, data_lowering_failure, params_avals, read_slots,
-                   read_tables, reads_arrays, table_gradients)
+from .data import (data_decline, data_lowering_failure, mask_terms, params_avals,
+                   predicate_data, read_slots, read_tables, reads_arrays, table_gradients)
 from .forward import BLOCK_Q, ForwardConfig, forward_call, rows_padded, stages_for
 
 _DTYPES = ("bfloat16", "float16")
 #: The head dims verified on the H200 (docs/mosaic.md says why D=256 is not among them).
 _HEAD_DIMS = (64, 128)
-#: Whether a score function that reads arrays (its `params`, or arrays it closes over) has
-#: run through these kernels on a GPU: until then such a function is declined in one line
-#: (`DATA_NOT_RUN`), though the kernels read the arrays in-kernel and lower for CUDA. The
-#: GPU tests set it to run them.
+#: Whether a score function or a mask's element predicate that reads arrays (its `params`,
+#: or arrays it closes over) has run through these kernels on a GPU: until then such a
+#: function is declined in one line (`DATA_NOT_RUN`), and such a predicate reads the call's
+#: element map as before (past `ELEMENT_MAP_LIMIT` declined, saying why: `MASK_DATA_NOT_RUN`),
+#: though the kernels read the arrays in-kernel and lower for CUDA. The GPU tests set it to
+#: run them.
 _DATA_RUN_ON_GPU = False
 #: The decline of such a function while `_DATA_RUN_ON_GPU` is off.
 DATA_NOT_RUN = ("the score function reads arrays (its params, or arrays it closes over): the "
                 "Mosaic kernels read them in-kernel and lower for CUDA, but have not yet run "
                 "on a GPU.")
+#: The decline of a mask whose element predicate reads arrays at scalar indices of the head
+#: and whose element map is too large, while `_DATA_RUN_ON_GPU` is off (`str.format` with
+#: the map's ``size`` in GiB and the ``limit``).
+MASK_DATA_NOT_RUN = ("the mask's predicate reads arrays (its params, or arrays it closes "
+                     "over), so its element map would take {size:.1f} GiB per call (at most "
+                     "{limit} GiB): the Mosaic kernels read such arrays in-kernel and lower "
+                     "for CUDA, but have not yet run on a GPU.")
 #: `_function_decline`'s params where the plan knows only that there are some.
 _UNKNOWN = object()
 
@@ -251,8 +260,11 @@ class MosaicBlockSparse(AbstractLseKernel):
         if terms is None:
             predicate = mask.predicate()
             why = _predicate_decline(predicate, features)
-            if why is None and reads_element_map(predicate):
-                why = _element_map_decline(predicate, features)
+            if why is None:
+                size = _element_map_bytes(predicate, features)
+                route = mask_route(predicate, features.head_dim, size > ELEMENT_MAP_LIMIT)
+                if route.reads == "elements" and size > ELEMENT_MAP_LIMIT:
+                    why = _element_map_decline(predicate, size, route.not_run)
             if why is not None:
                 return why
         if features.positions and features.in_loop and (terms is None or terms.uses_positions
@@ -290,14 +302,15 @@ class MosaicBlockSparse(AbstractLseKernel):
     def _attention(self, query, key, value, mask, inputs, softmax_scale, logits_soft_cap):
         """``(out, lse)`` without sinks, differentiable in both (`_attend`)."""
         _check_runnable()
-        predicate, elements = None, False
+        batch, heads, q_len, dim = query.shape
+        predicate, elements, route = None, False, None
         if mask.terms is None:
             predicate = mask.without_layouts()
             why = _predicate_decline(predicate, None)
             if why is not None:
                 raise ValueError(f"MosaicBlockSparse: {why}")
-            elements = reads_element_map(predicate)
-        batch, heads, q_len, dim = query.shape
+            route = mask_route(predicate, dim)
+            elements = route.reads == "elements"
         kv_heads, kv_len = key.shape[1:3]
         fwd, dq, dkdv = mask.forward, mask.dq, mask.dkv
         if ((dq.block_q, dq.block_kv), (dkdv.block_q, dkdv.block_kv)) != backward_blocks(dim):
@@ -323,18 +336,25 @@ class MosaicBlockSparse(AbstractLseKernel):
         # The arrays the score function reads (its params, its closure's), at the forward's,
         # the dq launch's and the dk/dv launch's tiles (64 rows each; the dk/dv tile's rows
         # are keys), as the launches' operands.
-        traced, leaves, reads, data = (), (), (), None
+        traced, leaves, reads, arrays, data = (), (), (), (), None
         if function is not None and (function.takes_params or reads_arrays(function, params)):
             fdata = function_data(function, ((ROWS_PER_WARPGROUP, fwd.block_kv),
                                              (ROWS_PER_WARPGROUP, dq.block_kv),
                                              (ROWS_PER_WARPGROUP, dkdv.block_q)), params)
             traced, leaves = fdata.traced, fdata.leaves
             reads = read_slots(traced[-1][1], leaves)
+            arrays = tuple(map(stored, fdata.arrays, fdata.leaves))
+        # A mask predicate that reads arrays at scalar indices of the head: traced at the
+        # same tiles, its scalars after the function's in the read tables.
+        masked = {} if route is None or route.data is None else mask_terms(route.data)
+        if traced or masked:
             # Each read's scalar per batch row and head, read by the launches once per work
-            # item (differentiable in the arrays outside the launches).
+            # item (differentiable in the function's arrays outside the launches).
             data = read_tables(
-                LogitTerms(function=function, traced=traced, data=leaves, reads=reads),
-                tuple(map(stored, fdata.arrays, fdata.leaves)), batch, heads)
+                LogitTerms(function=function, traced=traced, data=leaves, reads=reads,
+                           **masked), arrays, batch, heads,
+                () if not masked else tuple(map(stored, route.data.arrays,
+                                                route.data.leaves)))
         reads_positions = (not elements if predicate is not None
                            else mask.terms.uses_positions)
         positions = _positions(inputs, batch, q_len, kv_len,
@@ -350,7 +370,7 @@ class MosaicBlockSparse(AbstractLseKernel):
                              layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors(),
                              soft_cap=soft_cap, alibi=alibi, function=function,
                              positions=positions is not None, traced=traced, data=leaves,
-                             reads=reads)
+                             reads=reads, **masked)
         # The persistent forward's work items per CTA, built on the host.
         schedule = persistent_schedule(fwd.full_count, fwd.partial_count, batch, heads,
                                        fcfg.ctas)
@@ -364,7 +384,7 @@ class MosaicBlockSparse(AbstractLseKernel):
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
             soft_cap=soft_cap, single_pass=single_pass, ctas=_multiprocessors(),
             alibi=alibi, function=function, positions=positions is not None, traced=traced,
-            data=leaves, reads=reads)
+            data=leaves, reads=reads, **masked)
         # Each launch is persistent where its items are short; a dk/dv item walks the lists
         # of `dkv_group` query heads.
         walked = bcfg.dkv_group(bcfg.single_pass)
@@ -473,27 +493,74 @@ def _predicate_decline(predicate: CompiledMask, features: Features | None) -> st
     return None
 
 
-def reads_element_map(predicate: CompiledMask) -> bool:
+class MaskRoute(NamedTuple):
+    """How partial blocks evaluate the element predicate of a mask without terms
+    (`mask_route`)."""
+
+    #: "tiles": the predicate traced on the blocks' tiles as it is; "data": traced likewise,
+    #: the arrays it reads at scalar indices of the head taken from the read tables
+    #: (`data.predicate_data`); "elements": tiles of the call's element map.
+    reads: str
+    #: The predicate's arrays and trace (`MaskData`) where ``reads == "data"``.
+    data: Any = None
+    #: Whether it reads the element map only because `_DATA_RUN_ON_GPU` is off (found only
+    #: where asked: `mask_route`'s `map_too_large`).
+    not_run: bool = False
+
+
+def mask_route(predicate: CompiledMask, head_dim: int,
+               map_too_large: bool = False) -> MaskRoute:
+    """The one decision of how the kernels evaluate this mask's element predicate (a
+    `CompiledMask` without layouts) at `head_dim`: on their tiles where it reads no array
+    and Pallas Mosaic GPU lowers it (`mask_lowering_failure`); on their tiles with read
+    tables where it reads arrays at scalar indices of the head and lowers so
+    (`data.predicate_data`), once that has run on a GPU (`_DATA_RUN_ON_GPU`); else from the
+    call's element map. While the switch is off, a predicate that reads arrays takes the
+    element map as before, and is looked at further only where that map is too large
+    (`map_too_large`), to say so in the decline (`MaskRoute.not_run`)."""
+    if predicate.traces_on_tiles(_TILE):
+        return MaskRoute("tiles" if mask_lowering_failure(predicate) is None else "elements")
+    if not (_DATA_RUN_ON_GPU or map_too_large):
+        return MaskRoute("elements")
+    data = predicate_data(predicate, head_dim)
+    if data is None:
+        return MaskRoute("elements")
+    if not _DATA_RUN_ON_GPU:
+        return MaskRoute("elements", not_run=True)
+    return MaskRoute("data", data)
+
+
+def reads_element_map(predicate: CompiledMask, head_dim: int = 64) -> bool:
     """Whether the kernels read the call's element map for this mask's predicate (a
-    `CompiledMask` without layouts) rather than trace it on their tiles: where it reads an
-    array (`CompiledMask.traces_on_tiles`), or Pallas Mosaic GPU cannot lower it
+    `CompiledMask` without layouts) rather than evaluate it on their tiles (`mask_route`):
+    where it reads an array they cannot read in-kernel (`CompiledMask.traces_on_tiles`,
+    `data.predicate_data`, `_DATA_RUN_ON_GPU`), or Pallas Mosaic GPU cannot lower it
     (`mask_lowering_failure`)."""
-    return not predicate.traces_on_tiles(_TILE) or mask_lowering_failure(predicate) is not None
+    return mask_route(predicate, head_dim).reads == "elements"
 
 
-def _element_map_decline(predicate: CompiledMask, features: Features) -> str | None:
-    """Why the call's element map (`reads_element_map`) is refused: past
-    `ELEMENT_MAP_LIMIT`; else ``None``."""
+def _element_map_bytes(predicate: CompiledMask, features: Features) -> int:
+    """The bytes of the call's element map and its transpose (`CompiledMask.element_map`)
+    at the kernels' padded lengths."""
     per_call = features.positions or (features.segment_ids and predicate.uses_segment_ids)
     lengths = (rows_padded(predicate.q_len, BLOCK_Q), rows_padded(predicate.kv_len, 128))
-    size = predicate.element_map_bytes(features.batch, per_call, lengths=lengths,
+    return predicate.element_map_bytes(features.batch, per_call, lengths=lengths,
                                        itemsize=jnp.dtype(ELEMENT_MAP_DTYPE).itemsize)
-    if size > ELEMENT_MAP_LIMIT:
-        why = (mask_lowering_failure(predicate) if predicate.traces_on_tiles(_TILE)
-               else "the mask's element predicate reads an array")
-        return (f"{why.rstrip('.')}; its element map would take {size / 2**30:.1f} GiB per "
-                f"call (at most {ELEMENT_MAP_LIMIT // 2**30} GiB).")
-    return None
+
+
+def _element_map_decline(predicate: CompiledMask, size: int, not_run: bool) -> str:
+    """Why the call's element map of `size` bytes (past `ELEMENT_MAP_LIMIT`) is refused,
+    in one line: Mosaic GPU cannot lower the predicate, or it reads an array (`not_run`: at
+    scalar indices of the head, which the kernels read in-kernel once `_DATA_RUN_ON_GPU`)."""
+    limit = ELEMENT_MAP_LIMIT // 2**30
+    if not_run:
+        return MASK_DATA_NOT_RUN.format(size=size / 2**30, limit=limit)
+    if predicate.traces_on_tiles(_TILE):
+        why = mask_lowering_failure(predicate)
+    else:
+        why = "the mask's element predicate reads an array"
+    return (f"{why.rstrip('.')}; its element map would take {size / 2**30:.1f} GiB per call "
+            f"(at most {limit} GiB).")
 
 
 def _pad(x, length: int, fill=0):

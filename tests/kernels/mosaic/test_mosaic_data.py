@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
+import eqx_bsattn._layout as layout_internals
 import eqx_bsattn._module as module_internals
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
@@ -337,3 +338,257 @@ def test_data_gradients_in_cpu_interpreter(hopper_host, data_on, monkeypatch):
     assert rel_err(out, want_out) < 4e-3
     for name, g, w in zip(("dq", "dk", "dv", "dslopes", "dscale"), got, want):
         assert rel_err(jax.tree.leaves(g)[0], jax.tree.leaves(w)[0]) < 1e-2, name
+
+
+# A mask's element predicate that reads arrays at scalar indices of the head: evaluated on
+# the partial blocks with its scalars from the read tables (`data.predicate_data`), no
+# element map, once `_DATA_RUN_ON_GPU` is on.
+
+def widths_by_head(q, k, widths, head):
+    """A causal window whose width, per head, is a `Predicate`'s params array."""
+    return (k <= q) & (q - k < widths[head])
+
+
+def closure_widths(q, k, head):
+    """The same window, its widths a jnp array the predicate closes over."""
+    return (k <= q) & (q - k < WIDTHS[head])
+
+
+def _launch_spy(patch):
+    """Record each `_attend`'s ``(fcfg, bcfg, data, maps)``: the launches' configurations,
+    read tables and element maps."""
+    seen = []
+    real = mosaic_kernel._attend
+
+    def spy(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, *rest):
+        seen.append((fcfg, bcfg, data, maps))
+        return real(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, *rest)
+
+    patch.setattr(mosaic_kernel, "_attend", spy)
+    return seen
+
+
+#: name: (mask, a score function reading traced slopes too, per-call segment ids and
+#: positions)
+MASK_READS = {
+    "params": (masks.Predicate(widths_by_head, WIDTHS), False, False),
+    "closure": (masks.Predicate(closure_widths), False, False),
+    # Both the mask's and the score function's reads (its slopes traced) in one call.
+    "closure_with_function": (masks.Predicate(closure_widths), True, False),
+    # The predicate on segment id and position tiles too (its trace takes seven tiles).
+    "params_documents_positions": (masks.Predicate(widths_by_head, WIDTHS) & masks.Document(),
+                                   False, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MASK_READS))
+def test_mask_reading_arrays_lowers_for_cuda_without_element_map(hopper_host, data_on,
+                                                                 monkeypatch, case):
+    """`jit(grad)` of a call whose mask predicate reads per-head widths (a `Predicate`'s
+    params, or a closure's array) lowers for CUDA (forward, dq and dk/dv launches), the
+    predicate traced at each launch's tile (the dk/dv tile's rows are keys) and its widths
+    read as one int32 scalar per head from the read tables (broadcast over the batch rows);
+    no element map is built or passed. With a score function reading traced slopes too,
+    both sets of reads share the tables and only the slopes get a gradient."""
+    mask, score, per_call = MASK_READS[case]
+    seen = _launch_spy(monkeypatch)
+    batch, q_len, dim = 2, 300, 64
+    q, k, v = _qkv(batch, HEADS, 2, q_len, dim)
+    data = {}
+    if per_call:
+        # Constant positions (traced ones get a run-time range check, a host callback that
+        # JAX cannot lower for another platform); segment ids traced.
+        ids = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32) // 80, (batch, q_len))
+        positions = np.arange(q_len, dtype=np.int32) * 2 - 40
+        data = dict(q_segment_ids=ids, kv_segment_ids=ids)
+
+    def loss(q, k, v, slopes, data):
+        fn = None if not score else scores.ScoreFunction(
+            lambda s, h, qp, kp: s + slopes[h] * (kp - qp).astype(jnp.float32))
+        attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(), score=fn)
+        extra = dict(q_positions=positions, kv_positions=positions) if per_call else {}
+        return jnp.sum(attn(q, k, v, **data, **extra).astype(jnp.float32))
+
+    argnums = (0, 1, 2, 3) if score else (0, 1, 2)
+    if per_call:
+        # The layout built on the device from positions checks its capacity the same way.
+        monkeypatch.setattr(layout_internals.eqx, "error_if", lambda x, *_: x)
+    lowered = jax.jit(jax.grad(loss, argnums=argnums)).trace(q, k, v, SLOPES, data).lower(
+        lowering_platforms=("cuda",))
+    assert lowered.as_text().count("custom_call @mosaic_gpu") == 3, case
+    shapes = [o.shape for o in jax.tree.leaves(lowered.out_info)]
+    assert shapes == [q.shape, k.shape, v.shape] + [(HEADS,)] * bool(score), case
+    ((fcfg, bcfg, (floats, ints), maps),) = seen
+    assert maps is None and not fcfg.elements and not bcfg.elements
+    assert [tuple(s) for s, _ in fcfg.mask_traced] == [(64, 128), (64, 64)]
+    assert bcfg.mask_traced == fcfg.mask_traced and len(fcfg.mask_reads) == 1
+    assert [leaf.diff for leaf in fcfg.mask_data] == [False]
+    # The mask's int32 widths: one table row, its scalar per head for every batch row.
+    assert ints.shape == (1, batch, HEADS) and floats.shape[0] == bool(score)
+    assert [leaf.diff for leaf in bcfg.data] == [True] * bool(score)
+    arguments = 7 if per_call else 5
+    assert all(len(t.invars) == arguments for _, t in fcfg.mask_traced)
+    assert fcfg.positions == per_call
+
+
+def test_mask_read_tables_match_numpy():
+    """`read_tables` with a mask predicate's reads after the score function's: the
+    function's float slopes at ``[head]``, then the mask's int32 widths at ``[head]`` and a
+    float threshold at ``[head + 1]``, each for every batch row (float64 NumPy)."""
+    from eqx_bsattn.strategies.kernels.mosaic.common import LogitTerms, stored
+    from eqx_bsattn.strategies.kernels.mosaic.data import (data_terms, mask_terms,
+                                                            predicate_data, read_tables)
+
+    batch, heads = 3, HEADS
+    scale = random_array(8, (heads + 1,))
+
+    def fn(q, k, p, head):
+        return (q - k < p["w"][head]) & ((q - k).astype(jnp.float32) > p["x"][head + 1])
+
+    mask = masks.Predicate(fn, {"w": WIDTHS, "x": scale})
+    predicate = bsa.ResolvedMask(mask, q_len=200, kv_len=200, num_heads=heads).predicate()
+    found = predicate_data(predicate, 64)
+    assert found is not None
+    function = data_terms(_term(closure_alibi), None, 64, with_gradients=False)
+    cfg = LogitTerms(function=function.function, traced=function.traced, data=function.data,
+                     reads=function.reads, **mask_terms(found))
+    f_arrays = (stored(SLOPES, function.data[0]),)
+    m_arrays = tuple(stored(x, leaf) for x, leaf in zip(found.arrays, found.leaves))
+    floats, ints = read_tables(cfg, f_arrays, batch, heads, m_arrays)
+    h = np.broadcast_to(np.arange(heads), (batch, heads))
+    np.testing.assert_array_equal(np.asarray(floats[0]), np.asarray(SLOPES)[h])
+    np.testing.assert_array_equal(np.asarray(ints[0]), np.asarray(WIDTHS)[h])
+    np.testing.assert_array_equal(np.asarray(floats[1]),
+                                  np.asarray(scale, np.float64)[h + 1].astype(np.float32))
+    assert cfg.read_columns == ((True, 0), (False, 0), (True, 1))
+
+
+def _gather_widths(q, k, widths, head):
+    """Reads the widths at the keys' indices: a gather, not a scalar read."""
+    return q - k < widths[k % HEADS]
+
+
+def _corner_widths(q, k, widths, head):
+    """Reads the widths at an index taken from the tile of queries."""
+    return q - k < widths[q[0, 0] % HEADS]
+
+
+def test_mask_reading_arrays_plan_and_its_switch(hopper_host, monkeypatch):
+    """While `_DATA_RUN_ON_GPU` is off, a per-head-widths `Predicate` reads the element
+    map where it fits (as before) and at 16k tokens and 16 heads (16 GiB of maps) is
+    declined in one line ending "not yet run on a GPU."; once on, it is taken at 16k with
+    no element map. What the kernels cannot read in-kernel (a gather by the keys, an index
+    from the tiles, a 16-bit array, too many elements) keeps the element map and its 4 GiB
+    decline either way."""
+    from eqx_bsattn.strategies.kernels.mosaic.kernel import (ELEMENT_MAP_LIMIT,
+                                                              MASK_DATA_NOT_RUN, mask_route,
+                                                              reads_element_map)
+
+    kernel = MosaicBlockSparse()
+    heads, long = 16, 16384
+    widths = jnp.arange(8, 8 + 16 * heads, 16, dtype=jnp.int32)
+
+    def judge(fn, data, length):
+        resolved = bsa.ResolvedMask(masks.Predicate(fn, data), q_len=length, kv_len=length,
+                                    num_heads=heads)
+        features = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=64, value_dim=64,
+                                batch=1, num_heads=heads, num_kv_heads=heads, q_len=length,
+                                kv_len=length)
+        predicate = resolved.predicate()
+        return kernel.decline_reason(resolved, features), mask_route(predicate, 64).reads
+
+    assert judge(widths_by_head, widths, 256) == (None, "elements")
+    why, _ = judge(widths_by_head, widths, long)
+    assert why == MASK_DATA_NOT_RUN.format(size=16.0, limit=ELEMENT_MAP_LIMIT // 2**30), why
+    assert why.endswith("not yet run on a GPU.") and "\n" not in why
+    others = ((_gather_widths, widths), (_corner_widths, widths),
+              (widths_by_head, widths.astype(jnp.int16)),
+              (widths_by_head, jnp.ones((70000,), jnp.int32)))
+    declines = [judge(fn, data, long)[0] for fn, data in others]
+    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
+    assert judge(widths_by_head, widths, long) == (None, "data")
+    assert judge(widths_by_head, widths, 256) == (None, "data")
+    small = bsa.ResolvedMask(masks.Predicate(widths_by_head, widths), q_len=256, kv_len=256,
+                             num_heads=heads).predicate()
+    assert not reads_element_map(small)
+    for (fn, data), before in zip(others, declines):
+        why, reads = judge(fn, data, long)
+        assert reads == "elements" and why == before, (fn, why)
+        assert "element predicate reads an array; its element map would take 16.0 GiB" in why
+        assert judge(fn, data, 256) == (None, "elements")
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_mask_reading_arrays_in_cpu_interpreter(hopper_host, data_on, monkeypatch):
+    """The whole call in Pallas' CPU interpreter for Mosaic GPU with a mask predicate reading
+    per-head widths in-kernel (no element map): a `Predicate`'s params within documents
+    (segment ids) with grouped heads and ragged, unequal lengths (200 queries, 333 keys);
+    and a closure's widths beside a
+    score function reading traced slopes (both sets of reads in one call). Output and the
+    gradients in q, k, v (and the slopes) against the float64 oracle."""
+    params_type = _interpreter()
+    if params_type is None or jax.default_backend() != "cpu":
+        pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
+    monkeypatch.setattr(mosaic_kernel, "_check_runnable", lambda: None)
+    monkeypatch.setattr(mosaic_kernel, "_multiprocessors", lambda: None)
+    for name in ("forward_call", "mosaic_backward"):
+        monkeypatch.setattr(mosaic_kernel, name, functools.partial(
+            getattr(mosaic_kernel, name), interpret=params_type()))
+    seen = _launch_spy(monkeypatch)
+    heads, kv_heads, dim = 2, 1, 64
+    widths = jnp.asarray([30, 120], jnp.int32)
+    slopes = jnp.asarray([0.25, -0.1], jnp.float32)
+
+    def closure(q, k, head):
+        return (k <= q + 5) & (q - k < widths[head])
+
+    def alibi(s, h, qp, kp, sl):
+        return s + sl[h] * (kp - qp).astype(s.dtype)
+
+    documents = masks.Predicate(widths_by_head, widths) & masks.Document()
+    for mask, q_len, kv_len, score in ((documents, 200, 333, False),
+                                       (masks.Predicate(closure), 200, 200, True)):
+        # Segment ids (documents of 70 and 110 tokens) in the first call only.
+        q_seg, kv_seg = (np.arange(n, dtype=np.int32)[None] // (70 if n == q_len else 110)
+                         for n in (q_len, kv_len))
+        ids = {} if score else dict(q_segment_ids=jnp.asarray(q_seg),
+                                    kv_segment_ids=jnp.asarray(kv_seg))
+        q = random_array(1, (1, heads, q_len, dim)).astype(jnp.float16).astype(jnp.float32)
+        k, v = (random_array(s, (1, kv_heads, kv_len, dim)).astype(jnp.float16).astype(
+            jnp.float32) for s in (2, 3))
+        cot = random_array(4, q.shape)
+
+        def call(q, k, v, sl, mask=mask, score=score, ids=ids):
+            fn = scores.ScoreFunction(lambda s, h, qp, kp: alibi(s, h, qp, kp, sl)) if score \
+                else None
+            attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(), score=fn)
+            return attn(*(x.astype(jnp.float16) for x in (q, k, v)), **ids).astype(
+                jnp.float32)
+
+        out, pullback = jax.vjp(call, q, k, v, slopes)
+        got = pullback(cot)
+        assert seen[-1][3] is None and seen[-1][0].mask_traced  # no element map
+        q_pos, kv_pos = np.arange(q_len)[None], np.arange(kv_len)[None]
+        # The predicate on NumPy index grids, per head (`np_visibility` takes no head).
+        element = functools.partial(widths_by_head, widths=np.asarray(widths)) if not score \
+            else closure
+        visible = np.stack([np.asarray(element(q_pos[0, :, None], kv_pos[0, None, :],
+                                               head=h), bool) for h in range(heads)])[None]
+        if not score:
+            visible = visible & (q_seg[0, :, None] == kv_seg[0, None, :])
+        with jax.enable_x64(True):
+            def oracle(q, k, v, sl, score=score, visible=visible, q_pos=q_pos,
+                       kv_pos=kv_pos):
+                def terms(s):
+                    return score_f64(s, q_pos=q_pos, kv_pos=kv_pos,
+                                     fn=lambda s, h, qp, kp: alibi(s, h, qp, kp, sl))
+                return jnp_attention_f64(q, k, v, visible, score=terms if score else None)
+
+            f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, slopes)]
+            want_out, oracle_pullback = jax.vjp(oracle, *f64)
+            want = oracle_pullback(jnp.asarray(np.asarray(cot, np.float64)))
+        assert rel_err(out, want_out) < 4e-3, q_len
+        names = ("dq", "dk", "dv", "dslopes")[:4 if score else 3]
+        for name, g, w in zip(names, got, want):
+            assert rel_err(g, w) < 1e-2, (name, score)
