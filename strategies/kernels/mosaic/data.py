@@ -23,10 +23,11 @@ gradients are bit-identical from run to run.
 A mask's element predicate that reads arrays (a `masks.Predicate`'s per-head widths in its
 params, ``widths[head]``, or an array it closes over) runs the same way on the partial
 blocks (`predicate_data`): traced on the launches' int32 tiles
-(`eqx_bsattn.contract.mask_data`), each read's index depending on the head alone (predicates get no batch row), each read's
-scalar per head after the function's in the read tables (broadcast over the batch rows),
-replayed into each block's predicate (`common.mask_tile`). Its arrays are never
-differentiated (a mask has no gradient). Any other such predicate reads an element map.
+(`eqx_bsattn.contract.mask_data`), each read's index depending on the head alone
+(predicates get no batch row), each read's scalar per head after the function's in the read
+tables (broadcast over the batch rows), replayed into each block's predicate
+(`common.mask_tile`). Its arrays are never differentiated (a mask has no gradient). Any
+other such predicate reads an element map.
 
 Declined, each in one line (`data_decline`): an array of other than 32 bits (or bool),
 arrays of more than `DATA_LIMIT` elements together, one used other than at scalar indices (a

@@ -159,8 +159,11 @@ class MosaicBlockSparse(AbstractLseKernel):
     FULL blocks run without masking; partial blocks evaluate the compiled mask's canonical
     terms (causal with an offset, a window, chunks, a prefix, segment ids) on token indices,
     or, for a mask without them, its element predicate (`CompiledMask.visible_at`) traced on
-    the block's index, position and segment id tiles, or, where the predicate reads an array
-    or Mosaic GPU cannot lower it, tiles of the call's element map
+    the block's index, position and segment id tiles (where it reads arrays at scalar
+    indices of the head, per-head widths, with those scalars from read tables: `data`,
+    `mask_route`; declined past 4 GiB of element maps, and read from them below that, until
+    run on a GPU: `_DATA_RUN_ON_GPU`), or, where the predicate reads an array otherwise or
+    Mosaic GPU cannot lower it, tiles of the call's element map
     (`CompiledMask.element_map`, at most 4 GiB with its transpose).
 
     The backward pass is its own, in one of two modes:
