@@ -162,3 +162,63 @@ def test_closure_alibi_matches_builtin_alibi():
     closure = run(scores.ScoreFunction(lambda s, h, qp, kp: alibi_term(s, h, qp, kp, SLOPES)))
     for name, a, c in zip(("out", "dq", "dk", "dv"), builtin, closure):
         assert _rel(c, a) < TOL[jnp.bfloat16], name
+
+
+def widths_by_head(q, k, widths, head):
+    """A causal window whose width, per head, is a `masks.Predicate`'s params array."""
+    return (k <= q) & (q - k < widths[head])
+
+
+@on_gpu
+def test_mask_reading_widths_matches_float64_oracle(monkeypatch):
+    """A `Predicate` whose per-head widths are its params, evaluated on the partial blocks
+    with the widths read in-kernel (no element map reaches the launches), alone and beside
+    a score function that reads arrays (a closure's ALiBi slopes): output and the gradients
+    in q, k and v against the float64 oracle within bfloat16's tolerance (deterministic
+    backward); the selector gives the mask alone to this kernel."""
+    mask = masks.Predicate(widths_by_head, WIDTHS)
+    x = jnp.zeros((B, H, L, D), jnp.bfloat16)
+    plan = bsa.BlockSparseAttention(mask=mask).plan(x, x[:, :HKV], x[:, :HKV])
+    assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
+    maps = []
+    real = mosaic_kernel._attend
+
+    def spy(fcfg, bcfg, q, k, v, slopes, data, seg, positions, element_maps, *rest):
+        maps.append(element_maps)
+        return real(fcfg, bcfg, q, k, v, slopes, data, seg, positions, element_maps, *rest)
+
+    monkeypatch.setattr(mosaic_kernel, "_attend", spy)
+    q, k, v, cot = _inputs(53, B, H, HKV, L, L, D)
+    widths = np.asarray(WIDTHS)
+    positions = np.arange(L)
+    visible = (positions[None, :, None] >= positions[None, None, :]) & (
+        positions[:, None] - positions[None, :] < widths[:, None, None])
+    visible = np.broadcast_to(visible[None], (B, H, L, L))
+
+    def f64(x):
+        return jnp.asarray(np.asarray(jnp.asarray(x, jnp.float32), np.float64))
+
+    for score in (None, scores.ScoreFunction(lambda s, h, qp, kp: alibi_term(s, h, qp, kp,
+                                                                              SLOPES))):
+        attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(), score=score)
+
+        def both(q, k, v, attn=attn):
+            out, pullback = jax.vjp(lambda *a: attn(*(y.astype(jnp.bfloat16) for y in a)),
+                                    q, k, v)
+            return (out, *pullback(cot.astype(out.dtype)))
+
+        got = jax.jit(both)(q, k, v)
+        assert maps[-1] is None
+        with jax.enable_x64(True):
+            def oracle(q, k, v, score=score):
+                terms = None if score is None else (lambda s: score_f64(
+                    s, q_pos=np.broadcast_to(positions, (B, L)),
+                    kv_pos=np.broadcast_to(positions, (B, L)),
+                    fn=lambda s, h, qp, kp: alibi_term(s, h, qp, kp, f64(SLOPES))))
+                return jnp_attention_f64(q, k, v, visible, score=terms)
+
+            args = [f64(y.astype(jnp.bfloat16)) for y in (q, k, v)]
+            out, pullback = jax.vjp(oracle, *args)
+            want = (out, *pullback(f64(cot)))
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            assert _rel(g, np.asarray(w)) < TOL[jnp.bfloat16], (name, score is None)
