@@ -8,7 +8,9 @@ Masks (``window``: causal and a window of `--window` keys; ``dilated``: a window
 `--window` keys both ways, every second key) in two forms: ``builtin`` (`masks.Causal() &
 masks.SlidingWindow`, and `masks.SlidingWindow & masks.Dilated(2)`), ``predicate`` (the
 same as a `masks.Predicate` function, traced into Mosaic's partial blocks) and ``array`` (the
-same as a `masks.ArrayMask`: Mosaic reads its per-call element map); each form through
+same as a `masks.ArrayMask`: Mosaic reads its per-call element map), and for the window
+``widths`` (a `masks.Predicate` reading each head's width from its params: Mosaic reads the
+widths from its read tables, with `kernel._DATA_RUN_ON_GPU` switched on here); each form through
 `MosaicBlockSparse` and `TritonBlockSparse` (its element bitmaps: the path a predicate took
 before). Rows give the
 median wall time of a jitted forward and of a forward+backward (gradients of q, k and v),
@@ -30,6 +32,7 @@ import numpy as np
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks
 from eqx_bsattn.bench import environment, visible_pairs
+from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
 from eqx_bsattn.timing import median_ms
 
 
@@ -49,6 +52,20 @@ class CausalWindow:
         return (k <= q) & (q - k <= self.width)
 
 
+class WindowByHead:
+    """``k <= q`` and ``q - k <= widths[head]``: a `masks.Predicate` function reading its
+    params (per-head widths) at the head."""
+
+    def __call__(self, q, k, widths, head):
+        return (k <= q) & (q - k <= widths[head])
+
+    def __eq__(self, other):
+        return type(other) is type(self)
+
+    def __hash__(self):
+        return hash(type(self))
+
+
 class DilatedWindow(CausalWindow):
     """``|q - k| <= width`` and ``k - q`` even."""
 
@@ -63,12 +80,16 @@ def _boolean(fn, length: int) -> np.ndarray:
     return np.asarray(fn(q, k))
 
 
-def forms(width: int, length: int) -> dict[str, dict[str, bsa.AbstractMask]]:
-    """Each mask's built-in, predicate and boolean-array forms."""
+def forms(width: int, length: int, heads: int) -> dict[str, dict[str, bsa.AbstractMask]]:
+    """Each mask's built-in, predicate and boolean-array forms; the window also as a
+    predicate reading the width per head from its params (``widths``: the same width for
+    every head, so that each form sees the same pairs)."""
     window, dilated = CausalWindow(width), DilatedWindow(width)
+    widths = jnp.full((heads,), width, jnp.int32)
     return {
         "window": {"builtin": masks.Causal() & masks.SlidingWindow(width, 0),
                    "predicate": masks.Predicate(window),
+                   "widths": masks.Predicate(WindowByHead(), widths),
                    "array": masks.ArrayMask(_boolean(window, length))},
         "dilated": {"builtin": masks.SlidingWindow(width, width) & masks.Dilated(2),
                     "predicate": masks.Predicate(dilated),
@@ -88,11 +109,12 @@ def calls(mask, kernel):
 
 
 def run(args) -> list[dict]:
+    mosaic_kernel._DATA_RUN_ON_GPU = True  # the in-kernel widths, as the GPU tests run them
     keys = jax.random.split(jax.random.key(0), 3)
     shape = (args.batch, args.heads, args.length, args.dim)
     q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
     records = []
-    for mask_name, by_form in forms(args.window, args.length).items():
+    for mask_name, by_form in forms(args.window, args.length, args.heads).items():
         pairs = visible_pairs(by_form["builtin"], args.length, args.length)
         rows = {}
         for form, mask in by_form.items():
