@@ -40,7 +40,7 @@ widths).
 """
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple as _NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -135,7 +135,7 @@ from ._tiling import (
 )
 
 
-class MaskData(NamedTuple):
+class MaskData(_NamedTuple):
     """A mask's element predicate traced on a kernel's tiles where it reads arrays at scalar
     indices (a user predicate's per-head widths, ``widths[head]``): `traced` ``((shape,
     TracedFunction), ...)`` on the arguments ``(head, qi, ki, qp, kp[, qs, ks])``, reading
