@@ -2,7 +2,8 @@
 
 Priorities say which kernel is tried first; where two kernels accept the same call, the faster
 one should run it, and which is faster depends on the pattern and the length (on a TPU v5e the
-Pallas TPU kernel beats Splash on causal rows at 32k tokens, Splash wins at 8k). Each
+Pallas TPU kernel beats Splash on causal rows at 32k tokens, Splash wins at 8k; on an H200
+cuDNN wins long causal rows, the Mosaic kernel windows and short causal rows). Each
 `Measurement` is one benchmark row: a pattern at one shape on one device, each kernel's
 forward and forward+backward time, measured in one process. `measured_choice` finds the
 row that covers a call and names the fastest of the kernels that accept it; the selector
@@ -57,6 +58,9 @@ class Measurement:
 
 
 _TPU = "benchmarks/splash_tpu.py --pallas, 2026-12-06"
+#: The H200 rows: docs/log/mosaic.md's "Backward modes" table (ms from its TF/s over the
+#: visible pairs); the default (deterministic) backward.
+_GPU = "benchmarks/mosaic_forward.py --impls mosaic cudnn, 2026-12-04"
 _TPU_8K = "benchmarks/splash_tpu.py --pallas [--batch 2], 2026-12-06, after the grid fix"
 
 #: The built-in figures. A row counts for calls within a factor of two of its length, on its
@@ -80,6 +84,16 @@ MEASURED: tuple[Measurement, ...] = (
                 (("splash", 4.79, 16.57), ("pallas_tpu", 4.75, 16.82)), _TPU, "1024"),
     Measurement("tpu", "TPU v5 lite", "documents", 32768, 1, 16, 128, "bfloat16",
                 (("splash", 20.36, 67.73), ("pallas_tpu", 17.40, 62.38)), _TPU, "(16)"),
+    Measurement("gpu", "NVIDIA H200", "causal", 16384, 2, 16, 128, "bfloat16",
+                (("cudnn", 3.737, 14.785), ("mosaic", 3.789, 16.123)), _GPU),
+    Measurement("gpu", "NVIDIA H200", "window", 16384, 2, 16, 128, "bfloat16",
+                (("cudnn", 0.873, 2.825), ("mosaic", 0.768, 2.612)), _GPU, "1024"),
+    Measurement("gpu", "NVIDIA H200", "causal", 65536, 1, 16, 128, "bfloat16",
+                (("cudnn", 29.985, 111.891), ("mosaic", 30.853, 125.558)), _GPU),
+    Measurement("gpu", "NVIDIA H200", "window", 65536, 1, 16, 128, "bfloat16",
+                (("cudnn", 1.543, 5.323), ("mosaic", 1.367, 4.977)), _GPU, "1024"),
+    Measurement("gpu", "NVIDIA H200", "causal", 1024, 32, 16, 128, "bfloat16",
+                (("cudnn", 0.546, 1.825), ("mosaic", 0.425, 1.608)), _GPU),
 )
 
 

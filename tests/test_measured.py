@@ -36,7 +36,7 @@ def test_a_row_covers_calls_within_a_factor_of_two_of_its_length():
     # Nearest in log-length: 16k is as near 8k as 32k; 20k is nearer 32k.
     assert covering(dataclasses.replace(TPU_CALL, q_len=20000, kv_len=20000), terms).length == 32768
     for change in (dict(q_len=2048, kv_len=2048), dict(q_len=131072, kv_len=131072),
-                   dict(dtype="float32"), dict(platform="gpu"), dict(score=("alibi",)),
+                   dict(dtype="float32"), dict(platform="cpu"), dict(score=("alibi",)),
                    dict(bias=True), dict(positions=True), dict(lse=True), dict(kv_len=16384)):
         assert covering(dataclasses.replace(TPU_CALL, **change), terms) is None, change
 
@@ -96,3 +96,21 @@ def test_the_row_nearest_in_batch_decides_at_one_length(mask, batch, segment_ids
     assert row.length == 8192 and row.batch == min(batch, 2)
     choice = bsa.select_kernel(mask, platform="tpu", features=features)
     assert choice.kernel.name == want, choice.explain()
+
+
+GPU_CALL = dataclasses.replace(TPU_CALL, platform="gpu", batch=2, q_len=16384, kv_len=16384)
+
+
+@pytest.mark.parametrize("mask, length, batch, want", [
+    (masks.Causal(), 16384, 2, "cudnn"),  # cuDNN measured faster: priority stands
+    (masks.Causal() & masks.SlidingWindow(1024, 0), 16384, 2, "mosaic"),
+    (masks.Causal() & masks.SlidingWindow(1024, 0), 65536, 1, "mosaic"),
+    (masks.Causal(), 65536, 1, "cudnn"),
+    (masks.Causal(), 1024, 32, "mosaic"),  # short rows: Mosaic measured faster
+    (masks.Causal(), 4096, 2, "cudnn"),  # no row this length: priority
+])
+def test_select_kernel_on_an_h200_follows_the_measured_rows(mask, length, batch, want):
+    features = dataclasses.replace(GPU_CALL, q_len=length, kv_len=length, batch=batch)
+    choice = bsa.select_kernel(mask, platform="gpu", features=features)
+    assert choice.kernel.name == want, choice.explain()
+    assert ("NVIDIA H200" in choice.explain()) == (length != 4096), choice.explain()
