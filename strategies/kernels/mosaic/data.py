@@ -20,7 +20,7 @@ through `read_tables`, whose float reads take their element by a comparison with
 element and a sum: the transpose is a sum in a fixed order, no scatter, no atomics, so the
 gradients are bit-identical from run to run.
 
-A mask's element predicate that reads arrays (a `masks.Predicate`'s per-head widths in its
+A mask's element predicate that reads arrays (a user predicate's per-head widths in its
 params, ``widths[head]``, or an array it closes over) runs the same way on the partial
 blocks (`predicate_data`): traced on the launches' int32 tiles
 (`eqx_bsattn.contract.mask_data`), each read's index depending on the head alone
