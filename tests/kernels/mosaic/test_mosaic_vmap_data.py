@@ -1,0 +1,193 @@
+"""`jax.vmap` over a call of `MosaicBlockSparse` whose score function or mask predicate reads
+arrays (`strategies/kernels/mosaic/data.py`), the data switch on (`kernel._DATA_RUN_ON_GPU`):
+over q, k and v with the arrays unbatched, over the arrays with q, k and v unbatched, and
+over both. Each call runs its launches in Pallas' CPU interpreter for Mosaic GPU and is
+checked against the float64 oracle, example by example.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+import eqx_bsattn._module as module_internals
+from eqx_bsattn import masks, scores
+from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
+from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+from tests.conftest import jnp_attention_f64, random_array, rel_err, score_f64
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+HEADS, LENGTH, DIM = 2, 128, 64
+#: Two examples' ALiBi slopes per head, one row each.
+MANY_SLOPES = jnp.asarray([[0.25, -0.1], [-0.3, 0.05]], jnp.float32)
+#: Two examples' window widths per head (int32), one row each.
+MANY_WIDTHS = jnp.asarray([[30, 120], [90, 7]], jnp.int32)
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The kernels planned as on a Hopper GPU, the data switch on, and every launch run in
+    Pallas' CPU interpreter for Mosaic GPU."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except Exception:  # noqa: BLE001 - the interpreter is optional (it needs absl)
+        InterpretGPUParams = None
+    if InterpretGPUParams is None or jax.default_backend() != "cpu":
+        pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
+    monkeypatch.setattr(module_internals, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(mosaic_kernel, "_mosaic_missing", lambda: None)
+    monkeypatch.setattr(mosaic_kernel, "_check_runnable", lambda: None)
+    monkeypatch.setattr(mosaic_kernel, "_multiprocessors", lambda: None)
+    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
+    for name in ("forward_call", "mosaic_backward"):
+        monkeypatch.setattr(mosaic_kernel, name, functools.partial(
+            getattr(mosaic_kernel, name), interpret=InterpretGPUParams()))
+
+
+def _qkv(seed, lead):
+    """bf16 q, k, v ``[*lead, H, L, D]``, random."""
+    return tuple(random_array(seed + i, (*lead, HEADS, LENGTH, DIM), jnp.bfloat16)
+                 for i in range(3))
+
+
+def alibi(s, h, qp, kp, slopes):
+    return s + slopes[h] * (kp - qp).astype(s.dtype)
+
+
+def learned_alibi(s, h, qp, kp, params):
+    return alibi(s, h, qp, kp, params["slopes"])
+
+
+def widths_by_head(q, k, widths, head):
+    """A causal window whose width, per head, is a `Predicate`'s params array."""
+    return (k <= q) & (q - k < widths[head])
+
+
+def _oracle(q, k, v, *, fn=None, widths=None):
+    """The float64 attention of one call ``[B, H, L, D]`` (call under
+    ``jax.enable_x64``): causal, or the window of `widths` per head; the score function
+    `fn(s, h, q_pos, k_pos)` where given, on the token indices."""
+    q, k, v = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
+    qi, ki = np.arange(LENGTH)[:, None], np.arange(LENGTH)[None, :]
+    visible = (np.broadcast_to(ki <= qi, (HEADS, LENGTH, LENGTH)) if widths is None else
+               np.stack([widths_by_head(qi, ki, np.asarray(widths), h) for h in range(HEADS)]))
+    visible = np.broadcast_to(visible, (q.shape[0], HEADS, LENGTH, LENGTH))
+    positions = np.broadcast_to(np.arange(LENGTH), (q.shape[0], LENGTH))
+    score = None if fn is None else (
+        lambda s: score_f64(s, q_pos=positions, kv_pos=positions, fn=fn))
+    return jnp_attention_f64(q, k, v, visible, score=score)
+
+
+def _f64(x):
+    return jnp.asarray(np.asarray(x, np.float64))
+
+
+def _launch_spy(patch):
+    """Record each call's read tables and element maps (``(data, maps)``)."""
+    seen = []
+    real = mosaic_kernel._attend
+
+    def spy(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, *rest):
+        seen.append((data, maps))
+        return real(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, *rest)
+
+    patch.setattr(mosaic_kernel, "_attend", spy)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_vmap_over_qkv_and_params_reading_the_batch_index(interpreted, monkeypatch):
+    """vmap over q, k, v (a leading axis of 2, each ``[2, H, L, D]``) and over a score
+    function's params (a temperature per batch row, ``params[batch]``; one row per example)
+    while it closes over unbatched ALiBi slopes: each example's output and temperatures'
+    gradient are its own call's, the batch index the row within that call's batch
+    (docs/scores.md), against the float64 oracle; the arrays are read from the read tables."""
+    seen = _launch_spy(monkeypatch)
+    slopes = MANY_SLOPES[0]
+    temperatures = jnp.asarray([[1.5, 0.5], [0.25, 2.0]], jnp.float32)
+    cot = random_array(5, (2, 2, HEADS, LENGTH, DIM))
+
+    def fn(s, h, qp, kp, t, *, batch):
+        return alibi(s, h, qp, kp, slopes) * t[batch]
+
+    def call(t, q, k, v, cot):
+        def attend(t):
+            attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
+                                            score=scores.ScoreFunction(fn, t))
+            return attn(q, k, v).astype(jnp.float32)
+
+        out, pullback = jax.vjp(attend, t)
+        return out, pullback(cot)[0]
+
+    q, k, v = _qkv(1, (2, 2))
+    out, dt = jax.vmap(call)(temperatures, q, k, v, cot)
+    assert seen and all(data is not None and maps is None for data, maps in seen)
+    for i in range(2):
+        def oracle(t, i=i):
+            return jnp.concatenate([_oracle(
+                q[i, b:b + 1], k[i, b:b + 1], v[i, b:b + 1],
+                fn=lambda s, h, qp, kp, b=b: fn(s, h, qp, kp, t, batch=b)) for b in range(2)])
+
+        with jax.enable_x64(True):
+            want, pullback = jax.vjp(oracle, _f64(temperatures[i]))
+            (want_dt,) = pullback(_f64(cot[i]))
+        assert rel_err(out[i], want) < 1e-2, i
+        assert rel_err(dt[i], want_dt) < 2e-2, i
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_vmap_over_params_slopes_with_unbatched_qkv(interpreted):
+    """vmap over a `ScoreFunction`'s params (ALiBi slopes, one row per example), q, k, v
+    unbatched: each example's output and slopes' gradient are its own slopes' (float64
+    oracle)."""
+    q, k, v = _qkv(4, (1,))
+    cot = random_array(9, (2, 1, HEADS, LENGTH, DIM))
+
+    def call(slopes, cot):
+        def attend(slopes):
+            attn = bsa.BlockSparseAttention(
+                mask=masks.Causal(), kernel=MosaicBlockSparse(),
+                score=scores.ScoreFunction(learned_alibi, {"slopes": slopes}))
+            return attn(q, k, v).astype(jnp.float32)
+
+        out, pullback = jax.vjp(attend, slopes)
+        return out, pullback(cot)[0]
+
+    out, dslopes = jax.vmap(call)(MANY_SLOPES, cot)
+    for i in range(2):
+        with jax.enable_x64(True):
+            want, pullback = jax.vjp(lambda sl: _oracle(q, k, v, fn=lambda s, h, qp, kp: alibi(
+                s, h, qp, kp, sl)), _f64(MANY_SLOPES[i]))
+            (want_ds,) = pullback(_f64(cot[i]))
+        assert rel_err(out[i], want) < 1e-2, i
+        # bf16 inputs: the slopes' gradient sums (k - q) dS over the logits, ~3 % off the
+        # float64 one without vmap too; another example's slopes give ~100 %.
+        assert rel_err(dslopes[i], want_ds) < 6e-2, i
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_vmap_over_predicate_widths(interpreted, monkeypatch):
+    """vmap over a `Predicate`'s per-head widths (one row per example), q, k, v unbatched:
+    each example's output uses its own window (float64 oracle), its widths read from the
+    read tables (no element map)."""
+    seen = _launch_spy(monkeypatch)
+    q, k, v = _qkv(7, (1,))
+
+    def call(widths):
+        attn = bsa.BlockSparseAttention(mask=masks.Predicate(widths_by_head, widths),
+                                        kernel=MosaicBlockSparse())
+        return attn(q, k, v)
+
+    out = jax.vmap(call)(MANY_WIDTHS)
+    assert seen and all(data is not None and maps is None for data, maps in seen)
+    for i in range(2):
+        with jax.enable_x64(True):
+            want = _oracle(q, k, v, widths=MANY_WIDTHS[i])
+        assert rel_err(out[i], want) < 1e-2, i
