@@ -48,6 +48,16 @@ def interpreted(monkeypatch):
             getattr(mosaic_kernel, name), interpret=InterpretGPUParams()))
 
 
+@pytest.fixture
+def hopper_data(monkeypatch):
+    """The kernels planned and lowered as on a Hopper GPU (running nothing), the data
+    switch on."""
+    monkeypatch.setattr(module_internals, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(mosaic_kernel, "_mosaic_missing", lambda: None)
+    monkeypatch.setattr(mosaic_kernel, "_multiprocessors", lambda: 132)
+    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
+
+
 def _qkv(seed, lead):
     """bf16 q, k, v ``[*lead, H, L, D]``, random."""
     return tuple(random_array(seed + i, (*lead, HEADS, LENGTH, DIM), jnp.bfloat16)
@@ -191,3 +201,34 @@ def test_vmap_over_predicate_widths(interpreted, monkeypatch):
         with jax.enable_x64(True):
             want = _oracle(q, k, v, widths=MANY_WIDTHS[i])
         assert rel_err(out[i], want) < 1e-2, i
+
+
+@pytest.mark.slow
+def test_vmapped_calls_lower_for_cuda(hopper_data):
+    """`jit(vmap)` over a score function's params (with the gradient in them and in q, k,
+    v unbatched) and over a `Predicate`'s widths lowers for CUDA: Pallas Mosaic GPU's own
+    vmap rule of each launch (a grid axis in front, each mapped operand sliced per example),
+    the same rule the interpreter tests above run."""
+    q, k, v = _qkv(1, (1,))
+
+    def loss(slopes, q, k, v):
+        attn = bsa.BlockSparseAttention(
+            mask=masks.Causal(), kernel=MosaicBlockSparse(),
+            score=scores.ScoreFunction(learned_alibi, {"slopes": slopes}))
+        return jnp.sum(attn(q, k, v).astype(jnp.float32))
+
+    grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3)), (0, None, None, None))
+    lowered = jax.jit(grads).trace(MANY_SLOPES, q, k, v).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("custom_call @mosaic_gpu") == 3
+    shapes = [o.shape for o in jax.tree.leaves(lowered.out_info)]
+    assert shapes == [MANY_SLOPES.shape] + [(2, *q.shape)] * 3
+
+    def forward(widths):
+        attn = bsa.BlockSparseAttention(mask=masks.Predicate(widths_by_head, widths),
+                                        kernel=MosaicBlockSparse())
+        return attn(q, k, v)
+
+    lowered = jax.jit(jax.vmap(forward)).trace(MANY_WIDTHS).lower(
+        lowering_platforms=("cuda",))
+    assert lowered.as_text().count("custom_call @mosaic_gpu") == 1
+    assert [o.shape for o in jax.tree.leaves(lowered.out_info)] == [(2, *q.shape)]
