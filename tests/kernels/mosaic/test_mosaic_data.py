@@ -22,7 +22,6 @@ import pytest
 
 import eqx_bsattn as bsa
 import eqx_bsattn._layout as layout_internals
-import eqx_bsattn._module as module_internals
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
@@ -30,7 +29,6 @@ from tests.conftest import jnp_attention_f64, np_visibility, random_array, rel_e
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
-H200_MULTIPROCESSORS = 132
 HEADS = 4
 #: ALiBi's slopes of four heads, closed over by `closure_alibi`.
 SLOPES = jnp.asarray([0.5, 0.25, -0.125, 0.0625], jnp.float32)
@@ -51,20 +49,6 @@ def learned_alibi(score, head, q_pos, k_pos, params):
 def table_window(score, head, q_pos, k_pos):
     """A window per head read from an int32 table: farther keys hidden (-inf)."""
     return jnp.where(q_pos - k_pos > WIDTHS[head], -jnp.inf, score)
-
-
-@pytest.fixture
-def hopper_host(monkeypatch):
-    """This host as a Hopper GPU's for planning and lowering (it runs nothing)."""
-    monkeypatch.setattr(module_internals, "default_platform", lambda: "gpu")
-    monkeypatch.setattr(mosaic_kernel, "_mosaic_missing", lambda: None)
-    monkeypatch.setattr(mosaic_kernel, "_multiprocessors", lambda: H200_MULTIPROCESSORS)
-
-
-@pytest.fixture
-def data_on(monkeypatch):
-    """As once a score function reading arrays has run on a GPU."""
-    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
 
 
 def _qkv(batch, heads, kv_heads, length, dim, dtype=jnp.bfloat16):
@@ -277,30 +261,14 @@ def test_selector_names_the_not_yet_run_decline(hopper_host):
         jax.eval_shape(attn, q, k, v)
 
 
-def _interpreter():
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except Exception:  # noqa: BLE001 - the interpreter is optional (it needs absl)
-        return None
-    return InterpretGPUParams
-
-
 @pytest.mark.slow
 @pytest.mark.extended
-def test_data_gradients_in_cpu_interpreter(hopper_host, data_on, monkeypatch):
+def test_data_gradients_in_cpu_interpreter(interpreted, data_on, monkeypatch):
     """The whole call, its launches in Pallas' CPU interpreter for Mosaic GPU: a function
     reading a closure's traced slopes, a learned scale per head in `params` and an int32
     window table (two differentiated reads a tile and an integer one), grouped heads and
     ragged keys; output and the gradients in q, k, v, the slopes and the params against the
     float64 oracle."""
-    params_type = _interpreter()
-    if params_type is None or jax.default_backend() != "cpu":
-        pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
-    monkeypatch.setattr(mosaic_kernel, "_check_runnable", lambda: None)
-    monkeypatch.setattr(mosaic_kernel, "_multiprocessors", lambda: None)
-    for name in ("forward_call", "mosaic_backward"):
-        monkeypatch.setattr(mosaic_kernel, name, functools.partial(
-            getattr(mosaic_kernel, name), interpret=params_type()))
     heads, kv_heads, length, dim = 2, 1, 200, 64
     slopes = jnp.asarray([0.25, -0.1], jnp.float32)
     scale = {"w": jnp.asarray([1.5, 0.75], jnp.float32)}
@@ -520,21 +488,13 @@ def test_mask_reading_arrays_plan_and_its_switch(hopper_host, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_mask_reading_arrays_in_cpu_interpreter(hopper_host, data_on, monkeypatch):
+def test_mask_reading_arrays_in_cpu_interpreter(interpreted, data_on, monkeypatch):
     """The whole call in Pallas' CPU interpreter for Mosaic GPU with a mask predicate reading
     per-head widths in-kernel (no element map): a `Predicate`'s params within documents
     (segment ids) with grouped heads and ragged, unequal lengths (200 queries, 333 keys);
     and a closure's widths beside a
     score function reading traced slopes (both sets of reads in one call). Output and the
     gradients in q, k, v (and the slopes) against the float64 oracle."""
-    params_type = _interpreter()
-    if params_type is None or jax.default_backend() != "cpu":
-        pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
-    monkeypatch.setattr(mosaic_kernel, "_check_runnable", lambda: None)
-    monkeypatch.setattr(mosaic_kernel, "_multiprocessors", lambda: None)
-    for name in ("forward_call", "mosaic_backward"):
-        monkeypatch.setattr(mosaic_kernel, name, functools.partial(
-            getattr(mosaic_kernel, name), interpret=params_type()))
     seen = _launch_spy(monkeypatch)
     heads, kv_heads, dim = 2, 1, 64
     widths = jnp.asarray([30, 120], jnp.int32)

@@ -18,14 +18,12 @@ import pytest
 
 import eqx_bsattn as bsa
 import eqx_bsattn._layout as layout_internals
-import eqx_bsattn._module as module_internals
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
-H200_MULTIPROCESSORS = 132
 
 
 def _head_slopes(score, head, q_pos, k_pos):
@@ -57,14 +55,6 @@ def _widths_by_head(q, k, widths, head):
 def _round_window(q, k):
     """A mask Mosaic GPU cannot lower: a window measured with a square root."""
     return jnp.sqrt(((q - k) * (q - k)).astype(jnp.float32)) < 50.0
-
-
-@pytest.fixture
-def hopper_host(monkeypatch):
-    """This host as a Hopper GPU's for planning and lowering (it runs nothing)."""
-    monkeypatch.setattr(module_internals, "default_platform", lambda: "gpu")
-    monkeypatch.setattr(mosaic_kernel, "_mosaic_missing", lambda: None)
-    monkeypatch.setattr(mosaic_kernel, "_multiprocessors", lambda: H200_MULTIPROCESSORS)
 
 
 def _inputs(batch, heads, kv_heads, q_len, kv_len, dim):

@@ -5,7 +5,6 @@ over both. Each call runs its launches in Pallas' CPU interpreter for Mosaic GPU
 checked against the float64 oracle, example by example.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,6 @@ import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
-import eqx_bsattn._module as module_internals
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
@@ -26,36 +24,6 @@ HEADS, LENGTH, DIM = 2, 128, 64
 MANY_SLOPES = jnp.asarray([[0.25, -0.1], [-0.3, 0.05]], jnp.float32)
 #: Two examples' window widths per head (int32), one row each.
 MANY_WIDTHS = jnp.asarray([[30, 120], [90, 7]], jnp.int32)
-
-
-@pytest.fixture
-def interpreted(monkeypatch):
-    """The kernels planned as on a Hopper GPU, the data switch on, and every launch run in
-    Pallas' CPU interpreter for Mosaic GPU."""
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except Exception:  # noqa: BLE001 - the interpreter is optional (it needs absl)
-        InterpretGPUParams = None
-    if InterpretGPUParams is None or jax.default_backend() != "cpu":
-        pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
-    monkeypatch.setattr(module_internals, "default_platform", lambda: "gpu")
-    monkeypatch.setattr(mosaic_kernel, "_mosaic_missing", lambda: None)
-    monkeypatch.setattr(mosaic_kernel, "_check_runnable", lambda: None)
-    monkeypatch.setattr(mosaic_kernel, "_multiprocessors", lambda: None)
-    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
-    for name in ("forward_call", "mosaic_backward"):
-        monkeypatch.setattr(mosaic_kernel, name, functools.partial(
-            getattr(mosaic_kernel, name), interpret=InterpretGPUParams()))
-
-
-@pytest.fixture
-def hopper_data(monkeypatch):
-    """The kernels planned and lowered as on a Hopper GPU (running nothing), the data
-    switch on."""
-    monkeypatch.setattr(module_internals, "default_platform", lambda: "gpu")
-    monkeypatch.setattr(mosaic_kernel, "_mosaic_missing", lambda: None)
-    monkeypatch.setattr(mosaic_kernel, "_multiprocessors", lambda: 132)
-    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
 
 
 def _qkv(seed, lead):
@@ -111,7 +79,7 @@ def _launch_spy(patch):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_vmap_over_qkv_and_params_reading_the_batch_index(interpreted, monkeypatch):
+def test_vmap_over_qkv_and_params_reading_the_batch_index(interpreted, data_on, monkeypatch):
     """vmap over q, k, v (a leading axis of 2, each ``[2, H, L, D]``) and over a score
     function's params (a temperature per batch row, ``params[batch]``; one row per example)
     while it closes over unbatched ALiBi slopes: each example's output and temperatures'
@@ -152,7 +120,7 @@ def test_vmap_over_qkv_and_params_reading_the_batch_index(interpreted, monkeypat
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_vmap_over_params_slopes_with_unbatched_qkv(interpreted):
+def test_vmap_over_params_slopes_with_unbatched_qkv(interpreted, data_on):
     """vmap over a `ScoreFunction`'s params (ALiBi slopes, one row per example), q, k, v
     unbatched: each example's output and slopes' gradient are its own slopes' (float64
     oracle)."""
@@ -183,7 +151,7 @@ def test_vmap_over_params_slopes_with_unbatched_qkv(interpreted):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_vmap_over_predicate_widths(interpreted, monkeypatch):
+def test_vmap_over_predicate_widths(interpreted, data_on, monkeypatch):
     """vmap over a `Predicate`'s per-head widths (one row per example), q, k, v unbatched:
     each example's output uses its own window (float64 oracle), its widths read from the
     read tables (no element map)."""
@@ -204,7 +172,7 @@ def test_vmap_over_predicate_widths(interpreted, monkeypatch):
 
 
 @pytest.mark.slow
-def test_vmapped_calls_lower_for_cuda(hopper_data):
+def test_vmapped_calls_lower_for_cuda(hopper_host, data_on):
     """`jit(vmap)` over a score function's params (with the gradient in them and in q, k,
     v unbatched) and over a `Predicate`'s widths lowers for CUDA: Pallas Mosaic GPU's own
     vmap rule of each launch (a grid axis in front, each mapped operand sliced per example),

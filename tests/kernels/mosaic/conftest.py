@@ -1,0 +1,50 @@
+"""Fixtures of the Mosaic tests that run without a GPU: this host planned and lowered for as
+a Hopper GPU, the data switch, and the launches run in Pallas' CPU interpreter."""
+
+import functools
+
+import jax
+import pytest
+
+import eqx_bsattn._module as module_internals
+
+#: The H200's multiprocessors: the persistent launches' CTAs.
+H200_MULTIPROCESSORS = 132
+
+
+def _mosaic_kernel():
+    from eqx_bsattn.strategies.kernels.mosaic import kernel
+
+    return kernel
+
+
+@pytest.fixture
+def hopper_host(monkeypatch):
+    """This host as a Hopper GPU's for planning and lowering (it runs nothing)."""
+    monkeypatch.setattr(module_internals, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(_mosaic_kernel(), "_mosaic_missing", lambda: None)
+    monkeypatch.setattr(_mosaic_kernel(), "_multiprocessors", lambda: H200_MULTIPROCESSORS)
+
+
+@pytest.fixture
+def data_on(monkeypatch):
+    """As once score functions and masks reading arrays have run on a GPU."""
+    monkeypatch.setattr(_mosaic_kernel(), "_DATA_RUN_ON_GPU", True)
+
+
+@pytest.fixture
+def interpreted(hopper_host, monkeypatch):
+    """`hopper_host`, and every launch of the kernel run in Pallas' CPU interpreter for
+    Mosaic GPU (skipped where that interpreter is missing: it needs absl)."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except Exception:  # noqa: BLE001 - the interpreter is optional
+        pytest.skip("needs Pallas' Mosaic GPU interpreter")
+    if jax.default_backend() != "cpu":
+        pytest.skip("needs Pallas' Mosaic GPU interpreter on a CPU backend")
+    kernel = _mosaic_kernel()
+    monkeypatch.setattr(kernel, "_check_runnable", lambda: None)
+    monkeypatch.setattr(kernel, "_multiprocessors", lambda: None)
+    for name in ("forward_call", "mosaic_backward"):
+        monkeypatch.setattr(kernel, name, functools.partial(
+            getattr(kernel, name), interpret=InterpretGPUParams()))
