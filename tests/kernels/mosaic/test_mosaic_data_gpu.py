@@ -103,8 +103,28 @@ def _oracle(case):
         args = [f64(x.astype(jnp.bfloat16)) for x in (q, k, v)]
         data = jax.tree.map(f64, CASES[case])
         out, pullback = jax.vjp(attend, *args, data)
-        grads = pullback(f64(cot))
+        grads = pullback(f64(cot.astype(jnp.bfloat16)))
         return jax.tree.map(np.asarray, (out, *grads))
+
+
+def _slopes_gradient_scale():
+    """Per head, ``sum |dS (k - q)|`` over the causal pairs of the ALiBi cases, in float64 on
+    the bfloat16-rounded inputs: the magnitude of the terms the slopes' gradient sums. Each
+    row's dS sums to zero, so the gradient cancels far below its terms (by 1.3e4 at the
+    head whose slope is negative: its rows are weighted to their far keys), and the
+    kernel's bfloat16 output and P, rounded into dS, err in proportion to those terms."""
+    q, k, v, cot = (np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+                    for x in _inputs(51, B, H, HKV, L, L, D))
+    k, v = (np.repeat(x, H // HKV, axis=1) for x in (k, v))
+    distance = (np.arange(L)[None, :] - np.arange(L)[:, None]).astype(np.float64)
+    logits = (np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(D)
+              + np.asarray(SLOPES, np.float64)[None, :, None, None] * distance)
+    logits = np.where(distance <= 0, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = np.einsum("bhqd,bhkd->bhqk", cot, v)
+    delta = (cot * np.einsum("bhqk,bhkd->bhqd", p, v)).sum(-1, keepdims=True)
+    return np.abs(p * (dp - delta) * distance).sum(axis=(0, 2, 3))
 
 
 @on_gpu
@@ -120,13 +140,18 @@ def test_data_function_matches_float64_oracle(case, deterministic):
     assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
     got = _mosaic_run(case, deterministic)
     want = _oracle(case)
-    names = ("out", "dq", "dk", "dv", "ddata")
+    names = ("out", "dq", "dk", "dv")
     for name, g, w in zip(names, got, want):
-        if g is None or w is None:
-            assert case == "table_window" and name == "ddata"
-            continue
-        for gl, wl in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
-            assert _rel(gl, wl) < TOL[jnp.bfloat16], name
+        assert _rel(g, w) < TOL[jnp.bfloat16], name
+    if case == "table_window":  # an int32 table: no gradient
+        assert got[4] is None and want[4] is None
+        return
+    # The slopes' gradient against its value and the magnitude of the terms it sums (as
+    # test_mosaic_gpu.py checks the built-in ALiBi's at per-call positions).
+    (g,), (w,) = jax.tree.leaves(got[4]), jax.tree.leaves(want[4])
+    error = np.abs(np.asarray(g, np.float64) - w)
+    scale = _slopes_gradient_scale()
+    assert np.all(error <= TOL[jnp.bfloat16] * np.abs(w) + 1e-4 * scale), (g, w, scale)
 
 
 @on_gpu
