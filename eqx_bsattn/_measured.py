@@ -58,9 +58,11 @@ class Measurement:
 
 
 _TPU = "benchmarks/splash_tpu.py --pallas, 2026-12-06"
-#: The H200 rows: docs/log/mosaic.md's "Backward modes" table (ms from its TF/s over the
-#: visible pairs); the default (deterministic) backward.
+#: The H200 rows, the default (deterministic) backward: 16k from the module's own kernels in
+#: one process; 64k and 1k from docs/log/mosaic.md's "Backward modes" table (ms from its TF/s
+#: over the visible pairs).
 _GPU = "benchmarks/mosaic_forward.py --impls mosaic cudnn, 2026-12-04"
+_GPU_16K = "python -m eqx_bsattn.bench --kernels MosaicBlockSparse CudnnDense, 2026-12-06"
 _TPU_8K = "benchmarks/splash_tpu.py --pallas [--batch 2], 2026-12-06, after the grid fix"
 
 #: The built-in figures. A row counts for calls within a factor of two of its length, on its
@@ -85,9 +87,9 @@ MEASURED: tuple[Measurement, ...] = (
     Measurement("tpu", "TPU v5 lite", "documents", 32768, 1, 16, 128, "bfloat16",
                 (("splash", 20.36, 67.73), ("pallas_tpu", 17.40, 62.38)), _TPU, "(16)"),
     Measurement("gpu", "NVIDIA H200", "causal", 16384, 2, 16, 128, "bfloat16",
-                (("cudnn", 3.737, 14.785), ("mosaic", 3.789, 16.123)), _GPU),
+                (("cudnn", 4.294, 14.790), ("mosaic", 3.752, 15.828)), _GPU_16K),
     Measurement("gpu", "NVIDIA H200", "window", 16384, 2, 16, 128, "bfloat16",
-                (("cudnn", 0.873, 2.825), ("mosaic", 0.768, 2.612)), _GPU, "1024"),
+                (("cudnn", 1.308, 3.213), ("mosaic", 0.848, 2.798)), _GPU_16K, "1024"),
     Measurement("gpu", "NVIDIA H200", "causal", 65536, 1, 16, 128, "bfloat16",
                 (("cudnn", 29.985, 111.891), ("mosaic", 30.853, 125.558)), _GPU),
     Measurement("gpu", "NVIDIA H200", "window", 65536, 1, 16, 128, "bfloat16",
