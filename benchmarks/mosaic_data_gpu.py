@@ -9,8 +9,7 @@ Forms, each under a causal mask: ``builtin`` (`scores.ALiBi(slopes)`, fixed slop
 ``closure`` (``ScoreFunction(lambda s, h, qp, kp: s + slopes[h] * (kp - qp))``, the slopes a
 constant it closes over), ``builtin_learned`` (`scores.ALiBi(slopes, learned=True)`: the
 slopes' gradient too) and ``params`` (``ScoreFunction(fn, {"slopes": slopes})``, the params'
-gradient too). The score functions' arrays are read in-kernel (the kernel's
-`_DATA_RUN_ON_GPU` is switched on here, as the GPU tests do). Rows give the median wall time
+gradient too). The score functions' arrays are read in-kernel. Rows give the median wall time
 of a jitted forward and of a forward+backward (gradients of q, k, v and, for the learned
 forms, of the slopes), the median of `--rounds` rounds of `--reps` calls each, and each row's
 time over its built-in form (``closure`` over ``builtin``, ``params`` over
@@ -28,7 +27,6 @@ import jax.numpy as jnp
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks, scores
 from eqx_bsattn.bench import environment, visible_pairs
-from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
 from eqx_bsattn.timing import median_ms
 
 #: Each form's base for the ratios.
@@ -72,7 +70,6 @@ def calls(form: str, kernel, slopes):
 
 
 def run(args) -> list[dict]:
-    mosaic_kernel._DATA_RUN_ON_GPU = True
     keys = jax.random.split(jax.random.key(0), 3)
     shape = (args.batch, args.heads, args.length, args.dim)
     q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)

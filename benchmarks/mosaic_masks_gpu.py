@@ -10,7 +10,7 @@ masks.SlidingWindow`, and `masks.SlidingWindow & masks.Dilated(2)`), ``predicate
 same as a `masks.Predicate` function, traced into Mosaic's partial blocks) and ``array`` (the
 same as a `masks.ArrayMask`: Mosaic reads its per-call element map), and for the window
 ``widths`` (a `masks.Predicate` reading each head's width from its params: Mosaic reads the
-widths from its read tables, with `kernel._DATA_RUN_ON_GPU` switched on here); each form through
+widths from its read tables); each form through
 `MosaicBlockSparse` and `TritonBlockSparse` (its element bitmaps: the path a predicate took
 before). Rows give the
 median wall time of a jitted forward and of a forward+backward (gradients of q, k and v),
@@ -32,7 +32,6 @@ import numpy as np
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks
 from eqx_bsattn.bench import environment, visible_pairs
-from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
 from eqx_bsattn.timing import median_ms
 
 
@@ -109,7 +108,6 @@ def calls(mask, kernel):
 
 
 def run(args) -> list[dict]:
-    mosaic_kernel._DATA_RUN_ON_GPU = True  # the in-kernel widths, as the GPU tests run them
     keys = jax.random.split(jax.random.key(0), 3)
     shape = (args.batch, args.heads, args.length, args.dim)
     q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)

@@ -717,10 +717,15 @@ def test_mapped_examples_are_read_through_grad():
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="plans as on a CPU host")
-def test_mosaic_declines_an_element_map_that_vmap_makes_too_large():
+def test_mosaic_declines_an_element_map_that_vmap_makes_too_large(monkeypatch):
     """Per-call positions at 20480 tokens, two heads: one example's element maps (and their
     transposes) take 3.1 GiB, under the 4 GiB bound; mapped over a batch of two by
-    `jax.vmap` the call builds 6.2 GiB, and Mosaic declines it (XLA takes the call)."""
+    `jax.vmap` the call builds 6.2 GiB, and Mosaic declines it (XLA takes the call). Since
+    its GPU run Mosaic reads these per-head widths in-kernel instead, with no map: it then
+    takes the vmapped call."""
+    from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+
+    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", False)  # the element map's route
     length = 20480
     attn = bsa.BlockSparseAttention(mask=masks.Predicate(widths_by_head,
                                                          jnp.asarray([40, 90], jnp.int32)))
@@ -744,6 +749,9 @@ def test_mosaic_declines_an_element_map_that_vmap_makes_too_large():
             "over), so its element map would take 6.2 GiB per call (at most 4 GiB): the "
             "Mosaic kernels read such arrays in-kernel and lower for CUDA, but have not yet "
             "run on a GPU.") in choices[-1].declined
+    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
+    jax.eval_shape(jax.vmap(one), *qkv, *positions)
+    assert choices[-1].kernel.name == "mosaic", choices[-1].explain()
 
 
 def run_child(extended: bool):

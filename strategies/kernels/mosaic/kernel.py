@@ -31,12 +31,12 @@ _DTYPES = ("bfloat16", "float16")
 #: The head dims verified on the H200 (docs/mosaic.md says why D=256 is not among them).
 _HEAD_DIMS = (64, 128)
 #: Whether a score function or a mask's element predicate that reads arrays (its `params`,
-#: or arrays it closes over) has run through these kernels on a GPU: until then such a
+#: or arrays it closes over) has run through these kernels on a GPU: on since the H200 run
+#: of 2026-12-06 (tests/kernels/mosaic/test_mosaic_data_gpu.py, 9 of 9). Off, such a
 #: function is declined in one line (`DATA_NOT_RUN`), and such a predicate reads the call's
-#: element map as before (past `ELEMENT_MAP_LIMIT` declined, saying why: `MASK_DATA_NOT_RUN`),
-#: though the kernels read the arrays in-kernel and lower for CUDA. The GPU tests set it to
-#: run them.
-_DATA_RUN_ON_GPU = False
+#: element map (past `ELEMENT_MAP_LIMIT` declined, saying why: `MASK_DATA_NOT_RUN`); the
+#: CPU tests switch it off to check those lines.
+_DATA_RUN_ON_GPU = True
 #: The decline of such a function while `_DATA_RUN_ON_GPU` is off.
 DATA_NOT_RUN = ("the score function reads arrays (its params, or arrays it closes over): the "
                 "Mosaic kernels read them in-kernel and lower for CUDA, but have not yet run "

@@ -33,6 +33,13 @@ def data_on(monkeypatch):
 
 
 @pytest.fixture
+def data_off(monkeypatch):
+    """As before score functions and masks reading arrays had run on a GPU: the lines that
+    decline them then, and the element maps such masks read."""
+    monkeypatch.setattr(_mosaic_kernel(), "_DATA_RUN_ON_GPU", False)
+
+
+@pytest.fixture
 def interpreted(hopper_host, monkeypatch):
     """`hopper_host`, and every launch of the kernel run in Pallas' CPU interpreter for
     Mosaic GPU (skipped where that interpreter is missing: it needs absl)."""

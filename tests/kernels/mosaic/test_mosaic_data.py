@@ -237,7 +237,7 @@ def test_not_yet_run_decline_and_its_switch(data_on, monkeypatch):
     assert decline(plain, None, 64) is None
 
 
-def test_selector_names_the_not_yet_run_decline(hopper_host):
+def test_selector_names_the_not_yet_run_decline(hopper_host, data_off):
     """Planned for a GPU from a CPU, a call whose score function reads arrays goes to
     another kernel, and `explain` names Mosaic's one-line reason; `select_kernel` says the
     same for the features a plan builds."""
@@ -441,7 +441,7 @@ def _corner_widths(q, k, widths, head):
     return q - k < widths[q[0, 0] % HEADS]
 
 
-def test_mask_reading_arrays_plan_and_its_switch(hopper_host, monkeypatch):
+def test_mask_reading_arrays_plan_and_its_switch(hopper_host, data_off, monkeypatch):
     """While `_DATA_RUN_ON_GPU` is off, a per-head-widths `Predicate` reads the element
     map where it fits (as before) and at 16k tokens and 16 heads (16 GiB of maps) is
     declined in one line ending "not yet run on a GPU."; once on, it is taken at 16k with

@@ -194,7 +194,7 @@ def test_forward_and_backward_lower_for_cuda(hopper_host, monkeypatch, case):
     assert [o.shape for o in jax.tree.leaves(lowered.out_info)] == [q.shape, k.shape, v.shape]
 
 
-def test_score_function_mosaic_cannot_lower_is_declined(hopper_host):
+def test_score_function_mosaic_cannot_lower_is_declined(hopper_host, data_off):
     """A score function Pallas Mosaic GPU cannot lower gives the first line of the reason
     (once per function: the verdict is cached), and the call is refused in one line when the
     kernel is asked for it; a function with parameters is declined until such functions have
@@ -237,7 +237,7 @@ def _scaled(score, head, q_pos, k_pos, params):
     return score * params["w"][head]
 
 
-def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host):
+def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host, data_off):
     """A mask without in-kernel terms goes to this kernel: its element predicate traced on
     the partial blocks, or, where the predicate reads an array (an ArrayMask, a Predicate's
     params) or Pallas Mosaic GPU cannot lower it (the verdict cached per mask), the call's
