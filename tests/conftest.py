@@ -242,6 +242,12 @@ def check_bigbird_table(m, table, q_len, kv_len):
         assert not table[r, limit:].any()
 
 
+def widths_by_head(q, k, widths, head):
+    """A causal window whose width per head is read from an array, ``widths[head]``: the
+    `masks.Predicate` function (``params=widths``) the kernels read in-kernel per head."""
+    return (k <= q) & (q - k < widths[head])
+
+
 def np_visibility(mask, *, batch, heads, q_len, kv_len, q_pos=None, kv_pos=None, q_seg=None,
                   kv_seg=None) -> np.ndarray:
     """``[batch, heads, q_len, kv_len]`` visibility; per-call arrays are ``[batch, L]`` or None."""

@@ -53,7 +53,7 @@ from eqx_bsattn import sharding as shardings
 from eqx_bsattn._module import run_plan
 from eqx_bsattn.strategies.kernels import cudnn as cudnn_module
 from eqx_bsattn.strategies.kernels.triton import kernel as triton_kernel
-from tests.conftest import rel_err, sorted_segments
+from tests.conftest import rel_err, sorted_segments, widths_by_head
 
 _CHILD = "EQX_BSATTN_ROUTING_CHILD"
 _DEVICES = 2
@@ -66,11 +66,6 @@ BATCH, HEADS, DIM = 2, 2, 64
 
 def every_other_causal(q, k):
     return (k <= q) & ((q - k) % 2 == 0)
-
-
-def widths_by_head(q, k, widths, head):
-    """A causal window whose width per head is an array of `params`."""
-    return (k <= q) & (q - k < widths[head])
 
 
 #: An array the predicate and score function below close over (a constant of their identity).

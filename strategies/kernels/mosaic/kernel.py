@@ -533,15 +533,6 @@ def mask_route(predicate: CompiledMask, head_dim: int,
     return MaskRoute("data", data)
 
 
-def reads_element_map(predicate: CompiledMask, head_dim: int = 64) -> bool:
-    """Whether the kernels read the call's element map for this mask's predicate (a
-    `CompiledMask` without layouts) rather than evaluate it on their tiles (`mask_route`):
-    where it reads an array they cannot read in-kernel (`CompiledMask.traces_on_tiles`,
-    `data.predicate_data`, `_DATA_RUN_ON_GPU`), or Pallas Mosaic GPU cannot lower it
-    (`mask_lowering_failure`)."""
-    return mask_route(predicate, head_dim).reads == "elements"
-
-
 def _element_map_bytes(predicate: CompiledMask, features: Features) -> int:
     """The bytes of the call's element map and its transpose (`CompiledMask.element_map`)
     at the kernels' padded lengths."""

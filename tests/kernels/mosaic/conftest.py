@@ -40,6 +40,21 @@ def data_off(monkeypatch):
 
 
 @pytest.fixture
+def launches(monkeypatch):
+    """A list that receives each `kernel._attend`'s ``(fcfg, bcfg, data, maps)``: the
+    launches' configurations, read tables and element maps."""
+    kernel = _mosaic_kernel()
+    seen, real = [], kernel._attend
+
+    def spy(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, *rest):
+        seen.append((fcfg, bcfg, data, maps))
+        return real(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, *rest)
+
+    monkeypatch.setattr(kernel, "_attend", spy)
+    return seen
+
+
+@pytest.fixture
 def interpreted(hopper_host, monkeypatch):
     """`hopper_host`, and every launch of the kernel run in Pallas' CPU interpreter for
     Mosaic GPU (skipped where that interpreter is missing: it needs absl)."""

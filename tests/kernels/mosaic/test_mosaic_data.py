@@ -25,7 +25,8 @@ import eqx_bsattn._layout as layout_internals
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
-from tests.conftest import jnp_attention_f64, np_visibility, random_array, rel_err, score_f64
+from tests.conftest import (jnp_attention_f64, np_visibility, random_array, rel_err, score_f64,
+                            widths_by_head)
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
@@ -98,37 +99,28 @@ def test_data_functions_lower_for_cuda(hopper_host, data_on, case):
     assert shapes == [q.shape, k.shape, v.shape] + [(HEADS,)] * extra, case
 
 
-def test_data_reads_are_operands_of_each_launch(hopper_host, data_on):
+def test_data_reads_are_operands_of_each_launch(hopper_host, data_on, launches):
     """The launch configurations carry the function traced at each launch's tile (the
     forward's and dq's 64 x 128 at D = 64, the dk/dv launch's 64 keys x 64 queries) and
     the arrays' leaves; only a traced float array is differentiated, and the dk/dv launch
     returns rows for its one read a tile (`backward.data_read_count`)."""
     from eqx_bsattn.strategies.kernels.mosaic.backward import data_read_count
 
-    seen = []
-    real = mosaic_kernel._attend
-
-    def spy(fcfg, bcfg, *args):
-        seen.append((fcfg, bcfg))
-        return real(fcfg, bcfg, *args)
-
     q, k, v = _qkv(1, HEADS, HEADS, 256, 64)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mosaic_kernel, "_attend", spy)
 
-        def call(fn, q):
-            attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
-                                            score=scores.ScoreFunction(fn))
-            return attn(q, k, v)
+    def call(fn, q):
+        attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
+                                        score=scores.ScoreFunction(fn))
+        return attn(q, k, v)
 
-        def loss(slopes):
-            fn = lambda s, h, qp, kp: s + slopes[h] * (kp - qp).astype(jnp.float32)  # noqa: E731
-            return jnp.sum(call(fn, q).astype(jnp.float32))
+    def loss(slopes):
+        fn = lambda s, h, qp, kp: s + slopes[h] * (kp - qp).astype(jnp.float32)  # noqa: E731
+        return jnp.sum(call(fn, q).astype(jnp.float32))
 
-        jax.eval_shape(jax.grad(loss), SLOPES)
-        # The module's concrete slopes: read, not differentiated.
-        jax.eval_shape(functools.partial(call, closure_alibi), q)
-    (traced_f, traced_b), (const_f, const_b) = seen
+    jax.eval_shape(jax.grad(loss), SLOPES)
+    # The module's concrete slopes: read, not differentiated.
+    jax.eval_shape(functools.partial(call, closure_alibi), q)
+    (traced_f, traced_b, _, _), (const_f, const_b, _, _) = launches
     assert [tuple(shape) for shape, _ in traced_b.traced] == [(64, 128), (64, 64)]
     assert traced_f.traced == traced_b.traced
     assert [leaf.diff for leaf in traced_b.data] == [True]
@@ -263,7 +255,7 @@ def test_selector_names_the_not_yet_run_decline(hopper_host, data_off):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_data_gradients_in_cpu_interpreter(interpreted, data_on, monkeypatch):
+def test_data_gradients_in_cpu_interpreter(interpreted, data_on):
     """The whole call, its launches in Pallas' CPU interpreter for Mosaic GPU: a function
     reading a closure's traced slopes, a learned scale per head in `params` and an int32
     window table (two differentiated reads a tile and an integer one), grouped heads and
@@ -312,28 +304,9 @@ def test_data_gradients_in_cpu_interpreter(interpreted, data_on, monkeypatch):
 # the partial blocks with its scalars from the read tables (`data.predicate_data`), no
 # element map, once `_DATA_RUN_ON_GPU` is on.
 
-def widths_by_head(q, k, widths, head):
-    """A causal window whose width, per head, is a `Predicate`'s params array."""
-    return (k <= q) & (q - k < widths[head])
-
-
 def closure_widths(q, k, head):
     """The same window, its widths a jnp array the predicate closes over."""
     return (k <= q) & (q - k < WIDTHS[head])
-
-
-def _launch_spy(patch):
-    """Record each `_attend`'s ``(fcfg, bcfg, data, maps)``: the launches' configurations,
-    read tables and element maps."""
-    seen = []
-    real = mosaic_kernel._attend
-
-    def spy(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, *rest):
-        seen.append((fcfg, bcfg, data, maps))
-        return real(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, *rest)
-
-    patch.setattr(mosaic_kernel, "_attend", spy)
-    return seen
 
 
 #: name: (mask, a score function reading traced slopes too, per-call segment ids and
@@ -351,7 +324,7 @@ MASK_READS = {
 
 @pytest.mark.parametrize("case", sorted(MASK_READS))
 def test_mask_reading_arrays_lowers_for_cuda_without_element_map(hopper_host, data_on,
-                                                                 monkeypatch, case):
+                                                                 launches, monkeypatch, case):
     """`jit(grad)` of a call whose mask predicate reads per-head widths (a `Predicate`'s
     params, or a closure's array) lowers for CUDA (forward, dq and dk/dv launches), the
     predicate traced at each launch's tile (the dk/dv tile's rows are keys) and its widths
@@ -359,7 +332,6 @@ def test_mask_reading_arrays_lowers_for_cuda_without_element_map(hopper_host, da
     no element map is built or passed. With a score function reading traced slopes too,
     both sets of reads share the tables and only the slopes get a gradient."""
     mask, score, per_call = MASK_READS[case]
-    seen = _launch_spy(monkeypatch)
     batch, q_len, dim = 2, 300, 64
     q, k, v = _qkv(batch, HEADS, 2, q_len, dim)
     data = {}
@@ -386,7 +358,7 @@ def test_mask_reading_arrays_lowers_for_cuda_without_element_map(hopper_host, da
     assert lowered.as_text().count("custom_call @mosaic_gpu") == 3, case
     shapes = [o.shape for o in jax.tree.leaves(lowered.out_info)]
     assert shapes == [q.shape, k.shape, v.shape] + [(HEADS,)] * bool(score), case
-    ((fcfg, bcfg, (floats, ints), maps),) = seen
+    ((fcfg, bcfg, (floats, ints), maps),) = launches
     assert maps is None and not fcfg.elements and not bcfg.elements
     assert [tuple(s) for s, _ in fcfg.mask_traced] == [(64, 128), (64, 64)]
     assert bcfg.mask_traced == fcfg.mask_traced and len(fcfg.mask_reads) == 1
@@ -449,8 +421,7 @@ def test_mask_reading_arrays_plan_and_its_switch(hopper_host, data_off, monkeypa
     from the tiles, a 16-bit array, too many elements) keeps the element map and its 4 GiB
     decline either way."""
     from eqx_bsattn.strategies.kernels.mosaic.kernel import (ELEMENT_MAP_LIMIT,
-                                                              MASK_DATA_NOT_RUN, mask_route,
-                                                              reads_element_map)
+                                                              MASK_DATA_NOT_RUN, mask_route)
 
     kernel = MosaicBlockSparse()
     heads, long = 16, 16384
@@ -478,7 +449,7 @@ def test_mask_reading_arrays_plan_and_its_switch(hopper_host, data_off, monkeypa
     assert judge(widths_by_head, widths, 256) == (None, "data")
     small = bsa.ResolvedMask(masks.Predicate(widths_by_head, widths), q_len=256, kv_len=256,
                              num_heads=heads).predicate()
-    assert not reads_element_map(small)
+    assert mask_route(small, 64).reads != "elements"
     for (fn, data), before in zip(others, declines):
         why, reads = judge(fn, data, long)
         assert reads == "elements" and why == before, (fn, why)
@@ -488,14 +459,13 @@ def test_mask_reading_arrays_plan_and_its_switch(hopper_host, data_off, monkeypa
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_mask_reading_arrays_in_cpu_interpreter(interpreted, data_on, monkeypatch):
+def test_mask_reading_arrays_in_cpu_interpreter(interpreted, data_on, launches):
     """The whole call in Pallas' CPU interpreter for Mosaic GPU with a mask predicate reading
     per-head widths in-kernel (no element map): a `Predicate`'s params within documents
     (segment ids) with grouped heads and ragged, unequal lengths (200 queries, 333 keys);
     and a closure's widths beside a
     score function reading traced slopes (both sets of reads in one call). Output and the
     gradients in q, k, v (and the slopes) against the float64 oracle."""
-    seen = _launch_spy(monkeypatch)
     heads, kv_heads, dim = 2, 1, 64
     widths = jnp.asarray([30, 120], jnp.int32)
     slopes = jnp.asarray([0.25, -0.1], jnp.float32)
@@ -528,7 +498,7 @@ def test_mask_reading_arrays_in_cpu_interpreter(interpreted, data_on, monkeypatc
 
         out, pullback = jax.vjp(call, q, k, v, slopes)
         got = pullback(cot)
-        assert seen[-1][3] is None and seen[-1][0].mask_traced  # no element map
+        assert launches[-1][3] is None and launches[-1][0].mask_traced  # no element map
         q_pos, kv_pos = np.arange(q_len)[None], np.arange(kv_len)[None]
         # The predicate on NumPy index grids, per head (`np_visibility` takes no head).
         element = functools.partial(widths_by_head, widths=np.asarray(widths)) if not score \

@@ -18,7 +18,7 @@ import eqx_bsattn as bsa
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
-from tests.conftest import jnp_attention_f64, np_visibility, score_f64
+from tests.conftest import jnp_attention_f64, np_visibility, score_f64, widths_by_head
 from tests.kernels.mosaic.test_mosaic_gpu import MODES, TOL, _inputs, _rel, on_gpu
 
 #: Batch, query heads, kv heads, length (ragged: not a multiple of the tiles), head dim.
@@ -187,11 +187,6 @@ def test_closure_alibi_matches_builtin_alibi():
     closure = run(scores.ScoreFunction(lambda s, h, qp, kp: alibi_term(s, h, qp, kp, SLOPES)))
     for name, a, c in zip(("out", "dq", "dk", "dv"), builtin, closure):
         assert _rel(c, a) < TOL[jnp.bfloat16], name
-
-
-def widths_by_head(q, k, widths, head):
-    """A causal window whose width, per head, is a `masks.Predicate`'s params array."""
-    return (k <= q) & (q - k < widths[head])
 
 
 @on_gpu

@@ -20,6 +20,7 @@ import eqx_bsattn as bsa
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels import DenseReference
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
+from tests.conftest import widths_by_head
 
 gpu_only = [
     pytest.mark.gpu,
@@ -74,11 +75,6 @@ def _segments(batch, length, docs, pad, seed=0):
     if pad:
         ids[:, -pad:] = -1
     return jnp.asarray(ids)
-
-
-def widths_by_head(q, k, widths, head):
-    """A causal window whose width per head is a params array."""
-    return (k <= q) & (q - k < widths[head])
 
 
 def window_by_head(q, k, head):

@@ -21,6 +21,7 @@ import eqx_bsattn._layout as layout_internals
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+from tests.conftest import widths_by_head
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
@@ -45,11 +46,6 @@ def _running_sum(score, head, q_pos, k_pos):
 def _window_by_head(q, k, head):
     """A mask without terms that varies by head."""
     return (k <= q) & (q - k < 30 + 40 * head)
-
-
-def _widths_by_head(q, k, widths, head):
-    """A causal window whose width, per head, is a params array (read by the traced head)."""
-    return (k <= q) & (q - k < widths[head])
 
 
 def _round_window(q, k):
@@ -143,7 +139,7 @@ LOWERED = {
     # head, ragged; a predicate with params under per-call positions, grouped heads).
     "array_by_head": (masks.ArrayMask(np.random.default_rng(0).random((2, 200, 333)) < 0.3),
                       dict(batch=1, heads=2, kv_heads=1, q_len=200, kv_len=333, dim=64), {}),
-    "predicate_params_positions": (masks.Predicate(_widths_by_head, jnp.asarray([40, 90])),
+    "predicate_params_positions": (masks.Predicate(widths_by_head, jnp.asarray([40, 90])),
                                    dict(batch=2, heads=2, kv_heads=2, q_len=300, kv_len=300,
                                         dim=128), dict(positions=True)),
     "dilated_or_global_documents": (((masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8))
@@ -244,7 +240,7 @@ def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host,
     element map, unless that map would pass `ELEMENT_MAP_LIMIT`: then it is declined with
     the reason (the selector then picks another kernel)."""
     from eqx_bsattn.strategies.kernels.mosaic.kernel import (
-        ELEMENT_MAP_LIMIT, mask_lowering_failure, reads_element_map)
+        ELEMENT_MAP_LIMIT, mask_lowering_failure, mask_route)
 
     q, k, v = _inputs(1, 2, 2, 256, 256, 64)
     kernel = MosaicBlockSparse()
@@ -252,17 +248,17 @@ def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host,
                            (masks.Causal() & ~masks.SlidingWindow(20, 0), False),
                            ((masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8), False),
                            (masks.ArrayMask(np.tri(256, dtype=bool)), True),
-                           (masks.Predicate(_widths_by_head, jnp.asarray([9, 30])), True),
+                           (masks.Predicate(widths_by_head, jnp.asarray([9, 30])), True),
                            (masks.Predicate(_round_window), True)):
         plan = bsa.BlockSparseAttention(mask=mask).plan(q, k, v)
         assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
-        assert reads_element_map(plan.mask.without_layouts()) == from_map, mask
+        assert (mask_route(plan.mask.without_layouts(), 64).reads == "elements") == from_map, mask
     round_window = bsa.ResolvedMask(masks.Predicate(_round_window), q_len=256, kv_len=256,
                                     num_heads=2).predicate()
     assert "cannot lower the mask's element predicate: " in mask_lowering_failure(round_window)
     assert "sqrt" in mask_lowering_failure(round_window)
     hits = mask_lowering_failure.cache_info().hits
-    assert reads_element_map(round_window)
+    assert mask_route(round_window, 64).reads == "elements"
     assert mask_lowering_failure.cache_info().hits == hits + 1
     # Element maps per batch row (per-call positions) and head past the limit: declined.
     length = 20480
@@ -272,7 +268,7 @@ def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host,
     assert size > ELEMENT_MAP_LIMIT >= size // 2
     # Per-head widths are read in-kernel once that has run on a GPU: until then, the decline
     # says so (tests/kernels/mosaic/test_mosaic_data.py).
-    for mask, reason in ((masks.Predicate(_widths_by_head, jnp.asarray([9, 30])),
+    for mask, reason in ((masks.Predicate(widths_by_head, jnp.asarray([9, 30])),
                           "predicate reads arrays .*not yet run on a GPU"),
                          (masks.PerHead([masks.Predicate(_round_window), masks.Causal()]),
                           "cannot lower the mask's element predicate: .*sqrt")):

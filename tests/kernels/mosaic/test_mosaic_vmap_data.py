@@ -14,8 +14,7 @@ import pytest
 import eqx_bsattn as bsa
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
-from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
-from tests.conftest import jnp_attention_f64, random_array, rel_err, score_f64
+from tests.conftest import jnp_attention_f64, random_array, rel_err, score_f64, widths_by_head
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
@@ -40,11 +39,6 @@ def learned_alibi(s, h, qp, kp, params):
     return alibi(s, h, qp, kp, params["slopes"])
 
 
-def widths_by_head(q, k, widths, head):
-    """A causal window whose width, per head, is a `Predicate`'s params array."""
-    return (k <= q) & (q - k < widths[head])
-
-
 def _oracle(q, k, v, *, fn=None, widths=None):
     """The float64 attention of one call ``[B, H, L, D]`` (call under
     ``jax.enable_x64``): causal, or the window of `widths` per head; the score function
@@ -64,28 +58,14 @@ def _f64(x):
     return jnp.asarray(np.asarray(x, np.float64))
 
 
-def _launch_spy(patch):
-    """Record each call's read tables and element maps (``(data, maps)``)."""
-    seen = []
-    real = mosaic_kernel._attend
-
-    def spy(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, *rest):
-        seen.append((data, maps))
-        return real(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, *rest)
-
-    patch.setattr(mosaic_kernel, "_attend", spy)
-    return seen
-
-
 @pytest.mark.slow
 @pytest.mark.extended
-def test_vmap_over_qkv_and_params_reading_the_batch_index(interpreted, data_on, monkeypatch):
+def test_vmap_over_qkv_and_params_reading_the_batch_index(interpreted, data_on, launches):
     """vmap over q, k, v (a leading axis of 2, each ``[2, H, L, D]``) and over a score
     function's params (a temperature per batch row, ``params[batch]``; one row per example)
     while it closes over unbatched ALiBi slopes: each example's output and temperatures'
     gradient are its own call's, the batch index the row within that call's batch
     (docs/scores.md), against the float64 oracle; the arrays are read from the read tables."""
-    seen = _launch_spy(monkeypatch)
     slopes = MANY_SLOPES[0]
     temperatures = jnp.asarray([[1.5, 0.5], [0.25, 2.0]], jnp.float32)
     cot = random_array(5, (2, 2, HEADS, LENGTH, DIM))
@@ -104,7 +84,7 @@ def test_vmap_over_qkv_and_params_reading_the_batch_index(interpreted, data_on, 
 
     q, k, v = _qkv(1, (2, 2))
     out, dt = jax.vmap(call)(temperatures, q, k, v, cot)
-    assert seen and all(data is not None and maps is None for data, maps in seen)
+    assert launches and all(data is not None and maps is None for *_, data, maps in launches)
     for i in range(2):
         def oracle(t, i=i):
             return jnp.concatenate([_oracle(
@@ -151,11 +131,10 @@ def test_vmap_over_params_slopes_with_unbatched_qkv(interpreted, data_on):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_vmap_over_predicate_widths(interpreted, data_on, monkeypatch):
+def test_vmap_over_predicate_widths(interpreted, data_on, launches):
     """vmap over a `Predicate`'s per-head widths (one row per example), q, k, v unbatched:
     each example's output uses its own window (float64 oracle), its widths read from the
     read tables (no element map)."""
-    seen = _launch_spy(monkeypatch)
     q, k, v = _qkv(7, (1,))
 
     def call(widths):
@@ -164,7 +143,7 @@ def test_vmap_over_predicate_widths(interpreted, data_on, monkeypatch):
         return attn(q, k, v)
 
     out = jax.vmap(call)(MANY_WIDTHS)
-    assert seen and all(data is not None and maps is None for data, maps in seen)
+    assert launches and all(data is not None and maps is None for *_, data, maps in launches)
     for i in range(2):
         with jax.enable_x64(True):
             want = _oracle(q, k, v, widths=MANY_WIDTHS[i])
