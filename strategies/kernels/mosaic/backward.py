@@ -36,7 +36,10 @@ With ALiBi each kernel adds to each logit the part of the distance that varies a
 keys of one query and subtracts the rest from that query's log-sum-exp (the whole term goes
 into each logit under a soft cap), and the dk/dv kernel, in both modes, sums each key's share
 of the slope's gradient, ``sum_q dS (k - q)``, as two row sums of dS
-(`AlibiBlocks.gradient_rows`); the caller adds the shares per head.
+(`AlibiBlocks.gradient_rows`); the caller adds the shares per head. A bias adds its tile to
+each logit in both kernels (the dk/dv kernel reads it transposed), and where it is
+differentiated the dq kernel writes each visited block's dS, its gradient
+(``BackwardConfig.bias_gradient``).
 
 Arrays are batched ``[B, H, L, D]`` with lengths padded to 128 (the caller pads: Q, dO with
 zeros, the log-sum-exp with +inf, delta with zeros). Mosaic GPU is imported when a launch is
@@ -52,7 +55,8 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      SMEM_BUDGET, AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
-                     ELEMENT_MAP_DTYPE, alibi_positions_term, block_visible, element_tile,
+                     ELEMENT_MAP_DTYPE, alibi_positions_term, bias_tile, block_visible,
+                     element_tile,
                      function_tile, item_values, persistent_schedule, read_derivatives,
                      ring_stages, segment_ids_apart, swizzled, table_operands, walk_list)
 
@@ -108,11 +112,14 @@ class BackwardConfig(AttentionShape, LogitTerms):
     #: own tiles loading during this one. Otherwise one item per CTA.
     persistent: tuple[str, ...] = ()
     ctas: int | None = None
+    #: Whether the dq launch also writes the bias's gradient (each visited block's dS, in
+    #: float32; ``cfg.bias``, the two launches apart).
+    bias_gradient: bool = False
 
     def reads_keys(self, masked: bool) -> bool:
         """Whether a block's logits read its first key (and its positions): the mask in a
-        partial block, ALiBi and the score function in every block."""
-        return masked or self.alibi or self.function is not None
+        partial block, ALiBi, the bias and the score function in every block."""
+        return masked or self.alibi or self.bias or self.function is not None
 
     @property
     def dq_columns(self) -> int:
@@ -345,6 +352,15 @@ def _element_map_operand(cfg: BackwardConfig, element_map, launch: str):
     return element_map
 
 
+def _bias_operand(cfg: BackwardConfig, bias, launch: str):
+    """The launch's bias operand: `bias` where ``cfg.bias`` (required), else a placeholder."""
+    if not cfg.bias:
+        return jnp.zeros((1, 1, 1, 1), jnp.float32)
+    if bias is None:
+        raise ValueError(f"{launch}: `bias` must be given when cfg.bias is on.")
+    return bias
+
+
 def _function_tiles(cfg: BackwardConfig, b, h, positions, values=None, seen=None):
     """The score function of a block as `BackwardConfig.probabilities` takes it (natural-unit
     logits to their value and derivative), on the query and key position tiles
@@ -400,11 +416,16 @@ def _check_schedule(items, buffers: int, launch: str, num_items: int):
 
 def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index,
             partial_count, partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-            slopes=None, positions=None, element_map=None, data=None, schedule=None,
-            interpret=None):
+            slopes=None, positions=None, element_map=None, bias=None, data=None,
+            schedule=None, interpret=None):
     """dq ``[B, H, Lq, D]`` (the query's dtype) for padded inputs; `lse` (base 2) and `delta`
     are ``[B, H, Lq]`` float32; the lists are the dq layout's. `schedule` is the launch's
     ``(items, counts)`` (`dq_schedule` when ``None``).
+
+    `bias` is the padded ``[1 or B, 1 or H, Lq, Lk]`` bias (``cfg.bias``); with
+    ``cfg.bias_gradient`` the launch returns ``(dq, dbias)``: `dbias` ``[B, H, Lq, Lk]``
+    float32 holds each visited block's dS (the bias's gradient there) and is undefined in
+    the blocks the layout skips (the caller zeroes them: `visited_blocks`).
 
     With ALiBi (``cfg.alibi``, `slopes` ``[H]`` float32) each logit takes its term; the
     slopes' gradient comes from `dkv_call`. `positions` are the padded ``(q_positions,
@@ -425,6 +446,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     slopes = _slopes(cfg, slopes, "dq_call")
     qpos, kpos = _positions_operands(cfg, positions, "dq_call")
     emap = _element_map_operand(cfg, element_map, "dq_call")
+    bias = _bias_operand(cfg, bias, "dq_call")
     floats, ints = table_operands(cfg, data)
     items, counts = schedule if schedule is not None else dq_schedule(cfg, full_count,
                                                                        partial_count)
@@ -432,8 +454,9 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
              fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref,
-             emap_ref, floats_ref, ints_ref, *refs):
-        dq_ref, scoped = refs
+             emap_ref, bias_ref, floats_ref, ints_ref, *refs):
+        *outputs, scoped = refs
+        dq_ref, dbias_ref = outputs if cfg.bias_gradient else (outputs[0], None)
         (q_own, do_own, k_ring, v_ring), (q_ready, do_ready, k_ready, v_ready), \
             (k_free, v_free) = scoped
         wg = lax.axis_index("wg")
@@ -496,6 +519,9 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                             # block's constant in the rows' log-sum-exp.
                             term = lax.broadcast_in_dim(alibi.streamed(bk, 0), (bq, bk), [1])
                             row_lse = lse - (alibi.own_term + alibi.shift(offset))
+                    if cfg.bias:
+                        bias_term = bias_tile(ops, bias_ref, b, h, rows, pl.ds(k_base, bk))
+                        term = bias_term if term is None else term + bias_term
                     if masked:
                         k_seg = None
                         if has_segments:
@@ -529,6 +555,9 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                     plgpu.barrier_arrive(v_free.at[slot])
                     with jax.named_scope("softmax_partial" if masked else "softmax_full"):
                         ds = block_grad(s, dp, k_base, k_pos, masked)
+                    if dbias_ref is not None:
+                        with jax.named_scope("bias_gradient"):
+                            dbias_ref.at[b, h, rows, pl.ds(k_base, bk)][...] = ds
                     with jax.named_scope("accumulate"):
                         (acc,) = ops.accumulate((acc,), [(ds.astype(dtype), k_ring.at[slot])])
                     plgpu.barrier_arrive(k_free.at[slot])
@@ -552,11 +581,15 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
             tile_of_block))
 
     scratch = _scratch((buffers, COMPUTE_WARPGROUPS, bq, d), (stages, bk, d), dtype, stages)
-    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
-    return _launch(body, scratch, items.shape[0], out_type,
-                   (items, counts, q, k, v, do, lse, delta, full_count, full_index,
-                    partial_count, partial_index, qseg, kseg, slopes, qpos, kpos, emap, floats,
-                    ints), interpret)
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype),)
+    if cfg.bias_gradient:
+        out_type = (*out_type, jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.q_len,
+                                                     cfg.kv_len), jnp.float32))
+    out = _launch(body, scratch, items.shape[0], out_type,
+                  (items, counts, q, k, v, do, lse, delta, full_count, full_index,
+                   partial_count, partial_index, qseg, kseg, slopes, qpos, kpos, emap, bias,
+                   floats, ints), interpret)
+    return tuple(out) if cfg.bias_gradient else out[0]
 
 
 def dq_schedule(cfg: BackwardConfig, full_count, partial_count):
@@ -589,8 +622,8 @@ def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, .
 
 def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_index,
              t_partial_count, t_partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-             dq_accumulator=None, slopes=None, positions=None, element_map=None, data=None,
-             schedule=None, interpret=None):
+             dq_accumulator=None, slopes=None, positions=None, element_map=None, bias=None,
+             data=None, schedule=None, interpret=None):
     """``(dk, dv)``, each ``[B, H_kv, Lk, D]`` (a kv head's gradient summed over its group of
     query heads in float32, in the kernel), for padded inputs ``q, do [B, H, Lq, D]`` and
     ``k, v [B, H_kv, Lk, D]``; the lists are the dk/dv layout's transposed ones. `schedule`
@@ -609,7 +642,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     over the batch and the rows), as ``(dk, dv, slope_rows)``, in both modes (docs/mosaic.md,
     "ALiBi", says why not in the dq kernel). `positions` are the padded ``(q_positions,
     kv_positions)`` ``[B, L]`` int32 (``cfg.positions``); `element_map` the padded map
-    transposed, ``[1 or B, 1 or H, Lk, Lq]`` (``cfg.elements``).
+    transposed, ``[1 or B, 1 or H, Lk, Lq]`` (``cfg.elements``), and `bias` the padded bias
+    transposed, the same shape (``cfg.bias``).
 
     `data` are the read tables of the score function's arrays (``cfg.traced``;
     `common.table_operands`). Where one is traced (``cfg.data_gradients``) it also returns,
@@ -637,6 +671,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     slopes = _slopes(cfg, slopes, "dkv_call")
     qpos, kpos = _positions_operands(cfg, positions, "dkv_call")
     emap = _element_map_operand(cfg, element_map, "dkv_call")
+    bias = _bias_operand(cfg, bias, "dkv_call")
     floats, ints = table_operands(cfg, data)
     reads_out = data_read_count(cfg)
     slope_out = cfg.alibi
@@ -646,7 +681,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
              fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref,
-             emap_ref, floats_ref, ints_ref, *refs):
+             emap_ref, bias_ref, floats_ref, ints_ref, *refs):
         # Inputs (the dq accumulator), outputs, then the scratch buffers in one tuple.
         *refs, scoped = refs
         if reads_out:
@@ -801,6 +836,9 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                 else:
                                     term = lax.broadcast_in_dim(alibi.own_term, (bk, bq), [0])
                                     lse = lse - alibi.streamed(bq, q_base - k_base)
+                            if cfg.bias:
+                                bias_term = bias_tile(ops, bias_ref, b, h, keys, cols)
+                                term = bias_term if term is None else term + bias_term
                             p_t, factors = cfg.probabilities(
                                 s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis, term,
                                 _function_tiles(cfg, b, h, tiles, values, seen))
@@ -903,8 +941,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 (plgpu.Barrier(num_barriers=stages),) * 2,
                 (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2))
     operands = (items, counts, q, k, v, do, lse, delta, t_full_count, t_full_index,
-                t_partial_count, t_partial_index, qseg, kseg, slopes, qpos, kpos, emap, floats,
-                ints)
+                t_partial_count, t_partial_index, qseg, kseg, slopes, qpos, kpos, emap, bias,
+                floats, ints)
     if fused:
         scratch = (*scratch, (swizzled((2, COMPUTE_WARPGROUPS, bk, bq), dtype),
                               swizzled((COMPUTE_WARPGROUPS, bq, dq_cols), jnp.float32),

@@ -116,6 +116,10 @@ class LogitTerms:
     mask_traced: tuple = ()
     mask_data: tuple = ()
     mask_reads: tuple = ()
+    #: A bias (natural units, ``[1 or B, 1 or H, Lq, Lk]``, an operand of each launch; the
+    #: dk/dv launch reads it transposed) added to every logit of every block, with ALiBi's
+    #: term, before the score function and the cap (`bias_tile`). A -inf hides its pair.
+    bias: bool = False
 
     @property
     def has_reads(self) -> bool:
@@ -252,12 +256,26 @@ def mask_tile(cfg, head, tiles, values):
     return evaluate_function(traced, args, replaying_reads(list(values)[len(cfg.reads):]))
 
 
+def _pair_tile(ops: "Ops", ref, b, h, rows, cols):
+    """A tile of a per-pair array `ref` (``[1 or B, 1 or H, R, C]``) for batch row `b` and
+    query head `h`: rows and columns `rows` and `cols` (`pl.ds` slices), in the wgmma
+    layout."""
+    prefix = (b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0)
+    return ops.load(ref, (*prefix, rows, cols), ops.wgmma_layout)
+
+
 def element_tile(ops: "Ops", ref, b, h, rows, cols):
     """Whether each pair of a block is visible, from a tile of the element map `ref`
     (``[1 or B, 1 or H, R, C]``, `ELEMENT_MAP_DTYPE`) for batch row `b` and query head `h`:
     rows and columns `rows` and `cols` (`pl.ds` slices), in the wgmma layout."""
-    prefix = (b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0)
-    return ops.load(ref, (*prefix, rows, cols), ops.wgmma_layout) != 0
+    return _pair_tile(ops, ref, b, h, rows, cols) != 0
+
+
+def bias_tile(ops: "Ops", ref, b, h, rows, cols):
+    """A block's bias in base 2 (float32, times log2 e), from a tile of the bias `ref`
+    (``[1 or B, 1 or H, R, C]``, natural units; ``cfg.bias``) for batch row `b` and query
+    head `h`: rows and columns `rows` and `cols` (`pl.ds` slices), in the wgmma layout."""
+    return _pair_tile(ops, ref, b, h, rows, cols).astype(jnp.float32) * LOG2E
 
 
 def _floor_div(x, divisor: int):

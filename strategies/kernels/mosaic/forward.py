@@ -31,7 +31,8 @@ j`` for the block's column j) is one vector per item added to each logit, the bl
 constant (``slope * (k_base - q_base)``) is carried through the row maxima as a scalar, and
 the rows' part (``-slope * i``) goes into the log-sum-exp at the end, since a row's softmax
 does not change when a constant is added to it. Under a soft cap, which is not
-shift-invariant, each logit takes the whole term before the cap.
+shift-invariant, each logit takes the whole term before the cap. A bias (``cfg.bias``) adds
+its tile, loaded from global memory, to every logit of every block (`common.bias_tile`).
 
 Arrays are batched ``[B, H, L, D]``; lengths must be multiples of the tiles (the caller pads).
 Mosaic GPU is imported when a launch is traced, so this module imports anywhere.
@@ -46,7 +47,8 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
-                     ELEMENT_MAP_DTYPE, alibi_positions_term, block_visible, element_tile,
+                     ELEMENT_MAP_DTYPE, alibi_positions_term, bias_tile, block_visible,
+                     element_tile,
                      function_tile, item_values, persistent_schedule, ring_stages,
                      segment_ids_apart, swizzled, table_operands, walk_list)
 
@@ -68,14 +70,16 @@ class ForwardConfig(AttentionShape, LogitTerms):
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
                  partial_index, q_segment_ids=None, kv_segment_ids=None, *, slopes=None,
-                 positions=None, element_map=None, data=None, schedule=None, interpret=None):
+                 positions=None, element_map=None, bias=None, data=None, schedule=None,
+                 interpret=None):
     """``(out [B, H, Lq, D], lse [B, H, Lq] float32, base 2)`` for padded inputs.
     `schedule` is the launch's ``(items, counts)`` (`persistent_schedule` of the counts on
     ``cfg.ctas`` CTAs when ``None``); `slopes` ``[H]`` float32 are ALiBi's (``cfg.alibi``);
     `positions` the padded ``(q_positions [B, Lq], kv_positions [B, Lk])`` int32
     (``cfg.positions``); `element_map` the padded ``[1 or B, 1 or H, Lq, Lk]`` map
-    (``cfg.elements``); `data` the read tables of the score function's arrays
-    (``cfg.traced``; `common.table_operands`)."""
+    (``cfg.elements``); `bias` the padded ``[1 or B, 1 or H, Lq, Lk]`` bias (``cfg.bias``);
+    `data` the read tables of the score function's arrays (``cfg.traced``;
+    `common.table_operands`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -95,15 +99,16 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     # s * scale * log2(e), kept in base 2; with a positive factor the row maximum of the raw
     # products scales to the row maximum of the logits, so full blocks fold the factor into
     # the exponent's operand. ALiBi, a score function and a soft cap turn the products into
-    # base-2 logits first (factor 1: no product).
+    # base-2 logits first (factor 1: no product), and so does a bias.
     function = cfg.function
-    factor = 1.0 if cfg.soft_cap or cfg.alibi or function is not None else cfg.log2_factor
+    factor = (1.0 if cfg.soft_cap or cfg.alibi or cfg.bias or function is not None
+              else cfg.log2_factor)
     if cfg.alibi and slopes is None:
         raise ValueError("forward_call: `slopes` must be given when cfg.alibi is on.")
 
     def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref,
                pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref, emap_ref,
-               floats_ref, ints_ref, out_ref, lse_ref, scoped):
+               bias_ref, floats_ref, ints_ref, out_ref, lse_ref, scoped):
         (q_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), \
             (k_free, v_free), turn = scoped
         wg = lax.axis_index("wg")
@@ -192,12 +197,13 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
 
                 def block_keys(it, partial):
                     """``(first key, key positions)`` of step `it` where its logits need
-                    them (ALiBi or the score function in every block, the mask in partial
-                    ones), else ``None``: read before the step's products, so that the
-                    loads' latency is hidden (a partial block's first key is in
+                    them (ALiBi, the bias or the score function in every block, the mask in
+                    partial ones), else ``None``: read before the step's products, so that
+                    the loads' latency is hidden (a partial block's first key is in
                     `partial`). The key positions, a column vector, are the per-call
                     positions' (``cfg.positions``), else ``None``."""
-                    if alibi is None and function is None and partial is None:
+                    if (alibi is None and function is None and partial is None
+                            and not cfg.bias):
                         return None
                     if partial is not None:
                         k_base = partial[0]
@@ -221,10 +227,13 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     (from the block's first key `k_base`: the item's `col_term` in each
                     logit, the block's constant through the row maxima, the rows' part in
                     the log-sum-exp at the end; all of it in each logit under a soft cap),
-                    the block's mask (`partial_block`'s,
-                    or None for a full block), base-2 exponentials and the rescaled sums."""
+                    the bias, the block's mask (`partial_block`'s, or None for a full
+                    block), base-2 exponentials and the rescaled sums."""
                     shift = None  # a constant left out of every logit of the block
                     k_base = None if keys is None else keys[0]
+                    # A score function or a bias may hide pairs (-inf) in any block: each
+                    # block then takes the guard of rows with nothing visible yet.
+                    hides = partial is not None or function is not None or cfg.bias
                     if alibi is not None and cfg.positions:
                         s = s * cfg.log2_factor + alibi_positions_term(slopes_ref[h],
                                                                        *position_tiles(keys))
@@ -233,22 +242,23 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     elif alibi is not None:
                         s = s * cfg.log2_factor + lax.broadcast_in_dim(col_term, s.shape, [1])
                         shift = alibi.shift(k_base - q_base)
+                    if cfg.bias:
+                        s = (s if alibi is not None else s * cfg.log2_factor) + bias_tile(
+                            ops, bias_ref, b, h, pl.ds(q_base, bq), pl.ds(k_base, bk))
+                    base2 = alibi is not None or cfg.bias  # s holds base-2 logits
                     if function is not None:
                         # The function sees natural units; base 2 again after it.
-                        natural = (s * (1.0 / LOG2E) if alibi is not None
-                                   else s * cfg.softmax_scale)
+                        natural = s * (1.0 / LOG2E) if base2 else s * cfg.softmax_scale
                         s = function_tile(cfg, natural, b, h, *position_tiles(keys),
                                           values=values) * LOG2E
                     if cfg.soft_cap:
                         # c log2(e) tanh(s scale / c), tanh(x) = 1 - 2 / (exp(2x) + 1): an
                         # exponential overflowing to inf gives 1, never NaN.
-                        already_base2 = alibi is not None or function is not None
+                        already_base2 = base2 or function is not None
                         e = jnp.exp2(s * (2.0 / cfg.soft_cap if already_base2
                                           else 2.0 * cfg.log2_factor / cfg.soft_cap))
                         s = (1.0 - 2.0 / (e + 1.0)) * (cfg.soft_cap * LOG2E)
-                    if partial is not None or function is not None:
-                        # A score function may hide pairs (-inf) in any block: each block
-                        # then takes the guard of rows with nothing visible yet.
+                    if hides:
                         s = _times(s, factor)
                     if partial is not None:
                         k_seg = partial[1]
@@ -262,7 +272,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                                 ops, emap_ref, b, h, pl.ds(q_base, bq), pl.ds(k_base, bk)),
                             values=values)
                         s = jnp.where(vis, s, -jnp.inf)
-                    if partial is not None or function is not None:
+                    if hides:
                         m_new = jnp.maximum(m_i, _plus(s.max(axis=1), shift))
                         # A row with nothing visible yet keeps m = -inf: subtract 0 instead,
                         # so its p and alpha are exp2(-inf) = 0, never NaN.
@@ -384,6 +394,9 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     if cfg.elements and element_map is None:
         raise ValueError("forward_call: `element_map` must be given when cfg.elements is on.")
     emap = element_map if cfg.elements else jnp.zeros((1, 1, 1, 1), ELEMENT_MAP_DTYPE)
+    if cfg.bias and bias is None:
+        raise ValueError("forward_call: `bias` must be given when cfg.bias is on.")
+    bias = bias if cfg.bias else jnp.zeros((1, 1, 1, 1), jnp.float32)
     floats, ints = table_operands(cfg, data)
     kwargs = {} if interpret is None else {"interpret": interpret}
     out, lse = plgpu.kernel(
@@ -397,7 +410,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(items, counts, q, k, v, full_count, full_index, partial_count, partial_index, qseg, kseg,
-      slopes, qpos, kpos, emap, floats, ints)
+      slopes, qpos, kpos, emap, bias, floats, ints)
     return out, lse
 
 

@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, CompiledMask,
                                   Features, MaskReads, ResolvedMask, TokenCoords, add_sinks,
@@ -48,6 +49,14 @@ MASK_DATA_NOT_RUN = ("the mask's predicate reads arrays (its params, or arrays i
                      "over), so its element map would take {size:.1f} GiB per call (at most "
                      "{limit} GiB): the Mosaic kernels read such arrays in-kernel and lower "
                      "for CUDA, but have not yet run on a GPU.")
+#: Whether a bias has run through these kernels on a GPU. Off, a call with a bias is
+#: declined in one line (`BIAS_NOT_RUN`).
+_BIAS_RUN_ON_GPU = False
+#: The decline of a bias while `_BIAS_RUN_ON_GPU` is off.
+BIAS_NOT_RUN = ("a bias: the Mosaic kernels read it in-kernel (its gradient from the dq "
+                "launch) and lower for CUDA, but have not yet run on a GPU.")
+#: The bias dtypes the launches read as they are (others are read as float32).
+_BIAS_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 #: `_function_decline`'s params where the plan knows only that there are some.
 _UNKNOWN = object()
 
@@ -245,8 +254,8 @@ class MosaicBlockSparse(AbstractLseKernel):
         if features.head_dim not in _HEAD_DIMS or features.value_dim != features.head_dim:
             return (f"head dims {features.head_dim} / {features.value_dim} are not supported "
                     f"(equal q / v head dims in {_HEAD_DIMS} are).")
-        if features.bias:
-            return "bias is not supported."
+        if features.bias and not _BIAS_RUN_ON_GPU:
+            return BIAS_NOT_RUN
         if features.score_function is not None:
             if features.sharded and not features.in_loop:
                 # ShardMap and AllToAll give the function its global head and batch ids
@@ -373,7 +382,7 @@ class MosaicBlockSparse(AbstractLseKernel):
                              layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors(),
                              soft_cap=soft_cap, alibi=alibi, function=function,
                              positions=positions is not None, traced=traced, data=leaves,
-                             reads=reads, **masked)
+                             reads=reads, bias=inputs.bias is not None, **masked)
         # The persistent forward's work items per CTA, built on the host.
         schedule = persistent_schedule(fwd.full_count, fwd.partial_count, batch, heads,
                                        fcfg.ctas)
@@ -381,13 +390,15 @@ class MosaicBlockSparse(AbstractLseKernel):
             fwd.full_count, fwd.full_index, fwd.partial_count, fwd.partial_index, *schedule))
         # ALiBi's slope rows from per-call positions in the single pass's dk/dv kernel fail
         # Mosaic GPU's layout inference (H200, jax 0.11.2): that call takes the two kernels.
-        single_pass = self.single_pass() and not (alibi and positions is not None)
+        # A bias's gradient comes from the dq launch: a call with a bias takes the two.
+        single_pass = (self.single_pass() and not (alibi and positions is not None)
+                       and inputs.bias is None)
         bcfg = BackwardConfig(
             **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
             soft_cap=soft_cap, single_pass=single_pass, ctas=_multiprocessors(),
             alibi=alibi, function=function, positions=positions is not None, traced=traced,
-            data=leaves, reads=reads, **masked)
+            data=leaves, reads=reads, bias=inputs.bias is not None, **masked)
         # Each launch is persistent where its items are short; a dk/dv item walks the lists
         # of `dkv_group` query heads.
         walked = bcfg.dkv_group(bcfg.single_pass)
@@ -407,8 +418,8 @@ class MosaicBlockSparse(AbstractLseKernel):
              dkdv.t_partial_index), *schedules))
         # Without ALiBi a one-element placeholder stands for the slopes (a zero gradient).
         slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes
-        return _attend(fcfg, bcfg, query, key, value, slopes, data, seg, positions, maps, lists,
-                       bwd_lists)
+        return _attend(fcfg, bcfg, query, key, value, slopes, data, _padded_bias(inputs, lq, lk),
+                       seg, positions, maps, lists, bwd_lists)
 
 
 def _check_runnable() -> None:
@@ -562,10 +573,21 @@ def _pad(x, length: int, fill=0):
     return pad_axis(x, 2 if x.ndim == 4 else x.ndim - 1, length, fill)
 
 
-def _forward(fcfg: ForwardConfig, q, k, v, slopes, data, seg, positions, maps, lists):
+def _padded_bias(inputs, q_len: int, kv_len: int):
+    """The call's bias ``[bb, hb, Lq, Lk]`` padded with zeros to the launches' lengths, in a
+    dtype they read (`_BIAS_DTYPES`, else float32), or ``None``."""
+    bias = inputs.bias
+    if bias is None:
+        return None
+    if bias.dtype not in _BIAS_DTYPES:
+        bias = bias.astype(jnp.float32)
+    return _pad(pad_axis(bias, 3, kv_len), q_len)
+
+
+def _forward(fcfg: ForwardConfig, q, k, v, slopes, data, bias, seg, positions, maps, lists):
     """The forward launch's ``(out, lse)``, typed like q, k and v inside `shard_map` (a
     launch's outputs vary over no mesh axis). `maps` is ``(element map, transposed)`` at
-    the padded lengths, or ``None``."""
+    the padded lengths, or ``None``; `bias` the padded bias (`_padded_bias`) or ``None``."""
     q_len = q.shape[2]
     *layout_lists, items, counts = lists
     if positions is not None:
@@ -573,49 +595,64 @@ def _forward(fcfg: ForwardConfig, q, k, v, slopes, data, seg, positions, maps, l
     out, lse = forward_call(fcfg, _pad(q, fcfg.q_len), _pad(k, fcfg.kv_len),
                             _pad(v, fcfg.kv_len), *layout_lists, *seg,
                             slopes=slopes if fcfg.alibi else None, positions=positions,
-                            element_map=None if maps is None else maps[0], data=data,
-                            schedule=(items, counts))
+                            element_map=None if maps is None else maps[0], bias=bias,
+                            data=data, schedule=(items, counts))
     return typed_like((out[:, :, :q_len], lse[:, :, :q_len]), q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, lists, bwd_lists):
+def _attend(fcfg, bcfg, q, k, v, slopes, data, bias, seg, positions, maps, lists, bwd_lists):
     """``(out [B, H, Lq, D], lse [B, H, Lq])``, the log-sum-exp as the contract has it
-    (`public_lse`); differentiable in both, in ALiBi's `slopes` ``[H]`` and in the arrays
-    the score function reads (`data`, their read tables: `data.read_tables`)."""
-    out, lse = _forward(fcfg, q, k, v, slopes, data, seg, positions, maps, lists)
+    (`public_lse`); differentiable in both, in ALiBi's `slopes` ``[H]``, in the arrays
+    the score function reads (`data`, their read tables: `data.read_tables`) and in the
+    padded `bias` (its gradient formed only where the bias is differentiated:
+    `_attend_fwd` sees which inputs are, through `jax.custom_vjp`'s symbolic zeros)."""
+    out, lse = _forward(fcfg, q, k, v, slopes, data, bias, seg, positions, maps, lists)
     return out, public_lse(lse, base2=True)
 
 
-def _attend_fwd(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, lists, bwd_lists):
-    out, lse = _forward(fcfg, q, k, v, slopes, data, seg, positions, maps, lists)
-    return (out, public_lse(lse, base2=True)), (q, k, v, slopes, data, seg, positions, maps,
-                                                lists, bwd_lists, out, lse)
+def _attend_fwd(fcfg, bcfg, *primals):
+    perturbed = primals[5] is not None and primals[5].perturbed
+    q, k, v, slopes, data, bias, seg, positions, maps, lists, bwd_lists = jax.tree.map(
+        lambda x: x.value, primals, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+    out, lse = _forward(fcfg, q, k, v, slopes, data, bias, seg, positions, maps, lists)
+    return (out, public_lse(lse, base2=True)), (q, k, v, slopes, data, bias, perturbed, seg,
+                                                positions, maps, lists, bwd_lists, out, lse)
 
 
 def _attend_bwd(fcfg, bcfg, res, cotangents):
-    q, k, v, slopes, data, seg, positions, maps, lists, bwd_lists, out, lse = res
+    (q, k, v, slopes, data, bias, bias_gradient, seg, positions, maps, lists, bwd_lists, out,
+     lse) = res
     do, dlse = cotangents
-    delta = backward_delta(do, out, dlse, lse)
+    if isinstance(do, SymbolicZero):
+        do = jnp.zeros(out.shape, out.dtype)
+    delta = backward_delta(do, out, None if isinstance(dlse, SymbolicZero) else dlse, lse)
     dq_lists, t_lists, dq_items, dkv_items = bwd_lists
-    dq, dk, dv, dslopes, data_rows = mosaic_backward(
+    bcfg = dataclasses.replace(bcfg, bias_gradient=bias_gradient)
+    dq, dk, dv, dslopes, data_rows, dbias = mosaic_backward(
         bcfg, q, k, v, do.astype(q.dtype), lse, delta, seg, dq_lists, t_lists,
-        slopes=slopes if bcfg.alibi else None, positions=positions, maps=maps, data=data,
-        schedules=(dq_items, dkv_items))
+        slopes=slopes if bcfg.alibi else None, positions=positions, maps=maps, bias=bias,
+        data=data, schedules=(dq_items, dkv_items))
     dslopes = jnp.zeros_like(slopes) if dslopes is None else dslopes.astype(slopes.dtype)
     ddata = None
     if data is not None:
         dfloats, dints = table_gradients(bcfg, data, data_rows)
         ddata = (typed_like(dfloats, data[0]), dints)
+    if dbias is not None:
+        # Each row and head the bias broadcast over: summed, in float32.
+        axes = tuple(axis for axis in (0, 1) if bias.shape[axis] == 1)
+        dbias = typed_like(pad_axis(pad_axis(dbias.sum(axis=axes, keepdims=True),
+                                             2, bias.shape[2]), 3, bias.shape[3])
+                           .astype(bias.dtype), bias)
     zeros = jax.tree.map(zero_cotangent, (seg, positions, maps, lists, bwd_lists))
     # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none).
     return tuple(typed_like(g, x) for g, x in zip((dq, dk, dv, dslopes),
-                                                  (q, k, v, slopes))) + (ddata,) + zeros
+                                                  (q, k, v, slopes))) + (ddata, dbias) + zeros
 
 
 def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists, t_lists, *,
-                    slopes=None, positions=None, maps=None, data=None, schedules=(None, None),
-                    interpret=None):
+                    slopes=None, positions=None, maps=None, bias=None, data=None,
+                    schedules=(None, None), interpret=None):
     """``(dq, dk, dv, dslopes)`` of the Mosaic backward for unpadded inputs: pads to the
     tiles (dO with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute
     nothing), runs the single pass (`dkv_call` with a zeroed float32 dq accumulator, scaled
@@ -629,7 +666,10 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     dk/dv launches' ``(items, counts)`` (``None``: built from the lists' counts, `dq_schedule`
     and `dkv_schedule`). `data` are the score function's read tables (``cfg.traced``);
     `data_rows`, last, is `dkv_call`'s rows of their reads' cotangents where one is traced
-    (``cfg.data_gradients``), else ``None``."""
+    (``cfg.data_gradients``), else ``None``. `bias` is the bias at the padded lengths
+    (``cfg.bias``; the dk/dv launch reads it transposed); `dbias`, last, its gradient
+    ``[B, H, Lq, Lk]`` float32 at the unpadded lengths where ``cfg.bias_gradient``, zero
+    in the blocks the dq layout skips (`visited_blocks`), else ``None``."""
     q_len, kv_len = q.shape[2], k.shape[2]
     pad_q = functools.partial(_pad, length=cfg.q_len)
     pad_k = functools.partial(_pad, length=cfg.kv_len)
@@ -639,29 +679,64 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     if positions is not None:
         positions = (pad_q(positions[0]), pad_k(positions[1]))
     maps_n, maps_t = (None, None) if maps is None else maps
+    bias_t = None if bias is None else jnp.swapaxes(bias, 2, 3)
+    dbias = None
+    if cfg.single_pass and cfg.bias_gradient:
+        raise ValueError("mosaic_backward: the bias's gradient comes from the dq launch; "
+                         "the single pass has none.")
     if cfg.single_pass:
         interpreted = interpret is not None
         accumulator = jax.new_ref(jnp.zeros(dq_accumulator_shape(cfg, interpreted), jnp.float32))
         dk, dv, *extra = dkv_call(cfg, *operands, *t_lists, *segments,
                                   dq_accumulator=accumulator, slopes=slopes,
-                                  positions=positions, element_map=maps_t, data=data,
+                                  positions=positions, element_map=maps_t, bias=bias_t,
+                                  data=data,
                                   schedule=schedules[1], interpret=interpret)
         dq = jax.freeze(accumulator)
         dq = (dq.sum(0) if interpreted else dq) * cfg.softmax_scale
         dq = dq.astype(q.dtype)
     else:
         dq = dq_call(cfg, *operands, *dq_lists, *segments, slopes=slopes,
-                     positions=positions, element_map=maps_n, data=data,
+                     positions=positions, element_map=maps_n, bias=bias, data=data,
                      schedule=schedules[0], interpret=interpret)
+        if cfg.bias_gradient:
+            dq, dbias = dq
+            visited = visited_blocks(*dq_lists, cfg.kv_len // cfg.dq_block_kv)
+            dbias = _zeroed_outside(dbias, visited)[:, :, :q_len, :kv_len]
         dk, dv, *extra = dkv_call(cfg, *operands, *t_lists, *segments, slopes=slopes,
-                                  positions=positions, element_map=maps_t, data=data,
+                                  positions=positions, element_map=maps_t, bias=bias_t,
+                                  data=data,
                                   schedule=schedules[1], interpret=interpret)
     # Each row's share of the slope's gradient, summed per head (padded rows' are zero).
     dslopes = extra.pop(0).sum(axis=(0, 2)) if cfg.alibi else None
     data_rows = extra.pop(0) if extra else None
     if dk.shape[1] != cfg.kv_heads:
         dk, dv = (summed_per_kv_head(x, cfg.kv_heads) for x in (dk, dv))
-    return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], dslopes, data_rows
+    return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], dslopes, data_rows, dbias
+
+
+def visited_blocks(full_count, full_index, partial_count, partial_index, kv_blocks: int):
+    """``[lb, lh, q blocks, kv_blocks]`` bool: the blocks a layout's lists visit (FULL or
+    PARTIAL), from its counts ``[lb, lh, q blocks]`` and indices ``[lb, lh, q blocks, C]``."""
+    visited = jnp.zeros((*full_count.shape, kv_blocks), bool)
+    lb, lh, nq = full_count.shape
+    for count, index in ((full_count, full_index), (partial_count, partial_index)):
+        listed = jnp.arange(index.shape[-1]) < count[..., None]
+        at = jnp.where(listed, index, kv_blocks)  # past the end: dropped
+        rows = tuple(jnp.arange(n).reshape((n,) + (1,) * (2 - axis) + (1,))
+                     for axis, n in enumerate((lb, lh, nq)))
+        visited = visited.at[(*rows, at)].set(True, mode="drop")
+    return visited
+
+
+def _zeroed_outside(x, visited):
+    """`x` ``[B, H, R, C]`` with zeros outside the `visited` blocks (``[1 or B, 1 or H, R /
+    r, C / c]``; the blocks' shape ``[r, c]`` follows from the two)."""
+    batch, heads, rows, cols = x.shape
+    nq, nk = visited.shape[2:]
+    blocks = x.reshape(batch, heads, nq, rows // nq, nk, cols // nk)
+    keep = visited[:, :, :, None, :, None]
+    return jnp.where(keep, blocks, 0.0).reshape(x.shape)
 
 
 def summed_per_kv_head(x, kv_heads: int):
@@ -672,4 +747,4 @@ def summed_per_kv_head(x, kv_heads: int):
     return x.reshape(shape).astype(jnp.float32).sum(2).astype(x.dtype)
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)

@@ -40,15 +40,21 @@ def data_off(monkeypatch):
 
 
 @pytest.fixture
+def bias_on(monkeypatch):
+    """As once a bias has run through the kernels on a GPU (`kernel._BIAS_RUN_ON_GPU`)."""
+    monkeypatch.setattr(_mosaic_kernel(), "_BIAS_RUN_ON_GPU", True)
+
+
+@pytest.fixture
 def launches(monkeypatch):
     """A list that receives each `kernel._attend`'s ``(fcfg, bcfg, data, maps)``: the
     launches' configurations, read tables and element maps."""
     kernel = _mosaic_kernel()
     seen, real = [], kernel._attend
 
-    def spy(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, *rest):
+    def spy(fcfg, bcfg, q, k, v, slopes, data, bias, seg, positions, maps, *rest):
         seen.append((fcfg, bcfg, data, maps))
-        return real(fcfg, bcfg, q, k, v, slopes, data, seg, positions, maps, *rest)
+        return real(fcfg, bcfg, q, k, v, slopes, data, bias, seg, positions, maps, *rest)
 
     monkeypatch.setattr(kernel, "_attend", spy)
     return seen

@@ -1,0 +1,228 @@
+"""A bias in `MosaicBlockSparse`, on a host without a GPU.
+
+The bias ``[1 or B, 1 or H, Lq, Lk]`` is an operand of each launch: every visited block adds
+its tile to the logits (the dk/dv launch reads it transposed), and the dq launch writes
+each visited block's dS, the bias's gradient, where the bias is differentiated (the blocks
+the layout skips are zeroed after: `kernel.visited_blocks`). Here: the visited blocks
+against NumPy; the forward and the backward lower for CUDA with a bias, alone and beside a
+mask without terms, ALiBi, a score function and a soft cap; until a bias has run on a GPU
+(`kernel._BIAS_RUN_ON_GPU`) the kernel declines it in one line that the selector's
+`explain` names; and extended tests run the whole call in Pallas' CPU interpreter for
+Mosaic GPU against the float64 oracle.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+from eqx_bsattn import masks, scores
+from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
+from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+from tests.conftest import jnp_attention_f64, np_visibility, random_array, rel_err, score_f64
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+
+def _head_slopes(score, head, q_pos, k_pos):
+    """ALiBi written as a score function (slope ``2^-(head + 1)``)."""
+    slope = jnp.exp2(-1.0 - jnp.asarray(head).astype(jnp.float32))
+    return score + slope * (k_pos - q_pos).astype(jnp.float32)
+
+
+def _qkv(batch, heads, kv_heads, q_len, kv_len, dim, dtype=jnp.float32):
+    return (random_array(1, (batch, heads, q_len, dim), dtype),
+            random_array(2, (batch, kv_heads, kv_len, dim), dtype),
+            random_array(3, (batch, kv_heads, kv_len, dim), dtype))
+
+
+def test_visited_blocks_match_the_lists():
+    """`visited_blocks` marks exactly the blocks a layout's FULL and PARTIAL lists name,
+    per leading axes, whatever lies past each list's count."""
+    rng = np.random.default_rng(0)
+    lb, lh, nq, nk, cap = 2, 3, 5, 7, 4
+    lists = []
+    want = np.zeros((lb, lh, nq, nk), bool)
+    for _ in range(2):
+        count = rng.integers(0, cap + 1, (lb, lh, nq))
+        index = rng.integers(0, nk, (lb, lh, nq, cap))  # past the count: junk
+        for i in np.ndindex(lb, lh, nq):
+            want[i][index[i][:count[i]]] = True
+        lists += [jnp.asarray(count, jnp.int32), jnp.asarray(index, jnp.int32)]
+    got = mosaic_kernel.visited_blocks(*lists, nk)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_bias_is_declined_until_run_on_a_gpu(hopper_host):
+    """Until a bias has run through the kernels on a GPU the kernel declines it in one line,
+    the selector gives the call to another kernel and `explain` says why; once on, the
+    selector keeps this kernel for it."""
+    q, k, v = _qkv(1, 2, 2, 256, 256, 64, jnp.bfloat16)
+    bias = random_array(4, (1, 2, 256, 256), jnp.bfloat16)
+    attn = bsa.BlockSparseAttention(mask=masks.Causal())
+    plan = attn.plan(q, k, v, bias=bias)
+    assert plan.choice.kernel.name != "mosaic"
+    assert mosaic_kernel.BIAS_NOT_RUN in plan.choice.explain()
+    assert "\n" not in mosaic_kernel.BIAS_NOT_RUN
+    with pytest.raises(ValueError, match="not yet run on a GPU"):
+        bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse()).plan(
+            q, k, v, bias=bias)
+
+
+def test_bias_is_chosen_once_run_on_a_gpu(hopper_host, bias_on):
+    q, k, v = _qkv(1, 2, 2, 256, 256, 64, jnp.bfloat16)
+    bias = random_array(4, (1, 2, 256, 256), jnp.bfloat16)
+    plan = bsa.BlockSparseAttention(mask=masks.Causal()).plan(q, k, v, bias=bias)
+    assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
+
+
+def _lowered_qkv(batch, heads, kv_heads, q_len, kv_len, dim):
+    """q, k and v in bfloat16 for a call that is only lowered (any size)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    shapes = ((batch, heads, q_len, dim), (batch, kv_heads, kv_len, dim),
+              (batch, kv_heads, kv_len, dim))
+    return tuple(jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip(keys, shapes))
+
+
+def _no_run_time_checks(monkeypatch):
+    """A traced bias's run-time check (no +inf or NaN) is a host callback, which JAX cannot
+    lower for another platform: taken out where these tests lower for CUDA."""
+    import eqx_bsattn._values as values
+
+    monkeypatch.setattr(values.eqx, "error_if", lambda x, *_: x)
+
+
+#: name: (mask, shapes, bias shape, bias dtype, module options)
+LOWERED = {
+    "causal_head_bias": (masks.Causal(), dict(batch=2, heads=2, kv_heads=2, q_len=512,
+                                              kv_len=512, dim=128),
+                         (1, 2), jnp.bfloat16, {}),
+    "window_gqa_batch_bias_f32": (masks.Causal() & masks.SlidingWindow(256, 0),
+                                  dict(batch=2, heads=4, kv_heads=2, q_len=512, kv_len=512,
+                                       dim=128), (2, 1), jnp.float32, {}),
+    # Ragged lengths, a mask without terms, ALiBi and a soft cap.
+    "predicate_alibi_soft_cap_ragged": (
+        masks.Predicate(lambda q, k: (k <= q) & ((q - k) % 3 != 1)),
+        dict(batch=1, heads=2, kv_heads=1, q_len=200, kv_len=333, dim=64), (1, 2),
+        jnp.bfloat16, dict(score=scores.ALiBi(), logits_soft_cap=20.0)),
+    "function_full_bias": (masks.Causal(), dict(batch=1, heads=2, kv_heads=2, q_len=384,
+                                                kv_len=384, dim=64),
+                           (1, 1), jnp.float16, dict(score=scores.ScoreFunction(_head_slopes))),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(LOWERED))
+@pytest.mark.parametrize("bias_grad", [True, False], ids=["bias_grad", "constant_bias"])
+def test_bias_lowers_for_cuda(hopper_host, bias_on, monkeypatch, case, bias_grad):
+    """`jit(grad)` with a bias lowers for CUDA: three Mosaic GPU launches (the forward, dq
+    and dk/dv) whether or not the bias is differentiated, the bias's gradient in its own
+    shape where it is."""
+    _no_run_time_checks(monkeypatch)
+    mask, shape, bias_shape, dtype, options = LOWERED[case]
+    attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(), **options)
+    q, k, v = _lowered_qkv(**shape)
+    bias = jax.random.normal(jax.random.key(4), (*bias_shape, shape["q_len"],
+                                                 shape["kv_len"]), dtype)
+    argnums = (0, 1, 2, 3) if bias_grad else (0, 1, 2)
+    loss = jax.jit(jax.grad(
+        lambda q, k, v, bias: jnp.sum(attn(q, k, v, bias=bias).astype(jnp.float32)),
+        argnums=argnums))
+    lowered = loss.trace(q, k, v, bias).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("custom_call @mosaic_gpu") == 3, case
+    want = [q.shape, k.shape, v.shape] + ([bias.shape] if bias_grad else [])
+    assert [o.shape for o in jax.tree.leaves(lowered.out_info)] == want
+
+
+def test_constant_bias_writes_no_gradient(hopper_host, bias_on, launches, monkeypatch):
+    """A bias that is not differentiated costs the backward no gradient: the dq launch
+    writes dS only where the bias's gradient is asked for."""
+    _no_run_time_checks(monkeypatch)
+    from eqx_bsattn.strategies.kernels.mosaic import backward
+
+    written = []
+    real = backward.dq_call
+
+    def spy(cfg, *args, **kwargs):
+        written.append(cfg.bias_gradient)
+        return real(cfg, *args, **kwargs)
+
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(1, 2, 2, 256, 256, 64))
+    bias = random_array(4, (1, 2, 256, 256), jnp.bfloat16)
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mosaic_kernel, "dq_call", spy)
+        for argnums in ((0,), (0, 3)):
+            jax.jit(jax.grad(lambda q, k, v, b: jnp.sum(attn(q, k, v, bias=b)
+                                                        .astype(jnp.float32)),
+                             argnums=argnums)).trace(q, k, v, bias).lower(
+                lowering_platforms=("cuda",))
+    assert written == [False, True]
+    assert all(fcfg.bias and bcfg.bias and not bcfg.single_pass for fcfg, bcfg, *_ in launches)
+
+
+#: name: (mask, shapes, bias shape, options)
+INTERPRETED = {
+    # The batch's rows share a bias per head (its gradient summed over the batch), grouped
+    # heads, ragged keys, Lq != Lk, a row wholly hidden by the bias and rows partly hidden.
+    "causal_gqa_head_bias": (masks.Causal(bottom_right=True),
+                             dict(batch=2, heads=2, kv_heads=1, q_len=150, kv_len=200, dim=64),
+                             (1, 2), {}),
+    # A bias per batch row and head, under a mask without terms, ALiBi and a soft cap.
+    "predicate_alibi_soft_cap": (masks.Predicate(lambda q, k: (k <= q) & ((q - k) % 3 != 1)),
+                                 dict(batch=2, heads=2, kv_heads=2, q_len=200, kv_len=200,
+                                      dim=64), (2, 2),
+                                 dict(score=scores.ALiBi(), logits_soft_cap=5.0)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("case", list(INTERPRETED))
+def test_bias_in_cpu_interpreter(interpreted, bias_on, case):
+    """The whole call, its launches in Pallas' CPU interpreter for Mosaic GPU: output and the
+    gradients in q, k, v and the bias against the float64 oracle (a bias of -inf hides its
+    pair, and a row it hides wholly gives zeros)."""
+    mask, shape, bias_shape, options = INTERPRETED[case]
+    options = dict(options)
+    q, k, v = _qkv(**shape)
+    lq, lk, heads = shape["q_len"], shape["kv_len"], shape["heads"]
+    bias = random_array(4, (*bias_shape, lq, lk)) * 2.0
+    bias = bias.at[0, -1, 5:9, : lk // 2].set(-jnp.inf)  # rows partly hidden
+    bias = bias.at[0, 0, 7].set(-jnp.inf)  # a row wholly hidden
+    cot = random_array(5, q.shape)
+    attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(), **options)
+
+    def call(q, k, v, bias):
+        return attn(*(x.astype(jnp.float16) for x in (q, k, v)),
+                    bias=bias).astype(jnp.float32)
+
+    out, pullback = jax.vjp(call, q, k, v, bias)
+    got = pullback(cot)
+    finite = np.isfinite(np.asarray(bias))
+    visible = np_visibility(mask, batch=shape["batch"], heads=heads, q_len=lq,
+                            kv_len=lk) & finite
+    positions = (np.arange(lq)[None], np.arange(lk)[None])
+    with jax.enable_x64(True):
+        def oracle(q, k, v, bias):
+            score = None
+            if "score" in options:
+                def score(s):
+                    return score_f64(s, q_pos=positions[0], kv_pos=positions[1],
+                                     slopes=jnp.asarray(np.asarray(
+                                         scores.ALiBi().compile(heads).slopes, np.float64)))
+            return jnp_attention_f64(q, k, v, visible, bias=jnp.where(finite, bias, 0.0),
+                                     score=score, soft_cap=options.get("logits_soft_cap"))
+
+        f64 = [jnp.asarray(np.asarray(x.astype(jnp.float16), np.float64)) for x in (q, k, v)]
+        want_out, oracle_pullback = jax.vjp(oracle, *f64,
+                                            jnp.asarray(np.asarray(bias, np.float64)))
+        want = oracle_pullback(jnp.asarray(np.asarray(cot, np.float64)))
+    assert not np.isnan(np.asarray(out)).any()
+    assert np.abs(np.asarray(out)[0, 0, 7]).max() == 0.0  # the row the bias hides wholly
+    assert rel_err(out, want_out) < 4e-3
+    for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert g.shape == w.shape, name
+        assert not np.isnan(np.asarray(g)).any(), name
+        assert rel_err(g, w) < 1e-2, name
