@@ -633,8 +633,9 @@ def _mosaic_lowers(fn) -> bool:
 
 
 #: MosaicBlockSparse: 16-bit, D = Dv in {64, 128}, masks with shared in-kernel terms, an
-#: element predicate Mosaic GPU lowers or an element map (BigBird's random blocks), no bias,
-#: ALiBi and score functions that Mosaic GPU lowers but no other score term.
+#: element predicate Mosaic GPU lowers or an element map (BigBird's random blocks), a bias of
+#: any broadcast shape, ALiBi and score functions that Mosaic GPU lowers but no other score
+#: term.
 _MOSAIC_RUNS = {"tiled_positions", "tiled_global", "tiled_dilated", "tiled_predicate",
                 "tiled_not_causal", "tiled_per_head", "tiled_bigbird",
                 *(("tiled_score_function_positions",) if _mosaic_lowers(distance_and_scale)
@@ -647,7 +648,8 @@ _MOSAIC_RUNS = {"tiled_positions", "tiled_global", "tiled_dilated", "tiled_predi
                 "tiled_interleaved_documents_causal", "tiled_head_dim_128", "tiled_decode_mqa",
                 "tiled_cross_lengths", "tiled_fully_masked_rows", "tiled_explicit",
                 "tiled_explicit_dq", "tiled_explicit_documents", "tiled_score_alibi_window",
-                "tiled_score_alibi_everything"}
+                "tiled_score_alibi_everything", "tiled_bias_1hqk", "tiled_bias_b1qk",
+                "tiled_bias_qk", "tiled_bias_b11k", "tiled_bias_bhq1", "tiled_bias_1111"}
 EXPECTED_DECLINES = {
     "mosaic": {(name, dtype) for name, case in CASES.items()
                for dtype in (case.dtypes or ("bfloat16",))

@@ -49,12 +49,6 @@ MASK_DATA_NOT_RUN = ("the mask's predicate reads arrays (its params, or arrays i
                      "over), so its element map would take {size:.1f} GiB per call (at most "
                      "{limit} GiB): the Mosaic kernels read such arrays in-kernel and lower "
                      "for CUDA, but have not yet run on a GPU.")
-#: Whether a bias has run through these kernels on a GPU. Off, a call with a bias is
-#: declined in one line (`BIAS_NOT_RUN`).
-_BIAS_RUN_ON_GPU = False
-#: The decline of a bias while `_BIAS_RUN_ON_GPU` is off.
-BIAS_NOT_RUN = ("a bias: the Mosaic kernels read it in-kernel (its gradient from the dq "
-                "launch) and lower for CUDA, but have not yet run on a GPU.")
 #: The bias dtypes the launches read as they are (others are read as float32).
 _BIAS_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 #: `_function_decline`'s params where the plan knows only that there are some.
@@ -205,7 +199,8 @@ class MosaicBlockSparse(AbstractLseKernel):
     closes over) are the launches' operands, read at scalar indices, their gradient formed
     by the dk/dv launch (`data`; declined until run on a GPU: `_DATA_RUN_ON_GPU`). Per-call
     positions replace the token indices in the mask's terms, ALiBi and the score function.
-    Declines bias, other score terms (`score_kinds`), score functions that Mosaic GPU cannot
+    A bias ``[1 or B, 1 or H, Lq, Lk]`` is an operand of every launch, its gradient written
+    by the dq launch where it is differentiated. Declines other score terms (`score_kinds`), score functions that Mosaic GPU cannot
     lower or that read arrays other than at scalar indices of the head and batch row, masks
     whose element map is too large, and per-call positions or masks without terms inside a
     sharding's loop, each with a reason, so the selector gives the whole call to another
@@ -254,8 +249,6 @@ class MosaicBlockSparse(AbstractLseKernel):
         if features.head_dim not in _HEAD_DIMS or features.value_dim != features.head_dim:
             return (f"head dims {features.head_dim} / {features.value_dim} are not supported "
                     f"(equal q / v head dims in {_HEAD_DIMS} are).")
-        if features.bias and not _BIAS_RUN_ON_GPU:
-            return BIAS_NOT_RUN
         if features.score_function is not None:
             if features.sharded and not features.in_loop:
                 # ShardMap and AllToAll give the function its global head and batch ids

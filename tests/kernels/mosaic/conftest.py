@@ -40,12 +40,6 @@ def data_off(monkeypatch):
 
 
 @pytest.fixture
-def bias_on(monkeypatch):
-    """As once a bias has run through the kernels on a GPU (`kernel._BIAS_RUN_ON_GPU`)."""
-    monkeypatch.setattr(_mosaic_kernel(), "_BIAS_RUN_ON_GPU", True)
-
-
-@pytest.fixture
 def launches(monkeypatch):
     """A list that receives each `kernel._attend`'s ``(fcfg, bcfg, data, maps)``: the
     launches' configurations, read tables and element maps."""

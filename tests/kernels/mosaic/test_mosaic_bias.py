@@ -5,10 +5,9 @@ its tile to the logits (the dk/dv launch reads it transposed), and the dq launch
 each visited block's dS, the bias's gradient, where the bias is differentiated (the blocks
 the layout skips are zeroed after: `kernel.visited_blocks`). Here: the visited blocks
 against NumPy; the forward and the backward lower for CUDA with a bias, alone and beside a
-mask without terms, ALiBi, a score function and a soft cap; until a bias has run on a GPU
-(`kernel._BIAS_RUN_ON_GPU`) the kernel declines it in one line that the selector's
-`explain` names; and extended tests run the whole call in Pallas' CPU interpreter for
-Mosaic GPU against the float64 oracle.
+mask without terms, ALiBi, a score function and a soft cap; the selector keeps the kernel
+for such a call; and extended tests run the whole call in Pallas' CPU interpreter for Mosaic
+GPU against the float64 oracle (test_mosaic_bias_gpu.py runs it on a GPU).
 """
 
 import jax
@@ -54,26 +53,13 @@ def test_visited_blocks_match_the_lists():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def test_bias_is_declined_until_run_on_a_gpu(hopper_host):
-    """Until a bias has run through the kernels on a GPU the kernel declines it in one line,
-    the selector gives the call to another kernel and `explain` says why; once on, the
-    selector keeps this kernel for it."""
+def test_bias_is_chosen(hopper_host):
+    """The selector keeps this kernel for a call with a bias on a Hopper GPU (it ran there:
+    test_mosaic_bias_gpu.py)."""
     q, k, v = _qkv(1, 2, 2, 256, 256, 64, jnp.bfloat16)
     bias = random_array(4, (1, 2, 256, 256), jnp.bfloat16)
-    attn = bsa.BlockSparseAttention(mask=masks.Causal())
-    plan = attn.plan(q, k, v, bias=bias)
-    assert plan.choice.kernel.name != "mosaic"
-    assert mosaic_kernel.BIAS_NOT_RUN in plan.choice.explain()
-    assert "\n" not in mosaic_kernel.BIAS_NOT_RUN
-    with pytest.raises(ValueError, match="not yet run on a GPU"):
-        bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse()).plan(
-            q, k, v, bias=bias)
-
-
-def test_bias_is_chosen_once_run_on_a_gpu(hopper_host, bias_on):
-    q, k, v = _qkv(1, 2, 2, 256, 256, 64, jnp.bfloat16)
-    bias = random_array(4, (1, 2, 256, 256), jnp.bfloat16)
-    plan = bsa.BlockSparseAttention(mask=masks.Causal()).plan(q, k, v, bias=bias)
+    plan = bsa.BlockSparseAttention(mask=masks.Causal() & masks.SlidingWindow(64, 0)).plan(
+        q, k, v, bias=bias)
     assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
 
 
@@ -115,7 +101,7 @@ LOWERED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(LOWERED))
 @pytest.mark.parametrize("bias_grad", [True, False], ids=["bias_grad", "constant_bias"])
-def test_bias_lowers_for_cuda(hopper_host, bias_on, monkeypatch, case, bias_grad):
+def test_bias_lowers_for_cuda(hopper_host, monkeypatch, case, bias_grad):
     """`jit(grad)` with a bias lowers for CUDA: three Mosaic GPU launches (the forward, dq
     and dk/dv) whether or not the bias is differentiated, the bias's gradient in its own
     shape where it is."""
@@ -135,7 +121,7 @@ def test_bias_lowers_for_cuda(hopper_host, bias_on, monkeypatch, case, bias_grad
     assert [o.shape for o in jax.tree.leaves(lowered.out_info)] == want
 
 
-def test_constant_bias_writes_no_gradient(hopper_host, bias_on, launches, monkeypatch):
+def test_constant_bias_writes_no_gradient(hopper_host, launches, monkeypatch):
     """A bias that is not differentiated costs the backward no gradient: the dq launch
     writes dS only where the bias's gradient is asked for."""
     _no_run_time_checks(monkeypatch)
@@ -180,10 +166,10 @@ INTERPRETED = {
 @pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.parametrize("case", list(INTERPRETED))
-def test_bias_in_cpu_interpreter(interpreted, bias_on, case):
+def test_bias_in_cpu_interpreter(interpreted, case):
     """The whole call, its launches in Pallas' CPU interpreter for Mosaic GPU: output and the
     gradients in q, k, v and the bias against the float64 oracle (a bias of -inf hides its
-    pair, and a row it hides wholly gives zeros)."""
+    pair, and a row it hides wholly gives zeros; under a soft cap it weighs as -cap)."""
     mask, shape, bias_shape, options = INTERPRETED[case]
     options = dict(options)
     q, k, v = _qkv(**shape)
@@ -201,8 +187,11 @@ def test_bias_in_cpu_interpreter(interpreted, bias_on, case):
     out, pullback = jax.vjp(call, q, k, v, bias)
     got = pullback(cot)
     finite = np.isfinite(np.asarray(bias))
+    cap = options.get("logits_soft_cap")
+    # A soft cap follows the bias and turns -inf into -cap (docs/reliability.md): nothing is
+    # hidden then; -1e4 saturates the cap as -inf does.
     visible = np_visibility(mask, batch=shape["batch"], heads=heads, q_len=lq,
-                            kv_len=lk) & finite
+                            kv_len=lk) & (finite | bool(cap))
     positions = (np.arange(lq)[None], np.arange(lk)[None])
     with jax.enable_x64(True):
         def oracle(q, k, v, bias):
@@ -212,15 +201,17 @@ def test_bias_in_cpu_interpreter(interpreted, bias_on, case):
                     return score_f64(s, q_pos=positions[0], kv_pos=positions[1],
                                      slopes=jnp.asarray(np.asarray(
                                          scores.ALiBi().compile(heads).slopes, np.float64)))
-            return jnp_attention_f64(q, k, v, visible, bias=jnp.where(finite, bias, 0.0),
-                                     score=score, soft_cap=options.get("logits_soft_cap"))
+            return jnp_attention_f64(q, k, v, visible,
+                                     bias=jnp.where(finite, bias, -1e4 if cap else 0.0),
+                                     score=score, soft_cap=cap)
 
         f64 = [jnp.asarray(np.asarray(x.astype(jnp.float16), np.float64)) for x in (q, k, v)]
         want_out, oracle_pullback = jax.vjp(oracle, *f64,
                                             jnp.asarray(np.asarray(bias, np.float64)))
         want = oracle_pullback(jnp.asarray(np.asarray(cot, np.float64)))
     assert not np.isnan(np.asarray(out)).any()
-    assert np.abs(np.asarray(out)[0, 0, 7]).max() == 0.0  # the row the bias hides wholly
+    if not cap:  # the row the bias hides wholly (a cap hides nothing)
+        assert np.abs(np.asarray(out)[0, 0, 7]).max() == 0.0
     assert rel_err(out, want_out) < 4e-3
     for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
         assert g.shape == w.shape, name
