@@ -2,11 +2,8 @@
 ALiBi slopes, learned slopes in `params`, and an int32 window table per head, read in-kernel
 (strategies/kernels/mosaic/data.py). Forward and every gradient (q, k, v, and the slopes or
 params) against the float64 oracle in both backward modes, bit-identical gradients over two
-runs in the deterministic mode, and the selector's choice of this kernel for them.
-
-They passed on the H200 on 2026-12-06 (9 of 9), which switched `kernel._DATA_RUN_ON_GPU`
-on; they set it on themselves, so they also check a build that has it off. They skip unless
-JAX's default backend is a GPU.
+runs in the deterministic mode, and the selector's choice of this kernel for them. They
+skip unless JAX's default backend is a GPU.
 """
 
 import jax
@@ -27,12 +24,6 @@ B, H, HKV, L, D = 2, 4, 2, 1000, 128
 SLOPES = jnp.asarray([0.5, -0.25, 0.125, 0.0625], jnp.float32)
 #: A window width per head (int32), read by `table_window`.
 WIDTHS = jnp.asarray([40, 900, 7, 300], jnp.int32)
-
-
-@pytest.fixture(autouse=True)
-def data_on(monkeypatch):
-    """Run what the kernel declines until these tests have passed on a GPU."""
-    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
 
 
 def alibi_term(s, h, qp, kp, slopes):

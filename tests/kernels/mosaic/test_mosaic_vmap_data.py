@@ -1,7 +1,6 @@
 """`jax.vmap` over a call of `MosaicBlockSparse` whose score function or mask predicate reads
-arrays (`strategies/kernels/mosaic/data.py`), the data switch on (`kernel._DATA_RUN_ON_GPU`):
-over q, k and v with the arrays unbatched, over the arrays with q, k and v unbatched, and
-over both. Each call runs its launches in Pallas' CPU interpreter for Mosaic GPU and is
+arrays (`strategies/kernels/mosaic/data.py`): over q, k and v with the arrays unbatched,
+over the arrays with q, k and v unbatched, and over both. Each call runs its launches in Pallas' CPU interpreter for Mosaic GPU and is
 checked against the float64 oracle, example by example.
 """
 
@@ -60,7 +59,7 @@ def _f64(x):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_vmap_over_qkv_and_params_reading_the_batch_index(interpreted, data_on, launches):
+def test_vmap_over_qkv_and_params_reading_the_batch_index(interpreted, launches):
     """vmap over q, k, v (a leading axis of 2, each ``[2, H, L, D]``) and over a score
     function's params (a temperature per batch row, ``params[batch]``; one row per example)
     while it closes over unbatched ALiBi slopes: each example's output and temperatures'
@@ -100,7 +99,7 @@ def test_vmap_over_qkv_and_params_reading_the_batch_index(interpreted, data_on, 
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_vmap_over_params_slopes_with_unbatched_qkv(interpreted, data_on):
+def test_vmap_over_params_slopes_with_unbatched_qkv(interpreted):
     """vmap over a `ScoreFunction`'s params (ALiBi slopes, one row per example), q, k, v
     unbatched: each example's output and slopes' gradient are its own slopes' (float64
     oracle)."""
@@ -131,7 +130,7 @@ def test_vmap_over_params_slopes_with_unbatched_qkv(interpreted, data_on):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_vmap_over_predicate_widths(interpreted, data_on, launches):
+def test_vmap_over_predicate_widths(interpreted, launches):
     """vmap over a `Predicate`'s per-head widths (one row per example), q, k, v unbatched:
     each example's output uses its own window (float64 oracle), its widths read from the
     read tables (no element map)."""
@@ -151,7 +150,7 @@ def test_vmap_over_predicate_widths(interpreted, data_on, launches):
 
 
 @pytest.mark.slow
-def test_vmapped_calls_lower_for_cuda(hopper_host, data_on):
+def test_vmapped_calls_lower_for_cuda(hopper_host):
     """`jit(vmap)` over a score function's params (with the gradient in them and in q, k,
     v unbatched) and over a `Predicate`'s widths lowers for CUDA: Pallas Mosaic GPU's own
     vmap rule of each launch (a grid axis in front, each mapped operand sliced per example),
