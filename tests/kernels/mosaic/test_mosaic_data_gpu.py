@@ -15,7 +15,8 @@ import eqx_bsattn as bsa
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
-from tests.conftest import jnp_attention_f64, np_visibility, score_f64, widths_by_head
+from tests.conftest import (alibi_gradient_scale, jnp_attention_f64, np_visibility, score_f64,
+                            widths_by_head)
 from tests.kernels.mosaic.test_mosaic_gpu import MODES, TOL, _inputs, _rel, on_gpu
 
 #: Batch, query heads, kv heads, length (ragged: not a multiple of the tiles), head dim.
@@ -99,23 +100,11 @@ def _oracle(case):
 
 
 def _slopes_gradient_scale():
-    """Per head, ``sum |dS (k - q)|`` over the causal pairs of the ALiBi cases, in float64 on
-    the bfloat16-rounded inputs: the magnitude of the terms the slopes' gradient sums. Each
-    row's dS sums to zero, so the gradient cancels far below its terms (by 1.3e4 at the
-    head whose slope is negative: its rows are weighted to their far keys), and the
-    kernel's bfloat16 output and P, rounded into dS, err in proportion to those terms."""
-    q, k, v, cot = (np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
-                    for x in _inputs(51, B, H, HKV, L, L, D))
-    k, v = (np.repeat(x, H // HKV, axis=1) for x in (k, v))
-    distance = (np.arange(L)[None, :] - np.arange(L)[:, None]).astype(np.float64)
-    logits = (np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(D)
-              + np.asarray(SLOPES, np.float64)[None, :, None, None] * distance)
-    logits = np.where(distance <= 0, logits, -np.inf)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    dp = np.einsum("bhqd,bhkd->bhqk", cot, v)
-    delta = (cot * np.einsum("bhqk,bhkd->bhqd", p, v)).sum(-1, keepdims=True)
-    return np.abs(p * (dp - delta) * distance).sum(axis=(0, 2, 3))
+    """`alibi_gradient_scale` of the ALiBi cases, on the bfloat16-rounded inputs: the
+    slopes' gradient cancels far below its terms (by 1.3e4 at the head whose slope is
+    negative: its rows are weighted to their far keys)."""
+    q, k, v, cot = (x.astype(jnp.bfloat16) for x in _inputs(51, B, H, HKV, L, L, D))
+    return alibi_gradient_scale(q, k, v, cot, SLOPES)
 
 
 @on_gpu
