@@ -360,6 +360,27 @@ def score_f64(s, *, q_pos, kv_pos, slopes=None, table=None, bidirectional=True,
     return s
 
 
+def alibi_gradient_scale(q, k, v, cot, slopes):
+    """Per head, ``sum |dS (k - q)|`` over the causal pairs (token indices) of attention with
+    ALiBi `slopes` ``[H]``, in float64 NumPy on the arrays as given (q and the cotangent
+    `cot` ``[B, H, L, D]``, k and v ``[B, Hkv, L, D]``; round them as the kernel sees them
+    first): the magnitude of the terms the slopes' gradient sums. Each row's dS sums to zero,
+    so that gradient can cancel far below its terms, and a kernel's 16-bit output and P,
+    rounded into dS, err in proportion to those terms."""
+    q, k, v, cot = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, cot))
+    heads, length, dim = q.shape[1], q.shape[2], q.shape[3]
+    k, v = (np.repeat(x, heads // x.shape[1], axis=1) for x in (k, v))
+    distance = (np.arange(length)[None, :] - np.arange(length)[:, None]).astype(np.float64)
+    logits = (np.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(dim)
+              + np.asarray(slopes, np.float64)[None, :, None, None] * distance)
+    logits = np.where(distance <= 0, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = np.einsum("bhqd,bhkd->bhqk", cot, v)
+    delta = (cot * np.einsum("bhqk,bhkd->bhqd", p, v)).sum(-1, keepdims=True)
+    return np.abs(p * (dp - delta) * distance).sum(axis=(0, 2, 3))
+
+
 def jnp_attention_f64(q, k, v, visible, *, scale=None, bias=None, sinks=None, soft_cap=None,
                       score=None):
     """The oracle in jnp (differentiable); call inside ``jax.enable_x64(True)`` with float64 arrays.

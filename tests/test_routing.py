@@ -712,40 +712,43 @@ def test_mapped_examples_are_read_through_grad():
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="plans as on a CPU host")
-def test_mosaic_declines_an_element_map_that_vmap_makes_too_large(monkeypatch):
-    """Per-call positions at 20480 tokens, two heads: one example's element maps (and their
-    transposes) take 3.1 GiB, under the 4 GiB bound; mapped over a batch of two by
-    `jax.vmap` the call builds 6.2 GiB, and Mosaic declines it (XLA takes the call). Since
-    its GPU run Mosaic reads these per-head widths in-kernel instead, with no map: it then
-    takes the vmapped call."""
-    from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+def _widths_by_key(q, k, widths, head):
+    """A window whose width is read at the keys' indices: a gather, so Mosaic's partial
+    blocks read the call's element map."""
+    return (k <= q) & (q - k < widths[k % 2])
 
-    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", False)  # the element map's route
+
+def test_mosaic_declines_an_element_map_that_vmap_makes_too_large():
+    """Per-call positions at 20480 tokens, two heads, a mask whose widths are read at the
+    keys: one example's element maps (and their transposes) take 3.1 GiB, under the 4 GiB
+    bound; mapped over a batch of two by `jax.vmap` the call builds 6.2 GiB, and Mosaic
+    declines it (XLA takes the call). Widths read at the head alone Mosaic reads in-kernel,
+    with no map: it takes that vmapped call."""
     length = 20480
-    attn = bsa.BlockSparseAttention(mask=masks.Predicate(widths_by_head,
-                                                         jnp.asarray([40, 90], jnp.int32)))
+    widths = jnp.asarray([40, 90], jnp.int32)
     qkv = [jax.ShapeDtypeStruct((BATCH, HEADS, length, DIM), jnp.bfloat16)] * 3
     positions = [jax.ShapeDtypeStruct((BATCH, length), jnp.int32)] * 2
     choices = []
 
-    def one(q, k, v, qp, kp):
-        choices.append(attn.plan(q, k, v, q_positions=qp, kv_positions=kp,
-                                 platform="gpu").choice)
-        return q
+    def plan_of(fn):
+        attn = bsa.BlockSparseAttention(mask=masks.Predicate(fn, widths))
 
-    jax.eval_shape(one, *(jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-                          for x in qkv + positions))
+        def one(q, k, v, qp, kp):
+            choices.append(attn.plan(q, k, v, q_positions=qp, kv_positions=kp,
+                                     platform="gpu").choice)
+            return q
+
+        return one
+
+    by_key = plan_of(_widths_by_key)
+    jax.eval_shape(by_key, *(jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+                             for x in qkv + positions))
     assert choices[-1].kernel.name == "mosaic", choices[-1].explain()
-    jax.eval_shape(jax.vmap(one), *qkv, *positions)
+    jax.eval_shape(jax.vmap(by_key), *qkv, *positions)
     assert choices[-1].kernel.name == "xla", choices[-1].explain()
-    # The widths are read at the head alone, which Mosaic reads in-kernel once that has run
-    # on a GPU; until then the decline says so.
-    assert ("mosaic", "the mask's predicate reads arrays (its params, or arrays it closes "
-            "over), so its element map would take 6.2 GiB per call (at most 4 GiB): the "
-            "Mosaic kernels read such arrays in-kernel and lower for CUDA, but have not yet "
-            "run on a GPU.") in choices[-1].declined
-    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
-    jax.eval_shape(jax.vmap(one), *qkv, *positions)
+    assert ("mosaic", "the mask's element predicate reads an array; its element map would "
+            "take 6.2 GiB per call (at most 4 GiB).") in choices[-1].declined
+    jax.eval_shape(jax.vmap(plan_of(widths_by_head)), *qkv, *positions)
     assert choices[-1].kernel.name == "mosaic", choices[-1].explain()
 
 

@@ -31,24 +31,6 @@ from .forward import BLOCK_Q, ForwardConfig, forward_call, rows_padded, stages_f
 _DTYPES = ("bfloat16", "float16")
 #: The head dims verified on the H200 (docs/mosaic.md says why D=256 is not among them).
 _HEAD_DIMS = (64, 128)
-#: Whether a score function or a mask's element predicate that reads arrays (its `params`,
-#: or arrays it closes over) has run through these kernels on a GPU: on since the H200 run
-#: of 2026-12-06 (tests/kernels/mosaic/test_mosaic_data_gpu.py, 9 of 9). Off, such a
-#: function is declined in one line (`DATA_NOT_RUN`), and such a predicate reads the call's
-#: element map (past `ELEMENT_MAP_LIMIT` declined, saying why: `MASK_DATA_NOT_RUN`); the
-#: CPU tests switch it off to check those lines.
-_DATA_RUN_ON_GPU = True
-#: The decline of such a function while `_DATA_RUN_ON_GPU` is off.
-DATA_NOT_RUN = ("the score function reads arrays (its params, or arrays it closes over): the "
-                "Mosaic kernels read them in-kernel and lower for CUDA, but have not yet run "
-                "on a GPU.")
-#: The decline of a mask whose element predicate reads arrays at scalar indices of the head
-#: and whose element map is too large, while `_DATA_RUN_ON_GPU` is off (`str.format` with
-#: the map's ``size`` in GiB and the ``limit``).
-MASK_DATA_NOT_RUN = ("the mask's predicate reads arrays (its params, or arrays it closes "
-                     "over), so its element map would take {size:.1f} GiB per call (at most "
-                     "{limit} GiB): the Mosaic kernels read such arrays in-kernel and lower "
-                     "for CUDA, but have not yet run on a GPU.")
 #: The bias dtypes the launches read as they are (others are read as float32).
 _BIAS_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 #: `_function_decline`'s params where the plan knows only that there are some.
@@ -164,10 +146,9 @@ class MosaicBlockSparse(AbstractLseKernel):
     or, for a mask without them, its element predicate (`CompiledMask.visible_at`) traced on
     the block's index, position and segment id tiles (where it reads arrays at scalar
     indices of the head, per-head widths, with those scalars from read tables: `data`,
-    `mask_route`; declined past 4 GiB of element maps, and read from them below that, until
-    run on a GPU: `_DATA_RUN_ON_GPU`), or, where the predicate reads an array otherwise or
-    Mosaic GPU cannot lower it, tiles of the call's element map
-    (`CompiledMask.element_map`, at most 4 GiB with its transpose).
+    `mask_route`), or, where the predicate reads an array otherwise or Mosaic GPU cannot
+    lower it, tiles of the call's element map (`CompiledMask.element_map`, at most 4 GiB
+    with its transpose).
 
     The backward pass is its own, in one of two modes:
 
@@ -197,16 +178,15 @@ class MosaicBlockSparse(AbstractLseKernel):
     (`scores.ScoreFunction`), traced into each kernel on its register tiles, its derivative
     in the logits taken by JAX in the kernel; the arrays it reads (its `params`, arrays it
     closes over) are the launches' operands, read at scalar indices, their gradient formed
-    by the dk/dv launch (`data`; declined until run on a GPU: `_DATA_RUN_ON_GPU`). Per-call
-    positions replace the token indices in the mask's terms, ALiBi and the score function.
-    A bias ``[1 or B, 1 or H, Lq, Lk]`` is an operand of every launch, its gradient written
-    by the dq launch where it is differentiated. Declines other score terms (`score_kinds`), score functions that Mosaic GPU cannot
-    lower or that read arrays other than at scalar indices of the head and batch row, masks
-    whose element map is too large, and per-call positions or masks without terms inside a
-    sharding's loop, each with a reason, so the selector gives the whole call to another
-    kernel. Its tiles are fixed
-    (`MosaicConfig.for_head_dim`): another kernel's config or a `Tiling` gives way to them,
-    and a `MosaicConfig` must be that one.
+    by the dk/dv launch (`data`). Per-call positions replace the token indices in the
+    mask's terms, ALiBi and the score function. A bias ``[1 or B, 1 or H, Lq, Lk]`` is an
+    operand of every launch, its gradient written by the dq launch where it is
+    differentiated. Declines other score terms (`score_kinds`), score functions that Mosaic
+    GPU cannot lower or that read arrays other than at scalar indices of the head and batch
+    row, masks whose element map is too large, and per-call positions or masks without
+    terms inside a sharding's loop, each with a reason, so the selector gives the whole call
+    to another kernel. Its tiles are fixed (`MosaicConfig.for_head_dim`): another kernel's
+    config or a `Tiling` gives way to them, and a `MosaicConfig` must be that one.
     Its priority on a GPU (35) is above Triton's (30) and below cuDNN's (40) (docs/mosaic.md
     has the measurements behind that order).
 
@@ -267,9 +247,9 @@ class MosaicBlockSparse(AbstractLseKernel):
             why = _predicate_decline(predicate, features)
             if why is None:
                 size = _element_map_bytes(predicate, features)
-                route = mask_route(predicate, features.head_dim, size > ELEMENT_MAP_LIMIT)
+                route = mask_route(predicate, features.head_dim)
                 if route.reads == "elements" and size > ELEMENT_MAP_LIMIT:
-                    why = _element_map_decline(predicate, size, route.not_run)
+                    why = _element_map_decline(predicate, size)
             if why is not None:
                 return why
         if features.positions and features.in_loop and (terms is None or terms.uses_positions
@@ -466,11 +446,9 @@ def _function_decline(function, params, head_dim: int, in_loop: bool = False) ->
     """Why the kernels cannot take this score function with `params` (a pytree of arrays or
     abstract leaves, ``None``, or `_UNKNOWN`) at `head_dim`, or ``None``: one that reads no
     array must lower (`function_lowering_failure`); one that reads arrays must read them as
-    the kernels can (`data.data_decline`), outside a sharding's loop, and has not yet run
-    on a GPU (`_DATA_RUN_ON_GPU`), else must lower with them (`data_lowering_failure`)."""
+    the kernels can (`data.data_decline`), outside a sharding's loop, and must lower with
+    them (`data_lowering_failure`)."""
     if params is _UNKNOWN:
-        if not _DATA_RUN_ON_GPU:
-            return DATA_NOT_RUN
         return None  # checked where the call runs, its params known
     if not (function.takes_params or reads_arrays(function, params)):
         return function_lowering_failure(function)
@@ -480,8 +458,6 @@ def _function_decline(function, params, head_dim: int, in_loop: bool = False) ->
     why = data_decline(function, params, head_dim)
     if why is not None:
         return why
-    if not _DATA_RUN_ON_GPU and reads_arrays(function, params):
-        return DATA_NOT_RUN
     return data_lowering_failure(function, *params_avals(params), head_dim)
 
 
@@ -510,30 +486,19 @@ class MaskRoute(NamedTuple):
     reads: str
     #: The predicate's arrays and trace (`MaskData`) where ``reads == "data"``.
     data: Any = None
-    #: Whether it reads the element map only because `_DATA_RUN_ON_GPU` is off (found only
-    #: where asked: `mask_route`'s `map_too_large`).
-    not_run: bool = False
 
 
-def mask_route(predicate: CompiledMask, head_dim: int,
-               map_too_large: bool = False) -> MaskRoute:
+def mask_route(predicate: CompiledMask, head_dim: int) -> MaskRoute:
     """The one decision of how the kernels evaluate this mask's element predicate (a
     `CompiledMask` without layouts) at `head_dim`: on their tiles where it reads no array
     and Pallas Mosaic GPU lowers it (`mask_lowering_failure`); on their tiles with read
     tables where it reads arrays at scalar indices of the head and lowers so
-    (`data.predicate_data`), once that has run on a GPU (`_DATA_RUN_ON_GPU`); else from the
-    call's element map. While the switch is off, a predicate that reads arrays takes the
-    element map as before, and is looked at further only where that map is too large
-    (`map_too_large`), to say so in the decline (`MaskRoute.not_run`)."""
+    (`data.predicate_data`); else from the call's element map."""
     if predicate.traces_on_tiles(_TILE):
         return MaskRoute("tiles" if mask_lowering_failure(predicate) is None else "elements")
-    if not (_DATA_RUN_ON_GPU or map_too_large):
-        return MaskRoute("elements")
     data = predicate_data(predicate, head_dim)
     if data is None:
         return MaskRoute("elements")
-    if not _DATA_RUN_ON_GPU:
-        return MaskRoute("elements", not_run=True)
     return MaskRoute("data", data)
 
 
@@ -546,13 +511,11 @@ def _element_map_bytes(predicate: CompiledMask, features: Features) -> int:
                                        itemsize=jnp.dtype(ELEMENT_MAP_DTYPE).itemsize)
 
 
-def _element_map_decline(predicate: CompiledMask, size: int, not_run: bool) -> str:
+def _element_map_decline(predicate: CompiledMask, size: int) -> str:
     """Why the call's element map of `size` bytes (past `ELEMENT_MAP_LIMIT`) is refused,
-    in one line: Mosaic GPU cannot lower the predicate, or it reads an array (`not_run`: at
-    scalar indices of the head, which the kernels read in-kernel once `_DATA_RUN_ON_GPU`)."""
+    in one line: Mosaic GPU cannot lower the predicate, or it reads an array otherwise than
+    the kernels can read in-kernel (`mask_route`)."""
     limit = ELEMENT_MAP_LIMIT // 2**30
-    if not_run:
-        return MASK_DATA_NOT_RUN.format(size=size / 2**30, limit=limit)
     if predicate.traces_on_tiles(_TILE):
         why = mask_lowering_failure(predicate)
     else:

@@ -1,5 +1,5 @@
 """Fixtures of the Mosaic tests that run without a GPU: this host planned and lowered for as
-a Hopper GPU, the data switch, and the launches run in Pallas' CPU interpreter."""
+a Hopper GPU, the bias switch, and the launches run in Pallas' CPU interpreter."""
 
 import functools
 
@@ -24,19 +24,6 @@ def hopper_host(monkeypatch):
     monkeypatch.setattr(module_internals, "default_platform", lambda: "gpu")
     monkeypatch.setattr(_mosaic_kernel(), "_mosaic_missing", lambda: None)
     monkeypatch.setattr(_mosaic_kernel(), "_multiprocessors", lambda: H200_MULTIPROCESSORS)
-
-
-@pytest.fixture
-def data_on(monkeypatch):
-    """As once score functions and masks reading arrays have run on a GPU."""
-    monkeypatch.setattr(_mosaic_kernel(), "_DATA_RUN_ON_GPU", True)
-
-
-@pytest.fixture
-def data_off(monkeypatch):
-    """As before score functions and masks reading arrays had run on a GPU: the lines that
-    decline them then, and the element maps such masks read."""
-    monkeypatch.setattr(_mosaic_kernel(), "_DATA_RUN_ON_GPU", False)
 
 
 @pytest.fixture

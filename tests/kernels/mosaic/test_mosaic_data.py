@@ -6,11 +6,8 @@ loaded once per work item; the dk/dv launch forms the tables' cotangent and JAX 
 the arrays (`strategies/kernels/mosaic/data.py`). Here: the read tables and their gradient
 against NumPy; the forward and the backward lower for CUDA with a closure's ALiBi slopes,
 learned slopes in `params`, and an integer table per head; what stays unsupported is
-declined in one line; and until such a
-function has run on a GPU (`kernel._DATA_RUN_ON_GPU`), the kernel declines it in one line
-that says so, which the selector's `explain` names. One extended test runs the whole call,
-forward and every gradient, in Pallas' CPU interpreter for Mosaic GPU against the float64
-oracle.
+declined in one line. One extended test runs the whole call, forward and every gradient, in
+Pallas' CPU interpreter for Mosaic GPU against the float64 oracle.
 """
 
 import functools
@@ -77,7 +74,7 @@ LOWERED = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(LOWERED))
-def test_data_functions_lower_for_cuda(hopper_host, data_on, case):
+def test_data_functions_lower_for_cuda(hopper_host, case):
     """`jit(grad)` of a call whose score function reads arrays lowers for CUDA: the forward,
     dq and dk/dv launches (the deterministic backward, which every JAX runs), each taking
     the arrays as operands; where they are traced, the dk/dv launch also returns their
@@ -99,7 +96,7 @@ def test_data_functions_lower_for_cuda(hopper_host, data_on, case):
     assert shapes == [q.shape, k.shape, v.shape] + [(HEADS,)] * extra, case
 
 
-def test_data_reads_are_operands_of_each_launch(hopper_host, data_on, launches):
+def test_data_reads_are_operands_of_each_launch(hopper_host, launches):
     """The launch configurations carry the function traced at each launch's tile (the
     forward's and dq's 64 x 128 at D = 64, the dk/dv launch's 64 keys x 64 queries) and
     the arrays' leaves; only a traced float array is differentiated, and the dk/dv launch
@@ -199,63 +196,33 @@ def _half(score, head, q_pos, k_pos):
     (_half, "reads an array of bfloat16 (shape (4,)): the Mosaic kernels read 32-bit"),
 ])
 def test_unsupported_reads_are_declined_in_one_line(fn, words):
-    """What the kernels cannot read is declined, in one line, before the not-yet-run
-    decline: a gather by the positions, an index from the tiles, too many elements, a
-    16-bit array."""
+    """What the kernels cannot read is declined, in one line: a gather by the positions, an
+    index from the tiles, too many elements, a 16-bit array."""
     why = mosaic_kernel._function_decline(_term(fn), None, 64)
     assert why is not None and words in why and "\n" not in why, why
 
 
-def test_not_yet_run_decline_and_its_switch(data_on, monkeypatch):
-    """A function that reads arrays is declined in one line ending "not yet run on a GPU."
-    while `_DATA_RUN_ON_GPU` is off (a closure's slopes, learned slopes, an int table; or
-    params the plan knows only by their presence), and taken when it is on (it lowers);
-    one that reads no array is not concerned; inside a sharding's loop it is declined."""
+def test_functions_reading_arrays_are_taken():
+    """A function that reads arrays as the kernels can is taken (it lowers): a closure's
+    slopes, an int table, learned slopes in params, concrete or abstract, or params the plan
+    knows only by their presence (checked where the call runs); so is one that reads no
+    array; inside a sharding's loop one that reads arrays is declined."""
     decline = mosaic_kernel._function_decline
     cases = [(_term(closure_alibi), None), (_term(table_window), None),
              (_term(learned_alibi, {"slopes": SLOPES}), {"slopes": SLOPES}),
              (_term(learned_alibi, {"slopes": SLOPES}),
-              {"slopes": jax.ShapeDtypeStruct((HEADS,), jnp.float32)})]
-    for term, params in cases[:2]:
+              {"slopes": jax.ShapeDtypeStruct((HEADS,), jnp.float32)}),
+             (_term(learned_alibi, {"slopes": SLOPES}), mosaic_kernel._UNKNOWN)]
+    for term, params in cases:
         assert decline(term, params, 64) is None
     assert "loop (RingAttention)" in decline(cases[0][0], None, 64, in_loop=True)
-    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", False)
-    for term, params in cases:
-        why = decline(term, params, 128)
-        assert why == mosaic_kernel.DATA_NOT_RUN, why
-    assert why.endswith("not yet run on a GPU.") and "\n" not in why
-    assert decline(cases[2][0], mosaic_kernel._UNKNOWN, 64) == mosaic_kernel.DATA_NOT_RUN
     plain = _term(lambda s, h, qp, kp: s * 0.5)
     assert decline(plain, None, 64) is None
 
 
-def test_selector_names_the_not_yet_run_decline(hopper_host, data_off):
-    """Planned for a GPU from a CPU, a call whose score function reads arrays goes to
-    another kernel, and `explain` names Mosaic's one-line reason; `select_kernel` says the
-    same for the features a plan builds."""
-    q, k, v = _qkv(1, HEADS, HEADS, 256, 64)
-    for score in (scores.ScoreFunction(closure_alibi),
-                  scores.ScoreFunction(learned_alibi, {"slopes": SLOPES})):
-        plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=score).plan(q, k, v)
-        assert plan.choice.kernel.name != "mosaic", plan.choice.explain()
-        assert f"declined mosaic: {mosaic_kernel.DATA_NOT_RUN}" in plan.choice.explain()
-    features = bsa.Features(platform="gpu", dtype="bfloat16", num_heads=HEADS,
-                            num_kv_heads=HEADS, q_len=256, kv_len=256, head_dim=64,
-                            value_dim=64, score=("function",),
-                            score_function=_term(closure_alibi))
-    choice = bsa.select_kernel(masks.Causal(), platform="gpu", features=features)
-    assert choice.kernel.name != "mosaic"
-    assert f"declined mosaic: {mosaic_kernel.DATA_NOT_RUN}" in choice.explain()
-    # The call itself, with Mosaic asked for by name, is refused in the same line.
-    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
-                                    score=scores.ScoreFunction(closure_alibi))
-    with pytest.raises(ValueError, match="not yet run on a GPU"):
-        jax.eval_shape(attn, q, k, v)
-
-
 @pytest.mark.slow
 @pytest.mark.extended
-def test_data_gradients_in_cpu_interpreter(interpreted, data_on):
+def test_data_gradients_in_cpu_interpreter(interpreted):
     """The whole call, its launches in Pallas' CPU interpreter for Mosaic GPU: a function
     reading a closure's traced slopes, a learned scale per head in `params` and an int32
     window table (two differentiated reads a tile and an integer one), grouped heads and
@@ -302,7 +269,7 @@ def test_data_gradients_in_cpu_interpreter(interpreted, data_on):
 
 # A mask's element predicate that reads arrays at scalar indices of the head: evaluated on
 # the partial blocks with its scalars from the read tables (`data.predicate_data`), no
-# element map, once `_DATA_RUN_ON_GPU` is on.
+# element map.
 
 def closure_widths(q, k, head):
     """The same window, its widths a jnp array the predicate closes over."""
@@ -323,8 +290,8 @@ MASK_READS = {
 
 
 @pytest.mark.parametrize("case", sorted(MASK_READS))
-def test_mask_reading_arrays_lowers_for_cuda_without_element_map(hopper_host, data_on,
-                                                                 launches, monkeypatch, case):
+def test_mask_reading_arrays_lowers_for_cuda_without_element_map(hopper_host, launches,
+                                                                 monkeypatch, case):
     """`jit(grad)` of a call whose mask predicate reads per-head widths (a `Predicate`'s
     params, or a closure's array) lowers for CUDA (forward, dq and dk/dv launches), the
     predicate traced at each launch's tile (the dk/dv tile's rows are keys) and its widths
@@ -413,15 +380,13 @@ def _corner_widths(q, k, widths, head):
     return q - k < widths[q[0, 0] % HEADS]
 
 
-def test_mask_reading_arrays_plan_and_its_switch(hopper_host, data_off, monkeypatch):
-    """While `_DATA_RUN_ON_GPU` is off, a per-head-widths `Predicate` reads the element
-    map where it fits (as before) and at 16k tokens and 16 heads (16 GiB of maps) is
-    declined in one line ending "not yet run on a GPU."; once on, it is taken at 16k with
-    no element map. What the kernels cannot read in-kernel (a gather by the keys, an index
-    from the tiles, a 16-bit array, too many elements) keeps the element map and its 4 GiB
-    decline either way."""
-    from eqx_bsattn.strategies.kernels.mosaic.kernel import (ELEMENT_MAP_LIMIT,
-                                                              MASK_DATA_NOT_RUN, mask_route)
+def test_mask_reading_arrays_plan(hopper_host):
+    """A per-head-widths `Predicate` is taken with no element map, at 256 tokens and at
+    16k tokens and 16 heads (where its element maps would take 16 GiB). What the kernels
+    cannot read in-kernel (a gather by the keys, an index from the tiles, a 16-bit array,
+    too many elements) reads the element map where it fits and is declined past 4 GiB, in
+    one line."""
+    from eqx_bsattn.strategies.kernels.mosaic.kernel import mask_route
 
     kernel = MosaicBlockSparse()
     heads, long = 16, 16384
@@ -436,30 +401,24 @@ def test_mask_reading_arrays_plan_and_its_switch(hopper_host, data_off, monkeypa
         predicate = resolved.predicate()
         return kernel.decline_reason(resolved, features), mask_route(predicate, 64).reads
 
-    assert judge(widths_by_head, widths, 256) == (None, "elements")
-    why, _ = judge(widths_by_head, widths, long)
-    assert why == MASK_DATA_NOT_RUN.format(size=16.0, limit=ELEMENT_MAP_LIMIT // 2**30), why
-    assert why.endswith("not yet run on a GPU.") and "\n" not in why
-    others = ((_gather_widths, widths), (_corner_widths, widths),
-              (widths_by_head, widths.astype(jnp.int16)),
-              (widths_by_head, jnp.ones((70000,), jnp.int32)))
-    declines = [judge(fn, data, long)[0] for fn, data in others]
-    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
     assert judge(widths_by_head, widths, long) == (None, "data")
     assert judge(widths_by_head, widths, 256) == (None, "data")
     small = bsa.ResolvedMask(masks.Predicate(widths_by_head, widths), q_len=256, kv_len=256,
                              num_heads=heads).predicate()
     assert mask_route(small, 64).reads != "elements"
-    for (fn, data), before in zip(others, declines):
+    others = ((_gather_widths, widths), (_corner_widths, widths),
+              (widths_by_head, widths.astype(jnp.int16)),
+              (widths_by_head, jnp.ones((70000,), jnp.int32)))
+    for fn, data in others:
         why, reads = judge(fn, data, long)
-        assert reads == "elements" and why == before, (fn, why)
+        assert reads == "elements" and "\n" not in why, (fn, why)
         assert "element predicate reads an array; its element map would take 16.0 GiB" in why
         assert judge(fn, data, 256) == (None, "elements")
 
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_mask_reading_arrays_in_cpu_interpreter(interpreted, data_on, launches):
+def test_mask_reading_arrays_in_cpu_interpreter(interpreted, launches):
     """The whole call in Pallas' CPU interpreter for Mosaic GPU with a mask predicate reading
     per-head widths in-kernel (no element map): a `Predicate`'s params within documents
     (segment ids) with grouped heads and ragged, unequal lengths (200 queries, 333 keys);

@@ -2,11 +2,8 @@
 ALiBi slopes, learned slopes in `params`, and an int32 window table per head, read in-kernel
 (strategies/kernels/mosaic/data.py). Forward and every gradient (q, k, v, and the slopes or
 params) against the float64 oracle in both backward modes, bit-identical gradients over two
-runs in the deterministic mode, and the selector's choice of this kernel for them.
-
-They passed on the H200 on 2026-12-06 (9 of 9), which switched `kernel._DATA_RUN_ON_GPU`
-on; they set it on themselves, so they also check a build that has it off. They skip unless
-JAX's default backend is a GPU.
+runs in the deterministic mode, and the selector's choice of this kernel for them. They
+skip unless JAX's default backend is a GPU.
 """
 
 import jax
@@ -17,8 +14,8 @@ import pytest
 import eqx_bsattn as bsa
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
-from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
-from tests.conftest import jnp_attention_f64, np_visibility, score_f64, widths_by_head
+from tests.conftest import (alibi_gradient_scale, jnp_attention_f64, np_visibility, score_f64,
+                            widths_by_head)
 from tests.kernels.mosaic.test_mosaic_gpu import MODES, TOL, _inputs, _rel, on_gpu
 
 #: Batch, query heads, kv heads, length (ragged: not a multiple of the tiles), head dim.
@@ -27,12 +24,6 @@ B, H, HKV, L, D = 2, 4, 2, 1000, 128
 SLOPES = jnp.asarray([0.5, -0.25, 0.125, 0.0625], jnp.float32)
 #: A window width per head (int32), read by `table_window`.
 WIDTHS = jnp.asarray([40, 900, 7, 300], jnp.int32)
-
-
-@pytest.fixture(autouse=True)
-def data_on(monkeypatch):
-    """Run what the kernel declines until these tests have passed on a GPU."""
-    monkeypatch.setattr(mosaic_kernel, "_DATA_RUN_ON_GPU", True)
 
 
 def alibi_term(s, h, qp, kp, slopes):
@@ -108,23 +99,11 @@ def _oracle(case):
 
 
 def _slopes_gradient_scale():
-    """Per head, ``sum |dS (k - q)|`` over the causal pairs of the ALiBi cases, in float64 on
-    the bfloat16-rounded inputs: the magnitude of the terms the slopes' gradient sums. Each
-    row's dS sums to zero, so the gradient cancels far below its terms (by 1.3e4 at the
-    head whose slope is negative: its rows are weighted to their far keys), and the
-    kernel's bfloat16 output and P, rounded into dS, err in proportion to those terms."""
-    q, k, v, cot = (np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
-                    for x in _inputs(51, B, H, HKV, L, L, D))
-    k, v = (np.repeat(x, H // HKV, axis=1) for x in (k, v))
-    distance = (np.arange(L)[None, :] - np.arange(L)[:, None]).astype(np.float64)
-    logits = (np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(D)
-              + np.asarray(SLOPES, np.float64)[None, :, None, None] * distance)
-    logits = np.where(distance <= 0, logits, -np.inf)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    dp = np.einsum("bhqd,bhkd->bhqk", cot, v)
-    delta = (cot * np.einsum("bhqk,bhkd->bhqd", p, v)).sum(-1, keepdims=True)
-    return np.abs(p * (dp - delta) * distance).sum(axis=(0, 2, 3))
+    """`alibi_gradient_scale` of the ALiBi cases, on the bfloat16-rounded inputs: the
+    slopes' gradient cancels far below its terms (by 1.3e4 at the head whose slope is
+    negative: its rows are weighted to their far keys)."""
+    q, k, v, cot = (x.astype(jnp.bfloat16) for x in _inputs(51, B, H, HKV, L, L, D))
+    return alibi_gradient_scale(q, k, v, cot, SLOPES)
 
 
 @on_gpu
@@ -190,7 +169,7 @@ def test_closure_alibi_matches_builtin_alibi():
 
 
 @on_gpu
-def test_mask_reading_widths_matches_float64_oracle(monkeypatch):
+def test_mask_reading_widths_matches_float64_oracle(launches):
     """A `Predicate` whose per-head widths are its params, evaluated on the partial blocks
     with the widths read in-kernel (no element map reaches the launches), alone and beside
     a score function that reads arrays (a closure's ALiBi slopes): output and the gradients
@@ -200,14 +179,6 @@ def test_mask_reading_widths_matches_float64_oracle(monkeypatch):
     x = jnp.zeros((B, H, L, D), jnp.bfloat16)
     plan = bsa.BlockSparseAttention(mask=mask).plan(x, x[:, :HKV], x[:, :HKV])
     assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
-    maps = []
-    real = mosaic_kernel._attend
-
-    def spy(fcfg, bcfg, q, k, v, slopes, data, seg, positions, element_maps, *rest):
-        maps.append(element_maps)
-        return real(fcfg, bcfg, q, k, v, slopes, data, seg, positions, element_maps, *rest)
-
-    monkeypatch.setattr(mosaic_kernel, "_attend", spy)
     q, k, v, cot = _inputs(53, B, H, HKV, L, L, D)
     widths = np.asarray(WIDTHS)
     positions = np.arange(L)
@@ -228,7 +199,7 @@ def test_mask_reading_widths_matches_float64_oracle(monkeypatch):
             return (out, *pullback(cot.astype(out.dtype)))
 
         got = jax.jit(both)(q, k, v)
-        assert maps[-1] is None
+        assert launches[-1][3] is None  # no element map
         with jax.enable_x64(True):
             def oracle(q, k, v, score=score):
                 terms = None if score is None else (lambda s: score_f64(

@@ -190,11 +190,11 @@ def test_forward_and_backward_lower_for_cuda(hopper_host, monkeypatch, case):
     assert [o.shape for o in jax.tree.leaves(lowered.out_info)] == [q.shape, k.shape, v.shape]
 
 
-def test_score_function_mosaic_cannot_lower_is_declined(hopper_host, data_off):
+def test_score_function_mosaic_cannot_lower_is_declined(hopper_host):
     """A score function Pallas Mosaic GPU cannot lower gives the first line of the reason
     (once per function: the verdict is cached), and the call is refused in one line when the
-    kernel is asked for it; a function with parameters is declined until such functions have
-    run on a GPU (tests/kernels/mosaic/test_mosaic_data.py)."""
+    kernel is asked for it; a function with parameters that it lowers is taken
+    (tests/kernels/mosaic/test_mosaic_data.py)."""
     from eqx_bsattn.strategies.kernels.mosaic.kernel import (
         _function_decline, function_lowering_failure, score_function)
 
@@ -211,18 +211,18 @@ def test_score_function_mosaic_cannot_lower_is_declined(hopper_host, data_off):
     assert _function_decline(term(_running_sum), None, 64) == why
     assert function_lowering_failure.cache_info().hits == hits + 1
     scaled = score_function(scores.ScoreFunction(_scaled, {"w": jnp.ones(2)}).compile(2))[0]
-    assert _function_decline(scaled, {"w": jnp.ones(2)}, 64) == mosaic_kernel.DATA_NOT_RUN
+    assert _function_decline(scaled, {"w": jnp.ones(2)}, 64) is None
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse(),
                                     score=scores.ScoreFunction(_running_sum))
     q, k, v = _inputs(1, 2, 2, 256, 256, 64)
     with pytest.raises(ValueError, match="cannot lower the score function: .*cumsum"):
         jax.jit(attn).trace(q, k, v)
-    # The selector, at plan time: this kernel for a function it lowers, another (with the
-    # reason in `explain`) for one it cannot lower or one with parameters.
+    # The selector, at plan time: this kernel for a function it lowers (with parameters or
+    # without), another (with the reason in `explain`) for one it cannot lower.
     for score, chosen, word in (
             (scores.ScoreFunction(_hiding), True, None),
             (scores.ScoreFunction(_running_sum), False, "cumsum"),
-            (scores.ScoreFunction(_scaled, {"w": jnp.ones(2)}), False, "not yet run on a GPU")):
+            (scores.ScoreFunction(_scaled, {"w": jnp.ones(2)}), True, None)):
         plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=score).plan(q, k, v)
         assert (plan.choice.kernel.name == "mosaic") == chosen, plan.choice.explain()
         assert word is None or word in plan.choice.explain()
@@ -233,12 +233,19 @@ def _scaled(score, head, q_pos, k_pos, params):
     return score * params["w"][head]
 
 
-def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host, data_off):
+def _widths_by_key(q, k, widths, head):
+    """A window whose width is read at the keys' indices: a gather, which the kernels
+    cannot read in-kernel."""
+    return (k <= q) & (q - k < widths[k % 2])
+
+
+def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host):
     """A mask without in-kernel terms goes to this kernel: its element predicate traced on
-    the partial blocks, or, where the predicate reads an array (an ArrayMask, a Predicate's
-    params) or Pallas Mosaic GPU cannot lower it (the verdict cached per mask), the call's
-    element map, unless that map would pass `ELEMENT_MAP_LIMIT`: then it is declined with
-    the reason (the selector then picks another kernel)."""
+    the partial blocks (with a Predicate's per-head widths read in-kernel), or, where the
+    predicate reads an array otherwise (an ArrayMask, a gather by the keys) or Pallas
+    Mosaic GPU cannot lower it (the verdict cached per mask), the call's element map,
+    unless that map would pass `ELEMENT_MAP_LIMIT`: then it is declined with the reason
+    (the selector then picks another kernel)."""
     from eqx_bsattn.strategies.kernels.mosaic.kernel import (
         ELEMENT_MAP_LIMIT, mask_lowering_failure, mask_route)
 
@@ -248,7 +255,8 @@ def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host,
                            (masks.Causal() & ~masks.SlidingWindow(20, 0), False),
                            ((masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8), False),
                            (masks.ArrayMask(np.tri(256, dtype=bool)), True),
-                           (masks.Predicate(widths_by_head, jnp.asarray([9, 30])), True),
+                           (masks.Predicate(widths_by_head, jnp.asarray([9, 30])), False),
+                           (masks.Predicate(_widths_by_key, jnp.asarray([9, 30])), True),
                            (masks.Predicate(_round_window), True)):
         plan = bsa.BlockSparseAttention(mask=mask).plan(q, k, v)
         assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
@@ -266,10 +274,12 @@ def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host,
                     q_len=length, kv_len=length)
     size = 2 * 2 * 2 * 2 * length * length  # maps and their transposes, 16-bit, B = H = 2
     assert size > ELEMENT_MAP_LIMIT >= size // 2
-    # Per-head widths are read in-kernel once that has run on a GPU: until then, the decline
-    # says so (tests/kernels/mosaic/test_mosaic_data.py).
-    for mask, reason in ((masks.Predicate(widths_by_head, jnp.asarray([9, 30])),
-                          "predicate reads arrays .*not yet run on a GPU"),
+    # Per-head widths are read in-kernel, with no element map: taken at any length.
+    widths = bsa.ResolvedMask(masks.Predicate(widths_by_head, jnp.asarray([9, 30])),
+                              q_len=length, kv_len=length, num_heads=2)
+    assert kernel.decline_reason(widths, bsa.Features(**features, positions=True)) is None
+    for mask, reason in ((masks.Predicate(_widths_by_key, jnp.asarray([9, 30])),
+                          "element predicate reads an array"),
                          (masks.PerHead([masks.Predicate(_round_window), masks.Causal()]),
                           "cannot lower the mask's element predicate: .*sqrt")):
         resolved = bsa.ResolvedMask(mask, q_len=length, kv_len=length, num_heads=2)
