@@ -345,8 +345,18 @@ QUICK_CASES = {"xla": {"everything", "predicate", "score_alibi_learned_gqa"},
 #: Kernels whose cases beyond the quick subset are the `extended` tier on the CPU: the gather
 #: kernel, Splash and PallasTpuBlockSparse (interpreted here, seconds a case). The CPU's
 #: default kernels, XlaBlockSparse and DenseReference (small calls), run every case in the
-#: full tier. Off the CPU every kernel runs every case.
+#: full tier but the `tiled_` ones outside `TILED_FULL`. Off the CPU every kernel runs every
+#: case.
 EXTENDED_KERNELS = {"gather", "splash", "pallas_tpu"}
+
+#: The `tiled_` cases (GPU-tile lengths, 256 to 1024 tokens) the CPU's default kernels run in
+#: the full tier on the CPU, one of each kind: a long grouped causal call, a union with
+#: global tokens and random blocks, documents under a window, a mask per head, an explicit
+#: tiling and a broadcast bias. Their small cases cover each feature; the other `tiled_`
+#: cases are the extended tier there (seconds each, a third of the full tier's conformance
+#: time on 2 cores).
+TILED_FULL = {"tiled_gqa_long", "tiled_bigbird", "tiled_documents_window", "tiled_per_head",
+              "tiled_explicit", "tiled_bias_b11k"}
 
 #: The inner points of the head-dim sweep, which the CPU kernel runs in the extended tier on
 #: the CPU: its default run takes 80 (not a power of two) and 256 (the largest).
@@ -356,7 +366,8 @@ SWEEP_EXTENDED = {"tiled_head_dim_96", "tiled_head_dim_128", "tiled_head_dim_192
 def _quick(cls, name: str) -> list:
     if name in QUICK_CASES.get(cls.name, {"everything", "one_query"}):
         return []
-    extended = ((cls.name in EXTENDED_KERNELS or name in SWEEP_EXTENDED)
+    tiled_extended = name.startswith("tiled_") and name not in TILED_FULL
+    extended = ((cls.name in EXTENDED_KERNELS or name in SWEEP_EXTENDED or tiled_extended)
                 and bsa.default_platform() == "cpu")
     return [pytest.mark.slow] + ([pytest.mark.extended] if extended else [])
 
