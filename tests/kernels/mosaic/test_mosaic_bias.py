@@ -63,6 +63,17 @@ def test_bias_is_chosen(hopper_host):
     assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
 
 
+def test_bias_inside_a_sharding_loop_is_declined(hopper_host):
+    """A bias runs in the kernels, but inside a sharding's loop (RingAttention) it has not
+    run yet: declined there in one line, taken elsewhere."""
+    resolved = bsa.ResolvedMask(masks.Causal(), q_len=256, kv_len=256, num_heads=2)
+    base = dict(platform="gpu", dtype="bfloat16", head_dim=128, value_dim=128, bias=True)
+    kernel = MosaicBlockSparse()
+    assert kernel.decline_reason(resolved, bsa.Features(**base)) is None
+    why = kernel.decline_reason(resolved, bsa.Features(**base, in_loop=True))
+    assert why == "a bias inside a sharding's loop (RingAttention) is not supported."
+
+
 def _lowered_qkv(batch, heads, kv_heads, q_len, kv_len, dim):
     """q, k and v in bfloat16 for a call that is only lowered (any size)."""
     keys = jax.random.split(jax.random.key(0), 3)

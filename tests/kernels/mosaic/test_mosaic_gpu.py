@@ -397,9 +397,10 @@ def test_declines_with_reasons():
     assert kernel.decline_reason(resolved, bsa.Features(**base)) is None
     for change, word in ((dict(dtype="float32"), "dtype"), (dict(head_dim=96, value_dim=96),
                          "head dims"), (dict(value_dim=64), "head dims"),
-                         (dict(bias=True), "bias")):
+                         (dict(bias=True, in_loop=True), "bias inside a sharding's loop")):
         why = kernel.decline_reason(resolved, bsa.Features(**{**base, **change}))
         assert why is not None and word in why, (change, why)
+    assert kernel.decline_reason(resolved, bsa.Features(**base, bias=True)) is None
     # Per-call positions, with the mask's terms and the score terms.
     assert kernel.decline_reason(resolved, bsa.Features(**base, positions=True)) is None
     assert kernel.decline_reason(resolved, bsa.Features(**base, positions=True,
