@@ -425,7 +425,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     `bias` is the padded ``[1 or B, 1 or H, Lq, Lk]`` bias (``cfg.bias``); with
     ``cfg.bias_gradient`` the launch returns ``(dq, dbias)``: `dbias` ``[B, H, Lq, Lk]``
     float32 holds each visited block's dS (the bias's gradient there) and is undefined in
-    the blocks the layout skips (the caller zeroes them: `visited_blocks`).
+    the blocks the layout skips (the caller zeroes them: `BlockLayout.classes`).
 
     With ALiBi (``cfg.alibi``, `slopes` ``[H]`` float32) each logit takes its term; the
     slopes' gradient comes from `dkv_call`. `positions` are the padded ``(q_positions,

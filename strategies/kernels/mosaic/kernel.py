@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, CompiledMask,
-                                  Features, MaskReads, ResolvedMask, TokenCoords, add_sinks,
-                                  backward_delta, function_data, pad_axis, public_lse,
+from eqx_bsattn.contract import (EMPTY, AbstractKernelConfig, AbstractLseKernel,
+                                  CompiledMask, Features, MaskReads, ResolvedMask, TokenCoords,
+                                  add_sinks, backward_delta, function_data, pad_axis, public_lse,
                                   typed_like, zero_cotangent)
 
 from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
@@ -393,6 +393,13 @@ class MosaicBlockSparse(AbstractLseKernel):
             (dq.full_count, dq.full_index, dq.partial_count, dq.partial_index),
             (dkdv.t_full_count, dkdv.t_full_index, dkdv.t_partial_count,
              dkdv.t_partial_index), *schedules))
+        # With a bias, the dq layout's visited blocks at the launch's padded block counts:
+        # its gradient, where asked for, is the dq launch's dS there and zero elsewhere.
+        dq_visited = None
+        if inputs.bias is not None:
+            dq_visited = pad_axis(pad_axis(dq.classes != EMPTY, 2, lq // dq.block_q), 3,
+                                  lk // dq.block_kv)
+        bwd_lists = (*bwd_lists, dq_visited)
         # Without ALiBi a one-element placeholder stands for the slopes (a zero gradient).
         slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes
         return _attend(fcfg, bcfg, query, key, value, slopes, data, _padded_bias(inputs, lq, lk),
@@ -587,12 +594,12 @@ def _attend_bwd(fcfg, bcfg, res, cotangents):
     if isinstance(do, SymbolicZero):
         do = jnp.zeros(out.shape, out.dtype)
     delta = backward_delta(do, out, None if isinstance(dlse, SymbolicZero) else dlse, lse)
-    dq_lists, t_lists, dq_items, dkv_items = bwd_lists
+    dq_lists, t_lists, dq_items, dkv_items, dq_visited = bwd_lists
     bcfg = dataclasses.replace(bcfg, bias_gradient=bias_gradient)
     dq, dk, dv, dslopes, data_rows, dbias = mosaic_backward(
         bcfg, q, k, v, do.astype(q.dtype), lse, delta, seg, dq_lists, t_lists,
         slopes=slopes if bcfg.alibi else None, positions=positions, maps=maps, bias=bias,
-        data=data, schedules=(dq_items, dkv_items))
+        dq_visited=dq_visited, data=data, schedules=(dq_items, dkv_items))
     dslopes = jnp.zeros_like(slopes) if dslopes is None else dslopes.astype(slopes.dtype)
     ddata = None
     if data is not None:
@@ -601,9 +608,7 @@ def _attend_bwd(fcfg, bcfg, res, cotangents):
     if dbias is not None:
         # Each row and head the bias broadcast over: summed, in float32.
         axes = tuple(axis for axis in (0, 1) if bias.shape[axis] == 1)
-        dbias = typed_like(pad_axis(pad_axis(dbias.sum(axis=axes, keepdims=True),
-                                             2, bias.shape[2]), 3, bias.shape[3])
-                           .astype(bias.dtype), bias)
+        dbias = typed_like(dbias.sum(axis=axes, keepdims=True).astype(bias.dtype), bias)
     zeros = jax.tree.map(zero_cotangent, (seg, positions, maps, lists, bwd_lists))
     # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none).
     return tuple(typed_like(g, x) for g, x in zip((dq, dk, dv, dslopes),
@@ -611,8 +616,8 @@ def _attend_bwd(fcfg, bcfg, res, cotangents):
 
 
 def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists, t_lists, *,
-                    slopes=None, positions=None, maps=None, bias=None, data=None,
-                    schedules=(None, None), interpret=None):
+                    slopes=None, positions=None, maps=None, bias=None, dq_visited=None,
+                    data=None, schedules=(None, None), interpret=None):
     """``(dq, dk, dv, dslopes)`` of the Mosaic backward for unpadded inputs: pads to the
     tiles (dO with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute
     nothing), runs the single pass (`dkv_call` with a zeroed float32 dq accumulator, scaled
@@ -628,8 +633,9 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     `data_rows`, last, is `dkv_call`'s rows of their reads' cotangents where one is traced
     (``cfg.data_gradients``), else ``None``. `bias` is the bias at the padded lengths
     (``cfg.bias``; the dk/dv launch reads it transposed); `dbias`, last, its gradient
-    ``[B, H, Lq, Lk]`` float32 at the unpadded lengths where ``cfg.bias_gradient``, zero
-    in the blocks the dq layout skips (`visited_blocks`), else ``None``."""
+    ``[B, H, Lq, Lk]`` float32 at the padded lengths where ``cfg.bias_gradient``, zero
+    outside `dq_visited` (the dq layout's visited blocks, ``BlockLayout.classes !=
+    EMPTY`` at the launch's block counts), else ``None``."""
     q_len, kv_len = q.shape[2], k.shape[2]
     pad_q = functools.partial(_pad, length=cfg.q_len)
     pad_k = functools.partial(_pad, length=cfg.kv_len)
@@ -661,8 +667,7 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
                      schedule=schedules[0], interpret=interpret)
         if cfg.bias_gradient:
             dq, dbias = dq
-            visited = visited_blocks(*dq_lists, cfg.kv_len // cfg.dq_block_kv)
-            dbias = _zeroed_outside(dbias, visited)[:, :, :q_len, :kv_len]
+            dbias = _zeroed_outside(dbias, dq_visited)
         dk, dv, *extra = dkv_call(cfg, *operands, *t_lists, *segments, slopes=slopes,
                                   positions=positions, element_map=maps_t, bias=bias_t,
                                   data=data,
@@ -673,20 +678,6 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     if dk.shape[1] != cfg.kv_heads:
         dk, dv = (summed_per_kv_head(x, cfg.kv_heads) for x in (dk, dv))
     return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], dslopes, data_rows, dbias
-
-
-def visited_blocks(full_count, full_index, partial_count, partial_index, kv_blocks: int):
-    """``[lb, lh, q blocks, kv_blocks]`` bool: the blocks a layout's lists visit (FULL or
-    PARTIAL), from its counts ``[lb, lh, q blocks]`` and indices ``[lb, lh, q blocks, C]``."""
-    visited = jnp.zeros((*full_count.shape, kv_blocks), bool)
-    lb, lh, nq = full_count.shape
-    for count, index in ((full_count, full_index), (partial_count, partial_index)):
-        listed = jnp.arange(index.shape[-1]) < count[..., None]
-        at = jnp.where(listed, index, kv_blocks)  # past the end: dropped
-        rows = tuple(jnp.arange(n).reshape((n,) + (1,) * (2 - axis) + (1,))
-                     for axis, n in enumerate((lb, lh, nq)))
-        visited = visited.at[(*rows, at)].set(True, mode="drop")
-    return visited
 
 
 def _zeroed_outside(x, visited):

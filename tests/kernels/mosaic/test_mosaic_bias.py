@@ -3,11 +3,11 @@
 The bias ``[1 or B, 1 or H, Lq, Lk]`` is an operand of each launch: every visited block adds
 its tile to the logits (the dk/dv launch reads it transposed), and the dq launch writes
 each visited block's dS, the bias's gradient, where the bias is differentiated (the blocks
-the layout skips are zeroed after: `kernel.visited_blocks`). Here: the visited blocks
-against NumPy; the forward and the backward lower for CUDA with a bias, alone and beside a
-mask without terms, ALiBi, a score function and a soft cap; the selector keeps the kernel
-for such a call; and extended tests run the whole call in Pallas' CPU interpreter for Mosaic
-GPU against the float64 oracle (test_mosaic_bias_gpu.py runs it on a GPU).
+the layout skips are zeroed after, from `BlockLayout.classes`). Here: the forward and the
+backward lower for CUDA with a bias, alone and beside a mask without terms, ALiBi, a score
+function and a soft cap; the selector keeps the kernel for such a call; and extended tests
+run the whole call in Pallas' CPU interpreter for Mosaic GPU against the float64 oracle
+(test_mosaic_bias_gpu.py runs it on a GPU).
 """
 
 import jax
@@ -34,23 +34,6 @@ def _qkv(batch, heads, kv_heads, q_len, kv_len, dim, dtype=jnp.float32):
     return (random_array(1, (batch, heads, q_len, dim), dtype),
             random_array(2, (batch, kv_heads, kv_len, dim), dtype),
             random_array(3, (batch, kv_heads, kv_len, dim), dtype))
-
-
-def test_visited_blocks_match_the_lists():
-    """`visited_blocks` marks exactly the blocks a layout's FULL and PARTIAL lists name,
-    per leading axes, whatever lies past each list's count."""
-    rng = np.random.default_rng(0)
-    lb, lh, nq, nk, cap = 2, 3, 5, 7, 4
-    lists = []
-    want = np.zeros((lb, lh, nq, nk), bool)
-    for _ in range(2):
-        count = rng.integers(0, cap + 1, (lb, lh, nq))
-        index = rng.integers(0, nk, (lb, lh, nq, cap))  # past the count: junk
-        for i in np.ndindex(lb, lh, nq):
-            want[i][index[i][:count[i]]] = True
-        lists += [jnp.asarray(count, jnp.int32), jnp.asarray(index, jnp.int32)]
-    got = mosaic_kernel.visited_blocks(*lists, nk)
-    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_bias_is_chosen(hopper_host):
