@@ -248,6 +248,13 @@ def widths_by_head(q, k, widths, head):
     return (k <= q) & (q - k < widths[head])
 
 
+def widths_by_key(q, k, widths, head):
+    """A causal window whose width is read at the keys' indices, ``widths[k % 2]``: a
+    gather, which the kernels cannot read in-kernel, so a `masks.Predicate` of it reads the
+    call's element map."""
+    return (k <= q) & (q - k < widths[k % 2])
+
+
 def np_visibility(mask, *, batch, heads, q_len, kv_len, q_pos=None, kv_pos=None, q_seg=None,
                   kv_seg=None) -> np.ndarray:
     """``[batch, heads, q_len, kv_len]`` visibility; per-call arrays are ``[batch, L]`` or None."""

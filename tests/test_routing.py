@@ -53,7 +53,7 @@ from eqx_bsattn import sharding as shardings
 from eqx_bsattn._module import run_plan
 from eqx_bsattn.strategies.kernels import cudnn as cudnn_module
 from eqx_bsattn.strategies.kernels.triton import kernel as triton_kernel
-from tests.conftest import rel_err, sorted_segments, widths_by_head
+from tests.conftest import rel_err, sorted_segments, widths_by_head, widths_by_key
 
 _CHILD = "EQX_BSATTN_ROUTING_CHILD"
 _DEVICES = 2
@@ -712,12 +712,6 @@ def test_mapped_examples_are_read_through_grad():
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="plans as on a CPU host")
-def _widths_by_key(q, k, widths, head):
-    """A window whose width is read at the keys' indices: a gather, so Mosaic's partial
-    blocks read the call's element map."""
-    return (k <= q) & (q - k < widths[k % 2])
-
-
 def test_mosaic_declines_an_element_map_that_vmap_makes_too_large():
     """Per-call positions at 20480 tokens, two heads, a mask whose widths are read at the
     keys: one example's element maps (and their transposes) take 3.1 GiB, under the 4 GiB
@@ -740,7 +734,7 @@ def test_mosaic_declines_an_element_map_that_vmap_makes_too_large():
 
         return one
 
-    by_key = plan_of(_widths_by_key)
+    by_key = plan_of(widths_by_key)
     jax.eval_shape(by_key, *(jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
                              for x in qkv + positions))
     assert choices[-1].kernel.name == "mosaic", choices[-1].explain()

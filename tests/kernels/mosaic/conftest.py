@@ -1,5 +1,5 @@
 """Fixtures of the Mosaic tests that run without a GPU: this host planned and lowered for as
-a Hopper GPU, the bias switch, and the launches run in Pallas' CPU interpreter."""
+a Hopper GPU, a spy on the launches, and the launches run in Pallas' CPU interpreter."""
 
 import functools
 

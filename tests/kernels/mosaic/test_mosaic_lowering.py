@@ -21,7 +21,7 @@ import eqx_bsattn._layout as layout_internals
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
-from tests.conftest import widths_by_head
+from tests.conftest import widths_by_head, widths_by_key
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
@@ -233,12 +233,6 @@ def _scaled(score, head, q_pos, k_pos, params):
     return score * params["w"][head]
 
 
-def _widths_by_key(q, k, widths, head):
-    """A window whose width is read at the keys' indices: a gather, which the kernels
-    cannot read in-kernel."""
-    return (k <= q) & (q - k < widths[k % 2])
-
-
 def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host):
     """A mask without in-kernel terms goes to this kernel: its element predicate traced on
     the partial blocks (with a Predicate's per-head widths read in-kernel), or, where the
@@ -256,7 +250,7 @@ def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host)
                            ((masks.Dilated(2) & masks.Causal()) | masks.GlobalTokens(8), False),
                            (masks.ArrayMask(np.tri(256, dtype=bool)), True),
                            (masks.Predicate(widths_by_head, jnp.asarray([9, 30])), False),
-                           (masks.Predicate(_widths_by_key, jnp.asarray([9, 30])), True),
+                           (masks.Predicate(widths_by_key, jnp.asarray([9, 30])), True),
                            (masks.Predicate(_round_window), True)):
         plan = bsa.BlockSparseAttention(mask=mask).plan(q, k, v)
         assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
@@ -278,7 +272,7 @@ def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host)
     widths = bsa.ResolvedMask(masks.Predicate(widths_by_head, jnp.asarray([9, 30])),
                               q_len=length, kv_len=length, num_heads=2)
     assert kernel.decline_reason(widths, bsa.Features(**features, positions=True)) is None
-    for mask, reason in ((masks.Predicate(_widths_by_key, jnp.asarray([9, 30])),
+    for mask, reason in ((masks.Predicate(widths_by_key, jnp.asarray([9, 30])),
                           "element predicate reads an array"),
                          (masks.PerHead([masks.Predicate(_round_window), masks.Causal()]),
                           "cannot lower the mask's element predicate: .*sqrt")):

@@ -1,9 +1,9 @@
 """`jax.vmap` over a call of `MosaicBlockSparse` whose score function or mask predicate reads
 arrays (`strategies/kernels/mosaic/data.py`): over q, k and v with the arrays unbatched,
-over the arrays with q, k and v unbatched, and over both. Each call runs its launches in Pallas' CPU interpreter for Mosaic GPU and is
-checked against the float64 oracle, example by example.
+over the arrays with q, k and v unbatched, and over both. Each call runs its launches in
+Pallas' CPU interpreter for Mosaic GPU and is checked against the float64 oracle, example by
+example.
 """
-
 
 import jax
 import jax.numpy as jnp
