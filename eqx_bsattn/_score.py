@@ -128,6 +128,36 @@ class RelativeBuckets:
         return offset + jnp.where(n < me, n, far).astype(jnp.int32)
 
 
+def far_splits(full_count, full_index, partial_count, partial_index, transposed: bool,
+               block_q: int, block_kv: int, relative: RelativeBuckets):
+    """``[MB, MH, n, 4]`` int32: for each list row, its full list's and its partial list's
+    ``(far before, not far after)`` counts, where a row is a tile of queries (a tile of keys
+    where `transposed`) and its list's entries tiles of keys (of queries). The entries
+    ``[0, far before)`` of a list are tiles whose every pair is far enough from the row's
+    tokens, on the side of the lower entries, to share one bucket (`RelativeBuckets.far_buckets`);
+    so are ``[not far after, count)``, on the other side; the entries between are near. Lists
+    are sorted, so each far part is a run at one end. Computed with NumPy when the lists are
+    known on the host, else on the device."""
+    (ahead_gap, _), (behind_gap, _) = relative.far_buckets()
+    if transposed:
+        rows, entries, low_gap, high_gap = block_kv, block_q, behind_gap, ahead_gap
+    else:
+        rows, entries, low_gap, high_gap = block_q, block_kv, ahead_gap, behind_gap
+    arrays = (full_count, full_index, partial_count, partial_index)
+    xp = jnp if any(isinstance(a, jax.core.Tracer) for a in arrays) else np
+    parts = []
+    for count, index in ((full_count, full_index), (partial_count, partial_index)):
+        count, index = xp.asarray(count, xp.int32), xp.asarray(index, xp.int32)
+        first = xp.arange(count.shape[-1], dtype=xp.int32)[:, None] * rows
+        valid = xp.arange(index.shape[-1], dtype=xp.int32) < count[..., None]
+        # An entry is far before when its last token is `low_gap` or more before the row's
+        # first, far after when its first token is `high_gap` or more after the row's last.
+        before = valid & (index * entries + entries - 1 <= first - low_gap)
+        after = valid & (index * entries >= first + rows - 1 + high_gap)
+        parts += [before.sum(-1, dtype=xp.int32), count - after.sum(-1, dtype=xp.int32)]
+    return xp.stack(parts, axis=-1)
+
+
 # ------------------------------------------------------------------------------------------------
 # The contract: what a kernel reads.
 

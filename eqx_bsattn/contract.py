@@ -92,6 +92,7 @@ from ._score import (
     RelativeBuckets as RelativeBuckets,
     ScoreTerm as ScoreTerm,
     ScoreTerms as ScoreTerms,
+    far_splits as far_splits,
 )
 from ._score_data import (
     DataLeaf as DataLeaf,

@@ -392,7 +392,7 @@ def _phase_list(phase: tl.constexpr, lrow, FCNT, FIDX, PCNT, PIDX, CF: tl.conste
 def _list_part(split_ptr, PART: tl.constexpr, NPARTS: tl.constexpr, lo, hi):
     """``(start, end)`` of part `PART` of a list walked as ``range(lo, hi)``: the whole walk
     (``NPARTS == 1``), or its entries far before the row, near it, or far after it (parts 0,
-    1, 2), by the row's two counts at `split_ptr` (`launch.far_splits`)."""
+    1, 2), by the row's two counts at `split_ptr` (`contract.far_splits`)."""
     start = lo
     end = hi
     if NPARTS == 3:

@@ -1,4 +1,4 @@
-"""The lists' far splits (`launch.far_splits`) on the CPU: no Triton needed.
+"""The lists' far splits (`contract.far_splits`) on the CPU: no Triton needed.
 
 With a relative-bias table the kernels walk each list in three parts and take the table's
 entry of the first and last parts as one scalar, so every pair of those tiles must be in the
@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from eqx_bsattn.contract import RelativeBuckets
+from eqx_bsattn.contract import RelativeBuckets, far_splits
 from eqx_bsattn.strategies.kernels.triton import launch as tr
 from tests.conftest import t5_bucket
 
@@ -41,10 +41,10 @@ def test_far_parts_hold_one_bucket(transposed, buckets, block_q, block_kv):
     rows, blocks = length // rows_block, length // entry_block
     full = _sorted_lists(rng, rows, blocks, min(blocks, 24))
     partial = _sorted_lists(rng, rows, blocks, min(blocks, 6))
-    splits = tr.far_splits(*full, *partial, transposed, block_q, block_kv, buckets)
+    splits = far_splits(*full, *partial, transposed, block_q, block_kv, buckets)
     assert splits.shape == (1, 2, rows, 4) and splits.dtype == np.int32
     # Traced lists (a layout built per call) give the same splits on the device.
-    traced = jax.jit(lambda *a: tr.far_splits(*a, transposed, block_q, block_kv, buckets))(
+    traced = jax.jit(lambda *a: far_splits(*a, transposed, block_q, block_kv, buckets))(
         *full, *partial)
     np.testing.assert_array_equal(np.asarray(traced), splits)
 
