@@ -58,7 +58,8 @@ from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARP
                      ELEMENT_MAP_DTYPE, alibi_positions_term, bias_tile, block_visible,
                      element_tile,
                      function_tile, item_values, persistent_schedule, read_derivatives,
-                     ring_stages, segment_ids_apart, swizzled, table_operands, walk_list)
+                     relative_operands, relative_tiles, ring_stages, segment_ids_apart,
+                     split_counts, swizzled, table_operands, walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -115,11 +116,17 @@ class BackwardConfig(AttentionShape, LogitTerms):
     #: Whether the dq launch also writes the bias's gradient (each visited block's dS, in
     #: float32; ``cfg.bias``, the two launches apart).
     bias_gradient: bool = False
+    #: Whether the dq launch also writes the T5 table's gradient (``cfg.relative``, the two
+    #: launches apart): each near block's dS at its offset class, and each row's sums of dS
+    #: over the blocks of the two far parts (`dq_call`).
+    relative_gradient: bool = False
 
     def reads_keys(self, masked: bool) -> bool:
         """Whether a block's logits read its first key (and its positions): the mask in a
-        partial block, ALiBi, the bias and the score function in every block."""
-        return masked or self.alibi or self.bias or self.function is not None
+        partial block, ALiBi, the bias, the T5 table and the score function in every
+        block."""
+        return (masked or self.alibi or self.bias or self.relative is not None
+                or self.function is not None)
 
     @property
     def dq_columns(self) -> int:
@@ -416,7 +423,7 @@ def _check_schedule(items, buffers: int, launch: str, num_items: int):
 
 def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index,
             partial_count, partial_index, q_segment_ids=None, kv_segment_ids=None, *,
-            slopes=None, positions=None, element_map=None, bias=None, data=None,
+            slopes=None, positions=None, element_map=None, bias=None, data=None, table=None,
             schedule=None, interpret=None):
     """dq ``[B, H, Lq, D]`` (the query's dtype) for padded inputs; `lse` (base 2) and `delta`
     are ``[B, H, Lq]`` float32; the lists are the dq layout's. `schedule` is the launch's
@@ -426,6 +433,14 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     ``cfg.bias_gradient`` the launch returns ``(dq, dbias)``: `dbias` ``[B, H, Lq, Lk]``
     float32 holds each visited block's dS (the bias's gradient there) and is undefined in
     the blocks the layout skips (the caller zeroes them: `BlockLayout.classes`).
+
+    `table` is the T5 table ``[H, num_buckets]`` (``cfg.relative``); with
+    ``cfg.relative_gradient`` the launch also returns ``(dnear, dfar)``, after `dbias`:
+    `dnear` ``[B, H, C, Lq, Dk]`` float32 holds each near block's dS at its offset class
+    (`common.RelativeTiles`; ``Dk`` the block's keys; undefined at the classes a q-tile's
+    near blocks do not take: `relative_visited`), `dfar` ``[2, B, H, Lq]`` float32 each
+    row's sum of dS over the blocks of the far part of the lower keys and of the higher
+    ones (every pair there in `RelativeTiles.far_buckets`).
 
     With ALiBi (``cfg.alibi``, `slopes` ``[H]`` float32) each logit takes its term; the
     slopes' gradient comes from `dkv_call`. `positions` are the padded ``(q_positions,
@@ -448,15 +463,25 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     emap = _element_map_operand(cfg, element_map, "dq_call")
     bias = _bias_operand(cfg, bias, "dq_call")
     floats, ints = table_operands(cfg, data)
+    relative = relative_tiles(cfg, bq, bk, transposed=False)
+    table, bank, splits = relative_operands(
+        relative, table, (full_count, full_index, partial_count, partial_index), "dq_call")
+    table_grad = cfg.relative_gradient
+    if table_grad and relative is None:
+        raise ValueError("dq_call: cfg.relative_gradient needs cfg.relative.")
     items, counts = schedule if schedule is not None else dq_schedule(cfg, full_count,
                                                                        partial_count)
     _check_schedule(items, buffers, "dq_call", cfg.batch * cfg.heads * num_tiles)
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
              fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref,
-             emap_ref, bias_ref, floats_ref, ints_ref, *refs):
+             emap_ref, bias_ref, floats_ref, ints_ref, table_ref, bank_ref, splits_ref, *refs):
         *outputs, scoped = refs
-        dq_ref, dbias_ref = outputs if cfg.bias_gradient else (outputs[0], None)
+        dq_ref, *outputs = outputs
+        dbias_ref = outputs.pop(0) if cfg.bias_gradient else None
+        dnear_ref, dfar_ref = outputs if table_grad else (None, None)
+        if table_grad:
+            *scoped, far_stage = scoped
         (q_own, do_own, k_ring, v_ring), (q_ready, do_ready, k_ready, v_ready), \
             (k_free, v_free) = scoped
         wg = lax.axis_index("wg")
@@ -478,6 +503,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
             def run_item(j, first_step, item, upcoming):
                 b, h, tile = item[:3]
                 _, prefix, n_full, n_steps = cta_items.member(item, 0)
+                splits = None if relative is None else split_counts(splits_ref, prefix)
                 q_smem, do_smem = own_tiles(j)
                 q_base = tile * BLOCK_OWN + wg * bq
                 rows = pl.ds(q_base, bq)
@@ -493,11 +519,13 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                     q_pos = (ops.load(qpos_ref, (b, rows), ops.row_layout) if cfg.positions
                              else None)
                     values = item_values(cfg, floats_ref, ints_ref, b, h)
+                    far_terms = (None if relative is None
+                                 else relative.far_terms(table_ref, h))
                 with jax.named_scope("wait_own"):
                     wait_own(j)
                 _load_next_own_tiles(cta_items, load, j, upcoming)
 
-                def block_grad(s, dp, k_base, k_pos, masked):
+                def block_grad(s, dp, k_base, k_pos, masked, part):
                     """dS from the block's products S and dP (`k_base` its first key and
                     `k_pos` its keys' positions, read before them where its logits need
                     them: `BackwardConfig.reads_keys`)."""
@@ -522,6 +550,10 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                     if cfg.bias:
                         bias_term = bias_tile(ops, bias_ref, b, h, rows, pl.ds(k_base, bk))
                         term = bias_term if term is None else term + bias_term
+                    if relative is not None:
+                        table_term = relative.term(ops, far_terms, bank_ref, h, part,
+                                                   q_base - k_base)
+                        term = table_term if term is None else term + table_term
                     if masked:
                         k_seg = None
                         if has_segments:
@@ -538,8 +570,8 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                     return cfg.score_gradient(p, dp, lax.broadcast_in_dim(delta, (bq, bk), [0]),
                                               factors)
 
-                def step(it, carry, masked):
-                    (acc,) = carry
+                def step(it, carry, masked, part=None):
+                    acc, *far = carry
                     slot = lax.rem(first_step + it, stages)
                     k_base = k_pos = None
                     if cfg.reads_keys(masked):
@@ -554,17 +586,37 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                                               (do_smem, v_ring.at[slot], True)])
                     plgpu.barrier_arrive(v_free.at[slot])
                     with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                        ds = block_grad(s, dp, k_base, k_pos, masked)
+                        ds = block_grad(s, dp, k_base, k_pos, masked, part)
                     if dbias_ref is not None:
                         with jax.named_scope("bias_gradient"):
                             dbias_ref.at[b, h, rows, pl.ds(k_base, bk)][...] = ds
+                    if table_grad:
+                        with jax.named_scope("table_gradient"):
+                            if part == 1:
+                                c = relative.offset_class(q_base - k_base)
+                                dnear_ref.at[b, h, c, rows][...] = ds
+                            else:
+                                far[part // 2] = far[part // 2] + ds.sum(axis=1)
                     with jax.named_scope("accumulate"):
                         (acc,) = ops.accumulate((acc,), [(ds.astype(dtype), k_ring.at[slot])])
                     plgpu.barrier_arrive(k_free.at[slot])
-                    return (acc,)
+                    return (acc, *far)
 
                 acc = ops.cast(jnp.zeros((bq, d), jnp.float32), ops.wgmma_layout)
-                (acc,) = walk_list(n_full, n_steps, step, (acc,))
+                far = (() if not table_grad else
+                       tuple(ops.cast(jnp.zeros((bq,), jnp.float32), ops.row_layout)
+                             for _ in range(2)))
+                acc, *far = walk_list(n_full, n_steps, step, (acc, *far), splits)
+                if table_grad:
+                    with jax.named_scope("table_far_rows"):
+                        if not cta_items.single:
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        for n, sums in enumerate(far):
+                            far_stage.at[wg, n][...] = sums
+                        plgpu.commit_smem()
+                        for n in range(2):
+                            plgpu.copy_smem_to_gmem(far_stage.at[wg, n],
+                                                    dfar_ref.at[n, b, h, rows])
                 with jax.named_scope("epilogue"):
                     q_smem[...] = (acc * cfg.softmax_scale).astype(dtype)
                     plgpu.commit_smem()
@@ -585,11 +637,18 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
     if cfg.bias_gradient:
         out_type = (*out_type, jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.q_len,
                                                      cfg.kv_len), jnp.float32))
+    if table_grad:
+        classes = relative.offsets[1]
+        out_type = (*out_type,
+                    jax.ShapeDtypeStruct((cfg.batch, cfg.heads, classes, cfg.q_len, bk),
+                                         jnp.float32),
+                    jax.ShapeDtypeStruct((2, cfg.batch, cfg.heads, cfg.q_len), jnp.float32))
+        scratch = (*scratch, plgpu.SMEM((COMPUTE_WARPGROUPS, 2, bq), jnp.float32))
     out = _launch(body, scratch, items.shape[0], out_type,
                   (items, counts, q, k, v, do, lse, delta, full_count, full_index,
                    partial_count, partial_index, qseg, kseg, slopes, qpos, kpos, emap, bias,
-                   floats, ints), interpret)
-    return tuple(out) if cfg.bias_gradient else out[0]
+                   floats, ints, table, bank, splits), interpret)
+    return tuple(out) if len(out) > 1 else out[0]
 
 
 def dq_schedule(cfg: BackwardConfig, full_count, partial_count):
@@ -623,7 +682,7 @@ def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, .
 def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_index,
              t_partial_count, t_partial_index, q_segment_ids=None, kv_segment_ids=None, *,
              dq_accumulator=None, slopes=None, positions=None, element_map=None, bias=None,
-             data=None, schedule=None, interpret=None):
+             data=None, table=None, schedule=None, interpret=None):
     """``(dk, dv)``, each ``[B, H_kv, Lk, D]`` (a kv head's gradient summed over its group of
     query heads in float32, in the kernel), for padded inputs ``q, do [B, H, Lq, D]`` and
     ``k, v [B, H_kv, Lk, D]``; the lists are the dk/dv layout's transposed ones. `schedule`
@@ -642,8 +701,9 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     over the batch and the rows), as ``(dk, dv, slope_rows)``, in both modes (docs/mosaic.md,
     "ALiBi", says why not in the dq kernel). `positions` are the padded ``(q_positions,
     kv_positions)`` ``[B, L]`` int32 (``cfg.positions``); `element_map` the padded map
-    transposed, ``[1 or B, 1 or H, Lk, Lq]`` (``cfg.elements``), and `bias` the padded bias
-    transposed, the same shape (``cfg.bias``).
+    transposed, ``[1 or B, 1 or H, Lk, Lq]`` (``cfg.elements``), `bias` the padded bias
+    transposed, the same shape (``cfg.bias``), and `table` the T5 table ``[H, num_buckets]``
+    (``cfg.relative``; its gradient comes from `dq_call`).
 
     `data` are the read tables of the score function's arrays (``cfg.traced``;
     `common.table_operands`). Where one is traced (``cfg.data_gradients``) it also returns,
@@ -673,6 +733,10 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     emap = _element_map_operand(cfg, element_map, "dkv_call")
     bias = _bias_operand(cfg, bias, "dkv_call")
     floats, ints = table_operands(cfg, data)
+    relative = relative_tiles(cfg, bk, bq, transposed=True)
+    table, bank, splits = relative_operands(
+        relative, table, (t_full_count, t_full_index, t_partial_count, t_partial_index),
+        "dkv_call")
     reads_out = data_read_count(cfg)
     slope_out = cfg.alibi
     items, counts = schedule if schedule is not None else dkv_schedule(
@@ -681,7 +745,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
 
     def body(items_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, fcnt_ref,
              fidx_ref, pcnt_ref, pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref,
-             emap_ref, bias_ref, floats_ref, ints_ref, *refs):
+             emap_ref, bias_ref, floats_ref, ints_ref, table_ref, bank_ref, splits_ref, *refs):
         # Inputs (the dq accumulator), outputs, then the scratch buffers in one tuple.
         *refs, scoped = refs
         if reads_out:
@@ -784,11 +848,14 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                     head's slope-gradient rows."""
                     step0, dk, dv = carry
                     h, prefix, n_full, n_steps = cta_items.member(item, g)
+                    splits = None if relative is None else split_counts(splits_ref, prefix)
                     alibi = (AlibiBlocks(ops, slopes_ref[h], bk, rows_are_queries=False)
                              if cfg.alibi else None)
                     values = item_values(cfg, floats_ref, ints_ref, b, h)
+                    far_terms = (None if relative is None
+                                 else relative.far_terms(table_ref, h))
 
-                    def step(it, carry, masked):
+                    def step(it, carry, masked, part=None):
                         dk, dv, slope_rows, data_rows = carry
                         slot = lax.rem(step0 + it, stages)
                         q_base = cta_items.block(prefix, it, n_full) * bq
@@ -839,6 +906,10 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                             if cfg.bias:
                                 bias_term = bias_tile(ops, bias_ref, b, h, keys, cols)
                                 term = bias_term if term is None else term + bias_term
+                            if relative is not None:
+                                table_term = relative.term(ops, far_terms, bank_ref, h,
+                                                           part, q_base - k_base)
+                                term = table_term if term is None else term + table_term
                             p_t, factors = cfg.probabilities(
                                 s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis, term,
                                 _function_tiles(cfg, b, h, tiles, values, seen))
@@ -887,7 +958,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                     slope_rows = zero_rows() if slope_out else None
                     data_rows = tuple(zero_rows() for _ in range(reads_out))
                     dk, dv, slope_rows, data_rows = walk_list(
-                        n_full, n_steps, step, (dk, dv, slope_rows, data_rows))
+                        n_full, n_steps, step, (dk, dv, slope_rows, data_rows), splits)
                     if reads_out:
                         with jax.named_scope("data_rows"):
                             if not cta_items.single or group > 1:
@@ -942,7 +1013,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                 (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2))
     operands = (items, counts, q, k, v, do, lse, delta, t_full_count, t_full_index,
                 t_partial_count, t_partial_index, qseg, kseg, slopes, qpos, kpos, emap, bias,
-                floats, ints)
+                floats, ints, table, bank, splits)
     if fused:
         scratch = (*scratch, (swizzled((2, COMPUTE_WARPGROUPS, bk, bq), dtype),
                               swizzled((COMPUTE_WARPGROUPS, bq, dq_cols), jnp.float32),

@@ -14,6 +14,7 @@ from typing import Any
 import functools
 import heapq
 import inspect
+import math
 import operator
 
 import jax
@@ -120,6 +121,12 @@ class LogitTerms:
     #: dk/dv launch reads it transposed) added to every logit of every block, with ALiBi's
     #: term, before the score function and the cap (`bias_tile`). A -inf hides its pair.
     bias: bool = False
+    #: A T5 table's buckets (``table[h, bucket(q - k)]`` added after the bias, before the
+    #: score function and the cap; the ``[H, num_buckets]`` table an operand of each launch),
+    #: or ``None``. Each launch walks its lists in three parts (`walk_list` with the lists'
+    #: `far_splits`): a far part's blocks take one entry of the table, a near block a tile of
+    #: its launch's bank (`RelativeTiles`).
+    relative: Any = None
 
     @property
     def has_reads(self) -> bool:
@@ -598,13 +605,173 @@ def list_bounds(layout_axes, b, h, tile, full_count_ref, partial_count_ref):
     return prefix, n_full, n_full + partial_count_ref[prefix]
 
 
-def walk_list(n_full, n_steps, step, carry):
+def walk_list(n_full, n_steps, step, carry, splits=None):
     """``step(it, carry, masked)`` over one tile's FULL-then-PARTIAL list (`list_bounds`):
     entries ``0 .. n_full - 1`` unmasked, then ``n_full .. n_steps - 1`` masked. Each loop
     counts from 0: inside `shard_map` the two counts may differ in their mesh-axis types, and
-    a loop from one to the other fails to type its counter."""
-    carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), carry)
-    return lax.fori_loop(0, n_steps - n_full, lambda j, c: step(n_full + j, c, True), carry)
+    a loop from one to the other fails to type its counter.
+
+    With `splits`, the list's four `far_splits` counts ``(full far before, full not far
+    after, partial far before, partial not far after)``, each of the two lists is walked in
+    its three parts, ``step(it, carry, masked, part)`` with `part` 0 (far before), 1 (near)
+    or 2 (far after), static in each loop."""
+    if splits is None:
+        carry = lax.fori_loop(0, n_full, lambda i, c: step(i, c, False), carry)
+        return lax.fori_loop(0, n_steps - n_full, lambda j, c: step(n_full + j, c, True),
+                             carry)
+    full_before, full_near_end, partial_before, partial_near_end = splits
+    bounds = ((0, full_before, False, 0), (full_before, full_near_end, False, 1),
+              (full_near_end, n_full, False, 2), (n_full, n_full + partial_before, True, 0),
+              (n_full + partial_before, n_full + partial_near_end, True, 1),
+              (n_full + partial_near_end, n_steps, True, 2))
+    for start, stop, masked, part in bounds:
+        carry = lax.fori_loop(
+            0, stop - start,
+            lambda i, c, start=start, masked=masked, part=part: step(start + i, c, masked, part),
+            carry)
+    return carry
+
+
+@dataclasses.dataclass(frozen=True)
+class RelativeTiles:
+    """A T5 table's term on the blocks of one launch (`LogitTerms.relative`), whose lists
+    are walked in three parts (`walk_list`, `far_splits`). Every pair of a block in a far
+    part lies in one bucket (`low_bucket` for the part of the lower entries, `high_bucket`
+    for the other), so the block takes one entry of the table; a near block's distances
+    ``q - k`` are ``offset + i - j`` (``offset + j - i`` where `transposed`: rows are keys)
+    for its first query minus its first key, ``offset``, of `count` possible values
+    ``first + c * step``; the launch's bank (`bank`, ``[H, count, rows, cols]``) holds the
+    term of each, and a near block reads its class's tile.
+
+    `rows` are a compute warpgroup's own rows (queries, or keys where `transposed`), `cols`
+    a block's columns, `list_rows` the rows of one list (the work item's tile)."""
+
+    buckets: Any  # RelativeBuckets
+    rows: int
+    cols: int
+    list_rows: int
+    transposed: bool
+
+    @property
+    def gaps(self) -> tuple[int, int]:
+        """``(gap of the lower entries' far part, of the higher ones')`` as `far_splits`
+        takes them."""
+        (ahead, _), (behind, _) = self.buckets.far_buckets()
+        return (behind, ahead) if self.transposed else (ahead, behind)
+
+    @property
+    def far_buckets(self) -> tuple[int, int]:
+        """``(low_bucket, high_bucket)``: the bucket of every pair of a block in the far
+        part of the lower entries (keys before the queries, or queries before the keys where
+        `transposed`) and of the higher ones."""
+        (_, ahead), (_, behind) = self.buckets.far_buckets()
+        return (behind, ahead) if self.transposed else (ahead, behind)
+
+    @property
+    def step(self) -> int:
+        return math.gcd(self.rows, self.cols)
+
+    @functools.cached_property
+    def offsets(self) -> tuple[int, int]:
+        """``(first, count)``: the near blocks' offsets (first query minus first key) are
+        multiples of `step` from `first`, `count` of them. A list's entry is near when it
+        is neither far before (its last token `low` gap or more before the row's first) nor
+        far after (its first `high` gap or more after the row's last): `far_splits`."""
+        low, high = self.gaps
+        rows, cols, span = self.rows, self.cols, self.list_rows
+        if self.transposed:  # offset = entry - own rows' first, over the warpgroups
+            lower, upper = -(span - rows) - low - cols + 1, span - 1 + high
+        else:  # offset = own rows' first - entry
+            lower, upper = -(span - 1 + high), (span - rows) + low + cols - 1
+        g = self.step
+        first = (lower // g + 1) * g       # the least multiple of g above `lower`
+        last = -((-upper) // g + 1) * g    # the greatest below `upper`
+        return first, (last - first) // g + 1
+
+    @functools.cached_property
+    def bank_buckets(self) -> np.ndarray:
+        """``[count, rows, cols]`` int32: the bucket of each pair of a near block of each
+        offset class."""
+        first, count = self.offsets
+        offset = first + self.step * np.arange(count)[:, None, None]
+        i = np.arange(self.rows)[None, :, None]
+        j = np.arange(self.cols)[None, None, :]
+        distance = offset + (j - i if self.transposed else i - j)
+        with jax.ensure_compile_time_eval():  # a constant, also where a trace asks for it
+            return np.asarray(self.buckets.bucket(distance.astype(np.int32)), np.int32)
+
+    def bank(self, table):
+        """``[H, count, rows, cols]`` float32: the table's entry at each pair of a near
+        block of each offset class (`bank_buckets`), for table ``[H, num_buckets]``."""
+        return jnp.asarray(table, jnp.float32)[:, self.bank_buckets]
+
+    def far_terms(self, table_ref, head):
+        """The base-2 terms of the two far parts' blocks of head `head` (scalars, read
+        once per work item)."""
+        return tuple(table_ref[head, bucket] * LOG2E for bucket in self.far_buckets)
+
+    def term(self, ops: "Ops", far_terms, bank_ref, head, part: int, offset):
+        """The base-2 term of one block of head `head` in walk part `part` (static): the
+        far part's entry of the table (a scalar of `far_terms`), or the near block's tile of
+        the bank for its `offset` (first query minus first key, int32) in the wgmma
+        layout."""
+        if part != 1:
+            return far_terms[0 if part == 0 else 1]
+        return self.tile(ops, bank_ref, head, self.offset_class(offset)) * LOG2E
+
+    def offset_class(self, offset):
+        """The bank class of a near block's `offset` (clamped in range)."""
+        first, count = self.offsets
+        return jnp.clip(lax.div(jnp.maximum(offset - first, 0), self.step), 0, count - 1)
+
+    def tile(self, ops: "Ops", bank_ref, head, c):
+        """The bank's ``[rows, cols]`` tile of class `c` for `head`, natural units."""
+        import jax.experimental.pallas as pl
+
+        return ops.load(bank_ref, (head, c, pl.ds(0, self.rows), pl.ds(0, self.cols)),
+                        ops.wgmma_layout)
+
+
+def relative_tiles(cfg: "LogitTerms", rows: int, cols: int, transposed: bool
+                   ) -> "RelativeTiles | None":
+    """A launch's `RelativeTiles` (its warpgroups' `rows`, its blocks' `cols`; lists of
+    two warpgroups' rows), or ``None`` without a table."""
+    if cfg.relative is None:
+        return None
+    return RelativeTiles(cfg.relative, rows, cols, rows * COMPUTE_WARPGROUPS, transposed)
+
+
+def relative_splits(tiles: "RelativeTiles | None", lists):
+    """The launch's `far_splits` operand ``[MB, MH, n, 4]`` int32 of its lists ``(full
+    count, full index, partial count, partial index)`` (transposed ones where
+    `tiles.transposed`), or a placeholder without a table."""
+    from eqx_bsattn.contract import far_splits
+
+    if tiles is None:
+        return jnp.zeros((1, 1, 1, 4), jnp.int32)
+    if tiles.transposed:
+        block_q, block_kv = tiles.cols, tiles.list_rows
+    else:
+        block_q, block_kv = tiles.list_rows, tiles.cols
+    return jnp.asarray(far_splits(*lists, tiles.transposed, block_q, block_kv,
+                                  tiles.buckets), jnp.int32)
+
+
+def relative_operands(tiles: "RelativeTiles | None", table, lists, launch: str):
+    """A launch's ``(table [H, num_buckets] float32, bank, splits)`` operands
+    (`RelativeTiles.bank`, `relative_splits` of its `lists`), or placeholders without a
+    table."""
+    if tiles is None:
+        return (jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1, 1, 1), jnp.float32),
+                relative_splits(None, lists))
+    if table is None:
+        raise ValueError(f"{launch}: `table` must be given when cfg.relative is on.")
+    return (jnp.asarray(table, jnp.float32), tiles.bank(table), relative_splits(tiles, lists))
+
+
+def split_counts(splits_ref, prefix):
+    """The four `far_splits` counts of one list (`walk_list`'s `splits`)."""
+    return tuple(splits_ref[(*prefix, n)] for n in range(4))
 
 
 def memory_warpgroup(num_items, walk, streams, stages: int, registers: int = MEMORY_REGISTERS):

@@ -33,6 +33,9 @@ the rows' part (``-slope * i``) goes into the log-sum-exp at the end, since a ro
 does not change when a constant is added to it. Under a soft cap, which is not
 shift-invariant, each logit takes the whole term before the cap. A bias (``cfg.bias``) adds
 its tile, loaded from global memory, to every logit of every block (`common.bias_tile`).
+A T5 table (``cfg.relative``) splits each list in three parts (`common.walk_list`): the
+blocks of a far part add one entry of the table, a near block its tile of the launch's bank
+(`common.RelativeTiles`).
 
 Arrays are batched ``[B, H, L, D]``; lengths must be multiples of the tiles (the caller pads).
 Mosaic GPU is imported when a launch is traced, so this module imports anywhere.
@@ -49,8 +52,9 @@ from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARP
                      AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
                      ELEMENT_MAP_DTYPE, alibi_positions_term, bias_tile, block_visible,
                      element_tile,
-                     function_tile, item_values, persistent_schedule, ring_stages,
-                     segment_ids_apart, swizzled, table_operands, walk_list)
+                     function_tile, item_values, persistent_schedule, relative_operands,
+                     relative_tiles, ring_stages, segment_ids_apart, split_counts, swizzled,
+                     table_operands, walk_list)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -70,8 +74,8 @@ class ForwardConfig(AttentionShape, LogitTerms):
 
 def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_count,
                  partial_index, q_segment_ids=None, kv_segment_ids=None, *, slopes=None,
-                 positions=None, element_map=None, bias=None, data=None, schedule=None,
-                 interpret=None):
+                 positions=None, element_map=None, bias=None, data=None, table=None,
+                 schedule=None, interpret=None):
     """``(out [B, H, Lq, D], lse [B, H, Lq] float32, base 2)`` for padded inputs.
     `schedule` is the launch's ``(items, counts)`` (`persistent_schedule` of the counts on
     ``cfg.ctas`` CTAs when ``None``); `slopes` ``[H]`` float32 are ALiBi's (``cfg.alibi``);
@@ -79,7 +83,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     (``cfg.positions``); `element_map` the padded ``[1 or B, 1 or H, Lq, Lk]`` map
     (``cfg.elements``); `bias` the padded ``[1 or B, 1 or H, Lq, Lk]`` bias (``cfg.bias``);
     `data` the read tables of the score function's arrays (``cfg.traced``;
-    `common.table_operands`)."""
+    `common.table_operands`); `table` the T5 table ``[H, num_buckets]`` (``cfg.relative``:
+    its near blocks read the launch's bank, `common.RelativeTiles`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -101,14 +106,16 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     # the exponent's operand. ALiBi, a score function and a soft cap turn the products into
     # base-2 logits first (factor 1: no product), and so does a bias.
     function = cfg.function
-    factor = (1.0 if cfg.soft_cap or cfg.alibi or cfg.bias or function is not None
-              else cfg.log2_factor)
+    relative = relative_tiles(cfg, bq, bk, transposed=False)
+    factor = (1.0 if cfg.soft_cap or cfg.alibi or cfg.bias or relative is not None
+              or function is not None else cfg.log2_factor)
     if cfg.alibi and slopes is None:
         raise ValueError("forward_call: `slopes` must be given when cfg.alibi is on.")
 
     def kernel(items_ref, counts_ref, q_ref, k_ref, v_ref, fcnt_ref, fidx_ref, pcnt_ref,
                pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref, emap_ref,
-               bias_ref, floats_ref, ints_ref, out_ref, lse_ref, scoped):
+               bias_ref, floats_ref, ints_ref, table_ref, bank_ref, splits_ref, out_ref, lse_ref,
+               scoped):
         (q_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), \
             (k_free, v_free), turn = scoped
         wg = lax.axis_index("wg")
@@ -142,6 +149,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                 with jax.named_scope("entry"):
                     b, _, tile = this_item[:3]
                     h, prefix, n_full, n_steps = cta_items.member(this_item, 0)
+                    splits = (None if relative is None
+                              else split_counts(splits_ref, prefix))
                     buffer = lax.rem(j, 2)
                     q_smem = q_buffers.at[buffer, wg]
                     q_base = tile * BLOCK_Q + wg * bq
@@ -154,6 +163,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     # The scalars the score function and the mask read for this row and
                     # head.
                     values = item_values(cfg, floats_ref, ints_ref, b, h)
+                    far_terms = (None if relative is None
+                                 else relative.far_terms(table_ref, h))
                     alibi = col_term = None
                     if cfg.alibi:
                         alibi = AlibiBlocks(ops, slopes_ref[h], bq, rows_are_queries=True)
@@ -203,7 +214,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     `partial`). The key positions, a column vector, are the per-call
                     positions' (``cfg.positions``), else ``None``."""
                     if (alibi is None and function is None and partial is None
-                            and not cfg.bias):
+                            and not cfg.bias and relative is None):
                         return None
                     if partial is not None:
                         k_base = partial[0]
@@ -222,7 +233,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         return q_pos, lax.broadcast_in_dim(k_pos, (bq, bk), [1])
                     return q_base + ops.iota((bq, bk), 0), k_base + ops.iota((bq, bk), 1)
 
-                def online_softmax(s, acc, m_i, l_i, partial, keys):
+                def online_softmax(s, acc, m_i, l_i, partial, keys, part):
                     """``(acc, m, l, p)`` after one block's raw products `s`: ALiBi's term
                     (from the block's first key `k_base`: the item's `col_term` in each
                     logit, the block's constant through the row maxima, the rows' part in
@@ -245,7 +256,11 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     if cfg.bias:
                         s = (s if alibi is not None else s * cfg.log2_factor) + bias_tile(
                             ops, bias_ref, b, h, pl.ds(q_base, bq), pl.ds(k_base, bk))
-                    base2 = alibi is not None or cfg.bias  # s holds base-2 logits
+                    if relative is not None:
+                        s = (s if alibi is not None or cfg.bias else s * cfg.log2_factor) + \
+                            relative.term(ops, far_terms, bank_ref, h, part, q_base - k_base)
+                    # s holds base-2 logits
+                    base2 = alibi is not None or cfg.bias or relative is not None
                     if function is not None:
                         # The function sees natural units; base 2 again after it.
                         natural = s * (1.0 / LOG2E) if base2 else s * cfg.softmax_scale
@@ -297,7 +312,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     # Mosaic GPU attention for D <= 128).
                     return lax.optimization_barrier((acc, m_new, l_i, p16))
 
-                def step(it, carry, masked):
+                def step(it, carry, masked, part=None):
                     acc, m_i, l_i = carry
                     slot = lax.rem(first_step + it, stages)
                     partial = partial_block(it) if masked else None
@@ -319,7 +334,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         take_turn()
                     plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                        acc, m_new, l_i, p16 = online_softmax(s, acc, m_i, l_i, partial, keys)
+                        acc, m_new, l_i, p16 = online_softmax(s, acc, m_i, l_i, partial, keys,
+                                                              part)
                     with jax.named_scope("turn_pv"):
                         plgpu.barrier_arrive(turn)
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -339,7 +355,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
-                acc, m_i, l_i = walk_list(n_full, n_steps, step, (acc, m_i, l_i))
+                acc, m_i, l_i = walk_list(n_full, n_steps, step, (acc, m_i, l_i), splits)
                 with jax.named_scope("turn_end"):
                     pl.when(wg == 0)(take_turn)
 
@@ -398,6 +414,9 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         raise ValueError("forward_call: `bias` must be given when cfg.bias is on.")
     bias = bias if cfg.bias else jnp.zeros((1, 1, 1, 1), jnp.float32)
     floats, ints = table_operands(cfg, data)
+    table, bank, splits = relative_operands(relative, table, (full_count, full_index,
+                                                              partial_count, partial_index),
+                                            "forward_call")
     kwargs = {} if interpret is None else {"interpret": interpret}
     out, lse = plgpu.kernel(
         entry,
@@ -410,7 +429,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(items, counts, q, k, v, full_count, full_index, partial_count, partial_index, qseg, kseg,
-      slopes, qpos, kpos, emap, bias, floats, ints)
+      slopes, qpos, kpos, emap, bias, floats, ints, table, bank, splits)
     return out, lse
 
 

@@ -22,7 +22,7 @@ from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
                        dq_accumulator_shape, dq_call, dq_schedule, short_lists)
 from .common import (ELEMENT_MAP_DTYPE, ROWS_PER_WARPGROUP, persistent_schedule,
                      score_function_tile)
-from .common import LogitTerms, lowering_failure, stored
+from .common import LogitTerms, lowering_failure, relative_splits, relative_tiles, stored
 from .config import MosaicConfig
 from .data import (data_decline, data_lowering_failure, mask_terms, params_avals,
                    predicate_data, read_slots, read_tables, reads_arrays, table_gradients)
@@ -35,6 +35,9 @@ _HEAD_DIMS = (64, 128)
 _BIAS_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 #: `_function_decline`'s params where the plan knows only that there are some.
 _UNKNOWN = object()
+#: Whether the T5 table's launches (`common.RelativeTiles`) have run on a Hopper GPU; until
+#: they have, a call with a table is declined in one line and the selector keeps Triton.
+_TABLE_RUN_ON_GPU = False
 
 
 @functools.cache
@@ -200,7 +203,7 @@ class MosaicBlockSparse(AbstractLseKernel):
 
     name: ClassVar[str] = "mosaic"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
-    score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "function")
+    score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "relative_bias", "function")
     reads: ClassVar[MaskReads] = "elements"
     config_type: ClassVar[type[AbstractKernelConfig]] = MosaicConfig
 
@@ -229,6 +232,10 @@ class MosaicBlockSparse(AbstractLseKernel):
         if features.head_dim not in _HEAD_DIMS or features.value_dim != features.head_dim:
             return (f"head dims {features.head_dim} / {features.value_dim} are not supported "
                     f"(equal q / v head dims in {_HEAD_DIMS} are).")
+        if "relative_bias" in features.score:
+            why = _table_decline(features)
+            if why is not None:
+                return why
         if features.bias and features.in_loop:
             # A bias runs in the kernels, but not yet tested inside a sharding's loop
             # (RingAttention passes each step its shards' block of it).
@@ -317,6 +324,12 @@ class MosaicBlockSparse(AbstractLseKernel):
                      terms=mask.terms, predicate=predicate, elements=elements)
         soft_cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
         slopes = None if inputs.score is None else inputs.score.slopes
+        table = None if inputs.score is None else inputs.score.table
+        buckets = None if table is None else inputs.score.buckets
+        if table is not None and (inputs.q_positions is not None
+                                  or inputs.kv_positions is not None):
+            raise ValueError("MosaicBlockSparse: a T5 table (RelativePositionBias) with "
+                             "per-call positions is not supported.")
         if inputs.score is not None and set(inputs.score.kinds) - set(self.score_kinds):
             raise ValueError(f"MosaicBlockSparse evaluates the score terms {self.score_kinds}; "
                              f"got {inputs.score.kinds}.")
@@ -359,7 +372,8 @@ class MosaicBlockSparse(AbstractLseKernel):
                              layout_heads=fwd.full_count.shape[1], ctas=_multiprocessors(),
                              soft_cap=soft_cap, alibi=alibi, function=function,
                              positions=positions is not None, traced=traced, data=leaves,
-                             reads=reads, bias=inputs.bias is not None, **masked)
+                             reads=reads, bias=inputs.bias is not None, relative=buckets,
+                             **masked)
         # The persistent forward's work items per CTA, built on the host.
         schedule = persistent_schedule(fwd.full_count, fwd.partial_count, batch, heads,
                                        fcfg.ctas)
@@ -367,15 +381,17 @@ class MosaicBlockSparse(AbstractLseKernel):
             fwd.full_count, fwd.full_index, fwd.partial_count, fwd.partial_index, *schedule))
         # ALiBi's slope rows from per-call positions in the single pass's dk/dv kernel fail
         # Mosaic GPU's layout inference (H200, jax 0.11.2): that call takes the two kernels.
-        # A bias's gradient comes from the dq launch: a call with a bias takes the two.
+        # A bias's gradient and the T5 table's come from the dq launch: a call with either
+        # takes the two.
         single_pass = (self.single_pass() and not (alibi and positions is not None)
-                       and inputs.bias is None)
+                       and inputs.bias is None and table is None)
         bcfg = BackwardConfig(
             **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
             soft_cap=soft_cap, single_pass=single_pass, ctas=_multiprocessors(),
             alibi=alibi, function=function, positions=positions is not None, traced=traced,
-            data=leaves, reads=reads, bias=inputs.bias is not None, **masked)
+            data=leaves, reads=reads, bias=inputs.bias is not None, relative=buckets,
+            **masked)
         # Each launch is persistent where its items are short; a dk/dv item walks the lists
         # of `dkv_group` query heads.
         walked = bcfg.dkv_group(bcfg.single_pass)
@@ -399,11 +415,32 @@ class MosaicBlockSparse(AbstractLseKernel):
         if inputs.bias is not None:
             dq_visited = pad_axis(pad_axis(dq.classes != EMPTY, 2, lq // dq.block_q), 3,
                                   lk // dq.block_kv)
-        bwd_lists = (*bwd_lists, dq_visited)
+        # With a T5 table, the (offset class, 64-row block) slots of the dq launch's near
+        # blocks: its gradient is their dS there (`relative_table_gradient`).
+        table_visited = None
+        if table is not None:
+            table_visited = relative_visited(relative_tiles(bcfg, ROWS_PER_WARPGROUP,
+                                                            dq.block_kv, transposed=False),
+                                             bwd_lists[0])
+        bwd_lists = (*bwd_lists, dq_visited, table_visited)
         # Without ALiBi a one-element placeholder stands for the slopes (a zero gradient).
         slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes
         return _attend(fcfg, bcfg, query, key, value, slopes, data, _padded_bias(inputs, lq, lk),
-                       seg, positions, maps, lists, bwd_lists)
+                       table, seg, positions, maps, lists, bwd_lists)
+
+
+def _table_decline(features: Features) -> str | None:
+    """Why the launches cannot add the call's T5 table, or ``None``: its near blocks are
+    classed by their offsets on token indices (`common.RelativeTiles`), so per-call positions
+    are not taken, nor a sharding's loop (which passes positions)."""
+    if not _TABLE_RUN_ON_GPU:
+        return "a T5 table (RelativePositionBias) has not yet run on a GPU."
+    if features.positions:
+        return "a T5 table (RelativePositionBias) with per-call positions is not supported."
+    if features.in_loop:
+        return ("a T5 table (RelativePositionBias) inside a sharding's loop (RingAttention) "
+                "is not supported.")
+    return None
 
 
 def _check_runnable() -> None:
@@ -551,7 +588,8 @@ def _padded_bias(inputs, q_len: int, kv_len: int):
     return _pad(pad_axis(bias, 3, kv_len), q_len)
 
 
-def _forward(fcfg: ForwardConfig, q, k, v, slopes, data, bias, seg, positions, maps, lists):
+def _forward(fcfg: ForwardConfig, q, k, v, slopes, data, bias, table, seg, positions, maps,
+             lists):
     """The forward launch's ``(out, lse)``, typed like q, k and v inside `shard_map` (a
     launch's outputs vary over no mesh axis). `maps` is ``(element map, transposed)`` at
     the padded lengths, or ``None``; `bias` the padded bias (`_padded_bias`) or ``None``."""
@@ -563,43 +601,48 @@ def _forward(fcfg: ForwardConfig, q, k, v, slopes, data, bias, seg, positions, m
                             _pad(v, fcfg.kv_len), *layout_lists, *seg,
                             slopes=slopes if fcfg.alibi else None, positions=positions,
                             element_map=None if maps is None else maps[0], bias=bias,
-                            data=data, schedule=(items, counts))
+                            data=data, table=table, schedule=(items, counts))
     return typed_like((out[:, :, :q_len], lse[:, :, :q_len]), q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(fcfg, bcfg, q, k, v, slopes, data, bias, seg, positions, maps, lists, bwd_lists):
+def _attend(fcfg, bcfg, q, k, v, slopes, data, bias, table, seg, positions, maps, lists,
+            bwd_lists):
     """``(out [B, H, Lq, D], lse [B, H, Lq])``, the log-sum-exp as the contract has it
     (`public_lse`); differentiable in both, in ALiBi's `slopes` ``[H]``, in the arrays
     the score function reads (`data`, their read tables: `data.read_tables`) and in the
-    padded `bias` (its gradient formed only where the bias is differentiated:
-    `_attend_fwd` sees which inputs are, through `jax.custom_vjp`'s symbolic zeros)."""
-    out, lse = _forward(fcfg, q, k, v, slopes, data, bias, seg, positions, maps, lists)
+    padded `bias` and in the T5 `table` ``[H, num_buckets]`` (each gradient formed only
+    where its input is differentiated: `_attend_fwd` sees which inputs are, through
+    `jax.custom_vjp`'s symbolic zeros)."""
+    out, lse = _forward(fcfg, q, k, v, slopes, data, bias, table, seg, positions, maps, lists)
     return out, public_lse(lse, base2=True)
 
 
 def _attend_fwd(fcfg, bcfg, *primals):
-    perturbed = primals[5] is not None and primals[5].perturbed
-    q, k, v, slopes, data, bias, seg, positions, maps, lists, bwd_lists = jax.tree.map(
+    bias_gradient, table_gradient = (x is not None and x.perturbed for x in primals[5:7])
+    q, k, v, slopes, data, bias, table, seg, positions, maps, lists, bwd_lists = jax.tree.map(
         lambda x: x.value, primals, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
-    out, lse = _forward(fcfg, q, k, v, slopes, data, bias, seg, positions, maps, lists)
-    return (out, public_lse(lse, base2=True)), (q, k, v, slopes, data, bias, perturbed, seg,
-                                                positions, maps, lists, bwd_lists, out, lse)
+    out, lse = _forward(fcfg, q, k, v, slopes, data, bias, table, seg, positions, maps, lists)
+    return (out, public_lse(lse, base2=True)), (
+        q, k, v, slopes, data, bias, table, (bias_gradient, table_gradient), seg, positions,
+        maps, lists, bwd_lists, out, lse)
 
 
 def _attend_bwd(fcfg, bcfg, res, cotangents):
-    (q, k, v, slopes, data, bias, bias_gradient, seg, positions, maps, lists, bwd_lists, out,
-     lse) = res
+    (q, k, v, slopes, data, bias, table, (bias_gradient, table_gradient), seg, positions, maps,
+     lists, bwd_lists, out, lse) = res
     do, dlse = cotangents
     if isinstance(do, SymbolicZero):
         do = jnp.zeros(out.shape, out.dtype)
     delta = backward_delta(do, out, None if isinstance(dlse, SymbolicZero) else dlse, lse)
-    dq_lists, t_lists, dq_items, dkv_items, dq_visited = bwd_lists
-    bcfg = dataclasses.replace(bcfg, bias_gradient=bias_gradient)
-    dq, dk, dv, dslopes, data_rows, dbias = mosaic_backward(
+    dq_lists, t_lists, dq_items, dkv_items, dq_visited, table_visited = bwd_lists
+    bcfg = dataclasses.replace(bcfg, bias_gradient=bias_gradient,
+                               relative_gradient=table_gradient)
+    dq, dk, dv, dslopes, data_rows, dbias, dtable = mosaic_backward(
         bcfg, q, k, v, do.astype(q.dtype), lse, delta, seg, dq_lists, t_lists,
         slopes=slopes if bcfg.alibi else None, positions=positions, maps=maps, bias=bias,
-        dq_visited=dq_visited, data=data, schedules=(dq_items, dkv_items))
+        dq_visited=dq_visited, table=table, table_visited=table_visited, data=data,
+        schedules=(dq_items, dkv_items))
     dslopes = jnp.zeros_like(slopes) if dslopes is None else dslopes.astype(slopes.dtype)
     ddata = None
     if data is not None:
@@ -609,15 +652,19 @@ def _attend_bwd(fcfg, bcfg, res, cotangents):
         # Each row and head the bias broadcast over: summed, in float32.
         axes = tuple(axis for axis in (0, 1) if bias.shape[axis] == 1)
         dbias = typed_like(dbias.sum(axis=axes, keepdims=True).astype(bias.dtype), bias)
+    if dtable is not None:
+        dtable = typed_like(dtable.astype(table.dtype), table)
     zeros = jax.tree.map(zero_cotangent, (seg, positions, maps, lists, bwd_lists))
     # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none).
     return tuple(typed_like(g, x) for g, x in zip((dq, dk, dv, dslopes),
-                                                  (q, k, v, slopes))) + (ddata, dbias) + zeros
+                                                  (q, k, v, slopes))) + (
+        ddata, dbias, dtable) + zeros
 
 
 def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists, t_lists, *,
                     slopes=None, positions=None, maps=None, bias=None, dq_visited=None,
-                    data=None, schedules=(None, None), interpret=None):
+                    table=None, table_visited=None, data=None, schedules=(None, None),
+                    interpret=None):
     """``(dq, dk, dv, dslopes)`` of the Mosaic backward for unpadded inputs: pads to the
     tiles (dO with zeros, the base-2 log-sum-exp with +inf, so padded rows contribute
     nothing), runs the single pass (`dkv_call` with a zeroed float32 dq accumulator, scaled
@@ -635,7 +682,10 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     (``cfg.bias``; the dk/dv launch reads it transposed); `dbias`, last, its gradient
     ``[B, H, Lq, Lk]`` float32 at the padded lengths where ``cfg.bias_gradient``, zero
     outside `dq_visited` (the dq layout's visited blocks, ``BlockLayout.classes !=
-    EMPTY`` at the launch's block counts), else ``None``."""
+    EMPTY`` at the launch's block counts), else ``None``. `table` is the T5 table ``[H,
+    num_buckets]`` (``cfg.relative``); `dtable`, after `dbias`, its gradient (float32)
+    where ``cfg.relative_gradient`` (`table_visited`: `relative_visited` of the dq lists),
+    else ``None``."""
     q_len, kv_len = q.shape[2], k.shape[2]
     pad_q = functools.partial(_pad, length=cfg.q_len)
     pad_k = functools.partial(_pad, length=cfg.kv_len)
@@ -646,17 +696,17 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
         positions = (pad_q(positions[0]), pad_k(positions[1]))
     maps_n, maps_t = (None, None) if maps is None else maps
     bias_t = None if bias is None else jnp.swapaxes(bias, 2, 3)
-    dbias = None
-    if cfg.single_pass and cfg.bias_gradient:
-        raise ValueError("mosaic_backward: the bias's gradient comes from the dq launch; "
-                         "the single pass has none.")
+    dbias = dtable = None
+    if cfg.single_pass and (cfg.bias_gradient or cfg.relative_gradient):
+        raise ValueError("mosaic_backward: the gradients of a bias and of a T5 table come "
+                         "from the dq launch; the single pass has none.")
     if cfg.single_pass:
         interpreted = interpret is not None
         accumulator = jax.new_ref(jnp.zeros(dq_accumulator_shape(cfg, interpreted), jnp.float32))
         dk, dv, *extra = dkv_call(cfg, *operands, *t_lists, *segments,
                                   dq_accumulator=accumulator, slopes=slopes,
                                   positions=positions, element_map=maps_t, bias=bias_t,
-                                  data=data,
+                                  data=data, table=table,
                                   schedule=schedules[1], interpret=interpret)
         dq = jax.freeze(accumulator)
         dq = (dq.sum(0) if interpreted else dq) * cfg.softmax_scale
@@ -664,20 +714,73 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     else:
         dq = dq_call(cfg, *operands, *dq_lists, *segments, slopes=slopes,
                      positions=positions, element_map=maps_n, bias=bias, data=data,
-                     schedule=schedules[0], interpret=interpret)
-        if cfg.bias_gradient:
-            dq, dbias = dq
-            dbias = _zeroed_outside(dbias, dq_visited)
+                     table=table, schedule=schedules[0], interpret=interpret)
+        if cfg.bias_gradient or cfg.relative_gradient:
+            dq, *grads = dq
+            if cfg.bias_gradient:
+                dbias = _zeroed_outside(grads.pop(0), dq_visited)
+            if cfg.relative_gradient:
+                tiles = relative_tiles(cfg, ROWS_PER_WARPGROUP, cfg.dq_block_kv,
+                                       transposed=False)
+                dtable = relative_table_gradient(tiles, *grads, table_visited,
+                                                 table.shape[1])
         dk, dv, *extra = dkv_call(cfg, *operands, *t_lists, *segments, slopes=slopes,
                                   positions=positions, element_map=maps_t, bias=bias_t,
-                                  data=data,
+                                  data=data, table=table,
                                   schedule=schedules[1], interpret=interpret)
     # Each row's share of the slope's gradient, summed per head (padded rows' are zero).
     dslopes = extra.pop(0).sum(axis=(0, 2)) if cfg.alibi else None
     data_rows = extra.pop(0) if extra else None
     if dk.shape[1] != cfg.kv_heads:
         dk, dv = (summed_per_kv_head(x, cfg.kv_heads) for x in (dk, dv))
-    return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], dslopes, data_rows, dbias
+    return (dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], dslopes, data_rows, dbias,
+            dtable)
+
+
+def relative_visited(tiles, lists):
+    """``[MB, MH, C, Lq / rows]`` bool: whether the dq launch writes the near block of
+    offset class ``c`` (`common.RelativeTiles`) for each warpgroup's block of `tiles.rows`
+    rows, from the dq layout's `lists` ``(full count, full index, partial count, partial
+    index)`` and their `far_splits` (a q-tile's near blocks have distinct offsets, so each
+    class holds one block's dS at most)."""
+    first, count = tiles.offsets
+    splits = relative_splits(tiles, lists)
+    warpgroups = tiles.list_rows // tiles.rows
+    seen = []
+    for index, (lo, hi) in ((lists[1], (0, 1)), (lists[3], (2, 3))):
+        index = jnp.asarray(index, jnp.int32)
+        at = jnp.arange(index.shape[-1], dtype=jnp.int32)
+        near = (at >= splits[..., lo, None]) & (at < splits[..., hi, None])
+        row_first = jnp.arange(index.shape[2], dtype=jnp.int32)[:, None] * tiles.list_rows
+        per_warpgroup = []
+        for w in range(warpgroups):
+            offset = row_first + w * tiles.rows - index * tiles.cols
+            c = (offset - first) // tiles.step
+            hit = near[..., None] & (c[..., None] == jnp.arange(count, dtype=jnp.int32))
+            per_warpgroup.append(hit.any(axis=3))  # [MB, MH, n, C]
+        seen.append(jnp.stack(per_warpgroup, axis=3))  # [MB, MH, n, W, C]
+    visited = seen[0] | seen[1]
+    mb, mh, n = visited.shape[:3]
+    return jnp.moveaxis(visited.reshape(mb, mh, n * warpgroups, count), 3, 2)
+
+
+def relative_table_gradient(tiles, dnear, dfar, visited, num_buckets: int):
+    """The T5 table's gradient ``[H, num_buckets]`` float32 from the dq launch's `dnear`
+    ``[B, H, C, Lq, cols]`` (each near block's dS at its offset class, kept where
+    `visited`: `relative_visited`) and `dfar` ``[2, B, H, Lq]`` (each row's sums over the
+    two far parts): the near blocks summed per class over the batch and the rows, then per
+    bucket of the class's pairs (`RelativeTiles.bank_buckets`), plus the far sums at the
+    far buckets; every sum in float32, in a fixed order."""
+    batch, heads, count, q_len, cols = dnear.shape
+    blocks = dnear.reshape(batch, heads, count, q_len // tiles.rows, tiles.rows, cols)
+    keep = visited[:, :, :, :, None, None]
+    per_class = jnp.where(keep, blocks, 0.0).sum(axis=(0, 3))  # [H, C, rows, cols]
+    ids = tiles.bank_buckets
+    grad = jnp.stack([jnp.where(ids == n, per_class, 0.0).sum(axis=(1, 2, 3))
+                      for n in range(num_buckets)], axis=1)
+    low, high = tiles.far_buckets
+    far = dfar.sum(axis=(1, 3))  # [2, H]
+    return grad.at[:, low].add(far[0]).at[:, high].add(far[1])
 
 
 def _zeroed_outside(x, visited):

@@ -33,9 +33,10 @@ def launches(monkeypatch):
     kernel = _mosaic_kernel()
     seen, real = [], kernel._attend
 
-    def spy(fcfg, bcfg, q, k, v, slopes, data, bias, seg, positions, maps, *rest):
+    def spy(fcfg, bcfg, q, k, v, slopes, data, bias, table, seg, positions, maps, *rest):
         seen.append((fcfg, bcfg, data, maps))
-        return real(fcfg, bcfg, q, k, v, slopes, data, bias, seg, positions, maps, *rest)
+        return real(fcfg, bcfg, q, k, v, slopes, data, bias, table, seg, positions, maps,
+                    *rest)
 
     monkeypatch.setattr(kernel, "_attend", spy)
     return seen
