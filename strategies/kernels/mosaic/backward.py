@@ -55,9 +55,10 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      SMEM_BUDGET, AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
-                     ELEMENT_MAP_DTYPE, alibi_positions_term, bias_tile, block_visible,
+                     ELEMENT_MAP_DTYPE, alibi_positions_term, base2_tile, block_visible,
                      element_tile,
-                     function_tile, item_values, persistent_schedule, read_derivatives,
+                     function_tile, item_values, load_bias_tile, persistent_schedule,
+                     read_derivatives,
                      relative_operands, relative_tiles, ring_stages, segment_ids_apart,
                      split_counts, swizzled, table_operands, walk_list)
 
@@ -525,7 +526,17 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                     wait_own(j)
                 _load_next_own_tiles(cta_items, load, j, upcoming)
 
-                def block_grad(s, dp, k_base, k_pos, masked, part):
+                def block_terms(k_base, part):
+                    """``(bias tile, table tile)`` of a block (each ``None`` where it has
+                    none), loaded before its products so that their latency hides."""
+                    bias = table = None
+                    if cfg.bias:
+                        bias = load_bias_tile(ops, bias_ref, b, h, rows, pl.ds(k_base, bk))
+                    if relative is not None:
+                        table = relative.near_tile(ops, bank_ref, h, part, q_base - k_base)
+                    return bias, table
+
+                def block_grad(s, dp, k_base, k_pos, masked, part, loaded):
                     """dS from the block's products S and dP (`k_base` its first key and
                     `k_pos` its keys' positions, read before them where its logits need
                     them: `BackwardConfig.reads_keys`)."""
@@ -548,11 +559,11 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                             term = lax.broadcast_in_dim(alibi.streamed(bk, 0), (bq, bk), [1])
                             row_lse = lse - (alibi.own_term + alibi.shift(offset))
                     if cfg.bias:
-                        bias_term = bias_tile(ops, bias_ref, b, h, rows, pl.ds(k_base, bk))
+                        bias_term = base2_tile(loaded[0])
                         term = bias_term if term is None else term + bias_term
                     if relative is not None:
                         table_term = relative.term(ops, far_terms, bank_ref, h, part,
-                                                   q_base - k_base)
+                                                   q_base - k_base, loaded[1])
                         term = table_term if term is None else term + table_term
                     if masked:
                         k_seg = None
@@ -578,6 +589,10 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                         k_base = cta_items.block(prefix, it, n_full) * bk
                         if cfg.positions:
                             k_pos = ops.load(kpos_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
+                    loaded = (None, None)
+                    if cfg.bias or relative is not None:
+                        with jax.named_scope("load_terms"):
+                            loaded = block_terms(k_base, part)
                     with jax.named_scope("wait_kv"):
                         plgpu.barrier_wait(k_ready.at[slot])
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -586,7 +601,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                                               (do_smem, v_ring.at[slot], True)])
                     plgpu.barrier_arrive(v_free.at[slot])
                     with jax.named_scope("softmax_partial" if masked else "softmax_full"):
-                        ds = block_grad(s, dp, k_base, k_pos, masked, part)
+                        ds = block_grad(s, dp, k_base, k_pos, masked, part, loaded)
                     if dbias_ref is not None:
                         with jax.named_scope("bias_gradient"):
                             dbias_ref.at[b, h, rows, pl.ds(k_base, bk)][...] = ds
@@ -868,6 +883,15 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                             return _position_tiles(cfg, ops, (bk, bq), 1, q_base, k_base,
                                                    q_pos, k_pos)
 
+                        loaded = (None, None)
+                        if cfg.bias or relative is not None:
+                            with jax.named_scope("load_terms"):
+                                loaded = (
+                                    None if not cfg.bias
+                                    else load_bias_tile(ops, bias_ref, b, h, keys, cols),
+                                    None if relative is None
+                                    else relative.near_tile(ops, bank_ref, h, part,
+                                                            q_base - k_base))
                         with jax.named_scope("load_rows"):
                             lse = streamed_row(lse_ring, lse_ready, lse_free, slot)
                         with jax.named_scope("wait_q"):
@@ -904,11 +928,11 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                     term = lax.broadcast_in_dim(alibi.own_term, (bk, bq), [0])
                                     lse = lse - alibi.streamed(bq, q_base - k_base)
                             if cfg.bias:
-                                bias_term = bias_tile(ops, bias_ref, b, h, keys, cols)
+                                bias_term = base2_tile(loaded[0])
                                 term = bias_term if term is None else term + bias_term
                             if relative is not None:
                                 table_term = relative.term(ops, far_terms, bank_ref, h,
-                                                           part, q_base - k_base)
+                                                           part, q_base - k_base, loaded[1])
                                 term = table_term if term is None else term + table_term
                             p_t, factors = cfg.probabilities(
                                 s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis, term,

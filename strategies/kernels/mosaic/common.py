@@ -119,7 +119,7 @@ class LogitTerms:
     mask_reads: tuple = ()
     #: A bias (natural units, ``[1 or B, 1 or H, Lq, Lk]``, an operand of each launch; the
     #: dk/dv launch reads it transposed) added to every logit of every block, with ALiBi's
-    #: term, before the score function and the cap (`bias_tile`). A -inf hides its pair.
+    #: term, before the score function and the cap (`load_bias_tile`). A -inf hides its pair.
     bias: bool = False
     #: A T5 table's buckets (``table[h, bucket(q - k)]`` added after the bias, before the
     #: score function and the cap; the ``[H, num_buckets]`` table an operand of each launch),
@@ -278,11 +278,17 @@ def element_tile(ops: "Ops", ref, b, h, rows, cols):
     return _pair_tile(ops, ref, b, h, rows, cols) != 0
 
 
-def bias_tile(ops: "Ops", ref, b, h, rows, cols):
-    """A block's bias in base 2 (float32, times log2 e), from a tile of the bias `ref`
-    (``[1 or B, 1 or H, R, C]``, natural units; ``cfg.bias``) for batch row `b` and query
-    head `h`: rows and columns `rows` and `cols` (`pl.ds` slices), in the wgmma layout."""
-    return _pair_tile(ops, ref, b, h, rows, cols).astype(jnp.float32) * LOG2E
+def load_bias_tile(ops: "Ops", ref, b, h, rows, cols):
+    """A block's tile of the bias `ref` (``[1 or B, 1 or H, R, C]``, natural units;
+    ``cfg.bias``) for batch row `b` and query head `h`: rows and columns `rows` and `cols`
+    (`pl.ds` slices), in the bias's dtype and the wgmma layout. Issued before the block's
+    products, its latency hides behind them; `base2_tile` turns it into the logits' term."""
+    return _pair_tile(ops, ref, b, h, rows, cols)
+
+
+def base2_tile(tile):
+    """A tile of natural-unit terms (a bias's, a T5 bank's) in base 2, float32."""
+    return tile.astype(jnp.float32) * LOG2E
 
 
 def _floor_div(x, divisor: int):
@@ -710,14 +716,23 @@ class RelativeTiles:
         once per work item)."""
         return tuple(table_ref[head, bucket] * LOG2E for bucket in self.far_buckets)
 
-    def term(self, ops: "Ops", far_terms, bank_ref, head, part: int, offset):
+    def term(self, ops: "Ops", far_terms, bank_ref, head, part: int, offset, loaded=None):
         """The base-2 term of one block of head `head` in walk part `part` (static): the
         far part's entry of the table (a scalar of `far_terms`), or the near block's tile of
-        the bank for its `offset` (first query minus first key, int32) in the wgmma
-        layout."""
+        the bank for its `offset` (first query minus first key, int32) in the wgmma layout
+        (`loaded`: that tile, loaded already by `near_tile`)."""
         if part != 1:
             return far_terms[0 if part == 0 else 1]
-        return self.tile(ops, bank_ref, head, self.offset_class(offset)) * LOG2E
+        if loaded is None:
+            loaded = self.near_tile(ops, bank_ref, head, part, offset)
+        return base2_tile(loaded)
+
+    def near_tile(self, ops: "Ops", bank_ref, head, part: int, offset):
+        """A near block's tile of the bank (natural units), or ``None`` in a far part: to
+        be loaded before the block's products, so that its latency hides behind them."""
+        if part != 1:
+            return None
+        return self.tile(ops, bank_ref, head, self.offset_class(offset))
 
     def offset_class(self, offset):
         """The bank class of a near block's `offset` (clamped in range)."""

@@ -14,8 +14,8 @@ The work items are (batch row, head, q-tile of 128 rows). One CTA per SM runs th
   item's rows are copied in from the start of this item, and the output leaves through the
   buffer of the item it belongs to.
 
-A partial block's first key and key segment ids are read before its products are issued, so
-their latency is hidden. The phases of both kinds of warpgroup are named scopes, so Mosaic
+A partial block's first key and key segment ids, and a block's bias tile and T5 bank tile,
+are read before its products are issued, so their latency is hidden. The phases of both kinds of warpgroup are named scopes, so Mosaic
 GPU's on-device profiler (``CompilerParams(profile_space=..., profile_dir=...)``) times each
 of them per warpgroup.
 
@@ -32,7 +32,8 @@ constant (``slope * (k_base - q_base)``) is carried through the row maxima as a 
 the rows' part (``-slope * i``) goes into the log-sum-exp at the end, since a row's softmax
 does not change when a constant is added to it. Under a soft cap, which is not
 shift-invariant, each logit takes the whole term before the cap. A bias (``cfg.bias``) adds
-its tile, loaded from global memory, to every logit of every block (`common.bias_tile`).
+its tile, loaded from global memory, to every logit of every block
+(`common.load_bias_tile`).
 A T5 table (``cfg.relative``) splits each list in three parts (`common.walk_list`): the
 blocks of a far part add one entry of the table, a near block its tile of the launch's bank
 (`common.RelativeTiles`).
@@ -50,9 +51,10 @@ from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
-                     ELEMENT_MAP_DTYPE, alibi_positions_term, bias_tile, block_visible,
+                     ELEMENT_MAP_DTYPE, alibi_positions_term, base2_tile, block_visible,
                      element_tile,
-                     function_tile, item_values, persistent_schedule, relative_operands,
+                     function_tile, item_values, load_bias_tile, persistent_schedule,
+                     relative_operands,
                      relative_tiles, ring_stages, segment_ids_apart, split_counts, swizzled,
                      table_operands, walk_list)
 
@@ -233,7 +235,23 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         return q_pos, lax.broadcast_in_dim(k_pos, (bq, bk), [1])
                     return q_base + ops.iota((bq, bk), 0), k_base + ops.iota((bq, bk), 1)
 
-                def online_softmax(s, acc, m_i, l_i, partial, keys, part):
+                def block_terms(keys, part):
+                    """``(bias tile, table tile)`` of a block, each ``None`` where it has
+                    none: loaded before its products, so that their latency hides behind
+                    them (a far part's table term is a scalar, `far_terms`)."""
+                    if keys is None:
+                        return None, None
+                    k_base = keys[0]
+                    bias = None
+                    if cfg.bias:
+                        bias = load_bias_tile(ops, bias_ref, b, h, pl.ds(q_base, bq),
+                                              pl.ds(k_base, bk))
+                    table = None
+                    if relative is not None:
+                        table = relative.near_tile(ops, bank_ref, h, part, q_base - k_base)
+                    return bias, table
+
+                def online_softmax(s, acc, m_i, l_i, partial, keys, part, loaded):
                     """``(acc, m, l, p)`` after one block's raw products `s`: ALiBi's term
                     (from the block's first key `k_base`: the item's `col_term` in each
                     logit, the block's constant through the row maxima, the rows' part in
@@ -242,9 +260,10 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     block), base-2 exponentials and the rescaled sums."""
                     shift = None  # a constant left out of every logit of the block
                     k_base = None if keys is None else keys[0]
-                    # A score function or a bias may hide pairs (-inf) in any block: each
-                    # block then takes the guard of rows with nothing visible yet.
-                    hides = partial is not None or function is not None or cfg.bias
+                    # A score function, a bias or a table may hide pairs (-inf) in any
+                    # block: each block then takes the guard of rows with nothing visible yet.
+                    hides = (partial is not None or function is not None or cfg.bias
+                             or relative is not None)
                     if alibi is not None and cfg.positions:
                         s = s * cfg.log2_factor + alibi_positions_term(slopes_ref[h],
                                                                        *position_tiles(keys))
@@ -254,11 +273,12 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         s = s * cfg.log2_factor + lax.broadcast_in_dim(col_term, s.shape, [1])
                         shift = alibi.shift(k_base - q_base)
                     if cfg.bias:
-                        s = (s if alibi is not None else s * cfg.log2_factor) + bias_tile(
-                            ops, bias_ref, b, h, pl.ds(q_base, bq), pl.ds(k_base, bk))
+                        s = (s if alibi is not None else s * cfg.log2_factor) + base2_tile(
+                            loaded[0])
                     if relative is not None:
                         s = (s if alibi is not None or cfg.bias else s * cfg.log2_factor) + \
-                            relative.term(ops, far_terms, bank_ref, h, part, q_base - k_base)
+                            relative.term(ops, far_terms, bank_ref, h, part, q_base - k_base,
+                                          loaded[1])
                     # s holds base-2 logits
                     base2 = alibi is not None or cfg.bias or relative is not None
                     if function is not None:
@@ -317,6 +337,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     slot = lax.rem(first_step + it, stages)
                     partial = partial_block(it) if masked else None
                     keys = block_keys(it, partial)
+                    with jax.named_scope("load_terms"):
+                        loaded = block_terms(keys, part)
 
                     def qk(acc_ref):
                         plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -335,7 +357,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     plgpu.barrier_arrive(k_free.at[slot])
                     with jax.named_scope("softmax_partial" if masked else "softmax_full"):
                         acc, m_new, l_i, p16 = online_softmax(s, acc, m_i, l_i, partial, keys,
-                                                              part)
+                                                              part, loaded)
                     with jax.named_scope("turn_pv"):
                         plgpu.barrier_arrive(turn)
                         plgpu.barrier_wait(v_ready.at[slot])
