@@ -643,11 +643,21 @@ def _mosaic_lowers(fn) -> bool:
         return False
 
 
+def _mosaic_table_runs() -> bool:
+    """Whether MosaicBlockSparse takes a T5 table (it declines one until it has run on a
+    GPU)."""
+    from eqx_bsattn.strategies.kernels.mosaic import kernel
+
+    return kernel._TABLE_RUN_ON_GPU
+
+
 #: MosaicBlockSparse: 16-bit, D = Dv in {64, 128}, masks with shared in-kernel terms, an
 #: element predicate Mosaic GPU lowers or an element map (BigBird's random blocks), a bias of
-#: any broadcast shape, ALiBi and score functions that Mosaic GPU lowers but no other score
-#: term.
+#: any broadcast shape, ALiBi, score functions that Mosaic GPU lowers and, once it has run on
+#: a GPU, a T5 table without per-call positions.
 _MOSAIC_RUNS = {"tiled_positions", "tiled_global", "tiled_dilated", "tiled_predicate",
+                *(("tiled_score_relative", "tiled_score_relative_bitmaps")
+                  if _mosaic_table_runs() else ()),
                 "tiled_not_causal", "tiled_per_head", "tiled_bigbird",
                 *(("tiled_score_function_positions",) if _mosaic_lowers(distance_and_scale)
                   else ()),

@@ -298,8 +298,6 @@ _FUNCTION = scores.ScoreFunction(lambda s, h, q, k: s)
 @pytest.mark.parametrize("kernel,score,declared", [
     *((k, s, r"\(\)") for k in ("cudnn", "splash")
       for s in (scores.ALiBi(), scores.RelativePositionBias(TABLE), _FUNCTION)),
-    # Mosaic evaluates ALiBi and score functions in its kernels, not a table.
-    ("mosaic", scores.RelativePositionBias(TABLE), r"\('alibi', 'function'\)"),
     # Triton evaluates ALiBi and the table in its kernels; a jnp function cannot be traced in.
     ("triton", _FUNCTION, r"\('alibi', 'relative_bias'\)")])
 def test_gpu_and_tpu_kernels_decline_score_terms(kernel, score, declared):
@@ -316,11 +314,18 @@ def test_gpu_and_tpu_kernels_decline_score_terms(kernel, score, declared):
 
 def test_triton_is_not_declined_for_alibi_or_relative_bias():
     """The selector passes ALiBi and a table to Triton (here it declines only where jax-triton
-    is missing, for that reason); cuDNN declines both, Mosaic the table."""
-    features = bsa.Features(platform="gpu", dtype="bfloat16", score=("alibi", "relative_bias"))
+    is missing, for that reason) and to Mosaic once its table has run on a GPU (until then it
+    declines the table for that reason); cuDNN declines both."""
+    from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+
+    features = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=128, value_dim=128,
+                            score=("alibi", "relative_bias"))
     explain = bsa.select_kernel(masks.Causal(), "gpu", features).explain()
     lines = {line.split(":")[0].strip(): line for line in explain.splitlines()[1:]}
-    assert "score terms" in lines["declined cudnn"] and "score terms" in lines["declined mosaic"]
+    assert "score terms" in lines["declined cudnn"]
+    mosaic = lines.get("declined mosaic", "")
+    assert "score terms" not in mosaic
+    assert ("has not yet run on a GPU" in mosaic) == (not mosaic_kernel._TABLE_RUN_ON_GPU)
     assert "score terms" not in lines.get("declined triton", "")
 
 

@@ -56,8 +56,7 @@ from jax import lax
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      SMEM_BUDGET, AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
                      ELEMENT_MAP_DTYPE, alibi_positions_term, base2_tile, block_visible,
-                     element_tile,
-                     function_tile, item_values, load_bias_tile, persistent_schedule,
+                     function_tile, item_values, load_pair_tile, persistent_schedule,
                      read_derivatives,
                      relative_operands, relative_tiles, ring_stages, segment_ids_apart,
                      split_counts, swizzled, table_operands, walk_list)
@@ -526,15 +525,18 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                     wait_own(j)
                 _load_next_own_tiles(cta_items, load, j, upcoming)
 
-                def block_terms(k_base, part):
-                    """``(bias tile, table tile)`` of a block (each ``None`` where it has
-                    none), loaded before its products so that their latency hides."""
-                    bias = table = None
+                def block_terms(k_base, part, masked):
+                    """``(bias tile, table tile, element map tile)`` of a block (each
+                    ``None`` where it has none), loaded before its products so that their
+                    latency hides."""
+                    bias = table = emap = None
                     if cfg.bias:
-                        bias = load_bias_tile(ops, bias_ref, b, h, rows, pl.ds(k_base, bk))
+                        bias = load_pair_tile(ops, bias_ref, b, h, rows, pl.ds(k_base, bk))
                     if relative is not None:
                         table = relative.near_tile(ops, bank_ref, h, part, q_base - k_base)
-                    return bias, table
+                    if masked and cfg.elements:
+                        emap = load_pair_tile(ops, emap_ref, b, h, rows, pl.ds(k_base, bk))
+                    return bias, table, emap
 
                 def block_grad(s, dp, k_base, k_pos, masked, part, loaded):
                     """dS from the block's products S and dP (`k_base` its first key and
@@ -573,8 +575,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                                 (bq, bk), [1])
                         vis = block_visible(
                             cfg, ops, h, (bq, bk), 0, q_base, k_base, tiles(), q_seg, k_seg,
-                            map_tile=lambda: element_tile(ops, emap_ref, b, h, rows,
-                                                          pl.ds(k_base, bk)), values=values)
+                            map_tile=lambda: loaded[2] != 0, values=values)
                     p, factors = cfg.probabilities(
                         s, lax.broadcast_in_dim(row_lse, (bq, bk), [0]), vis, term,
                         _function_tiles(cfg, b, h, tiles, values))
@@ -589,10 +590,10 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                         k_base = cta_items.block(prefix, it, n_full) * bk
                         if cfg.positions:
                             k_pos = ops.load(kpos_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
-                    loaded = (None, None)
-                    if cfg.bias or relative is not None:
+                    loaded = (None, None, None)
+                    if cfg.bias or relative is not None or (masked and cfg.elements):
                         with jax.named_scope("load_terms"):
-                            loaded = block_terms(k_base, part)
+                            loaded = block_terms(k_base, part, masked)
                     with jax.named_scope("wait_kv"):
                         plgpu.barrier_wait(k_ready.at[slot])
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -883,15 +884,19 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                             return _position_tiles(cfg, ops, (bk, bq), 1, q_base, k_base,
                                                    q_pos, k_pos)
 
-                        loaded = (None, None)
-                        if cfg.bias or relative is not None:
+                        # The block's bias, table and element map tiles, loaded before its
+                        # products so that their latency hides (each None where it has none).
+                        loaded = (None, None, None)
+                        if cfg.bias or relative is not None or (masked and cfg.elements):
                             with jax.named_scope("load_terms"):
                                 loaded = (
                                     None if not cfg.bias
-                                    else load_bias_tile(ops, bias_ref, b, h, keys, cols),
+                                    else load_pair_tile(ops, bias_ref, b, h, keys, cols),
                                     None if relative is None
                                     else relative.near_tile(ops, bank_ref, h, part,
-                                                            q_base - k_base))
+                                                            q_base - k_base),
+                                    None if not (masked and cfg.elements)
+                                    else load_pair_tile(ops, emap_ref, b, h, keys, cols))
                         with jax.named_scope("load_rows"):
                             lse = streamed_row(lse_ring, lse_ready, lse_free, slot)
                         with jax.named_scope("wait_q"):
@@ -913,8 +918,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                         (bk, bq), [1])
                                 vis = block_visible(
                                     cfg, ops, h, (bk, bq), 1, q_base, k_base, tiles(), q_seg,
-                                    k_seg, map_tile=lambda: element_tile(
-                                        ops, emap_ref, b, h, keys, cols), values=values)
+                                    k_seg, map_tile=lambda: loaded[2] != 0, values=values)
                             term = None
                             if alibi is not None and cfg.positions:
                                 term = alibi_positions_term(slopes_ref[h], *tiles())

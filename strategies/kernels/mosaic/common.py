@@ -119,7 +119,7 @@ class LogitTerms:
     mask_reads: tuple = ()
     #: A bias (natural units, ``[1 or B, 1 or H, Lq, Lk]``, an operand of each launch; the
     #: dk/dv launch reads it transposed) added to every logit of every block, with ALiBi's
-    #: term, before the score function and the cap (`load_bias_tile`). A -inf hides its pair.
+    #: term, before the score function and the cap (`load_pair_tile`). A -inf hides its pair.
     bias: bool = False
     #: A T5 table's buckets (``table[h, bucket(q - k)]`` added after the bias, before the
     #: score function and the cap; the ``[H, num_buckets]`` table an operand of each launch),
@@ -219,9 +219,9 @@ def block_visible(cfg, ops: "Ops", head, shape, q_axis: int, q_base, k_base, pos
     `LogitTerms`), for query head `head`: a block of `shape` whose queries run along `q_axis`
     from token `q_base` (keys from `k_base`); `positions` are its ``(query, key)`` position
     tiles (the per-call positions where ``cfg.positions``, else the token indices), `q_seg`
-    and `k_seg` its segment id tiles (``None`` without). The element map's tile
-    (``map_tile()``, `element_tile`) where ``cfg.elements``; else the compiled mask's element
-    predicate (``cfg.predicate``) on the tiles' indices, positions and ids (where it reads
+    and `k_seg` its segment id tiles (``None`` without). The block's element-map tile is
+    nonzero (``map_tile()``, loaded by `load_pair_tile`) where ``cfg.elements``; else the
+    compiled mask's element predicate (``cfg.predicate``) on the tiles' indices, positions and ids (where it reads
     arrays, its trace at `shape`, ``cfg.mask_traced``, with the scalars it reads taken from
     `values`, the work item's: `item_values`); else the canonical terms (`visible`, the ids
     apart) on the positions, with the padded keys hidden by their token indices."""
@@ -263,27 +263,13 @@ def mask_tile(cfg, head, tiles, values):
     return evaluate_function(traced, args, replaying_reads(list(values)[len(cfg.reads):]))
 
 
-def _pair_tile(ops: "Ops", ref, b, h, rows, cols):
-    """A tile of a per-pair array `ref` (``[1 or B, 1 or H, R, C]``) for batch row `b` and
-    query head `h`: rows and columns `rows` and `cols` (`pl.ds` slices), in the wgmma
-    layout."""
+def load_pair_tile(ops: "Ops", ref, b, h, rows, cols):
+    """A tile of a per-pair array `ref` (``[1 or B, 1 or H, R, C]``: a bias, an element map)
+    for batch row `b` and query head `h`: rows and columns `rows` and `cols` (`pl.ds`
+    slices), in `ref`'s dtype and the wgmma layout. Issued before a block's products, its
+    latency hides behind them."""
     prefix = (b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0)
     return ops.load(ref, (*prefix, rows, cols), ops.wgmma_layout)
-
-
-def element_tile(ops: "Ops", ref, b, h, rows, cols):
-    """Whether each pair of a block is visible, from a tile of the element map `ref`
-    (``[1 or B, 1 or H, R, C]``, `ELEMENT_MAP_DTYPE`) for batch row `b` and query head `h`:
-    rows and columns `rows` and `cols` (`pl.ds` slices), in the wgmma layout."""
-    return _pair_tile(ops, ref, b, h, rows, cols) != 0
-
-
-def load_bias_tile(ops: "Ops", ref, b, h, rows, cols):
-    """A block's tile of the bias `ref` (``[1 or B, 1 or H, R, C]``, natural units;
-    ``cfg.bias``) for batch row `b` and query head `h`: rows and columns `rows` and `cols`
-    (`pl.ds` slices), in the bias's dtype and the wgmma layout. Issued before the block's
-    products, its latency hides behind them; `base2_tile` turns it into the logits' term."""
-    return _pair_tile(ops, ref, b, h, rows, cols)
 
 
 def base2_tile(tile):

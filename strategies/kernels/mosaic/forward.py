@@ -14,8 +14,8 @@ The work items are (batch row, head, q-tile of 128 rows). One CTA per SM runs th
   item's rows are copied in from the start of this item, and the output leaves through the
   buffer of the item it belongs to.
 
-A partial block's first key and key segment ids, and a block's bias tile and T5 bank tile,
-are read before its products are issued, so their latency is hidden. The phases of both kinds of warpgroup are named scopes, so Mosaic
+A partial block's first key, key segment ids and element-map tile, and a block's bias tile
+and T5 bank tile, are read before its products are issued, so their latency is hidden. The phases of both kinds of warpgroup are named scopes, so Mosaic
 GPU's on-device profiler (``CompilerParams(profile_space=..., profile_dir=...)``) times each
 of them per warpgroup.
 
@@ -33,7 +33,7 @@ the rows' part (``-slope * i``) goes into the log-sum-exp at the end, since a ro
 does not change when a constant is added to it. Under a soft cap, which is not
 shift-invariant, each logit takes the whole term before the cap. A bias (``cfg.bias``) adds
 its tile, loaded from global memory, to every logit of every block
-(`common.load_bias_tile`).
+(`common.load_pair_tile`).
 A T5 table (``cfg.relative``) splits each list in three parts (`common.walk_list`): the
 blocks of a far part add one entry of the table, a near block its tile of the launch's bank
 (`common.RelativeTiles`).
@@ -52,8 +52,7 @@ from jax import lax
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
                      AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
                      ELEMENT_MAP_DTYPE, alibi_positions_term, base2_tile, block_visible,
-                     element_tile,
-                     function_tile, item_values, load_bias_tile, persistent_schedule,
+                     function_tile, item_values, load_pair_tile, persistent_schedule,
                      relative_operands,
                      relative_tiles, ring_stages, segment_ids_apart, split_counts, swizzled,
                      table_operands, walk_list)
@@ -201,12 +200,17 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                         plgpu.barrier_wait(k_ready.at[lax.rem(first_step + it + 1, stages)])
 
                 def partial_block(it):
-                    """``(first key, key segment ids or None)`` of partial step `it`, read
-                    before the step's products so that the loads' latency is hidden."""
+                    """``(first key, key segment ids or None, element map tile or None)``
+                    of partial step `it`, read before the step's products so that the loads'
+                    latency is hidden."""
                     k_base = pidx_ref[(*prefix, jnp.minimum(it - n_full, cp - 1))] * bk
-                    if not has_segments:
-                        return k_base, None
-                    return k_base, ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
+                    k_seg = emap = None
+                    if has_segments:
+                        k_seg = ops.load(kseg_ref, (b, pl.ds(k_base, bk)), ops.col_layout)
+                    if cfg.elements:
+                        emap = load_pair_tile(ops, emap_ref, b, h, pl.ds(q_base, bq),
+                                              pl.ds(k_base, bk))
+                    return k_base, k_seg, emap
 
                 def block_keys(it, partial):
                     """``(first key, key positions)`` of step `it` where its logits need
@@ -244,7 +248,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     k_base = keys[0]
                     bias = None
                     if cfg.bias:
-                        bias = load_bias_tile(ops, bias_ref, b, h, pl.ds(q_base, bq),
+                        bias = load_pair_tile(ops, bias_ref, b, h, pl.ds(q_base, bq),
                                               pl.ds(k_base, bk))
                     table = None
                     if relative is not None:
@@ -303,9 +307,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                                     lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
                         vis = block_visible(
                             cfg, ops, h, (bq, bk), 0, q_base, k_base, position_tiles(keys),
-                            *segs, map_tile=lambda: element_tile(
-                                ops, emap_ref, b, h, pl.ds(q_base, bq), pl.ds(k_base, bk)),
-                            values=values)
+                            *segs, map_tile=lambda: partial[2] != 0, values=values)
                         s = jnp.where(vis, s, -jnp.inf)
                     if hides:
                         m_new = jnp.maximum(m_i, _plus(s.max(axis=1), shift))
