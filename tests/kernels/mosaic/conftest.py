@@ -58,3 +58,13 @@ def interpreted(hopper_host, monkeypatch):
     for name in ("forward_call", "mosaic_backward"):
         monkeypatch.setattr(kernel, name, functools.partial(
             getattr(kernel, name), interpret=InterpretGPUParams()))
+
+
+@pytest.fixture(params=["interpreter", pytest.param("gpu", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")])])
+def mosaic_device(request):
+    """Where a test's Mosaic launches run, one test each: Pallas' CPU interpreter
+    (`interpreted`, on a CPU backend) or a Hopper GPU (on a GPU backend)."""
+    if request.param == "interpreter":
+        request.getfixturevalue("interpreted")
+    return request.param

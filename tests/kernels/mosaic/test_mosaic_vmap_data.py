@@ -1,8 +1,8 @@
 """`jax.vmap` over a call of `MosaicBlockSparse` whose score function or mask predicate reads
 arrays (`strategies/kernels/mosaic/data.py`): over q, k and v with the arrays unbatched,
 over the arrays with q, k and v unbatched, and over both. Each call runs its launches in
-Pallas' CPU interpreter for Mosaic GPU and is checked against the float64 oracle, example by
-example.
+Pallas' CPU interpreter for Mosaic GPU on a CPU, and on a Hopper GPU where JAX's backend is
+one (`mosaic_device`), and is checked against the float64 oracle, example by example.
 """
 
 import jax
@@ -60,7 +60,7 @@ def _f64(x):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_vmap_over_qkv_and_params_reading_the_batch_index(interpreted, launches):
+def test_vmap_over_qkv_and_params_reading_the_batch_index(mosaic_device, launches):
     """vmap over q, k, v (a leading axis of 2, each ``[2, H, L, D]``) and over a score
     function's params (a temperature per batch row, ``params[batch]``; one row per example)
     while it closes over unbatched ALiBi slopes: each example's output and temperatures'
@@ -100,7 +100,7 @@ def test_vmap_over_qkv_and_params_reading_the_batch_index(interpreted, launches)
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_vmap_over_params_slopes_with_unbatched_qkv(interpreted):
+def test_vmap_over_params_slopes_with_unbatched_qkv(mosaic_device):
     """vmap over a `ScoreFunction`'s params (ALiBi slopes, one row per example), q, k, v
     unbatched: each example's output and slopes' gradient are its own slopes' (float64
     oracle; the gradient within bfloat16's 2e-2 of its value plus 1e-4 of the magnitude of
@@ -137,7 +137,7 @@ def test_vmap_over_params_slopes_with_unbatched_qkv(interpreted):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_vmap_over_predicate_widths(interpreted, launches):
+def test_vmap_over_predicate_widths(mosaic_device, launches):
     """vmap over a `Predicate`'s per-head widths (one row per example), q, k, v unbatched:
     each example's output uses its own window (float64 oracle), its widths read from the
     read tables (no element map)."""
