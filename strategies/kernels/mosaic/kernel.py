@@ -37,7 +37,7 @@ _BIAS_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _UNKNOWN = object()
 #: Whether the T5 table's launches (`common.RelativeTiles`) have run on a Hopper GPU; until
 #: they have, a call with a table is declined in one line and the selector keeps Triton.
-_TABLE_RUN_ON_GPU = True
+_TABLE_RUN_ON_GPU = False
 
 
 @functools.cache
