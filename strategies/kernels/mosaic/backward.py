@@ -57,9 +57,8 @@ from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARP
                      SMEM_BUDGET, AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
                      ELEMENT_MAP_DTYPE, alibi_positions_term, base2_tile, block_visible,
                      function_tile, item_values, load_pair_tile, persistent_schedule,
-                     read_derivatives,
-                     relative_operands, relative_tiles, ring_stages, segment_ids_apart,
-                     split_counts, swizzled, table_operands, walk_list)
+                     read_derivatives, relative_operands, relative_tiles, ring_stages,
+                     segment_ids_apart, split_counts, swizzled, table_operands, walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS

@@ -221,10 +221,11 @@ def block_visible(cfg, ops: "Ops", head, shape, q_axis: int, q_base, k_base, pos
     tiles (the per-call positions where ``cfg.positions``, else the token indices), `q_seg`
     and `k_seg` its segment id tiles (``None`` without). The block's element-map tile is
     nonzero (``map_tile()``, loaded by `load_pair_tile`) where ``cfg.elements``; else the
-    compiled mask's element predicate (``cfg.predicate``) on the tiles' indices, positions and ids (where it reads
-    arrays, its trace at `shape`, ``cfg.mask_traced``, with the scalars it reads taken from
-    `values`, the work item's: `item_values`); else the canonical terms (`visible`, the ids
-    apart) on the positions, with the padded keys hidden by their token indices."""
+    compiled mask's element predicate (``cfg.predicate``) on the tiles' indices, positions
+    and ids (where it reads arrays, its trace at `shape`, ``cfg.mask_traced``, with the
+    scalars it reads taken from `values`, the work item's: `item_values`); else the
+    canonical terms (`visible`, the ids apart) on the positions, with the padded keys hidden
+    by their token indices."""
     if cfg.elements:
         return map_tile()
     q_pos, k_pos = positions

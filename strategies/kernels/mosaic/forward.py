@@ -15,9 +15,9 @@ The work items are (batch row, head, q-tile of 128 rows). One CTA per SM runs th
   buffer of the item it belongs to.
 
 A partial block's first key, key segment ids and element-map tile, and a block's bias tile
-and T5 bank tile, are read before its products are issued, so their latency is hidden. The phases of both kinds of warpgroup are named scopes, so Mosaic
-GPU's on-device profiler (``CompilerParams(profile_space=..., profile_dir=...)``) times each
-of them per warpgroup.
+and T5 bank tile, are read before its products are issued, so their latency is hidden. The
+phases of both kinds of warpgroup are named scopes, so Mosaic GPU's on-device profiler
+(``CompilerParams(profile_space=..., profile_dir=...)``) times each of them per warpgroup.
 
 FULL blocks skip every mask; partial blocks evaluate the compiled mask's canonical terms
 (`MaskTerms`) on token indices, and segment ids when the mask has them, or, for a mask
@@ -32,8 +32,7 @@ constant (``slope * (k_base - q_base)``) is carried through the row maxima as a 
 the rows' part (``-slope * i``) goes into the log-sum-exp at the end, since a row's softmax
 does not change when a constant is added to it. Under a soft cap, which is not
 shift-invariant, each logit takes the whole term before the cap. A bias (``cfg.bias``) adds
-its tile, loaded from global memory, to every logit of every block
-(`common.load_pair_tile`).
+its tile, loaded from global memory, to every logit of every block (`common.load_pair_tile`).
 A T5 table (``cfg.relative``) splits each list in three parts (`common.walk_list`): the
 blocks of a far part add one entry of the table, a near block its tile of the launch's bank
 (`common.RelativeTiles`).
@@ -53,9 +52,8 @@ from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARP
                      AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
                      ELEMENT_MAP_DTYPE, alibi_positions_term, base2_tile, block_visible,
                      function_tile, item_values, load_pair_tile, persistent_schedule,
-                     relative_operands,
-                     relative_tiles, ring_stages, segment_ids_apart, split_counts, swizzled,
-                     table_operands, walk_list)
+                     relative_operands, relative_tiles, ring_stages, segment_ids_apart,
+                     split_counts, swizzled, table_operands, walk_list)
 
 #: Query rows per CTA (two compute warpgroups of 64).
 BLOCK_Q = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -105,7 +103,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     # s * scale * log2(e), kept in base 2; with a positive factor the row maximum of the raw
     # products scales to the row maximum of the logits, so full blocks fold the factor into
     # the exponent's operand. ALiBi, a score function and a soft cap turn the products into
-    # base-2 logits first (factor 1: no product), and so does a bias.
+    # base-2 logits first (factor 1: no product), and so do a bias and a T5 table.
     function = cfg.function
     relative = relative_tiles(cfg, bq, bk, transposed=False)
     factor = (1.0 if cfg.soft_cap or cfg.alibi or cfg.bias or relative is not None
