@@ -563,8 +563,7 @@ def dq_call(cfg: BackwardConfig, q, k, v, do, lse, delta, full_count, full_index
                         bias_term = base2_tile(loaded[0])
                         term = bias_term if term is None else term + bias_term
                     if relative is not None:
-                        table_term = relative.term(ops, far_terms, bank_ref, h, part,
-                                                   q_base - k_base, loaded[1])
+                        table_term = relative.term(far_terms, part, loaded[1])
                         term = table_term if term is None else term + table_term
                     if masked:
                         k_seg = None
@@ -934,8 +933,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                                 bias_term = base2_tile(loaded[0])
                                 term = bias_term if term is None else term + bias_term
                             if relative is not None:
-                                table_term = relative.term(ops, far_terms, bank_ref, h,
-                                                           part, q_base - k_base, loaded[1])
+                                table_term = relative.term(far_terms, part, loaded[1])
                                 term = table_term if term is None else term + table_term
                             p_t, factors = cfg.probabilities(
                                 s_t, lax.broadcast_in_dim(lse, (bk, bq), [1]), vis, term,

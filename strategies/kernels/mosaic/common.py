@@ -629,8 +629,8 @@ def walk_list(n_full, n_steps, step, carry, splits=None):
 class RelativeTiles:
     """A T5 table's term on the blocks of one launch (`LogitTerms.relative`), whose lists
     are walked in three parts (`walk_list`, `far_splits`). Every pair of a block in a far
-    part lies in one bucket (`low_bucket` for the part of the lower entries, `high_bucket`
-    for the other), so the block takes one entry of the table; a near block's distances
+    part lies in one bucket (`far_buckets`: the lower entries' part's, then the higher
+    ones'), so the block takes one entry of the table; a near block's distances
     ``q - k`` are ``offset + i - j`` (``offset + j - i`` where `transposed`: rows are keys)
     for its first query minus its first key, ``offset``, of `count` possible values
     ``first + c * step``; the launch's bank (`bank`, ``[H, count, rows, cols]``) holds the
@@ -703,16 +703,14 @@ class RelativeTiles:
         once per work item)."""
         return tuple(table_ref[head, bucket] * LOG2E for bucket in self.far_buckets)
 
-    def term(self, ops: "Ops", far_terms, bank_ref, head, part: int, offset, loaded=None):
-        """The base-2 term of one block of head `head` in walk part `part` (static): the
-        far part's entry of the table (a scalar of `far_terms`), or the near block's tile of
-        the bank for its `offset` (first query minus first key, int32) in the wgmma layout
-        (`loaded`: that tile, loaded already by `near_tile`)."""
+    @staticmethod
+    def term(far_terms, part: int, near_tile):
+        """The base-2 term of one block in walk part `part` (static): the far part's entry
+        of the table (a scalar of `far_terms`), or the near block's tile of the bank as
+        `near_tile` loaded it before the block's products."""
         if part != 1:
             return far_terms[0 if part == 0 else 1]
-        if loaded is None:
-            loaded = self.near_tile(ops, bank_ref, head, part, offset)
-        return base2_tile(loaded)
+        return base2_tile(near_tile)
 
     def near_tile(self, ops: "Ops", bank_ref, head, part: int, offset):
         """A near block's tile of the bank (natural units), or ``None`` in a far part: to

@@ -279,8 +279,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                             loaded[0])
                     if relative is not None:
                         s = (s if alibi is not None or cfg.bias else s * cfg.log2_factor) + \
-                            relative.term(ops, far_terms, bank_ref, h, part, q_base - k_base,
-                                          loaded[1])
+                            relative.term(far_terms, part, loaded[1])
                     # s holds base-2 logits
                     base2 = alibi is not None or cfg.bias or relative is not None
                     if function is not None:
