@@ -24,6 +24,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jaxtyping import Array, Float, Int
 
+from ._score_alibi import as_alibi, inner_jaxpr
 from ._signature import fits, read_signature
 from ._values import poisoned as _poisoned
 
@@ -244,19 +245,6 @@ def _shape_error(fn, want, got) -> ValueError:
 # Checks of a user function, once per call on a small tile.
 
 
-def _inner_jaxpr(eqn):
-    """The jaxpr an equation calls with its own inputs and outputs, one for one (``jit``,
-    ``custom_jvp_call``, ``custom_vjp_call``, ``remat``, ...), or ``None``."""
-    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        inner = eqn.params.get(name)
-        inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
-        if (isinstance(inner, jex_core.Jaxpr)
-                and len(inner.invars) == len(eqn.invars)
-                and len(inner.outvars) == len(eqn.outvars)):
-            return inner
-    return None
-
-
 #: Primitives whose result is zero where their (first) operand is: a zero stays one through
 #: them, so ``score * jnp.zeros_like(score)`` is seen as a zero.
 _KEEPS_ZERO = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze",
@@ -284,7 +272,7 @@ def _reached(jaxpr, live, zero=frozenset()) -> tuple[list[bool], list[bool]]:
     for eqn in jaxpr.eqns:
         zeros = [is_zero(v) for v in eqn.invars]
         name = eqn.primitive.name
-        inner = _inner_jaxpr(eqn)
+        inner = inner_jaxpr(eqn)
         if inner is not None:
             hit = [isinstance(v, jex_core.Var) and v in live for v in eqn.invars]
             outs, out_zeros = _reached(
@@ -393,11 +381,14 @@ class ScoreTerms(eqx.Module):
     buckets: RelativeBuckets | None = eqx.field(default=None, static=True)
     function: ScoreTerm | None = eqx.field(default=None, static=True)
     params: Any = None
+    #: The name of the score function `slopes` were read from (`as_alibi`), or ``None``.
+    alibi_from: str | None = eqx.field(default=None, static=True)
 
     #: The names `kinds` gives each part.
     KINDS: ClassVar[tuple[str, ...]] = ("alibi", "relative_bias", "function")
 
-    def __init__(self, slopes=None, table=None, buckets=None, function=None, params=None):
+    def __init__(self, slopes=None, table=None, buckets=None, function=None, params=None, *,
+                 alibi_from: str | None = None):
         self.slopes = slopes
         self.table = table
         self.buckets = buckets
@@ -405,6 +396,7 @@ class ScoreTerms(eqx.Module):
             function = ScoreTerm.of(function, params is not None, what="ScoreTerms")
         self.function = function
         self.params = params
+        self.alibi_from = alibi_from
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -431,7 +423,8 @@ class ScoreTerms(eqx.Module):
     def with_arrays(self, slopes, table, params=...) -> "ScoreTerms":
         """These terms with `slopes` and `table` (and `params`, where given) replaced."""
         params = self.params if params is ... else params
-        return ScoreTerms(slopes, table, self.buckets, self.function, params)
+        return ScoreTerms(slopes, table, self.buckets, self.function, params,
+                          alibi_from=self.alibi_from)
 
     def rows(self, heads: Int[Array, "..."]) -> "ScoreTerms":
         """These terms with each array's head axis gathered at `heads` (``slopes[heads]``,
@@ -469,7 +462,8 @@ def describe_score(terms: ScoreTerms | None) -> str:
         return "none"
     parts = []
     if terms.slopes is not None:
-        parts.append(f"alibi (slopes [{terms.slopes.shape[0]}])")
+        source = "" if terms.alibi_from is None else f", from the function {terms.alibi_from}"
+        parts.append(f"alibi (slopes [{terms.slopes.shape[0]}]{source})")
     if terms.table is not None:
         b = terms.buckets
         parts.append(f"relative_bias ({b.num_buckets} buckets, bidirectional={b.bidirectional}, "
@@ -519,7 +513,8 @@ def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding, 
 
     `batched` says whether the call's query is ``[B, H, L, D]``; an unbatched call (``[H, L,
     D]``, also each example under `jax.vmap`) is refused when a term reads the batch index.
-    A score function is checked here, once per call (`check_function`).
+    A score function is checked here, once per call (`check_function`); one proven to be
+    ALiBi runs as ALiBi's slopes (`as_alibi`).
     """
     terms = compile_score(score, num_heads)
     if terms is None:
@@ -539,6 +534,7 @@ def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding, 
             f"0): pass batched inputs [B, H, L, D], or index the per-example data outside the "
             f"call (as `params`) and let vmap map it.")
     check_function(terms, num_heads)
+    terms = as_alibi(terms, num_heads)
     # An infinite slope times a zero distance, or a +inf / NaN logit, has no softmax weight.
     # Concrete arrays (the standard slopes of `ALiBi()` come as NumPy) are checked here;
     # traced ones, learned in a training step, are poisoned whole instead (`_poisoned`: a

@@ -1,0 +1,328 @@
+"""A score function that is ALiBi, found in its jaxpr and run as ALiBi's slopes.
+
+The most common hand-written score function is ALiBi, ``score + slopes[head] * (k_pos -
+q_pos)`` with the slopes closed over or in `params`. Run as a function, every kernel
+evaluates the whole term on every logit (and reads the slopes as data); as `ScoreTerms.slopes`
+it is built-in ALiBi, which the kernels split into a row's and a column's part. `as_alibi`
+reads the function's jaxpr on a small tile and, where that jaxpr *proves* that the result is
+``score + c(head) * (k_pos - q_pos)`` with ``c`` independent of the logits, the positions and
+the batch index, replaces the function by the slopes ``c(h)``: the function itself evaluated
+at ``score = 0``, ``q_pos = 0``, ``k_pos = 1`` for every head, in JAX, so its arrays and
+`params` get their gradients from JAX's own autodiff of that evaluation.
+
+The proof is an abstract evaluation of the jaxpr (`_Interpreter`). Each value is a sum
+``a_1 + a_s s + a_q q + a_k k`` over the logit `s` and the positions `q`, `k`, as a function
+of the element's coordinates (head, query row, key column; broadcast like NumPy). The
+coefficients are polynomials with rational coefficients in *atoms*: values that depend on
+none of ``s``, ``q``, ``k`` (the head, the batch index, the arrays and whatever is computed
+from them alone), each named by what computed it, so that the same read twice is one atom.
+Sums, differences, negation, products with and quotients by such a value, widening casts and
+broadcasts that keep the NumPy alignment keep the form; anything else applied to a value that
+depends on ``s``, ``q`` or ``k`` (a maximum, a `where`, an absolute value, a transpose, a cast
+to a narrower float) ends the proof, and the function runs as written. The result is ALiBi when
+``a_s = 1``, ``a_q + a_k = 0`` and ``a_1 = 0`` as polynomials, and ``a_k`` is one value per
+head: its atoms do not depend on the batch index and do not vary along the tile's rows or
+columns.
+"""
+
+import functools
+from fractions import Fraction
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+#: A polynomial: monomial (sorted atom ids) -> nonzero rational coefficient.
+Poly = dict[tuple[int, ...], Fraction]
+#: A value's form: basis ("1", "s", "q", "k") -> nonzero coefficient polynomial; ``None`` is
+#: a value of no such form.
+Form = dict[str, Poly] | None
+
+#: Primitives that keep each element's value and move it by NumPy's alignment at most.
+_RESHAPES = frozenset({"broadcast_in_dim", "reshape", "squeeze"})
+_COPIES = frozenset({"copy", "copy_p"})
+
+
+def _padd(a: Poly, b: Poly, sign: int = 1) -> Poly:
+    out = dict(a)
+    for mono, c in b.items():
+        total = out.get(mono, 0) + sign * c
+        if total:
+            out[mono] = total
+        else:
+            out.pop(mono, None)
+    return out
+
+
+def _pmul(a: Poly, b: Poly) -> Poly:
+    out: Poly = {}
+    for ma, ca in a.items():
+        for mb, cb in b.items():
+            mono = tuple(sorted(ma + mb))
+            total = out.get(mono, 0) + ca * cb
+            if total:
+                out[mono] = total
+            else:
+                out.pop(mono, None)
+    return out
+
+
+def _fadd(a: dict, b: dict, sign: int = 1) -> dict:
+    out = {}
+    for basis in set(a) | set(b):
+        poly = _padd(a.get(basis, {}), b.get(basis, {}), sign)
+        if poly:
+            out[basis] = poly
+    return out
+
+
+def _fscale(form: dict, poly: Poly) -> dict:
+    out = {}
+    for basis, coef in form.items():
+        scaled = _pmul(coef, poly)
+        if scaled:
+            out[basis] = scaled
+    return out
+
+
+def _is_free(form: Form) -> bool:
+    """Whether a value depends on none of ``s``, ``q``, ``k``."""
+    return form is not None and set(form) <= {"1"}
+
+
+def _aligned(in_shape, out_shape) -> bool:
+    """Whether `out_shape` has `in_shape`'s trailing axes where NumPy would put them (leading
+    axes added or dropped, each kept axis either equal or broadcast from 1)."""
+    a, b = list(in_shape), list(out_shape)
+    while a and a[0] == 1 and len(a) > len(b):
+        a.pop(0)
+    if len(a) > len(b):
+        return False
+    return all(x == y or x == 1 for x, y in zip(a, b[len(b) - len(a):]))
+
+
+def _param_key(value) -> Any:
+    """A hashable stand-in for an equation's parameter, equal where the parameters are, or a
+    fresh object for one that cannot be hashed (no two equations then share a result)."""
+    try:
+        hash(value)
+    except TypeError:
+        return object()
+    return type(value), value
+
+
+class _Interpreter:
+    """One abstract evaluation: the atoms it named, by key, and which read the batch index."""
+
+    def __init__(self):
+        self.ids: dict[Any, int] = {}
+        self.shapes: list[tuple[int, ...]] = []
+        self.batch: set[int] = set()
+
+    def atom(self, key, shape, reads_batch: bool = False) -> dict:
+        """The form of the atom named `key`, of `shape` (a fresh one for a fresh key)."""
+        if key not in self.ids:
+            self.ids[key] = len(self.ids)
+            self.shapes.append(tuple(shape))
+            if reads_batch:
+                self.batch.add(self.ids[key])
+        return {"1": {(self.ids[key],): Fraction(1)}}
+
+    def fresh(self, shape) -> dict:
+        return self.atom(object(), shape)
+
+    def atoms(self, form: dict):
+        return {i for poly in form.values() for mono in poly for i in mono}
+
+    def reads_batch(self, form: dict) -> bool:
+        return bool(self.atoms(form) & self.batch)
+
+    def per_head(self, form: dict) -> bool:
+        """Whether every atom of `form` is one value per head: a shape that broadcasts
+        against the probe's ``[2, 1, 1]`` without varying along the rows or the columns."""
+        return all(len(shape) <= 3 and all(n == 1 for n in shape[-2:])
+                   and (len(shape) < 3 or shape[0] in (1, 2))
+                   for shape in (self.shapes[i] for i in self.atoms(form)))
+
+    def literal(self, value) -> dict:
+        value = np.asarray(value)
+        if value.ndim == 0 and value.dtype.kind in "biuf" and np.isfinite(value):
+            c = Fraction(float(value)) if value.dtype.kind == "f" else Fraction(int(value))
+            return {"1": {(): c}} if c else {}
+        return self.fresh(value.shape)
+
+    def evaluate(self, jaxpr, forms: list) -> list:
+        env = dict(zip(jaxpr.invars, forms))
+        for v in jaxpr.constvars:
+            env[v] = self.fresh(v.aval.shape)
+
+        def read(v):
+            if isinstance(v, jex_core.Literal):
+                return self.literal(v.val)
+            return env[v]
+
+        for eqn in jaxpr.eqns:
+            outs = self.step(eqn, [read(v) for v in eqn.invars])
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    def step(self, eqn, ins: list) -> list:
+        n_out = len(eqn.outvars)
+        inner = inner_jaxpr(eqn)
+        if inner is not None:
+            return self.evaluate(inner, ins)
+        if any(f is None for f in ins):
+            return [None] * n_out
+        name = eqn.primitive.name
+        in_avals = [v.aval for v in eqn.invars]
+        out_aval = eqn.outvars[0].aval
+        if name in ("add", "add_any", "sub"):
+            return [_fadd(ins[0], ins[1], -1 if name == "sub" else 1)]
+        if name == "neg":
+            return [_fscale(ins[0], {(): Fraction(-1)})]
+        if name == "mul" and (_is_free(ins[0]) or _is_free(ins[1])):
+            free, other = (ins[0], ins[1]) if _is_free(ins[0]) else (ins[1], ins[0])
+            return [_fscale(other, free.get("1", {}))]
+        if (name == "div" and _is_free(ins[1]) and not _is_free(ins[0])
+                and jnp.issubdtype(out_aval.dtype, jnp.floating)):
+            divisor = ins[1].get("1", {})
+            if not divisor:
+                return [None]
+            if set(divisor) == {()}:
+                inverse = {(): 1 / divisor[()]}
+            else:
+                inverse = self.atom(("inverse", _frozen(divisor)), in_avals[1].shape,
+                                    self.reads_batch(ins[1]))["1"]
+            return [_fscale(ins[0], inverse)]
+        if name in _COPIES:
+            return [ins[0]]
+        if name == "convert_element_type" and _widens(in_avals[0].dtype, out_aval.dtype):
+            return [ins[0]]
+        if name in _RESHAPES and _keeps_alignment(eqn):
+            return [ins[0]]
+        if all(_is_free(f) for f in ins):
+            key = (name, tuple(sorted((k, _param_key(v)) for k, v in eqn.params.items())),
+                   tuple(_frozen(f.get("1", {})) for f in ins),
+                   tuple((a.shape, a.dtype) for a in in_avals),
+                   tuple((v.aval.shape, v.aval.dtype) for v in eqn.outvars))
+            batch = any(self.reads_batch(f) for f in ins)
+            return [self.atom((key, i), v.aval.shape, batch)
+                    for i, v in enumerate(eqn.outvars)]
+        return [None] * n_out
+
+
+def _keeps_alignment(eqn) -> bool:
+    """Whether a broadcast, reshape or squeeze keeps each element where NumPy's alignment
+    (trailing axes) puts it."""
+    in_shape, out_shape = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    if eqn.primitive.name == "broadcast_in_dim":
+        trailing = tuple(range(len(out_shape) - len(in_shape), len(out_shape)))
+        if tuple(eqn.params["broadcast_dimensions"]) != trailing:
+            return False
+    if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is not None:
+        return False
+    return _aligned(in_shape, out_shape)
+
+
+def inner_jaxpr(eqn):
+    """The jaxpr an equation calls with its own inputs and outputs, one for one (``jit``,
+    ``custom_jvp_call``, ``custom_vjp_call``, ``remat``, ...), or ``None``."""
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        inner = eqn.params.get(name)
+        inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+        if (isinstance(inner, jex_core.Jaxpr)
+                and len(inner.invars) == len(eqn.invars)
+                and len(inner.outvars) == len(eqn.outvars)):
+            return inner
+    return None
+
+
+def _frozen(poly: Poly) -> tuple:
+    return tuple(sorted(poly.items()))
+
+
+def _widens(source, target) -> bool:
+    """Whether a cast from `source` to `target` keeps every value (an integer to float32 is
+    taken as exact: positions and their differences are below 2**24)."""
+    source, target = np.dtype(source), np.dtype(target)
+    if source == target:
+        return True
+    if target.kind == "f" and target.itemsize >= 4:
+        return source.kind in "biu" or (source.kind == "f" and source.itemsize <= target.itemsize)
+    if target.kind in "iu" and source.kind in "biu":
+        return target.itemsize > source.itemsize or source.kind == "b"
+    return False
+
+
+#: The probe tile: 8 x 8 logits of two heads.
+_PROBE = 8
+
+
+@functools.lru_cache(maxsize=256)
+def is_alibi(term, treedef, avals: tuple) -> bool:
+    """Whether the `ScoreTerm` `term`, with `params` of `treedef` and leaves `avals`, is
+    proven to compute ``score + c(head) * (k_pos - q_pos)``, ``c`` free of the batch index.
+
+    Read from its jaxpr on the probe tile (cached per function and params' shapes); a
+    function that does not trace there is not proven.
+    """
+    n = _PROBE
+
+    def run(s, batch, head, q_pos, k_pos, params):
+        return term(s, batch, head, q_pos, k_pos, params)
+
+    args = (jax.ShapeDtypeStruct((2, n, n), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((2, 1, 1), jnp.int32), jax.ShapeDtypeStruct((n, 1), jnp.int32),
+            jax.ShapeDtypeStruct((1, n), jnp.int32), jax.tree.unflatten(treedef, avals))
+    try:
+        closed = jax.make_jaxpr(run)(*args)
+    except Exception:  # noqa: BLE001  (the call itself raises the function's error)
+        return False
+    jaxpr = closed.jaxpr
+    if len(jaxpr.outvars) != 1 or closed.out_avals[0].shape != (2, n, n):
+        return False
+    interp = _Interpreter()
+    one = Fraction(1)
+    forms = [{"s": {(): one}}, interp.atom("batch", (), reads_batch=True),
+             interp.atom("head", (2, 1, 1)), {"q": {(): one}}, {"k": {(): one}}]
+    forms += [interp.atom(("params", i), v.aval.shape) for i, v in enumerate(jaxpr.invars[5:])]
+    (out,) = interp.evaluate(jaxpr, forms)
+    if out is None or set(out) - {"s", "q", "k"}:
+        return False
+    slope = {"1": out.get("k", {})}
+    return (out.get("s") == {(): one}
+            and bool(slope["1"])  # not ``score`` alone: nothing to gain, `kinds` would change
+            and not _padd(out.get("q", {}), slope["1"])
+            and not interp.reads_batch(slope) and interp.per_head(slope))
+
+
+def as_alibi(terms, num_heads: int):
+    """`terms` (`ScoreTerms`) with a score function that `is_alibi` proves to be ALiBi
+    replaced by its slopes ``[num_heads]`` float32 (added to slopes the terms already have),
+    or `terms` unchanged.
+
+    The slopes are the function at ``score = 0``, ``q_pos = 0``, ``k_pos = 1`` for each head:
+    ``c(h)`` exactly. They are computed in JAX, so `params` (and traced arrays the function
+    closes over) get their gradients through them.
+
+    ```python
+    fn = lambda s, head, q, k: s + slopes[head] * (k - q)
+    as_alibi(ScoreTerms(function=fn), 8).slopes   # == slopes, [8]
+    ```
+    """
+    term = terms.function
+    if term is None:
+        return terms
+    leaves, treedef = jax.tree.flatten(terms.params)
+    avals = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves)
+    if not is_alibi(term, treedef, avals):
+        return terms
+    heads = jnp.arange(num_heads, dtype=jnp.int32)[:, None, None]
+    one = jnp.ones((1, 1), jnp.int32)
+    slopes = term(jnp.zeros((num_heads, 1, 1), jnp.float32), jnp.zeros((), jnp.int32), heads,
+                  jnp.zeros((1, 1), jnp.int32), one, terms.params)[:, 0, 0]
+    if terms.slopes is not None:
+        slopes = terms.slopes.astype(jnp.float32) + slopes
+    return type(terms)(slopes, terms.table, terms.buckets, alibi_from=term.__name__)
