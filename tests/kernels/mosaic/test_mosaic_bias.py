@@ -17,6 +17,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import masks, scores
+from eqx_bsattn._score_alibi import as_alibi
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
 from tests.conftest import jnp_attention_f64, np_visibility, random_array, rel_err, score_f64
@@ -25,9 +26,11 @@ pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 
 def _head_slopes(score, head, q_pos, k_pos):
-    """ALiBi written as a score function (slope ``2^-(head + 1)``)."""
+    """Symmetric ALiBi written as a score function, ``score - 2^-(head + 1) |k - q|``: ALiBi
+    on the pairs with k <= q, but not affine in the positions, so it runs as a function
+    (ALiBi itself would run as built-in slopes: `as_alibi`)."""
     slope = jnp.exp2(-1.0 - jnp.asarray(head).astype(jnp.float32))
-    return score + slope * (k_pos - q_pos).astype(jnp.float32)
+    return score - slope * jnp.abs(k_pos - q_pos).astype(jnp.float32)
 
 
 def _qkv(batch, heads, kv_heads, q_len, kv_len, dim, dtype=jnp.float32):
@@ -97,9 +100,13 @@ LOWERED = {
 def test_bias_lowers_for_cuda(hopper_host, monkeypatch, case):
     """`jit(grad)` with a bias lowers for CUDA: three Mosaic GPU launches (the forward, dq
     and dk/dv), the bias's gradient in its own shape (a constant bias:
-    `test_constant_bias_writes_no_gradient`)."""
+    `test_constant_bias_writes_no_gradient`). A score function runs as one (not rewritten
+    to built-in ALiBi)."""
     _no_run_time_checks(monkeypatch)
     mask, shape, bias_shape, dtype, options = LOWERED[case]
+    if isinstance(options.get("score"), scores.ScoreFunction):
+        heads = shape["heads"]
+        assert as_alibi(options["score"].compile(heads), heads).function is not None
     attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(), **options)
     q, k, v = _lowered_qkv(**shape)
     bias = jax.random.normal(jax.random.key(4), (*bias_shape, shape["q_len"],

@@ -4,10 +4,11 @@
 Each read's scalar, per batch row and head, is an operand of the launches (its read table),
 loaded once per work item; the dk/dv launch forms the tables' cotangent and JAX carries it to
 the arrays (`strategies/kernels/mosaic/data.py`). Here: the read tables and their gradient
-against NumPy; the forward and the backward lower for CUDA with a closure's ALiBi slopes,
-learned slopes in `params`, and an integer table per head; what stays unsupported is
-declined in one line. One extended test runs the whole call, forward and every gradient, in
-Pallas' CPU interpreter for Mosaic GPU against the float64 oracle.
+against NumPy; the forward and the backward lower for CUDA with a closure's slopes, learned
+slopes in `params` (symmetric ALiBi: ALiBi itself would run as built-in slopes, `as_alibi`),
+and an integer table per head; what stays unsupported is declined in one line. One extended
+test runs the whole call, forward and every gradient, in Pallas' CPU interpreter for Mosaic
+GPU against the float64 oracle.
 """
 
 import functools
@@ -20,6 +21,8 @@ import pytest
 import eqx_bsattn as bsa
 import eqx_bsattn._layout as layout_internals
 from eqx_bsattn import masks, scores
+from eqx_bsattn._score import ScoreTerms
+from eqx_bsattn._score_alibi import as_alibi
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
 from tests.conftest import (jnp_attention_f64, np_visibility, random_array, rel_err, score_f64,
@@ -28,20 +31,27 @@ from tests.conftest import (jnp_attention_f64, np_visibility, random_array, rel_
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 HEADS = 4
-#: ALiBi's slopes of four heads, closed over by `closure_alibi`.
+#: Slopes of four heads, closed over by `closure_alibi`.
 SLOPES = jnp.asarray([0.5, 0.25, -0.125, 0.0625], jnp.float32)
 #: A window width per head (int32), closed over by `table_window`.
 WIDTHS = jnp.asarray([40, 90, 7, 300], jnp.int32)
 
 
+def symmetric_alibi(score, head, q_pos, k_pos, slopes):
+    """Symmetric ALiBi, ``score - slopes[head] * |k - q|``: ALiBi on the pairs with k <= q,
+    but not affine in the positions, so it runs as a score function (reading `slopes` in the
+    kernels) where ALiBi as written by hand would become built-in ALiBi (`as_alibi`)."""
+    return score - slopes[head] * jnp.abs(k_pos - q_pos).astype(jnp.float32)
+
+
 def closure_alibi(score, head, q_pos, k_pos):
-    """ALiBi as written by hand: slopes a jnp array the function closes over."""
-    return score + SLOPES[head] * (k_pos - q_pos).astype(jnp.float32)
+    """Symmetric ALiBi, its slopes a jnp array the function closes over."""
+    return symmetric_alibi(score, head, q_pos, k_pos, SLOPES)
 
 
 def learned_alibi(score, head, q_pos, k_pos, params):
-    """ALiBi with learned slopes, ``params["slopes"] [H]``."""
-    return score + params["slopes"][head] * (k_pos - q_pos).astype(jnp.float32)
+    """Symmetric ALiBi with learned slopes, ``params["slopes"] [H]``."""
+    return symmetric_alibi(score, head, q_pos, k_pos, params["slopes"])
 
 
 def table_window(score, head, q_pos, k_pos):
@@ -60,11 +70,19 @@ def _term(fn, params=None):
     return scores.ScoreFunction(fn, params).compile(HEADS).function
 
 
+def test_functions_are_not_rewritten_to_builtin_alibi():
+    """The score functions here that read slopes run as functions (the in-kernel reads these
+    tests are about), never as built-in ALiBi: `as_alibi` leaves each of them as it is."""
+    for fn, params in ((closure_alibi, None), (learned_alibi, {"slopes": SLOPES}),
+                       (lambda s, h, qp, kp: symmetric_alibi(s, h, qp, kp, SLOPES), None)):
+        assert as_alibi(ScoreTerms(function=fn, params=params), HEADS).function is not None
+
+
 #: name: (the loss's score for traced `data`, `data`, arrays the gradient has beside q, k, v)
 LOWERED = {
     # The closure's slopes traced (a gradient is asked for them).
     "closure_alibi": (lambda sl: scores.ScoreFunction(
-        lambda s, h, qp, kp: s + sl[h] * (kp - qp).astype(jnp.float32)), SLOPES, 1),
+        lambda s, h, qp, kp: symmetric_alibi(s, h, qp, kp, sl)), SLOPES, 1),
     "params_alibi": (lambda p: scores.ScoreFunction(learned_alibi, p),
                      {"slopes": SLOPES}, 1),
     # An int32 table: read, never differentiated.
@@ -111,7 +129,7 @@ def test_data_reads_are_operands_of_each_launch(hopper_host, launches):
         return attn(q, k, v)
 
     def loss(slopes):
-        fn = lambda s, h, qp, kp: s + slopes[h] * (kp - qp).astype(jnp.float32)  # noqa: E731
+        fn = lambda s, h, qp, kp: symmetric_alibi(s, h, qp, kp, slopes)  # noqa: E731
         return jnp.sum(call(fn, q).astype(jnp.float32))
 
     jax.eval_shape(jax.grad(loss), SLOPES)
@@ -311,7 +329,7 @@ def test_mask_reading_arrays_lowers_for_cuda_without_element_map(hopper_host, la
 
     def loss(q, k, v, slopes, data):
         fn = None if not score else scores.ScoreFunction(
-            lambda s, h, qp, kp: s + slopes[h] * (kp - qp).astype(jnp.float32))
+            lambda s, h, qp, kp: symmetric_alibi(s, h, qp, kp, slopes))
         attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(), score=fn)
         extra = dict(q_positions=positions, kv_positions=positions) if per_call else {}
         return jnp.sum(attn(q, k, v, **data, **extra).astype(jnp.float32))
@@ -422,18 +440,15 @@ def test_mask_reading_arrays_in_cpu_interpreter(interpreted, launches):
     """The whole call in Pallas' CPU interpreter for Mosaic GPU with a mask predicate reading
     per-head widths in-kernel (no element map): a `Predicate`'s params within documents
     (segment ids) with grouped heads and ragged, unequal lengths (200 queries, 333 keys);
-    and a closure's widths beside a
-    score function reading traced slopes (both sets of reads in one call). Output and the
-    gradients in q, k, v (and the slopes) against the float64 oracle."""
+    and a closure's widths beside a score function reading traced slopes (symmetric ALiBi;
+    both sets of reads in one call). Output and the gradients in q, k, v (and the slopes)
+    against the float64 oracle."""
     heads, kv_heads, dim = 2, 1, 64
     widths = jnp.asarray([30, 120], jnp.int32)
     slopes = jnp.asarray([0.25, -0.1], jnp.float32)
 
     def closure(q, k, head):
         return (k <= q + 5) & (q - k < widths[head])
-
-    def alibi(s, h, qp, kp, sl):
-        return s + sl[h] * (kp - qp).astype(s.dtype)
 
     documents = masks.Predicate(widths_by_head, widths) & masks.Document()
     for mask, q_len, kv_len, score in ((documents, 200, 333, False),
@@ -449,8 +464,8 @@ def test_mask_reading_arrays_in_cpu_interpreter(interpreted, launches):
         cot = random_array(4, q.shape)
 
         def call(q, k, v, sl, mask=mask, score=score, ids=ids):
-            fn = scores.ScoreFunction(lambda s, h, qp, kp: alibi(s, h, qp, kp, sl)) if score \
-                else None
+            fn = None if not score else scores.ScoreFunction(
+                lambda s, h, qp, kp: symmetric_alibi(s, h, qp, kp, sl))
             attn = bsa.BlockSparseAttention(mask=mask, kernel=MosaicBlockSparse(), score=fn)
             return attn(*(x.astype(jnp.float16) for x in (q, k, v)), **ids).astype(
                 jnp.float32)
@@ -471,7 +486,7 @@ def test_mask_reading_arrays_in_cpu_interpreter(interpreted, launches):
                        kv_pos=kv_pos):
                 def terms(s):
                     return score_f64(s, q_pos=q_pos, kv_pos=kv_pos,
-                                     fn=lambda s, h, qp, kp: alibi(s, h, qp, kp, sl))
+                                     fn=lambda s, h, qp, kp: symmetric_alibi(s, h, qp, kp, sl))
                 return jnp_attention_f64(q, k, v, visible, score=terms if score else None)
 
             f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, slopes)]

@@ -1,5 +1,6 @@
 """`MosaicBlockSparse` on a Hopper GPU with score functions that read arrays: a closure's
-ALiBi slopes, learned slopes in `params`, and an int32 window table per head, read in-kernel
+slopes, learned slopes in `params` (symmetric ALiBi: ALiBi itself would run as built-in
+slopes, `as_alibi`), and an int32 window table per head, read in-kernel
 (strategies/kernels/mosaic/data.py). Forward and every gradient (q, k, v, and the slopes or
 params) against the float64 oracle in both backward modes, bit-identical gradients over two
 runs in the deterministic mode, and the selector's choice of this kernel for them. They
@@ -13,6 +14,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import masks, scores
+from eqx_bsattn._score_alibi import as_alibi
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from tests.conftest import (alibi_gradient_scale, jnp_attention_f64, np_visibility, score_f64,
                             widths_by_head)
@@ -27,7 +29,9 @@ WIDTHS = jnp.asarray([40, 900, 7, 300], jnp.int32)
 
 
 def alibi_term(s, h, qp, kp, slopes):
-    return s + slopes[h] * (kp - qp).astype(s.dtype)
+    """Symmetric ALiBi, ``s - slopes[h] * |k - q|``: ALiBi on the causal pairs, run as a
+    score function (ALiBi itself, affine in the positions, would become built-in ALiBi)."""
+    return s - slopes[h] * jnp.abs(kp - qp).astype(s.dtype)
 
 
 def table_window(s, h, qp, kp):
@@ -112,9 +116,12 @@ def _slopes_gradient_scale():
 def test_data_function_matches_float64_oracle(case, deterministic):
     """Output and the gradients in q, k, v and the arrays read (slopes, params) against the
     float64 oracle, within bfloat16's tolerance; the selector gives such a call to this
-    kernel (cuDNN, above it, declines score terms)."""
+    kernel (cuDNN, above it, declines score terms). The function runs as one (not rewritten
+    to built-in ALiBi)."""
+    score = _score(case, CASES[case])
+    assert as_alibi(score.compile(H), H).function is not None
     x = jnp.zeros((B, H, L, D), jnp.bfloat16)
-    plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=_score(case, CASES[case])).plan(
+    plan = bsa.BlockSparseAttention(mask=masks.Causal(), score=score).plan(
         x, x[:, :HKV], x[:, :HKV])
     assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
     got = _mosaic_run(case, deterministic)
@@ -147,8 +154,9 @@ def test_data_gradients_are_bit_identical():
 
 @on_gpu
 def test_closure_alibi_matches_builtin_alibi():
-    """A closure's ALiBi and the built-in one agree on the same call (the kernel reads the
-    slope of a head in both), forward and gradients, within bfloat16's tolerance."""
+    """A closure's symmetric ALiBi (a score function reading the slopes in-kernel) and the
+    built-in ALiBi agree on a causal call (they agree on its pairs), forward and gradients,
+    within bfloat16's tolerance."""
     q, k, v, cot = _inputs(52, B, H, HKV, L, L, D)
 
     def run(score):
@@ -172,9 +180,9 @@ def test_closure_alibi_matches_builtin_alibi():
 def test_mask_reading_widths_matches_float64_oracle(launches):
     """A `Predicate` whose per-head widths are its params, evaluated on the partial blocks
     with the widths read in-kernel (no element map reaches the launches), alone and beside
-    a score function that reads arrays (a closure's ALiBi slopes): output and the gradients
-    in q, k and v against the float64 oracle within bfloat16's tolerance (deterministic
-    backward); the selector gives the mask alone to this kernel."""
+    a score function that reads arrays (a closure's symmetric ALiBi slopes): output and the
+    gradients in q, k and v against the float64 oracle within bfloat16's tolerance
+    (deterministic backward); the selector gives the mask alone to this kernel."""
     mask = masks.Predicate(widths_by_head, WIDTHS)
     x = jnp.zeros((B, H, L, D), jnp.bfloat16)
     plan = bsa.BlockSparseAttention(mask=mask).plan(x, x[:, :HKV], x[:, :HKV])

@@ -18,6 +18,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import masks, scores
+from eqx_bsattn._score_alibi import as_alibi
 from eqx_bsattn.strategies.kernels import DenseReference
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from tests.conftest import widths_by_head
@@ -271,11 +272,13 @@ def _function_run(kernel, case, dtype):
 def test_score_function_matches_reference(case, deterministic):
     """A score function traced into the forward and backward kernels: output and gradients
     against the float32 reference in both backward modes (pairs and rows the function hides
-    give zeros, never NaN); the selector gives such a call to this kernel."""
+    give zeros, never NaN); the selector gives such a call to this kernel. Each function
+    runs as one (none is rewritten to built-in ALiBi)."""
     mask, b, h, hkv, length, d, fn, soft_cap = FUNCTION_CASES[case]
+    score = scores.ScoreFunction(SCORE_FUNCTIONS[fn])
+    assert as_alibi(score.compile(h), h).function is not None
     x = jnp.zeros((b, h, length, d), jnp.bfloat16)
-    plan = bsa.BlockSparseAttention(mask=mask, logits_soft_cap=soft_cap,
-                                    score=scores.ScoreFunction(SCORE_FUNCTIONS[fn])).plan(
+    plan = bsa.BlockSparseAttention(mask=mask, logits_soft_cap=soft_cap, score=score).plan(
         x, x[:, :hkv], x[:, :hkv])
     assert plan.choice.kernel.name == "mosaic", plan.choice.explain()
     got = _function_run(MosaicBlockSparse(deterministic=deterministic), case, jnp.bfloat16)
@@ -730,7 +733,7 @@ BACKWARD_INTERPRETER_CASES = {
     "alibi_window": (masks.SlidingWindow(90, 40), 1, 1, 200, 300, 64, False, None, True),
     # ALiBi under a soft cap (both parts of the distance in each logit), a prefix.
     "alibi_soft_cap": (masks.PrefixLM(70), 2, 2, 200, 256, 64, False, 2.0, True),
-    # Score functions (`SCORE_FUNCTIONS`): ALiBi written as one, with grouped heads, ragged
+    # Score functions (`SCORE_FUNCTIONS`): symmetric ALiBi, with grouped heads, ragged
     # keys and D = 128; a tanh cap that hides pairs and whole rows (-inf) under a prefix;
     # built-in ALiBi then a function then the module's soft cap, with documents.
     "function_alibi": (masks.Causal(bottom_right=True), 4, 2, 200, 300, 128, False, None,
@@ -782,9 +785,11 @@ POSITIONS = {
 
 
 def alibi_function(score, head, q_pos, k_pos):
-    """ALiBi as a score function: slope ``2^-(head + 3)``."""
+    """Symmetric ALiBi as a score function, ``score - 2^-(head + 3) |k - q|``: ALiBi on the
+    pairs with k <= q, but not affine in the positions, so it runs as a function (ALiBi
+    itself would run as built-in slopes: `as_alibi`)."""
     slope = jnp.exp2(-3.0 - jnp.asarray(head).astype(jnp.float32))
-    return score + slope * (k_pos - q_pos).astype(jnp.float32)
+    return score - slope * jnp.abs(k_pos - q_pos).astype(jnp.float32)
 
 
 def capped_and_hiding(score, head, q_pos, k_pos):
@@ -856,7 +861,10 @@ def test_backward_in_cpu_interpreter(case, single_pass, persistent):
     fn = SCORE_FUNCTIONS.get(case)
     function = None
     if fn is not None:
-        function, _ = score_function(scores.ScoreFunction(fn).compile(heads))
+        compiled = scores.ScoreFunction(fn).compile(heads)
+        # The reference runs it as a function too (not rewritten to built-in ALiBi).
+        assert as_alibi(compiled, heads).function is not None
+        function, _ = score_function(compiled)
     # Slopes large enough that the term moves the softmax over these short rows.
     slopes = jnp.asarray([0.25, -0.1, 0.05, 0.15][:heads], jnp.float32) if alibi else None
     data, seg, positions = {}, (None, None), None

@@ -19,6 +19,7 @@ import pytest
 import eqx_bsattn as bsa
 import eqx_bsattn._layout as layout_internals
 from eqx_bsattn import masks, scores
+from eqx_bsattn._score_alibi import as_alibi
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
 from tests.conftest import widths_by_head, widths_by_key
@@ -28,9 +29,11 @@ pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 
 def _head_slopes(score, head, q_pos, k_pos):
-    """ALiBi written as a score function (slope ``2^-(head + 1)``)."""
+    """Symmetric ALiBi written as a score function, ``score - 2^-(head + 1) |k - q|``: ALiBi
+    on the pairs with k <= q, but not affine in the positions, so it runs as a function
+    (ALiBi itself would run as built-in slopes: `as_alibi`)."""
     slope = jnp.exp2(-1.0 - jnp.asarray(head).astype(jnp.float32))
-    return score + slope * (k_pos - q_pos).astype(jnp.float32)
+    return score - slope * jnp.abs(k_pos - q_pos).astype(jnp.float32)
 
 
 def _hiding(score, head, q_pos, k_pos):
@@ -112,7 +115,7 @@ LOWERED = {
     "alibi_soft_cap_gqa": (masks.Causal(), dict(batch=1, heads=4, kv_heads=2, q_len=512,
                                                 kv_len=512, dim=64),
                            dict(score=scores.ALiBi(), logits_soft_cap=20.0)),
-    # Score functions: ALiBi as one with grouped heads; one that hides pairs, under a soft
+    # Score functions: symmetric ALiBi with grouped heads; one that hides pairs, under a soft
     # cap, with segment ids and ragged lengths.
     "function_alibi_gqa": (masks.Causal() & masks.SlidingWindow(256, 0),
                            dict(batch=1, heads=4, kv_heads=2, q_len=1024, kv_len=1024,
@@ -163,9 +166,13 @@ LOWERED = {
 def test_forward_and_backward_lower_for_cuda(hopper_host, monkeypatch, case):
     """`jit(grad)` through the Mosaic kernels lowers for CUDA: three Mosaic GPU launches (the
     forward, dq and dk/dv; the deterministic backward, which every JAX runs), and the
-    lowered program's outputs are the three gradients."""
+    lowered program's outputs are the three gradients. A score function runs as one (none
+    here is rewritten to built-in ALiBi)."""
     mask, shape, options = LOWERED[case]
     options = dict(options)
+    if isinstance(options.get("score"), scores.ScoreFunction):
+        heads = shape["heads"]
+        assert as_alibi(options["score"].compile(heads), heads).function is not None
     data, constants = {}, {}
     if options.pop("segments", False):
         ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), -(-shape["q_len"] // 4))

@@ -12,6 +12,8 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import masks, scores
+from eqx_bsattn._score import ScoreTerms
+from eqx_bsattn._score_alibi import as_alibi
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from tests.conftest import (alibi_gradient_scale, jnp_attention_f64, random_array, rel_err,
                             score_f64, widths_by_head)
@@ -19,7 +21,7 @@ from tests.conftest import (alibi_gradient_scale, jnp_attention_f64, random_arra
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 HEADS, LENGTH, DIM = 2, 128, 64
-#: Two examples' ALiBi slopes per head, one row each.
+#: Two examples' slopes per head (of `alibi`), one row each.
 MANY_SLOPES = jnp.asarray([[0.25, -0.1], [-0.3, 0.05]], jnp.float32)
 #: Two examples' window widths per head (int32), one row each.
 MANY_WIDTHS = jnp.asarray([[30, 120], [90, 7]], jnp.int32)
@@ -32,7 +34,9 @@ def _qkv(seed, lead):
 
 
 def alibi(s, h, qp, kp, slopes):
-    return s + slopes[h] * (kp - qp).astype(s.dtype)
+    """Symmetric ALiBi, ``s - slopes[h] * |k - q|``: ALiBi on the causal pairs, run as a
+    score function reading `slopes` (ALiBi itself would become built-in ALiBi: `as_alibi`)."""
+    return s - slopes[h] * jnp.abs(kp - qp).astype(s.dtype)
 
 
 def learned_alibi(s, h, qp, kp, params):
@@ -63,9 +67,10 @@ def _f64(x):
 def test_vmap_over_qkv_and_params_reading_the_batch_index(mosaic_device, launches):
     """vmap over q, k, v (a leading axis of 2, each ``[2, H, L, D]``) and over a score
     function's params (a temperature per batch row, ``params[batch]``; one row per example)
-    while it closes over unbatched ALiBi slopes: each example's output and temperatures'
-    gradient are its own call's, the batch index the row within that call's batch
-    (docs/scores.md), against the float64 oracle; the arrays are read from the read tables."""
+    while it closes over unbatched (symmetric) ALiBi slopes: each example's output and
+    temperatures' gradient are its own call's, the batch index the row within that call's
+    batch (docs/scores.md), against the float64 oracle; the arrays are read from the read
+    tables."""
     slopes = MANY_SLOPES[0]
     temperatures = jnp.asarray([[1.5, 0.5], [0.25, 2.0]], jnp.float32)
     cot = random_array(5, (2, 2, HEADS, LENGTH, DIM))
@@ -101,10 +106,11 @@ def test_vmap_over_qkv_and_params_reading_the_batch_index(mosaic_device, launche
 @pytest.mark.slow
 @pytest.mark.extended
 def test_vmap_over_params_slopes_with_unbatched_qkv(mosaic_device):
-    """vmap over a `ScoreFunction`'s params (ALiBi slopes, one row per example), q, k, v
-    unbatched: each example's output and slopes' gradient are its own slopes' (float64
-    oracle; the gradient within bfloat16's 2e-2 of its value plus 1e-4 of the magnitude of
-    the terms it sums, as tests/kernels/mosaic/test_mosaic_data_gpu.py checks it)."""
+    """vmap over a `ScoreFunction`'s params (symmetric ALiBi slopes, one row per example),
+    q, k, v unbatched: each example's output and slopes' gradient are its own slopes'
+    (float64 oracle; the gradient within bfloat16's 2e-2 of its value plus 1e-4 of the
+    magnitude of the terms it sums, as tests/kernels/mosaic/test_mosaic_data_gpu.py checks
+    it)."""
     q, k, v = _qkv(4, (1,))
     cot = random_array(9, (2, 1, HEADS, LENGTH, DIM))
 
@@ -161,8 +167,11 @@ def test_vmapped_calls_lower_for_cuda(hopper_host):
     """`jit(vmap)` over a score function's params (with the gradient in them and in q, k,
     v unbatched) and over a `Predicate`'s widths lowers for CUDA: Pallas Mosaic GPU's own
     vmap rule of each launch (a grid axis in front, each mapped operand sliced per example),
-    the same rule the interpreter tests above run."""
+    the same rule the interpreter tests above run. The score function runs as one (its
+    slopes read in-kernel), not as built-in ALiBi."""
     q, k, v = _qkv(1, (1,))
+    terms = ScoreTerms(function=learned_alibi, params={"slopes": MANY_SLOPES[0]})
+    assert as_alibi(terms, HEADS).function is not None
 
     def loss(slopes, q, k, v):
         attn = bsa.BlockSparseAttention(

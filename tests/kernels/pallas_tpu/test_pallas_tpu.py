@@ -13,6 +13,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks, scores
+from eqx_bsattn._score_alibi import as_alibi
 from eqx_bsattn.strategies.kernels.pallas_tpu.common import (FULL, PARTIAL, SKIP, TileMath,
                                                             visits)
 from eqx_bsattn.strategies.kernels.pallas_tpu.function import mask_data
@@ -565,13 +566,21 @@ def test_log_sum_exp_and_its_gradient():
         assert _rel(g, w) < TOL
 
 
+def symmetric_alibi(s, head, q, k, slopes):
+    """``s - slopes[head] * |k - q|``: ALiBi on the causal pairs, with `params` the slopes,
+    and not ALiBi's affine form, so it runs as a function (`as_alibi` would make the affine
+    ``s + slopes[head] * (k - q)`` built-in ALiBi)."""
+    return s - slopes[head] * jnp.abs(k - q)
+
+
 def test_a_score_function_whose_params_are_one_array_runs():
     """`params` a bare array (no dict): read in the kernels at the head, as the reference
     reads it (forward; the gradients are tested in test_pallas_tpu_function_data.py)."""
     rng = np.random.default_rng(7)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 2, 32, 8)), jnp.float32) for _ in range(3))
     slopes = jnp.asarray([0.5, -0.25], jnp.float32)
-    score = scores.ScoreFunction(lambda s, h, qp, kp, p: s + p[h] * (kp - qp), slopes)
+    score = scores.ScoreFunction(symmetric_alibi, slopes)
+    assert as_alibi(score.compile(2), 2).function is not None  # not run as built-in ALiBi
     with jax.default_matmul_precision("highest"):  # on a TPU both sides in float32
         outs = [bsa.BlockSparseAttention(mask=masks.Causal(), score=score, kernel=kernel,
                                          tiling=tiling)(q, k, v)

@@ -14,6 +14,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks, scores
+from eqx_bsattn._score_alibi import as_alibi
 from eqx_bsattn.contract import ScoreParams
 from eqx_bsattn.strategies.kernels.pallas_tpu.function import DATA_LIMIT
 from tests.conftest import jnp_attention_f64, np_visibility, score_f64
@@ -55,8 +56,11 @@ def _oracle(make_fn, mask, q, k, v, cot, arrays, soft_cap=None):
 
 
 def closure_alibi(slopes):
-    """The natural hand-written ALiBi: a function that closes over its slopes."""
-    return lambda score, head, q_pos, k_pos: score + slopes[head] * (k_pos - q_pos)
+    """A hand-written ALiBi that closes over its slopes, symmetric
+    (``-slopes[head] * |k - q|``): on the causal pairs it is ALiBi, and it is not ALiBi's
+    affine form, so it runs as a function, its slopes read in the kernels (the natural
+    ``slopes[head] * (k_pos - q_pos)`` would run as built-in ALiBi: `as_alibi`)."""
+    return lambda score, head, q_pos, k_pos: score - slopes[head] * jnp.abs(k_pos - q_pos)
 
 
 @pytest.mark.parametrize("closed_over", ["concrete", "traced", "differentiated"])
@@ -196,7 +200,8 @@ def test_selector_picks_it_for_a_closure_on_a_tpu():
 
 
 def learned_alibi(score, head, q_pos, k_pos, params):
-    return score + params["slopes"][head] * (k_pos - q_pos)
+    """`closure_alibi` with the slopes in `params`: symmetric, so it runs as a function."""
+    return score - params["slopes"][head] * jnp.abs(k_pos - q_pos)
 
 
 def learned(score, head, q_pos, k_pos, params):
@@ -320,3 +325,18 @@ def test_selector_picks_it_for_params_on_a_tpu():
     assert kernels.PallasTpuBlockSparse().decline_reason(resolved, flagged) == (
         "the call's Features give the score function's params as a flag, not their shapes: "
         "pass score_params=ScoreParams.of(params).")
+
+
+@pytest.mark.parametrize("fn, params", [
+    (closure_alibi(jnp.ones((H,))), None), (mixed(jnp.float32(0.7), jnp.zeros((H,))), None),
+    (gathers_by_position, None), (reads_bfloat16, None), (reads_a_big_array, None),
+    (learned_alibi, {"slopes": jnp.ones((H,), jnp.float32)}),
+    (learned_alibi, {"slopes": jnp.zeros((H,), jnp.bfloat16)}),
+    (learned_alibi, {"slopes": jnp.zeros((DATA_LIMIT + 1,), jnp.float32)}),
+    (learned, _learned_params(np.random.default_rng(0))),
+    (table_by_distance, {"table": jnp.zeros((H, 2 * L - 1), jnp.float32)}),
+])
+def test_the_functions_here_run_as_functions(fn, params):
+    """None of them is rewritten to built-in ALiBi (`as_alibi`): the tests above exercise the
+    kernels reading (or declining) a function's arrays and params."""
+    assert as_alibi(scores.ScoreFunction(fn, params).compile(H), H).function is not None

@@ -30,6 +30,7 @@ else:
     import numpy as np
 
     from eqx_bsattn import BlockSparseAttention, kernels, masks, scores, sharding
+    from eqx_bsattn._score_alibi import as_alibi
     from tests.conftest import np_mask, random_inputs
     from tests.kernels.pallas_tpu.test_pallas_tpu import v5e_lowering  # noqa: F401 (fixture)
     from tests.test_sharding import (
@@ -122,20 +123,24 @@ else:
         modules = v5e_lowering(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), q, k, v, slopes, table)
         assert set(modules) == {"pallas_tpu_forward", "pallas_tpu_dq", "pallas_tpu_dkv"}
 
+    # Symmetric ALiBi (``-slopes[head] * |k - q|``): ALiBi on the causal pairs, and not its
+    # affine form, so it runs as a function (`as_alibi` would make the natural
+    # ``slopes[head] * (k_pos - q_pos)`` built-in ALiBi).
     def closure_alibi(slopes):
-        return lambda score, head, q_pos, k_pos: score + slopes[head] * (k_pos - q_pos)
+        return lambda score, head, q_pos, k_pos: score - slopes[head] * jnp.abs(k_pos - q_pos)
 
     def learned_alibi(score, head, q_pos, k_pos, params):
-        return score + params["slopes"][head] * (k_pos - q_pos)
+        return score - params["slopes"][head] * jnp.abs(k_pos - q_pos)
 
     @pytest.mark.parametrize("name, how", [
         ("shard_map", "closure"), ("shard_map", "params"),
         pytest.param("ring", "closure", marks=slow)])
     def test_function_closing_over_its_slopes(name, how):
-        """ALiBi written as a function of slopes it closes over, or reads in its `params`:
-        under ShardMap the slopes are differentiated (each device's share of their gradient,
-        at the call's head ids, summed over the devices); inside the ring's loop they are a
-        concrete array (RingAttention refuses `params`)."""
+        """Symmetric ALiBi written as a function of slopes it closes over, or reads in its
+        `params` (run as a function, not as built-in ALiBi): under ShardMap the slopes are
+        differentiated (each device's share of their gradient, at the call's head ids, summed
+        over the devices); inside the ring's loop they are a concrete array (RingAttention
+        refuses `params`). On the causal pairs it is ALiBi: the oracle is ALiBi's."""
         make, batch, heads, kv_heads, length, _ = shardings(name)
         q, k, v = random_inputs(33, batch=batch, heads=heads, kv_heads=kv_heads, q_len=length,
                                 value_dim=4)
@@ -146,6 +151,8 @@ else:
             if how == "params":
                 return scores.ScoreFunction(learned_alibi, {"slopes": x})
             return scores.ScoreFunction(closure_alibi(x))
+
+        assert as_alibi(score_of(slopes).compile(heads), heads).function is not None
 
         def call(shard):
             def fn(q, k, v, **extra):
