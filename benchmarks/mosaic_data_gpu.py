@@ -1,6 +1,7 @@
 """ALiBi written as a score function that reads its slopes (a closure's jnp array, or learned
 slopes in `params`) against the built-in ALiBi, through `MosaicBlockSparse` on one GPU, in
-one process.
+one process; and the same slopes in a function the plan cannot turn into ALiBi (symmetric
+ALiBi, equal to ALiBi under the causal mask), which the kernel evaluates on every logit.
 
     python benchmarks/mosaic_data_gpu.py [--length 16384] [--batch 2] [--heads 16]
         [--dim 128] [--reps 10] [--rounds 3] [--out data.json]
@@ -9,11 +10,14 @@ Forms, each under a causal mask: ``builtin`` (`scores.ALiBi(slopes)`, fixed slop
 ``closure`` (``ScoreFunction(lambda s, h, qp, kp: s + slopes[h] * (kp - qp))``, the slopes a
 constant it closes over), ``builtin_learned`` (`scores.ALiBi(slopes, learned=True)`: the
 slopes' gradient too) and ``params`` (``ScoreFunction(fn, {"slopes": slopes})``, the params'
-gradient too). The score functions' arrays are read in-kernel. Rows give the median wall time
+gradient too); the plan proves both functions to be ALiBi and runs them as built-in ALiBi
+(`eqx_bsattn._score_alibi`). ``symmetric`` (``s - slopes[h] * |kp - qp|``, a closure) and
+``symmetric_params`` (the same with `params`) run as functions: their arrays are read
+in-kernel, and ``symmetric_params`` forms its params' gradient there. Rows give the median wall time
 of a jitted forward and of a forward+backward (gradients of q, k, v and, for the learned
 forms, of the slopes), the median of `--rounds` rounds of `--reps` calls each, and each row's
-time over its built-in form (``closure`` over ``builtin``, ``params`` over
-``builtin_learned``). Not a test: numbers depend on the machine. On a CPU, ``--kernel
+time over its built-in form (``closure`` and ``symmetric`` over ``builtin``, ``params``
+and ``symmetric_params`` over ``builtin_learned``). Not a test: numbers depend on the machine. On a CPU, ``--kernel
 XlaBlockSparse --length 512`` runs the same code.
 """
 
@@ -30,12 +34,17 @@ from eqx_bsattn.bench import environment, visible_pairs
 from eqx_bsattn.timing import median_ms
 
 #: Each form's base for the ratios.
-BASES = {"builtin": "builtin", "closure": "builtin", "builtin_learned": "builtin_learned",
-         "params": "builtin_learned"}
+BASES = {"builtin": "builtin", "closure": "builtin", "symmetric": "builtin",
+         "builtin_learned": "builtin_learned", "params": "builtin_learned",
+         "symmetric_params": "builtin_learned"}
 
 
 def learned_alibi(s, h, qp, kp, params):
     return s + params["slopes"][h] * (kp - qp).astype(s.dtype)
+
+
+def learned_symmetric(s, h, qp, kp, params):
+    return s - params["slopes"][h] * jnp.abs(kp - qp).astype(s.dtype)
 
 
 def calls(form: str, kernel, slopes):
@@ -49,13 +58,18 @@ def calls(form: str, kernel, slopes):
         elif form == "closure":
             score = scores.ScoreFunction(
                 lambda s, h, qp, kp: s + slopes[h] * (kp - qp).astype(s.dtype))
-        else:
+        elif form == "symmetric":
+            score = scores.ScoreFunction(
+                lambda s, h, qp, kp: s - slopes[h] * jnp.abs(kp - qp).astype(s.dtype))
+        elif form == "params":
             score = scores.ScoreFunction(learned_alibi, {"slopes": slopes})
+        else:
+            score = scores.ScoreFunction(learned_symmetric, {"slopes": slopes})
         return bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernel, score=score)(
             q, k, v)
 
-    learned = form in ("builtin_learned", "params")
-    if form in ("builtin", "closure"):
+    learned = form in ("builtin_learned", "params", "symmetric_params")
+    if form in ("builtin", "closure", "symmetric"):
         # The slopes are constants of the program, as a hand-written closure has them.
         def forward(q, k, v, _):
             return attend(q, k, v, slopes)
