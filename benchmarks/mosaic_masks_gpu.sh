@@ -11,6 +11,9 @@
 # 3. times, each stage within what is left of `seconds` (default 520) after the install:
 #    - a learned T5 table against no term, causal, through Mosaic and Triton
 #      (benchmarks/score_terms_gpu.py; $OUT/table_bench.log, table_bench.json);
+#    - ALiBi as built-in slopes, as hand-written functions (which plan as built-in ALiBi) and
+#      as symmetric ALiBi (a function evaluated in the kernel), fixed and learned, causal,
+#      through Mosaic (benchmarks/mosaic_data_gpu.py; $OUT/data_bench.log, data_bench.json);
 #    - a [1, H, L, L] bias, constant and learned, against none, through Mosaic
 #      (benchmarks/mosaic_bias_gpu.py; $OUT/bias_bench.log, bias_bench.json);
 #    - a causal window and a dilated window as built-in masks, Predicates and ArrayMasks,
@@ -45,6 +48,11 @@ timeout "$(left 100)" python3 benchmarks/score_terms_gpu.py \
     --no-flex --reps 10 --rounds 2 --out "$OUT/table_bench.json" > "$OUT/table_bench.log" 2>&1
 echo "table benchmark exit status: $? after $((SECONDS - start)) s"
 tail -8 "$OUT/table_bench.log"
+
+timeout "$(left 100)" python3 benchmarks/mosaic_data_gpu.py --reps 10 --rounds 2 \
+    --out "$OUT/data_bench.json" > "$OUT/data_bench.log" 2>&1
+echo "data benchmark exit status: $? after $((SECONDS - start)) s"
+tail -8 "$OUT/data_bench.log"
 
 timeout "$(left 90)" python3 benchmarks/mosaic_bias_gpu.py --reps 10 --rounds 2 \
     --kernels MosaicBlockSparse --out "$OUT/bias_bench.json" > "$OUT/bias_bench.log" 2>&1
