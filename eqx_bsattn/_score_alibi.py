@@ -45,14 +45,19 @@ _RESHAPES = frozenset({"broadcast_in_dim", "reshape", "squeeze"})
 _COPIES = frozenset({"copy", "copy_p"})
 
 
+def _add_term(poly: Poly, mono: tuple[int, ...], c: Fraction) -> None:
+    """``poly += c * mono`` in place, keeping only nonzero coefficients."""
+    total = poly.get(mono, 0) + c
+    if total:
+        poly[mono] = total
+    else:
+        poly.pop(mono, None)
+
+
 def _padd(a: Poly, b: Poly, sign: int = 1) -> Poly:
     out = dict(a)
     for mono, c in b.items():
-        total = out.get(mono, 0) + sign * c
-        if total:
-            out[mono] = total
-        else:
-            out.pop(mono, None)
+        _add_term(out, mono, sign * c)
     return out
 
 
@@ -60,12 +65,7 @@ def _pmul(a: Poly, b: Poly) -> Poly:
     out: Poly = {}
     for ma, ca in a.items():
         for mb, cb in b.items():
-            mono = tuple(sorted(ma + mb))
-            total = out.get(mono, 0) + ca * cb
-            if total:
-                out[mono] = total
-            else:
-                out.pop(mono, None)
+            _add_term(out, tuple(sorted(ma + mb)), ca * cb)
     return out
 
 
