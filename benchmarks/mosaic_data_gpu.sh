@@ -5,11 +5,12 @@
 #
 # 1. installs the wheels and the project (offline);
 # 2. runs tests/kernels/mosaic/test_mosaic_data_gpu.py: score functions that read arrays (a
-#    closure's ALiBi slopes, learned slopes in params, an int32 table per head) in
+#    closure's symmetric-ALiBi slopes, learned slopes in params, an int32 table per head) in
 #    MosaicBlockSparse, forward and every gradient against the float64 oracle in both backward
 #    modes, and bit-identical gradients over two runs ($OUT/data_tests.log): 9 of 9 on the
 #    H200 on 2026-12-06;
-# 3. times built-in ALiBi against the same ALiBi as a closure and as params through
+# 3. times built-in ALiBi against the same ALiBi as a closure and as params (both planned as
+#    built-in ALiBi) and as symmetric ALiBi (evaluated in the kernel) through
 #    MosaicBlockSparse (B=2, H=16, L=16384, D=128, bfloat16, causal; fwd and fwd+bwd):
 #    $OUT/data_bench.log, data_bench.json.
 # The whole run stays under 8 minutes: each stage has a time limit.
