@@ -1,6 +1,6 @@
 """Seconds of the first call of ``jit(grad)`` (trace, compile and one run) through
-`MosaicBlockSparse` in each backward mode (and with a `scores.ScoreFunction`, ALiBi's term
-written as a function) and `TritonBlockSparse`, causal, B=1, H=16, L=4096, D=128, bfloat16;
+`MosaicBlockSparse` in each backward mode (and with a `scores.ScoreFunction`, symmetric
+ALiBi written as a function) and `TritonBlockSparse`, causal, B=1, H=16, L=4096, D=128, bfloat16;
 each in a fresh process so that no compilation is cached. The stages are
 timed apart too (`jax.stages`: trace, lower, compile, the first run).
 
@@ -52,9 +52,10 @@ stages = [b - a for a, b in zip(marks, marks[1:])]
 print(f"{{marks[-1] - marks[0]:.2f}} | " + " | ".join(f"{{s:.2f}}" for s in stages))
 """
 
-#: ALiBi's term with the standard slopes of 16 heads, as a score function.
-FUNCTION = ("bsa.scores.ScoreFunction(lambda s, h, q, k: s + jnp.exp2((jnp.asarray(h)"
-            ".astype(jnp.float32) + 1.0) * -0.5) * (k - q).astype(jnp.float32))")
+#: Symmetric ALiBi with the standard slopes of 16 heads, as a score function (ALiBi's term on
+#: the causal pairs; ALiBi itself, affine in the positions, would plan as built-in ALiBi).
+FUNCTION = ("bsa.scores.ScoreFunction(lambda s, h, q, k: s - jnp.exp2((jnp.asarray(h)"
+            ".astype(jnp.float32) + 1.0) * -0.5) * jnp.abs(k - q).astype(jnp.float32))")
 
 #: Name: (kernel, score).
 KERNELS = {"mosaic (deterministic, the default)": ("MosaicBlockSparse()", "None"),

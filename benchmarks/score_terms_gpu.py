@@ -8,8 +8,10 @@ forward+backward at 16k tokens, causal and causal window 1024).
 
 For each mask (``causal``, ``window``: causal and a window of `--window` keys) and each score
 (``none``, ``alibi``: learned slopes, ``relative``: a learned `--buckets`-bucket causal T5
-table, ``both``: slopes and table together, ``function``: ALiBi's standard slopes written as
-a `scores.ScoreFunction`, ``positions``: no score, but per-call positions, the token indices
+table, ``both``: slopes and table together, ``function``: ALiBi's standard slopes in a
+`scores.ScoreFunction` of symmetric ALiBi, ``-slope |k - q|``, the same term on the causal
+pairs (ALiBi written as a function plans as built-in ALiBi, so it would time that),
+``positions``: no score, but per-call positions, the token indices
 passed as ``q_positions`` / ``kv_positions``), the median wall time of a jitted forward and of a
 forward+backward (gradients of q, k, v and the learned arrays), and the ratio to ``none``,
 for each kernel of `--kernel` (a kernel that declines a score gives an error row). Our scores
@@ -73,9 +75,10 @@ class SlopesAndTable(AbstractScore):
 
 
 class AlibiFunction:
-    """ALiBi with the standard slopes of `heads` heads (``2^(-8 (h + 1) / heads)``, as
-    `scores.alibi_slopes` gives them for a power of two), written as a score function:
-    ``fn(score, head, q_pos, k_pos)``. Equal for equal `heads` (a score function is part of
+    """Symmetric ALiBi with the standard slopes of `heads` heads (``2^(-8 (h + 1) /
+    heads)``, as `scores.alibi_slopes` gives them for a power of two), written as a score
+    function: ``fn(score, head, q_pos, k_pos)``; ALiBi on the causal pairs, and not affine in
+    the positions, so the kernel evaluates it on every logit. Equal for equal `heads` (a score function is part of
     the module's static identity)."""
 
     def __init__(self, heads: int):
@@ -89,7 +92,7 @@ class AlibiFunction:
 
     def __call__(self, score, head, q_pos, k_pos):
         exponent = (jnp.asarray(head).astype(jnp.float32) + 1.0) * (-8.0 / self.heads)
-        return score + jnp.exp2(exponent) * (k_pos - q_pos).astype(jnp.float32)
+        return score - jnp.exp2(exponent) * jnp.abs(k_pos - q_pos).astype(jnp.float32)
 
 
 def parse_args(argv=None):

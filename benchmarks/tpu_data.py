@@ -2,8 +2,10 @@
 times of score functions and predicates that read arrays, beside their built-in equals, all
 through the same kernel (B=1, H=16, L=8192, D=128, bfloat16, causal; ms, median).
 
-- ALiBi: built in; written as a `ScoreFunction` closing over a slopes array; and with the
-  slopes as learned `params` (its backward differentiates the params too).
+- ALiBi: built in; and, as a `ScoreFunction` evaluated in the kernel, symmetric ALiBi (the
+  same term on the causal pairs; ALiBi written as a function plans as built-in ALiBi)
+  closing over a slopes array, and with the slopes as learned `params` (its backward
+  differentiates the params too).
 - A causal window of 1024: built in; as a `Predicate` with each head's width as `params`;
   and, to tell where that one's time goes, as a `Predicate` without data and as the
   per-head `Predicate` with its widths fixed when traced (no layout built on the device).
@@ -31,12 +33,12 @@ from eqx_bsattn.timing import median_ms
 
 def alibi_closure(slopes):
     def alibi(s, head, q, k):
-        return s + slopes[head] * (k - q).astype(jnp.float32)
+        return s - slopes[head] * jnp.abs(k - q).astype(jnp.float32)
     return alibi
 
 
 def alibi_params(s, head, q, k, params):
-    return s + params["slopes"][head] * (k - q).astype(jnp.float32)
+    return s - params["slopes"][head] * jnp.abs(k - q).astype(jnp.float32)
 
 
 def window_params(q, k, params, head):
@@ -61,9 +63,9 @@ def calls(heads: int):
     return [
         ("causal", None, lambda p: module(causal), None),
         ("causal + built-in ALiBi", "causal", lambda p: module(causal, scores.ALiBi()), None),
-        ("causal + ALiBi closing over its slopes", "causal + built-in ALiBi",
+        ("causal + symmetric ALiBi closing over its slopes", "causal + built-in ALiBi",
          lambda p: module(causal, scores.ScoreFunction(alibi_closure(slopes))), None),
-        ("causal + ALiBi, slopes as params (grad too)", "causal + built-in ALiBi",
+        ("causal + symmetric ALiBi, slopes as params (grad too)", "causal + built-in ALiBi",
          lambda p: module(causal, scores.ScoreFunction(alibi_params, p)), {"slopes": slopes}),
         ("window 1024 built in", None, lambda p: module(window), None),
         ("window 1024 Predicate, widths as params", "window 1024 built in",
