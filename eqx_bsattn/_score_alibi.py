@@ -263,7 +263,8 @@ _PROBE = 8
 @functools.lru_cache(maxsize=256)
 def is_alibi(term, treedef, avals: tuple) -> bool:
     """Whether the `ScoreTerm` `term`, with `params` of `treedef` and leaves `avals`, is
-    proven to compute ``score + c(head) * (k_pos - q_pos)``, ``c`` free of the batch index.
+    proven to compute ``score + c(head) * (k_pos - q_pos)``, ``c`` one value per head (free
+    of the batch index, not varying along a tile's rows or columns).
 
     Read from its jaxpr on the probe tile (cached per function and params' shapes); a
     function that does not trace there is not proven.
