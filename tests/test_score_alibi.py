@@ -176,3 +176,39 @@ def test_a_gpu_plan_gives_a_closure_alibi_to_the_kernels_of_built_in_alibi():
     assert got.kernel.name == want.kernel.name
     assert got.features.score == want.features.score == ("alibi",)
     assert got.features.score_function is None
+
+
+@pytest.mark.parametrize("how", ["shard_map", "ring"])
+def test_under_a_sharding_the_slopes_reach_each_shard(how):
+    """On a one-device mesh (the 8-device shardings are tests/test_sharding.py's), ShardMap
+    over batch and heads and RingAttention over the sequence pass the slopes read from the
+    function to each shard's call: output and the gradients of q and of the params equal
+    those of built-in learned ALiBi unsharded."""
+    q, k, v = random_inputs(5, heads=H, kv_heads=2, q_len=24)
+    if how == "shard_map":
+        shard = bsa.sharding.ShardMap(jax.make_mesh((1, 1), ("b", "h")), "b", "h")
+    else:
+        shard = bsa.sharding.RingAttention(jax.make_mesh((1,), ("s",)), "s")
+    cot = random_inputs(6, heads=H, q_len=24)[0]
+    planned = bsa.BlockSparseAttention(
+        mask=masks.Causal(), kernel=kernels.XlaBlockSparse(), tiling=bsa.Tiling(8, 8),
+        sharding=shard, score=scores.ScoreFunction(learned_alibi, {"slopes": SLOPES}))
+    assert planned.plan(q, k, v).inputs.score.kinds == ("alibi",)
+
+    def run(score_of, sharding):
+        def loss(q, slopes):
+            attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.XlaBlockSparse(),
+                                            tiling=bsa.Tiling(8, 8), sharding=sharding,
+                                            score=score_of(slopes))
+            return jnp.sum(attn(q, k, v) * cot)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(q, SLOPES)
+
+    (got, (dq, dslopes)) = run(lambda s: scores.ScoreFunction(learned_alibi, {"slopes": s}),
+                               shard)
+    (want, (want_dq, want_dslopes)) = run(lambda s: scores.ALiBi(s, learned=True),
+                                          bsa.Unsharded())
+    assert_close(got, want, 1e-5, "loss")
+    assert_close(dq, want_dq, 1e-5, "dq")
+    assert_close(dslopes, want_dslopes, 1e-5, "dslopes")
+    assert np.abs(want_dslopes).min() > 0
