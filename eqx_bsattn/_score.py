@@ -24,7 +24,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jaxtyping import Array, Float, Int
 
-from ._score_alibi import as_alibi, inner_jaxpr
+from ._score_alibi import PROBE, as_alibi, inner_jaxpr, probe_params
 from ._signature import fits, read_signature
 from ._values import poisoned as _poisoned
 
@@ -290,10 +290,6 @@ def _reached(jaxpr, live, zero=frozenset()) -> tuple[list[bool], list[bool]]:
     return outs, [is_zero(v) for v in jaxpr.outvars]
 
 
-#: The probe tile of `check_function`: 8 x 8 logits of two heads.
-_PROBE = 8
-
-
 def check_function(terms: "ScoreTerms", num_heads: int) -> None:
     """Refuse, in one line naming it, a score function whose result does not have the
     logits' shape or does not depend on ``score`` (`ValueError`: its result would replace the
@@ -308,9 +304,7 @@ def check_function(terms: "ScoreTerms", num_heads: int) -> None:
     term = terms.function
     if term is None:
         return
-    leaves, treedef = jax.tree.flatten(terms.params)
-    avals = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves)
-    error = _probe(term, num_heads, treedef, avals)
+    error = _probe(term, num_heads, *probe_params(terms.params))
     if error is not None:
         raise error[0](error[1])
 
@@ -319,7 +313,7 @@ def check_function(terms: "ScoreTerms", num_heads: int) -> None:
 def _probe(term: ScoreTerm, num_heads: int, treedef, avals: tuple):
     """``(type, message)`` of `check_function`'s error, or ``None``: read from the function's
     jaxpr on the probe tile."""
-    n = _PROBE
+    n = PROBE
     head = np.asarray([0, num_heads - 1], np.int32)[:, None, None]
     q_pos = np.arange(n, dtype=np.int32)[:, None]
     k_pos = np.arange(n, dtype=np.int32)[None, :]

@@ -256,8 +256,17 @@ def _widens(source, target) -> bool:
     return False
 
 
-#: The probe tile: 8 x 8 logits of two heads.
-_PROBE = 8
+#: The probe tile both plan-time reads of a score function trace it on (`is_alibi`, and
+#: `_score.check_function`): 8 x 8 logits of two heads.
+PROBE = 8
+
+
+def probe_params(params) -> tuple:
+    """``(treedef, avals)`` of a score function's `params`: the cache key of a probe trace
+    (the same for concrete and traced params of one shape)."""
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef, tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+                          for x in leaves)
 
 
 @functools.lru_cache(maxsize=256)
@@ -269,16 +278,12 @@ def is_alibi(term, treedef, avals: tuple) -> bool:
     Read from its jaxpr on the probe tile (cached per function and params' shapes); a
     function that does not trace there is not proven.
     """
-    n = _PROBE
-
-    def run(s, batch, head, q_pos, k_pos, params):
-        return term(s, batch, head, q_pos, k_pos, params)
-
+    n = PROBE
     args = (jax.ShapeDtypeStruct((2, n, n), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32),
             jax.ShapeDtypeStruct((2, 1, 1), jnp.int32), jax.ShapeDtypeStruct((n, 1), jnp.int32),
             jax.ShapeDtypeStruct((1, n), jnp.int32), jax.tree.unflatten(treedef, avals))
     try:
-        closed = jax.make_jaxpr(run)(*args)
+        closed = jax.make_jaxpr(term)(*args)
     except Exception:  # noqa: BLE001  (the call itself raises the function's error)
         return False
     jaxpr = closed.jaxpr
@@ -316,9 +321,7 @@ def as_alibi(terms, num_heads: int):
     term = terms.function
     if term is None:
         return terms
-    leaves, treedef = jax.tree.flatten(terms.params)
-    avals = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves)
-    if not is_alibi(term, treedef, avals):
+    if not is_alibi(term, *probe_params(terms.params)):
         return terms
     heads = jnp.arange(num_heads, dtype=jnp.int32)[:, None, None]
     one = jnp.ones((1, 1), jnp.int32)
