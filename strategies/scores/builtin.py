@@ -175,10 +175,10 @@ class ScoreFunction(AbstractScore):
     `kernels.MosaicBlockSparse` and `kernels.PallasTpuBlockSparse` where they can lower it);
     the others decline it. A function the plan proves to be ALiBi, ``score + c(head) *
     (k_pos - q_pos)``, runs as `ALiBi` with slopes ``c(h)`` (docs/scores.md, "A score
-    function that is ALiBi runs as ALiBi"). Gradients flow through `score` and `params`. Data that changes per call or is
-    learned must be in `params`: an array `fn` closes over is a constant of the module's
-    static identity (and a traced one cannot be differentiated through the kernel). Define
-    `fn` once, not as a fresh lambda per call.
+    function that is ALiBi runs as ALiBi"). Gradients flow through `score` and `params`.
+    Data that changes per call or is learned must be in `params`: an array `fn` closes over
+    is a constant of the module's static identity (and a traced one cannot be differentiated
+    through the kernel). Define `fn` once, not as a fresh lambda per call.
 
     ```python
     def distance_penalty(score, head, q_pos, k_pos):
