@@ -22,7 +22,10 @@ depends on ``s``, ``q`` or ``k`` (a maximum, a `where`, an absolute value, a tra
 to a narrower float) ends the proof, and the function runs as written. The result is ALiBi when
 ``a_s = 1``, ``a_q + a_k = 0`` and ``a_1 = 0`` as polynomials, and ``a_k`` is one value per
 head: its atoms do not depend on the batch index and do not vary along the tile's rows or
-columns.
+columns. Loops and calls with derivative rules of their own end the proof too.
+
+The proof reads one trace, on one tile; so a proven function is also run on random values at
+two other tiles (`agrees_on_tiles`) and must equal the rewrite there.
 """
 
 import functools
@@ -170,12 +173,14 @@ class _Interpreter:
 
     def step(self, eqn, ins: list) -> list:
         n_out = len(eqn.outvars)
+        name = eqn.primitive.name
         inner = inner_jaxpr(eqn)
-        if inner is not None:
+        # A call with a derivative rule of its own is not read through: the slopes' gradient
+        # would not follow the rule. On values free of s, q and k it is an atom (below).
+        if inner is not None and name not in _CUSTOM_RULES:
             return self.evaluate(inner, ins)
         if any(f is None for f in ins):
             return [None] * n_out
-        name = eqn.primitive.name
         in_avals = [v.aval for v in eqn.invars]
         out_aval = eqn.outvars[0].aval
         if name in ("add", "add_any", "sub"):
@@ -226,9 +231,20 @@ def _keeps_alignment(eqn) -> bool:
     return _aligned(in_shape, out_shape)
 
 
+#: Primitives that call their jaxpr once, with their own inputs and outputs one for one.
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "remat2",
+                    "checkpoint", "custom_jvp_call", "custom_vjp_call",
+                    "custom_vjp_call_jaxpr"})
+#: Calls whose derivative is a rule of their own, not their jaxpr's.
+_CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
 def inner_jaxpr(eqn):
-    """The jaxpr an equation calls with its own inputs and outputs, one for one (``jit``,
-    ``custom_jvp_call``, ``custom_vjp_call``, ``remat``, ...), or ``None``."""
+    """The jaxpr an equation calls once with its own inputs and outputs, one for one (``jit``,
+    ``custom_jvp_call``, ``custom_vjp_call``, ``remat``), or ``None`` (a loop, a branch, a
+    `shard_map` and every other primitive)."""
+    if eqn.primitive.name not in _CALLS:
+        return None
     for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         inner = eqn.params.get(name)
         inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
@@ -244,8 +260,9 @@ def _frozen(poly: Poly) -> tuple:
 
 
 def _widens(source, target) -> bool:
-    """Whether a cast from `source` to `target` keeps every value (an integer to float32 is
-    taken as exact: positions and their differences are below 2**24)."""
+    """Whether a cast from `source` to `target` keeps every value. An integer to float32 is
+    taken as exact (it is below 2**24): the rewrite subtracts the positions as integers,
+    which is exact where a function that casts them first rounds positions past 2**24."""
     source, target = np.dtype(source), np.dtype(target)
     if source == target:
         return True
@@ -304,6 +321,76 @@ def is_alibi(term, treedef, avals: tuple) -> bool:
             and not interp.reads_batch(slope) and interp.per_head(slope))
 
 
+#: The numeric check's positions are drawn below this (`agrees_on_tiles`), where float32
+#: holds ``c * k`` and ``c * q`` to within ``2**-12 c``.
+_CHECK_POSITIONS = 4096
+#: Its tile: another shape than the probe's, so that a function reading its tile's shape (or
+#: reducing over it) is seen to change.
+_CHECK_TILE = (5, 3)
+
+
+def _stand_in(shape, dtype):
+    """A value for an array the check cannot read (a traced one): floats in [0.5, 1.5)
+    drawn from its shape (the same array gets the same values in every trace), other
+    types zero."""
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f":
+        return np.zeros(shape, dtype)
+    rng = np.random.default_rng([len(shape), *shape])
+    return rng.uniform(0.5, 1.5, shape).astype(dtype)
+
+
+def _evaluated(term, args) -> np.ndarray:
+    """`term` on the concrete `args` (its params last), float64: traced once at their shapes
+    and run there and then, even inside a `jax.jit` trace, with stand-ins for traced arrays
+    it closes over."""
+    closed = jax.make_jaxpr(term)(*args)
+    consts = [_stand_in(c.aval.shape, c.aval.dtype) if isinstance(c, jax.core.Tracer) else c
+              for c in closed.consts]
+    with jax.ensure_compile_time_eval():
+        (out,) = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(args))
+    return np.asarray(out, np.float64)
+
+
+@functools.lru_cache(maxsize=256)
+def agrees_on_tiles(term, treedef, avals: tuple, num_heads: int) -> bool:
+    """Whether `term`, run as written, equals ``score + c(head) * (k_pos - q_pos)`` with ``c``
+    its slopes (`as_alibi`'s evaluation), on random logits and positions (params: stand-ins
+    of their shapes), to float32's rounding: on a ``[H, 5, 3]`` tile of every head with a
+    row of positions and a batch index each (as `XlaBlockSparse` calls it), and on ``[5, 3]``
+    tiles of one scalar head and batch index (as the Mosaic, Triton and Pallas TPU kernels
+    do).
+
+    `is_alibi` proves the form on the probe's jaxpr; this sees what that proof cannot: a
+    function whose value depends on its tile's shape or reduces over the heads it is given,
+    a loop, and a difference its float32 arithmetic does not keep (``(k + 1e6) - (q + 1e6)``).
+    """
+    rng = np.random.default_rng(0)
+    params = jax.tree.unflatten(treedef, [_stand_in(a.shape, a.dtype) for a in avals])
+    heads = np.arange(num_heads, dtype=np.int32)[:, None, None]
+    try:
+        c = _evaluated(term, (np.zeros((num_heads, 1, 1), np.float32), np.int32(0), heads,
+                              np.zeros((1, 1), np.int32), np.ones((1, 1), np.int32),
+                              params))[:, 0, 0]
+        rows, cols = _CHECK_TILE
+        cases = [(heads, np.asarray(heads % 2, np.int32), (num_heads, rows, cols))]
+        cases += [(np.int32(h), np.int32(1), (rows, cols))
+                  for h in sorted({0, num_heads // 2, num_heads - 1})]
+        for head, batch, shape in cases:
+            s = rng.standard_normal(shape).astype(np.float32)
+            q = rng.integers(0, _CHECK_POSITIONS, shape[:-1] + (1,), dtype=np.int32)
+            k = rng.integers(0, _CHECK_POSITIONS, shape[:-2] + (1, cols), dtype=np.int32)
+            got = _evaluated(term, (s, batch, head, q, k, params))
+            slope = c[head]
+            want = s + slope * (k - q)
+            scale = np.abs(s) + np.abs(slope) * (np.abs(k) + np.abs(q)) + 1.0
+            if got.shape != want.shape or not np.all(np.abs(got - want) <= 1e-5 * scale):
+                return False
+    except Exception:  # noqa: BLE001  (runs as written; the call raises its own error)
+        return False
+    return True
+
+
 def as_alibi(terms, num_heads: int):
     """`terms` (`ScoreTerms`) with a score function that `is_alibi` proves to be ALiBi
     replaced by its slopes ``[num_heads]`` float32 (added to slopes the terms already have),
@@ -321,7 +408,8 @@ def as_alibi(terms, num_heads: int):
     term = terms.function
     if term is None:
         return terms
-    if not is_alibi(term, *probe_params(terms.params)):
+    key = probe_params(terms.params)
+    if not (is_alibi(term, *key) and agrees_on_tiles(term, *key, num_heads)):
         return terms
     heads = jnp.arange(num_heads, dtype=jnp.int32)[:, None, None]
     one = jnp.ones((1, 1), jnp.int32)

@@ -14,7 +14,7 @@ import pytest
 import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks, scores
 from eqx_bsattn._score import ScoreTerms
-from eqx_bsattn._score_alibi import as_alibi
+from eqx_bsattn._score_alibi import agrees_on_tiles, as_alibi, is_alibi, probe_params
 from tests.conftest import assert_close, jnp_attention_f64, np_visibility, random_inputs
 
 H = 4
@@ -63,7 +63,78 @@ CASES = {
     "per_batch": (lambda s, h, q, k, batch: s + SLOPES[h] * (batch + 1) * (k - q), None, None),
     # An array broadcast along the probe's 8 key columns: a slope per column, not per head.
     "slope_per_column": (lambda s, h, q, k: s + jnp.arange(8.0) * (k - q), None, None),
+    # A derivative rule of its own on the slopes alone is part of the slopes' evaluation.
+    "custom_jvp_on_the_slopes": (lambda s, h, q, k: s + jax.nn.relu(SLOPES)[h] * (k - q), None,
+                                 jax.nn.relu(SLOPES)),
 }
+
+
+@jax.custom_vjp
+def _clipped_gradient(x):
+    return x
+
+
+_clipped_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.01, 0.01),))
+
+
+def _swapped_twice(s, h, q, k):  # symmetric ALiBi; one pass of the loop's body reads ALiBi
+    pair = (s - SLOPES[h] * jnp.abs(k - q), s + SLOPES[h] * (k - q))
+    return jax.lax.fori_loop(0, 2, lambda i, c: (c[1], c[0]), pair)[0]
+
+
+def _on_the_probe_only(s, h, q, k):
+    if s.shape[-1] == 8 and s.ndim == 3:  # the probe tile
+        return s + SLOPES[h] * (k - q)
+    return s - SLOPES[h] * jnp.abs(k - q)
+
+
+#: Functions the probe's jaxpr alone would read as ALiBi, found otherwise: each runs as
+#: written. name: (fn, which check sees it: "proof" (`is_alibi`) or "tiles"
+#: (`agrees_on_tiles`)).
+NOT_ALIBI = {
+    # A loop runs its body more than once: 2 s + 2 c (k - q).
+    "loop": (lambda s, h, q, k: jax.lax.fori_loop(0, 2, lambda i, x: 2.0 * x,
+                                                   0.5 * s + SLOPES[h] * (k - q)), "proof"),
+    "loop_swapping_a_pair": (_swapped_twice, "proof"),
+    # The derivative in s is the rule's, not ALiBi's.
+    "custom_vjp_on_the_logits": (lambda s, h, q, k: _clipped_gradient(s + SLOPES[h] * (k - q)),
+                                 "proof"),
+    "scaled_by_the_tile_width": (lambda s, h, q, k: s + SLOPES[h] * (k - q)
+                                 * (8.0 / s.shape[-1]), "tiles"),
+    "branch_on_the_tile_shape": (_on_the_probe_only, "tiles"),
+    "count_of_the_heads_given": (lambda s, h, q, k: s + SLOPES[h] * (k - q) * 4.0
+                                 / jnp.sum(h * 0 + 1).astype(jnp.float32), "tiles"),
+    "count_of_the_columns": (lambda s, h, q, k: s + SLOPES[h] * (k - q) * 8.0
+                             / jnp.sum(k - k + 1).astype(jnp.float32), "tiles"),
+    # Under ShardMap over heads each shard sees its own heads' maximum.
+    "maximum_of_the_heads_given": (lambda s, h, q, k: s + SLOPES[h] * (k - q) * 4.0
+                                   / (jnp.max(h) + 1).astype(jnp.float32), "tiles"),
+    # As polynomials the offsets cancel; in float32 the positions are rounded to 1/16 first.
+    "offsets_float32_does_not_keep": (lambda s, h, q, k: s + 4.0 * SLOPES[h]
+                                      * ((k * 0.01 + 1e6) - (q * 0.01 + 1e6)), "tiles"),
+    "nan_slope": (lambda s, h, q, k: s + (SLOPES[h] + 0.0 * jnp.inf) * (k - q), "tiles"),
+}
+
+
+@pytest.mark.parametrize("name", NOT_ALIBI)
+def test_what_the_probe_alone_would_misread(name):
+    """Each function runs as written; the check named refuses it (the proof on the probe's
+    jaxpr, or the numeric check on other tiles, which the proof alone would have passed)."""
+    fn, check = NOT_ALIBI[name]
+    terms = ScoreTerms(function=fn)
+    assert as_alibi(terms, H) is terms
+    key = probe_params(None)
+    assert is_alibi(terms.function, *key) == (check == "tiles")
+    if check == "tiles":
+        assert not agrees_on_tiles(terms.function, *key, H)
+
+
+def test_the_tiles_check_passes_what_the_proof_proves():
+    """Every ALiBi form of `CASES` passes the numeric check too (with stand-ins for params)."""
+    for name, (fn, params, slopes) in CASES.items():
+        if slopes is not None:
+            terms = ScoreTerms(function=fn, params=params)
+            assert agrees_on_tiles(terms.function, *probe_params(params), H), name
 
 
 @pytest.mark.parametrize("name", CASES)
