@@ -541,6 +541,46 @@ def test_score_function_with_params_and_batch_matches_the_oracle(kernel, name):
         assert_close(grads.score.params["scale"], wants[3]["scale"], 5e-5, "dscale")
 
 
+def _scaled_with_offsets(score, head, q_pos, k_pos, params):
+    """A learned scale per head and an integer offset per head (not differentiable)."""
+    shifted = jnp.abs(q_pos - k_pos + params["offset"][head]).astype(jnp.float32)
+    return score * params["scale"][head] - 0.05 * shifted
+
+
+@pytest.mark.parametrize("kernel", [kernels.XlaBlockSparse(), kernels.DenseReference()],
+                         ids=["xla", "reference"])
+def test_params_with_an_integer_leaf_differentiate_in_the_float_ones(kernel):
+    """An int32 leaf in `params` takes no gradient (a float0 cotangent); q's and the float
+    leaf's gradients match the float64 oracle, with the params closed over and traced."""
+    (q, k, v), _ = _score_case(_scaled_with_offsets, False)
+    scale = jnp.asarray([0.5, 1.5, -1.0, 2.0])
+    offset = jnp.asarray([0, 3, -7, 11], jnp.int32)
+    vis = np_visibility(SCORE_MASK, batch=1, heads=H, q_len=LQ, kv_len=LK)
+
+    def loss(q, scale):
+        attn = bsa.BlockSparseAttention(
+            mask=SCORE_MASK, kernel=kernel, tiling=bsa.Tiling(block_q=16, block_kv=16),
+            score=scores.ScoreFunction(_scaled_with_offsets,
+                                       {"scale": scale, "offset": offset}))
+        return jnp.sum(jnp.sin(attn(q, k, v)))
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, scale)
+    with jax.enable_x64(True):
+        f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))  # noqa: E731
+        head = jnp.asarray(np.arange(H)[None, :, None, None])
+        qp, kp = jnp.asarray(np.arange(LQ)[:, None]), jnp.asarray(np.arange(LK)[None, :])
+
+        def oracle(q, scale):
+            fn = lambda s: _scaled_with_offsets(  # noqa: E731
+                s, head, qp, kp, {"scale": scale, "offset": offset})
+            return jnp.sum(jnp.sin(jnp_attention_f64(q, f64(k), f64(v), vis, score=fn)))
+
+        want = jax.grad(oracle, argnums=(0, 1))(f64(q), f64(scale))
+    assert_close(got[0], want[0], 5e-5, "dq")
+    assert_close(got[1], want[1], 5e-5, "dscale")
+    assert np.abs(np.asarray(want[1])).min() > 0
+
+
 def test_score_function_params_get_gradients_under_jit_per_call():
     """Per-call params (traced under jit, swapped in with eqx.tree_at) give the same result
     as concrete ones, with no retrace for a new value."""

@@ -648,7 +648,9 @@ def _backward_dq(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
                              arr.blocks, *arr.data)
             if terms is not None:  # through the score terms, to q . k and their arrays
                 ds, d_arrays = back(ds)
-                d_score = jax.tree.map(jnp.add, d_score, d_arrays)
+                # An integer leaf of `params` has a float0 cotangent: its sum stays zero.
+                d_score = jax.tree.map(lambda acc, d: acc if d.dtype == jax.dtypes.float0
+                                       else acc + d, d_score, d_arrays)
             dq, rows = _map_levels(accumulate, arr.sizes, (dq, rows), ds, j, k_b, arr.data[3])
             if ds_buf is not None:
                 ds_buf = jax.lax.dynamic_update_index_in_dim(ds_buf, ds, offset + t, 0)
