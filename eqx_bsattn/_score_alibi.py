@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from ._score_data import CALLS, CUSTOM_RULES
+
 #: A polynomial: monomial (sorted atom ids) -> nonzero rational coefficient.
 Poly = dict[tuple[int, ...], Fraction]
 #: A value's form: basis ("1", "s", "q", "k") -> nonzero coefficient polynomial; ``None`` is
@@ -177,7 +179,7 @@ class _Interpreter:
         inner = inner_jaxpr(eqn)
         # A call with a derivative rule of its own is not read through: the slopes' gradient
         # would not follow the rule. On values free of s, q and k it is an atom (below).
-        if inner is not None and name not in _CUSTOM_RULES:
+        if inner is not None and name not in CUSTOM_RULES:
             return self.evaluate(inner, ins)
         if any(f is None for f in ins):
             return [None] * n_out
@@ -231,19 +233,11 @@ def _keeps_alignment(eqn) -> bool:
     return _aligned(in_shape, out_shape)
 
 
-#: Primitives that call their jaxpr once, with their own inputs and outputs one for one.
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "remat2",
-                    "checkpoint", "custom_jvp_call", "custom_vjp_call",
-                    "custom_vjp_call_jaxpr"})
-#: Calls whose derivative is a rule of their own, not their jaxpr's.
-_CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
-
-
 def inner_jaxpr(eqn):
     """The jaxpr an equation calls once with its own inputs and outputs, one for one (``jit``,
     ``custom_jvp_call``, ``custom_vjp_call``, ``remat``), or ``None`` (a loop, a branch, a
     `shard_map` and every other primitive)."""
-    if eqn.primitive.name not in _CALLS:
+    if eqn.primitive.name not in CALLS | CUSTOM_RULES:
         return None
     for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         inner = eqn.params.get(name)

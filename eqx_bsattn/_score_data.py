@@ -31,9 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-#: Calls followed into: their jaxpr runs on their operands one for one.
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint",
-                    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+#: Calls followed into: their jaxpr runs once on their operands, one for one, and its
+#: derivative is the call's.
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "remat2",
+                   "checkpoint"})
+#: Calls whose derivative is a rule of their own, not their jaxpr's: an array they take whole
+#: is not read through them (the kernels would differentiate the jaxpr, not the rule).
+CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 #: Elementwise operations of one operand an array may go through before it is indexed
 #: (``slopes.astype(jnp.float32)[head]``): applied to the scalar read instead (integer and
 #: sign arithmetic only; write others after the indexing, ``jnp.exp(log_slopes[head])``).
@@ -115,16 +119,21 @@ class FunctionData(NamedTuple):
     leaves: tuple[DataLeaf, ...]
 
 
-def fold_constants(closed) -> tuple[list, list, list, list]:
+def fold_constants(closed, with_keys: bool = False) -> tuple:
     """``(eqns, outvars, constvars, values)`` of a traced function (a `jax.make_jaxpr`
     result): the equations that depend on the constants alone are run here, outside the
     kernels (any operation, differentiable by JAX: ``jnp.exp(log_slopes)``, a sharding's
     ``axis_index``); `constvars` are their results (and the constants) that the rest reads,
     with their `values`. An equation whose result is larger than its array operands (a
     broadcast to the tile) stays, and so do equations of literals only and equations with
-    effects."""
+    effects.
+
+    `with_keys` adds a fifth item, each value's `provenance`: equal for the same
+    computation on the same constants in another trace of the function (another tile),
+    where the folded values are new arrays."""
     jaxpr = closed.jaxpr
     known = dict(zip(jaxpr.constvars, closed.consts))
+    keys = {v: ("constant", id(c)) for v, c in known.items()}
 
     def size(v):
         return pymath.prod(getattr(v.aval, "shape", ()))
@@ -146,32 +155,62 @@ def fold_constants(closed) -> tuple[list, list, list, list]:
             else:  # concrete in, concrete out (also under `jit`): a constant stays one
                 with jax.ensure_compile_time_eval():
                     values = _bind(eqn, ins)
-            known.update((v, x) for v, x in zip(eqn.outvars, values)
-                         if not isinstance(v, jex_core.DropVar))
+            made = [v for v in eqn.outvars if not isinstance(v, jex_core.DropVar)]
+            known.update((v, x) for v, x in zip(eqn.outvars, values) if v in made)
+            named = [u if isinstance(u, jex_core.Literal) else keys[u] for u in eqn.invars]
+            keys.update((v, provenance(eqn, named, i))
+                        for i, v in enumerate(eqn.outvars) if v in made)
         else:
             eqns.append(eqn)
     read = [v for eqn in eqns for v in eqn.invars] + list(jaxpr.outvars)
     constvars = [v for v in dict.fromkeys(v for v in read if not isinstance(v, jex_core.Literal))
                  if v in known]
-    return eqns, list(jaxpr.outvars), constvars, [known[v] for v in constvars]
+    folded = (eqns, list(jaxpr.outvars), constvars, [known[v] for v in constvars])
+    return folded + ([keys[v] for v in constvars],) if with_keys else folded
+
+
+def provenance(eqn, ins: list, index: int):
+    """A hashable name of output `index` of `eqn` run on inputs named `ins` (provenances,
+    or literals): equal where the primitive, its parameters and its inputs are. A parameter
+    that cannot be hashed names the output afresh."""
+    def named(x):
+        if isinstance(x, jex_core.Literal):
+            value = np.asarray(x.val)
+            return ("literal", value.dtype.str, value.shape, value.tobytes())
+        return x
+
+    try:
+        params = tuple(sorted(eqn.params.items()))
+        hash(params)
+    except TypeError:
+        return object()
+    return (eqn.primitive.name, params, tuple(named(x) for x in ins), index)
+
+
+def slotted(values, keys, arrays: list, slots_of: dict, first_slot: int = 0) -> tuple:
+    """The data slots of a trace's folded `values` (with their `keys`, `fold_constants`),
+    adding to `arrays` each value not yet seen in an earlier trace (`slots_of`: key ->
+    slot, updated)."""
+    slots = []
+    for value, key in zip(values, keys):
+        if key not in slots_of:
+            slots_of[key] = first_slot + len(arrays)
+            arrays.append(value)
+        slots.append(slots_of[key])
+    return tuple(slots)
 
 
 def function_data(function: Callable, shapes, params=None) -> FunctionData:
     """The function traced at each tile shape of `shapes` (`trace_function` with `params`,
     `fold_constants`), and the arrays its kernel part reads (those of any of the traces,
-    each once by identity)."""
-    arrays, ids, traced = [], {}, []
+    each once: a constant, or a value folded from the same constants the same way)."""
+    arrays, slots_of, traced = [], {}, []
     for shape in dict.fromkeys(shapes):
         closed = trace_function(function, shape, params)
-        eqns, outvars, constvars, values = fold_constants(closed)
-        slots = []
-        for c in values:
-            if id(c) not in ids:
-                ids[id(c)] = len(arrays)
-                arrays.append(c)
-            slots.append(ids[id(c)])
+        eqns, outvars, constvars, values, keys = fold_constants(closed, with_keys=True)
+        slots = slotted(values, keys, arrays, slots_of)
         traced.append((shape, TracedFunction(tuple(closed.jaxpr.invars), tuple(constvars),
-                                             tuple(eqns), tuple(outvars), tuple(slots))))
+                                             tuple(eqns), tuple(outvars), slots)))
     return FunctionData(tuple(traced), tuple(arrays), tuple(map(DataLeaf.of, arrays)))
 
 
@@ -252,7 +291,7 @@ def _with_array(eqn, ins, read: Callable) -> list:
         return [_shaped(_load(a, eqn.params["start_indices"], read), (1,) * len(a.shape))]
     if name in _UNARY and len(ins) == 1:
         return [a._replace(ops=a.ops + (eqn,))]
-    if name in _CALLS:
+    if name in CALLS:
         inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         closed = inner if hasattr(inner, "consts") else None
         inner = getattr(inner, "jaxpr", inner)
@@ -261,6 +300,10 @@ def _with_array(eqn, ins, read: Callable) -> list:
             env.update(zip(inner.constvars, closed.consts if closed is not None else ()))
             return _run(inner, env, read)
     arrays = [x for x in ins if isinstance(x, _Array)]
+    if name in CUSTOM_RULES:
+        raise UnsupportedRead(f"it passes an array it reads (of shape {arrays[0].shape}) "
+                              f"whole to a function with a derivative rule of its own "
+                              f"(`{name}`); index it first and pass the scalar")
     if all(pymath.prod(x.shape) == 1 for x in arrays):
         # A one-element array: its value, in its shape.
         ins = [_shaped(_load(x, (0,) * len(x.shape), read), x.shape)

@@ -107,6 +107,7 @@ from ._score_data import (
     reads_traced as reads_traced,
     recording_reads as recording_reads,
     replaying_reads as replaying_reads,
+    slotted as slotted,
     trace_function as trace_function,
     unsupported_read as unsupported_read,
 )
@@ -163,21 +164,16 @@ def mask_data(predicate, shapes, segment_ids: bool, first_slot: int = 0,
         return predicate.visible_at(head, TokenCoords(qi, qp, qs, predicate.q_len),
                                     TokenCoords(ki, kp, ks, predicate.kv_len))
 
-    arrays, ids, traced = [], {}, []
+    arrays, slots_of, traced = [], {}, []
     try:
         for shape in dict.fromkeys(tuple(s) for s in shapes):
             tile = jax.ShapeDtypeStruct(shape, jnp.int32)
             seg = tile if segment_ids else None
             closed = jax.make_jaxpr(body)(scalar, tile, tile, tile, tile, seg, seg)
-            eqns, outvars, constvars, values = fold_constants(closed)
-            slots = []
-            for c in values:
-                if id(c) not in ids:
-                    ids[id(c)] = first_slot + len(arrays)
-                    arrays.append(c)
-                slots.append(ids[id(c)])
+            eqns, outvars, constvars, values, keys = fold_constants(closed, with_keys=True)
+            slots = slotted(values, keys, arrays, slots_of, first_slot)
             traced.append((shape, TracedFunction(tuple(closed.jaxpr.invars), tuple(constvars),
-                                                 tuple(eqns), tuple(outvars), tuple(slots))))
+                                                 tuple(eqns), tuple(outvars), slots)))
     except Exception:  # noqa: BLE001 - the element map evaluates it (or raises its error)
         return None
     leaves = tuple(dataclasses.replace(DataLeaf.of(a), diff=False) for a in arrays)

@@ -87,6 +87,10 @@ LOWERED = {
                      {"slopes": SLOPES}, 1),
     # An int32 table: read, never differentiated.
     "table_window": (lambda _: scores.ScoreFunction(table_window), None, 0),
+    # Learned log-slopes, exponentiated whole before the read (folded before the launches).
+    "params_exp": (lambda p: scores.ScoreFunction(
+        lambda s, h, qp, kp, p: symmetric_alibi(s, h, qp, kp, jnp.exp(p["log"])), p),
+        {"log": jnp.log(jnp.abs(SLOPES))}, 1),
 }
 
 
@@ -233,6 +237,16 @@ def test_functions_reading_arrays_are_taken():
              (_term(learned_alibi, {"slopes": SLOPES}), mosaic_kernel._UNKNOWN)]
     for term, params in cases:
         assert decline(term, params, 64) is None
+    # An operation on a whole array before the read runs before the launches: its result is
+    # one array at every launch's tile (three tiles at D = 128), whether the params are
+    # concrete or traced.
+    folded = lambda s, h, qp, kp, p: s - (jnp.exp(p["log"]) / p["log"].size)[h]  # noqa: E731
+    params = {"log": SLOPES}
+    for dim in (64, 128):
+        assert decline(_term(folded, params), params, dim) is None
+    traced = []
+    jax.jit(lambda p: traced.append(decline(_term(folded, p), p, 128)) or 0.0)(params)
+    assert traced == [None]
     assert "loop (RingAttention)" in decline(cases[0][0], None, 64, in_loop=True)
     plain = _term(lambda s, h, qp, kp: s * 0.5)
     assert decline(plain, None, 64) is None
@@ -242,7 +256,8 @@ def test_functions_reading_arrays_are_taken():
 @pytest.mark.extended
 def test_data_gradients_in_cpu_interpreter(interpreted):
     """The whole call, its launches in Pallas' CPU interpreter for Mosaic GPU: a function
-    reading a closure's traced slopes, a learned scale per head in `params` and an int32
+    reading a closure's traced slopes (doubled whole first), a learned scale per head in
+    `params` and an int32
     window table (two differentiated reads a tile and an integer one), grouped heads and
     ragged keys; output and the gradients in q, k, v, the slopes and the params against the
     float64 oracle."""
@@ -252,7 +267,9 @@ def test_data_gradients_in_cpu_interpreter(interpreted):
     widths = jnp.asarray([60, 150], jnp.int32)
 
     def fn(s, h, qp, kp, sl, p):
-        s = s * p["w"][h] + sl[h] * (kp - qp).astype(s.dtype)
+        # The slopes doubled whole before the read: one array folded before the launches,
+        # the same slot at each launch's tile.
+        s = s * p["w"][h] + (2.0 * sl)[h] * (kp - qp).astype(s.dtype)
         return jnp.where(qp - kp > widths[h], -jnp.inf, s)
 
     q, k, v = (x.astype(jnp.float32) for x in _qkv(1, heads, kv_heads, length, dim))
@@ -421,6 +438,10 @@ def test_mask_reading_arrays_plan(hopper_host):
 
     assert judge(widths_by_head, widths, long) == (None, "data")
     assert judge(widths_by_head, widths, 256) == (None, "data")
+    # The widths doubled whole before the read: folded before the launches, one array at
+    # each launch's tile.
+    doubled = lambda q, k, w, head: (k <= q) & (q - k < (2 * w)[head])  # noqa: E731
+    assert judge(doubled, widths, long) == (None, "data")
     small = bsa.ResolvedMask(masks.Predicate(widths_by_head, widths), q_len=256, kv_len=256,
                              num_heads=heads).predicate()
     assert mask_route(small, 64).reads != "elements"

@@ -131,6 +131,63 @@ def test_arrays_read_whole_through_an_operation_and_by_two_indices_with_soft_cap
         assert _rel(d_arrays[name], want_arrays[name]) < SLOPES_TOL, name
 
 
+@jax.custom_jvp
+def _straight_through_clip(score, bound):
+    return jnp.clip(score, -bound, bound)
+
+
+@_straight_through_clip.defjvp
+def _straight_through_clip_jvp(primals, tangents):
+    return _straight_through_clip(*primals), tangents[0]  # the derivative in score is 1
+
+
+def clip_by_head(bounds):
+    """A clip of the logits per head whose derivative is its own rule (straight through),
+    the bound read first, and that read under `jax.checkpoint`."""
+    def fn(score, head, q_pos, k_pos):
+        bound = jax.checkpoint(lambda b, h: b[h])(bounds, head)
+        return _straight_through_clip(score, bound) - 0.01 * jnp.abs(q_pos - k_pos)
+
+    return fn
+
+
+def test_a_derivative_rule_of_the_users_runs_on_the_scalar_it_reads():
+    """The rule, not its jaxpr, gives the gradients (the clip's own derivative would be 0 on
+    the clipped logits): q, k and v against the float64 oracle, which runs the same rule."""
+    q, k, v, cot, _ = _inputs(7)
+    arrays = {"bounds": jnp.asarray([0.5, 1.0, 2.0, 4.0], jnp.float32)}
+    mask = masks.Causal()
+    attn = _attention(clip_by_head(**arrays), mask, kernels.PallasTpuBlockSparse())
+    assert attn.plan(q, k, v).kernel.name == "pallas_tpu"
+
+    def loss(q, k, v):
+        out = attn(q, k, v)
+        return jnp.vdot(out, cot), out
+
+    with jax.default_matmul_precision("highest"):
+        grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    want_out, (want_qkv, _) = _oracle(clip_by_head, mask, q, k, v, cot, arrays)
+    assert _rel(out, want_out) < TOL
+    for g, w in zip(grads, want_qkv):
+        assert _rel(g, w) < TOL
+
+
+def test_a_derivative_rule_taking_an_array_whole_is_declined():
+    """The kernels differentiate what they replay: a rule given the whole array would be
+    replaced by its jaxpr's derivative, so the call is declined in one line."""
+    bounds = jnp.asarray([0.5, 1.0, 2.0, 4.0], jnp.float32)
+    ste = jax.custom_jvp(lambda score, b, h: jnp.clip(score, -b[h], b[h]))
+    ste.defjvp(lambda primals, tangents: (ste(*primals), tangents[0]))
+    resolved = bsa.ResolvedMask(masks.Causal(), q_len=L, kv_len=L, num_heads=H)
+    term = scores.ScoreFunction(lambda s, h, q, k: ste(s, bounds, h)).compile(H).function
+    features = bsa.Features(**{**TPU, "score": ("function",), "score_function": term})
+    why = kernels.PallasTpuBlockSparse().decline_reason(resolved, features)
+    assert why == ("the score function reads an array only as the TPU kernels cannot: it "
+                   "passes an array it reads (of shape (4,)) whole to a function with a "
+                   "derivative rule of its own (`custom_jvp_call`); index it first and pass "
+                   "the scalar (read arrays at scalar indices, e.g. slopes[head]).")
+
+
 def test_closure_gradients_lower_for_a_tpu(v5e_lowering):
     """``interpret=False``: the forward, dq (with the closed-over array's gradient blocks)
     and dk/dv kernels of `jax.grad` lower for a TPU v5e; the array is read from scalar
