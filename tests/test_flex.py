@@ -175,3 +175,22 @@ def test_scores_from_flex_points_a_mask_in_disguise_to_the_mask_form():
     with pytest.raises(TypeError, match=r"^`score_mod` must take \(score, b, h, q_idx, kv_idx, "
                                         r"params\); got "):
         scores.from_flex(score_by_batch, jnp.ones(3))
+
+
+def test_scores_from_flex_inside_a_jit_trace():
+    """Made inside `jax.jit` (a layer built in the traced function), `from_flex` reads the
+    score_mod on concrete values as outside, warns of a mask in disguise alike, and a
+    score_mod closing over a traced array runs."""
+    q, k, v = _inputs()
+    scale = jnp.float32(0.5)
+
+    def call(q, k, v, scale):
+        with_scale = lambda s, b, h, qi, ki: score_by_batch(s, b, h, qi, ki) * scale  # noqa: E731
+        attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.XlaBlockSparse(),
+                                        tiling=TILES, score=scores.from_flex(with_scale))
+        return attn(q, k, v)
+
+    got = jax.jit(call)(q, k, v, scale)
+    np.testing.assert_allclose(got, call(q, k, v, scale), rtol=1e-5, atol=1e-6)
+    with pytest.warns(UserWarning, match=r"only keeps the score or sets -inf: it is a mask"):
+        jax.jit(lambda q: scores.from_flex(score_masks_only) and q)(q)

@@ -95,11 +95,15 @@ def _masks_only(score_mod: Callable, params) -> bool:
         return False
     idx = np.arange(16, dtype=np.int32)
     s = np.random.default_rng(0).normal(size=(2, 2, 16, 16)).astype(np.float32)
-    args = (jnp.arange(2, dtype=jnp.int32)[:, None, None, None],
-            jnp.arange(2, dtype=jnp.int32)[None, :, None, None],
-            jnp.asarray(idx[:, None]), jnp.asarray(idx[None, :]))
     extra = () if params is None else (params,)
+    # Run here and now, also inside a `jax.jit` trace: every input is concrete.
     with jax.ensure_compile_time_eval():
-        out = np.asarray(jnp.broadcast_to(score_mod(jnp.asarray(s), *args, *extra), s.shape))
+        args = (jnp.arange(2, dtype=jnp.int32)[:, None, None, None],
+                jnp.arange(2, dtype=jnp.int32)[None, :, None, None],
+                jnp.asarray(idx[:, None]), jnp.asarray(idx[None, :]))
+        out = jnp.broadcast_to(score_mod(jnp.asarray(s), *args, *extra), s.shape)
+    if isinstance(out, jax.core.Tracer):  # it closes over a traced array
+        return False
+    out = np.asarray(out)
     hidden = out == -np.inf
     return bool(hidden.any() and ((out == s) | hidden).all())
