@@ -21,7 +21,7 @@ from ._module import (BlockSparseAttention, check_layout, merge_alias, run_plan,
                       with_layout_hint)
 from ._score import AbstractScore, compile_score
 from ._selector import DEVICE_PLATFORMS
-from ._sharding import on_auto_axes
+from ._sharding import run_on_auto_axes
 from ._tiling import LAUNCH_FIELDS, AbstractKernelConfig, AbstractTiling, Tiling, check_positive
 from ._typing import typechecked
 from ._values import within
@@ -612,13 +612,12 @@ def _attend(attn, platform, purify, return_lse, query, key, value, mask_array, d
         mask = and_masks(attn.mask, masks.ArrayMask(mask_array))
         attn = eqx.tree_at(lambda m: m.mask, attn, mask)
 
-    def plan_and_run(query, key, value, data):
+    def plan_and_run(attn, query, key, value, data):
         plan = attn._plan(query, key, value, platform=platform, return_lse=return_lse, **data)
         return run_plan(plan, query, key, value, attn.sharding, attn.logits_soft_cap, purify,
                         return_lse=return_lse)
 
-    leaves = jax.tree.leaves((mask_array, data))
-    return on_auto_axes(plan_and_run, query, key, value, *leaves)(query, key, value, data)
+    return run_on_auto_axes(plan_and_run, attn, query, key, value, data)
 
 
 def _attend_per_example(attend, query, key, value, mask, data):

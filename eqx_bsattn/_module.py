@@ -20,7 +20,7 @@ from ._kernel import (AbstractBroadcastBiasKernel, AbstractKernel, AbstractLseKe
 from ._mask import EMPTY, AbstractMask, Document, Full
 from ._score import AbstractScore, attach_score, check_score, describe_score
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
-from ._sharding import AbstractSharding, Unsharded, on_auto_axes
+from ._sharding import AbstractSharding, Unsharded, run_on_auto_axes
 from ._swap import AutoKernel, AutoTiling, _kernel_or_auto, _tiling_or_auto, is_auto
 from ._tiling import AbstractKernelConfig, AbstractTiling
 from ._typing import ArrayOrNumpy, typechecked
@@ -549,13 +549,12 @@ class BlockSparseAttention(eqx.Module):
                     kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                     kv_positions=kv_positions, kv_seq_lengths=kv_seq_lengths)
 
-        def attend(query, key, value, data):
-            plan = self._plan(query, key, value, return_lse=return_lse, **data)
-            return run_plan(plan, query, key, value, self.sharding, self.logits_soft_cap, purify,
-                            return_lse=return_lse)
+        def attend(module, query, key, value, data):
+            plan = module._plan(query, key, value, return_lse=return_lse, **data)
+            return run_plan(plan, query, key, value, module.sharding, module.logits_soft_cap,
+                            purify, return_lse=return_lse)
 
-        return on_auto_axes(attend, query, key, value, *jax.tree.leaves(data))(
-            query, key, value, data)
+        return run_on_auto_axes(attend, self, query, key, value, data)
 
 
 def _hide_padding(mask: CompiledMask, inputs: AttentionInputs, query, key, value):

@@ -117,6 +117,30 @@ def on_auto_axes(fn: Callable, query, *others) -> Callable:
     return jax.sharding.auto_axes(fn, out_sharding=out_sharding)
 
 
+def _on_explicit_mesh(x) -> bool:
+    """Whether `x`'s type places it on a mesh with Explicit axes (split over them or not)."""
+    try:
+        mesh = jax.typeof(x).sharding.mesh
+    except (AttributeError, TypeError):
+        return False
+    return any(kind == jax.sharding.AxisType.Explicit
+               for kind in getattr(mesh, "axis_types", ()))
+
+
+def run_on_auto_axes(fn: Callable, module, query, key, value, data):
+    """``fn(module, query, key, value, data)`` under `on_auto_axes`, the module's own arrays
+    on a mesh with Explicit axes (learned slopes, a table or params placed on it) taken to
+    Auto axes with the inputs: a module closed over inside would keep its arrays' Explicit
+    types, which operations under Auto axes refuse."""
+    placed, rest = eqx.partition(module, _on_explicit_mesh)
+
+    def call(placed, query, key, value, data):
+        return fn(eqx.combine(placed, rest), query, key, value, data)
+
+    wrapped = on_auto_axes(call, query, key, value, *jax.tree.leaves((data, placed)))
+    return wrapped(placed, query, key, value, data)
+
+
 def mesh_in_context(mesh):
     """`mesh`, or the context's abstract mesh where that is `mesh` with other axis types.
 

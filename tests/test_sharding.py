@@ -646,6 +646,41 @@ else:
             assert jax.typeof(out).sharding.spec == P(None, None, None, None)
             assert_close(pullback(proj)[0], want)
 
+    def test_learned_score_arrays_placed_on_an_explicit_mesh():
+        """Learned ALiBi slopes, a T5 table and a score function's params placed (replicated)
+        on jax.make_mesh's default mesh, the inputs split over it, inside `jax.set_mesh`:
+        the arrays go to Auto axes with the inputs (they raised a mesh mismatch), and the
+        output and the arrays' gradients match the unplaced, unsharded call's."""
+        mesh = jax.make_mesh((4, 2), ("s", "h"))
+        q, k, v = random_inputs(12, batch=2, heads=4, kv_heads=2, q_len=64)
+        put = lambda x, spec=P(): jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+
+        def symmetric(s, head, q_pos, k_pos, slopes):
+            return s - slopes[head] * jnp.abs(k_pos - q_pos).astype(s.dtype)
+
+        cases = [(lambda a: scores.ALiBi(a, learned=True), jnp.linspace(-0.3, 0.4, 4), True),
+                 (scores.RelativePositionBias, random_array(13, (4, 32)), True),
+                 (lambda a: scores.ScoreFunction(symmetric, a), jnp.linspace(0.1, 0.4, 4),
+                  False)]
+        for make, array, ring_too in cases:
+            def loss(q, array, shard=None):
+                attn = bsa.BlockSparseAttention(
+                    mask=masks.Causal(), kernel=make_kernel("DenseReference"), tiling=TILES,
+                    score=make(array), **({} if shard is None else {"sharding": shard}))
+                return jnp.sum(jnp.sin(attn(q, k, v)))
+
+            want = jax.value_and_grad(loss, argnums=(0, 1))(q, array)
+            shards = [None] + ([sharding.RingAttention(mesh, "s", head_axis="h")]
+                               if ring_too else [])
+            for shard in shards:
+                with jax.set_mesh(mesh):
+                    got = jax.jit(jax.value_and_grad(lambda q, a: loss(q, a, shard),
+                                                     argnums=(0, 1)))(
+                        put(q, P(None, "h", "s", None)), put(array))
+                assert_close(got[0], want[0], 2e-5, "loss")
+                assert_close(got[1][0], want[1][0], 2e-5, "dq")
+                assert_close(got[1][1], want[1][1], 2e-5, "d array")
+
     @pytest.mark.slow
     def test_explicit_mesh_zigzag():  # the zig-zag order's output gather moves tokens
         mesh = jax.make_mesh((4, 2), ("s", "h"))
