@@ -799,6 +799,14 @@ def blocksparse_attention(
                 f"first axis {attention_mask.shape[0]}) cannot give, since each example then "
                 "runs as a call of its own: pass one mask for the batch ([1, H or 1, Lq, Lk]) "
                 "or the padding as `kv_seq_lengths`, or drop `batch` from the score.")
+        if getattr(shard, "batch_axis", None) is not None:
+            # Each example runs as a batch of one, which no mesh axis can split.
+            raise ValueError(
+                "a per-example `attention_mask` (its first axis "
+                f"{attention_mask.shape[0]}) runs each example as a call of its own, whose "
+                f"batch of one the mesh axis {shard.batch_axis!r} in `in_specs` cannot split: "
+                "leave the batch unsplit in `in_specs`, or pass one mask for the batch "
+                "([1, H or 1, Lq, Lk]) or the padding as `kv_seq_lengths`.")
         out = _attend_per_example(attend, query, key, value, attention_mask, data)
     if query_seq_lengths is not None:
         keep = jnp.arange(q_len)[None, :] < query_seq_lengths[:, None]

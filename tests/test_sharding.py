@@ -858,6 +858,13 @@ else:
             call(in_specs=(P(None, None, "s"),) * 3, sequence_parallelism_mesh_axis_name="b")
         with pytest.raises(ValueError, match="in_specs"):
             call()
+        # One mask per example maps the call over the batch, a batch of one each.
+        keep = jnp.asarray(np.random.default_rng(5).random((2, 4, 64, 64)) < 0.4)
+        with pytest.raises(ValueError, match=r"^a per-example `attention_mask` \(its first "
+                                             r"axis 2\) runs each example as a call of its "
+                                             r"own, whose batch of one the mesh axis 'b' in "
+                                             r"`in_specs` cannot split: "):
+            call(in_specs=(P("b"),) * 3, attention_mask=keep)
 
     def test_bad_mesh_and_axes():
         mesh = make_mesh((2, 4), ("b", "s"))
@@ -870,7 +877,8 @@ else:
         with pytest.raises(ValueError, match="order"):
             sharding.RingAttention(mesh, "s", order="spiral")
         q, k, v = random_inputs(7, batch=2, heads=4, kv_heads=2, q_len=18)
-        with pytest.raises(ValueError, match="multiples"):
+        with pytest.raises(ValueError, match=r"needs q_len and kv_len that are multiples of 4; "
+                                             r"got q_len=18, kv_len=18: pad the sequence"):
             module(masks.Causal(), "DenseReference", sharding.RingAttention(mesh, "s"))(q, k, v)
         q, k, v = random_inputs(7, batch=2, heads=4, kv_heads=2, q_len=32)
         with pytest.raises(ValueError, match="tiles"):  # 8- or 4-token slices, 16-token tiles

@@ -725,6 +725,12 @@ class RingAttention(AbstractSharding):
         n = axis_size(self.mesh, self.seq_axis)
         tiles = sorted({(lay.block_q, lay.block_kv) for lay in mask.layouts().values()})
         fits = self._fitting_orders(mask.q_len, mask.kv_len, tiles)
+        if not fits and (mask.q_len % n or mask.kv_len % n):
+            raise ValueError(
+                f"RingAttention over {n} devices (`seq_axis`={self.seq_axis!r}) needs "
+                f"q_len and kv_len that are multiples of {n}; got q_len={mask.q_len}, "
+                f"kv_len={mask.kv_len}: pad the sequence (and hide the padding with "
+                f"kv_seq_lengths or segment ids).")
         if not fits:
             raise ValueError(
                 f"RingAttention over {n} devices (`seq_axis`={self.seq_axis!r}) splits the "
