@@ -9,13 +9,14 @@ Mosaic GPU is imported inside the functions, so this module imports anywhere.
 """
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 import functools
 import heapq
 import inspect
 import math
 import operator
+import re
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -1019,6 +1020,12 @@ def lowering_failure(what: str, tile, shape=(ROWS_PER_WARPGROUP, 128),
         jax.jit(launch).trace(jax.ShapeDtypeStruct((2,), jnp.int32), *data).lower(
             lowering_platforms=("cuda",))
     except Exception as e:  # noqa: BLE001 - any failure to lower is the verdict
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = (str(e).strip().splitlines() or [""])[0]
+        unimplemented = re.match(r"Unimplemented primitive in Pallas Mosaic GPU lowering: "
+                                 r"(\S+)", first)
+        if unimplemented:
+            first = f"it applies `{unimplemented.group(1)}`, which it has no lowering for"
+        elif not first:  # an assertion inside the lowering
+            first = f"{type(e).__name__} in its lowering (an operation it does not support)"
         return f"Pallas Mosaic GPU cannot lower {what}: {first}"
     return None

@@ -214,6 +214,11 @@ def test_score_function_mosaic_cannot_lower_is_declined(hopper_host):
     why = _function_decline(term(_running_sum), None, 64)
     assert why.startswith("Pallas Mosaic GPU cannot lower the score function: ")
     assert "cumsum" in why and "\n" not in why
+    # A primitive it has no lowering for is named, in one short line.
+    frozen = lambda s, h, qp, kp: s + 0.1 * jax.lax.stop_gradient(s)  # noqa: E731
+    assert _function_decline(term(frozen), None, 64) == (
+        "Pallas Mosaic GPU cannot lower the score function: it applies `stop_gradient`, "
+        "which it has no lowering for")
     hits = function_lowering_failure.cache_info().hits
     assert _function_decline(term(_running_sum), None, 64) == why
     assert function_lowering_failure.cache_info().hits == hits + 1
