@@ -341,8 +341,9 @@ def _evaluated(term, args) -> np.ndarray:
     closed = jax.make_jaxpr(term)(*args)
     consts = [_stand_in(c.aval.shape, c.aval.dtype) if isinstance(c, jax.core.Tracer) else c
               for c in closed.consts]
+    run = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(closed.jaxpr, consts))
     with jax.ensure_compile_time_eval():
-        (out,) = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(args))
+        (out,) = run(*jax.tree.leaves(args))
     return np.asarray(out, np.float64)
 
 
