@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from ._mask import LENGTH_PADDING
 from ._score import ScoreTerms
 from ._values import poisoned as _poisoned
 from ._values import within as _within
@@ -353,19 +354,19 @@ def _check_segment_pair(q_segment_ids, kv_segment_ids) -> None:
 def hide_keys(keep, q_segment_ids, kv_segment_ids, *, q_len: int):
     """Segment ids that hide the keys where `keep` (``[B, Lk]`` booleans) is False.
 
-    Key padding rides on the segment ids (a hidden key gets id ``-1``, which no query
-    matches), so its layout is built on the device like theirs: new padding never recompiles,
-    and blocks of padding are skipped. Without segment ids every query gets id 0. Returns
-    ``(q_segment_ids, kv_segment_ids)``, ``[B, Lq]`` and ``[B, Lk]``.
+    Key padding rides on the segment ids (a hidden key gets id `LENGTH_PADDING`, int32's
+    least, which no query matches and every mask hides: `NonPaddingKeys`), so its layout is
+    built on the device like theirs: new padding never recompiles, and blocks of padding are
+    skipped. Without segment ids every query gets id 0. Returns ``(q_segment_ids,
+    kv_segment_ids)``, ``[B, Lq]`` and ``[B, Lk]`` (the key ids as int32).
     """
     batch, kv_len = keep.shape
     if q_segment_ids is None:
         q_segment_ids = jnp.zeros((batch, q_len), jnp.int32)
         kv_segment_ids = jnp.zeros((batch, kv_len), jnp.int32)
     q_segment_ids = jnp.broadcast_to(q_segment_ids, (batch, q_len))
-    kv_segment_ids = jnp.broadcast_to(kv_segment_ids, (batch, kv_len))
-    hidden = jnp.full((), -1, kv_segment_ids.dtype)
-    return q_segment_ids, jnp.where(keep, kv_segment_ids, hidden)
+    kv_segment_ids = jnp.broadcast_to(kv_segment_ids, (batch, kv_len)).astype(jnp.int32)
+    return q_segment_ids, jnp.where(keep, kv_segment_ids, jnp.int32(LENGTH_PADDING))
 
 
 def check_kv_seq_lengths(lengths, batch: int, kv_len: int, batched: bool, *,

@@ -352,6 +352,12 @@ class AbstractMask(metaclass=_MaskMeta):
         """The in-kernel form of this mask for query head `head`, or ``None`` if it has none."""
         return None
 
+    def hides_padding_keys(self) -> bool:
+        """Whether every key with a negative segment id (padding, the keys past
+        `kv_seq_lengths` among them) is hidden from every query. ``False`` unless a mask knows
+        it: a call with segment ids then adds `NonPaddingKeys`."""
+        return False
+
     def children(self) -> tuple["AbstractMask", ...]:
         """The masks this one combines (none for an atom)."""
         return ()
@@ -499,6 +505,51 @@ class Document(AbstractBlockMask):
     def terms(self, head):
         return MaskTerms(segment_ids=True)
 
+    def hides_padding_keys(self):
+        return True
+
+
+#: The segment id of a key past a call's `kv_seq_lengths` (or hidden by a key-padding
+#: `attention_mask`): int32's least value, hidden under every mask (`NonPaddingKeys`).
+LENGTH_PADDING = -(2**31)
+
+
+class NonPaddingKeys(AbstractBlockMask):
+    """Every key but those past a call's `kv_seq_lengths` (segment id `LENGTH_PADDING`), for
+    every query.
+
+    A call with segment ids adds it to a mask that reads them but does not itself hide
+    negative ids' keys (`hides_padding_keys`: an ``|``, a ``~``, a head of a `PerHead`
+    without `Document`, a mask of one's own), so that the keys past the lengths are never
+    seen; a mask that reads no segment ids gets `Document` instead.
+
+    ```python
+    attn = BlockSparseAttention(mask=~masks.Document() & masks.NonPaddingKeys())
+    ```
+    """
+
+    reads_segment_ids: ClassVar[bool] = True
+    varies_by_head: ClassVar[bool] = False
+
+    def elements(self, q, k, head):
+        if k.segment is None:
+            raise ValueError("`NonPaddingKeys` needs `kv_segment_ids`.")
+        shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in (q.index, k.index, k.segment)
+                                       + (() if q.segment is None else (q.segment,))))
+        return jnp.broadcast_to(k.segment != LENGTH_PADDING, shape)
+
+    def blocks(self, q, k, head):
+        if k.seg_lo is None:
+            raise ValueError("`NonPaddingKeys` needs `kv_segment_ids`.")
+        shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in (q.index_lo, k.index_lo, k.seg_lo)
+                                       + (() if q.seg_lo is None else (q.seg_lo,))))
+        # LENGTH_PADDING is the least id: a block holds none above its least id, all at most.
+        return classify(jnp.broadcast_to(k.seg_lo != LENGTH_PADDING, shape),
+                        jnp.broadcast_to(k.seg_hi == LENGTH_PADDING, shape))
+
+    def hides_padding_keys(self):
+        return True
+
 
 class AbstractBinaryMask(AbstractBlockMask):
     """A mask that combines two masks pair by pair (`And`, `Or`)."""
@@ -531,6 +582,9 @@ class And(AbstractBinaryMask):
         left, right = self.left.terms(head), self.right.terms(head)
         return None if left is None or right is None else left & right
 
+    def hides_padding_keys(self):
+        return self.left.hides_padding_keys() or self.right.hides_padding_keys()
+
 
 class Or(AbstractBinaryMask):
     """Pairs visible under either mask. Usually written ``left | right``."""
@@ -542,6 +596,9 @@ class Or(AbstractBinaryMask):
         a = self.left.blocks(q, k, head)
         b = self.right.blocks(q, k, head)
         return jnp.maximum(a, b).astype(jnp.int8)
+
+    def hides_padding_keys(self):
+        return self.left.hides_padding_keys() and self.right.hides_padding_keys()
 
 
 class Not(AbstractBlockMask):

@@ -17,7 +17,7 @@ from ._inputs import (AttentionInputs, check_call, full_bias, hide_keys, prepare
                       python_scalar)
 from ._kernel import (AbstractBroadcastBiasKernel, AbstractKernel, AbstractLseKernel, Features,
                       ScoreParams)
-from ._mask import EMPTY, AbstractMask, Document, Full
+from ._mask import EMPTY, AbstractMask, Document, Full, NonPaddingKeys
 from ._score import AbstractScore, attach_score, check_score, describe_score
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
 from ._sharding import AbstractSharding, Unsharded, run_on_auto_axes
@@ -92,6 +92,9 @@ def _tiling_text(tiling: AbstractKernelConfig) -> str:
 
 
 def _with_document(mask: AbstractMask, has_segments: bool) -> AbstractMask:
+    """The mask a call with (or without) segment ids runs: `Document` added where the mask
+    reads no segment ids, `NonPaddingKeys` where it reads them but lets a padding key (a
+    negative id: also the keys past `kv_seq_lengths`) through somewhere."""
     if has_segments and not mask.uses_segment_ids:
         return mask & Document()
     if mask.uses_segment_ids and not has_segments:
@@ -99,6 +102,8 @@ def _with_document(mask: AbstractMask, has_segments: bool) -> AbstractMask:
             "the mask contains `Document`, which reads segment ids: pass `q_segment_ids` and "
             "`kv_segment_ids`."
         )
+    if has_segments and not mask.hides_padding_keys():
+        return mask & NonPaddingKeys()
     return mask
 
 

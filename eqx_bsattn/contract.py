@@ -82,6 +82,7 @@ from ._mask import (
     Document as Document,
     Full as Full,
     MaskTerms as MaskTerms,
+    NonPaddingKeys as NonPaddingKeys,
     Not as Not,
     Or as Or,
     TokenCoords as TokenCoords,

@@ -252,13 +252,13 @@ def _concrete_owner(cls, name):
 #: before it stale), the score terms they evaluate (none by default) and whether they zero
 #: padding rows themselves (no by default); the masks'
 #: structural hooks (an atom has no children, fits every length, resolves to itself, has no
-#: in-kernel terms); a sharding's fit of an automatic tiling to its shards and its decline of a
+#: in-kernel terms, hides no padding key unless it says so); a sharding's fit of an automatic tiling to its shards and its decline of a
 #: kernel whose tiles cannot fit them (none by default).
 REPLACEABLE = {
     "AbstractSharding": {"fit_tiling", "kernel_decline"},
     "AbstractKernel": {"config_type", "default_tiling", "adapt_tiling", "tiling_candidates",
                        "version", "score_kinds", "zeroes_padding"},
-    "AbstractMask": {"terms", "children", "check", "resolve"},
+    "AbstractMask": {"terms", "children", "check", "resolve", "hides_padding_keys"},
 }
 
 

@@ -22,6 +22,8 @@ import eqx_bsattn as bsa
 from eqx_bsattn import kernels, masks
 from eqx_bsattn.contract import FULL, PARTIAL, AbstractBlockMask, classify
 from eqx_bsattn.strategies.kernels import xla as xla_kernel
+from tests.conftest import (assert_close, jnp_attention_f64, np_attention, np_visibility,
+                            random_inputs)
 from tests.test_conformance import (
     KERNELS,
     TOL,
@@ -123,6 +125,52 @@ def test_padding_seen_through_an_or_is_not_hidden():
     out_changed = attn(q, k, _poison(v, ids, 7.0), q_segment_ids=ids, kv_segment_ids=ids)
     assert not np.allclose(out, out_changed)
 
+
+#: Masks that read segment ids but let a negative id's key through somewhere.
+_LETS_PADDING_THROUGH = {
+    "or": masks.Document() | masks.Causal(),
+    "not": ~masks.Document(),
+    "per_head": masks.PerHead([masks.Document() & masks.Causal(), masks.Causal()]),
+}
+
+
+@pytest.mark.parametrize("name", list(_LETS_PADDING_THROUGH))
+def test_kv_seq_lengths_hide_keys_under_masks_that_read_segment_ids(name):
+    """The keys past `kv_seq_lengths` are hidden under every mask, also one that reads
+    segment ids and lets negative ids through (an ``|``, a ``~``, a head without `Document`):
+    output and q, k, v gradients against the float64 oracle of the mask and the lengths;
+    through the seed-style door, its key-padding `attention_mask` too."""
+    mask = _LETS_PADDING_THROUGH[name]
+    q, k, v = random_inputs(3, batch=2, heads=2, q_len=24, dim=8)
+    ids = jnp.asarray(np.repeat([[0, 1, 2]], 8, axis=1).reshape(1, 24).repeat(2, 0))
+    lengths = np.asarray([10, 17])
+    keep = np.arange(24)[None, :] < lengths[:, None]
+    visible = np_visibility(mask, batch=2, heads=2, q_len=24, kv_len=24, q_seg=ids,
+                            kv_seg=ids) & keep[:, None, None, :]
+    attn = bsa.BlockSparseAttention(mask=mask, kernel=kernels.XlaBlockSparse(),
+                                    tiling=bsa.Tiling(8, 8))
+    cot = random_inputs(4, batch=2, heads=2, q_len=24, dim=8)[0]
+
+    def loss(q, k, v):
+        out = attn(q, k, v, q_segment_ids=ids, kv_segment_ids=ids,
+                   kv_seq_lengths=jnp.asarray(lengths))
+        return jnp.sum(out * cot), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    assert_close(out, np_attention(q, k, v, visible), 2e-5, "out")
+    with jax.enable_x64(True):
+        f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))  # noqa: E731
+        want = jax.grad(lambda q, k, v: jnp.sum(jnp_attention_f64(q, k, v, visible) * f64(cot)),
+                        argnums=(0, 1, 2))(f64(q), f64(k), f64(v))
+    for got, w, what in zip(grads, want, ("dq", "dk", "dv")):
+        assert_close(got, w, 5e-5, what)
+    if name == "per_head":
+        return
+    door = bsa.blocksparse_attention(q, k, v, mask_builder=mask, q_segment_ids=ids,
+                                     kv_segment_ids=ids,
+                                     attention_mask=jnp.asarray(keep[:, None, None, :]),
+                                     causal=False, platform="xla")
+    assert_close(door, np_attention(q, k, v, visible), 2e-5, "door")
 
 # ---------------------------------------------------------------------------------------------
 # Edges of the inputs.

@@ -11,6 +11,7 @@ from eqx_bsattn.contract import (
     Document as Document,
     Full as Full,
     MaskTerms as MaskTerms,
+    NonPaddingKeys as NonPaddingKeys,
     Not as Not,
     Or as Or,
     TokenCoords as TokenCoords,

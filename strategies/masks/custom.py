@@ -267,6 +267,9 @@ class PerHead(AbstractBlockMask):
     def children(self):
         return self.masks
 
+    def hides_padding_keys(self):
+        return all(m.hides_padding_keys() for m in self.masks)
+
     def check(self, q_len, kv_len, num_heads):
         if len(self.masks) != num_heads:
             raise ValueError(
