@@ -353,9 +353,10 @@ class AbstractMask(metaclass=_MaskMeta):
         return None
 
     def hides_padding_keys(self) -> bool:
-        """Whether every key with a negative segment id (padding, the keys past
-        `kv_seq_lengths` among them) is hidden from every query. ``False`` unless a mask knows
-        it: a call with segment ids then adds `NonPaddingKeys`."""
+        """Whether the keys past a call's `kv_seq_lengths` (segment id `LENGTH_PADDING`) are
+        hidden from every query, as by a mask that hides every negative id's key
+        (`Document`). ``False`` unless a mask knows it: a call with segment ids then adds
+        `NonPaddingKeys`."""
         return False
 
     def children(self) -> tuple["AbstractMask", ...]:
@@ -518,10 +519,11 @@ class NonPaddingKeys(AbstractBlockMask):
     """Every key but those past a call's `kv_seq_lengths` (segment id `LENGTH_PADDING`), for
     every query.
 
-    A call with segment ids adds it to a mask that reads them but does not itself hide
-    negative ids' keys (`hides_padding_keys`: an ``|``, a ``~``, a head of a `PerHead`
-    without `Document`, a mask of one's own), so that the keys past the lengths are never
-    seen; a mask that reads no segment ids gets `Document` instead.
+    A call with segment ids adds it to a mask that reads them but does not itself hide those
+    keys (`hides_padding_keys`: an ``|``, a ``~``, a head of a `PerHead` without `Document`,
+    a mask of one's own), so that the keys past the lengths are never seen; a mask that
+    reads no segment ids gets `Document` instead. Keys a caller gives other negative ids stay
+    as the mask decides.
 
     ```python
     attn = BlockSparseAttention(mask=~masks.Document() & masks.NonPaddingKeys())
