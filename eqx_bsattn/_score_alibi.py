@@ -323,6 +323,14 @@ _CHECK_POSITIONS = 4096
 _CHECK_TILE = (5, 3)
 
 
+def _slope_point(num_heads: int) -> tuple:
+    """``(score, batch, head, q_pos, k_pos)`` at which a proven function's value is its
+    slopes: ``score = 0``, ``q_pos = 0``, ``k_pos = 1`` for every head (``[H, 1, 1]``)."""
+    return (np.zeros((num_heads, 1, 1), np.float32), np.int32(0),
+            np.arange(num_heads, dtype=np.int32)[:, None, None], np.zeros((1, 1), np.int32),
+            np.ones((1, 1), np.int32))
+
+
 def _stand_in(shape, dtype):
     """A value for an array the check cannot read (a traced one): floats in [0.5, 1.5)
     drawn from its shape (the same array gets the same values in every trace), other
@@ -362,11 +370,10 @@ def agrees_on_tiles(term, treedef, avals: tuple, num_heads: int) -> bool:
     """
     rng = np.random.default_rng(0)
     params = jax.tree.unflatten(treedef, [_stand_in(a.shape, a.dtype) for a in avals])
-    heads = np.arange(num_heads, dtype=np.int32)[:, None, None]
+    point = _slope_point(num_heads)
+    heads = point[2]
     try:
-        c = _evaluated(term, (np.zeros((num_heads, 1, 1), np.float32), np.int32(0), heads,
-                              np.zeros((1, 1), np.int32), np.ones((1, 1), np.int32),
-                              params))[:, 0, 0]
+        c = _evaluated(term, (*point, params))[:, 0, 0]
         rows, cols = _CHECK_TILE
         cases = [(heads, np.asarray(heads % 2, np.int32), (num_heads, rows, cols))]
         cases += [(np.int32(h), np.int32(1), (rows, cols))
@@ -406,10 +413,8 @@ def as_alibi(terms, num_heads: int):
     key = probe_params(terms.params)
     if not (is_alibi(term, *key) and agrees_on_tiles(term, *key, num_heads)):
         return terms
-    heads = jnp.arange(num_heads, dtype=jnp.int32)[:, None, None]
-    one = jnp.ones((1, 1), jnp.int32)
-    slopes = term(jnp.zeros((num_heads, 1, 1), jnp.float32), jnp.zeros((), jnp.int32), heads,
-                  jnp.zeros((1, 1), jnp.int32), one, terms.params)[:, 0, 0]
+    point = (jnp.asarray(x) for x in _slope_point(num_heads))
+    slopes = term(*point, terms.params)[:, 0, 0]
     if terms.slopes is not None:
         slopes = terms.slopes.astype(jnp.float32) + slopes
     return type(terms)(slopes, terms.table, terms.buckets, alibi_from=term.__name__)

@@ -82,17 +82,25 @@ class Unsharded(AbstractSharding):
         return fn
 
 
-def _explicit_sharding(x):
-    """The `NamedSharding` of `x`'s type when it splits `x` over Explicit mesh axes, else None."""
+def _explicit_axes(x) -> tuple:
+    """``(sharding, names)``: the sharding of `x`'s type and its mesh's Explicit axes, or
+    ``(None, set())`` where `x` has no mesh in its type."""
     try:
         sharding = jax.typeof(x).sharding
     except (AttributeError, TypeError):
-        return None
+        return None, set()
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or not getattr(mesh, "axis_types", ()):
+        return None, set()
+    return sharding, {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                      if kind == jax.sharding.AxisType.Explicit}
+
+
+def _explicit_sharding(x):
+    """The `NamedSharding` of `x`'s type when it splits `x` over Explicit mesh axes, else None."""
+    sharding, explicit = _explicit_axes(x)
+    if not explicit:
         return None
-    explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-                if kind == jax.sharding.AxisType.Explicit}
     used = {a for entry in sharding.spec if entry is not None
             for a in ((entry,) if isinstance(entry, str) else entry)}
     return sharding if explicit & used else None
@@ -119,12 +127,7 @@ def on_auto_axes(fn: Callable, query, *others) -> Callable:
 
 def _on_explicit_mesh(x) -> bool:
     """Whether `x`'s type places it on a mesh with Explicit axes (split over them or not)."""
-    try:
-        mesh = jax.typeof(x).sharding.mesh
-    except (AttributeError, TypeError):
-        return False
-    return any(kind == jax.sharding.AxisType.Explicit
-               for kind in getattr(mesh, "axis_types", ()))
+    return bool(_explicit_axes(x)[1])
 
 
 def run_on_auto_axes(fn: Callable, module, query, key, value, data):
