@@ -1,12 +1,43 @@
 """`CudnnDense`: cuDNN's fused attention through `jax.nn.dot_product_attention`, for the masks
 it can express (full, causal, causal with a sliding window) on a GPU."""
 
+import functools
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from eqx_bsattn.contract import AbstractKernel, MaskReads, MaskTerms, refuse_forward_mode
+
+
+#: Whether head dims 136 to 256 (which jax.nn's cuDNN path takes on Hopper and later GPUs) have
+#: run on one; until they have, they are declined in one line and the selector keeps Triton.
+_WIDE_HEADS_RUN_ON_GPU = False
+
+
+@functools.cache
+def _gpu_capability() -> tuple[int, ...] | None:
+    """The compute capability of the first GPU JAX sees, ``(major, minor)``, or ``None``."""
+    gpu = next((d for d in jax.devices() if d.platform == "gpu"), None)
+    capability = getattr(gpu, "compute_capability", None)
+    if capability is None:
+        return None
+    return tuple(int(part) for part in str(capability).split("."))
+
+
+def head_dim_decline(head_dim: int) -> str | None:
+    """Why cuDNN's fused attention cannot take `head_dim` here, or ``None``: a multiple of 8,
+    at most 128, or at most 256 on a Hopper or later GPU (on a host without a GPU, 128)."""
+    capability = _gpu_capability()
+    wide = capability is not None and capability >= (9, 0)
+    limit = 256 if wide else 128
+    if head_dim % 8 or head_dim > limit:
+        where = " on this GPU" if capability is not None else " (256 on a Hopper GPU)"
+        return (f"cuDNN attention needs a head dim that is a multiple of 8, at most "
+                f"{limit}{where}; got {head_dim}.")
+    if head_dim > 128 and not _WIDE_HEADS_RUN_ON_GPU:
+        return f"cuDNN attention at head dim {head_dim} (over 128) has not yet run on a GPU."
+    return None
 
 
 def nn_attention(q, k, v, **options):
@@ -45,8 +76,9 @@ class CudnnDense(AbstractKernel):
     On the H200 this is the fastest kernel for the masks cuDNN expresses: full, causal, and
     causal with a sliding window (mask terms: causal offset 0, optionally a window). The
     selector prefers it there and sends every other mask or feature (bias, sinks, soft cap,
-    segment ids, positions, ``Dv != D``, ``Lq != Lk``, float32, head dims over 128) to the
-    block-sparse kernels. It reads no block layout: cuDNN gets the mask's terms.
+    segment ids, positions, ``Dv != D``, ``Lq != Lk``, float32, head dims over 128 before
+    Hopper and over 256 on it) to the block-sparse kernels. It reads no block layout: cuDNN
+    gets the mask's terms.
 
     ```python
     attn = BlockSparseAttention(mask=mask, kernel=kernels.CudnnDense())
@@ -72,8 +104,9 @@ class CudnnDense(AbstractKernel):
             return f"cuDNN attention needs bfloat16 or float16 inputs; got {features.dtype}."
         if features.head_dim != features.value_dim:
             return "cuDNN attention needs Dv == D."
-        if features.head_dim > 128 or features.head_dim % 8:
-            return f"cuDNN attention needs a head dim that is a multiple of 8, at most 128; got {features.head_dim}."
+        why = head_dim_decline(features.head_dim)
+        if why is not None:
+            return why
         if features.q_len != features.kv_len:
             return "cuDNN's causal and window masks align top-left; this call has Lq != Lk."
         if features.q_len % 2:

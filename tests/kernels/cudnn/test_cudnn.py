@@ -68,3 +68,23 @@ def test_selector_prefers_cudnn_on_gpu_only_where_it_can_run():
     choice = bsa.select_kernel(masks.ChunkedCausal(64), "gpu", GPU_BF16)
     assert choice.kernel.name != "cudnn"
     assert "cudnn" in dict(choice.declined)
+
+
+@pytest.mark.parametrize("capability, run_on_gpu, dim, word", [
+    (None, True, 256, "at most 128 (256 on a Hopper GPU)"),
+    ((8, 0), True, 192, "at most 128 on this GPU"),
+    ((9, 0), False, 256, "has not yet run on a GPU"),
+    ((9, 0), True, 264, "at most 256 on this GPU"),
+    ((9, 0), True, 250, "multiple of 8"),
+    ((9, 0), True, 256, None), ((10, 0), True, 192, None), ((8, 6), False, 128, None),
+])
+def test_head_dims_over_128_need_a_hopper_gpu(monkeypatch, capability, run_on_gpu, dim, word):
+    from eqx_bsattn.strategies.kernels import cudnn
+
+    monkeypatch.setattr(cudnn, "_gpu_capability", lambda: capability)
+    monkeypatch.setattr(cudnn, "_WIDE_HEADS_RUN_ON_GPU", run_on_gpu)
+    why = _decline(masks.Causal(), dataclasses.replace(GPU_BF16, head_dim=dim, value_dim=dim))
+    if word is None:
+        assert why is None
+    else:
+        assert why is not None and word in why, why
