@@ -17,7 +17,7 @@ from ._inputs import (AttentionInputs, check_call, full_bias, hide_keys, prepare
                       python_scalar)
 from ._kernel import (AbstractBroadcastBiasKernel, AbstractKernel, AbstractLseKernel, Features,
                       ScoreParams)
-from ._mask import EMPTY, AbstractMask, Document, Full, NonPaddingKeys
+from ._mask import EMPTY, LENGTH_PADDING, AbstractMask, Document, Full, NonPaddingKeys
 from ._score import AbstractScore, attach_score, check_score, describe_score
 from ._selector import KernelChoice, check_platform, choose_kernel, decline_reason, default_platform
 from ._sharding import AbstractSharding, Unsharded, run_on_auto_axes
@@ -564,7 +564,8 @@ class BlockSparseAttention(eqx.Module):
 
 def _hide_padding(mask: CompiledMask, inputs: AttentionInputs, query, key, value):
     """Zero the query rows and the key/value rows of padding tokens, when the mask hides them
-    (`CompiledMask.hides_padding`).
+    (`CompiledMask.hides_padding`); else the key/value rows of the keys past `kv_seq_lengths`
+    (segment id `LENGTH_PADDING`), which every mask a call runs hides (`NonPaddingKeys`).
 
     A token with a negative segment id under such a mask sees no key (as a query) and is seen
     by no query (as a key). Its rows then must not influence anything, whatever they hold:
@@ -574,14 +575,19 @@ def _hide_padding(mask: CompiledMask, inputs: AttentionInputs, query, key, value
     copies are full-size and the kernel keeps them for its backward; a kernel that zeroes the
     rows block by block itself (`AbstractKernel.zeroes_padding`) gets the arrays unchanged.
     """
-    if inputs.q_segment_ids is None or not mask.hides_padding:
+    if inputs.q_segment_ids is None:
         return query, key, value
 
-    def keep(x, segment_ids):  # x [B, H, L, D], segment_ids [B, L]
-        return jnp.where((segment_ids >= 0)[:, None, :, None], x, jnp.zeros((), x.dtype))
+    def keep(x, kept):  # x [B, H, L, D], kept [B, L]
+        return jnp.where(kept[:, None, :, None], x, jnp.zeros((), x.dtype))
 
-    return (keep(query, inputs.q_segment_ids), keep(key, inputs.kv_segment_ids),
-            keep(value, inputs.kv_segment_ids))
+    if mask.hides_padding:
+        return (keep(query, inputs.q_segment_ids >= 0), keep(key, inputs.kv_segment_ids >= 0),
+                keep(value, inputs.kv_segment_ids >= 0))
+    if mask.predicate.hides_padding_keys():
+        kept = inputs.kv_segment_ids != LENGTH_PADDING
+        return query, keep(key, kept), keep(value, kept)
+    return query, key, value
 
 
 def run_plan(plan: CallPlan, query, key, value, sharding, logits_soft_cap, purify: bool, *,
@@ -593,7 +599,7 @@ def run_plan(plan: CallPlan, query, key, value, sharding, logits_soft_cap, purif
     batched = query.ndim == 4
     if not batched:
         query, key, value = query[None], key[None], value[None]
-    if not plan.kernel.zeroes_padding:
+    if not (plan.kernel.zeroes_padding and plan.mask.hides_padding):
         query, key, value = _hide_padding(plan.mask, plan.inputs, query, key, value)
 
     def attend(q, k, v, inputs, mask, *, return_lse=False):

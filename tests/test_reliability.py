@@ -164,6 +164,16 @@ def test_kv_seq_lengths_hide_keys_under_masks_that_read_segment_ids(name):
                         argnums=(0, 1, 2))(f64(q), f64(k), f64(v))
     for got, w, what in zip(grads, want, ("dq", "dk", "dv")):
         assert_close(got, w, 5e-5, what)
+    # NaN in the keys past the lengths reaches nothing, and their own dk, dv are exactly zero.
+    past = jnp.asarray(~keep)[:, None, :, None]
+    poisoned = [jnp.where(past, jnp.nan, x) for x in (k, v)]
+    (_, out_p), grads_p = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        q, *poisoned)
+    assert_close(out_p, out, 0.0, "out, NaN past the lengths")
+    for got, clean, what in zip(grads_p, grads, ("dq", "dk", "dv")):
+        assert_close(got, clean, 0.0, f"{what}, NaN past the lengths")
+    for g in grads_p[1:]:
+        assert (np.asarray(g)[np.broadcast_to(~keep[:, None, :], g.shape[:3])] == 0).all()
     if name == "per_head":
         return
     door = bsa.blocksparse_attention(q, k, v, mask_builder=mask, q_segment_ids=ids,
