@@ -150,9 +150,31 @@ def refuse_forward_mode(kernel_name: str, *arrays) -> None:
     if any(isinstance(x, jvp_tracer) for x in arrays if x is not None):
         raise TypeError(
             f"kernel {kernel_name} has no forward-mode rule (`jax.jvp`, `jax.jacfwd`, "
-            "`jax.hessian`): XlaBlockSparse, TritonBlockSparse and CudnnDense define only a "
-            "reverse-mode gradient (`jax.custom_vjp`). For forward-mode AD pass "
-            "`kernel=kernels.DenseReference()` (plain JAX; memory grows with Lq x Lk)."
+            "`jax.hessian`): it defines only a reverse-mode gradient (`jax.custom_vjp`). For "
+            "forward-mode AD pass `kernel=kernels.DenseReference()` (plain JAX; memory grows "
+            "with Lq x Lk)."
+        )
+
+
+def refuse_second_order(kernel_name: str, *arrays) -> None:
+    """Raise a `TypeError` naming the way out if a kernel's gradient is being differentiated
+    (a gradient of a gradient, a Hessian): call it in the forward rule of a `jax.custom_vjp`
+    whose launches JAX cannot differentiate, on its inputs, and in its backward rule, on the
+    residuals and the cotangents (`arrays`).
+
+    Under `jax.grad` of a gradient both rules run on linearize tracers, under forward mode over
+    a gradient (`jax.hessian`, `jax.jvp` of `jax.grad`) on JVP tracers; a first-order gradient
+    shows them neither.
+    """
+    differentiating = {"JVPTracer", "LinearizeTracer"}  # JAX's, by name (not all public)
+    if any(isinstance(x, jax.core.Tracer)
+           and differentiating & {c.__name__ for c in type(x).__mro__}
+           for x in jax.tree.leaves(arrays)):
+        raise TypeError(
+            f"kernel {kernel_name} has no second-order gradient (a gradient of its gradient, "
+            "a Hessian): its backward runs launches JAX cannot differentiate. "
+            "`kernel=kernels.XlaBlockSparse()` and `kernel=kernels.DenseReference()` (plain "
+            "JAX) differentiate twice."
         )
 
 

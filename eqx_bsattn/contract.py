@@ -61,6 +61,7 @@ from ._kernel import (
     add_sinks as add_sinks,
     pad_axis as pad_axis,
     refuse_forward_mode as refuse_forward_mode,
+    refuse_second_order as refuse_second_order,
     sink_logsumexp as sink_logsumexp,
 )
 from ._layout import BlockLayout as BlockLayout, build_layout as build_layout

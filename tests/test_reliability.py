@@ -701,7 +701,41 @@ def test_jvp_through_a_custom_vjp_kernel_says_what_to_use():
     q, k, v = (jax.random.normal(key, (2, 16, 4)) for key in jax.random.split(jax.random.key(2), 3))
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.XlaBlockSparse())
     for call in (lambda: _jvp(attn, q, k, v), lambda: jax.jit(_jvp, static_argnums=0)(attn, q, k, v)):
-        with pytest.raises(TypeError, match=r"forward-mode.*XlaBlockSparse.*DenseReference"):
+        with pytest.raises(TypeError, match=r"XlaBlockSparse has no forward-mode.*DenseReference"):
+            call()
+
+
+def _grad_of_grad(attn, q, k, v, t):
+    loss = lambda q: jnp.sum(attn(q, k, v) ** 2)  # noqa: E731
+    return jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) * t))(q)
+
+
+def test_second_order_through_xla_matches_the_reference():
+    """`XlaBlockSparse`'s backward is plain JAX: a gradient of its gradient is the reference's."""
+    q, k, v, t = (jax.random.normal(key, (1, 2, 16, 8))
+                  for key in jax.random.split(jax.random.key(4), 4))
+    want = _grad_of_grad(bsa.BlockSparseAttention(mask=masks.Causal(),
+                                                  kernel=kernels.DenseReference()), q, k, v, t)
+    got = _grad_of_grad(bsa.BlockSparseAttention(mask=masks.Causal(),
+                                                 kernel=kernels.XlaBlockSparse(),
+                                                 tiling=bsa.Tiling(8, 8)), q, k, v, t)
+    assert_close(got, want, 1e-5, "grad of grad")
+
+
+def test_kernels_without_higher_order_rules_say_what_to_use():
+    """`PallasTpuBlockSparse` (interpreted here) refuses forward mode and a gradient of its
+    gradient (eagerly, under `jit`, and `jax.hessian`) in one line naming the way out."""
+    q, k, v, t = (jax.random.normal(key, (1, 2, 16, 8))
+                  for key in jax.random.split(jax.random.key(5), 4))
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.PallasTpuBlockSparse(),
+                                    tiling=bsa.Tiling(8, 8))
+    with pytest.raises(TypeError, match=r"PallasTpuBlockSparse has no forward-mode.*DenseRef"):
+        jax.jvp(lambda q: attn(q, k, v), (q,), (t,))
+    second = r"PallasTpuBlockSparse has no second-order gradient.*XlaBlockSparse"
+    for call in (lambda: _grad_of_grad(attn, q, k, v, t),
+                 lambda: jax.jit(_grad_of_grad, static_argnums=0)(attn, q, k, v, t),
+                 lambda: jax.hessian(lambda x: jnp.sum(attn(q * x, k, v)))(1.0)):
+        with pytest.raises(TypeError, match=second):
             call()
 
 

@@ -16,7 +16,8 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from eqx_bsattn.contract import (EMPTY, AbstractKernelConfig, AbstractLseKernel,
                                   CompiledMask, Features, MaskReads, ResolvedMask, TokenCoords,
                                   add_sinks, backward_delta, function_data, pad_axis, public_lse,
-                                  typed_like, zero_cotangent)
+                                  refuse_forward_mode, refuse_second_order, typed_like,
+                                  zero_cotangent)
 
 from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
                        dq_accumulator_shape, dq_call, dq_schedule, short_lists)
@@ -298,6 +299,7 @@ class MosaicBlockSparse(AbstractLseKernel):
     def _attention(self, query, key, value, mask, inputs, softmax_scale, logits_soft_cap):
         """``(out, lse)`` without sinks, differentiable in both (`_attend`)."""
         _check_runnable()
+        refuse_forward_mode(type(self).__name__, query, key, value, *jax.tree.leaves(inputs))
         batch, heads, q_len, dim = query.shape
         predicate, elements, route = None, False, None
         if mask.terms is None:
@@ -622,6 +624,7 @@ def _attend_fwd(fcfg, bcfg, *primals):
     bias_gradient, table_gradient = (x is not None and x.perturbed for x in primals[5:7])
     q, k, v, slopes, data, bias, table, seg, positions, maps, lists, bwd_lists = jax.tree.map(
         lambda x: x.value, primals, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+    refuse_second_order("MosaicBlockSparse", q, k, v, slopes, data, bias, table)
     out, lse = _forward(fcfg, q, k, v, slopes, data, bias, table, seg, positions, maps, lists)
     return (out, public_lse(lse, base2=True)), (
         q, k, v, slopes, data, bias, table, (bias_gradient, table_gradient), seg, positions,
@@ -629,6 +632,7 @@ def _attend_fwd(fcfg, bcfg, *primals):
 
 
 def _attend_bwd(fcfg, bcfg, res, cotangents):
+    refuse_second_order("MosaicBlockSparse", res, cotangents)
     (q, k, v, slopes, data, bias, table, (bias_gradient, table_gradient), seg, positions, maps,
      lists, bwd_lists, out, lse) = res
     do, dlse = cotangents

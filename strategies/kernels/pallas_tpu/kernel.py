@@ -12,7 +12,8 @@ import jax.numpy as jnp
 
 from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, CompiledMask,
                                   Features, MaskReads, ResolvedMask, add_sinks,
-                                  backward_delta, function_data, pad_axis, public_lse, typed_like,
+                                  backward_delta, function_data, pad_axis, public_lse,
+                                  refuse_forward_mode, refuse_second_order, typed_like,
                                   zero_cotangent)
 
 from .backward import dkv_call, dq_call, table_rows
@@ -172,6 +173,7 @@ class PallasTpuBlockSparse(AbstractLseKernel):
                            softmax_scale, logits_soft_cap):
         if inputs.bias is not None:
             raise ValueError("PallasTpuBlockSparse has no additive bias; got one.")
+        refuse_forward_mode(type(self).__name__, query, key, value, *jax.tree.leaves(inputs))
         on_tpu = features.platform == "tpu" and jax.default_backend() == "tpu"
         interpret = not on_tpu if self.interpret is None else self.interpret
         _, _, q_len, dim = query.shape
@@ -293,12 +295,14 @@ def _attend(static, q, k, v, slopes, table, data, tokens, arrays):
 
 
 def _attend_fwd(static, q, k, v, slopes, table, data, tokens, arrays):
+    refuse_second_order("PallasTpuBlockSparse", q, k, v, slopes, table, data)
     out, lse = _forward(static, q, k, v, slopes, table, data, tokens, arrays)
     return (out, public_lse(lse, base2=False)), (q, k, v, slopes, table, data, tokens, arrays,
                                                  out, lse)
 
 
 def _attend_bwd(static, res, cotangents):
+    refuse_second_order("PallasTpuBlockSparse", res, cotangents)
     q, k, v, slopes, table, data, tokens, arrays, out, lse = res
     do, dlse = cotangents
     delta = backward_delta(do, out, dlse, public_lse(lse, base2=False))

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from eqx_bsattn.contract import (AbstractKernel, AbstractKernelConfig, Features, MaskReads,
-                                  ResolvedMask, pad_axis)
+                                  ResolvedMask, pad_axis, refuse_forward_mode)
 
 from .config import LANES, SplashConfig
 from .launch import block_sizes, never_matching, sink_logits, splash_attention, splash_missing
@@ -97,6 +97,7 @@ class SplashBlockSparse(AbstractKernel):
 
     def __call__(self, query, key, value, *, mask, inputs, features, tiling, softmax_scale,
                  logits_soft_cap):
+        refuse_forward_mode(type(self).__name__, query, key, value, *jax.tree.leaves(inputs))
         on_tpu = features.platform == "tpu" and jax.default_backend() == "tpu"
         interpret = not on_tpu if self.interpret is None else self.interpret
         _, heads, q_len, dim = query.shape

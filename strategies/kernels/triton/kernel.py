@@ -3,6 +3,7 @@
 import functools
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from eqx_bsattn.contract import (AbstractKernelConfig, AbstractLseKernel, Features, MaskReads,
@@ -134,7 +135,7 @@ class TritonBlockSparse(AbstractLseKernel):
 
     def _run(self, query, key, value, mask, inputs, tiling, softmax_scale, logits_soft_cap,
              with_lse):
-        refuse_forward_mode(type(self).__name__, query, key, value, inputs.bias, inputs.sinks)
+        refuse_forward_mode(type(self).__name__, query, key, value, *jax.tree.leaves(inputs))
         batch, heads, q_len, dim = query.shape
         kv_heads, kv_len, value_dim = value.shape[1:]
         fwd, dq, dkdv = mask.forward, mask.dq, mask.dkv

@@ -6,8 +6,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import (LN2, backward_delta, public_lse, typed_like,
-                                  zero_cotangent)
+from eqx_bsattn.contract import (LN2, backward_delta, public_lse, refuse_second_order,
+                                  typed_like, zero_cotangent)
 
 from .launch import LaunchConfig, dkdv_launch, dq_launch, forward_launch
 
@@ -34,11 +34,13 @@ def _forward(cfg, q, k, v, *args):
 
 
 def _attend_fwd(cfg, q, k, v, bias, sinks, score, data, lists, bwd_lists):
+    refuse_second_order("TritonBlockSparse", q, k, v, bias, sinks, score)
     out, lse = _forward(cfg, q, k, v, bias, sinks, score, data, lists)
     return out, (q, k, v, bias, sinks, score, data, lists, bwd_lists, out, lse)
 
 
 def _attend_bwd(cfg, res, do, dlse=None):
+    refuse_second_order("TritonBlockSparse", res, do, dlse)
     q, k, v, bias, sinks, score, data, lists, bwd_lists, out, lse = res
     do = do.astype(q.dtype)
     # delta = rowsum(dO * O) - dlse: one fused elementwise pass in XLA, memory-bound.

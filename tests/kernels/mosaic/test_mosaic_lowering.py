@@ -197,6 +197,21 @@ def test_forward_and_backward_lower_for_cuda(hopper_host, monkeypatch, case):
     assert [o.shape for o in jax.tree.leaves(lowered.out_info)] == [q.shape, k.shape, v.shape]
 
 
+def test_forward_mode_and_second_order_are_refused(hopper_host):
+    """Forward mode through the kernel, and a gradient of its gradient, raise one line naming
+    the kernel and the way out while the call is traced (nothing lowers or runs)."""
+    attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=MosaicBlockSparse())
+    q, k, v = _inputs(batch=1, heads=2, kv_heads=2, q_len=256, kv_len=256, dim=64)
+    with pytest.raises(TypeError, match=r"MosaicBlockSparse has no forward-mode.*DenseRef"):
+        jax.jit(lambda q: jax.jvp(lambda q: attn(q, k, v), (q,), (q,))).trace(q)
+
+    def loss(q):
+        return jnp.sum(attn(q, k, v).astype(jnp.float32) ** 2)
+
+    with pytest.raises(TypeError, match=r"MosaicBlockSparse has no second-order.*XlaBlock"):
+        jax.jit(jax.grad(lambda q: jnp.sum(jax.grad(loss)(q).astype(jnp.float32)))).trace(q)
+
+
 def test_score_function_mosaic_cannot_lower_is_declined(hopper_host):
     """A score function Pallas Mosaic GPU cannot lower gives the first line of the reason
     (once per function: the verdict is cached), and the call is refused in one line when the
