@@ -2,10 +2,10 @@
 
 import abc
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
-import jax.interpreters.ad  # noqa: F401  (JVPTracer)
 import jax.numpy as jnp
 import numpy as np
 from equinox import AbstractClassVar
@@ -135,6 +135,20 @@ def pad_axis(x, axis: int, size: int, value=0):
     return xp.pad(x, pad, constant_values=np.asarray(value, x.dtype))
 
 
+@functools.cache
+def first_gpu():
+    """The first GPU device JAX sees (its ``compute_capability``, its ``core_count``), or
+    ``None``."""
+    return next((d for d in jax.devices() if d.platform == "gpu"), None)
+
+
+def _traced_by(arrays, tracers: set[str]) -> bool:
+    """Whether a leaf of `arrays` is a tracer of one of JAX's `tracers` classes, by name (not
+    all of them are public)."""
+    return any(isinstance(x, jax.core.Tracer) and tracers & {c.__name__ for c in type(x).__mro__}
+               for x in jax.tree.leaves(arrays))
+
+
 def refuse_forward_mode(kernel_name: str, *arrays) -> None:
     """Raise a `TypeError` naming the way out if `arrays` are being differentiated in forward
     mode (`jax.jvp`, `jax.jacfwd`, `jax.hessian`).
@@ -143,11 +157,10 @@ def refuse_forward_mode(kernel_name: str, *arrays) -> None:
     mode through them, and under `jit` it says so only when lowering, without naming the
     kernel. Reverse mode (`jax.grad`, `jax.vjp`) traces with linearize tracers and passes.
     """
-    jvp_tracer = getattr(jax.interpreters.ad, "JVPTracer", None)
     # With direct linearization off, reverse mode traces with JVP tracers too: say nothing.
-    if jvp_tracer is None or not getattr(jax.config, "jax_use_direct_linearize", True):
+    if not getattr(jax.config, "jax_use_direct_linearize", True):
         return
-    if any(isinstance(x, jvp_tracer) for x in arrays if x is not None):
+    if _traced_by(arrays, {"JVPTracer"}):
         raise TypeError(
             f"kernel {kernel_name} has no forward-mode rule (`jax.jvp`, `jax.jacfwd`, "
             "`jax.hessian`): it defines only a reverse-mode gradient (`jax.custom_vjp`). For "
@@ -166,10 +179,7 @@ def refuse_second_order(kernel_name: str, *arrays) -> None:
     a gradient (`jax.hessian`, `jax.jvp` of `jax.grad`) on JVP tracers; a first-order gradient
     shows them neither.
     """
-    differentiating = {"JVPTracer", "LinearizeTracer"}  # JAX's, by name (not all public)
-    if any(isinstance(x, jax.core.Tracer)
-           and differentiating & {c.__name__ for c in type(x).__mro__}
-           for x in jax.tree.leaves(arrays)):
+    if _traced_by(arrays, {"JVPTracer", "LinearizeTracer"}):
         raise TypeError(
             f"kernel {kernel_name} has no second-order gradient (a gradient of its gradient, "
             "a Hessian): its backward runs launches JAX cannot differentiate. "

@@ -59,6 +59,7 @@ from ._kernel import (
     Features as Features,
     ScoreParams as ScoreParams,
     add_sinks as add_sinks,
+    first_gpu as first_gpu,
     pad_axis as pad_axis,
     refuse_forward_mode as refuse_forward_mode,
     refuse_second_order as refuse_second_order,

@@ -510,5 +510,6 @@ def test_contract_exports_what_a_plug_in_needs():
                  "AbstractLseKernel", "AbstractBroadcastBiasKernel", "AbstractBlockMask",
                  "MaskReads", "is_abstract",
                  "public_lse", "backward_delta", "zero_cotangent", "pad_axis",
-                 "refuse_forward_mode", "refuse_second_order", "add_sinks"):
+                 "refuse_forward_mode", "refuse_second_order", "first_gpu",
+                 "add_sinks"):
         assert hasattr(contract, name), name

@@ -1,13 +1,13 @@
 """`CudnnDense`: cuDNN's fused attention through `jax.nn.dot_product_attention`, for the masks
 it can express (full, causal, causal with a sliding window) on a GPU."""
 
-import functools
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from eqx_bsattn.contract import AbstractKernel, MaskReads, MaskTerms, refuse_forward_mode
+from eqx_bsattn.contract import (AbstractKernel, MaskReads, MaskTerms, first_gpu,
+                                  refuse_forward_mode)
 
 
 #: Whether head dims 136 to 256 (which jax.nn's cuDNN path takes on Hopper and later GPUs) have
@@ -15,11 +15,9 @@ from eqx_bsattn.contract import AbstractKernel, MaskReads, MaskTerms, refuse_for
 _WIDE_HEADS_RUN_ON_GPU = False
 
 
-@functools.cache
 def _gpu_capability() -> tuple[int, ...] | None:
     """The compute capability of the first GPU JAX sees, ``(major, minor)``, or ``None``."""
-    gpu = next((d for d in jax.devices() if d.platform == "gpu"), None)
-    capability = getattr(gpu, "compute_capability", None)
+    capability = getattr(first_gpu(), "compute_capability", None)
     if capability is None:
         return None
     return tuple(int(part) for part in str(capability).split("."))

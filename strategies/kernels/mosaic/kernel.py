@@ -15,9 +15,9 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from eqx_bsattn.contract import (EMPTY, AbstractKernelConfig, AbstractLseKernel,
                                   CompiledMask, Features, MaskReads, ResolvedMask, TokenCoords,
-                                  add_sinks, backward_delta, function_data, pad_axis, public_lse,
-                                  refuse_forward_mode, refuse_second_order, typed_like,
-                                  zero_cotangent)
+                                  add_sinks, backward_delta, first_gpu, function_data, pad_axis,
+                                  public_lse, refuse_forward_mode, refuse_second_order,
+                                  typed_like, zero_cotangent)
 
 from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
                        dq_accumulator_shape, dq_call, dq_schedule, short_lists)
@@ -41,12 +41,6 @@ _UNKNOWN = object()
 _TABLE_RUN_ON_GPU = False
 
 
-@functools.cache
-def _first_gpu():
-    """The first GPU JAX sees, or ``None``."""
-    return next((d for d in jax.devices() if d.platform == "gpu"), None)
-
-
 #: `_mosaic_missing`'s reason on a machine without a GPU. The selector then judges the kernel
 #: as if a Hopper GPU were there (and says once that this machine has none); running refuses.
 NO_GPU = "no GPU is visible to JAX."
@@ -59,7 +53,7 @@ def _mosaic_missing() -> str | None:
         import jax.experimental.pallas.mosaic_gpu  # noqa: F401
     except Exception as e:  # ImportError, or a jaxlib built without it
         return f"Pallas Mosaic GPU cannot be imported ({type(e).__name__}: {e})."
-    gpu = _first_gpu()
+    gpu = first_gpu()
     if gpu is None:
         return NO_GPU
     capability = getattr(gpu, "compute_capability", None)
@@ -119,7 +113,7 @@ def mask_lowering_failure(predicate) -> str | None:
 def _multiprocessors() -> int | None:
     """Streaming multiprocessors of the first GPU (the persistent forward runs one CTA on
     each), or ``None`` where JAX does not say."""
-    return getattr(_first_gpu(), "core_count", None)
+    return getattr(first_gpu(), "core_count", None)
 
 
 def xla_asks_for_determinism() -> bool:
