@@ -58,7 +58,8 @@ from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARP
                      ELEMENT_MAP_DTYPE, alibi_positions_term, base2_tile, block_visible,
                      function_tile, item_values, load_pair_tile, persistent_schedule,
                      read_derivatives, relative_operands, relative_tiles, ring_stages,
-                     segment_ids_apart, split_counts, swizzled, table_operands, walk_list)
+                     segment_ids_apart, split_counts, swizzle_for, swizzled, table_operands,
+                     walk_list)
 
 #: Rows of a work item's own tile: q rows in the dq kernel, keys in the dk/dv kernel.
 BLOCK_OWN = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
@@ -87,7 +88,10 @@ def short_lists(full_count, partial_count, lists_walked: int = 1) -> bool:
 def backward_blocks(head_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """``(dq (block_q, block_kv), dk/dv (block_q, block_kv))``: the layouts' tiles, chosen so
     the accumulators (S, dP and dq; or S^T, dP^T, dk and dv) of a 64-row warpgroup fit its
-    registers."""
+    registers, and at D = 256 so that two stages of streamed tiles (32 rows) fit the shared
+    memory beside the own tiles (`BackwardConfig.stages`)."""
+    if head_dim > 128:
+        return (BLOCK_OWN, 32), (32, BLOCK_OWN)
     return (BLOCK_OWN, 128 if head_dim <= 64 else 64), (64, BLOCK_OWN)
 
 
@@ -177,6 +181,14 @@ class BackwardConfig(AttentionShape, LogitTerms):
         return ring_stages(self._fixed_bytes(rows, fused, buffers),
                            2 * rows * self.head_dim * 2)
 
+    @property
+    def dkv_launches(self) -> tuple[str, ...]:
+        """The dk/dv launches (`dkv_call`'s `computes`): one for both gradients up to D = 128;
+        above, the dk and dv accumulators (64 keys x D in float32 each) would take 256
+        registers a thread, so dk (with every output read from dS) and dv are two launches,
+        each forming S^T again."""
+        return ("both",) if self.head_dim <= 128 else ("dk", "dv")
+
     def dkv_group(self, fused: bool) -> int:
         """Query heads one work item of the dk/dv launch walks: the kv head's whole group
         (dk and dv summed in the kernel), or in the single pass (`fused`) one, so that its
@@ -250,13 +262,15 @@ def _launch(body, scratch, ctas: int, out_type, operands, interpret):
 
 def _scratch(own_shape, ring_shape, dtype, stages):
     """Two own tiles per compute warpgroup (``own_shape = (buffers, warpgroups, rows, d)``),
-    two rings of streamed tiles, and their barriers (an own tile's ready barrier is
-    ``buffer * COMPUTE_WARPGROUPS + warpgroup``)."""
+    two rings of streamed tiles (``(stages, rows, d)``), and their barriers (an own tile's
+    ready barrier is ``buffer * COMPUTE_WARPGROUPS + warpgroup``). The products contract
+    over the streamed tiles' rows too: their swizzle is `swizzle_for` those rows."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     own_barriers = own_shape[0] * COMPUTE_WARPGROUPS
-    smem = (swizzled(own_shape, dtype), swizzled(own_shape, dtype),
-            swizzled(ring_shape, dtype), swizzled(ring_shape, dtype))
+    swizzle = swizzle_for(ring_shape[1], jnp.dtype(dtype).itemsize)
+    smem = (swizzled(own_shape, dtype, swizzle), swizzled(own_shape, dtype, swizzle),
+            swizzled(ring_shape, dtype, swizzle), swizzled(ring_shape, dtype, swizzle))
     ready = (plgpu.Barrier(num_barriers=own_barriers),) * 2 + \
         (plgpu.Barrier(num_barriers=stages),) * 2
     free = (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2
@@ -696,7 +710,7 @@ def dq_accumulator_shape(cfg: BackwardConfig, interpreted: bool) -> tuple[int, .
 def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_index,
              t_partial_count, t_partial_index, q_segment_ids=None, kv_segment_ids=None, *,
              dq_accumulator=None, slopes=None, positions=None, element_map=None, bias=None,
-             data=None, table=None, schedule=None, interpret=None):
+             data=None, table=None, schedule=None, computes="both", interpret=None):
     """``(dk, dv)``, each ``[B, H_kv, Lk, D]`` (a kv head's gradient summed over its group of
     query heads in float32, in the kernel), for padded inputs ``q, do [B, H, Lq, D]`` and
     ``k, v [B, H_kv, Lk, D]``; the lists are the dk/dv layout's transposed ones. `schedule`
@@ -725,7 +739,11 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     an array (`LogitTerms.differentiated_reads`, in the order it reads them), each key's sum
     over its visible queries of the read's cotangent, ``G d function / d read`` (`G` the
     gradient of the function's value); the caller sums them per head and batch row (each
-    read's scalar is the same for all of a head's and batch row's pairs)."""
+    read's scalar is the same for all of a head's and batch row's pairs).
+
+    `computes` (of `BackwardConfig.dkv_launches`) is ``"both"``, or ``"dk"`` (dk and the
+    rows above, no dv: the result has no `dv`) or ``"dv"`` (`dv` alone, no dS formed: the
+    result is `dv`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -733,6 +751,14 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     bk, d, dtype = ROWS_PER_WARPGROUP, cfg.head_dim, q.dtype
     bq = cfg.dkv_block_q
     fused = dq_accumulator is not None
+    if computes not in ("both", "dk", "dv"):
+        raise ValueError(f"dkv_call: `computes` must be 'both', 'dk' or 'dv'; got "
+                         f"{computes!r}.")
+    if fused and computes != "both":
+        raise ValueError("dkv_call: the single pass (a dq accumulator) forms both dk and dv.")
+    # Which accumulators this launch keeps; the dv part forms no dS, so none of the outputs
+    # read from it.
+    with_dk, with_dv = computes != "dv", computes != "dk"
     buffers = cfg.own_buffers("dkv", fused)
     stages = cfg.stages("dkv", fused)
     dq_cols = cfg.dq_columns
@@ -751,8 +777,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
     table, bank, splits = relative_operands(
         relative, table, (t_full_count, t_full_index, t_partial_count, t_partial_index),
         "dkv_call")
-    reads_out = data_read_count(cfg)
-    slope_out = cfg.alibi
+    reads_out = data_read_count(cfg) if with_dk else 0
+    slope_out = cfg.alibi and with_dk
     items, counts = schedule if schedule is not None else dkv_schedule(
         cfg, t_full_count, t_partial_count, fused)
     _check_schedule(items, buffers, "dkv_call", cfg.batch * cfg.heads // group * num_tiles)
@@ -771,7 +797,8 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
         if fused:
             dq_ref, *refs = refs
             *scoped, (ds_own, dq_stage, ds_ready, item_done) = scoped
-        dk_ref, dv_ref = refs
+        dk_ref = refs.pop(0) if with_dk else None
+        dv_ref = refs.pop(0) if with_dv else None
         *scoped, rows_scoped = scoped
         (k_own, v_own, q_ring, do_ring), (k_ready, v_ready, q_ready, do_ready), \
             (q_free, do_free) = scoped
@@ -943,12 +970,21 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         with jax.named_scope("dv_dp"):
                             fresh = ops.cast(jnp.zeros((bk, bq), jnp.float32),
                                              ops.wgmma_layout)
-                            dv, dp_t = ops.accumulate((dv, fresh), [
-                                (p_t.astype(dtype), do_ring.at[slot]),
-                                (v_smem, do_ring.at[slot], True)])
+                            dv_pair = (p_t.astype(dtype), do_ring.at[slot])
+                            dp_pair = (v_smem, do_ring.at[slot], True)
+                            if not with_dk:
+                                (dv,) = ops.accumulate((dv,), [dv_pair])
+                            elif not with_dv:
+                                (dp_t,) = ops.accumulate((fresh,), [dp_pair])
+                            else:
+                                dv, dp_t = ops.accumulate((dv, fresh), [dv_pair, dp_pair])
                         plgpu.barrier_arrive(do_free.at[slot])
                         with jax.named_scope("load_rows"):
+                            # Read in every part, so that the ring moves on.
                             delta = streamed_row(delta_ring, delta_ready, delta_free, slot)
+                        if not with_dk:
+                            plgpu.barrier_arrive(q_free.at[slot])
+                            return dk, dv, slope_rows, data_rows
                         with jax.named_scope("ds"):
                             ds_t, value_t = cfg.score_gradient(
                                 p_t, dp_t, lax.broadcast_in_dim(delta, (bk, bq), [1]), factors,
@@ -1002,11 +1038,11 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                     return step0 + n_steps, dk, dv
 
                 zeros = ops.cast(jnp.zeros((bk, d), jnp.float32), ops.wgmma_layout)
+                start = (first_step, zeros if with_dk else None, zeros if with_dv else None)
                 if group == 1:
-                    _, dk, dv = run_member(0, (first_step, zeros, zeros))
+                    _, dk, dv = run_member(0, start)
                 else:
-                    _, dk, dv = lax.fori_loop(0, group, run_member,
-                                              (first_step, zeros, zeros))
+                    _, dk, dv = lax.fori_loop(0, group, run_member, start)
                 if fused and split:
                     # Both warpgroups' last dq partials have read both K tiles before either
                     # is overwritten (by the gradient below, or the next item's tiles).
@@ -1014,11 +1050,15 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         plgpu.barrier_arrive(item_done)
                         plgpu.barrier_wait(item_done)
                 with jax.named_scope("epilogue"):
-                    k_smem[...] = (dk * cfg.softmax_scale).astype(dtype)
-                    v_smem[...] = dv.astype(dtype)
+                    if with_dk:
+                        k_smem[...] = (dk * cfg.softmax_scale).astype(dtype)
+                    if with_dv:
+                        v_smem[...] = dv.astype(dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, h_item, keys])
-                    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h_item, keys])
+                    if with_dk:
+                        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, h_item, keys])
+                    if with_dv:
+                        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, h_item, keys])
 
             cta_items.run(run_item)
             plgpu.wait_smem_to_gmem(0)
@@ -1046,7 +1086,7 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                               plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)))
         operands = (*operands, dq_accumulator)
     grads = jax.ShapeDtypeStruct((cfg.batch, cfg.heads // group, cfg.kv_len, d), dtype)
-    out_type = (grads, grads)
+    out_type = (grads,) * (with_dk + with_dv)
     if slope_out:
         scratch = (*scratch, plgpu.SMEM((COMPUTE_WARPGROUPS, bk), jnp.float32))
         out_type = (*out_type, jax.ShapeDtypeStruct((cfg.batch, cfg.heads, cfg.kv_len),
@@ -1055,4 +1095,5 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
         scratch = (*scratch, plgpu.SMEM((COMPUTE_WARPGROUPS, reads_out, bk), jnp.float32))
         out_type = (*out_type, jax.ShapeDtypeStruct(
             (reads_out, cfg.batch, cfg.heads, cfg.kv_len), jnp.float32))
-    return _launch(body, scratch, items.shape[0], out_type, operands, interpret)
+    out = _launch(body, scratch, items.shape[0], out_type, operands, interpret)
+    return out[0] if computes == "dv" else out

@@ -979,18 +979,32 @@ def decode_item(item, tiles: int, heads: int):
 
 def ring_stages(fixed_bytes: int, stage_bytes: int) -> int:
     """Slots of a ring (2 to 4) that fit the 227 KiB of shared memory next to `fixed_bytes`,
-    with a margin for barriers and small buffers."""
-    return max(2, min(4, (SMEM_BUDGET - fixed_bytes) // stage_bytes))
+    with a margin for barriers and small buffers (`SMEM_BUDGET`); a launch whose buffers
+    leave no room for two raises."""
+    stages = min(4, (SMEM_BUDGET - fixed_bytes) // stage_bytes)
+    if stages < 2:
+        raise ValueError(f"ring_stages: {fixed_bytes} bytes of own tiles and two stages of "
+                         f"{stage_bytes} exceed the {SMEM_BUDGET} bytes of shared memory "
+                         "the launches take.")
+    return stages
 
 
-def swizzled(shape, dtype):
-    """A shared-memory buffer in the tiled, 128-byte swizzled form wgmma reads (rows of 128
-    bytes: 64 16-bit or 32 float32 elements)."""
+def swizzled(shape, dtype, swizzle: int = 128):
+    """A shared-memory buffer in the tiled, swizzled form wgmma reads (rows of `swizzle`
+    bytes: 64 16-bit or 32 float32 elements at 128). A product's operands share one swizzle,
+    and its contraction is a multiple of a row (`swizzle_for`)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    columns = 128 // jnp.dtype(dtype).itemsize
+    columns = swizzle // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, columns)),
-                                                plgpu.SwizzleTransform(128)))
+                                                plgpu.SwizzleTransform(swizzle)))
+
+
+def swizzle_for(contraction: int, itemsize: int = 2) -> int:
+    """The swizzle (bytes) of a launch whose shortest product contraction is `contraction`
+    elements: 128, or 64 where a 128-byte row would not divide it (the backward's 32-row
+    streamed tiles at D = 256)."""
+    return 128 if contraction * itemsize % 128 == 0 else 64
 
 
 def lowering_failure(what: str, tile, shape=(ROWS_PER_WARPGROUP, 128),

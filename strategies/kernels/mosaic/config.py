@@ -17,9 +17,10 @@ class MosaicConfig(AbstractKernelConfig):
 
     They are fixed by the kernel's warpgroups and the head dim, so there is one config per
     head dim (`for_head_dim`): forward 128 query rows by `block_kv_for` keys (128 up to
-    D = 128); dk/dv 64 query rows by 128 keys; the dq pass 128 rows by 64 keys (128 at
-    D = 64); `stages` K/V buffers that fit the shared memory next to the Q tiles. A module
-    may hold it as its tiling; another config differs from it.
+    D = 128, 64 at 256); dk/dv 64 query rows by 128 keys (32 at D = 256); the dq pass 128
+    rows by 64 keys (128 at D = 64, 32 at 256); `stages` K/V buffers that fit the shared
+    memory next to the Q tiles. A module may hold it as its tiling; another config differs
+    from it.
 
     ```python
     kernels.MosaicConfig.for_head_dim(128)

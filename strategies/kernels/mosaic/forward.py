@@ -12,7 +12,8 @@ The work items are (batch row, head, q-tile of 128 rows). One CTA per SM runs th
   softmax in base 2, O += P V with wgmma (P from registers). A shared barrier staggers them, so
   one warpgroup's softmax overlaps the other's matrix products. Q has two buffers: the next
   item's rows are copied in from the start of this item, and the output leaves through the
-  buffer of the item it belongs to.
+  buffer of the item it belongs to (at D = 256 one, `q_buffers_for`: the next item's rows
+  are copied in once this item's output has left it).
 
 A partial block's first key, key segment ids and element-map tile, and a block's bias tile
 and T5 bank tile, are read before its products are issued, so their latency is hidden. The
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .common import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, LOG2E, ROWS_PER_WARPGROUP,
-                     AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
+                     SMEM_BUDGET, AlibiBlocks, AttentionShape, LogitTerms, Ops, WorkItems,
                      ELEMENT_MAP_DTYPE, alibi_positions_term, base2_tile, block_visible,
                      function_tile, item_values, load_pair_tile, persistent_schedule,
                      relative_operands, relative_tiles, ring_stages, segment_ids_apart,
@@ -92,6 +93,9 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
     bq, bk, d = ROWS_PER_WARPGROUP, cfg.block_kv, cfg.head_dim
     dtype = q.dtype
     stages = cfg.stages
+    # One Q buffer at D = 256 (`q_buffers_for`): the next item's Q then waits for this
+    # item's output to leave the buffer.
+    q_buffers = q_buffers_for(d, bk, jnp.dtype(dtype).itemsize)
     group = cfg.group
     num_q_tiles = cfg.q_len // BLOCK_Q
     if schedule is None:
@@ -115,7 +119,7 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                pidx_ref, qseg_ref, kseg_ref, slopes_ref, qpos_ref, kpos_ref, emap_ref,
                bias_ref, floats_ref, ints_ref, table_ref, bank_ref, splits_ref, out_ref, lse_ref,
                scoped):
-        (q_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), \
+        (q_buffers_ref, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), \
             (k_free, v_free), turn = scoped
         wg = lax.axis_index("wg")
         cta_items = WorkItems(items_ref, counts_ref, num_q_tiles, cfg.heads,
@@ -132,12 +136,12 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
             def load_q(j, item):
-                """Start copying item j's Q rows into buffer ``j % 2`` of this warpgroup
-                (`item` is its `decoded` tuple)."""
+                """Start copying item j's Q rows into buffer ``j % q_buffers`` of this
+                warpgroup (`item` is its `decoded` tuple)."""
                 b, h, tile = item[:3]
-                buffer = lax.rem(j, 2)
+                buffer = lax.rem(j, q_buffers)
                 plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(tile * BLOCK_Q + wg * bq, bq)],
-                                        q_buffers.at[buffer, wg],
+                                        q_buffers_ref.at[buffer, wg],
                                         q_ready.at[buffer * COMPUTE_WARPGROUPS + wg])
 
             load_q(0, cta_items.decoded(cta_items.raw(0)))
@@ -150,8 +154,8 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     h, prefix, n_full, n_steps = cta_items.member(this_item, 0)
                     splits = (None if relative is None
                               else split_counts(splits_ref, prefix))
-                    buffer = lax.rem(j, 2)
-                    q_smem = q_buffers.at[buffer, wg]
+                    buffer = lax.rem(j, q_buffers)
+                    q_smem = q_buffers_ref.at[buffer, wg]
                     q_base = tile * BLOCK_Q + wg * bq
                     if has_segments:
                         q_seg = ops.load(qseg_ref, (b, pl.ds(q_base, bq)), row_layout)
@@ -175,12 +179,17 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                 with jax.named_scope("wait_q"):
                     plgpu.barrier_wait(q_ready.at[buffer * COMPUTE_WARPGROUPS + wg])
                 # The next item's Q is copied while this one runs, into the other buffer
-                # once the output of item j - 1 has been read out of it.
-                with jax.named_scope("load_next_q"):
+                # once the output of item j - 1 has been read out of it (with one buffer,
+                # after this item's output: `load_next_q`).
+                def load_next_q():
                     @pl.when(j + 1 < count)
                     def _():
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         load_q(j + 1, upcoming)
+
+                if q_buffers == 2:
+                    with jax.named_scope("load_next_q"):
+                        load_next_q()
 
                 m_i = cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
                 l_i = cast(jnp.zeros((bq,), jnp.float32), row_layout)
@@ -393,6 +402,9 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, h, pl.ds(q_base, bq)])
                     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, bq)])
+                if q_buffers == 1:
+                    with jax.named_scope("load_next_q"):
+                        load_next_q()
 
             cta_items.run(run_item)
             plgpu.wait_smem_to_gmem(0)
@@ -406,13 +418,13 @@ def forward_call(cfg: ForwardConfig, q, k, v, full_count, full_index, partial_co
 
     def entry(*refs):
         smem = (
-            swizzled((2, COMPUTE_WARPGROUPS, bq, d), dtype),
+            swizzled((q_buffers, COMPUTE_WARPGROUPS, bq, d), dtype),
             swizzled((stages, bk, d), dtype),
             swizzled((stages, bk, d), dtype),
-            plgpu.SMEM((2, COMPUTE_WARPGROUPS, bq), jnp.float32),
+            plgpu.SMEM((q_buffers, COMPUTE_WARPGROUPS, bq), jnp.float32),
         )
         ready = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-                 plgpu.Barrier(num_barriers=2 * COMPUTE_WARPGROUPS))
+                 plgpu.Barrier(num_barriers=q_buffers * COMPUTE_WARPGROUPS))
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2
         turn = plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, ready, free, turn,
@@ -466,9 +478,18 @@ def _plus(x, shift, sign: float = 1.0):
     return x + shift if sign > 0 else x - shift
 
 
+def q_buffers_for(head_dim: int, block_kv: int, itemsize: int = 2) -> int:
+    """Q buffers of the forward: two (this item's and the next's, loaded during this one)
+    where they leave room for two K/V stages; one above (D = 256: 64 KiB of Q tiles and
+    two 64 KiB stages), the next item's Q then loaded after this one's output left."""
+    q_bytes = BLOCK_Q * head_dim * itemsize
+    stage_bytes = 2 * block_kv * head_dim * itemsize
+    return 2 if 2 * q_bytes + 2 * stage_bytes <= SMEM_BUDGET else 1
+
+
 def stages_for(head_dim: int, block_kv: int, itemsize: int = 2) -> int:
     """K/V ring depth that fits the 227 KiB of shared memory next to the Q tiles."""
-    q_bytes = 2 * BLOCK_Q * head_dim * itemsize  # two Q buffers: this item's, the next's
+    q_bytes = q_buffers_for(head_dim, block_kv, itemsize) * BLOCK_Q * head_dim * itemsize
     stage_bytes = 2 * block_kv * head_dim * itemsize
     return ring_stages(q_bytes, stage_bytes)
 

@@ -19,7 +19,7 @@ from eqx_bsattn.contract import (EMPTY, AbstractKernelConfig, AbstractLseKernel,
                                   public_lse, refuse_forward_mode, refuse_second_order,
                                   typed_like, zero_cotangent)
 
-from .backward import (BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
+from .backward import (BLOCK_OWN, BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
                        dq_accumulator_shape, dq_call, dq_schedule, short_lists)
 from .common import (ELEMENT_MAP_DTYPE, ROWS_PER_WARPGROUP, persistent_schedule,
                      score_function_tile)
@@ -30,8 +30,12 @@ from .data import (data_decline, data_lowering_failure, mask_terms, params_avals
 from .forward import BLOCK_Q, ForwardConfig, forward_call, rows_padded, stages_for
 
 _DTYPES = ("bfloat16", "float16")
-#: The head dims verified on the H200 (docs/mosaic.md says why D=256 is not among them).
-_HEAD_DIMS = (64, 128)
+#: The head dims the launches take (q and v of one head dim).
+_HEAD_DIMS = (64, 128, 256)
+#: Whether head dim 256 (one Q buffer in the forward, 32-row streamed tiles in the backward,
+#: dk and dv as two launches) has run on a Hopper GPU; until it has, such a call is declined
+#: in one line and the selector keeps cuDNN or Triton.
+_HEAD_DIM_256_RUN_ON_GPU = False
 #: The bias dtypes the launches read as they are (others are read as float32).
 _BIAS_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 #: `_function_decline`'s params where the plan knows only that there are some.
@@ -227,6 +231,8 @@ class MosaicBlockSparse(AbstractLseKernel):
         if features.head_dim not in _HEAD_DIMS or features.value_dim != features.head_dim:
             return (f"head dims {features.head_dim} / {features.value_dim} are not supported "
                     f"(equal q / v head dims in {_HEAD_DIMS} are).")
+        if features.head_dim == 256 and not _HEAD_DIM_256_RUN_ON_GPU:
+            return "head dim 256 has not yet run on a GPU."
         if "relative_bias" in features.score:
             why = _table_decline(features)
             if why is not None:
@@ -309,7 +315,9 @@ class MosaicBlockSparse(AbstractLseKernel):
             raise ValueError("MosaicBlockSparse: the compiled backward layouts are not at its "
                              f"tiles {backward_blocks(dim)}; plan the call with its tiling.")
         block_kv = fwd.block_kv
-        lq, lk = rows_padded(q_len, BLOCK_Q), rows_padded(kv_len, block_kv)
+        # Keys padded to the dk/dv launch's 128-key items (the forward's tiles, 64 keys at
+        # D = 256, divide them).
+        lq, lk = rows_padded(q_len, BLOCK_Q), rows_padded(kv_len, BLOCK_OWN)
         seg = (None, None)
         if (mask.terms.segment_ids if predicate is None
                 else predicate.uses_segment_ids and not elements):
@@ -379,8 +387,10 @@ class MosaicBlockSparse(AbstractLseKernel):
         # Mosaic GPU's layout inference (H200, jax 0.11.2): that call takes the two kernels.
         # A bias's gradient and the T5 table's come from the dq launch: a call with either
         # takes the two.
+        # At D = 256 dk and dv are two launches (`BackwardConfig.dkv_launches`), which
+        # leave no room for the single pass's dq partials: that call takes the two kernels.
         single_pass = (self.single_pass() and not (alibi and positions is not None)
-                       and inputs.bias is None and table is None)
+                       and inputs.bias is None and table is None and dim <= 128)
         bcfg = BackwardConfig(
             **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
@@ -698,6 +708,9 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
     if cfg.single_pass and (cfg.bias_gradient or cfg.relative_gradient):
         raise ValueError("mosaic_backward: the gradients of a bias and of a T5 table come "
                          "from the dq launch; the single pass has none.")
+    if cfg.single_pass and cfg.dkv_launches != ("both",):
+        raise ValueError(f"mosaic_backward: the single pass runs at head dims up to 128; got "
+                         f"{cfg.head_dim}.")
     if cfg.single_pass:
         interpreted = interpret is not None
         accumulator = jax.new_ref(jnp.zeros(dq_accumulator_shape(cfg, interpreted), jnp.float32))
@@ -722,10 +735,15 @@ def mosaic_backward(cfg: BackwardConfig, q, k, v, do, lse, delta, seg, dq_lists,
                                        transposed=False)
                 dtable = relative_table_gradient(tiles, *grads, table_visited,
                                                  table.shape[1])
-        dk, dv, *extra = dkv_call(cfg, *operands, *t_lists, *segments, slopes=slopes,
-                                  positions=positions, element_map=maps_t, bias=bias_t,
-                                  data=data, table=table,
-                                  schedule=schedules[1], interpret=interpret)
+        dkv = functools.partial(dkv_call, cfg, *operands, *t_lists, *segments, slopes=slopes,
+                                positions=positions, element_map=maps_t, bias=bias_t,
+                                data=data, table=table, schedule=schedules[1],
+                                interpret=interpret)
+        if cfg.dkv_launches == ("both",):
+            dk, dv, *extra = dkv()
+        else:  # D = 256: dk (and the rows read from dS), then dv, apart
+            dk, *extra = dkv(computes="dk")
+            dv = dkv(computes="dv")
     # Each row's share of the slope's gradient, summed per head (padded rows' are zero).
     dslopes = extra.pop(0).sum(axis=(0, 2)) if cfg.alibi else None
     data_rows = extra.pop(0) if extra else None
