@@ -180,7 +180,11 @@ def test_launches_lower_for_cuda(hopper_host, head_dim_256, monkeypatch, case):
 # The whole call against the float32 reference: in Pallas' CPU interpreter, and on a GPU.
 
 
-def _check_against_reference(case, dtype, tolerance):
+def _check_against_reference(case, dtype, tolerance, extras_tolerance):
+    """Output and the gradients in q, k, v within `tolerance` of the float32 reference's
+    (relative norm), those in the extras within `extras_tolerance`: a slope's or a param's
+    gradient sums dS times a distance over every pair, and each row's dS sums to zero, so
+    it cancels far below its terms and keeps their rounding."""
     mask, heads, kv_heads, q_len, kv_len, extras = CASES[case]
     q, k, v, cot, arrays, data = _inputs(heads, kv_heads, q_len, kv_len, extras, seed=3)
     # The inputs as the kernel sees them (rounded), for both.
@@ -198,8 +202,9 @@ def _check_against_reference(case, dtype, tolerance):
         errors[name] = _rel(g, w)
     for name in arrays:
         errors["d" + name] = _rel(got[3][name], want[3][name])
-    bad = {name: e for name, e in errors.items() if e > tolerance}
-    assert not bad, f"{case}: relative errors over {tolerance}: {errors}"
+    bad = {name: e for name, e in errors.items()
+           if e > (extras_tolerance if name[1:] in arrays else tolerance)}
+    assert not bad, f"{case}: relative errors over {tolerance} / {extras_tolerance}: {errors}"
     # Rows that see no key: zeros, never NaN.
     empty = np.asarray(jnp.abs(want_out).sum(-1) == 0)
     assert np.all(np.asarray(got_out, np.float32)[empty] == 0.0)
@@ -214,7 +219,7 @@ def test_matches_reference_in_cpu_interpreter(interpreted, head_dim_256, case):
     gradients in q, k, v and the extras (slopes, params, bias). Extended only: each takes
     minutes, and on a machine of few cores the interpreter's warpgroup threads, which wait
     on barriers inside host callbacks, can stall one another."""
-    _check_against_reference(case, jnp.float16, 4e-3)
+    _check_against_reference(case, jnp.float16, 4e-3, 1e-2)
 
 
 @pytest.mark.gpu
@@ -222,4 +227,4 @@ def test_matches_reference_in_cpu_interpreter(interpreted, head_dim_256, case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_reference_on_gpu(head_dim_256, case):
     """The launches at D = 256 on a Hopper GPU, bfloat16, against the float32 reference."""
-    _check_against_reference(case, jnp.bfloat16, 2e-2)
+    _check_against_reference(case, jnp.bfloat16, 2e-2, 5e-2)
