@@ -16,6 +16,8 @@ warpgroups) and, where its lists are short, persistent like it (below).
   Q`` in float32 over the whole group (GQA's sum inside the kernel, in a fixed order). In
   the single pass an item is a query head's instead (`BackwardConfig.dkv_group`), and the
   caller sums a group's dk and dv.
+  At D = 256 dk and dv are two such launches (`BackwardConfig.dkv_launches`), each with
+  one accumulator.
 - `dkv_call` with a dq accumulator is the single pass: it also forms each block's dq partial
   ``dS K`` and adds it into a float32 dq in global memory by TMA reduce-add (5 block products
   a block instead of the two kernels' 7; dq then varies from run to run in its last bits).
@@ -968,16 +970,17 @@ def dkv_call(cfg: BackwardConfig, q, k, v, do, lse, delta, t_full_count, t_full_
                         # dV's product and dP's in one group, dK's after dS: fewer live
                         # registers than S and dP together beside the dk and dv accumulators.
                         with jax.named_scope("dv_dp"):
-                            fresh = ops.cast(jnp.zeros((bk, bq), jnp.float32),
-                                             ops.wgmma_layout)
                             dv_pair = (p_t.astype(dtype), do_ring.at[slot])
                             dp_pair = (v_smem, do_ring.at[slot], True)
                             if not with_dk:
                                 (dv,) = ops.accumulate((dv,), [dv_pair])
-                            elif not with_dv:
-                                (dp_t,) = ops.accumulate((fresh,), [dp_pair])
                             else:
-                                dv, dp_t = ops.accumulate((dv, fresh), [dv_pair, dp_pair])
+                                fresh = ops.cast(jnp.zeros((bk, bq), jnp.float32),
+                                                 ops.wgmma_layout)
+                                if with_dv:
+                                    dv, dp_t = ops.accumulate((dv, fresh), [dv_pair, dp_pair])
+                                else:
+                                    (dp_t,) = ops.accumulate((fresh,), [dp_pair])
                         plgpu.barrier_arrive(do_free.at[slot])
                         with jax.named_scope("load_rows"):
                             # Read in every part, so that the ring moves on.
