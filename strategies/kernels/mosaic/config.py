@@ -59,7 +59,11 @@ class MosaicConfig(AbstractKernelConfig):
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> "MosaicConfig":
-        """The config the kernel runs at `head_dim`."""
+        """The config the kernel runs at `head_dim` (at most 256: above, no tiles leave room
+        for two K/V stages in shared memory)."""
+        if head_dim > 256:
+            raise ValueError(f"MosaicConfig.for_head_dim: head dim {head_dim} is over 256, the "
+                             "largest whose tiles fit the kernel's shared memory.")
         (bq_dq, bk_dq), (bq_dkv, bk_dkv) = backward_blocks(head_dim)
         block_kv = block_kv_for(head_dim)
         return cls(block_q=BLOCK_Q, block_kv=block_kv, block_q_dq=bq_dq, block_kv_dq=bk_dq,
