@@ -17,18 +17,7 @@
 #    peer ($OUT/d256.log, d256.json).
 # Each stage stays within what is left of `seconds` (default 240) after the install.
 set -u
-OUT=${OUT:-$PWD/bench_out}
-mkdir -p "$OUT"
-budget=${1:-240}
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD/.site:$PWD
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null 2>&1 || exit 1
-start=$SECONDS
-
-left() {  # seconds left of the budget, at most $1
-    local rest=$((budget - (SECONDS - start)))
-    echo $((rest < $1 ? (rest > 1 ? rest : 1) : $1))
-}
+source benchmarks/gpu_setup.sh "${1:-240}"
 
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$(left 120)" python3 -m pytest -m gpu --extended \
     tests/kernels/mosaic/test_mosaic_head_dim_256.py tests/test_conformance.py \

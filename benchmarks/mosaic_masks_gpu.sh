@@ -20,20 +20,9 @@
 #      through Mosaic and Triton (benchmarks/mosaic_masks_gpu.py; $OUT/masks.log, masks.json).
 # All at B=2, H=16, L=16384, D=128, bfloat16, in one process each.
 set -u
-OUT=${OUT:-$PWD/bench_out}
-mkdir -p "$OUT"
 workers=${1:-12}
-budget=${2:-520}
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD/.site:$PWD
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null 2>&1 || exit 1
+source benchmarks/gpu_setup.sh "${2:-520}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-start=$SECONDS
-
-left() {  # seconds left of the budget, at most $1
-    local rest=$((budget - (SECONDS - start)))
-    echo $((rest < $1 ? (rest > 1 ? rest : 1) : $1))
-}
 
 # Each process takes GPU memory as it needs it, not the default 75% at its start.
 # (head dim 256 has its own run: benchmarks/mosaic_head_dim_256_gpu.sh)
