@@ -67,7 +67,8 @@ def test_tiles_fit_shared_memory_and_registers():
     assert config == MosaicConfig(block_q=128, block_kv=64, block_q_dq=128, block_kv_dq=32,
                                   block_q_dkv=32, block_kv_dkv=128, stages=2)
     assert q_buffers_for(D, 64) == 1 and q_buffers_for(128, 128) == 2
-    forward_bytes = BLOCK_Q * D * 2 + config.stages * 2 * 64 * D * 2
+    forward_bytes = (q_buffers_for(D, config.block_kv) * BLOCK_Q * D * 2
+                     + config.stages * 2 * config.block_kv * D * 2)
     assert forward_bytes <= SMEM_BUDGET
     bcfg = BackwardConfig(batch=1, heads=2, kv_heads=2, q_len=1024, kv_len=1024,
                           true_kv_len=1024, head_dim=D, softmax_scale=0.0625, terms=None,
@@ -77,7 +78,8 @@ def test_tiles_fit_shared_memory_and_registers():
         # Two sets of own tiles leave no room: one item a CTA, one set, two stages.
         assert not bcfg.persistent_for(launch) and bcfg.own_buffers(launch) == 1
         assert bcfg.stages(launch) == 2
-        assert 4 * 64 * D * 2 + 2 * (2 * 32 * D * 2) <= SMEM_BUDGET
+        rows = bcfg.streamed_rows(launch)
+        assert bcfg._fixed_bytes(rows, False, 1) + 2 * (2 * rows * D * 2) <= SMEM_BUDGET
     assert bcfg.dkv_launches == ("dk", "dv")
     with pytest.raises(ValueError, match="exceed the 204800 bytes"):
         ring_stages(4 * 64 * D * 2, 2 * 64 * D * 2)
