@@ -97,6 +97,14 @@ def backward_blocks(head_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return (BLOCK_OWN, 128 if head_dim <= 64 else 64), (64, BLOCK_OWN)
 
 
+def dkv_launches_for(head_dim: int) -> tuple[str, ...]:
+    """The dk/dv launches (`dkv_call`'s `computes`): one for both gradients up to D = 128;
+    above, the dk and dv accumulators (64 keys x D in float32 each) would take 256 registers
+    a thread, so dk (with every output read from dS) and dv are two launches, each forming
+    S^T again (and the single pass, which needs both in one launch, is not taken)."""
+    return ("both",) if head_dim <= 128 else ("dk", "dv")
+
+
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig(AttentionShape, LogitTerms):
     """Everything static about the two backward launches (hashable); lengths padded to 128.
@@ -185,11 +193,8 @@ class BackwardConfig(AttentionShape, LogitTerms):
 
     @property
     def dkv_launches(self) -> tuple[str, ...]:
-        """The dk/dv launches (`dkv_call`'s `computes`): one for both gradients up to D = 128;
-        above, the dk and dv accumulators (64 keys x D in float32 each) would take 256
-        registers a thread, so dk (with every output read from dS) and dv are two launches,
-        each forming S^T again."""
-        return ("both",) if self.head_dim <= 128 else ("dk", "dv")
+        """The dk/dv launches at this head dim (`dkv_launches_for`)."""
+        return dkv_launches_for(self.head_dim)
 
     def dkv_group(self, fused: bool) -> int:
         """Query heads one work item of the dk/dv launch walks: the kv head's whole group

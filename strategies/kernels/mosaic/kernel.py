@@ -19,8 +19,9 @@ from eqx_bsattn.contract import (EMPTY, AbstractKernelConfig, AbstractLseKernel,
                                   public_lse, refuse_forward_mode, refuse_second_order,
                                   typed_like, zero_cotangent)
 
-from .backward import (BLOCK_OWN, BackwardConfig, backward_blocks, dkv_call, dkv_schedule,
-                       dq_accumulator_shape, dq_call, dq_schedule, short_lists)
+from .backward import (BLOCK_OWN, BackwardConfig, backward_blocks, dkv_call,
+                       dkv_launches_for, dkv_schedule, dq_accumulator_shape, dq_call,
+                       dq_schedule, short_lists)
 from .common import (ELEMENT_MAP_DTYPE, ROWS_PER_WARPGROUP, persistent_schedule,
                      score_function_tile)
 from .common import LogitTerms, lowering_failure, relative_splits, relative_tiles, stored
@@ -387,10 +388,11 @@ class MosaicBlockSparse(AbstractLseKernel):
         # Mosaic GPU's layout inference (H200, jax 0.11.2): that call takes the two kernels.
         # A bias's gradient and the T5 table's come from the dq launch: a call with either
         # takes the two.
-        # At D = 256 dk and dv are two launches (`BackwardConfig.dkv_launches`), which
-        # leave no room for the single pass's dq partials: that call takes the two kernels.
+        # At D = 256 dk and dv are two launches (`dkv_launches_for`), which leave no room
+        # for the single pass's dq partials: that call takes the two kernels.
         single_pass = (self.single_pass() and not (alibi and positions is not None)
-                       and inputs.bias is None and table is None and dim <= 128)
+                       and inputs.bias is None and table is None
+                       and dkv_launches_for(dim) == ("both",))
         bcfg = BackwardConfig(
             **shape, dq_block_kv=dq.block_kv, dkv_block_q=dkdv.block_q,
             dq_layout_axes=dq.full_count.shape[:2], dkv_layout_axes=dkdv.full_count.shape[:2],
