@@ -5,7 +5,8 @@ block-sparse kernels against the peers that can express the same mask, in one pr
 `jax.nn.dot_product_attention` with cuDNN and with XLA, and Pallas' GPU flash attention.
 Each is timed in its own input layout (ours ``[B, H, L, D]``, the peers ``[B, L, H, D]``), so
 no transpose is inside a timed region. Forward and forward+backward; effective TFLOP/s count
-only visible (query, key) pairs: ``4 * B * H * D * pairs`` forward, 3.5 times that
+only visible (query, key) pairs: ``2 * B * H * (D + Dv) * pairs`` forward (``Dv`` the value
+head dim, ``--value-dim``; the peers run only where ``Dv == D``), 3.5 times that
 forward+backward. Prints a table and writes JSON (``--out``) with the device and the versions.
 Speed is measured here, never asserted in tests.
 
@@ -206,10 +207,11 @@ def run(args) -> list[dict]:
             for kv_heads in head_options:
                 keys = jax.random.split(jax.random.fold_in(key, length * 31 + kv_heads), 4)
                 b, h, d = args.batch, args.heads, args.dim
+                dv = args.value_dim or d
                 q = jax.random.normal(keys[0], (b, h, length, d), dtype)
                 k = jax.random.normal(keys[1], (b, kv_heads, length, d), dtype)
-                v = jax.random.normal(keys[2], (b, kv_heads, length, d), dtype)
-                do = jax.random.normal(keys[3], (b, h, length, d), dtype)
+                v = jax.random.normal(keys[2], (b, kv_heads, length, dv), dtype)
+                do = jax.random.normal(keys[3], (b, h, length, dv), dtype)
                 call_data = {n: jnp.asarray(x) for n, x in data.items()}
                 impls = {}
                 for kernel in ours:
@@ -219,16 +221,16 @@ def run(args) -> list[dict]:
                         return attn(q, k, v, **call_data)
 
                     impls[f"ours:{kernel.name}"] = (call, BHLD)
-                if kv_heads == args.heads:
+                if kv_heads == args.heads and dv == d:
                     impls.update(_peers(name, mask, data, args, platform, q.shape))
-                flops_fwd = 4.0 * b * h * d * pairs
+                flops_fwd = 2.0 * b * h * (d + dv) * pairs
                 reference_out = None
                 native = {BHLD: (q, k, v, do),
                           BLHD: tuple(jnp.swapaxes(x, 1, 2) for x in (q, k, v, do))}
                 for impl, (f, layout) in impls.items():
                     record = {
                         "pattern": name, "length": length, "batch": b, "heads": h,
-                        "kv_heads": kv_heads, "dim": d, "dtype": args.dtype, "impl": impl,
+                        "kv_heads": kv_heads, "dim": d, "value_dim": dv, "dtype": args.dtype, "impl": impl,
                         "layout": layout, "platform": platform,
                         "density": pairs / float(length * length),
                     }
@@ -329,6 +331,8 @@ def parse_args(argv=None):
                         "(0: skip; default: %(default)s)")
     p.add_argument("--dim", type=int, default=128 if gpu else 64,
                    help="head dimension D (default: %(default)s)")
+    p.add_argument("--value-dim", type=int, default=None,
+                   help="the value's head dimension Dv (default: D); the peers need Dv == D")
     p.add_argument("--dtype", default="bfloat16" if gpu else "float32",
                    help="dtype of q, k, v, e.g. float32, bfloat16, float16 (default: %(default)s)")
     p.add_argument("--window", type=int, default=1024 if gpu else 256,
