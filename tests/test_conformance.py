@@ -669,12 +669,25 @@ def _mosaic_head_dim_256() -> bool:
     return kernel._HEAD_DIM_256_RUN_ON_GPU
 
 
-#: MosaicBlockSparse: 16-bit, D = Dv in {64, 128} (and 256 once it has run on a GPU), masks
+def _mosaic_padded_head_dims() -> bool:
+    """Whether MosaicBlockSparse takes head dims it zero-pads (``Dv != D``, or D outside 64 /
+    128 / 256; it declines them until they have run on a GPU)."""
+    from eqx_bsattn.strategies.kernels.mosaic import kernel
+
+    return kernel._PADDED_HEAD_DIMS_RUN_ON_GPU
+
+
+#: MosaicBlockSparse: 16-bit, D = Dv in {64, 128} (and 256 once it has run on a GPU), other
+#: head dims up to 256 zero-padded to those (once that has run on a GPU), masks
 #: with shared in-kernel terms, an element predicate Mosaic GPU lowers or an element map
 #: (BigBird's random blocks), a bias of any broadcast shape, ALiBi, score functions that
 #: Mosaic GPU lowers and, once it has run on a GPU, a T5 table without per-call positions.
 _MOSAIC_RUNS = {"tiled_positions", "tiled_global", "tiled_dilated", "tiled_predicate",
                 *(("tiled_head_dim_256",) if _mosaic_head_dim_256() else ()),
+                *(("tiled_head_dim_80", "tiled_head_dim_96", "tiled_value_dim",
+                   "tiled_everything") if _mosaic_padded_head_dims() else ()),
+                *(("tiled_head_dim_192",) if _mosaic_padded_head_dims()
+                  and _mosaic_head_dim_256() else ()),
                 *(("tiled_score_relative", "tiled_score_relative_bitmaps")
                   if _mosaic_table_runs() else ()),
                 "tiled_not_causal", "tiled_per_head", "tiled_bigbird",

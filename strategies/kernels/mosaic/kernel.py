@@ -31,8 +31,13 @@ from .data import (data_decline, data_lowering_failure, mask_terms, params_avals
 from .forward import BLOCK_Q, ForwardConfig, forward_call, rows_padded, stages_for
 
 _DTYPES = ("bfloat16", "float16")
-#: The head dims the launches take (q and v of one head dim).
+#: The head dims the launches take (q and v of one head dim); other head dims, and a value
+#: head dim other than the query's, are zero-padded to the next of them (`kernel_head_dim`).
 _HEAD_DIMS = (64, 128, 256)
+#: Whether a call whose head dims are zero-padded to the launches' (`kernel_head_dim`: head
+#: dims outside `_HEAD_DIMS`, or ``Dv != D``) has run on a Hopper GPU; until it has, such a
+#: call is declined in one line and the selector keeps Triton.
+_PADDED_HEAD_DIMS_RUN_ON_GPU = False
 #: Whether head dim 256 (one Q buffer in the forward, 32-row streamed tiles in the backward,
 #: dk and dv as two launches) has run on a Hopper GPU; until it has, such a call is declined
 #: in one line and the selector keeps cuDNN or Triton.
@@ -174,10 +179,12 @@ class MosaicBlockSparse(AbstractLseKernel):
     float32 in a fixed order. A logits soft cap
     runs in both passes; sinks join the kernel's output through its log-sum-exp
     (`add_sinks`), so their gradients flow; `attention_with_lse` returns the log-sum-exp,
-    differentiable too. Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, D]``
-    in bfloat16 or float16, D in {64, 128}, ``Dv == D``, any lengths (padded to the tiles
-    inside). ALiBi (`scores.ALiBi`, fixed or learned slopes) is evaluated inside the forward
-    and backward kernels, with the slopes' gradient; so is a score function
+    differentiable too. Inputs ``[B, H, Lq, D]`` / ``[B, Hkv, Lk, D]`` / ``[B, Hkv, Lk, Dv]``
+    in bfloat16 or float16, D = Dv in {64, 128, 256}, other head dims up to 256 and
+    ``Dv != D`` zero-padded to the least of those that holds both (`kernel_head_dim`; not
+    where that would more than double the width), any lengths (padded to the tiles
+    inside). ALiBi (`scores.ALiBi`, fixed or learned slopes) is evaluated inside the
+    forward and backward kernels, with the slopes' gradient; so is a score function
     (`scores.ScoreFunction`), traced into each kernel on its register tiles, its derivative
     in the logits taken by JAX in the kernel; the arrays it reads (its `params`, arrays it
     closes over) are the launches' operands, read at scalar indices, their gradient formed
@@ -229,10 +236,18 @@ class MosaicBlockSparse(AbstractLseKernel):
             return missing
         if features.dtype not in _DTYPES:
             return f"dtype {features.dtype} is not supported (bfloat16 and float16 are)."
-        if features.head_dim not in _HEAD_DIMS or features.value_dim != features.head_dim:
-            return (f"head dims {features.head_dim} / {features.value_dim} are not supported "
-                    f"(equal q / v head dims in {_HEAD_DIMS} are).")
-        if features.head_dim == 256 and not _HEAD_DIM_256_RUN_ON_GPU:
+        dims = (features.head_dim, features.value_dim)
+        width = kernel_head_dim(*dims)
+        if width is None:
+            return (f"head dims {dims[0]} / {dims[1]} are not supported (at most "
+                    f"{_HEAD_DIMS[-1]} each).")
+        if width > 2 * max(dims):
+            return (f"head dims {dims[0]} / {dims[1]} would be zero-padded to {width}, over "
+                    "twice their width.")
+        if dims != (width, width) and not _PADDED_HEAD_DIMS_RUN_ON_GPU:
+            return (f"head dims {dims[0]} / {dims[1]}, zero-padded to {width}, have not yet "
+                    "run on a GPU.")
+        if width == 256 and not _HEAD_DIM_256_RUN_ON_GPU:
             return "head dim 256 has not yet run on a GPU."
         if "relative_bias" in features.score:
             why = _table_decline(features)
@@ -250,17 +265,17 @@ class MosaicBlockSparse(AbstractLseKernel):
                         "and batch ids through jax.lax.axis_index, which Mosaic GPU cannot "
                         "lower in a kernel.")
             why = _function_decline(features.score_function, _planned_params(features),
-                                    features.head_dim, features.in_loop)
+                                    width, features.in_loop)
             if why is not None:
                 return why
-        tiles = list(MosaicConfig.for_head_dim(features.head_dim).blocks)
+        tiles = list(MosaicConfig.for_head_dim(width).blocks)
         terms = mask.kernel_terms(tiles)
         if terms is None:
             predicate = mask.predicate()
             why = _predicate_decline(predicate, features)
             if why is None:
                 size = _element_map_bytes(predicate, features)
-                route = mask_route(predicate, features.head_dim)
+                route = mask_route(predicate, width)
                 if route.reads == "elements" and size > ELEMENT_MAP_LIMIT:
                     why = _element_map_decline(predicate, size)
             if why is not None:
@@ -274,12 +289,13 @@ class MosaicBlockSparse(AbstractLseKernel):
         return None
 
     def default_tiling(self, features: Features, mask: ResolvedMask) -> MosaicConfig:
-        return MosaicConfig.for_head_dim(features.head_dim)
+        return MosaicConfig.for_head_dim(_features_width(features))
 
     def adapt_tiling(self, tiling: AbstractKernelConfig, features: Features) -> MosaicConfig:
-        fixed = MosaicConfig.for_head_dim(features.head_dim)
+        width = _features_width(features)
+        fixed = MosaicConfig.for_head_dim(width)
         if isinstance(tiling, MosaicConfig) and tiling != fixed:
-            raise ValueError(f"MosaicBlockSparse runs {fixed} at head dim {features.head_dim} "
+            raise ValueError(f"MosaicBlockSparse runs {fixed} at head dim {width} "
                              f"(its tiles are fixed); got {tiling}.")
         return fixed
 
@@ -291,8 +307,18 @@ class MosaicBlockSparse(AbstractLseKernel):
 
     def attention_with_lse(self, query, key, value, *, mask, inputs, features, tiling,
                            softmax_scale, logits_soft_cap):
+        # Head dims outside the launches' run zero-padded to theirs: zero columns of q and k
+        # add nothing to the logits, zero columns of v give output columns cut off here (and
+        # the padding's gradients are cut off by JAX).
+        dim, value_dim = query.shape[3], value.shape[3]
+        width = kernel_head_dim(dim, value_dim)
+        if width is None:
+            raise ValueError(f"MosaicBlockSparse: head dims {dim} / {value_dim} are not "
+                             f"supported (at most {_HEAD_DIMS[-1]} each).")
+        query, key, value = (pad_axis(x, 3, width) for x in (query, key, value))
         out, lse = self._attention(query, key, value, mask, inputs, softmax_scale,
                                    logits_soft_cap)
+        out = out[..., :value_dim]
         if inputs.sinks is not None:
             out, lse = add_sinks(out, lse, inputs.sinks)
         return out.astype(query.dtype), lse
@@ -435,6 +461,25 @@ class MosaicBlockSparse(AbstractLseKernel):
         slopes = jnp.zeros((1,), jnp.float32) if slopes is None else slopes
         return _attend(fcfg, bcfg, query, key, value, slopes, data, _padded_bias(inputs, lq, lk),
                        table, seg, positions, maps, lists, bwd_lists)
+
+
+def kernel_head_dim(head_dim: int, value_dim: int) -> int | None:
+    """The head dim the launches run a call of query / key head dim `head_dim` and value head
+    dim `value_dim` at: the least of `_HEAD_DIMS` that holds both (q, k and v zero-padded to
+    it), or ``None`` where none does.
+
+    ```python
+    kernel_head_dim(128, 128), kernel_head_dim(96, 96), kernel_head_dim(64, 128)  # 128 each
+    ```
+    """
+    return next((d for d in _HEAD_DIMS if d >= max(head_dim, value_dim)), None)
+
+
+def _features_width(features: Features) -> int:
+    """`kernel_head_dim` of the call (its largest head dim where none holds it, which
+    `MosaicConfig.for_head_dim` refuses in one line)."""
+    dims = (features.head_dim, features.value_dim)
+    return kernel_head_dim(*dims) or max(dims)
 
 
 def _table_decline(features: Features) -> str | None:

@@ -1,0 +1,213 @@
+"""`MosaicBlockSparse` at head dims its launches do not take (``Dv != D``, or D outside 64 /
+128 / 256): q, k and v zero-padded to the least launch head dim that holds both
+(`kernel.kernel_head_dim`), the output and the gradients cut back to the call's. Checked
+here: the width chosen and the declines (no GPU needed), the launches lowered for a Hopper
+GPU on a host without one, and the whole call in Pallas' CPU interpreter and on a Hopper GPU
+against the float32 dense reference (output and every gradient), and the one-line decline
+that keeps the selector off such calls until they have run on a GPU
+(`kernel._PADDED_HEAD_DIMS_RUN_ON_GPU`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_bsattn as bsa
+import eqx_bsattn._layout as layout_internals
+from eqx_bsattn import masks, scores
+from eqx_bsattn.strategies.kernels import DenseReference
+from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse, MosaicConfig
+from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+
+def window_by_head(q, k, head):
+    """A mask without terms that varies by head."""
+    return (k <= q) & (q - k < 30 + 40 * head)
+
+
+@pytest.fixture
+def padded_head_dims(monkeypatch):
+    """The kernel as it will be once padded head dims have run on a GPU."""
+    monkeypatch.setattr(mosaic_kernel, "_PADDED_HEAD_DIMS_RUN_ON_GPU", True)
+
+
+def _rel(a, b) -> float:
+    a = np.asarray(jnp.asarray(a, jnp.float32))
+    b = np.asarray(jnp.asarray(b, jnp.float32))
+    assert np.all(np.isfinite(a)), "non-finite values"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ---------------------------------------------------------------------------------------------
+# The width and the declines (no GPU needed).
+
+
+@pytest.mark.parametrize("dims, width", [
+    ((64, 64), 64), ((33, 33), 64), ((64, 128), 128), ((128, 64), 128), ((80, 96), 128),
+    ((96, 96), 128), ((129, 64), 256), ((192, 192), 256), ((256, 256), 256),
+    ((16, 16), 64), ((257, 64), None), ((64, 300), None)])
+def test_kernel_head_dim(dims, width):
+    """The least launch head dim holding both of the call's, ``None`` over 256."""
+    assert mosaic_kernel.kernel_head_dim(*dims) == width
+
+
+@pytest.mark.parametrize("dims, reason", [
+    ((64, 128), None), ((128, 64), None), ((96, 96), None), ((24, 40), None),
+    ((16, 16), "head dims 16 / 16 would be zero-padded to 64, over twice their width."),
+    ((128, 320), "head dims 128 / 320 are not supported (at most 256 each)."),
+])
+def test_padded_head_dims_are_declined_until_they_run_on_a_gpu(hopper_host, monkeypatch, dims,
+                                                                reason):
+    """Planned for a Hopper GPU, a padded call goes to another kernel with the reason until
+    the flag says padded calls have run on one; then it is Mosaic's, at the padded width's
+    tiles, its softmax scale still the call's head dim's. Always declined: padding that would more than double the work (Triton runs such
+    narrow heads at their own width), and head dims no launch holds."""
+    head_dim, value_dim = dims
+    q = jnp.zeros((1, 2, 256, head_dim), jnp.bfloat16)
+    v = jnp.zeros((1, 2, 256, value_dim), jnp.bfloat16)
+    attn = bsa.BlockSparseAttention(mask=masks.Causal() & masks.Dilated(2))
+    width = mosaic_kernel.kernel_head_dim(*dims)
+    for flag in (False, True):
+        monkeypatch.setattr(mosaic_kernel, "_PADDED_HEAD_DIMS_RUN_ON_GPU", flag)
+        plan = attn.plan(q, q, v, platform="gpu")
+        choice = plan.choice
+        expected = reason
+        if reason is None and not flag:
+            expected = (f"head dims {head_dim} / {value_dim}, zero-padded to {width}, have not "
+                        "yet run on a GPU.")
+        assert dict(choice.declined).get("mosaic") == expected, (flag, choice.declined)
+        if expected is None:
+            assert choice.kernel.name == "mosaic"
+            assert plan.tiling == MosaicConfig.for_head_dim(width)
+            # The scale is the call's own head dim's, not the padded width's.
+            assert plan.softmax_scale == pytest.approx(head_dim ** -0.5)
+        else:
+            assert choice.kernel.name != "mosaic"
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowered for CUDA (no GPU needed), and the whole call against the float32 reference.
+
+#: name: (head_dim, value_dim, mask, heads, kv_heads, q_len, kv_len, extras): "slopes"
+#: (learned ALiBi), "params" (per-head widths of `window_by_head`), "segments" (padded
+#: documents), "sinks" (per head), "single_pass" (deterministic=False).
+CASES = {
+    "value_wider_gqa_ragged": (64, 128, masks.Causal(bottom_right=True), 2, 1, 130, 300, ()),
+    "value_narrower_alibi": (128, 64, masks.SlidingWindow(90, 40), 2, 2, 200, 300,
+                             ("slopes", "sinks")),
+    "odd_predicate": (96, 96, masks.Predicate(window_by_head), 2, 2, 200, 200, ()),
+    "odd_pair_documents_single_pass": (80, 96, masks.Causal() & masks.Document(), 2, 2, 200,
+                                       200, ("segments", "single_pass")),
+}
+QUICK = ("value_wider_gqa_ragged",)
+
+
+def _inputs(head_dim, value_dim, heads, kv_heads, q_len, kv_len, extras, seed=0):
+    """``(q, k, v, cotangent, arrays, data)`` in float32: `arrays` the differentiated extras
+    (slopes, sinks) by name, `data` the segment ids."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (1, heads, q_len, head_dim), jnp.float32)
+    k = jax.random.normal(keys[1], (1, kv_heads, kv_len, head_dim), jnp.float32)
+    v = jax.random.normal(keys[2], (1, kv_heads, kv_len, value_dim), jnp.float32)
+    cot = jax.random.normal(keys[3], (1, heads, q_len, value_dim), jnp.float32)
+    arrays, data = {}, {}
+    if "slopes" in extras:
+        arrays["slopes"] = jnp.asarray([0.25, -0.1, 0.05, 0.15][:heads], jnp.float32)
+    if "sinks" in extras:
+        arrays["sinks"] = jax.random.normal(keys[4], (heads,), jnp.float32)
+    if "segments" in extras:
+        ids = np.repeat(np.arange(3, dtype=np.int32), [60, 90, 50])
+        ids[-11:] = -1
+        data = dict(q_segment_ids=jnp.asarray(ids[None]), kv_segment_ids=jnp.asarray(ids[None]))
+    return q, k, v, cot, arrays, data
+
+
+def _call(mask, kernel, dtype, data):
+    """``f(q, k, v, arrays)``: the call with the extras in `arrays` and `data`."""
+
+    def f(q, k, v, arrays):
+        score = None
+        if "slopes" in arrays:
+            score = scores.ALiBi(arrays["slopes"], learned=True)
+        attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, score=score)
+        return attn(*(x.astype(dtype) for x in (q, k, v)), sinks=arrays.get("sinks"), **data)
+
+    return f
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(name, marks=[] if name in QUICK else [pytest.mark.extended])
+    for name in sorted(CASES)])
+def test_launches_lower_for_cuda(hopper_host, padded_head_dims, monkeypatch, case):
+    """`jit(grad)` of a padded call lowers for CUDA as the launches of its padded width (the
+    forward, dq and dk/dv; the single pass asked for runs the forward and one backward
+    launch), its gradients of the inputs' own shapes."""
+    head_dim, value_dim, mask, heads, kv_heads, q_len, kv_len, extras = CASES[case]
+    monkeypatch.setattr(layout_internals.eqx, "error_if", lambda x, *_, **__: x)
+    q, k, v, cot, arrays, data = _inputs(head_dim, value_dim, heads, kv_heads, q_len, kv_len,
+                                         extras)
+    single_pass = "single_pass" in extras
+    kernel = MosaicBlockSparse(deterministic=not single_pass)
+    f = _call(mask, kernel, jnp.bfloat16, data)
+
+    def grads(q, k, v, arrays):
+        out, pullback = jax.vjp(f, q, k, v, arrays)
+        assert out.shape == cot.shape
+        return pullback(cot.astype(out.dtype))
+
+    lowered = jax.jit(grads).trace(q, k, v, arrays).lower(lowering_platforms=("cuda",))
+    launches = 2 if single_pass and kernel.single_pass() else 3
+    assert lowered.as_text().count("custom_call @mosaic_gpu") == launches, case
+    shapes = [o.shape for o in jax.tree.leaves(lowered.out_info)]
+    assert shapes == [x.shape for x in jax.tree.leaves((q, k, v, arrays))]
+
+
+def _check_against_reference(case, dtype, tolerance, extras_tolerance):
+    """Output and the gradients in q, k, v within `tolerance` of the float32 reference's
+    (relative norm), those in the extras within `extras_tolerance` (a slope's gradient
+    cancels far below its terms and keeps their rounding)."""
+    head_dim, value_dim, mask, heads, kv_heads, q_len, kv_len, extras = CASES[case]
+    q, k, v, cot, arrays, data = _inputs(head_dim, value_dim, heads, kv_heads, q_len, kv_len,
+                                         extras, seed=3)
+    q, k, v = (x.astype(dtype).astype(jnp.float32) for x in (q, k, v))
+    kernel = MosaicBlockSparse(deterministic="single_pass" not in extras)
+    got_out, pullback = jax.vjp(_call(mask, kernel, dtype, data), q, k, v, arrays)
+    got = pullback(cot.astype(got_out.dtype))
+    with jax.default_matmul_precision("highest"):
+        want_out, pullback = jax.vjp(_call(mask, DenseReference(), jnp.float32, data), q, k, v,
+                                     arrays)
+        want = pullback(cot)
+    assert got_out.shape == want_out.shape == cot.shape
+    errors = {"out": _rel(got_out, want_out)}
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape, name
+        errors[name] = _rel(g, w)
+    for name in arrays:
+        errors["d" + name] = _rel(got[3][name], want[3][name])
+    bad = {name: e for name, e in errors.items()
+           if e > (extras_tolerance if name[1:] in arrays else tolerance)}
+    assert not bad, f"{case}: relative errors over {tolerance} / {extras_tolerance}: {errors}"
+    # Rows that see no key: zeros, never NaN.
+    empty = np.asarray(jnp.abs(want_out).sum(-1) == 0)
+    assert np.all(np.asarray(got_out, np.float32)[empty] == 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_reference_in_cpu_interpreter(interpreted, padded_head_dims, case):
+    """A padded call's launches in Pallas' CPU interpreter, float16, against the float32
+    reference: output and the gradients in q, k, v and the extras (slopes, sinks).
+    Extended only: each takes a minute or more on a machine of few cores."""
+    _check_against_reference(case, jnp.float16, 4e-3, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_reference_on_gpu(padded_head_dims, case):
+    """A padded call's launches on a Hopper GPU, bfloat16, against the float32 reference."""
+    _check_against_reference(case, jnp.bfloat16, 2e-2, 5e-2)
