@@ -4,6 +4,8 @@ a Hopper GPU, a spy on the launches, and the launches run in Pallas' CPU interpr
 import functools
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import eqx_bsattn._module as module_internals
@@ -68,3 +70,38 @@ def mosaic_device(request):
     if request.param == "interpreter":
         request.getfixturevalue("interpreted")
     return request.param
+
+
+def relative_error(a, b) -> float:
+    """``|a - b| / |b|`` in float32 (Frobenius norms); `a` must be finite."""
+    a = np.asarray(jnp.asarray(a, jnp.float32))
+    b = np.asarray(jnp.asarray(b, jnp.float32))
+    assert np.all(np.isfinite(a)), "non-finite values"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_matches_reference(got, want, q, k, v, arrays, cotangent, tolerance,
+                             extras_tolerance, label):
+    """`got(q, k, v, arrays)` against the reference `want` (run at the highest matmul
+    precision): the output and the gradients in q, k, v within `tolerance` (relative norm),
+    those in the differentiated extras `arrays` (a dict) within `extras_tolerance` (a slope's
+    or a param's gradient sums dS times a distance over every pair, and each row's dS sums
+    to zero, so it cancels far below its terms and keeps their rounding); rows that see no
+    key are zeros, never NaN."""
+    got_out, pullback = jax.vjp(got, q, k, v, arrays)
+    got_grads = pullback(cotangent.astype(got_out.dtype))
+    with jax.default_matmul_precision("highest"):
+        want_out, pullback = jax.vjp(want, q, k, v, arrays)
+        want_grads = pullback(cotangent)
+    assert got_out.shape == want_out.shape == cotangent.shape, label
+    errors = {"out": relative_error(got_out, want_out)}
+    for name, g, w in zip(("dq", "dk", "dv"), got_grads, want_grads):
+        assert g.shape == w.shape, (label, name)
+        errors[name] = relative_error(g, w)
+    for name in arrays:
+        errors["d" + name] = relative_error(got_grads[3][name], want_grads[3][name])
+    bad = {name: e for name, e in errors.items()
+           if e > (extras_tolerance if name[1:] in arrays else tolerance)}
+    assert not bad, f"{label}: relative errors over {tolerance} / {extras_tolerance}: {errors}"
+    empty = np.asarray(jnp.abs(want_out).sum(-1) == 0)
+    assert np.all(np.asarray(got_out, np.float32)[empty] == 0.0), label

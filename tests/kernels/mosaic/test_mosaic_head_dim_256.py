@@ -21,6 +21,7 @@ from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels import DenseReference
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse, MosaicConfig
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+from tests.kernels.mosaic.conftest import assert_matches_reference
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
@@ -42,13 +43,6 @@ def learned_distance(score, head, q_pos, k_pos, w):
 def head_dim_256(monkeypatch):
     """The kernel as it will be once head dim 256 has run on a GPU."""
     monkeypatch.setattr(mosaic_kernel, "_HEAD_DIM_256_RUN_ON_GPU", True)
-
-
-def _rel(a, b) -> float:
-    a = np.asarray(jnp.asarray(a, jnp.float32))
-    b = np.asarray(jnp.asarray(b, jnp.float32))
-    assert np.all(np.isfinite(a)), "non-finite values"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,33 +179,16 @@ def test_launches_lower_for_cuda(hopper_host, head_dim_256, monkeypatch, case):
 
 
 def _check_against_reference(case, dtype, tolerance, extras_tolerance):
-    """Output and the gradients in q, k, v within `tolerance` of the float32 reference's
-    (relative norm), those in the extras within `extras_tolerance`: a slope's or a param's
-    gradient sums dS times a distance over every pair, and each row's dS sums to zero, so
-    it cancels far below its terms and keeps their rounding."""
+    """The call through Mosaic in `dtype` against the float32 reference
+    (`assert_matches_reference`)."""
     mask, heads, kv_heads, q_len, kv_len, extras = CASES[case]
     q, k, v, cot, arrays, data = _inputs(heads, kv_heads, q_len, kv_len, extras, seed=3)
     # The inputs as the kernel sees them (rounded), for both.
     q, k, v = (x.astype(dtype).astype(jnp.float32) for x in (q, k, v))
     kernel = MosaicBlockSparse(deterministic="single_pass" not in extras)
-    got_out, pullback = jax.vjp(_call(mask, kernel, dtype, data), q, k, v, arrays)
-    got = pullback(cot.astype(got_out.dtype))
-    with jax.default_matmul_precision("highest"):
-        want_out, pullback = jax.vjp(_call(mask, DenseReference(), jnp.float32, data), q, k, v,
-                                     arrays)
-        want = pullback(cot)
-    errors = {"out": _rel(got_out, want_out)}
-    for name, g, w in zip(("dq", "dk", "dv"), got, want):
-        assert g.shape == w.shape, name
-        errors[name] = _rel(g, w)
-    for name in arrays:
-        errors["d" + name] = _rel(got[3][name], want[3][name])
-    bad = {name: e for name, e in errors.items()
-           if e > (extras_tolerance if name[1:] in arrays else tolerance)}
-    assert not bad, f"{case}: relative errors over {tolerance} / {extras_tolerance}: {errors}"
-    # Rows that see no key: zeros, never NaN.
-    empty = np.asarray(jnp.abs(want_out).sum(-1) == 0)
-    assert np.all(np.asarray(got_out, np.float32)[empty] == 0.0)
+    assert_matches_reference(_call(mask, kernel, dtype, data),
+                             _call(mask, DenseReference(), jnp.float32, data), q, k, v, arrays,
+                             cot, tolerance, extras_tolerance, case)
 
 
 @pytest.mark.slow
