@@ -230,7 +230,8 @@ def run(args) -> list[dict]:
                 for impl, (f, layout) in impls.items():
                     record = {
                         "pattern": name, "length": length, "batch": b, "heads": h,
-                        "kv_heads": kv_heads, "dim": d, "value_dim": dv, "dtype": args.dtype, "impl": impl,
+                        "kv_heads": kv_heads, "dim": d, "value_dim": dv, "dtype": args.dtype,
+                        "impl": impl,
                         "layout": layout, "platform": platform,
                         "density": pairs / float(length * length),
                     }

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import eqx_bsattn as bsa
 import eqx_bsattn._module as module_internals
+from eqx_bsattn import scores
 
 #: The H200's multiprocessors: the persistent launches' CTAs.
 H200_MULTIPROCESSORS = 132
@@ -105,3 +107,62 @@ def assert_matches_reference(got, want, q, k, v, arrays, cotangent, tolerance,
     assert not bad, f"{label}: relative errors over {tolerance} / {extras_tolerance}: {errors}"
     empty = np.asarray(jnp.abs(want_out).sum(-1) == 0)
     assert np.all(np.asarray(got_out, np.float32)[empty] == 0.0), label
+
+
+def call_inputs(head_dim, value_dim, heads, kv_heads, q_len, kv_len, extras, seed=0):
+    """``(q, k, v, cotangent, arrays, data)`` of one batch row in float32 for
+    `call_with_extras`: `arrays` the differentiated extras named in `extras` ("slopes" per
+    head, "params" per head, "bias" ``[1, H, Lq, Lk]``, "sinks" per head), `data` the segment
+    ids ("segments": three documents over 200 tokens, the last 11 padding)."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (1, heads, q_len, head_dim), jnp.float32)
+    k = jax.random.normal(keys[1], (1, kv_heads, kv_len, head_dim), jnp.float32)
+    v = jax.random.normal(keys[2], (1, kv_heads, kv_len, value_dim), jnp.float32)
+    cot = jax.random.normal(keys[3], (1, heads, q_len, value_dim), jnp.float32)
+    arrays, data = {}, {}
+    if "slopes" in extras:
+        arrays["slopes"] = jnp.asarray([0.25, -0.1, 0.05, 0.15][:heads], jnp.float32)
+    if "params" in extras:
+        arrays["params"] = jnp.asarray([0.1, 0.2, 0.05, 0.3][:heads], jnp.float32)
+    if "bias" in extras:
+        arrays["bias"] = jax.random.normal(keys[4], (1, heads, q_len, kv_len), jnp.float32)
+    if "sinks" in extras:
+        arrays["sinks"] = jax.random.normal(jax.random.fold_in(keys[4], 1), (heads,),
+                                            jnp.float32)
+    if "segments" in extras:
+        ids = np.repeat(np.arange(3, dtype=np.int32), [60, 90, 50])
+        ids[-11:] = -1
+        data = dict(q_segment_ids=jnp.asarray(ids[None]), kv_segment_ids=jnp.asarray(ids[None]))
+    return q, k, v, cot, arrays, data
+
+
+def call_with_extras(mask, kernel, dtype, data, function=None):
+    """``f(q, k, v, arrays)``: the module's call in `dtype` with the extras of `arrays`
+    (`call_inputs`: learned ALiBi slopes, `function`'s params, a bias, sinks) and `data`."""
+
+    def f(q, k, v, arrays):
+        score = None
+        if "slopes" in arrays:
+            score = scores.ALiBi(arrays["slopes"], learned=True)
+        if "params" in arrays:
+            score = scores.ScoreFunction(function, arrays["params"])
+        attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, score=score)
+        return attn(*(x.astype(dtype) for x in (q, k, v)), bias=arrays.get("bias"),
+                    sinks=arrays.get("sinks"), **data)
+
+    return f
+
+
+def assert_lowers_for_cuda(f, q, k, v, arrays, cotangent, launches, label):
+    """`jit` of `f`'s pullback lowers for CUDA as `launches` Mosaic GPU launches, its
+    gradients of the inputs' own shapes."""
+
+    def grads(q, k, v, arrays):
+        out, pullback = jax.vjp(f, q, k, v, arrays)
+        assert out.shape == cotangent.shape, label
+        return pullback(cotangent.astype(out.dtype))
+
+    lowered = jax.jit(grads).trace(q, k, v, arrays).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("custom_call @mosaic_gpu") == launches, label
+    shapes = [o.shape for o in jax.tree.leaves(lowered.out_info)]
+    assert shapes == [x.shape for x in jax.tree.leaves((q, k, v, arrays))], label

@@ -17,11 +17,12 @@ import pytest
 
 import eqx_bsattn as bsa
 import eqx_bsattn._layout as layout_internals
-from eqx_bsattn import masks, scores
+from eqx_bsattn import masks
 from eqx_bsattn.strategies.kernels import DenseReference
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse, MosaicConfig
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
-from tests.kernels.mosaic.conftest import assert_matches_reference
+from tests.kernels.mosaic.conftest import (assert_lowers_for_cuda, assert_matches_reference,
+                                           call_inputs, call_with_extras)
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
@@ -114,43 +115,6 @@ CASES = {
 QUICK = ("causal_gqa_ragged", "predicate_params_gqa")
 
 
-def _inputs(heads, kv_heads, q_len, kv_len, extras, seed=0):
-    """``(q, k, v, cotangent, arrays, data)`` in float32: `arrays` the differentiated extras
-    (slopes, params, bias) by name, `data` the segment ids."""
-    keys = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(keys[0], (1, heads, q_len, D), jnp.float32)
-    k = jax.random.normal(keys[1], (1, kv_heads, kv_len, D), jnp.float32)
-    v = jax.random.normal(keys[2], (1, kv_heads, kv_len, D), jnp.float32)
-    cot = jax.random.normal(keys[3], q.shape, jnp.float32)
-    arrays, data = {}, {}
-    if "slopes" in extras:
-        arrays["slopes"] = jnp.asarray([0.25, -0.1, 0.05, 0.15][:heads], jnp.float32)
-    if "params" in extras:
-        arrays["params"] = jnp.asarray([0.1, 0.2, 0.05, 0.3][:heads], jnp.float32)
-    if "bias" in extras:
-        arrays["bias"] = jax.random.normal(keys[4], (1, heads, q_len, kv_len), jnp.float32)
-    if "segments" in extras:
-        ids = np.repeat(np.arange(3, dtype=np.int32), [60, 90, 50])
-        ids[-11:] = -1
-        data = dict(q_segment_ids=jnp.asarray(ids[None]), kv_segment_ids=jnp.asarray(ids[None]))
-    return q, k, v, cot, arrays, data
-
-
-def _call(mask, kernel, dtype, data):
-    """``f(q, k, v, arrays)``: the call with the extras in `arrays` and `data`."""
-
-    def f(q, k, v, arrays):
-        score = None
-        if "slopes" in arrays:
-            score = scores.ALiBi(arrays["slopes"], learned=True)
-        if "params" in arrays:
-            score = scores.ScoreFunction(learned_distance, arrays["params"])
-        attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, score=score)
-        return attn(*(x.astype(dtype) for x in (q, k, v)), bias=arrays.get("bias"), **data)
-
-    return f
-
-
 @pytest.mark.parametrize("case", [
     pytest.param(name, marks=[] if name in QUICK else [pytest.mark.extended])
     for name in sorted(CASES)])
@@ -160,18 +124,10 @@ def test_launches_lower_for_cuda(hopper_host, head_dim_256, monkeypatch, case):
     inputs' shapes."""
     mask, heads, kv_heads, q_len, kv_len, extras = CASES[case]
     monkeypatch.setattr(layout_internals.eqx, "error_if", lambda x, *_, **__: x)
-    q, k, v, cot, arrays, data = _inputs(heads, kv_heads, q_len, kv_len, extras)
+    q, k, v, cot, arrays, data = call_inputs(D, D, heads, kv_heads, q_len, kv_len, extras)
     kernel = MosaicBlockSparse(deterministic="single_pass" not in extras)
-    f = _call(mask, kernel, jnp.bfloat16, data)
-
-    def grads(q, k, v, arrays):
-        out, pullback = jax.vjp(f, q, k, v, arrays)
-        return pullback(cot.astype(out.dtype))
-
-    lowered = jax.jit(grads).trace(q, k, v, arrays).lower(lowering_platforms=("cuda",))
-    assert lowered.as_text().count("custom_call @mosaic_gpu") == 4, case
-    shapes = [o.shape for o in jax.tree.leaves(lowered.out_info)]
-    assert shapes == [x.shape for x in jax.tree.leaves((q, k, v, arrays))]
+    f = call_with_extras(mask, kernel, jnp.bfloat16, data, learned_distance)
+    assert_lowers_for_cuda(f, q, k, v, arrays, cot, 4, case)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,13 +138,15 @@ def _check_against_reference(case, dtype, tolerance, extras_tolerance):
     """The call through Mosaic in `dtype` against the float32 reference
     (`assert_matches_reference`)."""
     mask, heads, kv_heads, q_len, kv_len, extras = CASES[case]
-    q, k, v, cot, arrays, data = _inputs(heads, kv_heads, q_len, kv_len, extras, seed=3)
+    q, k, v, cot, arrays, data = call_inputs(D, D, heads, kv_heads, q_len, kv_len, extras,
+                                             seed=3)
     # The inputs as the kernel sees them (rounded), for both.
     q, k, v = (x.astype(dtype).astype(jnp.float32) for x in (q, k, v))
     kernel = MosaicBlockSparse(deterministic="single_pass" not in extras)
-    assert_matches_reference(_call(mask, kernel, dtype, data),
-                             _call(mask, DenseReference(), jnp.float32, data), q, k, v, arrays,
-                             cot, tolerance, extras_tolerance, case)
+    assert_matches_reference(
+        call_with_extras(mask, kernel, dtype, data, learned_distance),
+        call_with_extras(mask, DenseReference(), jnp.float32, data, learned_distance),
+        q, k, v, arrays, cot, tolerance, extras_tolerance, case)
 
 
 @pytest.mark.slow

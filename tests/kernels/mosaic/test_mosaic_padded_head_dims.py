@@ -10,16 +10,16 @@ that keeps the selector off such calls until they have run on a GPU
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import eqx_bsattn as bsa
 import eqx_bsattn._layout as layout_internals
-from eqx_bsattn import masks, scores
+from eqx_bsattn import masks
 from eqx_bsattn.strategies.kernels import DenseReference
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse, MosaicConfig
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
-from tests.kernels.mosaic.conftest import assert_matches_reference
+from tests.kernels.mosaic.conftest import (assert_lowers_for_cuda, assert_matches_reference,
+                                           call_inputs, call_with_extras)
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
@@ -57,8 +57,9 @@ def test_padded_head_dims_are_declined_until_they_run_on_a_gpu(hopper_host, monk
                                                                 reason):
     """Planned for a Hopper GPU, a padded call goes to another kernel with the reason until
     the flag says padded calls have run on one; then it is Mosaic's, at the padded width's
-    tiles, its softmax scale still the call's head dim's. Always declined: padding that would more than double the work (Triton runs such
-    narrow heads at their own width), and head dims no launch holds."""
+    tiles, its softmax scale still the call's head dim's. Always declined: padding that would
+    more than double the work (Triton runs such narrow heads at their own width), and head
+    dims no launch holds."""
     head_dim, value_dim = dims
     q = jnp.zeros((1, 2, 256, head_dim), jnp.bfloat16)
     v = jnp.zeros((1, 2, 256, value_dim), jnp.bfloat16)
@@ -99,39 +100,6 @@ CASES = {
 QUICK = ("value_wider_gqa_ragged",)
 
 
-def _inputs(head_dim, value_dim, heads, kv_heads, q_len, kv_len, extras, seed=0):
-    """``(q, k, v, cotangent, arrays, data)`` in float32: `arrays` the differentiated extras
-    (slopes, sinks) by name, `data` the segment ids."""
-    keys = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(keys[0], (1, heads, q_len, head_dim), jnp.float32)
-    k = jax.random.normal(keys[1], (1, kv_heads, kv_len, head_dim), jnp.float32)
-    v = jax.random.normal(keys[2], (1, kv_heads, kv_len, value_dim), jnp.float32)
-    cot = jax.random.normal(keys[3], (1, heads, q_len, value_dim), jnp.float32)
-    arrays, data = {}, {}
-    if "slopes" in extras:
-        arrays["slopes"] = jnp.asarray([0.25, -0.1, 0.05, 0.15][:heads], jnp.float32)
-    if "sinks" in extras:
-        arrays["sinks"] = jax.random.normal(keys[4], (heads,), jnp.float32)
-    if "segments" in extras:
-        ids = np.repeat(np.arange(3, dtype=np.int32), [60, 90, 50])
-        ids[-11:] = -1
-        data = dict(q_segment_ids=jnp.asarray(ids[None]), kv_segment_ids=jnp.asarray(ids[None]))
-    return q, k, v, cot, arrays, data
-
-
-def _call(mask, kernel, dtype, data):
-    """``f(q, k, v, arrays)``: the call with the extras in `arrays` and `data`."""
-
-    def f(q, k, v, arrays):
-        score = None
-        if "slopes" in arrays:
-            score = scores.ALiBi(arrays["slopes"], learned=True)
-        attn = bsa.BlockSparseAttention(mask=mask, kernel=kernel, score=score)
-        return attn(*(x.astype(dtype) for x in (q, k, v)), sinks=arrays.get("sinks"), **data)
-
-    return f
-
-
 @pytest.mark.parametrize("case", [
     pytest.param(name, marks=[] if name in QUICK else [pytest.mark.extended])
     for name in sorted(CASES)])
@@ -141,35 +109,26 @@ def test_launches_lower_for_cuda(hopper_host, padded_head_dims, monkeypatch, cas
     launch), its gradients of the inputs' own shapes."""
     head_dim, value_dim, mask, heads, kv_heads, q_len, kv_len, extras = CASES[case]
     monkeypatch.setattr(layout_internals.eqx, "error_if", lambda x, *_, **__: x)
-    q, k, v, cot, arrays, data = _inputs(head_dim, value_dim, heads, kv_heads, q_len, kv_len,
-                                         extras)
+    q, k, v, cot, arrays, data = call_inputs(head_dim, value_dim, heads, kv_heads, q_len,
+                                             kv_len, extras)
     single_pass = "single_pass" in extras
     kernel = MosaicBlockSparse(deterministic=not single_pass)
-    f = _call(mask, kernel, jnp.bfloat16, data)
-
-    def grads(q, k, v, arrays):
-        out, pullback = jax.vjp(f, q, k, v, arrays)
-        assert out.shape == cot.shape
-        return pullback(cot.astype(out.dtype))
-
-    lowered = jax.jit(grads).trace(q, k, v, arrays).lower(lowering_platforms=("cuda",))
+    f = call_with_extras(mask, kernel, jnp.bfloat16, data)
     launches = 2 if single_pass and kernel.single_pass() else 3
-    assert lowered.as_text().count("custom_call @mosaic_gpu") == launches, case
-    shapes = [o.shape for o in jax.tree.leaves(lowered.out_info)]
-    assert shapes == [x.shape for x in jax.tree.leaves((q, k, v, arrays))]
+    assert_lowers_for_cuda(f, q, k, v, arrays, cot, launches, case)
 
 
 def _check_against_reference(case, dtype, tolerance, extras_tolerance):
     """The call through Mosaic in `dtype` against the float32 reference
     (`assert_matches_reference`)."""
     head_dim, value_dim, mask, heads, kv_heads, q_len, kv_len, extras = CASES[case]
-    q, k, v, cot, arrays, data = _inputs(head_dim, value_dim, heads, kv_heads, q_len, kv_len,
-                                         extras, seed=3)
+    q, k, v, cot, arrays, data = call_inputs(head_dim, value_dim, heads, kv_heads, q_len,
+                                             kv_len, extras, seed=3)
     q, k, v = (x.astype(dtype).astype(jnp.float32) for x in (q, k, v))
     kernel = MosaicBlockSparse(deterministic="single_pass" not in extras)
-    assert_matches_reference(_call(mask, kernel, dtype, data),
-                             _call(mask, DenseReference(), jnp.float32, data), q, k, v, arrays,
-                             cot, tolerance, extras_tolerance, case)
+    assert_matches_reference(call_with_extras(mask, kernel, dtype, data),
+                             call_with_extras(mask, DenseReference(), jnp.float32, data),
+                             q, k, v, arrays, cot, tolerance, extras_tolerance, case)
 
 
 @pytest.mark.slow
