@@ -3,6 +3,8 @@
 import abc
 import dataclasses
 import functools
+import types
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -269,6 +271,13 @@ class AbstractKernel(AbstractStrategy):
     #: tuned before it stale.
     version: ClassVar[str] = "1"
     config_type: ClassVar[type[AbstractKernelConfig]] = Tiling
+    #: The features it has built and checked without its device (in an interpreter, lowered
+    #: for it) that have not yet run on that device: ``{feature: what it is}``. Its
+    #: `decline_reason` declines a call that needs one, in one line ("... has not yet run on a
+    #: GPU"), until a device run proves it and the feature leaves the record
+    #: (`benchmarks/device_proofs.sh` runs every kernel's pending proofs; the tests' option
+    #: ``--prove-awaiting`` takes the features as if proven, for that run only).
+    awaiting_device_run: ClassVar[Mapping[str, str]] = types.MappingProxyType({})
     #: True: where the mask hides padding (`CompiledMask.hides_padding`) and the call has
     #: segment ids, the kernel zeroes the q, k, v rows of padding tokens (negative ids) in each
     #: block it reads, and their rows of dq, dk, dv, itself. Default False: the plan selects
@@ -283,6 +292,12 @@ class AbstractKernel(AbstractStrategy):
                 "log-sum-exp subclasses `AbstractLseKernel` (and implements `attention_with_lse`)."
             )
         _REGISTRY.append(cls)
+
+    @classmethod
+    def awaits_device_run(cls, feature: str) -> bool:
+        """Whether `feature` (a key of `awaiting_device_run`) still waits for a run on this
+        kernel's device."""
+        return feature in cls.awaiting_device_run
 
     @classmethod
     @abc.abstractmethod

@@ -497,9 +497,34 @@ def pytest_addoption(parser):
                      help="also run the extended tier (tests marked `extended`): the rest of "
                           "the cross products whose covering subset the full tier takes; "
                           "implies --full")
+    parser.addoption("--prove-awaiting", action="store_true",
+                     help="take every kernel's features awaiting a device run "
+                          "(`AbstractKernel.awaiting_device_run`) as proven for this run, so "
+                          "the selector, the GPU tests and the conformance suite run them: for "
+                          "the proof command on a lent device (benchmarks/device_proofs.sh)")
+
+
+def take_as_proven(kernel_type, *features, monkeypatch=None):
+    """Take `features` of `kernel_type`'s `awaiting_device_run` (all of them where none is
+    named) as proven: for one test with `monkeypatch`, else for the rest of the process."""
+    import types
+
+    left = types.MappingProxyType({name: what for name, what
+                                   in kernel_type.awaiting_device_run.items()
+                                   if features and name not in features})
+    if monkeypatch is None:
+        type.__setattr__(kernel_type, "awaiting_device_run", left)
+    else:
+        monkeypatch.setattr(kernel_type, "awaiting_device_run", left)
 
 
 def pytest_configure(config):
+    if config.getoption("--prove-awaiting"):
+        import eqx_bsattn
+
+        for kernel_type in eqx_bsattn.registered_kernels():
+            if kernel_type.awaiting_device_run:
+                take_as_proven(kernel_type)
     config.addinivalue_line(
         "markers", "covering(first, second): of the cross product of two parametrized "
         "arguments, the default run takes `first`'s value i with `second`'s value i mod n, "

@@ -658,7 +658,7 @@ def _mosaic_table_runs() -> bool:
     GPU)."""
     from eqx_bsattn.strategies.kernels.mosaic import kernel
 
-    return kernel._TABLE_RUN_ON_GPU
+    return not kernel.MosaicBlockSparse.awaits_device_run("t5_table")
 
 
 def _mosaic_head_dim_256() -> bool:
@@ -666,7 +666,7 @@ def _mosaic_head_dim_256() -> bool:
     GPU)."""
     from eqx_bsattn.strategies.kernels.mosaic import kernel
 
-    return kernel._HEAD_DIM_256_RUN_ON_GPU
+    return not kernel.MosaicBlockSparse.awaits_device_run("head_dim_256")
 
 
 def _mosaic_padded_head_dims() -> bool:
@@ -674,7 +674,7 @@ def _mosaic_padded_head_dims() -> bool:
     128 / 256; it declines them until they have run on a GPU)."""
     from eqx_bsattn.strategies.kernels.mosaic import kernel
 
-    return kernel._PADDED_HEAD_DIMS_RUN_ON_GPU
+    return not kernel.MosaicBlockSparse.awaits_device_run("padded_head_dims")
 
 
 #: MosaicBlockSparse: 16-bit, D = Dv in {64, 128} (and 256 once it has run on a GPU), other

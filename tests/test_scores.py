@@ -316,7 +316,7 @@ def test_triton_is_not_declined_for_alibi_or_relative_bias():
     """The selector passes ALiBi and a table to Triton (here it declines only where jax-triton
     is missing, for that reason) and to Mosaic once its table has run on a GPU (until then it
     declines the table for that reason); cuDNN declines both."""
-    from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+    from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 
     features = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=128, value_dim=128,
                             score=("alibi", "relative_bias"))
@@ -325,7 +325,8 @@ def test_triton_is_not_declined_for_alibi_or_relative_bias():
     assert "score terms" in lines["declined cudnn"]
     mosaic = lines.get("declined mosaic", "")
     assert "score terms" not in mosaic
-    assert ("has not yet run on a GPU" in mosaic) == (not mosaic_kernel._TABLE_RUN_ON_GPU)
+    assert ("has not yet run on a GPU" in mosaic) == (
+        MosaicBlockSparse.awaits_device_run("t5_table"))
     assert "score terms" not in lines.get("declined triton", "")
 
 

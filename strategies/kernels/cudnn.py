@@ -1,6 +1,8 @@
 """`CudnnDense`: cuDNN's fused attention through `jax.nn.dot_product_attention`, for the masks
 it can express (full, causal, causal with a sliding window) on a GPU."""
 
+import types
+from collections.abc import Mapping
 from typing import ClassVar
 
 import jax
@@ -8,11 +10,6 @@ import jax.numpy as jnp
 
 from eqx_bsattn.contract import (AbstractKernel, MaskReads, MaskTerms, first_gpu,
                                   refuse_forward_mode)
-
-
-#: Whether head dims 136 to 256 (which jax.nn's cuDNN path takes on Hopper and later GPUs) have
-#: run on one; until they have, they are declined in one line and the selector keeps Triton.
-_WIDE_HEADS_RUN_ON_GPU = False
 
 
 def _gpu_capability() -> tuple[int, ...] | None:
@@ -33,7 +30,7 @@ def head_dim_decline(head_dim: int) -> str | None:
         where = " on this GPU" if capability is not None else " (256 on a Hopper GPU)"
         return (f"cuDNN attention needs a head dim that is a multiple of 8, at most "
                 f"{limit}{where}; got {head_dim}.")
-    if head_dim > 128 and not _WIDE_HEADS_RUN_ON_GPU:
+    if head_dim > 128 and CudnnDense.awaits_device_run("wide_heads"):
         return f"cuDNN attention at head dim {head_dim} (over 128) has not yet run on a GPU."
     return None
 
@@ -86,6 +83,12 @@ class CudnnDense(AbstractKernel):
     name: ClassVar[str] = "cudnn"
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
     reads: ClassVar[MaskReads] = "dense"
+    #: Declined in one line (the selector keeps Triton) until `benchmarks/device_proofs.sh`
+    #: has run them on a Hopper GPU.
+    awaiting_device_run: ClassVar[Mapping[str, str]] = types.MappingProxyType({
+        "wide_heads": "head dims 136 to 256, which jax.nn's cuDNN path takes on Hopper and "
+                      "later GPUs",
+    })
 
     @classmethod
     def priority(cls, platform):

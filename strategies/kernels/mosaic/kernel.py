@@ -5,6 +5,8 @@ backward `backward.dq_call` and `backward.dkv_call` apart (deterministic; the de
 import dataclasses
 import functools
 import os
+import types
+from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
@@ -34,21 +36,10 @@ _DTYPES = ("bfloat16", "float16")
 #: The head dims the launches take (q and v of one head dim); other head dims, and a value
 #: head dim other than the query's, are zero-padded to the next of them (`kernel_head_dim`).
 _HEAD_DIMS = (64, 128, 256)
-#: Whether a call whose head dims are zero-padded to the launches' (`kernel_head_dim`: head
-#: dims outside `_HEAD_DIMS`, or ``Dv != D``) has run on a Hopper GPU; until it has, such a
-#: call is declined in one line and the selector keeps Triton.
-_PADDED_HEAD_DIMS_RUN_ON_GPU = False
-#: Whether head dim 256 (one Q buffer in the forward, 32-row streamed tiles in the backward,
-#: dk and dv as two launches) has run on a Hopper GPU; until it has, such a call is declined
-#: in one line and the selector keeps cuDNN or Triton.
-_HEAD_DIM_256_RUN_ON_GPU = False
 #: The bias dtypes the launches read as they are (others are read as float32).
 _BIAS_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 #: `_function_decline`'s params where the plan knows only that there are some.
 _UNKNOWN = object()
-#: Whether the T5 table's launches (`common.RelativeTiles`) have run on a Hopper GPU; until
-#: they have, a call with a table is declined in one line and the selector keeps Triton.
-_TABLE_RUN_ON_GPU = False
 
 
 #: `_mosaic_missing`'s reason on a machine without a GPU. The selector then judges the kernel
@@ -213,6 +204,16 @@ class MosaicBlockSparse(AbstractLseKernel):
     score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "relative_bias", "function")
     reads: ClassVar[MaskReads] = "elements"
     config_type: ClassVar[type[AbstractKernelConfig]] = MosaicConfig
+    #: Built, lowered for CUDA and checked in the CPU interpreter; declined in one line (the
+    #: selector keeps cuDNN or Triton) until `benchmarks/device_proofs.sh` has run them on a
+    #: Hopper GPU.
+    awaiting_device_run: ClassVar[Mapping[str, str]] = types.MappingProxyType({
+        "padded_head_dims": "head dims outside 64 / 128 / 256 and Dv != D, zero-padded to "
+                            "the launches' (`kernel_head_dim`)",
+        "head_dim_256": "head dim 256 (one Q buffer in the forward, 32-row streamed tiles in "
+                        "the backward, dk and dv as two launches)",
+        "t5_table": "the T5 table's launches (`common.RelativeTiles`)",
+    })
 
     def __check_init__(self):
         if not isinstance(self.deterministic, bool):
@@ -244,10 +245,10 @@ class MosaicBlockSparse(AbstractLseKernel):
         if width > 2 * max(dims):
             return (f"head dims {dims[0]} / {dims[1]} would be zero-padded to {width}, over "
                     "twice their width.")
-        if dims != (width, width) and not _PADDED_HEAD_DIMS_RUN_ON_GPU:
+        if dims != (width, width) and self.awaits_device_run("padded_head_dims"):
             return (f"head dims {dims[0]} / {dims[1]}, zero-padded to {width}, have not yet "
                     "run on a GPU.")
-        if width == 256 and not _HEAD_DIM_256_RUN_ON_GPU:
+        if width == 256 and self.awaits_device_run("head_dim_256"):
             return "head dim 256 has not yet run on a GPU."
         if "relative_bias" in features.score:
             why = _table_decline(features)
@@ -486,7 +487,7 @@ def _table_decline(features: Features) -> str | None:
     """Why the launches cannot add the call's T5 table, or ``None``: its near blocks are
     classed by their offsets on token indices (`common.RelativeTiles`), so per-call positions
     are not taken, nor a sharding's loop (which passes positions)."""
-    if not _TABLE_RUN_ON_GPU:
+    if MosaicBlockSparse.awaits_device_run("t5_table"):
         return "a T5 table (RelativePositionBias) has not yet run on a GPU."
     if features.positions:
         return "a T5 table (RelativePositionBias) with per-call positions is not supported."

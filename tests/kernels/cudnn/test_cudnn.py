@@ -7,6 +7,7 @@ import pytest
 import eqx_bsattn as bsa
 from eqx_bsattn import masks
 from eqx_bsattn.strategies.kernels.cudnn import cudnn_mask_options
+from tests.conftest import take_as_proven
 
 GPU_BF16 = bsa.Features(platform="gpu", dtype="bfloat16", q_len=256, kv_len=256,
                         head_dim=64, value_dim=64)
@@ -82,7 +83,10 @@ def test_head_dims_over_128_need_a_hopper_gpu(monkeypatch, capability, run_on_gp
     from eqx_bsattn.strategies.kernels import cudnn
 
     monkeypatch.setattr(cudnn, "_gpu_capability", lambda: capability)
-    monkeypatch.setattr(cudnn, "_WIDE_HEADS_RUN_ON_GPU", run_on_gpu)
+    if run_on_gpu:
+        take_as_proven(cudnn.CudnnDense, "wide_heads", monkeypatch=monkeypatch)
+    else:
+        assert cudnn.CudnnDense.awaits_device_run("wide_heads")
     why = _decline(masks.Causal(), dataclasses.replace(GPU_BF16, head_dim=dim, value_dim=dim))
     if word is None:
         assert why is None

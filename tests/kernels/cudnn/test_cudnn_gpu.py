@@ -12,6 +12,7 @@ import pytest
 
 import eqx_bsattn as bsa
 from eqx_bsattn import masks
+from tests.conftest import take_as_proven
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +35,7 @@ def test_head_dims_over_128_on_hopper(monkeypatch, dim, window):
     the float32 dense reference at a length of 1024, and the selector's choice of cuDNN."""
     from eqx_bsattn.strategies.kernels import cudnn
 
-    monkeypatch.setattr(cudnn, "_WIDE_HEADS_RUN_ON_GPU", True)
+    take_as_proven(cudnn.CudnnDense, "wide_heads", monkeypatch=monkeypatch)
     why = cudnn.head_dim_decline(dim)
     if why is not None:  # a GPU before Hopper
         pytest.skip(why)

@@ -2,7 +2,7 @@
 Hopper GPU on a host without one, the whole call in Pallas' CPU interpreter and on a Hopper
 GPU against the float32 dense reference (output and every gradient: q, k, v, ALiBi's slopes,
 a score function's params, a bias), and the one-line decline that keeps the selector off it
-until it has run on a GPU (`kernel._HEAD_DIM_256_RUN_ON_GPU`).
+until it has run on a GPU (`MosaicBlockSparse.awaiting_device_run`).
 
 At D = 256 the forward keeps one Q buffer (64 KiB) beside two 64-key K/V stages (64 KiB
 each); the dq launch streams 32-key tiles and the dk/dv launch 32-query tiles, two stages
@@ -20,7 +20,7 @@ import eqx_bsattn._layout as layout_internals
 from eqx_bsattn import masks
 from eqx_bsattn.strategies.kernels import DenseReference
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse, MosaicConfig
-from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+from tests.conftest import take_as_proven
 from tests.kernels.mosaic.conftest import (assert_lowers_for_cuda, assert_matches_reference,
                                            call_inputs, call_with_extras)
 
@@ -43,7 +43,7 @@ def learned_distance(score, head, q_pos, k_pos, w):
 @pytest.fixture
 def head_dim_256(monkeypatch):
     """The kernel as it will be once head dim 256 has run on a GPU."""
-    monkeypatch.setattr(mosaic_kernel, "_HEAD_DIM_256_RUN_ON_GPU", True)
+    take_as_proven(MosaicBlockSparse, "head_dim_256", monkeypatch=monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def test_head_dim_256_is_declined_until_it_runs_on_a_gpu(hopper_host, monkeypatc
     choice = attn.plan(q, q, q, platform="gpu").choice
     assert choice.kernel.name != "mosaic"
     assert ("mosaic", "head dim 256 has not yet run on a GPU.") in choice.declined
-    monkeypatch.setattr(mosaic_kernel, "_HEAD_DIM_256_RUN_ON_GPU", True)
+    take_as_proven(MosaicBlockSparse, "head_dim_256", monkeypatch=monkeypatch)
     assert attn.plan(q, q, q, platform="gpu").choice.kernel.name == "mosaic"
     wide = jnp.zeros((1, 2, 256, 192), jnp.bfloat16)
     declined = dict(attn.plan(wide, wide, wide, platform="gpu").choice.declined)

@@ -5,7 +5,7 @@ here: the width chosen and the declines (no GPU needed), the launches lowered fo
 GPU on a host without one, and the whole call in Pallas' CPU interpreter and on a Hopper GPU
 against the float32 dense reference (output and every gradient), and the one-line decline
 that keeps the selector off such calls until they have run on a GPU
-(`kernel._PADDED_HEAD_DIMS_RUN_ON_GPU`).
+(`MosaicBlockSparse.awaiting_device_run`).
 """
 
 import jax
@@ -18,6 +18,7 @@ from eqx_bsattn import masks
 from eqx_bsattn.strategies.kernels import DenseReference
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse, MosaicConfig
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
+from tests.conftest import take_as_proven
 from tests.kernels.mosaic.conftest import (assert_lowers_for_cuda, assert_matches_reference,
                                            call_inputs, call_with_extras)
 
@@ -32,7 +33,7 @@ def window_by_head(q, k, head):
 @pytest.fixture
 def padded_head_dims(monkeypatch):
     """The kernel as it will be once padded head dims have run on a GPU."""
-    monkeypatch.setattr(mosaic_kernel, "_PADDED_HEAD_DIMS_RUN_ON_GPU", True)
+    take_as_proven(MosaicBlockSparse, "padded_head_dims", monkeypatch=monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,8 +66,10 @@ def test_padded_head_dims_are_declined_until_they_run_on_a_gpu(hopper_host, monk
     v = jnp.zeros((1, 2, 256, value_dim), jnp.bfloat16)
     attn = bsa.BlockSparseAttention(mask=masks.Causal() & masks.Dilated(2))
     width = mosaic_kernel.kernel_head_dim(*dims)
+    assert MosaicBlockSparse.awaits_device_run("padded_head_dims")
     for flag in (False, True):
-        monkeypatch.setattr(mosaic_kernel, "_PADDED_HEAD_DIMS_RUN_ON_GPU", flag)
+        if flag:
+            take_as_proven(MosaicBlockSparse, "padded_head_dims", monkeypatch=monkeypatch)
         plan = attn.plan(q, q, v, platform="gpu")
         choice = plan.choice
         expected = reason

@@ -24,7 +24,7 @@ from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
 from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
 from eqx_bsattn.strategies.kernels.mosaic.common import RelativeTiles
 from tests.conftest import (jnp_attention_f64, np_visibility, random_array, rel_err,
-                            t5_bucket)
+                            t5_bucket, take_as_proven)
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
@@ -84,7 +84,7 @@ def test_table_is_declined_until_it_runs_on_a_gpu():
     resolved = bsa.ResolvedMask(masks.Causal(), q_len=256, kv_len=256, num_heads=2)
     features = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=128, value_dim=128,
                             score=("relative_bias",))
-    assert not mosaic_kernel._TABLE_RUN_ON_GPU
+    assert MosaicBlockSparse.awaits_device_run("t5_table")
     assert MosaicBlockSparse().decline_reason(resolved, features) == (
         "a T5 table (RelativePositionBias) has not yet run on a GPU.")
 
@@ -92,7 +92,7 @@ def test_table_is_declined_until_it_runs_on_a_gpu():
 def test_table_declines(hopper_host, monkeypatch):
     """Per-call positions and a sharding's loop are declined in one line each (the near
     blocks are classed by offsets of token indices); the plain call is taken."""
-    monkeypatch.setattr(mosaic_kernel, "_TABLE_RUN_ON_GPU", True)
+    take_as_proven(MosaicBlockSparse, "t5_table", monkeypatch=monkeypatch)
     resolved = bsa.ResolvedMask(masks.Causal(), q_len=256, kv_len=256, num_heads=2)
     base = dict(platform="gpu", dtype="bfloat16", head_dim=128, value_dim=128,
                 score=("relative_bias",))
@@ -158,7 +158,7 @@ def test_table_lowers_for_cuda(hopper_host, monkeypatch, case):
     """`jit(grad)` with a T5 table lowers for CUDA: three Mosaic GPU launches (the forward,
     dq and dk/dv), the table's gradient in its own shape."""
     _no_run_time_checks(monkeypatch)
-    monkeypatch.setattr(mosaic_kernel, "_TABLE_RUN_ON_GPU", True)
+    take_as_proven(MosaicBlockSparse, "t5_table", monkeypatch=monkeypatch)
     mask, shape, table_spec, options = LOWERED[case]
     attn = _module(mask, shape["heads"], table_spec, options)
     q, k, v = _lowered_qkv(**shape)
@@ -179,7 +179,7 @@ def test_constant_table_writes_no_gradient(hopper_host, launches, monkeypatch):
     writes its dS only where the table's gradient is asked for; a table takes the two
     backward launches."""
     _no_run_time_checks(monkeypatch)
-    monkeypatch.setattr(mosaic_kernel, "_TABLE_RUN_ON_GPU", True)
+    take_as_proven(MosaicBlockSparse, "t5_table", monkeypatch=monkeypatch)
     from eqx_bsattn.strategies.kernels.mosaic import backward
 
     written = []
@@ -228,7 +228,7 @@ def test_table_in_cpu_interpreter(interpreted, monkeypatch, case):
     """The whole call, its launches in Pallas' CPU interpreter for Mosaic GPU: output and the
     gradients in q, k, v and the table against the float64 oracle (the table's term as a
     float64 bias gathered by T5's buckets)."""
-    monkeypatch.setattr(mosaic_kernel, "_TABLE_RUN_ON_GPU", True)
+    take_as_proven(MosaicBlockSparse, "t5_table", monkeypatch=monkeypatch)
     mask, shape, table_spec, options = INTERPRETED[case]
     heads, lq, lk = shape["heads"], shape["q_len"], shape["kv_len"]
     q, k, v = (random_array(seed, (shape["batch"], h, length, shape["dim"]))

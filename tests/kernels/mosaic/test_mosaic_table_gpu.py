@@ -16,8 +16,7 @@ import pytest
 import eqx_bsattn as bsa
 from eqx_bsattn import masks, scores
 from eqx_bsattn.strategies.kernels.mosaic import MosaicBlockSparse
-from eqx_bsattn.strategies.kernels.mosaic import kernel as mosaic_kernel
-from tests.conftest import jnp_attention_f64, np_visibility, t5_bucket
+from tests.conftest import jnp_attention_f64, np_visibility, t5_bucket, take_as_proven
 from tests.kernels.mosaic.test_mosaic_gpu import TOL, _inputs, _rel, on_gpu
 
 #: Batch, query heads, kv heads, length (ragged: not a multiple of the tiles), head dim.
@@ -36,7 +35,7 @@ CASES = {
 @pytest.fixture(autouse=True)
 def _table_on(monkeypatch):
     """These tests run the table's launches, whether or not the selector takes them yet."""
-    monkeypatch.setattr(mosaic_kernel, "_TABLE_RUN_ON_GPU", True)
+    take_as_proven(MosaicBlockSparse, "t5_table", monkeypatch=monkeypatch)
 
 
 def _table(spec):
