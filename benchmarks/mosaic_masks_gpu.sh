@@ -25,7 +25,7 @@ source benchmarks/gpu_setup.sh "${2:-520}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 # Each process takes GPU memory as it needs it, not the default 75% at its start.
-# (head dims 256 and padded have their own run: benchmarks/mosaic_head_dims_gpu.sh)
+# (the features awaiting a GPU run have their own: benchmarks/device_proofs.sh)
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$(left 300)" python3 -m pytest -m gpu --extended \
     tests/kernels/mosaic tests/test_conformance.py -k "mosaic or Mosaic or not conformance" \
     --ignore tests/kernels/mosaic/test_mosaic_head_dim_256.py \
