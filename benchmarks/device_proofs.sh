@@ -1,11 +1,30 @@
 #!/usr/bin/env bash
-# The one proof command on a lent H200, from the repository root, with the wheels of
-# ../shared/tools/gpu-wheels in ./.whl (carried): installs them and the project offline, then
-# runs benchmarks/device_proofs.py (its docstring says what it proves and where the log goes)
-# within `seconds` (default 560) after the install.
+# The one proof command on a lent device, from the repository root: installs the carried
+# wheels and the project offline, then runs benchmarks/device_proofs.py (its docstring says
+# what it proves and where the log goes) within `seconds` (default 560) after the install.
 #
-#   bash benchmarks/device_proofs.sh [seconds]
+#   bash benchmarks/device_proofs.sh gpu [seconds] [--commit HASH]   # H200; ./.whl carried
+#   bash benchmarks/device_proofs.sh tpu [seconds] [--commit HASH]   # TPU v5e; ./.whl-tpu
+#
+# ./.whl: ../shared/tools/gpu-wheels. ./.whl-tpu: benchmarks/tpu_run.sh says how to fetch it.
 set -u
-source benchmarks/gpu_setup.sh "${1:-560}"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-PYTHONUNBUFFERED=1 python3 benchmarks/device_proofs.py --budget "$(left 560)"
+device=${1:-gpu}
+budget=${2:-560}
+shift $(( $# < 2 ? $# : 2 ))
+if [ "$device" = gpu ]; then
+    source benchmarks/gpu_setup.sh "$budget"
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    budget=$(left "$budget")
+else
+    OUT=${OUT:-$PWD/tpu_out}
+    SITE=${SITE:-${TMPDIR:-/tmp}/site}
+    mkdir -p "$OUT"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .whl-tpu/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+    export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$SITE:$PWD
+    # The package maps the top-level strategies/ folder to eqx_bsattn.strategies; without an
+    # install, a link inside the package does the same.
+    [ -e eqx_bsattn/strategies ] || ln -s ../strategies eqx_bsattn/strategies
+fi
+export OUT
+PYTHONUNBUFFERED=1 python3 benchmarks/device_proofs.py --device "$device" --budget "$budget" "$@"

@@ -30,6 +30,9 @@ from eqx_bsattn.bench import pattern, visible_pairs
 from eqx_bsattn.strategies.kernels import DenseReference
 from eqx_bsattn.timing import median_ms
 
+#: The TPU v5e's memory bandwidth, GB/s (its published figure).
+HBM_GBPS = 819
+
 CASES = {  # name: (mask, per-call data, B, H, Hkv, Lq, Lk, D)
     "causal gqa": (masks.Causal(), {}, 1, 8, 2, 2048, 2048, 128),
     "window 256": (masks.Causal() & masks.SlidingWindow(256, 0), {}, 2, 4, 4, 2048, 2048, 128),
@@ -158,12 +161,13 @@ def mask_of(name: str, length: int):
 
 
 def pallas_runs(length: int, heads: int):
-    """``(label, pattern, kernel, score)`` of each timed call: both kernels without a term on
-    each pattern (the predicates too: Splash reads them as element bitmaps, this kernel traces
-    them into its body), then `PallasTpuBlockSparse` with each score term on the causal
-    mask."""
+    """``(label, pattern, kernel, score, bias)`` of each timed call: both kernels without a
+    term on each pattern (the predicates too: Splash reads them as element bitmaps, this
+    kernel traces them into its body), then `PallasTpuBlockSparse` with each score term on
+    the causal mask, and with a bias ``[1, H, L, L]`` (`bias` True), beside XlaBlockSparse
+    with the same bias."""
     table = 0.1 * jax.random.normal(jax.random.key(1), (heads, 32))
-    runs = [(name, pattern_name, kernel, None)
+    runs = [(name, pattern_name, kernel, None, False)
             for pattern_name in ("causal", "window", "document", *PREDICATES)
             for name, kernel in (("splash", kernels.SplashBlockSparse()),
                                  ("pallas_tpu", kernels.PallasTpuBlockSparse()),
@@ -171,21 +175,36 @@ def pallas_runs(length: int, heads: int):
     for label, score in (("alibi", bsa.scores.ALiBi()),
                          ("t5 table 32", bsa.scores.RelativePositionBias(table)),
                          ("alibi function", bsa.scores.ScoreFunction(alibi_function(heads)))):
-        runs.append((f"pallas_tpu + {label}", "causal", kernels.PallasTpuBlockSparse(), score))
+        runs.append((f"pallas_tpu + {label}", "causal", kernels.PallasTpuBlockSparse(), score,
+                     False))
+    runs.append(("pallas_tpu + bias 1hqk", "causal", kernels.PallasTpuBlockSparse(), None,
+                 True))
+    runs.append(("xla + bias 1hqk", "causal", kernels.XlaBlockSparse(), None, True))
     return runs
 
 
-def pallas_speed(length: int, batch: int, heads: int, dim: int, reps: int) -> list[tuple]:
-    """Forward and forward+backward (of q, k, v) of each of `pallas_runs`, the heuristic's
-    blocks; prints a row per call as it goes and returns them."""
+def pallas_speed(length: int, batch: int, heads: int, dim: int, reps: int,
+                 only=None) -> list[tuple]:
+    """Forward and forward+backward (of q, k, v) of each of `pallas_runs` (those whose label
+    or pattern holds one of `only`'s words, where given), the heuristic's blocks; prints a
+    row per call as it goes and returns them. With a bias, the line after the table gives
+    the time of one read of it at the chip's memory bandwidth."""
     print("\n| call | pattern | selector picks | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
     ks = jax.random.split(jax.random.key(length), 4)
     q, k, v, do = (jax.random.normal(x, (batch, heads, length, dim), jnp.bfloat16) for x in ks)
     rows = []
-    for label, name, kernel, score in pallas_runs(length, heads):
+    bias = None
+    for label, name, kernel, score, with_bias in pallas_runs(length, heads):
+        if only and not any(word in f"{label} {name}" for word in only):
+            continue
         mask, data = mask_of(name, length)
         data = {n: jnp.broadcast_to(jnp.asarray(x), (batch, length)) for n, x in data.items()}
+        if with_bias:
+            if bias is None:
+                bias = 0.5 * jax.random.normal(jax.random.key(2), (1, heads, length, length),
+                                               jnp.bfloat16)
+            data["bias"] = bias
         seg = data.get("q_segment_ids")
         flops = 4.0 * batch * heads * dim * visible_pairs(
             mask, length, length, None if seg is None else seg[0])
@@ -206,6 +225,9 @@ def pallas_speed(length: int, batch: int, heads: int, dim: int, reps: int) -> li
         print(f"| {label} | {name} | {picks} | {f_ms:.2f} | {flops / f_ms / 1e9:.1f} | "
               f"{b_ms:.2f} | {3.5 * flops / b_ms / 1e9:.1f} |", flush=True)
         rows.append((label, name, picks, f_ms, b_ms))
+    if bias is not None:
+        print(f"\nOne read of the bias ({bias.nbytes / 1e9:.2f} GB) at {HBM_GBPS} GB/s: "
+              f"{bias.nbytes / HBM_GBPS / 1e6:.2f} ms", flush=True)
     return rows
 
 
@@ -223,7 +245,7 @@ def summary(rows: list[tuple]) -> None:
     for label, name, _, f, b in rows:
         ref = ("splash" if label == "pallas_tpu" else "pallas_tpu" if "+" in label
                else "min(splash, pallas_tpu)" if label == "auto" else None)
-        if ref is None:
+        if ref is None or (ref, name) not in base:
             print(f"| {label} | {name} | {f:.2f} | {b:.2f} | - | - | - |")
             continue
         rf, rb = base[(ref, name)]
@@ -244,6 +266,9 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--blocks", type=int, nargs="+", default=None,
                    help="time ours at these square blocks instead of the heuristic's")
+    p.add_argument("--only", nargs="+", default=None,
+                   help="with --pallas, time only the calls whose label and pattern (e.g. "
+                        "'pallas_tpu causal', 'bias') hold one of these")
     args = p.parse_args()
     print(jax.__version__, jax.devices(), flush=True)
     if not args.skip_errors:
@@ -251,7 +276,8 @@ def main():
     if not args.skip_splash:
         speed(args.length, args.batch, args.heads, args.dim, args.reps, args.blocks)
     if args.pallas:
-        summary(pallas_speed(args.length, args.batch, args.heads, args.dim, args.reps))
+        summary(pallas_speed(args.length, args.batch, args.heads, args.dim, args.reps,
+                             args.only))
 
 
 if __name__ == "__main__":

@@ -339,7 +339,7 @@ QUICK_CASES = {"xla": {"everything", "predicate", "score_alibi_learned_gqa"},
                "cudnn": {"tiled_causal"},
                "splash": {"window", "gqa_causal_sinks_s", "sinks_minus_inf"},
                "pallas_tpu": {"score_alibi_learned_gqa", "segments_padded_lq_ne_lk",
-                              "score_relative_causal_positions"}}
+                              "score_relative_causal_positions", "bias_b11k_gqa_window"}}
 
 
 #: Kernels whose cases beyond the quick subset are the `extended` tier on the CPU: the gather
@@ -653,6 +653,13 @@ def _mosaic_lowers(fn) -> bool:
         return False
 
 
+def _pallas_tpu_awaits_bias() -> bool:
+    """Whether PallasTpuBlockSparse still declines a bias (until it has run on a TPU)."""
+    from eqx_bsattn.strategies.kernels import PallasTpuBlockSparse
+
+    return PallasTpuBlockSparse.awaits_device_run("bias")
+
+
 def _mosaic_table_runs() -> bool:
     """Whether MosaicBlockSparse takes a T5 table (it declines one until it has run on a
     GPU)."""
@@ -720,10 +727,12 @@ EXPECTED_DECLINES = {
                for dtype in (case.dtypes or ("float32",))
                if case.bias is not None or case.positions is not None or dtype == "float16"
                or case.score is not None},
-    # PallasTpuBlockSparse: no bias, no float16 (it takes every mask).
+    # PallasTpuBlockSparse: no float16, and no bias until one has run on a TPU (it takes
+    # every mask).
     "pallas_tpu": {(name, dtype) for name, case in CASES.items()
                    for dtype in (case.dtypes or ("float32",))
-                   if case.bias is not None or dtype == "float16"},
+                   if dtype == "float16"
+                   or (case.bias is not None and _pallas_tpu_awaits_bias())},
     # Triton: ALiBi and the relative bias run in the kernel, a jnp score function does not.
     # (bfloat16 on a GPU, float32 in Triton's interpreter on the CPU.)
     # A union of terms with a dilation has no in-kernel terms, so it needs element bitmaps,

@@ -28,13 +28,15 @@ def test_every_awaiting_feature_has_a_proof_and_every_proof_a_feature():
         assert set(decides) <= set(proofs.PROOFS)
 
 
-def test_the_proofs_test_files_hold_gpu_tests():
-    """Each proof's files exist and select tests under ``-m gpu``, and each conformance
-    expression selects cases of its kernel."""
+def test_the_proofs_select_tests_and_conformance_cases():
+    """Each proof's files select tests (on a GPU, its ``gpu`` tests), and its conformance
+    expression selects cases, each of which the log counts for that feature."""
     proofs = _proofs_module()
     for key, proof in proofs.PROOFS.items():
+        assert proof.device in proofs.REGRESSION, key
+        marker = ["-m", "gpu"] if proof.device == "gpu" else []
         collected = subprocess.run(
-            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", *marker,
              "--extended", "--prove-awaiting", "-p", "no:cacheprovider",
              *proof.tests, "tests/test_conformance.py",
              "-k", f"not test_kernel_conforms or {proof.conformance}"],
@@ -42,7 +44,7 @@ def test_the_proofs_test_files_hold_gpu_tests():
         ids = [line for line in collected.stdout.splitlines() if "::" in line]
         assert any(i.startswith(proof.tests[0]) for i in ids), (key, collected.stdout[-500:])
         cases = [i for i in ids if "test_kernel_conforms" in i]
-        assert cases and all(proofs._feature_of(i) is not None for i in cases), key
+        assert cases and all(proofs._feature_of(i) == key for i in cases), key
 
 
 @pytest.mark.parametrize("expression, nodeid, expected", [

@@ -4,7 +4,8 @@
 - dq: for each (batch, head, q-block) the dq layout's visit list, as the forward; it also
   sums, per (batch, head, q-block), the gradients of the ALiBi slopes, of the table's
   buckets and of the arrays a score function reads into rows of float32 outputs that XLA
-  adds up after it;
+  adds up after it, and writes the bias's gradient tile of each block it visits (each
+  written once; the blocks no list visits keep the zeros the output starts from);
 - dk/dv: for each (batch, kv head, kv-block) the transposed lists of the kv-block, for each
   query head of the kv head's group in turn (K / V are never repeated for GQA); its tiles are
   ``[keys, queries]``, so the log-sum-exp and the row term arrive as rows.
@@ -17,9 +18,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import TileMath, Visits, data_reader, lanes, launch_struct, tile_coords
+from .common import SKIP, TileMath, Visits, data_reader, lanes, launch_struct, tile_coords
 from .config import LANES, SUBLANES
-from .forward import NN, NT, branches, dot, emap_spec, named_refs, smem_specs, token_specs
+from .forward import NN, NT, branches, dot, named_refs, pair_spec, smem_specs, token_specs
 from .function import rows as data_rows
 
 
@@ -34,16 +35,18 @@ def table_rows(num_buckets: int) -> int:
     return -(-num_buckets // SUBLANES) * SUBLANES
 
 
-def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool, far, case):
+def _ds(math: TileMath, s, batch, head, coords, r, p_of, dp, delta, masked: bool, far, case,
+        bias=None):
     """``(P, dS, qp, kp, logits, g)`` of a tile: its probabilities, the gradient of its
     logits before the score function and the soft cap (that of ``softmax_scale * q . k``,
     the slopes' and the table's terms alike), its positions for the terms' gradients, its
     `Logits`, and `g` the gradient of the score function's result (zero where a pair is
     hidden; ``None`` unless the function reads arrays whose gradient is formed). `far`,
-    `case`: the tile's `TileMath.far_tile` and table case."""
+    `case`: the tile's `TileMath.far_tile` and table case; `bias` the bias's tile (of `s`'s
+    shape), or ``None``; `dS` is its gradient too."""
     qp, kp = coords[2:4]
     logits = math.logits(s, batch, head, qp, kp, r.get("slopes"), r.get("table"), grad=True,
-                         far=far, case=case, read=data_reader(math, r))
+                         far=far, case=case, read=data_reader(math, r), bias=bias)
     s = logits.s
     visible = math.visible(head, coords, r) if masked else None
     if visible is not None:
@@ -128,10 +131,19 @@ def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits
     dslopes_ref = outs.pop(0) if math.slopes else None
     dtable_ref = outs.pop(0) if math.buckets is not None else None
     ddata_refs = {slot: outs.pop(0) for slot, leaf in enumerate(math.data) if leaf.diff}
+    dbias_ref = outs.pop(0) if "bias" in r else None
     (acc_ref,) = outs
     b, h, i, j = (pl.program_id(a) for a in range(4))
     at = visits.at(b, h, i, j)
     kind, kv = kind_ref[at], block_ref[at]
+
+    if dbias_ref is not None:
+        # A row that visits nothing still holds one output tile (its slots repeat block
+        # 0 of an empty list): zeros. Later slots past a list repeat its last block, whose
+        # tile stays as its visit wrote it.
+        @pl.when(jnp.logical_and(j == 0, kind == SKIP))
+        def _empty_row():
+            dbias_ref[...] = jnp.zeros(dbias_ref.shape, dbias_ref.dtype)
 
     @pl.when(j == 0)
     def _init():
@@ -148,8 +160,12 @@ def _dq_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: Visits
         dp = dot(do, v, NT)
         coords = tile_coords(s.shape, 0, i * bq, kv * bk, r)
         lse = lanes(r["lse"][...], bk)
+        bias = r["bias"][...] if "bias" in r else None
         _, ds, qp, kp, logits, g = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse),
-                                       dp, lanes(r["delta"][...], bk), masked, far, case)
+                                       dp, lanes(r["delta"][...], bk), masked, far, case,
+                                       bias)
+        if dbias_ref is not None:
+            dbias_ref[...] = ds.astype(dbias_ref.dtype)
         dq = dot(ds.astype(k.dtype), k, NN)
         acc_ref[...] += dq * math.scale
         if dslopes_ref is not None:
@@ -191,8 +207,10 @@ def _dkv_kernel(block_ref, kind_ref, steps_ref, *refs, names, math: TileMath, vi
         dp = dot(v, do, NT)
         coords = tile_coords(s.shape, 1, qb * bq, n * bk, r)
         lse = r["lse"][:1, :]
+        # The bias's tile is read [queries, keys], as the other passes read it.
+        bias = r["bias"][...].astype(jnp.float32).T if "bias" in r else None
         p, ds, *_ = _ds(math, s, b, h, coords, r, lambda x: jnp.exp(x - lse), dp,
-                        r["delta"][:1, :], masked, far, case)
+                        r["delta"][:1, :], masked, far, case, bias)
         dv_acc[...] += dot(p.astype(do.dtype), do, NN)
         dk = dot(ds.astype(q.dtype), q, NN)
         dk_acc[...] += dk * math.scale
@@ -216,13 +234,15 @@ _PARAMS = pltpu.CompilerParams(
 
 
 def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits, *,
-            math: TileMath, bq: int, bk: int, interpret: bool, data=()):
+            math: TileMath, bq: int, bk: int, interpret: bool, data=(), bias=None):
     """``(dq [B, H, Lq, D], dslopes [B, H, nq * 8, 128] | None, dtable [B, H, nq * rows, 128]
     | None, ddata)`` on padded inputs; `lse`, `delta` ``[B, H, Lq, 128]`` (lane-broadcast).
     The score arrays' gradients sit at element 0 of each lane row: one row per q-block for
     the slopes, one per bucket for the table. `data`: the arrays the score function reads
     (`function.stored`); `ddata` their gradients where formed (``{slot: [B, H, nq * rows,
-    128]}``, `function.rows` rows per q-block)."""
+    128]}``, `function.rows` rows per q-block). `bias`: the call's ``[bb, hb, Lq, Lk]``
+    (padded), or ``None``; with one, `dbias` follows: ``[B, H, Lq, Lk]``, in the bias's
+    dtype where it has the call's batch and heads (else float32, for the caller's sum)."""
     batch, heads, lq, dim = q.shape
     kv_heads, lk, dim_v = v.shape[1], v.shape[2], v.shape[3]
     group = heads // kv_heads
@@ -235,19 +255,24 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
     def kv_token_map(b, h, i, j, block_ref, kind_ref):
         return b, 0, block_ref[vb.at(b, h, i, j)]
 
+    def pair_map(b, h, i, j, block_ref, kind_ref):
+        return b, h, i, block_ref[vb.at(b, h, i, j)]
+
     row = lambda width: pl.BlockSpec(  # noqa: E731
         (None, None, bq, width), lambda b, h, i, j, *_: (b, h, i, 0))
     toks, tok_specs, tok_names = token_specs(
         tokens, lambda x: pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
         lambda x: pl.BlockSpec((None, x.shape[1], bk), kv_token_map),
-        lambda x: emap_spec(x, bq, bk, lambda b, h, i, j, block_ref, _: (
-            b, h, i, block_ref[vb.at(b, h, i, j)])))
+        lambda x: pair_spec(x, bq, bk, pair_map))
     more, more_specs, more_names = smem_specs(math, slopes, table, data)
-    arrays = [q, k, v, do, lse, delta, *toks, *more]
+    biases = [] if bias is None else [bias]
+    arrays = [q, k, v, do, lse, delta, *biases, *toks, *more]
     specs = [row(dim), pl.BlockSpec((None, None, bk, dim), kv_map),
              pl.BlockSpec((None, None, bk, dim_v), kv_map), row(dim_v), row(LANES),
-             row(LANES), *tok_specs, *more_specs]
-    names = ("q", "k", "v", "do", "lse", "delta", *tok_names, *more_names)
+             row(LANES), *(pair_spec(x, bq, bk, pair_map) for x in biases), *tok_specs,
+             *more_specs]
+    names = ["q", "k", "v", "do", "lse", "delta", *("bias" for _ in biases), *tok_names,
+             *more_names]
     out_shape = [launch_struct(q.shape, q.dtype)]
     out_specs = [row(dim)]
     for on, rows in ((math.slopes, SUBLANES), (math.buckets is not None,
@@ -263,7 +288,20 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
         out_shape.append(launch_struct((batch, heads, nq * rows, LANES), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, rows, LANES),
                                       lambda b, h, i, j, *_: (b, h, i, 0)))
-    kernel = functools.partial(_dq_kernel, names=names, math=math, visits=vb, bq=bq, bk=bk)
+    aliases = {}
+    if bias is not None:
+        # The gradient's blocks no list visits are never written: the output starts as
+        # zeros (an input it aliases, left in memory untouched by the kernel).
+        exact = bias.shape[:2] == (batch, heads)
+        zeros = jnp.zeros((batch, heads, lq, lk), bias.dtype if exact else jnp.float32)
+        aliases = {2 + len(arrays): len(out_shape)}
+        arrays.append(zeros)
+        specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        names.append("dbias_zeros")
+        out_shape.append(launch_struct(zeros.shape, zeros.dtype))
+        out_specs.append(pl.BlockSpec((None, None, bq, bk), pair_map))
+    kernel = functools.partial(_dq_kernel, names=tuple(names), math=math, visits=vb, bq=bq,
+                               bk=bk)
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -271,20 +309,22 @@ def dq_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits
             in_specs=specs,
             out_specs=out_specs, scratch_shapes=[pltpu.VMEM((bq, dim), jnp.float32)]),
         out_shape=out_shape, compiler_params=_PARAMS, interpret=interpret,
-        name="pallas_tpu_dq",
+        input_output_aliases=aliases, name="pallas_tpu_dq",
     )(visits.block, visits.kind, *arrays)
     outs = list(outs)
     dq = outs.pop(0)
     dslopes = outs.pop(0) if math.slopes else None
     dtable = outs.pop(0) if math.buckets is not None else None
-    return dq, dslopes, dtable, {slot: outs.pop(0) for slot in diff}
+    ddata = {slot: outs.pop(0) for slot in diff}
+    return dq, dslopes, dtable, ddata, (outs.pop(0) if bias is not None else None)
 
 
 def dkv_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visits, *,
-             math: TileMath, bq: int, bk: int, interpret: bool, data=()):
+             math: TileMath, bq: int, bk: int, interpret: bool, data=(), bias=None):
     """``(dk [B, Hkv, Lk, D], dv [B, Hkv, Lk, Dv])`` on padded inputs; `lse`, `delta`
     ``[B, H, 8, Lq]`` (sublane-broadcast rows); `visits` the transposed lists; `data` the
-    arrays the score function reads (`function.stored`)."""
+    arrays the score function reads (`function.stored`); `bias` the call's ``[bb, hb, Lq,
+    Lk]`` (padded; read in ``[bq, bk]`` tiles), or ``None``."""
     batch, heads, lq, dim = q.shape
     kv_heads, lk, dim_v = v.shape[1], v.shape[2], v.shape[3]
     group = heads // kv_heads
@@ -313,19 +353,26 @@ def dkv_call(q, k, v, do, lse, delta, tokens: dict, slopes, table, visits: Visit
         h, i = q_block(b, hk, n, t, block_ref, steps_ref)
         return b, h, n, i
 
+    def bias_map(b, hk, n, t, block_ref, kind_ref, steps_ref):
+        h, i = q_block(b, hk, n, t, block_ref, steps_ref)
+        return b, h, i, n
+
     kv_spec = lambda width_: pl.BlockSpec(  # noqa: E731
         (None, None, bk, width_), lambda b, hk, n, t, *_: (b, hk, n, 0))
     toks, tok_specs, tok_names = token_specs(
         tokens, lambda x: pl.BlockSpec((None, x.shape[1], bq), q_token_map),
         lambda x: pl.BlockSpec((None, bk, LANES), lambda b, hk, n, t, *_: (b, n, 0)),
-        lambda x: emap_spec(x, bk, bq, emap_map))
+        lambda x: pair_spec(x, bk, bq, emap_map))
     more, more_specs, more_names = smem_specs(math, slopes, table, data)
-    arrays = [q, k, v, do, lse, delta, *toks, *more]
+    biases = [] if bias is None else [bias]
+    arrays = [q, k, v, do, lse, delta, *biases, *toks, *more]
     specs = [pl.BlockSpec((None, None, bq, dim), q_map), kv_spec(dim), kv_spec(dim_v),
              pl.BlockSpec((None, None, bq, dim_v), q_map),
              pl.BlockSpec((None, None, SUBLANES, bq), q_row_map),
-             pl.BlockSpec((None, None, SUBLANES, bq), q_row_map), *tok_specs, *more_specs]
-    names = ("q", "k", "v", "do", "lse", "delta", *tok_names, *more_names)
+             pl.BlockSpec((None, None, SUBLANES, bq), q_row_map),
+             *(pair_spec(x, bq, bk, bias_map) for x in biases), *tok_specs, *more_specs]
+    names = ("q", "k", "v", "do", "lse", "delta", *("bias" for _ in biases), *tok_names,
+             *more_names)
     kernel = functools.partial(_dkv_kernel, names=names, math=math, visits=vb, bq=bq, bk=bk,
                                group=group)
     return pl.pallas_call(

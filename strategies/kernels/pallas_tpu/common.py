@@ -336,13 +336,15 @@ class TileMath:
         return jnp.concatenate([jnp.concatenate(row, axis=1) for row in grid.values()], axis=0)
 
     def logits(self, s, batch, head, qp, kp, slopes_ref, table_ref, *, grad: bool, far=None,
-               case=None, read=None) -> "Logits":
+               case=None, read=None, bias=None) -> "Logits":
         """The tile's logits from ``q . k`` (float32) and, where `grad`, their derivatives
         (`Logits`). `batch`, `head` are the tile's indices (int32 scalars); `qp`, `kp` int32
         tiles of `s`'s shape; `far` is the tile's `far_tile` and `case` its static table case
         (`table_cases`); `read` the kernel's reader of the function's arrays
-        (`data_reader`)."""
+        (`data_reader`); `bias` the call's bias tile of `s`'s shape, or ``None``."""
         s = s * self.scale if self.scale != 1.0 else s
+        if bias is not None:
+            s = s + bias.astype(jnp.float32)
         if self.slopes:
             s = s + slopes_ref[head] * (kp - qp).astype(jnp.float32)
         if self.buckets is not None:

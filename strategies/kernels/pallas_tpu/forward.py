@@ -32,11 +32,12 @@ def named_refs(names, refs):
     return dict(zip(names, refs))
 
 
-def emap_spec(emap, rows: int, cols: int, index):
-    """The spec of an element map (`CompiledMask.element_map`, ``[mb, mh, R, C]``): tiles of
+def pair_spec(x, rows: int, cols: int, index):
+    """The spec of an array read per pair tile, ``[mb, mh, R, C]`` with ``mb``, ``mh`` 1 or
+    the call's (an element map, `CompiledMask.element_map`, or the call's bias): tiles of
     ``[rows, cols]``; `index` maps the grid and the prefetched lists to (batch, head, row
-    block, column block), its batch and head taken as 0 where the map has no such axis."""
-    mb, mh = emap.shape[:2]
+    block, column block), its batch and head taken as 0 where the array has no such axis."""
+    mb, mh = x.shape[:2]
 
     def index_map(*args):
         b, h, i, j = index(*args)
@@ -103,8 +104,9 @@ def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: V
         s = dot(q, k, NT)
         coords = tile_coords(s.shape, 0, i * bq, kv * bk, r)
         qp, kp = coords[2:4]
+        bias = r["bias"][...] if "bias" in r else None
         s = math.logits(s, b, h, qp, kp, r.get("slopes"), r.get("table"), grad=False,
-                        far=far, case=case, read=data_reader(math, r)).s
+                        far=far, case=case, read=data_reader(math, r), bias=bias).s
         if masked:
             s = jnp.where(math.visible(h, coords, r), s, -jnp.inf)
         m_prev = m_ref[...]
@@ -131,10 +133,11 @@ def _forward_kernel(block_ref, kind_ref, *refs, names, math: TileMath, visits: V
 
 
 def forward_call(q, k, v, tokens: dict, slopes, table, visits: Visits, *, math: TileMath,
-                 bq: int, bk: int, interpret: bool, data=()):
+                 bq: int, bk: int, interpret: bool, data=(), bias=None):
     """``(out [B, H, Lq, Dv], lse [B, H, Lq, 128])`` on padded inputs: `lse` natural, +inf
     on rows that see no key, broadcast across the lanes. `data`: the arrays the score
-    function reads (`function.stored`)."""
+    function reads (`function.stored`); `bias`: the call's ``[bb, hb, Lq, Lk]`` (padded), or
+    ``None``."""
     batch, heads, lq, dim = q.shape
     kv_heads, lk, dim_v = v.shape[1], v.shape[2], v.shape[3]
     group = heads // kv_heads
@@ -146,17 +149,21 @@ def forward_call(q, k, v, tokens: dict, slopes, table, visits: Visits, *, math: 
     def kv_token_map(b, h, i, j, block_ref, kind_ref):
         return b, 0, block_ref[vb.at(b, h, i, j)]
 
+    def pair_map(b, h, i, j, block_ref, kind_ref):
+        return b, h, i, block_ref[vb.at(b, h, i, j)]
+
     toks, tok_specs, tok_names = token_specs(
         tokens, lambda x: pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
         lambda x: pl.BlockSpec((None, x.shape[1], bk), kv_token_map),
-        lambda x: emap_spec(x, bq, bk, lambda b, h, i, j, block_ref, _: (
-            b, h, i, block_ref[vb.at(b, h, i, j)])))
+        lambda x: pair_spec(x, bq, bk, pair_map))
     more, more_specs, more_names = smem_specs(math, slopes, table, data)
-    arrays = [q, k, v, *toks, *more]
+    biases = [] if bias is None else [bias]
+    arrays = [q, k, v, *biases, *toks, *more]
     specs = [pl.BlockSpec((None, None, bq, dim), lambda b, h, i, j, *_: (b, h, i, 0)),
              pl.BlockSpec((None, None, bk, dim), kv_map),
-             pl.BlockSpec((None, None, bk, dim_v), kv_map), *tok_specs, *more_specs]
-    names = ["q", "k", "v", *tok_names, *more_names]
+             pl.BlockSpec((None, None, bk, dim_v), kv_map),
+             *(pair_spec(x, bq, bk, pair_map) for x in biases), *tok_specs, *more_specs]
+    names = ["q", "k", "v", *("bias" for _ in biases), *tok_names, *more_names]
     row_spec = lambda width: pl.BlockSpec(  # noqa: E731
         (None, None, bq, width), lambda b, h, i, j, *_: (b, h, i, 0))
     kernel = functools.partial(_forward_kernel, names=tuple(names), math=math, visits=vb,

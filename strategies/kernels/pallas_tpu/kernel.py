@@ -4,6 +4,8 @@ backward `backward.dq_call` and `backward.dkv_call`, joined by a `jax.custom_vjp
 import dataclasses
 import functools
 import math as pymath
+import types
+from collections.abc import Mapping
 from typing import ClassVar
 
 import equinox as eqx
@@ -89,7 +91,10 @@ class PallasTpuBlockSparse(AbstractLseKernel):
 
     Features: GQA/MQA, ``Dv != D``, ``Lq != Lk``, ragged lengths, soft cap, sinks, segment
     ids, per-call positions, fully masked rows (zeros), every score term, every mask; under
-    `ShardMap`, `AllToAll` and `RingAttention`. Declines: an additive bias, float16, an
+    `ShardMap`, `AllToAll` and `RingAttention`. An additive bias ``[1 or B, 1 or H, Lq, Lk]``
+    is read in ``[bq, bk]`` tiles beside the K / V blocks (only those the lists visit), its
+    gradient written tile by tile by the dq kernel (summed after it over the batch and heads
+    it broadcasts over). Declines: a bias inside a sharding's loop, float16, an
     element map over 4 GiB, a score function that reads an array (closed over, or a leaf of
     its `params`, checked from their shapes when the call is planned) other than at scalar
     indices (or a non-32-bit one, or more than `function.DATA_LIMIT` elements), and inside a
@@ -118,6 +123,12 @@ class PallasTpuBlockSparse(AbstractLseKernel):
     reads: ClassVar[MaskReads] = "elements"
     score_kinds: ClassVar[tuple[str, ...]] = ("alibi", "relative_bias", "function")
     config_type: ClassVar[type[AbstractKernelConfig]] = PallasTpuConfig
+    #: Checked in Pallas' interpreter on the CPU; declined in one line (the selector keeps
+    #: XlaBlockSparse) until `benchmarks/device_proofs.sh` has run it on a TPU.
+    awaiting_device_run: ClassVar[Mapping[str, str]] = types.MappingProxyType({
+        "bias": "an additive bias, read in tiles beside the K / V blocks, its gradient "
+                "written by the dq kernel",
+    })
 
     @classmethod
     def priority(cls, platform):
@@ -129,8 +140,12 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         missing = _pallas_tpu_missing()
         if missing is not None:
             return missing
-        if features.bias:
-            return "it has no additive bias."
+        if features.bias and self.awaits_device_run("bias"):
+            return "a bias has not yet run on a TPU."
+        if features.bias and features.in_loop:
+            # A bias runs in the kernels, but not yet inside a sharding's loop
+            # (RingAttention passes each step its shards' block of it).
+            return "a bias inside a sharding's loop (RingAttention) is not supported."
         if features.dtype not in _DTYPES:
             return f"it runs bfloat16 or float32 inputs; got {features.dtype}."
         if features.score_function is not None:
@@ -171,8 +186,6 @@ class PallasTpuBlockSparse(AbstractLseKernel):
 
     def attention_with_lse(self, query, key, value, *, mask, inputs, features, tiling,
                            softmax_scale, logits_soft_cap):
-        if inputs.bias is not None:
-            raise ValueError("PallasTpuBlockSparse has no additive bias; got one.")
         refuse_forward_mode(type(self).__name__, query, key, value, *jax.tree.leaves(inputs))
         on_tpu = features.platform == "tpu" and jax.default_backend() == "tpu"
         interpret = not on_tpu if self.interpret is None else self.interpret
@@ -242,7 +255,12 @@ class PallasTpuBlockSparse(AbstractLseKernel):
         data = () if fdata is None else tuple(map(stored, fdata.arrays, fdata.leaves))
         if mdata is not None:
             data += tuple(map(stored, mdata.arrays, mdata.leaves))
-        out, lse = _attend(static, q, k, v, slopes, table, data, tokens, arrays)
+        bias = inputs.bias
+        if bias is not None:
+            bias = pad_axis(pad_axis(bias, 2, lq), 3, lk)
+            if bias.dtype not in (jnp.bfloat16, jnp.float32):
+                bias = bias.astype(jnp.float32)
+        out, lse = _attend(static, q, k, v, slopes, table, data, bias, tokens, arrays)
         out, lse = out[:, :, :q_len, :value_dim], lse[:, :, :q_len]
         if inputs.sinks is not None:
             out, lse = add_sinks(out, lse, inputs.sinks)
@@ -272,38 +290,38 @@ def _with_lists(static: _Static, arrays):
                  for v, (b, k, n) in zip(static.lists, triples))
 
 
-def _forward(static: _Static, q, k, v, slopes, table, data, tokens, arrays):
-    def launch(q, k, v, slopes, table, data, tokens, arrays):
+def _forward(static: _Static, q, k, v, slopes, table, data, bias, tokens, arrays):
+    def launch(q, k, v, slopes, table, data, bias, tokens, arrays):
         fwd_visits = _with_lists(static, arrays)[0]
         return forward_call(q, k, v, tokens[0], slopes, table, fwd_visits, math=static.math,
                             bq=static.fwd[0], bk=static.fwd[1], interpret=static.interpret,
-                            data=data)
+                            data=data, bias=bias)
 
-    out, lse = run_untyped(launch, static.interpret, q, k, v, slopes, table, data, tokens,
-                           arrays)
+    out, lse = run_untyped(launch, static.interpret, q, k, v, slopes, table, data, bias,
+                           tokens, arrays)
     # Inside `shard_map` the outputs take the inputs' mesh axes (the launch's are none).
-    return typed_like((out, lse[..., 0]), q, k, v, slopes, table, data, tokens, arrays)
+    return typed_like((out, lse[..., 0]), q, k, v, slopes, table, data, bias, tokens, arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(static, q, k, v, slopes, table, data, tokens, arrays):
+def _attend(static, q, k, v, slopes, table, data, bias, tokens, arrays):
     """``(out, lse)`` on padded inputs, the log-sum-exp as the contract has it; both
-    differentiable, and in the score arrays and the arrays the score function reads
-    (`data`, as `function.stored` lays them out)."""
-    out, lse = _forward(static, q, k, v, slopes, table, data, tokens, arrays)
+    differentiable, and in the score arrays, the arrays the score function reads (`data`,
+    as `function.stored` lays them out) and the bias (``[bb, hb, Lq, Lk]``, padded)."""
+    out, lse = _forward(static, q, k, v, slopes, table, data, bias, tokens, arrays)
     return out, public_lse(lse, base2=False)
 
 
-def _attend_fwd(static, q, k, v, slopes, table, data, tokens, arrays):
-    refuse_second_order("PallasTpuBlockSparse", q, k, v, slopes, table, data)
-    out, lse = _forward(static, q, k, v, slopes, table, data, tokens, arrays)
-    return (out, public_lse(lse, base2=False)), (q, k, v, slopes, table, data, tokens, arrays,
-                                                 out, lse)
+def _attend_fwd(static, q, k, v, slopes, table, data, bias, tokens, arrays):
+    refuse_second_order("PallasTpuBlockSparse", q, k, v, slopes, table, data, bias)
+    out, lse = _forward(static, q, k, v, slopes, table, data, bias, tokens, arrays)
+    return (out, public_lse(lse, base2=False)), (q, k, v, slopes, table, data, bias, tokens,
+                                                 arrays, out, lse)
 
 
 def _attend_bwd(static, res, cotangents):
     refuse_second_order("PallasTpuBlockSparse", res, cotangents)
-    q, k, v, slopes, table, data, tokens, arrays, out, lse = res
+    q, k, v, slopes, table, data, bias, tokens, arrays, out, lse = res
     do, dlse = cotangents
     delta = backward_delta(do, out, dlse, public_lse(lse, base2=False))
     do = do.astype(q.dtype)
@@ -312,20 +330,24 @@ def _attend_bwd(static, res, cotangents):
         x[..., None, :], x.shape[:2] + (SUBLANES, x.shape[-1]))
     (bq, bk), m = static.bwd, static.math
 
-    def launches(q, k, v, do, lse, delta, slopes, table, data, tokens, arrays):
+    def launches(q, k, v, do, lse, delta, slopes, table, data, bias, tokens, arrays):
         _, dq_visits, dkv_visits = _with_lists(static, arrays)
-        dq, dslopes, dtable, ddata = dq_call(
+        dq, dslopes, dtable, ddata, dbias = dq_call(
             q, k, v, do, column(lse), column(delta), tokens[0], slopes, table, dq_visits,
-            math=m, bq=bq, bk=bk, interpret=static.interpret, data=data)
+            math=m, bq=bq, bk=bk, interpret=static.interpret, data=data, bias=bias)
         dk, dv = dkv_call(q, k, v, do, row(lse), row(delta), tokens[1], slopes, table,
                           dkv_visits, math=m, bq=bq, bk=bk, interpret=static.interpret,
-                          data=data)
-        return dq, dk, dv, dslopes, dtable, ddata
+                          data=data, bias=bias)
+        return dq, dk, dv, dslopes, dtable, ddata, dbias
 
-    dq, dk, dv, dslopes, dtable, ddata = run_untyped(
-        launches, static.interpret, q, k, v, do, lse, delta, slopes, table, data, tokens,
-        arrays)
+    dq, dk, dv, dslopes, dtable, ddata, dbias = run_untyped(
+        launches, static.interpret, q, k, v, do, lse, delta, slopes, table, data, bias,
+        tokens, arrays)
     batch, heads = q.shape[:2]
+    if dbias is not None:
+        # Summed over the batch and heads the bias broadcasts over (float32 for that sum).
+        axes = tuple(a for a in (0, 1) if bias.shape[a] == 1 and dbias.shape[a] > 1)
+        dbias = dbias.sum(axes, keepdims=True).astype(bias.dtype) if axes else dbias
     if dslopes is not None:
         dslopes = dslopes.reshape(batch, heads, -1, SUBLANES, LANES)[..., 0, 0].sum((0, 2))
         dslopes = dslopes.astype(slopes.dtype)
@@ -340,12 +362,13 @@ def _attend_bwd(static, res, cotangents):
     zeros = jax.tree.map(zero_cotangent, (tokens, arrays))
     # Inside `shard_map` each cotangent takes its input's mesh axes (the launches' are none),
     # summed over those the work varies over and its input does not.
-    work = jax.tree.leaves((q, k, v, do, dlse, slopes, table, data, tokens, arrays))
+    work = jax.tree.leaves((q, k, v, do, dlse, slopes, table, data, bias, tokens, arrays))
     grads = tuple(None if g is None else cotangent_like(g, x, *work)
                   for g, x in zip((dq, dk, dv, dslopes, dtable), (q, k, v, slopes, table)))
     ddata = tuple(zero_cotangent(x) if g is None else cotangent_like(g, x, *work)
                   for g, x in zip(ddata, data))
-    return grads + (ddata,) + zeros
+    dbias = None if dbias is None else cotangent_like(dbias, bias, *work)
+    return grads + (ddata, dbias) + zeros
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

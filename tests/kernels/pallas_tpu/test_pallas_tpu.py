@@ -404,7 +404,7 @@ def test_declines_name_the_reason():
     kernel = kernels.PallasTpuBlockSparse()
     resolved = bsa.ResolvedMask(masks.Causal(), q_len=256, kv_len=256, num_heads=2)
     assert kernel.decline_reason(resolved, bsa.Features(**{**TPU, "bias": True})) == (
-        "it has no additive bias.")
+        "a bias has not yet run on a TPU.")
     assert "float16" in kernel.decline_reason(resolved, bsa.Features(**{**TPU,
                                                                         "dtype": "float16"}))
     union = bsa.ResolvedMask(masks.Dilated(2) | masks.Causal(), q_len=256, kv_len=256,
