@@ -9,6 +9,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Integer
 
@@ -17,8 +18,8 @@ from ._inputs import (MaskInfo, as_array, as_bool_mask, check_call_data, check_k
                       python_scalar)
 from ._kernel import AbstractKernel, registered_kernels
 from ._mask import AbstractMask, Full, and_masks
-from ._module import (BlockSparseAttention, check_layout, merge_alias, run_plan,
-                      with_layout_hint)
+from ._module import (BlockSparseAttention, _fits_bhsd, _swapped, check_layout, merge_alias,
+                      run_plan, with_layout_hint)
 from ._score import AbstractScore, compile_score
 from ._selector import DEVICE_PLATFORMS
 from ._sharding import run_on_auto_axes
@@ -53,7 +54,9 @@ _BUILDER_FORMS = (
     "`(q_len, kv_len, num_heads, head_idx, num_reps) -> mask` called once per query head"
 )
 #: `jax.nn.dot_product_attention`'s arguments that ejKernel's function lacks. A call that uses
-#: one is read as jax.nn reads it: not causal unless `is_causal` (or `causal`) says so.
+#: one (``None`` included), or `bias` by keyword (ejKernel takes it positionally only), is read
+#: as jax.nn reads it: not causal unless `is_causal` (or `causal`) says so, its arrays jax.nn's
+#: ``[B, T, N, H]`` unless `qkv_layouts` or their shapes say otherwise (`_jax_nn_layout`).
 JAX_NN_NAMES = ("scale", "is_causal", "key_value_seq_lengths", "query_seq_lengths", "mask",
                 "local_window_size", "implementation", "return_residual")
 #: This function's arguments that jax.nn lacks and that change what is computed (the
@@ -65,6 +68,20 @@ OWN_NAMES = ("softmax_aux", "q_segment_ids", "kv_segment_ids", "q_positions", "k
              "sliding_window", "chunk_size", "score", "kv_seq_lengths")
 #: jax.nn's `implementation` values, as this function's `platform` (a kernel name).
 _IMPLEMENTATIONS = {"xla": "xla", "cudnn": "cudnn"}
+
+
+class _NotGiven:
+    """The default of jax.nn's names, which tells an argument not passed from one passed as
+    ``None``: a wrapper that forwards its own arguments passes ``mask=None`` and means
+    jax.nn's call, whose defaults (not causal) then apply."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return "<not given>"
+
+
+NOT_GIVEN = _NotGiven()
 
 
 def _positional_arity(fn) -> tuple[int, int] | None:
@@ -448,11 +465,30 @@ def _zero_queries_past(result, keep, return_lse: bool):
     return out, jnp.where(keep[..., None, :], lse, -jnp.inf)
 
 
-def _jax_nn_names(a: dict) -> list:
+def _keyword_bias(a: dict) -> bool:
+    """Fold jax.nn's `bias=` (keyword) and ejKernel's 5th positional `positional_bias` into
+    `bias`; whether the keyword was given (``None`` included)."""
+    keyword, positional = a["bias"], a["positional_bias"]
+    a["positional_bias"] = None
+    if keyword is NOT_GIVEN:
+        a["bias"] = positional
+        return False
+    if positional is not None:
+        raise TypeError("`bias` is given both 5th positionally and by keyword (jax.nn's way); "
+                        "pass one.")
+    return True
+
+
+def _jax_nn_names(a: dict, keyword_bias: bool) -> list:
     """Fold jax.nn's names in `a` into this function's own, and settle `causal`; returns the
-    jax.nn names the call used. `mask` and `query_seq_lengths` stay for `_validate`, which
-    needs the shapes to read them."""
-    used = [name for name in JAX_NN_NAMES if a[name] is not None]
+    jax.nn names the call used: those passed at all (`NOT_GIVEN` is not passed, ``None`` is),
+    and ``"bias"`` where `keyword_bias`. `mask` and `query_seq_lengths` stay for `_validate`,
+    which needs the shapes to read them."""
+    used = [name for name in JAX_NN_NAMES if a[name] is not NOT_GIVEN]
+    used += ["bias"] if keyword_bias else []
+    for name in JAX_NN_NAMES:
+        if a[name] is NOT_GIVEN:
+            a[name] = None
     ours = [name for name in OWN_NAMES if a[name] is not None]  # before the aliases fold in
     merge_alias(a, "kv_seq_lengths", "key_value_seq_lengths")
     merge_alias(a, "softmax_scale", "scale")
@@ -489,6 +525,8 @@ def _jax_nn_names(a: dict) -> list:
                 "causal=True or causal=False."
             )
         a["causal"] = not used
+    for name in JAX_NN_NAMES:
+        a.setdefault(name, None)  # folded into ours: the body sees None, never `NOT_GIVEN`
     return used
 
 
@@ -506,6 +544,40 @@ def _merge_mask_info(mask_info, **explicit):
     return merged
 
 
+def _jax_nn_layout(qkv, used: list) -> tuple[bool, bool, bool]:
+    """`_seq_first` for a call that uses jax.nn's names (`used`) without `qkv_layouts`:
+    jax.nn's ``[B, T, N, H]`` (or ``[T, N, H]``) where only it fits the shapes, ``[B, H, L, D]``
+    where only that fits (a call written for this function), else a one-line refusal: shapes
+    that fit both would be read in one of them without a word."""
+    shapes = [tuple(x.shape) for x in qkv]
+    as_bhsd = _fits_bhsd(*shapes)
+    as_bshd = _fits_bhsd(*map(_swapped, shapes)) if all(len(x) >= 3 for x in shapes) else False
+    if as_bhsd and as_bshd:
+        theirs, ours = ("[B, T, N, H]", "[B, H, L, D]") if len(shapes[0]) == 4 else (
+            "[T, N, H]", "[H, L, D]")
+        raise ValueError(
+            f"`qkv_layouts` must be given: the call uses jax.nn's `{used[0]}`, whose arrays are "
+            f"{theirs}, and the shapes {', '.join(map(str, shapes))} fit both that and "
+            f"{ours}; pass qkv_layouts='bshd' (jax.nn's layout) or 'bhsd' ({ours}). Only "
+            "shapes that fit both layouts need it."
+        )
+    return (as_bshd and not as_bhsd,) * 3
+
+
+def _broadcast_bias(bias, batched: bool):
+    """`bias` in a shape `check_call_data` reads, broadcast as jax.nn broadcasts it: ones in
+    front of fewer than 2 dimensions (a 1-D bias is one per key), and the leading batch axis
+    of size 1 dropped for unbatched inputs (jax.nn's bias is 4-D whatever the inputs)."""
+    if bias is None:
+        return None
+    bias = as_array("bias", bias)
+    if bias.ndim < 2:
+        return bias.reshape((1,) * (2 - bias.ndim) + bias.shape)
+    if not batched and bias.ndim == 4 and bias.shape[0] == 1:
+        return bias[0]
+    return bias
+
+
 def _validate(arguments: dict):
     """The function door's own checks, before jaxtyping sees the arguments (see `typechecked`).
 
@@ -519,10 +591,11 @@ def _validate(arguments: dict):
         raise ValueError(
             f"`softmax_aux` (the 4th positional argument: attention sinks, at most [H, S]) got "
             f"shape {tuple(aux.shape)}: jax.nn's 4th positional `bias` is the 5th here; "
-            "pass (query, key, value, None, bias)."
+            "pass (query, key, value, None, bias) or bias= by keyword."
         )
-    used = _jax_nn_names(a)
-    residual = "return_residual" in used and a["return_lse"]
+    residual = a["return_residual"] is not NOT_GIVEN and a["return_residual"] is not None
+    used = _jax_nn_names(a, _keyword_bias(a))
+    residual = residual and a["return_lse"]  # jax.nn's residual: the lse in the query's layout
     builder = a["mask_builder"]
     if not isinstance(builder, AbstractMask) and hasattr(builder, "shape") \
             and hasattr(builder, "dtype"):
@@ -535,20 +608,30 @@ def _validate(arguments: dict):
         warnings.warn(FUSED_BACKWARD_DEPRECATION, DeprecationWarning, stacklevel=3)
     seq_first = _seq_first(a["qkv_layouts"])
     qkv = [as_array(name, a[name]) for name in ("query", "key", "value")]
-    if seq_first != (False, False, False) and not all(x.ndim == 4 for x in qkv):
+    inferred = a["qkv_layouts"] is None and used
+    if inferred:
+        seq_first = _jax_nn_layout(qkv, used)
+    if seq_first != (False, False, False) and not all(x.ndim in (3, 4) for x in qkv):
         raise ValueError(
-            "`qkv_layouts` other than 'bhsd' needs [batch, ...] inputs of 4 dimensions; got shapes "
+            "`qkv_layouts` other than 'bhsd' needs inputs of 4 dimensions ([batch, seq, heads, "
+            "dim]) or 3 ([seq, heads, dim]); got shapes "
             f"{', '.join(str(tuple(x.shape)) for x in qkv)}."
         )
     hint = None
     if len(set(seq_first)) == 1:  # one layout for all three: check it (mixed ones are named)
-        named = None if a["qkv_layouts"] is None else ("bshd" if seq_first[0] else "bhsd")
+        named = None if a["qkv_layouts"] is None and not inferred else (
+            "bshd" if seq_first[0] else "bhsd")
         hint = check_layout(*qkv, layout=named, argument="qkv_layouts", stacklevel=4)
     q, k, v = with_layout_hint(hint, check_qkv,
                                *(_to_bhsd(x, s) for x, s in zip(qkv, seq_first)))
     a.update(query=q, key=k, value=v, qkv_layouts=None)
     batched = q.ndim == 4
     batch = q.shape[0] if batched else 1
+    a["bias"] = _broadcast_bias(a["bias"], batched)
+    if not batched:
+        for name in ("kv_seq_lengths", "query_seq_lengths"):
+            if np.shape(a[name]) == (1,):  # jax.nn's [B] lengths of its 3-D call (B = 1)
+                a[name] = a[name][0]
     if a["mask"] is not None:
         a["attention_mask"] = _jax_nn_mask(a["mask"], batch, q.shape[-3], q.shape[-2],
                                            k.shape[-2], batched)
@@ -645,7 +728,7 @@ def blocksparse_attention(
     key: Float[Array, "*batch kv_heads kv_len dim"],
     value: Float[Array, "*batch kv_heads kv_len value_dim"],
     softmax_aux: Float[Array, "..."] | None = None,
-    bias: Float[Array, "..."] | None = None,
+    positional_bias: Float[Array, "..."] | None = None,
     /,
     *,
     q_segment_ids: Integer[Array, "*_ q_len"] | None = None,
@@ -672,14 +755,15 @@ def blocksparse_attention(
     score: AbstractScore | None = None,
     kv_seq_lengths: Integer[Array, "*_"] | int | None = None,
     return_lse: bool = False,
-    key_value_seq_lengths: Integer[Array, "*_"] | int | None = None,
-    scale: float | int | None = None,
-    is_causal: bool | None = None,
-    mask: Array | None = None,
-    query_seq_lengths: Integer[Array, "*_"] | int | None = None,
-    local_window_size: int | tuple[int | None, int | None] | list[int | None] | None = None,
-    implementation: str | None = None,
-    return_residual: bool | None = None,
+    key_value_seq_lengths: Integer[Array, "*_"] | int | None = NOT_GIVEN,
+    scale: float | int | None = NOT_GIVEN,
+    is_causal: bool | None = NOT_GIVEN,
+    mask: Array | None = NOT_GIVEN,
+    query_seq_lengths: Integer[Array, "*_"] | int | None = NOT_GIVEN,
+    local_window_size: int | tuple[int | None, int | None] | list[int | None] | None = NOT_GIVEN,
+    implementation: str | None = NOT_GIVEN,
+    return_residual: bool | None = NOT_GIVEN,
+    bias: Float[Array, "..."] | None = NOT_GIVEN,
 ) -> (Float[Array, "*batch heads q_len value_dim"]
       | tuple[Float[Array, "*batch heads q_len value_dim"], Float[Array, "*batch heads q_len"]]):
     """Block-sparse attention, function style: ``[B, H, Lq, D]`` in, ``[B, H, Lq, Dv]`` out.
@@ -691,9 +775,16 @@ def blocksparse_attention(
     **The causal default:** `causal` (or jax.nn's `is_causal`; one of them) decides when given.
     Otherwise a call is causal, ejKernel's default, unless it uses one of jax.nn's own names
     (`scale`, `key_value_seq_lengths`, `query_seq_lengths`, `mask`, `local_window_size`,
-    `implementation`, `return_residual`): then it is not causal, as in jax.nn. A call that
-    mixes those with this function's own (`softmax_scale`, `sliding_window`, `attention_mask`,
-    `mask_builder`, segment ids, ...) and gives neither is refused: pass ``causal=``.
+    `implementation`, `return_residual`, or `bias` by keyword), given at all (``mask=None``
+    counts, as a wrapper that forwards its arguments passes it): then it is not causal, as in
+    jax.nn. A call that mixes those with this function's own (`softmax_scale`,
+    `sliding_window`, `attention_mask`, `mask_builder`, segment ids, ...) and gives neither is
+    refused: pass ``causal=``.
+
+    **The layout of a jax.nn call:** a call that uses jax.nn's names and no `qkv_layouts`
+    reads its arrays as jax.nn's ``[B, T, N, H]`` (``[T, N, H]``) where only that layout fits
+    their shapes, as ``[B, H, L, D]`` (``[H, L, D]``) where only that one fits, and is refused
+    (a `ValueError` naming `qkv_layouts`) where both fit: pass ``qkv_layouts="bshd"``.
 
     **Arguments:**
 
@@ -701,7 +792,9 @@ def blocksparse_attention(
       (GQA when ``H % Hkv == 0``); unbatched ``[H, L, D]`` also works.
     - `softmax_aux`: attention sinks (positional), read as `BlockSparseAttention`'s `sinks`:
       ``[S]``, ``[H]``, ``[Hkv]`` (one per kv head), ``[H, S]`` or ``[Hkv, S]``.
-    - `bias`: additive bias broadcasting to ``[B, H, Lq, Lk]`` (positional).
+    - `bias`: additive bias broadcasting to ``[B, H, Lq, Lk]`` (unbatched ``[H, Lq, Lk]``, or
+      jax.nn's ``[1, H, Lq, Lk]``), a 1-D bias one per key: 5th positional, after
+      `softmax_aux`, or by keyword as in jax.nn (then one of jax.nn's names, above).
     - `q_segment_ids`, `kv_segment_ids`, `q_positions`, `kv_positions`: ``[B, L]`` ints;
       `kv_segment_ids` defaults to `q_segment_ids` when ``Lq == Lk``.
     - `attention_mask`: booleans ``[B or 1, H or 1, Lq, Lk]`` (also ``[B or 1, Lq, Lk]``,
@@ -735,20 +828,23 @@ def blocksparse_attention(
       a single-pass backward run
       ``BlockSparseAttention(kernel=kernels.MosaicBlockSparse(deterministic=False))`` on a
       Hopper GPU.
-    - `qkv_layouts`: ``"bhsd"`` or ``"bshd"`` (``[B, L, H, D]`` in and out), or one name each
-      for query, key, value; inputs are transposed (no kernel reads ``bshd``). Default
-      ``None``: ``"bhsd"``, checked as `BlockSparseAttention`'s default `qkv_layout` is (a
-      warning where the shapes fit both layouts with more heads than tokens).
+    - `qkv_layouts`: ``"bhsd"`` or ``"bshd"`` (``[B, L, H, D]``, unbatched ``[L, H, D]``, in
+      and out), or one name each for query, key, value; inputs are transposed (no kernel reads
+      ``bshd``). Default ``None``: ``"bhsd"``, checked as `BlockSparseAttention`'s default
+      `qkv_layout` is (a warning where the shapes fit both layouts with more heads than
+      tokens); in a call with jax.nn's names, the layout their shapes fit (above).
     - `mesh`: a `jax.sharding.Mesh` to spread the call over, with `in_specs` (the
       PartitionSpecs of query, key, value, ...; batch and head axes give `ShardMap`, a
       sequence axis `RingAttention`), `out_specs` (``None`` or the query's spec) and/or
       `sequence_parallelism_mesh_axis_name` (the sequence axis: `RingAttention`).
 
     jax.nn's names (each is refused beside its counterpart here; jax.nn's arrays are
-    ``[B, T, N, H]``: pass ``qkv_layouts="bshd"``):
+    ``[B, T, N, H]`` or ``[T, N, H]``: pass ``qkv_layouts="bshd"``, needed where the shapes
+    fit both layouts):
 
     - `scale`, `is_causal`, `key_value_seq_lengths`: `softmax_scale`, `causal`,
       `kv_seq_lengths`.
+    - `bias` (keyword): the 5th positional `bias`.
     - `mask`: booleans of 4 (or fewer) dimensions, each 1 or that of ``[B, N, T, S]``
       (``[B, H, Lq, Lk]``), True = attend; read as `attention_mask`. A row it hides entirely
       gives zeros (jax.nn's gives the mean of the values).
@@ -768,6 +864,7 @@ def blocksparse_attention(
     """
     shard = _sharding_from_options(mesh, in_specs, out_specs, sequence_parallelism_mesh_axis_name)
     del qkv_layouts  # `_validate` brought the inputs to [B, H, L, D] and turns the output back
+    del positional_bias  # `_validate` folded it into `bias`
     del fused_backward  # `_validate` warned that it has no effect
     tiling, cfg_platform = _tiling_from_cfg(cfg)
     kernel, device = _kernel_for(platform if platform is not None else cfg_platform)

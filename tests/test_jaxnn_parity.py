@@ -343,3 +343,159 @@ def test_jax_nn_bias_in_fourth_place_is_refused_with_the_way_out():
                               bias=bias))
     assert_close(out, want, TOL)
     assert_close(_jax_nn(bias=bias, scale=0.3), want, TOL, "jax.nn")
+
+
+# --- jax.nn's names given as None, its layout, its bias and 3-D inputs --------------------
+# New shapes and options run under `jax.jit`: one compile each, not one per operation.
+
+#: jax.nn's names as a wrapper forwarding its own defaults passes them: each given, as None.
+AS_NONE = ["mask", "scale", "implementation", "local_window_size", "key_value_seq_lengths",
+           "query_seq_lengths", "is_causal", "return_residual", "bias"]
+
+
+@pytest.mark.parametrize("name", AS_NONE)
+def test_a_jax_nn_name_passed_as_none_means_jax_nn_defaults(name):
+    """``mask=None`` (and the others) counted as not given, so the call kept ejKernel's causal
+    default: 1.4-2.8 off jax.nn with the same arguments. A jax.nn name given at all is jax.nn's
+    call: not causal."""
+    out = _ours(**{name: None})
+    assert_close(out, _oracle(_visible()), TOL, name)
+    theirs = jax.nn.dot_product_attention(Q, KEY, VALUE, **{name: None})
+    assert_close(theirs, out, TOL, f"{name} (jax.nn)")
+
+
+def _forwarding(attention, **fixed):
+    """A wrapper with jax.nn's signature that forwards every argument, defaults included."""
+    def wrapper(q, k, v, bias=None, mask=None, *, scale=None, is_causal=False,
+                query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                implementation=None):
+        return attention(q, k, v, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
+                         query_seq_lengths=query_seq_lengths,
+                         key_value_seq_lengths=key_value_seq_lengths,
+                         local_window_size=local_window_size, implementation=implementation,
+                         **fixed)
+    return wrapper
+
+
+def _out_and_grads(attention, *args):
+    """``attention(*args)`` and the gradients of a random projection of it to each of `args`,
+    in one compiled call."""
+    cot = random_array(45, jax.eval_shape(attention, *args).shape)
+
+    def loss(*a):
+        out = attention(*a)
+        return jnp.sum(out * cot), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))),
+                                                 has_aux=True))(*args)
+    return out, grads
+
+
+def test_a_forwarding_wrapper_matches_jax_nn_with_gradients():
+    ours = _forwarding(bsa.blocksparse_attention, qkv_layouts="bshd")
+    out, got = _out_and_grads(ours, Q, KEY, VALUE)
+    _, want = _out_and_grads(_forwarding(jax.nn.dot_product_attention), Q, KEY, VALUE)
+    assert_close(out, _oracle(_visible()), TOL)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_close(g, w, 5e-5, name)
+
+
+# Shapes that fit [B, T, N, H] and [B, H, L, D] alike (T == N == 16).
+SQUARE = random_array(46, (B, 16, 16, D))
+
+
+@pytest.mark.parametrize("kw", [dict(scale=0.3), dict(mask=None), dict(is_causal=True),
+                                dict(bias=None)], ids=str)
+def test_jax_nn_names_on_shapes_of_both_layouts_need_qkv_layouts(kw):
+    """jax.nn's [B, T, N, H] arrays with T <= N were read as [B, H, L, D] without a word (1.36
+    off jax.nn at T = N = 16): a call with jax.nn's names whose shapes fit both layouts is
+    refused, naming `qkv_layouts`; with it, the answer is jax.nn's."""
+    x = SQUARE
+    with pytest.raises(ValueError) as info:
+        bsa.blocksparse_attention(x, x, x, **kw)
+    _one_line(info, "`qkv_layouts` must be given", f"`{next(iter(kw))}`", "qkv_layouts='bshd'")
+    if kw == dict(scale=0.3):
+        want = jax.jit(lambda x: jax.nn.dot_product_attention(x, x, x, scale=0.3))(x)
+        out = jax.jit(lambda x: bsa.blocksparse_attention(x, x, x, qkv_layouts="bshd",
+                                                          scale=0.3))(x)
+        assert_close(out, want, TOL)
+
+
+def test_jax_nn_names_read_the_layout_only_one_of_them_fits():
+    """Without `qkv_layouts`, a jax.nn call's arrays are jax.nn's [B, T, N, H] where only that
+    layout fits them (here T=20, N=4, S=28, K=2) and [B, H, L, D] where only that fits."""
+    want = _jax_nn(scale=0.3, is_causal=True)
+    out = bsa.blocksparse_attention(Q, KEY, VALUE, scale=0.3, is_causal=True)
+    assert_close(out, want, TOL, "bshd inferred")
+    out = bsa.blocksparse_attention(*(_bhsd(x) for x in (Q, KEY, VALUE)), scale=0.3,
+                                    is_causal=True)
+    assert_close(_bhsd(out), want, TOL, "bhsd kept")
+
+
+def test_bias_by_keyword_is_jax_nn_bias_with_gradients():
+    """jax.nn's `bias=` (keyword) was refused as positional-only: it is taken, as one of
+    jax.nn's names (not causal), its gradient jax.nn's."""
+    bias = random_array(47, (B, N, T, S))
+    out, got = _out_and_grads(
+        lambda q, b, v: bsa.blocksparse_attention(q, KEY, v, bias=b), Q, bias, VALUE)
+    theirs, want = _out_and_grads(
+        lambda q, b, v: jax.nn.dot_product_attention(q, KEY, v, bias=b), Q, bias, VALUE)
+    assert_close(out, theirs, TOL)
+    for name, g, w in zip(("dq", "dbias", "dv"), got, want):
+        assert_close(g, w, 5e-5, name)
+    with pytest.raises(TypeError) as info:
+        bsa.blocksparse_attention(Q, KEY, VALUE, None, bias, bias=bias, qkv_layouts="bshd")
+    _one_line(info, "`bias`", "pass one")
+
+
+@pytest.mark.parametrize("shape", [(S,), ()], ids=str)
+def test_a_bias_of_fewer_than_two_dimensions_broadcasts_as_in_jax_nn(shape):
+    """A 1-D bias was refused; jax.nn adds ones in front (its trailing axis is the keys), by
+    keyword or 5th positionally (ejKernel's place), its gradient of the caller's shape."""
+    bias = random_array(49, shape)
+    seed = jax.jit(lambda b: bsa.blocksparse_attention(Q, KEY, VALUE, None, b, causal=False,
+                                                       qkv_layouts="bshd"))(bias)
+    if not shape:  # a scalar shifts every logit alike: its gradient is zero up to rounding
+        want = jax.jit(lambda b: jax.nn.dot_product_attention(Q, KEY, VALUE, bias=b))(bias)
+        assert_close(seed, want, TOL, "5th positional")
+        return
+    out, (got,) = _out_and_grads(lambda b: bsa.blocksparse_attention(Q, KEY, VALUE, bias=b),
+                                 bias)
+    want, (grad,) = _out_and_grads(lambda b: jax.nn.dot_product_attention(Q, KEY, VALUE, bias=b),
+                                   bias)
+    assert_close(out, want, TOL, "keyword")
+    assert_close(seed, want, TOL, "5th positional")
+    assert got.shape == shape
+    assert_close(got, grad, 5e-5, "dbias")
+
+
+def _unbatched_call():
+    """jax.nn's 3-D call: [T, N, H] inputs, its 4-D `mask` and `bias`, a [1] length."""
+    kw = dict(mask=_random_mask(6, (1, N, T, S)), bias=random_array(50, (1, N, T, S)),
+              key_value_seq_lengths=np.array([13], np.int32), scale=0.3)
+    return (Q[0], KEY[0], VALUE[0]), kw
+
+
+def test_unbatched_inputs_are_jax_nn_3d_call():
+    """jax.nn takes [T, N, H] (adding the batch), which was refused: so does its door here,
+    with its 4-D `mask` and `bias`, [1] lengths and its [T, N] residual."""
+    (q, k, v), kw = _unbatched_call()
+    want, want_lse = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, return_residual=True, **kw))(q, k, v)
+    out, lse = jax.jit(lambda q, k, v: bsa.blocksparse_attention(  # the layout inferred
+        q, k, v, return_residual=True, **kw))(q, k, v)
+    assert out.shape == (T, N, D) and lse.shape == (T, N) == want_lse.shape
+    assert_close(out, want, TOL)
+    assert_close(lse, want_lse, TOL, "lse")
+
+
+@pytest.mark.slow
+def test_unbatched_jax_nn_3d_call_gradients():
+    (q, k, v), kw = _unbatched_call()
+    out, got = _out_and_grads(
+        lambda q, k, v: bsa.blocksparse_attention(q, k, v, qkv_layouts="bshd", **kw), q, k, v)
+    theirs, want = _out_and_grads(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw), q, k, v)
+    assert_close(out, theirs, TOL)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_close(g, w, 5e-5, name)

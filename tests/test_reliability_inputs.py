@@ -366,7 +366,8 @@ def test_int64_query_seq_lengths_past_int32_are_refused():
     q, k, v = (x[None] for x in _qkv())
     with pytest.raises(ValueError, match=r"^`query_seq_lengths` must lie in \[0, 16\] "
                                          r"\(q_len\)") as info:
-        bsa.blocksparse_attention(q, k, v, query_seq_lengths=np.array([2**32], np.int64))
+        bsa.blocksparse_attention(q, k, v, query_seq_lengths=np.array([2**32], np.int64),
+                                  qkv_layouts="bhsd")  # [B, H, L, D] shapes that fit both
     _one_line(info)
 
 
