@@ -273,6 +273,44 @@ def _validate_call(arguments: dict):
 SOFT_CAP_RANGE = (1e-30, 1e30)
 
 
+def _given(value) -> str:
+    """What a field holds, for an error message."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)}"
+    if isinstance(value, str):
+        return f"str {value!r}"
+    return "None" if value is None else type(value).__name__
+
+
+def _check_strategies(attn: "BlockSparseAttention") -> None:
+    """A one-line `TypeError` naming the field unless `mask`, `kernel`, `tiling`, `score` and
+    `sharding` are strategies of their kinds: when the module is made, and at each call, since
+    `eqx.tree_at` swaps a field in without `__init__`."""
+    if not isinstance(attn.mask, AbstractMask):
+        hint = ": an element mask is masks.ArrayMask(array)" if hasattr(attn.mask, "shape") else ""
+        raise TypeError(
+            f"`mask` must be an AbstractMask (e.g. masks.Full(), masks.Causal()); got "
+            f"{_given(attn.mask)}{hint}."
+        )
+    # None means automatic (as `__init__`'s converters read it), also swapped in.
+    if not isinstance(attn.kernel, (AbstractKernel, AutoKernel, type(None))):
+        raise TypeError(
+            "`kernel` must be an AbstractKernel (e.g. kernels.XlaBlockSparse()), AutoKernel() "
+            f"or None; got {_given(attn.kernel)}."
+        )
+    if not isinstance(attn.tiling, (AbstractTiling, type(None))):
+        raise TypeError(
+            "`tiling` must be a kernel's config (e.g. kernels.TritonConfig, or Tiling), "
+            f"AutoTiling() or None; got {_given(attn.tiling)}."
+        )
+    check_score(attn.score)
+    if not isinstance(attn.sharding, AbstractSharding):
+        raise TypeError(
+            "`sharding` must be an AbstractSharding (e.g. sharding.Unsharded(), "
+            f"sharding.ShardMap(mesh, ...)); got {_given(attn.sharding)}."
+        )
+
+
 class BlockSparseAttention(eqx.Module):
     """Exact attention that skips the blocks its mask leaves empty.
 
@@ -339,26 +377,7 @@ class BlockSparseAttention(eqx.Module):
                 f"([batch, seq, heads, dim], jax.nn.dot_product_attention's); got "
                 f"{self.qkv_layout!r}."
             )
-        if not isinstance(self.mask, AbstractMask):
-            hint = ""
-            if hasattr(self.mask, "shape") and hasattr(self.mask, "dtype"):
-                hint = (f" of shape {tuple(self.mask.shape)}: an element mask is "
-                        "masks.ArrayMask(array)")
-            raise TypeError(
-                f"`mask` must be an AbstractMask; got {type(self.mask).__name__}{hint}."
-            )
-        if not isinstance(self.kernel, (AbstractKernel, AutoKernel)):
-            raise TypeError(f"`kernel` must be an AbstractKernel or None; got {type(self.kernel).__name__}.")
-        if not isinstance(self.tiling, AbstractTiling):
-            raise TypeError(
-                "`tiling` must be a kernel's config (e.g. kernels.TritonConfig, or Tiling), "
-                f"AutoTiling() or None; got {type(self.tiling).__name__}."
-            )
-        check_score(self.score)
-        if not isinstance(self.sharding, AbstractSharding):
-            raise TypeError(
-                f"`sharding` must be an AbstractSharding; got {type(self.sharding).__name__}."
-            )
+        _check_strategies(self)
         if self.softmax_scale is not None and not (
             isinstance(self.softmax_scale, (int, float)) and math.isfinite(self.softmax_scale)
         ):
@@ -408,6 +427,7 @@ class BlockSparseAttention(eqx.Module):
               return_lse: bool = False, **data) -> CallPlan:
         """`plan` for ``[B, H, L, D]`` (or ``[H, L, D]``) arrays that `check_call` has checked
         (`__call__`'s decorator, `plan` or the function door): nothing is checked twice."""
+        _check_strategies(self)  # `eqx.tree_at` may have swapped a field since `__init__`
         platform = check_platform(platform)
         if return_lse and not isinstance(self.sharding, Unsharded):
             raise ValueError(

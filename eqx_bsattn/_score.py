@@ -14,6 +14,8 @@ are passed).
 import abc
 import dataclasses
 import functools
+import types
+import typing
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -495,10 +497,46 @@ def check_score(score) -> None:
                         f"{type(score).__name__}.")
 
 
+def _array_kinds(annotation) -> tuple[tuple, bool]:
+    """The jaxtyping array types a field's `annotation` names (``Float[Array, "h"]``, also in
+    ``X | None``), and whether it allows ``None``."""
+    arms = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (
+        annotation,)
+    kinds = tuple(a for a in arms if hasattr(a, "dtypes") and hasattr(a, "dim_str"))
+    return kinds, type(None) in arms
+
+
+def check_score_arrays(score: AbstractScore) -> None:
+    """A one-line `TypeError` naming the field where a score's array field, annotated with a
+    jaxtyping dtype (``slopes: Float[Array, " h"]``), holds something else: what its
+    `__init__` checked, again at each call (`eqx.tree_at` swaps a field in without it)."""
+    for field in dataclasses.fields(score):
+        if field.metadata.get("static", False):
+            continue
+        kinds, optional = _array_kinds(field.type)
+        value = getattr(score, field.name)
+        if not kinds or (value is None and optional):
+            continue
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and any(jnp.dtype(dtype).name in k.dtypes for k in kinds):
+            continue
+        kind = kinds[0]
+        wanted = ("a float" if all("float" in d for d in kind.dtypes)
+                  else "an integer" if all("int" in d for d in kind.dtypes) else "an")
+        got = (f"dtype {jnp.dtype(dtype).name}" if dtype is not None
+               else type(value).__name__)
+        raise TypeError(
+            f"`{field.name}` of {type(score).__name__} must be {wanted} array "
+            f"[{kind.dim_str}]; got {got} (swapped in with eqx.tree_at?).")
+
+
 def compile_score(score: AbstractScore | None, num_heads: int) -> ScoreTerms | None:
     """The `ScoreTerms` of a module's `score` for a call with `num_heads` query heads."""
     check_score(score)
-    return None if score is None else score.compile(num_heads)
+    if score is None:
+        return None
+    check_score_arrays(score)
+    return score.compile(num_heads)
 
 
 def attach_score(score: AbstractScore | None, inputs, num_heads: int, sharding, *,

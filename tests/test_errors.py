@@ -9,6 +9,7 @@ import subprocess
 import sys
 from typing import ClassVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +19,7 @@ import eqx_bsattn as bsa
 from eqx_bsattn.contract import MaskReads
 from eqx_bsattn import masks
 from eqx_bsattn.strategies.kernels.reference import reference_attention
-from tests.conftest import assert_close, random_array
+from tests.conftest import assert_close, np_attention, random_array
 
 B, H, HKV, L, D = 2, 4, 2, 16, 8
 Q = random_array(0, (B, H, L, D))
@@ -62,6 +63,16 @@ def _fn(**kw):
 
 def _call(*args, **kw):
     return lambda: ATTN(*args, **kw)
+
+
+def _swapped(where, value, **kw):
+    """`ATTN` (or `kw`'s module) with a field swapped by `eqx.tree_at`, called."""
+    attn = bsa.BlockSparseAttention(**kw) if kw else ATTN
+    return lambda: eqx.tree_at(where, attn, value, is_leaf=lambda x: x is None)(Q, K, V)
+
+
+def _window(q, k, width):
+    return (k <= q) & (q - k < width)
 
 
 def _layout(**kw):
@@ -195,6 +206,25 @@ CASES = [
      ValueError, "ArrayMask has shape (3, 16, 16); this call needs [1 or 4, 16, 16]"),
     ("array mask dtype", lambda: masks.ArrayMask(np.ones((L, L), np.float32)), TypeError,
      "`mask` must hold booleans (or integers, nonzero = visible); got dtype float32."),
+    # Fields swapped with eqx.tree_at (no `__init__` runs): checked at the call.
+    ("swapped mask array", _swapped(lambda a: a.mask, jnp.ones((L, L), bool)), TypeError,
+     "`mask` must be an AbstractMask (e.g. masks.Full(), masks.Causal()); got an array of "
+     "shape (16, 16): an element mask is masks.ArrayMask(array)."),
+    ("swapped mask None", _swapped(lambda a: a.mask, None), TypeError,
+     "`mask` must be an AbstractMask (e.g. masks.Full(), masks.Causal()); got None."),
+    ("swapped kernel str", _swapped(lambda a: a.kernel, "xla"), TypeError,
+     "`kernel` must be an AbstractKernel (e.g. kernels.XlaBlockSparse()), AutoKernel() or "
+     "None; got str 'xla'."),
+    ("swapped alibi slopes", _swapped(lambda a: a.score.slopes, jnp.arange(H),
+                                      score=bsa.scores.ALiBi(bsa.scores.alibi_slopes(H),
+                                                             learned=True)),
+     TypeError, "`slopes` of ALiBi must be a float array [h]; got dtype int32 (swapped in "
+     "with eqx.tree_at?)."),
+    ("swapped predicate params",
+     _swapped(lambda a: a.mask.params, jnp.float32(4.0),
+              mask=masks.Predicate(_window, jnp.int32(4))),
+     TypeError, "`params` of the Predicate _window must be an integer array, as it was given; "
+     "got dtype float32 (swapped in with eqx.tree_at?): swap in integer arrays."),
 ]
 
 
@@ -281,3 +311,48 @@ def test_jax_jit_of_a_module_holding_an_array_mask_says_what_to_use():
     want = attn(q, q, q)
     assert_close(eqx.filter_jit(attn)(q, q, q), want)
     assert_close(eqx.filter_jit(lambda a, q: a(q, q, q))(attn, q), want)
+
+
+@pytest.mark.parametrize("length", [256, 512])
+def test_predicate_closing_over_a_traced_value_is_refused_at_every_length(length):
+    """A Predicate whose function closes over an argument of `jax.jit`: refused in one line
+    at every length (it ran at 256, where the dense kernel evaluates it in the trace, and
+    failed at 512, where a block layout is built from it on the host); passed as `params`,
+    it runs at both."""
+    q = random_array(5, (1, 1, length, 4))
+
+    def closing(q, width):
+        attn = bsa.BlockSparseAttention(mask=masks.Predicate(lambda qp, kp: _window(qp, kp, width)))
+        return attn(q, q, q)
+
+    with pytest.raises(TypeError) as info:
+        jax.jit(closing)(q, 8)
+    text = str(info.value)
+    assert "\n" not in text, text
+    assert text.startswith("the mask's function closes over a traced array (the Predicate "
+                           "<lambda> reads an argument of a function under jit"), text
+    assert "pass the array as `params`, masks.Predicate(fn, params)" in text, text
+
+    def passing(q, width):
+        return bsa.BlockSparseAttention(mask=masks.Predicate(_window, width))(q, q, q)
+
+    index = np.arange(length)
+    visible = np.asarray(_window(index[:, None], index[None, :], 8))
+    assert_close(jax.jit(passing)(q, 8), np_attention(q, q, q, visible))
+
+
+def test_traced_nan_bias_ends_with_one_line_naming_bias():
+    """A NaN in a traced bias is found as the call runs: the error JAX raises ends with one
+    line naming `bias` (a plain ValueError), without equinox's advice about its own jit."""
+    bias = jnp.zeros((L, L)).at[3, 2].set(jnp.nan)
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(jax.jit(lambda b: ATTN(Q, K, V, bias=b))(bias))
+    lines = [line for line in str(info.value).splitlines() if line.strip()]
+    assert lines[-1] == ("ValueError: `bias` must be finite or -inf (which hides a pair); got "
+                         "+inf or NaN."), str(info.value)
+    assert "filter_jit" not in str(info.value), str(info.value)
+    # A concrete one is refused before anything runs, in that one line.
+    with pytest.raises(ValueError) as info:
+        ATTN(Q, K, V, bias=np.asarray(bias))
+    assert str(info.value) == ("`bias` must be finite or -inf (which hides a pair); got +inf "
+                               "or NaN."), str(info.value)

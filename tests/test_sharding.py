@@ -38,7 +38,8 @@ if os.environ.get(_CHILD) != "1":
     #: checks; `test_sharding_on_eight_devices_rest` (the full tier) runs the others.
     QUICK = ("(test_shard_map and not score_terms and not per_head and not segment_ids) or "
              "test_ring_two_axes_gqa or test_ring_steps_match_the_mask or "
-             "test_dispatch_documents or test_bad_mesh_and_axes")
+             "test_dispatch_documents or test_bad_mesh_and_axes or "
+             "test_ring_score_function_params")
 
     def test_sharding_on_eight_devices():
         run_child("not slow", QUICK)
@@ -442,6 +443,41 @@ else:
                                     kv_pos=p) for p in pos])
         check_score_oracle(kind, out, grads, d_arrays, (q, k, v), arrays, visible, pos)
 
+    def _table_and_shift(score, head, q_pos, k_pos, params):
+        """A learned table (float: differentiated) read at a distance shifted by an integer
+        param (not differentiated), per head."""
+        index = jnp.clip(q_pos - k_pos + params["shift"], 0, params["table"].shape[1] - 1)
+        return score + params["table"][head, index]
+
+    @pytest.mark.parametrize("kernel, mesh_name, order, mask_name", [
+        ("DenseReference", "2d_heads", "zigzag", "causal"),
+        *[pytest.param(*case, marks=slow) for case in [
+            ("XlaBlockSparse", "1d", "contiguous", "window"),
+            ("XlaBlockSparse", "2d_batch", "zigzag", "causal"),
+        ]],
+    ], ids=lambda x: str(x))
+    def test_ring_score_function_params(kernel, mesh_name, order, mask_name):
+        """A `ScoreFunction`'s params reach every ring step: output and the gradients of q,
+        k, v and the float params (summed over the steps and the devices) equal the unsharded
+        call's, float32; an integer leaf of the params is read, not differentiated."""
+        length = 64
+        q, k, v = random_inputs(24, batch=2, heads=4, kv_heads=2, q_len=length)
+        mask = {"causal": masks.Causal(),
+                "window": masks.Causal() & masks.SlidingWindow(12)}[mask_name]
+
+        def call(shard):
+            def fn(q, k, v, table, shift):
+                score = scores.ScoreFunction(_table_and_shift, dict(table=table, shift=shift))
+                attn = bsa.BlockSparseAttention(
+                    mask=mask, kernel=make_kernel(kernel), tiling=TILES, score=score,
+                    **({} if shard is None else {"sharding": shard}))
+                return attn(q, k, v)
+
+            return fn
+
+        params = dict(table=random_array(25, (4, 16)), shift=jnp.asarray(-2, jnp.int32))
+        compare(call(None), call(ring(mesh_name, order=order)), (q, k, v), params)
+
     @pytest.mark.slow
     @pytest.mark.parametrize("kernel", ["XlaBlockSparse", "DenseReference"])
     def test_ring_array_mask_traced(kernel):
@@ -658,11 +694,10 @@ else:
         def symmetric(s, head, q_pos, k_pos, slopes):
             return s - slopes[head] * jnp.abs(k_pos - q_pos).astype(s.dtype)
 
-        cases = [(lambda a: scores.ALiBi(a, learned=True), jnp.linspace(-0.3, 0.4, 4), True),
-                 (scores.RelativePositionBias, random_array(13, (4, 32)), True),
-                 (lambda a: scores.ScoreFunction(symmetric, a), jnp.linspace(0.1, 0.4, 4),
-                  False)]
-        for make, array, ring_too in cases:
+        cases = [(lambda a: scores.ALiBi(a, learned=True), jnp.linspace(-0.3, 0.4, 4)),
+                 (scores.RelativePositionBias, random_array(13, (4, 32))),
+                 (lambda a: scores.ScoreFunction(symmetric, a), jnp.linspace(0.1, 0.4, 4))]
+        for make, array in cases:
             def loss(q, array, shard=None):
                 attn = bsa.BlockSparseAttention(
                     mask=masks.Causal(), kernel=make_kernel("DenseReference"), tiling=TILES,
@@ -670,8 +705,7 @@ else:
                 return jnp.sum(jnp.sin(attn(q, k, v)))
 
             want = jax.value_and_grad(loss, argnums=(0, 1))(q, array)
-            shards = [None] + ([sharding.RingAttention(mesh, "s", head_axis="h")]
-                               if ring_too else [])
+            shards = [None, sharding.RingAttention(mesh, "s", head_axis="h")]
             for shard in shards:
                 with jax.set_mesh(mesh):
                     got = jax.jit(jax.value_and_grad(lambda q, a: loss(q, a, shard),
@@ -1090,19 +1124,13 @@ else:
             loss = lambda a, q: jnp.sum(jnp.sin(a(q, k, v)))  # noqa: E731
             return eqx.filter_jit(eqx.filter_value_and_grad(loss))(attn, q)
 
-        if shard == "ring":  # the ring's steps take no params yet: refused in one line
-            with pytest.raises(ValueError, match=r"^RingAttention does not pass a score "
-                                                 r"function's `params`"):
-                grads(split)
-            split = sharding.RingAttention(make_mesh((2, 4), ("b", "s")), seq_axis="s",
-                                           batch_axis="b")
+        if shard == "ring":  # a function without params too
             table_free = scores.ScoreFunction(_batch_only_term)
             ring = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.XlaBlockSparse(),
                                             tiling=TILES, score=table_free, sharding=split)
             plain = eqx.tree_at(lambda a: a.sharding, ring, sharding.Unsharded(),
                                 is_leaf=lambda x: x is None)
             np.testing.assert_allclose(ring(q, k, v), plain(q, k, v), rtol=2e-5, atol=2e-6)
-            return
         (want, want_grad), (got, got_grad) = grads(None), grads(split)
         np.testing.assert_allclose(got, want, rtol=2e-5)
         np.testing.assert_allclose(got_grad.score.params, want_grad.score.params, rtol=2e-4,

@@ -71,6 +71,9 @@ class Predicate(AbstractMask):
     fn: Callable = eqx.field(static=True)
     params: Any = None
     takes_head: bool = eqx.field(default=False, static=True)
+    #: The kind of each leaf of `params` as given (``"bool"``, ``"integer"``, ``"float"``,
+    #: ``"complex"``): a call refuses leaves swapped in (`eqx.tree_at`) of another kind.
+    param_kinds: tuple[str, ...] = eqx.field(default=(), static=True)
 
     reads_segment_ids: ClassVar[bool] = False
 
@@ -90,6 +93,31 @@ class Predicate(AbstractMask):
         self.fn = fn
         self.params = None if params is None else params_tree(params)
         self.takes_head = sig is not None and "head" in sig.keywords
+        self.param_kinds = tuple(_dtype_kind(x.dtype) for x in jax.tree.leaves(self.params))
+
+    def check(self, q_len, kv_len, num_heads):
+        """At each call: the params keep the kinds of dtypes they were given, and `fn`
+        closes over no traced value (either is refused in one line)."""
+        leaves = jax.tree_util.tree_leaves_with_path(self.params)
+        if len(leaves) == len(self.param_kinds):
+            for (path, x), kind in zip(leaves, self.param_kinds):
+                dtype = getattr(x, "dtype", None)
+                if dtype is None and isinstance(x, (bool, int, float, complex)):
+                    dtype = jnp.result_type(x)  # a Python number, as `elements` reads it
+                if _dtype_kind(dtype) != kind:
+                    what = (f"dtype {jnp.dtype(x.dtype).name}" if hasattr(x, "dtype")
+                            else type(x).__name__)
+                    raise TypeError(
+                        f"`params`{jax.tree_util.keystr(path)} of the Predicate "
+                        f"{_name(self.fn)} must be {'an' if kind[0] in 'aeiou' else 'a'} "
+                        f"{kind} array, as it was given; got "
+                        f"{what} (swapped in with eqx.tree_at?): swap in {kind} arrays.")
+        if _closes_over_traced(self.fn, self.takes_head, self.params):
+            raise TypeError(
+                f"the mask's function closes over a traced array (the Predicate "
+                f"{_name(self.fn)} reads an argument of a function under jit, vmap or grad): "
+                f"pass the array as `params`, masks.Predicate(fn, params) with "
+                f"fn(q_pos, k_pos, params).")
 
     def __hash__(self):
         # `jax.jit(attn)` hashes the module it is given; an array has no hash. Its static part
@@ -129,6 +157,36 @@ class Predicate(AbstractMask):
                 f"its positions, {shape}; got {out.shape} (a reduction or an index over them?): "
                 f"keep one entry per (query, key) pair.")
         return jnp.broadcast_to(out, shape)
+
+
+def _dtype_kind(dtype) -> str:
+    """``"bool"``, ``"integer"``, ``"float"``, ``"complex"`` (or ``"other"``) for `dtype`."""
+    if dtype is None:
+        return "other"
+    for kind, of in (("bool", jnp.bool_), ("integer", jnp.integer), ("float", jnp.floating),
+                     ("complex", jnp.complexfloating)):
+        if jnp.issubdtype(dtype, of):
+            return kind
+    return "other"
+
+
+def _closes_over_traced(fn: Callable, takes_head: bool, params) -> bool:
+    """Whether `fn` reads a traced value it closes over (an argument of an enclosing `jit`,
+    `vmap` or `grad`), from its jaxpr on a 2 x 2 tile: such a value is one of the jaxpr's
+    constants. Where `fn` does not trace there, ``False`` (the call says what fails)."""
+    abstract = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))  # noqa: E731
+    extra = () if params is None else (jax.tree.map(abstract, params),)
+    head = (jax.ShapeDtypeStruct((), jnp.int32),) if takes_head else ()
+
+    def call(q, k, extra, head):
+        return fn(q, k, *extra, **({"head": head[0]} if head else {}))
+
+    try:
+        closed = jax.make_jaxpr(call)(jax.ShapeDtypeStruct((2, 1), jnp.int32),
+                                      jax.ShapeDtypeStruct((1, 2), jnp.int32), extra, head)
+    except Exception:  # noqa: BLE001
+        return False
+    return any(isinstance(c, jax.core.Tracer) for c in closed.consts)
 
 
 def _reads_positions(fn: Callable, takes_head: bool, params: tuple) -> bool:

@@ -328,6 +328,11 @@ class _DeviceRing:
     local_heads: int
     head_offset: Callable
     score: ScoreTerms | None = None
+    #: A score function's `params`: their tree, the slot of each leaf, and which leaves are
+    #: float (differentiated, in the ring's `score` argument; the others are read from `aux`).
+    param_def: Any = None
+    param_slots: tuple = ()
+    param_learned: tuple[bool, ...] = ()
 
     # --------------------------------------------------------------------------------------
     # One step: the kernel's problem for (this device's queries, the kv shard it holds).
@@ -394,11 +399,31 @@ class _DeviceRing:
         src = (jax.lax.axis_index(self.seq_axis) - t) % self.n
         return jax.lax.dynamic_update_slice_in_dim(dbias_sum, dbias, src * self.kv_len, axis=3)
 
-    def _kernel(self, inputs, step_mask):
+    def _fixed_params(self, aux) -> tuple:
+        """The leaves of a score function's `params` that are not differentiated (integer
+        and boolean arrays), read from the operands `aux`."""
+        read = self.ops.reader(aux)
+        return tuple(read(slot) for slot, learned in zip(self.param_slots, self.param_learned)
+                     if not learned)
+
+    def _params(self, learned: tuple, fixed: tuple):
+        """A score function's `params` rebuilt from its float leaves `learned` and the
+        others, `fixed`."""
+        if self.param_def is None:
+            return None
+        learned, fixed = iter(learned), iter(fixed)
+        leaves = [next(learned) if flag else next(fixed) for flag in self.param_learned]
+        return jax.tree.unflatten(self.param_def, leaves)
+
+    def _kernel(self, inputs, step_mask, fixed):
         def call(q, k, v, bias, score):
             # The step's score terms: positions are the tokens' global ones (`inputs`), so a
-            # term means what it means unsharded; `score` is (slopes, table).
-            terms = None if self.score is None else self.score.with_arrays(*score)
+            # term means what it means unsharded; `score` is (slopes, table, the float leaves
+            # of the function's params), `fixed` the params' other leaves.
+            terms = None
+            if self.score is not None:
+                slopes, table, learned = score
+                terms = self.score.with_arrays(slopes, table, self._params(learned, fixed))
             return self.fn(q, k, v, AttentionInputs(bias=bias, score=terms, **inputs),
                            step_mask, return_lse=True)
 
@@ -434,6 +459,7 @@ class _DeviceRing:
         """``(out, lse)`` float32 merged over every step, and the kv shards held at the last
         hop forward and backward (the backward ring starts from them)."""
         here, problem = self._problems(aux)
+        fixed = self._fixed_params(aux)
         refs = (q, k, v, bias, score, aux)
 
         def compute(t, p, shard):
@@ -442,7 +468,7 @@ class _DeviceRing:
             bias_t = self._bias_at(bias, t)
 
             def attend():
-                out, lse = self._kernel(inputs, step_mask)(q, k_t, v_t, bias_t, score)
+                out, lse = self._kernel(inputs, step_mask, fixed)(q, k_t, v_t, bias_t, score)
                 return out.astype(_F32), lse.astype(_F32)
 
             def skipped():
@@ -495,11 +521,13 @@ class _DeviceRing:
         q, k, v, bias, score, aux, out, lse, far = residuals
         d_out, d_lse = cotangents
         here, problem = self._problems(aux)
+        fixed = self._fixed_params(aux)
         seen = jnp.isfinite(lse)
         # rowsum(dO * O) - dlse: the merged softmax's diagonal term, per row.
         delta = backward_delta(d_out, out, d_lse, lse)
         refs = (q, k, v, bias, score, aux, d_out, lse)
         f32_zeros = lambda x: None if x is None else jnp.zeros(x.shape, _F32)  # noqa: E731
+        tree_zeros = lambda t: jax.tree.map(f32_zeros, t)  # noqa: E731  (None stays None)
 
         def grads(t, p, shard):
             k_t, v_t, kv_seg, kv_pos = shard
@@ -507,7 +535,7 @@ class _DeviceRing:
             bias_t = self._bias_at(bias, t)
 
             def pull():
-                (out_t, lse_t), pullback = jax.vjp(self._kernel(inputs, step_mask),
+                (out_t, lse_t), pullback = jax.vjp(self._kernel(inputs, step_mask, fixed),
                                                    q, k_t, v_t, bias_t, score)
                 w = jnp.where(seen, jnp.exp(lse_t.astype(_F32) - jnp.where(seen, lse, 0.0)),
                               0.0)
@@ -516,11 +544,11 @@ class _DeviceRing:
                     ((w[..., None] * d_out).astype(out_t.dtype), w * (own - delta)))
                 f32 = lambda x: None if x is None else x.astype(_F32)  # noqa: E731
                 return (dq.astype(_F32), (dk.astype(_F32), dv.astype(_F32)), f32(dbias),
-                        tuple(map(f32, dscore)))
+                        jax.tree.map(f32, dscore))
 
             def skipped():
                 return (f32_zeros(q), (f32_zeros(k_t), f32_zeros(v_t)), f32_zeros(bias_t),
-                        tuple(map(f32_zeros, score)))
+                        tree_zeros(score))
 
             return self._when(work, pull, skipped, (q, k_t, v_t, bias_t, score, inputs, work,
                                                     d_out, lse))
@@ -554,18 +582,19 @@ class _DeviceRing:
         # dq, dbias and the score arrays' gradients stay on the device, summed step by step.
         first = far[1] if self.walk.back_hops else far[0] if self.walk.fwd_hops else shard0
         start = (first, zero_kv, zero_kv if self.walk.back_hops else None,
-                 jnp.zeros(q.shape, _F32), f32_zeros(bias), tuple(map(f32_zeros, score)))
+                 jnp.zeros(q.shape, _F32), f32_zeros(bias), tree_zeros(score))
         carry, _ = jax.lax.scan(body, typed_like(start, *refs), self.walk.backward_table())
         _, dkv, home, dq, dbias, dscore = carry
         dkv = _sum(dkv, home) if self.walk.back_hops else dkv
-        cts = typed_like((dq, *dkv, dbias, *dscore), q, k, v, bias, score)
-        cast = [None if c is None else c.astype(x.dtype)
-                for c, x in zip(cts, (q, k, v, bias, *score))]
-        return (*cast[:4], tuple(cast[4:]), None)
+        cts = typed_like((dq, *dkv, dbias, dscore), q, k, v, bias, score)
+        # Each cotangent in its input's dtype (None where the input is None).
+        return (*jax.tree.map(lambda c, x: c.astype(x.dtype), cts, (q, k, v, bias, score)),
+                None)
 
     def attend(self, q, k, v, bias, score, aux):
         """``(out, lse)`` float32 of this device's queries over the whole kv sequence;
-        `score` is ``(slopes, table)`` of this device's query heads (``None`` where off)."""
+        `score` is ``(slopes, table, learned)``: the rows of this device's query heads
+        (``None`` where off) and the float leaves of a score function's `params` (a tuple)."""
 
         @jax.custom_vjp
         def ring(q, k, v, bias, score, aux):
@@ -608,8 +637,9 @@ class RingAttention(AbstractSharding):
     causal term). Positions and segment ids stay global: each shard's kernel call gets its
     tokens' global positions, so a mask means the same sharded or not, and so do score terms
     (`score=`): each step's call evaluates them at those positions, on the slopes' and
-    table's rows of the device's query heads (a score function gets the call's head ids), and
-    their gradients are summed over the steps and the devices that share the rows.
+    table's rows of the device's query heads (a score function gets the call's head ids and
+    its `params` whole), and their gradients are summed over the steps and the devices that
+    share the arrays.
 
     Batch and head axes may split the rest like `ShardMap`. Sequence lengths must split into
     ``n`` (contiguous) or ``2n`` (zig-zag) slices whose lengths are multiples of the kernel's
@@ -921,15 +951,23 @@ class RingAttention(AbstractSharding):
             # The score arrays split over the heads like ShardMap's (every sequence and batch
             # shard holds its query heads' rows); each step's call reads them at the tokens'
             # global positions, and a score function gets the call's head ids.
+            # A score function's `params` reach every device whole; their float leaves are
+            # differentiated like the slopes (summed over the steps on the device, then by
+            # autodiff over the devices), the others are read as they are.
             terms = inputs.score
-            if terms is not None and terms.params is not None:
-                raise ValueError("RingAttention does not pass a score function's `params` to "
-                                 "its steps yet; use ShardMap or no sharding for this score.")
             slopes, table = (None, None) if terms is None else terms.arrays
             score_slots = (ops.add(slopes, P(h_axis)), ops.add(table, P(h_axis, None)))
+            params = None if terms is None else terms.params
+            param_leaves, param_def = jax.tree.flatten(params)
+            param_slots = tuple(ops.add(x, P()) for x in param_leaves)
+            param_learned = tuple(bool(jnp.issubdtype(x.dtype, jnp.inexact))
+                                  for x in param_leaves)
+            learned_slots = tuple(s for s, f in zip(param_slots, param_learned) if f)
             score_like = local_score(terms, None, None, head_axis=h_axis,
                                      local_heads=local_heads, batch_axis=b_axis,
                                      local_batch=batch // axis_size(mesh, b_axis))
+            if score_like is not None:  # the arrays come in as the ring's arguments
+                score_like = score_like.with_arrays(None, None, None)
             walk = _Walk(n, *sched.hops)
             # Each pass's layout per device: its lists at every position of the walk
             # ([n, positions, mb, mh, ...]), or the class rows its steps build them from
@@ -965,9 +1003,11 @@ class RingAttention(AbstractSharding):
                 rest=rest, mask=mask, chunks=sched.chunks, q_len=q_local, kv_len=kv_local,
                 local_heads=local_heads, head_offset=lambda: local_head_offset(h_axis,
                                                                                local_heads),
-                score=score_like,
+                score=score_like, param_def=None if params is None else param_def,
+                param_slots=param_slots, param_learned=param_learned,
             )
-            diff_slots = {q_slot, k_slot, v_slot, data.get("bias"), *score_slots}
+            diff_slots = {q_slot, k_slot, v_slot, data.get("bias"), *score_slots,
+                          *learned_slots}
 
             # The operands split along the sequence, and that axis.
             seq_dims = {q_slot: 2, k_slot: 2, v_slot: 2}
@@ -990,7 +1030,7 @@ class RingAttention(AbstractSharding):
                 k, v = local_kv(k, v, split=split_kv, head_axis=h_axis, heads=heads,
                                 kv_heads=kv_heads, local_heads=local_heads)
                 bias, sinks = read(data.get("bias")), read(data.get("sinks"))
-                score = tuple(map(read, score_slots))
+                score = (*map(read, score_slots), tuple(map(read, learned_slots)))
                 if not sched.steps:  # nothing visible anywhere
                     out = jnp.zeros(q.shape[:3] + (v.shape[-1],), q.dtype)
                     return typed_like(out, q, k, v, bias)
