@@ -183,6 +183,20 @@ def pallas_runs(length: int, heads: int):
     return runs
 
 
+def _picks(attn, data: dict, args) -> str:
+    """The kernel the selector picks for the call ``attn(q, k, v[, bias], **data)``, planned
+    on the arguments' shapes (a concrete bias of gigabytes would be checked on the host)."""
+    picked = []
+
+    def plan(q, k, v, *bias):
+        extra = {"bias": bias[0]} if bias else {}
+        picked.append(attn.plan(q, k, v, **data, **extra).kernel.name)
+        return q
+
+    jax.eval_shape(plan, *args)
+    return picked[0]
+
+
 def pallas_speed(length: int, batch: int, heads: int, dim: int, reps: int,
                  only=None) -> list[tuple]:
     """Forward and forward+backward (of q, k, v) of each of `pallas_runs` (those whose label
@@ -200,23 +214,26 @@ def pallas_speed(length: int, batch: int, heads: int, dim: int, reps: int,
             continue
         mask, data = mask_of(name, length)
         data = {n: jnp.broadcast_to(jnp.asarray(x), (batch, length)) for n, x in data.items()}
-        if with_bias:
-            if bias is None:
-                bias = 0.5 * jax.random.normal(jax.random.key(2), (1, heads, length, length),
-                                               jnp.bfloat16)
-            data["bias"] = bias
+        if with_bias and bias is None:
+            bias = 0.5 * jax.random.normal(jax.random.key(2), (1, heads, length, length),
+                                           jnp.bfloat16)
         seg = data.get("q_segment_ids")
         flops = 4.0 * batch * heads * dim * visible_pairs(
             mask, length, length, None if seg is None else seg[0])
-        picks = bsa.BlockSparseAttention(mask=mask, score=score).plan(q, k, v, **data).kernel.name
+        args = (q, k, v) + ((bias,) if with_bias else ())
+        picks = _picks(bsa.BlockSparseAttention(mask=mask, score=score), data, args)
         attn = (bsa.BlockSparseAttention(mask=mask, score=score) if kernel is None else
                 bsa.BlockSparseAttention(mask=mask, score=score, kernel=kernel))
-        fn = lambda q, k, v, attn=attn, data=data: attn(q, k, v, **data)  # noqa: E731
+        # The bias is an argument of the jitted call (a constant of 2 GiB would be compiled
+        # into it); the gradient is of q, k and v (the kernels form the bias's all the same).
+        fn = lambda q, k, v, *bias, attn=attn, data=data: attn(  # noqa: E731
+            q, k, v, **data, **({"bias": bias[0]} if bias else {}))
         fwd = jax.jit(fn)
-        bwd = jax.jit(lambda q, k, v, fn=fn: jax.vjp(fn, q, k, v)[1](do))
+        bwd = jax.jit(lambda q, k, v, *bias, fn=fn: jax.vjp(
+            lambda q, k, v: fn(q, k, v, *bias), q, k, v)[1](do))
         try:
-            f_ms = median_ms(fwd, (q, k, v), reps, warmup=1)
-            b_ms = median_ms(bwd, (q, k, v), reps, warmup=1)
+            f_ms = median_ms(fwd, args, reps, warmup=1)
+            b_ms = median_ms(bwd, args, reps, warmup=1)
         except Exception as e:  # one failing call must not hide the others' times
             print(f"| {label} | {name} | {picks} | failed: {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:200]} |", flush=True)

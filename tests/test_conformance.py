@@ -56,6 +56,13 @@ TOL = {
     "float16": {"max": (4e-3, 4e-3), "norm": (2e-3, 4e-3)},
     "bfloat16": {"max": (2e-2, 3e-2), "norm": (1e-2, 2e-2)},
 }
+if jax.default_backend() == "tpu":
+    # On a TPU v5e exp, log and tanh agree with float64 to four or five digits even at the
+    # highest matmul precision, and the backward's probabilities exp(s - lse) carry that
+    # error: PallasTpuBlockSparse's float32 bias cases measured up to 4.8e-5 on the output
+    # (sinks), 8.5e-5 on dq and 1.3e-4 on a scalar bias's gradient (a sum over every pair),
+    # 3e-5 in norm on q, k, v (2026-12-07, benchmarks/device_proofs.sh tpu).
+    TOL["float32"] = {"max": (1e-4, 3e-4), "norm": (5e-5, 2e-4)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -257,7 +257,7 @@ def _concrete_owner(cls, name):
 REPLACEABLE = {
     "AbstractSharding": {"fit_tiling", "kernel_decline"},
     "AbstractKernel": {"config_type", "default_tiling", "adapt_tiling", "tiling_candidates",
-                       "version", "score_kinds", "zeroes_padding"},
+                       "version", "score_kinds", "zeroes_padding", "awaiting_device_run"},
     "AbstractMask": {"terms", "children", "check", "resolve", "hides_padding_keys"},
 }
 

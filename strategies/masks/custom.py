@@ -362,7 +362,8 @@ class PerHead(AbstractBlockMask):
                 out = value
             else:
                 hit = functools.reduce(operator.or_, [head == h for h in heads])
-                out = jnp.where(hit, value, out)
+                # Logical ops, not `where`: Mosaic TPU selects no boolean vectors.
+                out = (hit & value) | (~hit & out)
         return out
 
     def blocks(self, q, k, head):
