@@ -279,43 +279,12 @@ def _bias(bias) -> Array | None:
         return None
     # -inf hides a pair (without a soft cap, which turns it into -cap); +inf has no meaning
     # as a softmax weight (inf / inf) and NaN none at all: refuse both, as for sinks.
-    bad = lambda b: jnp.isnan(b) | (b == jnp.inf)  # noqa: E731
-    message = "must be finite or -inf (which hides a pair); got +inf or NaN."
-    if isinstance(bias, jax.core.Tracer):
-        bias = _refuse_as_it_runs("bias", bias, bad, message)
-    else:
-        bias = _within("bias", bias, bad, message)
+    # (A traced bias is checked by `eqx.error_if`, whose error JAX prints with its callback's
+    # frames: a host callback of our own would not lower for another platform than the
+    # host's, which the CUDA lowering checks on a CPU do.)
+    bias = _within("bias", bias, lambda b: jnp.isnan(b) | (b == jnp.inf),
+                   "must be finite or -inf (which hides a pair); got +inf or NaN.")
     return bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-
-
-class _RunTimeRefusal:
-    """The host callback of `_refuse_as_it_runs`: raises the `ValueError` naming `name` where
-    the flag it is given (a NumPy bool, batched under `vmap`) holds, else returns zeros."""
-
-    def __init__(self, name: str, message: str):
-        self.text = f"`{name}` {message}"
-
-    def __call__(self, found):
-        if np.any(found):
-            raise ValueError(self.text)
-        return np.zeros(np.shape(found), np.float32)
-
-
-def _refuse_as_it_runs(name: str, x, bad, message: str):
-    """`x`, refused as the traced call runs where `bad(x)` holds anywhere: a host callback on
-    the branch of a `jax.lax.cond` taken only then raises ``ValueError("`name` message")``.
-    The error JAX raises then ends with that one line (`eqx.error_if`'s ends with equinox's
-    advice about `eqx.filter_jit`). The branch's result adds the callback's zero to `x`, so
-    that the check stays in the program wherever `x` is used."""
-    refuse = _RunTimeRefusal(name, message)
-
-    def refused(x, found):
-        zero = jax.pure_callback(refuse, jax.ShapeDtypeStruct((), jnp.float32), found,
-                                 vmap_method="broadcast_all")
-        return x + zero.astype(x.dtype)
-
-    found = jnp.any(bad(x))
-    return jax.lax.cond(found, refused, lambda x, found: x, x, found)
 
 
 def full_bias(inputs: AttentionInputs, q_len: int, kv_len: int) -> AttentionInputs:

@@ -72,7 +72,8 @@ class Features:
     q_len: int = 1
     kv_len: int = 1
     head_dim: int = 64
-    value_dim: int = 64
+    #: The value's head dim; ``None`` (the default): `head_dim`, as most calls have it.
+    value_dim: int | None = None
     bias: bool = False
     sinks: bool = False
     soft_cap: bool = False
@@ -96,6 +97,10 @@ class Features:
     #: stand-ins of those shapes (`ScoreParams.tree`).
     score_function: Any = None
     score_params: "ScoreParams | None" = None
+
+    def __post_init__(self):
+        if self.value_dim is None:
+            object.__setattr__(self, "value_dim", self.head_dim)
 
 
 def sink_logsumexp(sinks):

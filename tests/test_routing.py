@@ -801,3 +801,19 @@ def test_ring_passes_over_a_kernel_whose_least_tiles_fit_no_slicing():
             "device).") in choice.declined
     longer = jnp.zeros((1, 2, 128, 64), jnp.bfloat16)
     assert attn.plan(longer, longer, longer, platform="tpu").kernel.name == "pallas_tpu"
+
+
+def test_hypothetical_features_take_the_value_dim_of_their_head_dim():
+    """`Features(head_dim=128)` asks about a call with Dv = D = 128 (as most calls have it),
+    so `explain()` on a CPU picks cuDNN for a plain bfloat16 causal GPU call rather than
+    declining it for ``Dv != D``; an explicit `value_dim` is kept."""
+    features = bsa.Features(platform="gpu", dtype="bfloat16", head_dim=128, q_len=4096,
+                            kv_len=4096)
+    assert features.value_dim == 128
+    choice = bsa.select_kernel(masks.Causal(), "gpu", features)
+    assert choice.kernel.name == "cudnn", choice.explain()
+    assert bsa.Features(head_dim=128, value_dim=64).value_dim == 64
+    narrow = bsa.select_kernel(masks.Causal(), "gpu", bsa.Features(
+        platform="gpu", dtype="bfloat16", head_dim=128, value_dim=64, q_len=4096,
+        kv_len=4096))
+    assert ("cudnn", "cuDNN attention needs Dv == D.") in narrow.declined
