@@ -331,6 +331,21 @@ def test_readme_notebook_command_leaves_the_checkout_clean(tmp_path):
     cells = [c for c in nb.cells if c.cell_type == "code"]
     assert [c.execution_count for c in cells] == list(range(1, len(cells) + 1))
     assert not [o for c in cells for o in c.outputs if o.output_type == "error"]
+    # The committed notebook's printed plans (the selector's choices and priorities) are
+    # those the code prints now; the timings may differ.
+    committed = [c for c in nbformat.read(ROOT / "notebooks" / "quickstart.ipynb",
+                                          as_version=4).cells if c.cell_type == "code"]
+    for old, new in zip(committed, cells):
+        if "priority" in _printed(old) or "priority" in _printed(new):
+            assert _printed(old) == _printed(new), (
+                f"notebooks/quickstart.ipynb's committed output of\n{old.source}\nis stale: run "
+                "the notebook again and commit it")
+
+
+def _printed(cell) -> str:
+    """What a code cell printed (its stream outputs)."""
+    return "".join(o.get("text", "") for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream")
 
 
 @pytest.mark.slow
