@@ -260,15 +260,15 @@ def _check_bias(bias, batch: int, heads: int, q_len: int, kv_len: int, batched: 
     if not jnp.issubdtype(bias.dtype, jnp.floating):
         raise TypeError(f"`bias` must be a floating array; got dtype {_dtype_name(bias)}.")
     full = (batch, heads, q_len, kv_len) if batched else (heads, q_len, kv_len)
-    if bias.ndim > len(full) or bias.ndim < 2:
-        raise ValueError(
-            f"`bias` must broadcast to {list(full)} and have at least 2 dimensions; "
-            f"got shape {_shape(bias)}."
-        )
+    if bias.ndim > len(full):
+        raise ValueError(f"`bias` must broadcast to {list(full)}; got shape {_shape(bias)}.")
+    given = _shape(bias)
+    if bias.ndim < 2:  # as NumPy broadcasts it (and jax.nn): a 1-D bias is one per key
+        bias = bias.reshape((1,) * (2 - bias.ndim) + bias.shape)
     try:
         jnp.broadcast_shapes(bias.shape, full)
     except ValueError:
-        raise ValueError(f"`bias` must broadcast to {list(full)}; got shape {_shape(bias)}.") from None
+        raise ValueError(f"`bias` must broadcast to {list(full)}; got shape {given}.") from None
     return bias
 
 

@@ -108,8 +108,8 @@ CASES = [
      "`kv_positions` must have shape [16] or [2, 16]; got (9,)."),
     ("bias shape", _call(Q, K, V, bias=np.zeros((3, L, L), np.float32)), ValueError,
      "`bias` must broadcast to [2, 4, 16, 16]; got shape (3, 16, 16)."),
-    ("bias scalar", _call(Q, K, V, bias=1.0), ValueError,
-     "`bias` must broadcast to [2, 4, 16, 16] and have at least 2 dimensions; got shape ()."),
+    ("bias 1-D of the wrong length", _call(Q, K, V, bias=np.zeros(9, np.float32)), ValueError,
+     "`bias` must broadcast to [2, 4, 16, 16]; got shape (9,)."),
     ("int bias", _call(Q, K, V, bias=np.zeros((L, L), np.int32)), TypeError,
      "`bias` must be a floating array; got dtype int32."),
     ("sinks shape", _call(Q, K, V, sinks=np.zeros((3, 2), np.float32)), ValueError,
@@ -354,3 +354,14 @@ def test_traced_nan_bias_is_refused_naming_bias():
         ATTN(Q, K, V, bias=np.asarray(bias))
     assert str(info.value) == ("`bias` must be finite or -inf (which hides a pair); got +inf "
                                "or NaN."), str(info.value)
+
+
+def test_a_bias_of_fewer_than_two_dimensions_broadcasts_as_numpy_does():
+    """A 1-D bias is one value per key and a scalar one value for every pair, as NumPy (and
+    jax.nn) broadcast them: the same answer as the 2-D bias they stand for."""
+    per_key = np.linspace(-1.0, 1.0, L).astype(np.float32)
+    np.testing.assert_allclose(ATTN(Q, K, V, bias=per_key), ATTN(Q, K, V, bias=per_key[None]),
+                               rtol=0, atol=0)
+    np.testing.assert_allclose(ATTN(Q, K, V, bias=np.float32(0.5)),
+                               ATTN(Q, K, V, bias=np.full((1, 1), 0.5, np.float32)),
+                               rtol=0, atol=0)
