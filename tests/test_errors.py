@@ -7,6 +7,7 @@ before jaxtyping/beartype, so the message is the library's, whether or not type 
 import os
 import subprocess
 import sys
+import warnings
 from typing import ClassVar
 
 import equinox as eqx
@@ -365,3 +366,32 @@ def test_a_bias_of_fewer_than_two_dimensions_broadcasts_as_numpy_does():
     np.testing.assert_allclose(ATTN(Q, K, V, bias=np.float32(0.5)),
                                ATTN(Q, K, V, bias=np.full((1, 1), 0.5, np.float32)),
                                rtol=0, atol=0)
+
+
+def test_a_predicate_from_a_new_function_every_call_warns_once():
+    """A Predicate built from a fresh lambda each step traces and compiles every step: after
+    a few such calls one warning names the function and the way out; a function defined
+    once never warns."""
+    from eqx_bsattn.strategies.masks import custom
+
+    q = jnp.ones((1, 2, 16, 8))
+    step = jax.jit(lambda attn, q: attn(q, q, q), static_argnums=0)
+
+    def fresh(width):
+        return bsa.BlockSparseAttention(mask=masks.Predicate(lambda i, j: abs(i - j) < width))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for width in range(custom.NEW_FUNCTIONS_BEFORE_WARNING + 3):
+            step(fresh(3), q)
+    said = [w for w in caught if "new function `<lambda>`" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert "define the function once" in str(said[0].message)
+
+    def near(i, j):
+        return abs(i - j) < 3
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(custom.NEW_FUNCTIONS_BEFORE_WARNING + 3):
+            step(bsa.BlockSparseAttention(mask=masks.Predicate(near)), q)

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import operator
+import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -21,6 +22,35 @@ from eqx_bsattn.contract import (
     params_tree,
     read_signature,
 )
+
+
+#: How often calls may bring a Predicate a new function of one definition before it is said
+#: that each one traces and compiles the call again (`_note_new_function`).
+NEW_FUNCTIONS_BEFORE_WARNING = 3
+#: Per function definition (code object): [the last function's id, new functions seen, warned].
+_NEW_FUNCTIONS: dict = {}
+
+
+def _note_new_function(fn) -> None:
+    """Count the calls whose Predicate holds a new function of a definition already seen (a
+    lambda or a nested function made afresh each step): a new function is a new static
+    mask, so `jax.jit` traces and compiles the call again. Warn once per definition."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    seen = _NEW_FUNCTIONS.setdefault(code, [id(fn), 0, False])
+    if seen[0] == id(fn):
+        return
+    seen[0] = id(fn)
+    seen[1] += 1
+    if seen[1] >= NEW_FUNCTIONS_BEFORE_WARNING and not seen[2]:
+        seen[2] = True
+        warnings.warn(
+            f"masks.Predicate has had a new function `{code.co_name}` "
+            f"({code.co_filename}:{code.co_firstlineno}) in {seen[1] + 1} calls: each new "
+            f"function is a new mask, so each call traces and compiles again; define the "
+            f"function once and reuse it (values that change go in its `params`).",
+            stacklevel=2)
 
 
 class Predicate(AbstractMask):
@@ -112,6 +142,7 @@ class Predicate(AbstractMask):
                         f"{_name(self.fn)} must be {'an' if kind[0] in 'aeiou' else 'a'} "
                         f"{kind} array, as it was given; got "
                         f"{what} (swapped in with eqx.tree_at?): swap in {kind} arrays.")
+        _note_new_function(self.fn)
         if _closes_over_traced(self.fn, self.takes_head, self.params):
             raise TypeError(
                 f"the mask's function closes over a traced array (the Predicate "
