@@ -314,7 +314,11 @@ def _bias_block(bias_u, i, j, bq: int, bk: int):
     if bias_u is None:
         return None
     rows, keys = bias_u.shape[1:]
-    start = (0, 0 if rows == 1 else i * bq, 0 if keys == 1 else j * bk)
+    # int32 throughout: a Python 0 is int64 under `jax_enable_x64`, and the batched slice
+    # concatenates its start indices, which must share one dtype.
+    zero = jnp.zeros((), jnp.int32)
+    start = (zero, zero if rows == 1 else jnp.asarray(i * bq, jnp.int32),
+             zero if keys == 1 else jnp.asarray(j * bk, jnp.int32))
     return jax.lax.dynamic_slice(bias_u, start, (bias_u.shape[0], min(rows, bq), min(keys, bk)))
 
 
@@ -475,7 +479,19 @@ def _in_chunk(arr: _Arranged, block_ids) -> _Arranged:
 
 def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
     """Returns the output ``[B, H, Lq, Dv]`` and the log-sum-exp ``[B, H, Lq]`` (``+inf`` on
-    rows that see no key), both float32."""
+    rows that see no key), both float32, and the output of the float32 probabilities
+    ``[B, H, Lq, Dv]`` float32 where the values are narrower and the call has a bias, sinks or
+    score terms (else ``None``).
+
+    ``p @ v`` runs with ``p`` rounded to the value dtype, so with 16-bit values the output is
+    that of probabilities 8 (11) bits exact. The backward recomputes ``p`` in float32, and its
+    ``delta = rowsum(dO * O)`` must be of that ``p`` (``rowsum(p * dp)``), else each row's
+    ``dS`` sums to ``dO . (O - O_exact)`` instead of 0, and every gradient that sums ``dS``
+    along a row (a per-query or per-head bias, ALiBi slopes, a bucket table) is that rounding
+    noise. The third output adds ``(p - round(p)) @ v`` (a second 16-bit product) to the
+    output: exact to about 16 bits of ``p``. Only the forward rule reads it; the primal drops
+    it, and XLA removes the dead loop state (the primal's CPU program has the products it had
+    without it)."""
     mask = eqx.combine(aux["mask"], cfg.mask)
     layout = mask.forward
     pad_q, pad_kv = _padding_ids(mask, aux)
@@ -491,6 +507,11 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
     q_r = _q_rows(q, bq, group, per_head)
     k_r, v_r = _kv_rows(k, bk), _kv_rows(v, bk)
     arrays = None if score is None else (*arr.score[1:], score[2])
+    # 16-bit values round p in p @ v: the third output makes that up (float32, float64 don't)
+    # where a gradient sums dS along rows (a bias, sinks, score terms); q, k and v's gradients
+    # do not need it.
+    compensate = jnp.finfo(v.dtype).bits < 32 and any(
+        x is not None for x in (bias, sinks, score))
 
     def run_list(arr, q_r, trips, count, index, masked, carry):
         def body(t, j, live, carry):
@@ -500,7 +521,7 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
                 return _logits(cfg, q_blk, k_blk, _bias_block(bias_u, i, j, bq, bk))
 
             def unit(carry, s, j, live, v_blocks, head, i, qp, kp, qs, ks):
-                m, l, acc = carry
+                m, l, acc, acc_lo = carry
                 v_blk = _zero_padding(v_blocks[j], None if pad_kv is None else ks, j, bk)
                 s, _ = _capped(cfg, s)
                 s, hidden = _masked_scores(mask, s, head, i, j, masked, live,
@@ -512,9 +533,20 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
                 shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0) if guard else m_new
                 alpha = jnp.exp(m - shift)
                 p = jnp.exp(s - shift[..., None])
-                pv = jnp.einsum("gqk,kd->gqd", p.astype(v_blk.dtype), v_blk,
-                                preferred_element_type=_F32)
-                return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+                if acc_lo is None:
+                    p_v = p.astype(v_blk.dtype)
+                else:  # p in two parts: what rounding it to the value dtype keeps, and the rest
+                    # (`reduce_precision`, not a round trip through the 16-bit type: XLA may
+                    # drop a convert pair when it allows excess precision, as on a TPU).
+                    finfo = jnp.finfo(v_blk.dtype)
+                    p_hi = jax.lax.reduce_precision(p, finfo.nexp, finfo.nmant)
+                    p_v = p_hi.astype(v_blk.dtype)
+                    acc_lo = alpha[..., None] * acc_lo + jnp.einsum(
+                        "gqk,kd->gqd", (p - p_hi).astype(v_blk.dtype), v_blk,
+                        preferred_element_type=_F32)
+                pv = jnp.einsum("gqk,kd->gqd", p_v, v_blk, preferred_element_type=_F32)
+                return (m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv,
+                        acc_lo)
 
             q_u = _q_units(q_r, kv_heads, units, g, bq)
             k_b, v_b = (_kv_units(x, bk)[:, :, None, None] for x in (k_r, v_r))
@@ -538,24 +570,26 @@ def _forward(cfg: _Config, q, k, v, bias, sinks, score, aux):
         arr_c = _in_chunk(arr, block_ids)
         lead = (batch, kv_heads, units, block_ids.shape[0], g, bq)
         carry = (jnp.full(lead, -jnp.inf, _F32), jnp.zeros(lead, _F32),
-                 jnp.zeros(lead + (value_dim,), _F32))
+                 jnp.zeros(lead + (value_dim,), _F32),
+                 jnp.zeros(lead + (value_dim,), _F32) if compensate else None)
         carry = _carry_like(carry, q, k, v, bias, score, aux)
         carry = run_list(arr_c, q_c, cfg.fwd_trips[0], fc, fi, False, carry)
-        m, l, acc = run_list(arr_c, q_c, cfg.fwd_trips[1], pc, pi, True, carry)
+        m, l, acc, acc_lo = run_list(arr_c, q_c, cfg.fwd_trips[1], pc, pi, True, carry)
         # Each chunk normalises its own rows: the output leaves the loop as a plain array, not
         # an expression XLA would fuse into the backward's full-length reduction for delta.
         seen = l > 0
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
         if sinks_lse is not None:
             lse = jnp.logaddexp(lse, sinks_lse)
-        out = acc * jnp.where(seen, jnp.exp(m - lse), 0.0)[..., None]
-        return out, jnp.where(seen, lse, jnp.inf)
+        norm = jnp.where(seen, jnp.exp(m - lse), 0.0)[..., None]
+        exact = None if acc_lo is None else (acc + acc_lo) * norm
+        return acc * norm, jnp.where(seen, lse, jnp.inf), exact
 
     width = _chunk_width(arr.sizes, g * bq * bk, cfg.slot)
-    out, lse = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), (q_r,), g * bq,
-                          (q, k, v, bias, sinks, score, aux))
-    out = _units_to_rows(out, q_len, arr.per_head)
-    return out, _units_to_rows(lse, q_len, arr.per_head)
+    out, lse, exact = _by_chunks(run_chunk, nq, width, (fc, fi, pc, pi), (q_r,), g * bq,
+                                 (q, k, v, bias, sinks, score, aux))
+    out, lse = (_units_to_rows(x, q_len, arr.per_head) for x in (out, lse))
+    return out, lse, None if exact is None else _units_to_rows(exact, q_len, arr.per_head)
 
 
 
@@ -763,7 +797,14 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
                 dk = dk + jnp.einsum("gqk,gqd->kd", ds, q_blk.astype(_F32),
                                      preferred_element_type=_F32)
                 if keys is not None:  # a bias without a query axis: each key's sum of ds
-                    keys = keys + jnp.sum(ds, axis=1)
+                    # As a product with ones, not a sum over axis 1: under the four levels
+                    # and with grouped query heads, that sum is a rank-7 reduction of a middle
+                    # axis fused with the dp product, which jaxlib 0.10.2's CPU backend hands
+                    # to YNNPACK, and with a dozen or more CPU threads it crashed the process
+                    # (SIGSEGV). HIGHEST: a TPU's default precision would round ds to bf16.
+                    keys = keys + jnp.einsum("gqk,q->gk", ds, jnp.ones(ds.shape[1], _F32),
+                                             preferred_element_type=_F32,
+                                             precision=jax.lax.Precision.HIGHEST)
                 return dk, keys
 
             # Every q-side array is shared by all kv-blocks of a unit: a size-1 level.
@@ -837,17 +878,18 @@ def _attention_fn(cfg: _Config, with_lse: bool = False):
 
     @jax.custom_vjp
     def attend(q, k, v, bias, sinks, score, aux):
-        out, lse = forward(q, k, v, bias, sinks, score, aux)
+        out, lse, _ = forward(q, k, v, bias, sinks, score, aux)
         out = out.astype(q.dtype)
         return (out, public_lse(lse, base2=False)) if with_lse else out
 
     def attend_fwd(q, k, v, bias, sinks, score, aux):
-        out, lse = forward(q, k, v, bias, sinks, score, aux)
-        # The backward's delta = rowsum(dO * O) reads the float32 output: with O rounded to a
-        # half type, dp - delta loses the small differences (head dims of a few elements).
+        out, lse, exact = forward(q, k, v, bias, sinks, score, aux)
+        # The backward's delta = rowsum(dO * O) reads the float32 output of the float32
+        # probabilities, those its dS recomputes (`_forward`): with O rounded to a half type,
+        # or of p rounded to one, each row's dS no longer sums to zero.
         result = out.astype(q.dtype)
         result = (result, public_lse(lse, base2=False)) if with_lse else result
-        return result, (q, k, v, bias, sinks, score, aux, out, lse)
+        return result, (q, k, v, bias, sinks, score, aux, out if exact is None else exact, lse)
 
     def attend_bwd(residuals, cotangent):
         q, k, v, bias, sinks, score, aux, out, lse = residuals
