@@ -16,15 +16,7 @@ if [ "$device" = gpu ]; then
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
     budget=$(left "$budget")
 else
-    OUT=${OUT:-$PWD/tpu_out}
-    SITE=${SITE:-${TMPDIR:-/tmp}/site}
-    mkdir -p "$OUT"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" .whl-tpu/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-    export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$SITE:$PWD
-    # The package maps the top-level strategies/ folder to eqx_bsattn.strategies; without an
-    # install, a link inside the package does the same.
-    [ -e eqx_bsattn/strategies ] || ln -s ../strategies eqx_bsattn/strategies
+    source benchmarks/tpu_setup.sh
 fi
 export OUT
 PYTHONUNBUFFERED=1 python3 benchmarks/device_proofs.py --device "$device" --budget "$budget" "$@"

@@ -23,15 +23,7 @@
 #   [ -e eqx_bsattn/strategies ] || ln -s ../strategies eqx_bsattn/strategies
 #   PYTHONPATH=$SITE:$PWD python3 benchmarks/tpu_long.py 2>&1 | tee $OUT/tpu_long.log
 set -u
-OUT=${OUT:-$PWD/tpu_out}
-SITE=${SITE:-${TMPDIR:-/tmp}/site}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target "$SITE" .whl-tpu/*.whl > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$SITE:$PWD
-# The package maps the top-level strategies/ folder to eqx_bsattn.strategies; without an
-# install, a link inside the package does the same.
-[ -e eqx_bsattn/strategies ] || ln -s ../strategies eqx_bsattn/strategies
+source benchmarks/tpu_setup.sh
 python3 - "$@" 2>&1 <<'PY' | tee "$OUT/tpu_run.log"
 import runpy
 import sys
