@@ -484,7 +484,7 @@ LONG_TESTS = {
     "test_backward_in_cpu_interpreter": 53,
     "test_array_masks_under_both_shardings_on_eight_devices": 51,
     "test_two_processes_agree_with_the_unsharded_call": 44,
-    "test_sharding_on_eight_devices": 37,
+    "test_sharding_on_eight_devices": 9,
     "test_sharded_routes_on_two_devices": 36,
 }
 

@@ -338,11 +338,11 @@ def _marks(kernel_cls, runs: bool) -> list:
 
 
 #: The cases each kernel runs in the quick subset (``-m "not slow"``): the one that combines
-#: every feature, and a single query (the default CPU kernel: an element predicate instead,
-#: and a learned score term with GQA, sinks and a soft cap);
+#: every feature, and a single query (the default CPU kernel: a learned score term with GQA,
+#: sinks and a soft cap instead);
 #: cuDNN, which declines both, runs causal; Splash and PallasTpuBlockSparse (interpreted on the
 #: CPU, seconds a case) a few of the features they take. The rest are marked `slow`.
-QUICK_CASES = {"xla": {"everything", "predicate", "score_alibi_learned_gqa"},
+QUICK_CASES = {"xla": {"everything", "score_alibi_learned_gqa"},
                "cudnn": {"tiled_causal"},
                "splash": {"window", "gqa_causal_sinks_s", "sinks_minus_inf"},
                "pallas_tpu": {"score_alibi_learned_gqa", "segments_padded_lq_ne_lk",
@@ -753,9 +753,9 @@ EXPECTED_DECLINES = {
 }
 
 
-#: Kernels whose declines the quick tier checks: Splash's (a plan a case). The rest are `slow`
+#: Kernels whose declines the quick tier checks: cuDNN's (a plan a case). The rest are `slow`
 #: (the full tier): Mosaic's verdicts lower kernels for CUDA, minutes on 2 cores.
-_QUICK_DECLINES = {"splash"}
+_QUICK_DECLINES = {"cudnn"}
 
 
 @pytest.mark.parametrize("kernel_cls", [

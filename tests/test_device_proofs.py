@@ -28,6 +28,7 @@ def test_every_awaiting_feature_has_a_proof_and_every_proof_a_feature():
         assert set(decides) <= set(proofs.PROOFS)
 
 
+@pytest.mark.slow  # a child process collecting tests per proof
 def test_the_proofs_select_tests_and_conformance_cases():
     """Each proof's files select tests (on a GPU, its ``gpu`` tests), and its conformance
     expression selects cases, each of which the log counts for that feature."""
@@ -57,6 +58,7 @@ def test_k_expressions_match_as_pytest_does(expression, nodeid, expected):
     assert _proofs_module()._matches_k(expression, nodeid) is expected
 
 
+@pytest.mark.slow  # three child processes
 def test_the_option_takes_every_feature_as_proven(tmp_path):
     """``--prove-awaiting`` empties each kernel's record for that run only; without it the
     records are the kernels' own."""

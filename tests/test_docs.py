@@ -169,7 +169,8 @@ def test_kernel_page_first_screen_says_what_it_declines_and_how_fast(name):
 
 #: Pages whose blocks take seconds (they compile many calls): `slow`, the rest quick. (The
 #: worked kernel of custom_kernel.md is still in the quick conformance cases.)
-_SLOW_PAGES = {"seed_api.md", "autotune.md", "custom_kernel.md", "custom_mask.md"}
+_SLOW_PAGES = {"seed_api.md", "autotune.md", "custom_kernel.md", "custom_mask.md",
+               "scores.md", "sharding.md"}
 
 
 @pytest.mark.parametrize("path", [
@@ -302,7 +303,9 @@ def _tree_state() -> tuple[str, dict[str, bytes]]:
                     for p in (ROOT / "notebooks").rglob("*") if p.is_file()}
 
 
-# In the quick tier: its one notebook (quickstart) stands for the others there.
+# The full tier: its one notebook (quickstart) stands for the others there (half a minute of
+# CPU in a child process).
+@pytest.mark.slow
 def test_readme_notebook_command_leaves_the_checkout_clean(tmp_path):
     """The README's command as typed, on the quickest notebook, with a temporary home folder:
     it executes every cell and writes the copy there, and git sees no change (`--inplace`,

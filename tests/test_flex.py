@@ -47,8 +47,9 @@ def _oracle_check(attn, vis, q, k, v, score=None):
         assert_close(got, w, 5e-5, what)
 
 
-@pytest.mark.parametrize("kernel", [kernels.XlaBlockSparse(), kernels.DenseReference()],
-                         ids=["xla", "reference"])
+@pytest.mark.parametrize("kernel", [
+    pytest.param(kernels.XlaBlockSparse(), marks=pytest.mark.slow), kernels.DenseReference()],
+    ids=["xla", "reference"])
 def test_predicate_with_head_and_traced_params_matches_the_oracle(kernel):
     """A Predicate that reads the head and per-call params: traced under jit (its layout is
     built on the device), a new value does not retrace, and the result is the oracle's."""
@@ -151,8 +152,8 @@ def score_masks_only(score, b, h, q_idx, kv_idx):
     return jnp.where(q_idx >= kv_idx, score, -jnp.inf)
 
 
-@pytest.mark.parametrize("kernel", [
-    pytest.param(kernels.XlaBlockSparse(), id="xla"),
+@pytest.mark.parametrize("kernel", [  # the batch index: test_scores.py's quick tier
+    pytest.param(kernels.XlaBlockSparse(), id="xla", marks=pytest.mark.slow),
     pytest.param(kernels.DenseReference(), id="reference", marks=pytest.mark.extended)])
 def test_scores_from_flex_reads_the_batch_index(kernel):
     q, k, v = _inputs()

@@ -5,8 +5,8 @@ checked against the float64 oracle, forward and the q, k, v gradients (and the p
 where a score_mod reads learned arrays), through each CPU kernel that takes it
 (`XlaBlockSparse`, `DenseReference`). docs/flex.md lists the catalogue.
 
-The default tier runs a few entries through `XlaBlockSparse` (one small shape each); the
-product of every entry, form and kernel is the extended tier.
+The default tier runs a few entries through `XlaBlockSparse` (one small shape each; the quick
+tier one of them); the product of every entry, form and kernel is the extended tier.
 """
 
 import dataclasses
@@ -206,14 +206,20 @@ def _check(entry: Entry, fields: dict, kernel, learned: bool):
 KERNELS = {"xla": kernels.XlaBlockSparse(), "reference": kernels.DenseReference()}
 
 
+#: The default entry of the quick tier (a mask reading params); the other default entries
+#: are the full tier (`slow`).
+QUICK = {"document"}
+
+
 def _cases(form: str):
     for name, entry in CATALOGUE.items():
         if form == "ours" and entry.ours is None:
             continue
         for kernel in KERNELS:
             default = form == "flex" and kernel == "xla" and entry.default
-            yield pytest.param(name, kernel, id=f"{name}-{kernel}",
-                               marks=() if default else (pytest.mark.extended,))
+            marks = ((() if name in QUICK else (pytest.mark.slow,)) if default
+                     else (pytest.mark.extended,))
+            yield pytest.param(name, kernel, id=f"{name}-{kernel}", marks=marks)
 
 
 @pytest.mark.parametrize("name,kernel", list(_cases("flex")))
@@ -228,6 +234,7 @@ def test_catalogue_in_our_terms(name, kernel):
     _check(entry, entry.ours(), KERNELS[kernel], learned=False)
 
 
+@pytest.mark.slow
 def test_catalogue_masks_are_not_trivial():
     """Each mask entry hides some pairs and shows others (a catalogue of Full masks would
     test nothing), and the from_flex masks read the head only where they should."""

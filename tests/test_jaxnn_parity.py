@@ -218,6 +218,7 @@ def test_mask_errors_are_one_line(mask, needles, error):
     _one_line(info, *needles)
 
 
+@pytest.mark.slow  # the quick tier's query-length tests check the rows forward
 def test_query_seq_lengths_give_zero_rows_and_gradients_like_jax_nn():
     """Queries past `query_seq_lengths` give zero rows and zero gradients, as jax.nn's (which
     multiplies them by zero), with key lengths and causality beside them."""
@@ -260,6 +261,7 @@ def test_query_seq_lengths_zero_the_rows_a_mask_sees_through():
     assert np.all(np.asarray(out)[0, LENGTHS[0]:] == 0)
 
 
+@pytest.mark.slow
 def test_query_seq_lengths_lse_and_unbatched():
     """`return_lse` gives -inf past the query lengths (a row that sees no key); unbatched
     ``[H, L, D]`` inputs take a scalar length and a ``[N, T, S]`` mask."""

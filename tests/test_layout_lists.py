@@ -10,7 +10,9 @@ from eqx_bsattn import _layout
 
 
 @pytest.mark.parametrize("sort_up_to", [0, 64])
-@pytest.mark.parametrize("shape", [(2, 3, 7, 5), (1, 2, 40, 33), (1, 1, 3, 1)])
+@pytest.mark.parametrize("shape", [(2, 3, 7, 5),
+                                   pytest.param((1, 2, 40, 33), marks=pytest.mark.slow),
+                                   pytest.param((1, 1, 3, 1), marks=pytest.mark.slow)])
 def test_device_lists_match_the_host_lists(monkeypatch, sort_up_to, shape):
     monkeypatch.setattr(_layout, "_SORT_LISTS", sort_up_to)
     rng = np.random.default_rng(sum(shape))

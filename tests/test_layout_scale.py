@@ -132,29 +132,31 @@ def _shapes(shapes):
             for n, s in enumerate(shapes)]
 
 
-def _masks_by_shapes(masks_, shapes, quick=()):
+def _masks_by_shapes(masks_, shapes, quick=(), full=()):
     """``(name, mask, tight, shape)`` params over masks x shapes. The default run takes mask
     ``i`` at shape ``i mod len(shapes)``, so that it builds every mask and every shape, and
-    the masks in `quick` at the first shape too; the rest of the cross product is the
-    `extended` tier. Every pair but the masks in `quick` at the first shape is `slow`."""
+    the masks in `quick` and `full` at the first shape too; the rest of the cross product is
+    the `extended` tier. Every pair but the masks in `quick` at the first shape is `slow`."""
     params = []
     for i, (name, mask, tight) in enumerate(masks_):
         for n, shape in enumerate(shapes):
             quick_pair = name in quick and n == 0
             marks = [] if quick_pair else [pytest.mark.slow]
-            if not quick_pair and n != i % len(shapes):
+            if not quick_pair and n != i % len(shapes) and not (name in full and n == 0):
                 marks.append(pytest.mark.extended)
             params.append(pytest.param(name, mask, tight, shape, marks=marks,
                                        id=f"{name}-{_shape_id(shape)}"))
     return params
 
 
-# A few masks of each kind in the quick subset (the masks' own tests cover the catalogue).
-QUICK_STATIC = ("block_layout_rect", "per_head_composed", "not_window")
+# A few masks of each kind in the quick subset (the masks' own tests cover the catalogue),
+# and at the first shape in the full tier.
+QUICK_STATIC = ("block_layout_rect", "not_window")
+FULL_STATIC = ("per_head_composed",)
 
 
 @pytest.mark.parametrize("name,mask,tight,shape", _masks_by_shapes(ALL_MASKS, SHAPES,
-                                                                   QUICK_STATIC))
+                                                                   QUICK_STATIC, FULL_STATIC))
 def test_static_layout_is_the_dense_one(name, mask, tight, shape, monkeypatch):
     q_len, kv_len, block_q, block_kv = shape
     kw = dict(q_len=q_len, kv_len=kv_len, num_heads=HEADS, block_q=block_q, block_kv=block_kv)

@@ -53,7 +53,7 @@ def _step(optim, model, state, loss):
     return eqx.apply_updates(model, updates), state
 
 
-@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("kind", [pytest.param("module", marks=pytest.mark.slow), "layer"])
 def test_plain_tree_at_mask_swap_keeps_the_optimizer_state(kind):
     """`Causal()` to `Causal() & SlidingWindow(32, 0)` with `eqx.tree_at` alone, then an Adam
     step: the gradients and the state keep their structure, and the new mask is the one used."""

@@ -80,10 +80,10 @@ ALL_MASKS = ATOMS + COMPOSITES
 LENGTHS = [pytest.param(37, 37, marks=pytest.mark.slow), (20, 45)]
 
 #: The masks the quick subset (``-m "not slow"``) runs through the per-mask tests, on one shape
-#: (Lq < Lk, ragged): a few families, a negation, and a composite mixing families and heads. The
-#: rest are `slow`.
-QUICK_MASKS = {"causal_bottom_right_offset", "window_pair", "chunked_5", "bigbird_free",
-               "block_layout_rect", "predicate", "not_window", "per_head_composed"}
+#: (Lq < Lk, ragged): a few families, a negation, and a composite mixing families, a window and
+#: heads. The rest are `slow`.
+QUICK_MASKS = {"causal_bottom_right_offset", "chunked_5", "bigbird_free", "block_layout_rect",
+               "predicate", "not_window", "per_head_composed"}
 
 
 def mask_params(table, quick=QUICK_MASKS):
@@ -147,6 +147,7 @@ def test_element_semantics_spot_checks():
     np.testing.assert_array_equal(m, [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]])
 
 
+@pytest.mark.slow  # documents with padding: the dynamic layouts' quick cases
 def test_document_elements_with_padding():
     rng = np.random.default_rng(0)
     q_seg = sorted_segments(rng, 1, 30, 3, pad=4)[0]
@@ -161,6 +162,7 @@ def test_document_elements_with_padding():
     assert not got[q_seg < 0].any() and not got[:, kv_seg < 0].any()
 
 
+@pytest.mark.slow
 def test_element_mask_hides_out_of_bounds_keys():
     qi = jnp.arange(8)[:, None]
     kj = jnp.arange(16)[None, :]
@@ -170,6 +172,7 @@ def test_element_mask_hides_out_of_bounds_keys():
     assert not got[:, 10:].any()
 
 
+@pytest.mark.slow  # positions: the dynamic layouts' quick cases
 def test_positions_shift_the_masks():
     qp = np.arange(10, 22)
     kp = np.arange(0, 30)
@@ -690,6 +693,7 @@ def test_build_layout_errors():
         bsa.build_layout(masks.Document(), q_len=8, kv_len=8, num_heads=1, block_q=8, block_kv=8)
 
 
+@pytest.mark.slow
 def test_predicate_params_held_as_numpy_are_indexed_by_a_traced_head():
     """A sharding hands replicated params to its devices as NumPy constants; a predicate
     reading ``widths[head]`` with the head traced (an element map built under `jax.vmap`)

@@ -502,7 +502,7 @@ def _bad_calls():
         ("sinks_int", lambda: attn(q, k, v, sinks=jnp.ones((4,), jnp.int32)), r"sinks"),
         ("bias_shape", lambda: attn(q, k, v, bias=random_array(0, (12, 15))), r"bias"),
         ("bias_heads", lambda: attn(q, k, v, bias=random_array(0, (3, 12, 16))), r"bias"),
-        ("bias_1d", lambda: attn(q, k, v, bias=random_array(0, (16,))), r"bias"),
+        ("bias_1d", lambda: attn(q, k, v, bias=random_array(0, (15,))), r"bias"),
         ("bias_5d", lambda: attn(q, k, v, bias=random_array(0, (1, 2, 4, 12, 16))), r"bias"),
         ("q_segments_length", lambda: attn(q, k, v, q_segment_ids=seg_q[:, :11],
                                            kv_segment_ids=seg_k), r"q_segment_ids"),
@@ -702,7 +702,9 @@ def _layer_call(q, k, v, bias, sinks, ids):
                  kv_segment_ids=ids[0], kv_seq_lengths=20)
 
 
-@pytest.mark.parametrize("door", [_module_call, _function_call, _layer_call],
+@pytest.mark.parametrize("door", [pytest.param(_module_call, marks=pytest.mark.slow),
+                                  _function_call,
+                                  pytest.param(_layer_call, marks=pytest.mark.slow)],
                          ids=["module", "function", "layer"])
 def test_a_call_checks_its_inputs_and_resolves_its_mask_once(monkeypatch, door):
     q = random_array(1, (2, 4, 24, 8))

@@ -134,7 +134,9 @@ _LETS_PADDING_THROUGH = {
 }
 
 
-@pytest.mark.parametrize("name", list(_LETS_PADDING_THROUGH))
+@pytest.mark.parametrize("name", [  # the quick tier: the negation
+    pytest.param(name, marks=() if name == "not" else pytest.mark.slow)
+    for name in _LETS_PADDING_THROUGH])
 def test_kv_seq_lengths_hide_keys_under_masks_that_read_segment_ids(name):
     """The keys past `kv_seq_lengths` are hidden under every mask, also one that reads
     segment ids and lets negative ids through (an ``|``, a ``~``, a head without `Document`):
@@ -211,7 +213,8 @@ def test_positions_at_the_limit_are_exact(shift):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("bad", [2**30, 2**30 + 1, -(2**30) - 1, 2**31 - 1])
+@pytest.mark.parametrize("bad", [2**30] + [pytest.param(b, marks=pytest.mark.slow)
+                                  for b in (2**30 + 1, -(2**30) - 1, 2**31 - 1)])
 def test_positions_outside_the_range_are_refused(bad):
     """2**30 is the first position refused: with a window of 2**30 its sum overflows int32
     (every query saw nothing when it was accepted)."""
@@ -264,9 +267,13 @@ def test_soft_caps_where_float32_loses_the_logits_are_refused(cap):
         bsa.blocksparse_attention(q, q, q, logits_soft_cap=cap)
 
 
-@pytest.mark.parametrize("cap", [1e-30, 1e30])
-@pytest.mark.parametrize("kernel", [kernels.DenseReference(), kernels.XlaBlockSparse()],
-                         ids=["reference", "xla"])
+@pytest.mark.parametrize("kernel,cap", [  # the quick tier: each end, each kernel once
+    pytest.param(kernel, cap, id=f"{name}-{cap:g}",
+                 marks=() if (name, cap) in (("reference", 1e-30), ("xla", 1e30))
+                 else pytest.mark.slow)
+    for cap in (1e-30, 1e30)
+    for name, kernel in (("reference", kernels.DenseReference()),
+                         ("xla", kernels.XlaBlockSparse()))])
 def test_soft_caps_at_the_ends_of_the_range_are_exact(cap, kernel):
     keys = jax.random.split(jax.random.key(5), 3)
     q, k, v = (jax.random.normal(key, (2, 24, 8)) for key in keys)
@@ -310,9 +317,11 @@ def test_segment_ids_and_positions_of_any_integer_dtype(dtype):
 
 
 @pytest.mark.parametrize("ids", [
-    pytest.param(lambda: np.zeros(16, np.uint32) + np.uint32(2**31), id="uint32"),
+    pytest.param(lambda: np.zeros(16, np.uint32) + np.uint32(2**31), id="uint32",
+                 marks=pytest.mark.slow),
     pytest.param(lambda: np.zeros(16, np.int64) + 2**32, id="int64"),  # aliased 0 in int32
-    pytest.param(lambda: np.zeros(16, np.int64) - 2**31 - 1, id="int64_low"),
+    pytest.param(lambda: np.zeros(16, np.int64) - 2**31 - 1, id="int64_low",
+                 marks=pytest.mark.slow),
 ])
 def test_segment_ids_beyond_int32_are_refused(ids):
     message = r"`kv_segment_ids` must lie in \[-2\*\*31, 2\*\*31 - 1\] \(segment ids"
@@ -710,6 +719,7 @@ def _grad_of_grad(attn, q, k, v, t):
     return jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) * t))(q)
 
 
+@pytest.mark.slow
 def test_second_order_through_xla_matches_the_reference():
     """`XlaBlockSparse`'s backward is plain JAX: a gradient of its gradient is the reference's."""
     q, k, v, t = (jax.random.normal(key, (1, 2, 16, 8))

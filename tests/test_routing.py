@@ -527,6 +527,15 @@ DEFAULT = {
     Route("document", "function_batch", ("vmap",)): PLATFORMS,
     Route("causal", "function_closure", ("vmap", "positions")): ("gpu", "tpu"),
 }
+#: The default tier's pairs that are the full tier (`slow`): the quick tier plans each of
+#: its routes for one platform (a mask without arrays for a GPU, arrays under `vmap` on the
+#: CPU, learned ALiBi with per-call data for a TPU, a closure for a GPU, a batch-reading
+#: score for each).
+DEFAULT_SLOW = {(Route("window"), "tpu"),
+                (Route("predicate_params", "alibi_learned", ("positions", "segments")), "gpu"),
+                (Route("array", "alibi", ("vmap", "positions"), kv_heads=2), "gpu"),
+                (Route("array", "alibi", ("vmap", "positions"), kv_heads=2), "tpu"),
+                (Route("causal", "function_closure", ("vmap", "positions")), "tpu")}
 DEFAULT_SHARDED = {
     Route("document", "alibi", (), sharding="ring"): ("gpu", "tpu"),
     Route("predicate", None, ("segments",), sharding="shard_map"): PLATFORMS,
@@ -551,7 +560,8 @@ def _params(routes: dict, sample: list) -> list:
     out = []
     for route in list(routes) + [r for r in sample if r not in routes]:
         for platform in PLATFORMS:
-            marks = [] if platform in routes.get(route, ()) else [pytest.mark.extended]
+            marks = ([pytest.mark.slow] if (route, platform) in DEFAULT_SLOW else []
+                     ) if platform in routes.get(route, ()) else [pytest.mark.extended]
             why = known_failure(route, platform)
             if why is not None:
                 marks.append(pytest.mark.xfail(strict=True, reason=why))

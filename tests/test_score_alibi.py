@@ -182,8 +182,9 @@ def _oracle(q, k, v, visible, slopes, cot):
         return np.asarray(out), [np.asarray(g) for g in grads]
 
 
-@pytest.mark.parametrize("kernel", [kernels.XlaBlockSparse(), kernels.DenseReference()],
-                         ids=["xla", "reference"])
+@pytest.mark.parametrize("kernel", [
+    pytest.param(kernels.XlaBlockSparse(), marks=pytest.mark.slow), kernels.DenseReference()],
+    ids=["xla", "reference"])
 def test_learned_slopes_in_params_match_the_oracle(kernel):
     """Ragged lengths with more keys than queries, grouped heads and a mask that keeps keys on
     both sides of the query (so the sign of the distance matters), under `jax.jit`."""
@@ -249,7 +250,8 @@ def test_a_gpu_plan_gives_a_closure_alibi_to_the_kernels_of_built_in_alibi():
     assert got.features.score_function is None
 
 
-@pytest.mark.parametrize("how", ["shard_map", "ring"])
+@pytest.mark.parametrize("how", [  # a score under the ring: test_scores.py's quick tier
+    "shard_map", pytest.param("ring", marks=pytest.mark.slow)])
 def test_under_a_sharding_the_slopes_reach_each_shard(how):
     """On a one-device mesh (the 8-device shardings are tests/test_sharding.py's), ShardMap
     over batch and heads and RingAttention over the sequence pass the slopes read from the

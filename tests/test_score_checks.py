@@ -63,7 +63,8 @@ def flex_by_head(score, b, h, q_idx, kv_idx):
     return score - 0.1 * (h + 1) * jnp.abs(q_idx - kv_idx)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", [
+    KERNELS[0], pytest.param(*KERNELS[1].values, id="reference", marks=pytest.mark.slow)])
 def test_a_batched_call_reads_each_examples_temperature(kernel):
     """``score * temps[batch]`` with temps [0.1, 5.0]: example ``b``'s logits scaled by its
     own temperature (a float64 NumPy attention with ``scale = temps[b] / sqrt(D)``); and the
@@ -257,7 +258,8 @@ def hides_far_keys(score, head, q_pos, k_pos):
 @pytest.mark.parametrize("fn,params", [(relu_then_distance, None), (through_jit, SLOPES),
                                        (hides_far_keys, None)],
                          ids=["custom_jvp", "inner_jit", "where"])
-@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("traced", [pytest.param(False, id="eager", marks=pytest.mark.slow),
+                                    pytest.param(True, id="jit")])
 def test_score_functions_that_use_the_score_run(fn, params, traced):
     """The checks refuse none of these (the score reaches the result through a custom_jvp,
     an inner jit, a where), eager or with traced params, and the results match the oracle."""

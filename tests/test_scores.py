@@ -155,13 +155,20 @@ def test_non_finite_score_arrays_are_refused(score, message):
         attn(Q, K, K)
 
 
-@pytest.mark.parametrize("kernel", [kernels.XlaBlockSparse(), kernels.DenseReference()])
-@pytest.mark.parametrize("bad", [
-    lambda s, t: (s.at[2].set(jnp.nan), t),
-    lambda s, t: (s.at[0].set(-jnp.inf), t),
-    lambda s, t: (s, t.at[3, 5].set(jnp.inf)),
-    lambda s, t: (s, t.at[1, 0].set(jnp.nan)),
-], ids=["nan-slope", "inf-slope", "inf-entry", "nan-entry"])
+_BAD_ARRAYS = {"nan-slope": lambda s, t: (s.at[2].set(jnp.nan), t),
+               "inf-slope": lambda s, t: (s.at[0].set(-jnp.inf), t),
+               "inf-entry": lambda s, t: (s, t.at[3, 5].set(jnp.inf)),
+               "nan-entry": lambda s, t: (s, t.at[1, 0].set(jnp.nan))}
+#: The quick tier's pairs: a bad slope through XlaBlockSparse, a bad table entry through
+#: DenseReference; the other pairs are `slow`.
+_BAD_QUICK = {("nan-slope", 0), ("inf-entry", 1)}
+
+
+@pytest.mark.parametrize("kernel,bad", [
+    pytest.param(kernel, bad, id=f"{name}-kernel{i}",
+                 marks=() if (name, i) in _BAD_QUICK else pytest.mark.slow)
+    for name, bad in _BAD_ARRAYS.items()
+    for i, kernel in enumerate((kernels.XlaBlockSparse(), kernels.DenseReference()))])
 def test_traced_score_arrays_gone_bad_make_every_row_nan(kernel, bad):
     """Learned slopes or a learned table that hold a bad entry inside a trace (a training
     step) make every row that sees a key NaN, and every gradient too: the whole array is
@@ -481,15 +488,19 @@ def _score_case(fn, with_params):
 SCORE_FUNCTIONS = {"params": (_table_by_distance, True, False),
                    "params_batch": (_table_and_batch, True, True),
                    "batch": (_batch_only, False, True)}
-#: The default tier runs params with the batch index on XLA; the rest is extended.
-SCORE_DEFAULT = {("xla", "params_batch"), ("reference", "params"), ("reference", "batch")}
+#: The quick tier runs the batch index on the reference (params' gradients: the tests below);
+#: the full tier params with the batch index on XLA and params on the reference
+#: (`SCORE_FULL`); the rest is extended.
+SCORE_DEFAULT = {("reference", "batch")}
+SCORE_FULL = {("xla", "params_batch"), ("reference", "params")}
 # bottom-right causal with a window over Lq != Lk, so both FULL and PARTIAL blocks of 16.
 SCORE_MASK = masks.Causal(bottom_right=True) & masks.SlidingWindow(20, 0)
 
 
 @pytest.mark.parametrize("kernel,name", [
     pytest.param(k, n, id=f"{n}-{i}",
-                 marks=() if (i, n) in SCORE_DEFAULT else (pytest.mark.extended,))
+                 marks=() if (i, n) in SCORE_DEFAULT else (pytest.mark.slow,)
+                 if (i, n) in SCORE_FULL else (pytest.mark.extended,))
     for i, k in (("xla", kernels.XlaBlockSparse()), ("reference", kernels.DenseReference()))
     for n in SCORE_FUNCTIONS])
 def test_score_function_with_params_and_batch_matches_the_oracle(kernel, name):
@@ -548,8 +559,9 @@ def _scaled_with_offsets(score, head, q_pos, k_pos, params):
     return score * params["scale"][head] - 0.05 * shifted
 
 
-@pytest.mark.parametrize("kernel", [kernels.XlaBlockSparse(), kernels.DenseReference()],
-                         ids=["xla", "reference"])
+@pytest.mark.parametrize("kernel", [
+    pytest.param(kernels.XlaBlockSparse(), marks=pytest.mark.slow), kernels.DenseReference()],
+    ids=["xla", "reference"])
 def test_params_with_an_integer_leaf_differentiate_in_the_float_ones(kernel):
     """An int32 leaf in `params` takes no gradient (a float0 cotangent); q's and the float
     leaf's gradients match the float64 oracle, with the params closed over and traced."""
@@ -665,6 +677,7 @@ def test_score_function_of_the_wrong_shape_names_itself(kernel):
         attn(q, q, q)
 
 
+@pytest.mark.slow
 def test_a_closure_over_a_differentiated_array_names_params():
     """XlaBlockSparse's custom gradient cannot reach an array a score function closes over
     while it is being differentiated: a one-line error names `params` (DenseReference, plain
@@ -693,8 +706,9 @@ def test_a_closure_over_a_differentiated_array_names_params():
     assert np.abs(np.asarray(want)).max() > 0
 
 
-@pytest.mark.parametrize("kernel", [kernels.XlaBlockSparse(), kernels.DenseReference()],
-                         ids=["xla", "reference"])
+@pytest.mark.parametrize("kernel", [
+    pytest.param(kernels.XlaBlockSparse(), marks=pytest.mark.slow), kernels.DenseReference()],
+    ids=["xla", "reference"])
 def test_poisoned_table_keeps_a_zero_gradient_where_no_visible_pair_reads(kernel):
     """A traced table with a NaN entry makes every row NaN, and the gradient of every entry a
     visible pair reads; each entry that no visible pair reads (later keys, hidden distances,

@@ -34,12 +34,12 @@ def run_child(marker: str, keyword: str | None = None, path: str = __file__):
 if os.environ.get(_CHILD) != "1":
 
     #: The quick tier's cases on 8 devices: ShardMap over batch and heads, the ring over two
-    #: mesh axes with GQA, the ring's steps against the mask, document dispatch and the mesh
-    #: checks; `test_sharding_on_eight_devices_rest` (the full tier) runs the others.
+    #: mesh axes with GQA, the ring's steps against the mask and the mesh checks;
+    #: `test_sharding_on_eight_devices_rest` (the full tier) runs the others, document
+    #: dispatch and the ring's score function params among them.
     QUICK = ("(test_shard_map and not score_terms and not per_head and not segment_ids) or "
              "test_ring_two_axes_gqa or test_ring_steps_match_the_mask or "
-             "test_dispatch_documents or test_bad_mesh_and_axes or "
-             "test_ring_score_function_params")
+             "test_bad_mesh_and_axes")
 
     def test_sharding_on_eight_devices():
         run_child("not slow", QUICK)

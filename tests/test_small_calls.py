@@ -111,7 +111,7 @@ def test_the_dense_path_matches_the_float64_oracle():
         assert rel_err(got, expected) < 1e-4, name
 
 
-@pytest.mark.parametrize("length", [32, 300])
+@pytest.mark.parametrize("length", [pytest.param(32, marks=pytest.mark.slow), 300])
 def test_the_layer_matches_eqx_nn_on_either_side_of_the_bound(length):
     """The layer against `eqx.nn.MultiheadAttention` with the same weights and mask array, on
     the dense path (32 tokens) and the block-sparse one (300 x 300 > 256 x 256 pairs)."""

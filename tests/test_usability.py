@@ -89,6 +89,7 @@ def test_num_heads_names_the_layout_that_fits():
         bsa.BlockSparseAttention(num_heads=0)
 
 
+@pytest.mark.slow  # the module's warning is in the quick tier
 def test_jax_nn_layout_in_the_function_warns():
     with pytest.warns(UserWarning) as record:
         bsa.blocksparse_attention(X, X, X, causal=False)
@@ -171,6 +172,7 @@ def test_other_type_errors_are_one_line_naming_the_argument():
 
 # --- jax.nn's names -----------------------------------------------------------------------
 
+@pytest.mark.slow  # each name alone is in the quick tier: tests/test_jaxnn_parity.py
 def test_function_takes_jax_nn_names():
     lengths = jnp.array([5, 64])
     want = jax.nn.dot_product_attention(X, X, X, is_causal=True, scale=0.3,
@@ -196,6 +198,7 @@ def test_both_names_in_the_function_is_one_line(ours, theirs):
     _one_line(info, f"`{next(iter(ours))}` and `{next(iter(theirs))}`")
 
 
+@pytest.mark.slow
 def test_module_and_layer_take_key_value_seq_lengths():
     lengths = jnp.array([5, 16])
     attn = bsa.BlockSparseAttention(mask=masks.Causal(), kernel=kernels.DenseReference())
@@ -214,6 +217,7 @@ def test_module_and_layer_take_key_value_seq_lengths():
 
 # --- the layer and the module agree -------------------------------------------------------
 
+@pytest.mark.slow
 def test_learned_alibi_in_the_layer_takes_the_standard_slopes():
     layer = bsa.MultiheadBlockSparseAttention(4, 16, score=scores.ALiBi(learned=True),
                                               mask=masks.Causal(), key=jax.random.key(0))
@@ -227,6 +231,7 @@ def test_learned_alibi_in_the_layer_takes_the_standard_slopes():
     assert_close(layer(x, x, x), fixed(x, x, x), 1e-6)  # the standard slopes, now learned
 
 
+@pytest.mark.slow
 def test_layer_has_the_module_defaults_and_a_sharding():
     layer_params = inspect.signature(bsa.MultiheadBlockSparseAttention).parameters
     module_params = inspect.signature(bsa.BlockSparseAttention).parameters
@@ -284,7 +289,7 @@ def _dense_lse(q, k, visible, *, sinks=None, scale=None):
 
 @pytest.mark.parametrize("kernel, with_sinks", [
     (kernels.DenseReference(), False),
-    (kernels.XlaBlockSparse(), True),
+    pytest.param(kernels.XlaBlockSparse(), True, marks=pytest.mark.slow),
     pytest.param(kernels.DenseReference(), True, marks=pytest.mark.extended),
     pytest.param(kernels.XlaBlockSparse(), False, marks=pytest.mark.extended),
 ], ids=["reference", "xla-sinks", "reference-sinks", "xla"])

@@ -63,13 +63,16 @@ CASES = {
 }
 
 
-#: The default tier runs the two that crashed or gave NaN gradients; the chunked per-head case
-#: (the levels' other shapes) is extended.
+#: The default tier runs the two that crashed or gave NaN gradients: the first in the quick
+#: tier, the second in the full tier (`FULL`); the chunked per-head case (the levels' other
+#: shapes) is extended.
 EXTENDED = {"per_head_chunks"}
+FULL = {"mqa_batch_index_positions"}
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=(pytest.mark.extended,) if n in EXTENDED else ()) for n in CASES])
+    pytest.param(n, marks=(pytest.mark.extended,) if n in EXTENDED
+                 else (pytest.mark.slow,) if n in FULL else ()) for n in CASES])
 def test_score_function_reducing_its_own_axis_matches_the_oracle(name):
     case = CASES[name]
     b, h, hkv, d = case.batch, case.heads, case.kv_heads, 8

@@ -324,7 +324,14 @@ MASK_READS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(MASK_READS))
+#: The quick tier's cases (params, and a closure beside a score function's reads); the
+#: others are the full tier (`slow`).
+QUICK_MASK_READS = {"params", "closure_with_function"}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(name, marks=() if name in QUICK_MASK_READS else pytest.mark.slow)
+    for name in sorted(MASK_READS)])
 def test_mask_reading_arrays_lowers_for_cuda_without_element_map(hopper_host, launches,
                                                                  monkeypatch, case):
     """`jit(grad)` of a call whose mask predicate reads per-head widths (a `Predicate`'s

@@ -112,11 +112,14 @@ CASES = {
     "array_mask_bias": (masks.ArrayMask(np.random.default_rng(2).random((2, 200, 200)) < 0.4),
                         2, 2, 200, 200, ("bias",)),
 }
-QUICK = ("causal_gqa_ragged", "predicate_params_gqa")
+QUICK = ("causal_gqa_ragged",)
+#: The full tier's (`slow`); the rest are extended.
+FULL = ("predicate_params_gqa",)
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param(name, marks=[] if name in QUICK else [pytest.mark.extended])
+    pytest.param(name, marks=[] if name in QUICK else [pytest.mark.slow] if name in FULL
+                 else [pytest.mark.extended])
     for name in sorted(CASES)])
 def test_launches_lower_for_cuda(hopper_host, head_dim_256, monkeypatch, case):
     """`jit(grad)` at D = 256 lowers for CUDA as four Mosaic GPU launches (the forward, dq,

@@ -162,7 +162,18 @@ LOWERED = {
 }
 
 
-@pytest.mark.parametrize("case", list(LOWERED))
+#: The quick tier's cases, one of each feature: a soft cap on ragged lengths, ALiBi with
+#: grouped heads, a score function, per-call positions, an array's element map, a predicate's
+#: per-head widths read in-kernel, a mask without terms traced within documents. The rest are
+#: the full tier (`slow`).
+QUICK_LOWERED = {"soft_cap_d64_ragged", "alibi_soft_cap_gqa", "function_alibi_gqa",
+                 "positions_function_chunks", "array_by_head", "predicate_params_positions",
+                 "dilated_or_global_documents"}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(name, marks=() if name in QUICK_LOWERED else pytest.mark.slow)
+    for name in LOWERED])
 def test_forward_and_backward_lower_for_cuda(hopper_host, monkeypatch, case):
     """`jit(grad)` through the Mosaic kernels lowers for CUDA: three Mosaic GPU launches (the
     forward, dq and dk/dv; the deterministic backward, which every JAX runs), and the
@@ -260,6 +271,7 @@ def _scaled(score, head, q_pos, k_pos, params):
     return score * params["w"][head]
 
 
+@pytest.mark.slow
 def test_masks_without_terms_run_their_predicate_or_its_element_map(hopper_host):
     """A mask without in-kernel terms goes to this kernel: its element predicate traced on
     the partial blocks (with a Predicate's per-head widths read in-kernel), or, where the

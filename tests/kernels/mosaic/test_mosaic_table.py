@@ -174,6 +174,7 @@ def test_table_lowers_for_cuda(hopper_host, monkeypatch, case):
         q.shape, k.shape, v.shape, table.shape]
 
 
+@pytest.mark.slow
 def test_constant_table_writes_no_gradient(hopper_host, launches, monkeypatch):
     """A table that is not differentiated costs the backward no gradient: the dq launch
     writes its dS only where the table's gradient is asked for; a table takes the two

@@ -63,7 +63,9 @@ def closure_alibi(slopes):
     return lambda score, head, q_pos, k_pos: score - slopes[head] * jnp.abs(k_pos - q_pos)
 
 
-@pytest.mark.parametrize("closed_over", ["concrete", "traced", "differentiated"])
+@pytest.mark.parametrize("closed_over", [  # the quick tier: the slopes' gradient too
+    pytest.param("concrete", marks=pytest.mark.slow),
+    pytest.param("traced", marks=pytest.mark.slow), "differentiated"])
 def test_closure_alibi_matches_the_oracle(closed_over):
     """The slopes as a concrete array, a `jit` argument, or an argument of `jax.grad` (its
     gradient formed in the dq kernel, per program, summed after it)."""
