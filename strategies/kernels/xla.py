@@ -796,15 +796,19 @@ def _backward_dkv(cfg: _Config, q, k, v, bias, score, aux, d_out, lse, delta):
                 q_blk = _zero_padding(q_all[i], None if pad_q is None else qs, i, bq)
                 dk = dk + jnp.einsum("gqk,gqd->kd", ds, q_blk.astype(_F32),
                                      preferred_element_type=_F32)
-                if keys is not None:  # a bias without a query axis: each key's sum of ds
-                    # As a product with ones, not a sum over axis 1: under the four levels
-                    # and with grouped query heads, that sum is a rank-7 reduction of a middle
-                    # axis fused with the dp product, which jaxlib 0.10.2's CPU backend hands
-                    # to YNNPACK, and with a dozen or more CPU threads it crashed the process
-                    # (SIGSEGV). HIGHEST: a TPU's default precision would round ds to bf16.
+                if keys is not None and ds.shape[0] > 1:  # a bias without a query axis
+                    # Grouped query heads: each key's sum of ds as a product with ones, not a
+                    # sum over axis 1: under the four levels that sum is a rank-7 reduction of
+                    # a middle axis fused with the dp product, which jaxlib 0.10.2's CPU
+                    # backend hands to YNNPACK, and with a dozen or more CPU threads it
+                    # crashed the process (SIGSEGV). HIGHEST: a TPU's default precision would
+                    # round ds to bf16. (Without groups the sum stays: the product's layout
+                    # costs temporaries of a few L-sized arrays.)
                     keys = keys + jnp.einsum("gqk,q->gk", ds, jnp.ones(ds.shape[1], _F32),
                                              preferred_element_type=_F32,
                                              precision=jax.lax.Precision.HIGHEST)
+                elif keys is not None:
+                    keys = keys + jnp.sum(ds, axis=1)
                 return dk, keys
 
             # Every q-side array is shared by all kv-blocks of a unit: a size-1 level.
