@@ -145,9 +145,9 @@ def _git(*args: str) -> str:
         return ""
 
 
-def _run(argv: list[str], seconds: float, log: Log, env=None) -> tuple[int, float, str]:
+def _run(argv: list[str], seconds: float, log: Log, env=None) -> tuple[int, float]:
     """Run `argv` for at most `seconds`; its output goes into the log. ``(exit status (124 on
-    timeout), seconds taken, output)``."""
+    timeout), seconds taken)``."""
     start = time.monotonic()
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=max(1, seconds),
@@ -158,7 +158,7 @@ def _run(argv: list[str], seconds: float, log: Log, env=None) -> tuple[int, floa
         output = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)
                   else (e.stdout or "")) + "\n(stopped at its time limit)"
     log(*output.rstrip().splitlines())
-    return status, time.monotonic() - start, output
+    return status, time.monotonic() - start
 
 
 def _feature_of(nodeid: str) -> tuple[str, str] | None:
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     if proofs:
         log("", f"== the tests of {len(proofs)} awaiting features and their conformance cases")
-        status, took, _ = _run(
+        status, took = _run(
             [*_pytest(args.device, args.workers), *files, "tests/test_conformance.py",
              "-k", f"not test_kernel_conforms or {conformance}", f"--junitxml={junit}"],
             min(330, left() - 150), log, env)
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
             log(f"== timing {name}: no time left")
             continue
         log("", f"== timing {name} (decides {', '.join('.'.join(k) for k in decides)})")
-        status, took, _ = _run([sys.executable, __file__, "--time", name],
+        status, took = _run([sys.executable, __file__, "--time", name],
                                min(seconds, left() - 10), log, env)
         summary["timings"][name] = {"status": status, "seconds": round(took)}
         log(f"{name}: exit status {status} in {took:.0f} s")
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
     rest, kernel = REGRESSION[args.device]
     if left() > 60:
         log("", f"== the rest of the {args.device} suites")
-        status, took, _ = _run(
+        status, took = _run(
             [*_pytest(args.device, args.workers), *rest, "tests/test_conformance.py", "-k",
              f"not test_kernel_conforms or ({kernel} and not ({conformance}))" if conformance
              else f"not test_kernel_conforms or {kernel}"],
